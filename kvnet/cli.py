@@ -1,0 +1,147 @@
+"""The ``kvnet`` command: development certificates and the link emulator.
+
+Each subcommand registers itself with ``_add_<name>(subparsers)`` and sets ``func`` on its parser; ``main``
+parses argv and dispatches. Only this module reads the command line; everything below gets plain arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvnet import certs
+
+
+def _cmd_certs_init(args: argparse.Namespace) -> int:
+    paths = certs.create_ca(
+        args.dir, common_name=args.common_name, valid_days=args.days, overwrite=args.force
+    )
+    print(f"CA certificate: {paths.cert}")
+    print(f"CA key:         {paths.key} (mode 0600)")
+    return 0
+
+
+def _cmd_certs_issue(args: argparse.Namespace) -> int:
+    issued = certs.issue_cert(args.dir, args.name, args.host, valid_days=args.days, overwrite=args.force)
+    print(f"certificate: {issued.cert}")
+    print(f"key:         {issued.key} (mode 0600)")
+    print(f"CA:          {issued.ca}")
+    return 0
+
+
+def _cmd_certs_show(args: argparse.Namespace) -> int:
+    print(certs.describe(args.file))
+    return 0
+
+
+def _add_certs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("certs", help="development CA and certificates")
+    csub = p.add_subparsers(dest="certs_cmd", required=True)
+    init = csub.add_parser("init", help="create a development CA (ca.pem, ca-key.pem)")
+    init.add_argument("--dir", type=Path, required=True, help="certificate directory")
+    init.add_argument("--common-name", default="kvnet development CA")
+    init.add_argument("--days", type=int, default=certs.MAX_VALID_DAYS, help="validity in days")
+    init.add_argument("--force", action="store_true", help="overwrite existing files")
+    init.set_defaults(func=_cmd_certs_init)
+    issue = csub.add_parser("issue", help="issue a leaf certificate signed by the CA in --dir")
+    issue.add_argument("--dir", type=Path, required=True, help="certificate directory holding the CA")
+    issue.add_argument("--name", required=True, help="file stem: writes NAME.pem and NAME-key.pem")
+    issue.add_argument(
+        "--host", action="append", required=True, help="DNS name or IP for subjectAltName (repeatable)"
+    )
+    issue.add_argument("--days", type=int, default=825, help="validity in days")
+    issue.add_argument("--force", action="store_true", help="overwrite existing files")
+    issue.set_defaults(func=_cmd_certs_issue)
+    show = csub.add_parser("show", help="print subject, hosts and expiry of a PEM certificate file")
+    show.add_argument("file", type=Path)
+    show.set_defaults(func=_cmd_certs_show)
+
+
+def _cmd_linkemu(args: argparse.Namespace) -> int:
+    from kvnet import linkemu
+
+    up = linkemu.LinkParams(
+        delay_ms=args.delay_ms,
+        jitter_ms=args.jitter_ms,
+        loss=args.loss,
+        loss_burst=args.loss_burst,
+        reorder=args.reorder,
+        rate_bps=args.rate,
+        queue_packets=args.queue_packets,
+    )
+    down = linkemu.LinkParams(
+        delay_ms=args.delay_ms if args.down_delay_ms is None else args.down_delay_ms,
+        jitter_ms=args.jitter_ms,
+        loss=args.loss if args.down_loss is None else args.down_loss,
+        loss_burst=args.loss_burst,
+        reorder=args.reorder,
+        rate_bps=args.rate if args.down_rate is None else args.down_rate,
+        queue_packets=args.queue_packets,
+    )
+    config = linkemu.EmulatorConfig(
+        listen=linkemu.parse_hostport(args.listen),
+        target=linkemu.parse_hostport(args.target),
+        upstream=up,
+        downstream=down,
+        seed=args.seed,
+    )
+    return asyncio.run(linkemu.run_forever(config, stats_interval=args.stats_interval))
+
+
+def _add_linkemu(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "linkemu",
+        help="userspace UDP link emulator (delay, jitter, loss, reordering, rate)",
+        description="Forward UDP from --listen to --target, shaping each direction. Parameters apply to both "
+        "directions unless a --down-* flag overrides the target->client direction.",
+    )
+    p.add_argument("--listen", required=True, help="HOST:PORT to receive client datagrams on ([v6]:port ok)")
+    p.add_argument("--target", required=True, help="HOST:PORT of the real server")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay")
+    p.add_argument("--jitter-ms", type=float, default=0.0, help="uniform extra delay 0..jitter")
+    p.add_argument("--loss", type=float, default=0.0, help="packet loss probability 0..1")
+    p.add_argument(
+        "--loss-burst", type=float, default=1.0, help="mean loss burst length in packets (1 = independent)"
+    )
+    p.add_argument("--reorder", type=float, default=0.0, help="probability a packet skips the delay queue")
+    p.add_argument("--rate", type=float, default=0.0, help="rate limit in bytes/s (0 = unlimited)")
+    p.add_argument("--queue-packets", type=int, default=1000, help="per-direction queue bound")
+    p.add_argument("--down-delay-ms", type=float, default=None)
+    p.add_argument("--down-loss", type=float, default=None)
+    p.add_argument("--down-rate", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None, help="random seed for reproducible runs")
+    p.add_argument("--stats-interval", type=float, default=0.0, help="log counters every N seconds")
+    p.set_defaults(func=_cmd_linkemu)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvnet", description="kvnet tools")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_certs(sub)
+    _add_linkemu(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(message)s"
+    )
+    try:
+        rc: int = args.func(args)
+    except (certs.CertError, ValueError, OSError) as exc:
+        print(f"kvnet: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""QUIC transport settings and TLS configuration for kvnet peers (relay, publisher, subscriber).
+
+Owns: the tuned transport knobs (``TransportSettings``), TLS material (``TlsSettings``), building aioquic
+``QuicConfiguration`` objects for clients and servers, UDP socket buffer sizing, and ``moqt://`` URL parsing.
+Knows nothing about MoQT messages; ``kvnet.connection`` is the protocol glue.
+
+Why the defaults are what they are (2 cores, loopback, bulk one-way transfer, see
+``benchmarks/bench_transport.py``): aioquic's defaults (1200-byte datagrams, 1 MiB windows, the kernel's
+default socket buffers) reach only a few tens of MB/s because the cost is per packet, not per byte. Large
+datagrams cut the packet count, large socket buffers stop the kernel dropping bursts that aioquic then has to
+recover, and larger flow-control windows keep the pipe full.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from aioquic.quic.configuration import QuicConfiguration
+
+logger = logging.getLogger(__name__)
+
+ALPN_MOQT = "moqt-18"
+DEFAULT_PORT = 4443
+
+# aioquic builds packets into a fixed buffer; above this it corrupts or stalls without an error, so we refuse.
+MAX_DATAGRAM_SIZE_LIMIT = 16384
+# RFC 9000 minimum: every QUIC path must carry 1200-byte datagrams.
+MIN_DATAGRAM_SIZE = 1200
+# Loopback has a 64 KiB MTU; 16384 is the largest size aioquic handles correctly.
+DATAGRAM_SIZE_LOOPBACK = 16384
+# A 1500-byte Ethernet path: 1500 - 40 (IPv6) - 8 (UDP) = 1452. Use this for anything leaving the host
+# unless every hop is known to carry jumbo frames (then 8952 for a 9000-byte MTU).
+DATAGRAM_SIZE_ETHERNET = 1452
+DATAGRAM_SIZE_JUMBO = 8952
+
+CONGESTION_CONTROLLERS = ("reno", "cubic")
+# Ceilings on what a settings object may request, so a typo cannot ask for terabytes of window.
+_MAX_WINDOW = 1 << 32
+_MAX_SOCKET_BUFFER = 1 << 30
+_MAX_STREAMS = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class TransportSettings:
+    """QUIC transport knobs shared by every kvnet endpoint. Defaults are tuned for loopback and LANs."""
+
+    max_datagram_size: int = DATAGRAM_SIZE_LOOPBACK
+    """Largest UDP payload we send. 16384 on loopback; ``DATAGRAM_SIZE_ETHERNET`` (1452) on 1500-MTU paths.
+    aioquic does no path-MTU discovery, so a size the path cannot carry stalls the connection."""
+    socket_receive_buffer: int = 4 << 20
+    """SO_RCVBUF in bytes (4 MiB). The kernel default (~208 KiB) overflows under bursts of large datagrams."""
+    socket_send_buffer: int = 4 << 20
+    """SO_SNDBUF in bytes (4 MiB)."""
+    max_data: int = 32 << 20
+    """Connection-level flow-control window we grant (aioquic doubles it as it is consumed)."""
+    max_stream_data: int = 8 << 20
+    """Per-stream flow-control window we grant. A KV block per layer is far below this."""
+    max_streams_bidi: int = 16384
+    """Concurrent peer-opened bidirectional streams. kvnet opens one bidi stream per request (FETCH,
+    TRACK_STATUS, ...), thousands at once; aioquic's built-in 128 would serialise them."""
+    max_streams_uni: int = 4096
+    """Concurrent peer-opened unidirectional streams (subgroup data streams)."""
+    idle_timeout: float = 30.0
+    """Seconds without packets before the connection is dropped."""
+    congestion_control: str = "cubic"
+    """"reno" or "cubic" (aioquic's implementations)."""
+    handshake_timeout: float = 10.0
+    """Seconds a client waits for the QUIC+TLS handshake before giving up."""
+
+    def __post_init__(self) -> None:
+        if not MIN_DATAGRAM_SIZE <= self.max_datagram_size <= MAX_DATAGRAM_SIZE_LIMIT:
+            raise ValueError(
+                f"max_datagram_size must be in {MIN_DATAGRAM_SIZE}..{MAX_DATAGRAM_SIZE_LIMIT} "
+                f"(aioquic corrupts larger packets), got {self.max_datagram_size}"
+            )
+        for name in ("socket_receive_buffer", "socket_send_buffer"):
+            v = getattr(self, name)
+            if not 0 <= v <= _MAX_SOCKET_BUFFER:
+                raise ValueError(f"{name} must be in 0..{_MAX_SOCKET_BUFFER} (0 = kernel default), got {v}")
+        for name in ("max_data", "max_stream_data"):
+            v = getattr(self, name)
+            if not 65536 <= v <= _MAX_WINDOW:
+                raise ValueError(f"{name} must be in 65536..{_MAX_WINDOW}, got {v}")
+        for name in ("max_streams_bidi", "max_streams_uni"):
+            v = getattr(self, name)
+            if not 1 <= v <= _MAX_STREAMS:
+                raise ValueError(f"{name} must be in 1..{_MAX_STREAMS}, got {v}")
+        if not 0.1 <= self.idle_timeout <= 3600:
+            raise ValueError(f"idle_timeout must be in 0.1..3600 s, got {self.idle_timeout}")
+        if not 0.1 <= self.handshake_timeout <= 600:
+            raise ValueError(f"handshake_timeout must be in 0.1..600 s, got {self.handshake_timeout}")
+        if self.congestion_control not in CONGESTION_CONTROLLERS:
+            raise ValueError(
+                f"congestion_control must be one of {CONGESTION_CONTROLLERS}, got {self.congestion_control!r}"
+            )
+
+    @classmethod
+    def for_ethernet(cls) -> TransportSettings:
+        """Settings for paths with a 1500-byte MTU (anything off-host without known jumbo frames)."""
+        return cls(max_datagram_size=DATAGRAM_SIZE_ETHERNET)
+
+
+@dataclass(frozen=True, slots=True)
+class TlsSettings:
+    """TLS material. Verification is on unless ``insecure_skip_verify`` is set explicitly."""
+
+    ca_file: Path | None = None
+    """CA certificate(s) that peer certificates must chain to (``kvnet certs init`` writes ``ca.pem``).
+    Clients must give one unless ``insecure_skip_verify``; servers need it only to verify client certs."""
+    cert_file: Path | None = None
+    """Our certificate chain (PEM). Required for servers; optional for clients (mTLS)."""
+    key_file: Path | None = None
+    """Our private key (PEM)."""
+    server_name: str | None = None
+    """Name checked against the server certificate (clients); defaults to the host in the URL."""
+    require_client_cert: bool = False
+    """Servers: ask clients for a certificate and reject those that do not chain to ``ca_file``."""
+    insecure_skip_verify: bool = False
+    """Clients: do not verify the server certificate. Debugging only; logged as a warning every time."""
+
+    def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file must be given together")
+        for name in ("ca_file", "cert_file", "key_file"):
+            p = getattr(self, name)
+            if p is not None and not Path(p).is_file():
+                raise ValueError(f"{name} {p} does not exist or is not a file")
+        if self.require_client_cert and self.ca_file is None:
+            raise ValueError("require_client_cert needs ca_file to verify client certificates against")
+
+    @classmethod
+    def from_dir(
+        cls,
+        directory: Path | str,
+        name: str | None,
+        *,
+        server_name: str | None = None,
+        require_client_cert: bool = False,
+    ) -> TlsSettings:
+        """TLS settings from a ``kvnet certs`` directory: ``ca.pem`` plus ``NAME.pem``/``NAME-key.pem``
+        (no own certificate when ``name`` is None, e.g. a client without mTLS)."""
+        d = Path(directory)
+        return cls(
+            ca_file=d / "ca.pem",
+            cert_file=None if name is None else d / f"{name}.pem",
+            key_file=None if name is None else d / f"{name}-key.pem",
+            server_name=server_name,
+            require_client_cert=require_client_cert,
+        )
+
+
+def _base_configuration(settings: TransportSettings, is_client: bool) -> QuicConfiguration:
+    return QuicConfiguration(
+        is_client=is_client,
+        alpn_protocols=[ALPN_MOQT],
+        max_datagram_size=settings.max_datagram_size,
+        max_data=settings.max_data,
+        max_stream_data=settings.max_stream_data,
+        idle_timeout=settings.idle_timeout,
+        congestion_control_algorithm=settings.congestion_control,
+    )
+
+
+def client_configuration(
+    settings: TransportSettings, tls: TlsSettings, server_name: str | None = None
+) -> QuicConfiguration:
+    """QuicConfiguration for a client: ALPN moqt-18, TLS 1.3 (the only version QUIC has), verification on."""
+    config = _base_configuration(settings, is_client=True)
+    config.server_name = tls.server_name or server_name
+    if tls.insecure_skip_verify:
+        logger.warning(
+            "TLS VERIFICATION DISABLED (insecure_skip_verify): the server's identity is NOT checked; "
+            "use only for debugging"
+        )
+        config.verify_mode = ssl.CERT_NONE
+    else:
+        if tls.ca_file is None:
+            raise ValueError(
+                "a client needs ca_file to verify the server (or an explicit insecure_skip_verify)"
+            )
+        config.verify_mode = ssl.CERT_REQUIRED
+        config.load_verify_locations(cafile=str(tls.ca_file))
+    if tls.cert_file is not None:
+        config.load_cert_chain(tls.cert_file, tls.key_file)
+    return config
+
+
+def server_configuration(settings: TransportSettings, tls: TlsSettings) -> QuicConfiguration:
+    """QuicConfiguration for a server. Client certificates are checked by the connection glue after the
+    handshake (aioquic's server side does not verify them itself)."""
+    if tls.cert_file is None:
+        raise ValueError("a server needs cert_file and key_file")
+    config = _base_configuration(settings, is_client=False)
+    config.load_cert_chain(tls.cert_file, tls.key_file)
+    if tls.ca_file is not None:
+        config.load_verify_locations(cafile=str(tls.ca_file))
+    return config
+
+
+def apply_socket_buffers(transport_socket: socket.socket | None, settings: TransportSettings) -> None:
+    """Set SO_RCVBUF/SO_SNDBUF. The kernel caps them at net.core.{r,w}mem_max unless we are privileged,
+    so try the FORCE variants first and fall back quietly to the capped ones."""
+    if transport_socket is None:
+        return
+    pairs = (
+        (settings.socket_receive_buffer, getattr(socket, "SO_RCVBUFFORCE", None), socket.SO_RCVBUF),
+        (settings.socket_send_buffer, getattr(socket, "SO_SNDBUFFORCE", None), socket.SO_SNDBUF),
+    )
+    for size, force_opt, opt in pairs:
+        if size <= 0:
+            continue
+        try:
+            if force_opt is None:
+                raise PermissionError
+            transport_socket.setsockopt(socket.SOL_SOCKET, force_opt, size)
+        except (PermissionError, OSError):
+            try:
+                transport_socket.setsockopt(socket.SOL_SOCKET, opt, size)
+            except OSError as exc:
+                logger.warning("could not set socket buffer %d: %s", size, exc)
+
+
+@dataclass(frozen=True, slots=True)
+class MoqtUrl:
+    """A parsed ``moqt://host:port[/path]`` URL."""
+
+    host: str
+    port: int
+    path: str = field(default="")
+
+
+def parse_moqt_url(url: str) -> MoqtUrl:
+    """Parse ``moqt://host[:port][/path]``; IPv6 hosts in brackets. Port defaults to ``DEFAULT_PORT``."""
+    if len(url) > 2048:
+        raise ValueError("URL too long")
+    parts = urlsplit(url)
+    if parts.scheme != "moqt":
+        raise ValueError(f"expected a moqt:// URL, got {url!r}")
+    if not parts.hostname:
+        raise ValueError(f"URL {url!r} has no host")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"URL {url!r} has an invalid port") from exc
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError(f"URL {url!r} may not have user info, a query or a fragment")
+    return MoqtUrl(host=parts.hostname, port=port if port is not None else DEFAULT_PORT, path=parts.path)
