@@ -1,0 +1,229 @@
+"""KV block codecs on the reference model's K/V: compression ratio, speed and quality.
+
+Runs the reference model's prefill over a prompt, cuts the paged cache into blocks and, per codec and
+dtype, prints the compression ratio, encode and decode MB/s (uncompressed bytes per second of wall
+time on one thread, median of ``--runs`` runs over all (block, layer) payloads) and, for lossy
+renditions, the quality after loading the decoded prefix into a fresh cache in place of the exact one:
+
+- greedy agreement: fraction of ``--steps`` free-running greedy tokens equal to the exact run's tokens,
+  and the index of the first divergence;
+- cosine: mean and minimum cosine similarity of the final hidden states (after the last norm) over the
+  suffix and the exact run's generated tokens, teacher-forced.
+
+It also compares int8 scale layouts (per channel vs per (token, head), for keys and values) by relative
+error per stored byte, which is how the default layout of the ``int8`` codec was chosen.
+
+The built-in model has deterministic random weights; a trained model's K/V has different statistics
+(outlier channels, smoother values), so ratios and quality here are indicative, not final.
+Run: ``python benchmarks/bench_codecs.py [--model bench] [--prefix 256] [--block-size 16]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvnet.codecs import CODECS, Codec, Int8Codec
+from kvnet.model import ModelArgs, Transformer
+from kvnet.paged_cache import CacheSpec, PagedKVCache
+from kvnet.tokenizer import ByteTokenizer
+
+TEXT = (
+    "Media over QUIC carries named, immutable objects through caching relays. A KV cache block is such "
+    "an object: computed once for a shared prefix, fetched by many inference nodes, verified against "
+    "a signed manifest and loaded layer by layer into a paged cache. "
+)
+
+Blocks = list[list[tuple[torch.Tensor, torch.Tensor]]]  # [block][layer] -> (k, v): [block_size, H, D]
+
+
+def prompt_tokens(n: int) -> list[int]:
+    ids = ByteTokenizer().encode(TEXT * (n // len(TEXT) + 2))
+    return ids[:n]
+
+
+class HiddenCapture:
+    """Forward hook on the final norm: keeps its last output ``[T, dim]``."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.last: torch.Tensor | None = None
+        model.norm.register_forward_hook(self._hook)
+
+    def _hook(self, module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        self.last = output.detach().float()
+
+
+def new_cache(model: Transformer, block_size: int, num_tokens: int) -> PagedKVCache:
+    a = model.args
+    spec = CacheSpec(a.n_layers, a.n_kv_heads, a.head_dim, block_size, model.dtype)
+    return PagedKVCache(spec, num_tokens // block_size + 4, model.device)
+
+
+def run(model: Transformer, cache: PagedKVCache, seq_id: int, token_ids: list[int]) -> torch.Tensor:
+    """Append ``token_ids`` to ``seq_id`` through the model; returns logits ``[T, vocab]``."""
+    start = cache.num_tokens(seq_id)
+    slots = cache.append_slots(seq_id, len(token_ids))
+    positions = torch.arange(start, start + len(token_ids), device=model.device)
+    tokens = torch.tensor(token_ids, dtype=torch.int64, device=model.device)
+    return model(tokens, positions, cache, cache.block_table(seq_id), slots, start + len(token_ids))
+
+
+def prefill_blocks(model: Transformer, prefix: list[int], block_size: int) -> Blocks:
+    """The exact K/V of every block of ``prefix``, per layer, copied out of the paged cache."""
+    cache = new_cache(model, block_size, len(prefix))
+    cache.add_sequence(0, prefix, [])
+    with torch.no_grad():
+        run(model, cache, 0, prefix)
+    table = cache.block_table(0).tolist()
+    blocks: Blocks = []
+    for block_id in table:
+        layers = []
+        for layer in range(model.args.n_layers):
+            k_buf, v_buf = cache.layer_buffers(layer)
+            layers.append((k_buf[block_id].clone(), v_buf[block_id].clone()))
+        blocks.append(layers)
+    return blocks
+
+
+def median_seconds(fn: Callable[[], object], runs: int) -> float:
+    durations = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        durations.append(time.perf_counter() - start)
+    return statistics.median(durations)
+
+
+def measure_codec(codec: Codec, blocks: Blocks, runs: int) -> tuple[float, float, float, list[list[bytes]]]:
+    """(ratio, encode MB/s, decode MB/s, payloads) over all (block, layer) pairs."""
+    pairs = [kv for layers in blocks for kv in layers]
+    raw = sum(2 * k.numel() * k.element_size() for k, _ in pairs)
+    payloads = [[codec.encode(k, v) for k, v in layers] for layers in blocks]
+    flat = [p for layer_payloads in payloads for p in layer_payloads]
+    shape = tuple(pairs[0][0].shape)
+    dtype = pairs[0][0].dtype
+    enc = median_seconds(lambda: [codec.encode(k, v) for k, v in pairs], runs)
+    dec = median_seconds(lambda: [codec.decode(p, shape, dtype) for p in flat], runs)  # type: ignore[arg-type]
+    return raw / sum(map(len, flat)), raw / enc / 1e6, raw / dec / 1e6, payloads
+
+
+def load_prefix(
+    model: Transformer, blocks: Blocks, block_size: int, total_tokens: int
+) -> tuple[PagedKVCache, int]:
+    """A fresh cache whose sequence 0 starts with the given prefix K/V (written through the seam)."""
+    num_prefix = len(blocks) * block_size
+    cache = new_cache(model, block_size, total_tokens)
+    cache.add_sequence(0, [0] * num_prefix, [])
+    slots = cache.append_slots(0, num_prefix)
+    for layer in range(model.args.n_layers):
+        k = torch.cat([blocks[b][layer][0] for b in range(len(blocks))])
+        v = torch.cat([blocks[b][layer][1] for b in range(len(blocks))])
+        cache.write(layer, slots, k, v)
+    return cache, num_prefix
+
+
+@torch.no_grad()
+def greedy(model: Transformer, blocks: Blocks, block_size: int, suffix: list[int], steps: int) -> list[int]:
+    cache, _ = load_prefix(model, blocks, block_size, len(blocks) * block_size + len(suffix) + steps)
+    logits = run(model, cache, 0, suffix)
+    out = [int(logits[-1].argmax())]
+    for _ in range(steps - 1):
+        logits = run(model, cache, 0, out[-1:])
+        out.append(int(logits[-1].argmax()))
+    return out
+
+
+@torch.no_grad()
+def hidden_states(
+    model: Transformer, capture: HiddenCapture, blocks: Blocks, block_size: int, tokens: list[int]
+) -> torch.Tensor:
+    cache, _ = load_prefix(model, blocks, block_size, len(blocks) * block_size + len(tokens))
+    run(model, cache, 0, tokens)
+    assert capture.last is not None
+    return capture.last
+
+
+def decoded_blocks(codec: Codec, payloads: list[list[bytes]], like: Blocks) -> Blocks:
+    shape = tuple(like[0][0][0].shape)
+    dtype = like[0][0][0].dtype
+    return [[codec.decode(p, shape, dtype) for p in layer_payloads]  # type: ignore[arg-type]
+            for layer_payloads in payloads]
+
+
+def rel_error(x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((x.float() - y.float()).norm() / x.float().norm())
+
+
+def int8_layouts(blocks: Blocks) -> None:
+    print("\nint8 scale layout (keys, values): relative L2 error of K and V, ratio")
+    pairs = [kv for layers in blocks for kv in layers]
+    raw = sum(2 * k.numel() * k.element_size() for k, _ in pairs)
+    shape, dtype = tuple(pairs[0][0].shape), pairs[0][0].dtype
+    for kpc in (True, False):
+        for vpc in (True, False):
+            codec = Int8Codec(key_per_channel=kpc, value_per_channel=vpc)
+            payloads = [codec.encode(k, v) for k, v in pairs]
+            decoded = [codec.decode(p, shape, dtype) for p in payloads]  # type: ignore[arg-type]
+            k_err = statistics.mean(rel_error(k, d[0]) for (k, _), d in zip(pairs, decoded, strict=True))
+            v_err = statistics.mean(rel_error(v, d[1]) for (_, v), d in zip(pairs, decoded, strict=True))
+            label = f"{'channel' if kpc else 'token':>7}, {'channel' if vpc else 'token':>7}"
+            print(f"  {label}  K {k_err:.5f}  V {v_err:.5f}  ratio {raw / sum(map(len, payloads)):.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="bench", help="model preset (ModelArgs.from_name)")
+    parser.add_argument("--prefix", type=int, default=256, help="prefix tokens (rounded down to blocks)")
+    parser.add_argument("--suffix", type=int, default=16, help="tokens prefilled after the prefix")
+    parser.add_argument("--steps", type=int, default=32, help="greedy decode steps for the quality check")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--runs", type=int, default=5, help="timed runs per measurement (median)")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--no-quality", action="store_true", help="skip the model quality check")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # per-core figures
+
+    margs = ModelArgs.from_name(args.model)
+    num_prefix = args.prefix // args.block_size * args.block_size
+    tokens = prompt_tokens(num_prefix + args.suffix)
+    prefix, suffix = tokens[:num_prefix], tokens[num_prefix:]
+    print(f"model {args.model}: {margs.n_layers} layers, H_kv {margs.n_kv_heads}, head_dim "
+          f"{margs.head_dim}; prefix {num_prefix} tokens = {num_prefix // args.block_size} blocks of "
+          f"{args.block_size}; median of {args.runs} runs, 1 thread")
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        model = Transformer(margs, device=torch.device("cpu"), dtype=dtype, seed=0)
+        model.eval()
+        capture = HiddenCapture(model)
+        blocks = prefill_blocks(model, prefix, args.block_size)
+        print(f"\n== {dtype_name} ==")
+        print(f"{'codec':>9} {'ratio':>6} {'enc MB/s':>9} {'dec MB/s':>9}  quality vs exact prefix")
+        reference_tokens: list[int] = []
+        reference_hidden: torch.Tensor | None = None
+        if not args.no_quality:
+            reference_tokens = greedy(model, blocks, args.block_size, suffix, args.steps)
+            reference_hidden = hidden_states(model, capture, blocks, args.block_size,
+                                             suffix + reference_tokens)
+        for name, codec in CODECS.items():
+            ratio, enc, dec, payloads = measure_codec(codec, blocks, args.runs)
+            quality = ""
+            if not args.no_quality and reference_hidden is not None:
+                loaded = decoded_blocks(codec, payloads, blocks)
+                got = greedy(model, loaded, args.block_size, suffix, args.steps)
+                agree = sum(a == b for a, b in zip(got, reference_tokens, strict=True)) / len(got)
+                first = next((i for i, (a, b) in enumerate(zip(got, reference_tokens, strict=True))
+                              if a != b), len(got))
+                hidden = hidden_states(model, capture, loaded, args.block_size, suffix + reference_tokens)
+                cos = torch.nn.functional.cosine_similarity(hidden, reference_hidden, dim=-1)
+                quality = (f"greedy agree {agree:.3f} (first diff {first}/{len(got)}), cosine mean "
+                           f"{float(cos.mean()):.6f} min {float(cos.min()):.6f}")
+            print(f"{name:>9} {ratio:6.3f} {enc:9.0f} {dec:9.0f}  {quality}")
+        int8_layouts(blocks)
+
+
+if __name__ == "__main__":
+    main()

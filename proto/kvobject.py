@@ -1,0 +1,450 @@
+"""The KV object format: how one KV-cache block maps onto MoQT draft-18 names, groups and objects.
+
+This module owns the naming of block tracks (namespace and track name), the object layout of a block
+track and the block manifest (a canonical msgpack map). The normative description, precise enough for
+a third-party implementation, is proto/KVOBJECT.md; this code follows it.
+
+What it must not know: tensors, codecs and hashing. Payloads are opaque bytes, the signature is opaque
+bytes (kvnet signs and verifies it), and the chain rule ``block_hash == hash_block(parent_hash,
+token_ids)`` is checked by the caller with kvnet.hashing: proto only carries the fields. Every failure
+on peer-supplied bytes raises ``KVObjectError`` and nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgpack
+
+__all__ = [
+    "BLOCK_GROUP_ID",
+    "DTYPES",
+    "FORMAT_VERSION",
+    "HASH_LEN",
+    "MANIFEST_OBJECT_ID",
+    "MAX_BLOCK_TOKENS",
+    "MAX_LAYERS",
+    "MAX_MANIFEST_BYTES",
+    "NAMESPACE_ROOT",
+    "NAMESPACE_VERSION",
+    "SIGNING_CONTEXT",
+    "BlockManifest",
+    "BlockTrack",
+    "KVObjectError",
+    "block_namespace",
+    "block_track",
+    "end_of_track_object_id",
+    "layer_object_id",
+    "object_layer",
+    "parse_block_track",
+    "payload_digest",
+]
+
+FORMAT_VERSION: Final = 1
+"""Manifest format version (field ``v``)."""
+NAMESPACE_ROOT: Final = b"kvnet"
+"""First Track Namespace Field of every kvnet track."""
+NAMESPACE_VERSION: Final = b"v1"
+"""Second Track Namespace Field: version of this naming scheme."""
+HASH_LEN: Final = 32
+"""Bytes in a block hash, parent hash, fingerprint and payload digest (SHA-256)."""
+TRACK_NAME_SEPARATOR: Final = b"."
+"""Byte between the raw block hash and the rendition name in a Track Name."""
+BLOCK_GROUP_ID: Final = 0
+"""The only group of a block track."""
+MANIFEST_OBJECT_ID: Final = 0
+"""Object ID of the manifest; layer ``l`` is object ``l + 1``."""
+SIGNING_CONTEXT: Final = b"kvnet-manifest-v1\x00"
+"""Domain-separation prefix of ``BlockManifest.signing_bytes``."""
+
+MAX_BLOCK_TOKENS: Final = 4096
+MAX_LAYERS: Final = 1024
+MAX_KV_HEADS: Final = 4096
+MAX_HEAD_DIM: Final = 4096
+MAX_TOKEN_ID: Final = 2**32 - 1
+MAX_BLOCK_INDEX: Final = 2**32 - 1
+MAX_TOTAL_PAYLOAD: Final = 2**48 - 1
+MAX_CREATED_AT_MS: Final = 2**63 - 1
+MAX_KEY_ID_LEN: Final = 64
+MAX_SIGNATURE_LEN: Final = 256
+MAX_TENANT_LEN: Final = 64
+MAX_RENDITION_LEN: Final = 32
+MAX_MANIFEST_BYTES: Final = 256 * 1024
+"""Upper bound of an encoded manifest; checked before unpacking anything."""
+
+DTYPES: Final = frozenset({"bfloat16", "float16", "float32", "float64"})
+"""Element dtype names a manifest may carry (torch names without the ``torch.`` prefix)."""
+
+_RENDITION_RE = re.compile(rb"[a-z0-9_]{1,%d}" % MAX_RENDITION_LEN)
+_TENANT_RE = re.compile(rb"[A-Za-z0-9_.\-]{1,%d}" % MAX_TENANT_LEN)
+_FINGERPRINT_HEX_RE = re.compile(rb"[0-9a-f]{%d}" % (2 * HASH_LEN))
+
+# Manifest map keys (short, so the manifest stays small); the canonical form sorts them bytewise.
+_K_BLOCK_INDEX = "bi"
+_K_CODEC = "c"
+_K_DIGESTS = "d"
+_K_DTYPE = "dt"
+_K_FINGERPRINT = "fp"
+_K_BLOCK_HASH = "h"
+_K_KEY_ID = "k"
+_K_TOTAL = "n"
+_K_PARENT = "p"
+_K_SHAPE = "s"
+_K_SIGNATURE = "sig"
+_K_TOKENS = "t"
+_K_CREATED_AT = "ts"
+_K_VERSION = "v"
+_KEYS: Final = frozenset({
+    _K_BLOCK_INDEX, _K_CODEC, _K_DIGESTS, _K_DTYPE, _K_FINGERPRINT, _K_BLOCK_HASH, _K_KEY_ID, _K_TOTAL,
+    _K_PARENT, _K_SHAPE, _K_SIGNATURE, _K_TOKENS, _K_CREATED_AT, _K_VERSION,
+})
+
+
+class KVObjectError(ValueError):
+    """A block track name, object id or manifest is malformed or violates a limit."""
+
+
+def payload_digest(payload: bytes | bytearray | memoryview) -> bytes:
+    """SHA-256 of one layer object's payload, as listed in the manifest."""
+    return hashlib.sha256(payload).digest()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Track naming
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BlockTrack:
+    """The parts of a block track's Full Track Name."""
+
+    fingerprint: bytes
+    """32-byte model fingerprint."""
+    tenant: str
+    """Tenant / namespace id (ASCII ``[A-Za-z0-9_.-]``, 1..64 characters)."""
+    block_hash: bytes
+    """32-byte chained block hash."""
+    rendition: str
+    """Codec / rendition name (``[a-z0-9_]``, 1..32 characters)."""
+
+
+def _check_hash(name: str, value: object) -> bytes:
+    if not isinstance(value, bytes) or len(value) != HASH_LEN:
+        raise KVObjectError(f"{name} must be {HASH_LEN} bytes, got {_describe(value)}")
+    return value
+
+
+def _check_ascii(name: str, value: object, pattern: re.Pattern[bytes]) -> bytes:
+    if not isinstance(value, str):
+        raise KVObjectError(f"{name} must be a str, got {type(value).__name__}")
+    try:
+        raw = value.encode("ascii")
+    except UnicodeEncodeError:
+        raise KVObjectError(f"{name} {value!r} is not ASCII") from None
+    if not pattern.fullmatch(raw):
+        raise KVObjectError(f"{name} {value!r} does not match {pattern.pattern.decode()}")
+    return raw
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, bytes | bytearray):
+        return f"{len(value)} bytes"
+    return type(value).__name__
+
+
+def block_namespace(fingerprint: bytes, tenant: str) -> tuple[bytes, ...]:
+    """Track Namespace of every block of ``tenant`` under model ``fingerprint``.
+
+    ``("kvnet", "v1", <fingerprint as 64 lowercase hex digits>, <tenant>)``; a publisher announces
+    exactly this tuple with PUBLISH_NAMESPACE.
+    """
+    fp = _check_hash("fingerprint", fingerprint)
+    return (NAMESPACE_ROOT, NAMESPACE_VERSION, fp.hex().encode("ascii"), _check_ascii("tenant", tenant,
+                                                                                      _TENANT_RE))
+
+
+def block_track(
+    fingerprint: bytes, tenant: str, block_hash: bytes, rendition: str
+) -> tuple[tuple[bytes, ...], bytes]:
+    """``(track_namespace, track_name)`` of one block in one rendition.
+
+    Track Name = 32 raw bytes of the block hash + ``b"."`` + ASCII rendition name.
+    """
+    namespace = block_namespace(fingerprint, tenant)
+    name = _check_hash("block_hash", block_hash) + TRACK_NAME_SEPARATOR + _check_ascii(
+        "rendition", rendition, _RENDITION_RE
+    )
+    return namespace, name
+
+
+def parse_block_track(namespace: Sequence[bytes], track_name: bytes) -> BlockTrack:
+    """Inverse of ``block_track``; ``KVObjectError`` for anything ``block_track`` cannot produce."""
+    fields = tuple(namespace)
+    if len(fields) != 4 or not all(isinstance(f, bytes) for f in fields):
+        raise KVObjectError(f"block namespace must be 4 byte fields, got {len(fields)} field(s)")
+    root, version, fp_hex, tenant_raw = fields
+    if root != NAMESPACE_ROOT:
+        raise KVObjectError(f"namespace root {root!r} is not {NAMESPACE_ROOT!r}")
+    if version != NAMESPACE_VERSION:
+        raise KVObjectError(f"unsupported namespace version {version!r}")
+    if not _FINGERPRINT_HEX_RE.fullmatch(fp_hex):
+        raise KVObjectError("fingerprint field must be 64 lowercase hex digits")
+    if not _TENANT_RE.fullmatch(tenant_raw):
+        raise KVObjectError(f"tenant field {tenant_raw!r} is not 1..{MAX_TENANT_LEN} of [A-Za-z0-9_.-]")
+    if not isinstance(track_name, bytes):
+        raise KVObjectError(f"track name must be bytes, got {type(track_name).__name__}")
+    block_hash, sep, rendition = (
+        track_name[:HASH_LEN], track_name[HASH_LEN : HASH_LEN + 1], track_name[HASH_LEN + 1 :],
+    )
+    if len(block_hash) != HASH_LEN or sep != TRACK_NAME_SEPARATOR:
+        raise KVObjectError("track name must be a 32-byte block hash, '.', and a rendition name")
+    if not _RENDITION_RE.fullmatch(rendition):
+        raise KVObjectError(f"rendition {rendition!r} is not 1..{MAX_RENDITION_LEN} of [a-z0-9_]")
+    return BlockTrack(bytes.fromhex(fp_hex.decode("ascii")), tenant_raw.decode("ascii"), block_hash,
+                      rendition.decode("ascii"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Objects
+# ---------------------------------------------------------------------------------------------------
+
+
+def layer_object_id(layer: int, num_layers: int) -> int:
+    """Object ID (in group 0) of the payload of ``layer``."""
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+        raise KVObjectError(f"layer {layer!r} outside 0..{num_layers - 1}")
+    return layer + 1
+
+
+def object_layer(object_id: int, num_layers: int) -> int:
+    """Layer carried by ``object_id``; ``KVObjectError`` for the manifest or ids past the last layer."""
+    if isinstance(object_id, bool) or not isinstance(object_id, int) or not 1 <= object_id <= num_layers:
+        raise KVObjectError(f"object id {object_id!r} is not a layer object (1..{num_layers})")
+    return object_id - 1
+
+
+def end_of_track_object_id(num_layers: int) -> int:
+    """Object ID at which END_OF_TRACK is signalled: one past the last layer object."""
+    return num_layers + 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# Manifest
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_int(name: str, value: object, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise KVObjectError(f"{name} must be an int in [{lo}, {hi}], got {value!r}"[:200])
+    return value
+
+
+def _check_bytes(name: str, value: object, max_len: int) -> bytes:
+    if not isinstance(value, bytes) or len(value) > max_len:
+        raise KVObjectError(f"{name} must be at most {max_len} bytes, got {_describe(value)}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class BlockManifest:
+    """Object 0 of a block track: what the block is, how its layer objects are encoded and digests.
+
+    Validated on construction, so an instance always encodes to a valid manifest.
+    """
+
+    fingerprint: bytes
+    """32-byte model fingerprint (equals the one in the track namespace)."""
+    block_hash: bytes
+    """32-byte chained hash of this block (equals the one in the track name)."""
+    parent_hash: bytes
+    """32-byte hash of the previous block, or the chain root for block 0."""
+    token_ids: tuple[int, ...]
+    """The block's token ids, ``block_size`` of them."""
+    block_index: int
+    """Position of the block in its chain (0 for the first block of a prompt)."""
+    codec: str
+    """Rendition name of the layer payloads (equals the one in the track name)."""
+    dtype: str
+    """Element dtype of the decoded K/V, one of ``DTYPES``."""
+    num_layers: int
+    """Layers, hence layer objects (object ids 1..num_layers)."""
+    block_size: int
+    """Tokens in the block."""
+    num_kv_heads: int
+    """Key/value heads per layer."""
+    head_dim: int
+    """Channels per head."""
+    payload_digests: tuple[bytes, ...]
+    """SHA-256 of each layer object's payload, in layer order."""
+    total_payload_bytes: int
+    """Sum of the layer payload lengths."""
+    key_id: bytes = b""
+    """Identifier of the publisher's signing key (opaque here; empty if unsigned)."""
+    signature: bytes = b""
+    """Signature over ``signing_bytes()`` (opaque here; empty until signed)."""
+    created_at_ms: int = 0
+    """Creation time, milliseconds since the Unix epoch."""
+
+    def __post_init__(self) -> None:
+        _check_hash("fingerprint", self.fingerprint)
+        _check_hash("block_hash", self.block_hash)
+        _check_hash("parent_hash", self.parent_hash)
+        _check_int("num_layers", self.num_layers, 1, MAX_LAYERS)
+        _check_int("block_size", self.block_size, 1, MAX_BLOCK_TOKENS)
+        _check_int("num_kv_heads", self.num_kv_heads, 1, MAX_KV_HEADS)
+        _check_int("head_dim", self.head_dim, 1, MAX_HEAD_DIM)
+        _check_int("block_index", self.block_index, 0, MAX_BLOCK_INDEX)
+        _check_int("total_payload_bytes", self.total_payload_bytes, 0, MAX_TOTAL_PAYLOAD)
+        _check_int("created_at_ms", self.created_at_ms, 0, MAX_CREATED_AT_MS)
+        if not isinstance(self.token_ids, tuple) or len(self.token_ids) != self.block_size:
+            raise KVObjectError(f"token_ids must be a tuple of block_size={self.block_size} ints")
+        for tok in self.token_ids:
+            _check_int("token id", tok, 0, MAX_TOKEN_ID)
+        _check_ascii("codec", self.codec, _RENDITION_RE)
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
+            raise KVObjectError(f"dtype {self.dtype!r} not one of {sorted(DTYPES)}")
+        if not isinstance(self.payload_digests, tuple) or len(self.payload_digests) != self.num_layers:
+            raise KVObjectError(f"payload_digests must be a tuple of num_layers={self.num_layers} digests")
+        for digest in self.payload_digests:
+            _check_hash("payload digest", digest)
+        _check_bytes("key_id", self.key_id, MAX_KEY_ID_LEN)
+        _check_bytes("signature", self.signature, MAX_SIGNATURE_LEN)
+
+    # -- construction helpers -----------------------------------------------------------------------
+
+    @classmethod
+    def for_payloads(
+        cls,
+        *,
+        fingerprint: bytes,
+        block_hash: bytes,
+        parent_hash: bytes,
+        token_ids: Sequence[int],
+        block_index: int,
+        codec: str,
+        dtype: str,
+        shape: tuple[int, int, int, int],
+        payloads: Sequence[bytes | bytearray | memoryview],
+        key_id: bytes = b"",
+        created_at_ms: int = 0,
+    ) -> BlockManifest:
+        """Build an unsigned manifest whose digests and total match ``payloads`` (one per layer)."""
+        num_layers, block_size, num_kv_heads, head_dim = shape
+        return cls(
+            fingerprint=fingerprint, block_hash=block_hash, parent_hash=parent_hash,
+            token_ids=tuple(token_ids), block_index=block_index, codec=codec, dtype=dtype,
+            num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            payload_digests=tuple(payload_digest(p) for p in payloads),
+            total_payload_bytes=sum(len(p) for p in payloads), key_id=key_id, created_at_ms=created_at_ms,
+        )
+
+    def with_signature(self, signature: bytes, key_id: bytes | None = None) -> BlockManifest:
+        """A copy carrying ``signature`` (and ``key_id`` if given); the signed bytes are unchanged
+        unless ``key_id`` changes."""
+        return dataclasses.replace(self, signature=signature,
+                                   key_id=self.key_id if key_id is None else key_id)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(num_layers, block_size, num_kv_heads, head_dim)``."""
+        return (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def layer_shape(self) -> tuple[int, int, int]:
+        """Shape of K (and of V) in one layer object: ``(block_size, num_kv_heads, head_dim)``."""
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    # -- canonical encoding -------------------------------------------------------------------------
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            _K_BLOCK_INDEX: self.block_index,
+            _K_CODEC: self.codec,
+            _K_DIGESTS: list(self.payload_digests),
+            _K_DTYPE: self.dtype,
+            _K_FINGERPRINT: self.fingerprint,
+            _K_BLOCK_HASH: self.block_hash,
+            _K_KEY_ID: self.key_id,
+            _K_TOTAL: self.total_payload_bytes,
+            _K_PARENT: self.parent_hash,
+            _K_SHAPE: list(self.shape),
+            _K_SIGNATURE: self.signature,
+            _K_TOKENS: list(self.token_ids),
+            _K_CREATED_AT: self.created_at_ms,
+            _K_VERSION: FORMAT_VERSION,
+        }
+
+    @staticmethod
+    def _pack(fields: dict[str, Any]) -> bytes:
+        # Canonical: keys sorted bytewise, msgpack's shortest encodings, str for text, bin for bytes.
+        ordered = {key: fields[key] for key in sorted(fields, key=lambda k: k.encode("ascii"))}
+        packed: bytes = msgpack.packb(ordered, use_bin_type=True)
+        return packed
+
+    def encode(self) -> bytes:
+        """The canonical msgpack encoding (the payload of object 0)."""
+        return self._pack(self._fields())
+
+    def signing_bytes(self) -> bytes:
+        """What the signature covers: ``SIGNING_CONTEXT`` + canonical encoding of every field but ``sig``."""
+        fields = self._fields()
+        del fields[_K_SIGNATURE]
+        return SIGNING_CONTEXT + self._pack(fields)
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray | memoryview) -> BlockManifest:
+        """Parse a manifest; ``KVObjectError`` for malformed, non-canonical or out-of-limit input."""
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise KVObjectError(f"manifest of {len(data)} bytes exceeds {MAX_MANIFEST_BYTES}")
+        try:
+            obj = msgpack.unpackb(
+                bytes(data), raw=False, use_list=True, strict_map_key=True, timestamp=0,
+                max_bin_len=MAX_SIGNATURE_LEN, max_str_len=MAX_RENDITION_LEN,
+                max_array_len=MAX_BLOCK_TOKENS, max_map_len=len(_KEYS), max_ext_len=0,
+            )
+        except Exception as exc:
+            # msgpack reports malformed input through several exception types (ValueError subclasses,
+            # TypeError for unhashable keys, UnicodeDecodeError); all mean the same thing here.
+            raise KVObjectError(f"manifest is not valid msgpack: {exc}"[:200]) from None
+        if not isinstance(obj, dict):
+            raise KVObjectError(f"manifest must be a map, got {type(obj).__name__}")
+        if set(obj) != _KEYS:
+            missing = sorted(_KEYS - set(obj))
+            extra = sorted(map(repr, set(obj) - _KEYS))
+            raise KVObjectError(f"manifest keys wrong: missing {missing}, unknown {extra}"[:200])
+        _check_int("format version", obj[_K_VERSION], FORMAT_VERSION, FORMAT_VERSION)
+        shape = obj[_K_SHAPE]
+        if not isinstance(shape, list) or len(shape) != 4:
+            raise KVObjectError("shape must be a list of 4 ints")
+        tokens, digests = obj[_K_TOKENS], obj[_K_DIGESTS]
+        if not isinstance(tokens, list) or not isinstance(digests, list):
+            raise KVObjectError("token ids and payload digests must be lists")
+        manifest = cls(
+            fingerprint=obj[_K_FINGERPRINT], block_hash=obj[_K_BLOCK_HASH], parent_hash=obj[_K_PARENT],
+            token_ids=tuple(tokens), block_index=obj[_K_BLOCK_INDEX], codec=obj[_K_CODEC],
+            dtype=obj[_K_DTYPE], num_layers=shape[0], block_size=shape[1], num_kv_heads=shape[2],
+            head_dim=shape[3], payload_digests=tuple(digests), total_payload_bytes=obj[_K_TOTAL],
+            key_id=obj[_K_KEY_ID], signature=obj[_K_SIGNATURE], created_at_ms=obj[_K_CREATED_AT],
+        )
+        # Exactly one byte string per manifest: anything else could carry a second meaning past a
+        # signature check, or make two relays disagree about "the same" object.
+        if manifest.encode() != bytes(data):
+            raise KVObjectError("manifest is not in canonical encoding")
+        return manifest
+
+    # -- verification helpers -----------------------------------------------------------------------
+
+    def verify_tokens(self, expected_token_ids: Sequence[int]) -> bool:
+        """True if the block carries exactly ``expected_token_ids`` (the subscriber's own prompt slice)."""
+        return tuple(expected_token_ids) == self.token_ids
+
+    def verify_payload(self, object_index: int, payload: bytes | bytearray | memoryview) -> bool:
+        """True if ``payload`` is the layer object ``object_index`` (1..num_layers) this manifest lists."""
+        layer = object_layer(object_index, self.num_layers)
+        return hmac.compare_digest(payload_digest(payload), self.payload_digests[layer])
