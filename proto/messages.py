@@ -1285,10 +1285,16 @@ class ControlMessageReader:
     callers drain with ``next_message`` after each ``feed``.
     """
 
-    def __init__(self, max_buffer: int = 1 << 20) -> None:
-        if max_buffer < 3 + MAX_MESSAGE_LENGTH + 9:
+    def __init__(self, max_buffer: int | None = 1 << 20, max_message_size: int = MAX_MESSAGE_LENGTH) -> None:
+        # max_buffer=None leaves the bound on unconsumed bytes to the caller (the session bounds
+        # each stream itself); max_message_size is checked from the Length field, before the
+        # payload is buffered.
+        if max_buffer is not None and max_buffer < 3 + MAX_MESSAGE_LENGTH + 9:
             raise UsageError("max_buffer must hold at least one maximum-size message")
+        if not 0 <= max_message_size <= MAX_MESSAGE_LENGTH:
+            raise UsageError(f"max_message_size must be within 0..{MAX_MESSAGE_LENGTH}")
         self._max_buffer = max_buffer
+        self._max_message_size = max_message_size
         self._buf = bytearray()
         self._pos = 0
 
@@ -1303,7 +1309,7 @@ class ControlMessageReader:
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Append stream bytes."""
-        if self.buffered + len(data) > self._max_buffer:
+        if self._max_buffer is not None and self.buffered + len(data) > self._max_buffer:
             raise LimitExceeded(f"control stream buffer over {self._max_buffer} bytes")
         if self._pos and self._pos == len(self._buf):
             self._buf.clear()
@@ -1324,6 +1330,10 @@ class ControlMessageReader:
         if pos + 2 > len(self._buf):
             return None
         length = int.from_bytes(self._buf[pos : pos + 2], "big")
+        if length > self._max_message_size:
+            raise LimitExceeded(
+                f"control message of {length} bytes exceeds the limit of {self._max_message_size}"
+            )
         start = pos + 2
         if start + length > len(self._buf):
             return None

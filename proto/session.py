@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final, Protocol, TypeAlias
 
-from .buffer import vi64_decode
 from .data import (
     ControlStreamHeader,
     DataStreamReader,
@@ -98,6 +97,7 @@ from .messages import (
     NO_PARAMETERS,
     AuthToken,
     ControlMessage,
+    ControlMessageReader,
     Fetch,
     FetchOk,
     FetchType,
@@ -126,7 +126,6 @@ from .messages import (
     SubscribeTracks,
     TrackNamespace,
     TrackStatus,
-    decode_message_payload,
     encode_message,
 )
 
@@ -376,49 +375,10 @@ def _can_send_more(kind: int, side: Side, state: RequestState) -> bool:
 # -- per-stream bookkeeping ---------------------------------------------------------------------
 
 
-class _Framer:
-    """Splits a control or request stream into messages (section "Control Messages").
-
-    The ``ControlMessageReader`` of proto.messages frames the same way; this one also enforces
-    ``max_control_message_size`` from the Length field before the payload is buffered.
-    """
-
-    __slots__ = ("_buf", "_max_payload", "_pos")
-
-    def __init__(self, max_payload: int) -> None:
-        self._buf = bytearray()
-        self._pos = 0
-        self._max_payload = max_payload
-
-    def feed(self, data: bytes | bytearray | memoryview) -> None:
-        if self._pos == len(self._buf):
-            self._buf.clear()
-            self._pos = 0
-        self._buf += data
-
-    @property
-    def buffered(self) -> int:
-        return len(self._buf) - self._pos
-
-    def next_message(self) -> ControlMessage | None:
-        header = vi64_decode(self._buf, self._pos)
-        if header is None:
-            return None
-        msg_type, pos = header
-        if pos + 2 > len(self._buf):
-            return None
-        length = int.from_bytes(self._buf[pos : pos + 2], "big")
-        if length > self._max_payload:
-            raise LimitExceeded(f"control message of {length} bytes exceeds the limit of {self._max_payload}")
-        start = pos + 2
-        if start + length > len(self._buf):
-            return None
-        payload = bytes(self._buf[start : start + length])
-        self._pos = start + length
-        if self._pos > 65536:
-            del self._buf[: self._pos]  # keep the buffer from growing on a long-lived stream
-            self._pos = 0
-        return decode_message_payload(msg_type, payload)
+def _control_reader(config: SessionConfig) -> ControlMessageReader:
+    # The session bounds buffered bytes per stream itself (before and after SETUP), so the
+    # reader only enforces the message size limit, from the Length field.
+    return ControlMessageReader(max_buffer=None, max_message_size=config.max_control_message_size)
 
 
 @dataclass(eq=False)
@@ -428,7 +388,7 @@ class _Request:
     stream_id: int
     local: bool
     """True when we sent the request (we are the requester)."""
-    framer: _Framer
+    framer: ControlMessageReader
     kind: int | None = None
     request_id: int = -1
     states: dict[Side, RequestState] = field(default_factory=lambda: {_REQ: _IDLE, _RESP: _IDLE})
@@ -591,7 +551,7 @@ class MoqtSession:
         self._initiated = False
         self._control_stream_id: int | None = None
         self._peer_control: _IncomingStream | None = None
-        self._peer_control_framer = _Framer(config.max_control_message_size)
+        self._peer_control_framer = _control_reader(config)
         self._peer_setup: Setup | None = None
         self._setup_reported = False
         self._next_local_stream = {False: -1, True: -1}
@@ -1238,7 +1198,7 @@ class MoqtSession:
         msg = build(request_id)
         data = encode_message(msg)  # UsageError for unencodable values, before any state changes
         stream_id = self._allocate_stream(unidirectional=False)
-        req = _Request(stream_id, local=True, framer=_Framer(self.config.max_control_message_size))
+        req = _Request(stream_id, local=True, framer=_control_reader(self.config))
         req.kind, req.request_id = msg.TYPE, request_id
         req.states[_REQ] = _OPEN
         if isinstance(msg, Fetch):
@@ -1306,7 +1266,7 @@ class MoqtSession:
                 return  # a request stream we already finished with; late bytes are harmless
             limit = 4 * self.config.max_requests_in_flight + 1024
             self._remember_peer_stream(self._seen_bidi, stream_id, limit)
-            req = _Request(stream_id, local=False, framer=_Framer(self.config.max_control_message_size))
+            req = _Request(stream_id, local=False, framer=_control_reader(self.config))
             self._bidi[stream_id] = req
         if req.fin_received:
             return
