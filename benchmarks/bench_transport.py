@@ -1,15 +1,19 @@
-"""Raw bulk-transfer throughput over loopback: tuned aioquic vs aioquic defaults vs qh3 vs TCP+TLS 1.3.
+"""Raw bulk-transfer throughput over loopback: tuned aioquic, aioquic defaults, tuned qh3, TLS 1.3 over TCP.
 
-One client sends SIZE MiB one-way on one stream to a server in a separate process (so each side has its own
-core); the server answers one byte after the FIN, and the client times from the first write to that byte.
-Prints the median of RUNS runs per mode in MB/s (10^6 bytes/s) and the ratio to tuned aioquic.
+One client sends SIZE MiB one-way on one stream to a server in a separate process (so each side can have
+its own core); the server answers one byte after the FIN, and the client times from the first write to
+that byte. Prints the median of RUNS runs per mode in MB/s (10^6 bytes/s), the ratios, and the load average.
 
-    python benchmarks/bench_transport.py --size-mib 256 --runs 3
+    python benchmarks/bench_transport.py --size-mib 128 --runs 3
     python benchmarks/bench_transport.py --modes aioquic-tuned --profile   # cProfile both sides
 
-Modes: aioquic-tuned (kvnet.quic.TransportSettings defaults), aioquic-default (aioquic's own defaults,
-same certificates), aioquic-1452 (tuned but Ethernet-sized datagrams), qh3 (same API, its best settings),
-tcp-tls (asyncio streams over TLS 1.3).
+Modes: aioquic-tuned (``TransportSettings(stack="aioquic")``), aioquic-default (aioquic's own defaults,
+same certificates), qh3-tuned (``TransportSettings(stack="qh3")``), tcp-tls (asyncio streams over TLS 1.3).
+Diagnostic modes: aioquic-rttexit (tuned, but aioquic's RTT-increase slow-start exit on), qh3-16384,
+qh3-9000, qh3-1452 (qh3 with that datagram size).
+
+Other benchmarks reuse ``raw_quic_throughput(settings, size)`` (or ``measure(mode, ...)``) to report
+their figures as a ratio to raw QUIC on the same machine and load.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import dataclasses
 import io
+import json
 import os
 import pstats
 import socket
@@ -27,21 +33,30 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvnet import certs, quic
+from kvnet import certs, quic, transport
 
 CHUNK = 1 << 20
-# Unacknowledged bytes the client keeps queued in the QUIC stack: enough to fill the window, bounded so
-# we measure transport speed rather than how fast Python can grow a bytearray.
+# Bytes the client keeps queued in the QUIC stack (aioquic: unacknowledged, qh3: unsent): enough to keep
+# the window full, bounded so we measure the transport rather than buffer growth.
 HIGH_WATER = 16 << 20
-MODES = (
-    "aioquic-tuned", "aioquic-reno", "aioquic-cubic", "aioquic-default", "aioquic-1452", "qh3", "tcp-tls",
-)
-_TUNED = ("aioquic-tuned", "aioquic-reno", "aioquic-cubic", "aioquic-1452")
+MODES: dict[str, quic.TransportSettings | None] = {
+    "aioquic-tuned": quic.TransportSettings(stack="aioquic"),
+    "aioquic-default": None,
+    "qh3-tuned": quic.TransportSettings(stack="qh3"),
+    "tcp-tls": None,
+    "aioquic-rttexit": quic.TransportSettings(stack="aioquic", slow_start_rtt_exit=True),
+    "qh3-16384": quic.TransportSettings(stack="qh3", max_datagram_size=16384),
+    "qh3-9000": quic.TransportSettings(stack="qh3", max_datagram_size=9000),
+    "qh3-1452": quic.TransportSettings(stack="qh3", max_datagram_size=1452),
+}
+DEFAULT_MODES = ("aioquic-tuned", "aioquic-default", "qh3-tuned", "tcp-tls")
 
 
 def _free_port() -> int:
@@ -51,57 +66,44 @@ def _free_port() -> int:
         return port
 
 
-def _lib(mode: str) -> Any:
-    if mode == "qh3":
-        import qh3.asyncio
-        import qh3.quic.configuration
-        import qh3.quic.events
-
-        return qh3
-    import aioquic.asyncio
-    import aioquic.quic.configuration
-    import aioquic.quic.events
-
-    return aioquic
+def _settings_to_json(settings: quic.TransportSettings | None) -> str:
+    return "null" if settings is None else json.dumps(dataclasses.asdict(settings))
 
 
-def _quic_config(mode: str, is_client: bool, certdir: Path) -> Any:
-    lib = _lib(mode)
-    cfg = lib.quic.configuration.QuicConfiguration(is_client=is_client, alpn_protocols=[quic.ALPN_MOQT])
-    if mode in _TUNED:
-        st = quic.TransportSettings() if mode != "aioquic-1452" else quic.TransportSettings.for_ethernet()
-        cfg.max_datagram_size = st.max_datagram_size
-        cfg.max_data = st.max_data
-        cfg.max_stream_data = st.max_stream_data
-        cfg.congestion_control_algorithm = st.congestion_control
-        if mode in ("aioquic-reno", "aioquic-cubic"):
-            cfg.congestion_control_algorithm = mode.split("-")[1]
-    elif mode == "qh3":
-        # qh3 accepts large datagrams (measured best around 9000 on loopback) and tunes windows itself.
-        cfg.max_datagram_size = 9000
-        cfg.max_data = 64 << 20
-        cfg.max_stream_data = 32 << 20
+def _settings_from_json(text: str) -> quic.TransportSettings | None:
+    fields = json.loads(text)
+    return None if fields is None else quic.TransportSettings(**fields)
+
+
+def _quic_config(settings: quic.TransportSettings | None, is_client: bool, certdir: Path) -> Any:
+    if settings is None:  # aioquic's own defaults, same certificates
+        from aioquic.quic.configuration import QuicConfiguration
+
+        cfg = QuicConfiguration(is_client=is_client, alpn_protocols=[quic.ALPN_MOQT])
+        if is_client:
+            cfg.load_verify_locations(cafile=str(certdir / "ca.pem"))
+            cfg.server_name = "localhost"
+        else:
+            cfg.load_cert_chain(certdir / "server.pem", certdir / "server-key.pem")
+        return cfg
     if is_client:
-        cfg.load_verify_locations(cafile=str(certdir / "ca.pem"))
-        cfg.server_name = "localhost"
-    else:
-        cfg.load_cert_chain(certdir / "server.pem", certdir / "server-key.pem")
-    return cfg
+        return transport.client_configuration(settings, quic.TlsSettings.from_dir(certdir, None), "localhost")
+    return transport.server_configuration(settings, quic.TlsSettings.from_dir(certdir, "server"))
 
 
-def _set_buffers(mode: str, transport: Any) -> None:
-    if mode in _TUNED or mode == "qh3":
-        quic.apply_socket_buffers(transport.get_extra_info("socket"), quic.TransportSettings())
+def _stack(settings: quic.TransportSettings | None) -> transport.QuicStack:
+    return transport.get_stack("aioquic" if settings is None else settings.stack)
 
 
 # ---------------------------------------------------------------- server side (child process)
 
 
-async def _serve_quic(mode: str, port: int, certdir: Path, done: asyncio.Event) -> None:
-    lib = _lib(mode)
-    events = lib.quic.events
+async def _serve_quic(settings: quic.TransportSettings | None, port: int, certdir: Path) -> None:
+    stack = _stack(settings)
+    events = stack.events
+    done = asyncio.Event()
 
-    class Sink(lib.asyncio.QuicConnectionProtocol):  # type: ignore[misc, name-defined]
+    class Sink(stack.QuicConnectionProtocol):  # type: ignore[name-defined]
         def quic_event_received(self, event: Any) -> None:
             if isinstance(event, events.StreamDataReceived) and event.end_stream:
                 self._quic.send_stream_data(event.stream_id, b"k", end_stream=True)
@@ -109,19 +111,21 @@ async def _serve_quic(mode: str, port: int, certdir: Path, done: asyncio.Event) 
             elif isinstance(event, events.ConnectionTerminated):
                 done.set()
 
-    server = await lib.asyncio.serve(
-        "127.0.0.1", port, configuration=_quic_config(mode, False, certdir), create_protocol=Sink
+    server = await stack.serve(
+        "127.0.0.1", port, configuration=_quic_config(settings, False, certdir), create_protocol=Sink
     )
-    _set_buffers(mode, server._transport)
+    if settings is not None:
+        quic.apply_socket_buffers(server._transport.get_extra_info("socket"), settings)
     print("ready", flush=True)
     await done.wait()
     server.close()
 
 
-async def _serve_tcp(port: int, certdir: Path, size: int, done: asyncio.Event) -> None:
+async def _serve_tcp(port: int, certdir: Path, size: int) -> None:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     ctx.load_cert_chain(certdir / "server.pem", certdir / "server-key.pem")
+    done = asyncio.Event()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         got = 0
@@ -141,18 +145,15 @@ async def _serve_tcp(port: int, certdir: Path, size: int, done: asyncio.Event) -
     server.close()
 
 
-def server_main(mode: str, port: int, certdir: Path, size: int, profile: bool) -> None:
-    async def run() -> None:
-        done = asyncio.Event()
-        if mode == "tcp-tls":
-            await _serve_tcp(port, certdir, size, done)
-        else:
-            await _serve_quic(mode, port, certdir, done)
-
+def _server_main(mode: str, settings_json: str, port: int, certdir: Path, size: int, profile: bool) -> None:
+    settings = _settings_from_json(settings_json)
     prof = cProfile.Profile() if profile else None
     if prof:
         prof.enable()
-    asyncio.run(run())
+    if mode == "tcp-tls":
+        asyncio.run(_serve_tcp(port, certdir, size))
+    else:
+        asyncio.run(_serve_quic(settings, port, certdir))
     if prof:
         prof.disable()
         _print_profile(prof, "server (receiver)")
@@ -161,14 +162,14 @@ def server_main(mode: str, port: int, certdir: Path, size: int, profile: bool) -
 # ---------------------------------------------------------------- client side
 
 
-async def _client_quic(mode: str, port: int, certdir: Path, size: int) -> float:
-    lib = _lib(mode)
-    events = lib.quic.events
+async def _client_quic(settings: quic.TransportSettings | None, port: int, certdir: Path, size: int) -> float:
+    stack = _stack(settings)
+    events = stack.events
     loop = asyncio.get_running_loop()
     acked: asyncio.Future[None] = loop.create_future()
     drained = asyncio.Event()
 
-    class Source(lib.asyncio.QuicConnectionProtocol):  # type: ignore[misc, name-defined]
+    class Source(stack.QuicConnectionProtocol):  # type: ignore[name-defined]
         stream_id = -1
 
         def quic_event_received(self, event: Any) -> None:
@@ -177,22 +178,26 @@ async def _client_quic(mode: str, port: int, certdir: Path, size: int) -> float:
 
         def datagram_received(self, data: Any, addr: Any) -> None:
             super().datagram_received(data, addr)
+            self._after_receive()
+
+        def datagrams_received(self, data: Any, addr: Any) -> None:
+            # qh3's client transport delivers GRO batches here and never calls datagram_received.
+            super().datagrams_received(data, addr)
+            self._after_receive()
+
+        def _after_receive(self) -> None:
             if self.stream_id >= 0 and buffered(self) < HIGH_WATER // 2:
                 drained.set()
 
     def buffered(proto: Any) -> int:
-        q = proto._quic
-        if mode == "qh3":
-            return int(q.get_send_buffer_size(proto.stream_id))
-        # aioquic keeps unacknowledged stream bytes in the sender's buffer.
-        stream = q._streams.get(proto.stream_id)
-        return 0 if stream is None else len(stream.sender._buffer)
+        return transport.unsent_bytes(proto._quic, [proto.stream_id])[proto.stream_id]
 
-    chunk = b"\x5a" * CHUNK
-    async with lib.asyncio.connect(
-        "127.0.0.1", port, configuration=_quic_config(mode, True, certdir), create_protocol=Source
+    chunk = memoryview(b"\x5a" * CHUNK)
+    async with stack.connect(
+        "127.0.0.1", port, configuration=_quic_config(settings, True, certdir), create_protocol=Source
     ) as proto:
-        _set_buffers(mode, proto._transport)
+        if settings is not None:
+            quic.apply_socket_buffers(proto._transport.get_extra_info("socket"), settings)
         sid = proto._quic.get_next_available_stream_id()
         proto.stream_id = sid
         t0 = time.perf_counter()
@@ -225,7 +230,8 @@ async def _client_tcp(port: int, certdir: Path, size: int) -> float:
     # asyncio TLS transports cannot half-close, so the server learns the end from the byte count.
     ack = await asyncio.wait_for(reader.read(1), 120)
     elapsed = time.perf_counter() - t0
-    assert ack == b"k"
+    if ack != b"k":
+        raise RuntimeError("TCP server did not acknowledge the transfer")
     writer.close()
     return elapsed
 
@@ -236,10 +242,26 @@ def _print_profile(prof: cProfile.Profile, title: str) -> None:
     print(f"--- cProfile {title}, by own time ---\n{out.getvalue()}", file=sys.stderr)
 
 
-def run_once(mode: str, certdir: Path, size: int, profile: bool) -> float:
+# ---------------------------------------------------------------- reusable API
+
+
+@contextmanager
+def test_certificates() -> Iterator[Path]:
+    """A temporary directory with a development CA and a ``server`` certificate for localhost."""
+    with tempfile.TemporaryDirectory() as tmp:
+        certdir = Path(tmp)
+        certs.create_ca(certdir)
+        certs.issue_cert(certdir, "server", ["localhost", "127.0.0.1"])
+        yield certdir
+
+
+def run_once(mode: str, settings: quic.TransportSettings | None, certdir: Path, size: int,
+             profile: bool = False) -> float:
+    """One transfer of ``size`` bytes; returns seconds. ``mode`` is "tcp-tls" or anything else for QUIC
+    with ``settings`` (None: aioquic's own defaults)."""
     port = _free_port()
-    cmd = [sys.executable, __file__, "--serve", mode, "--port", str(port), "--certdir", str(certdir),
-           "--size", str(size)]
+    cmd = [sys.executable, __file__, "--serve", mode, "--settings", _settings_to_json(settings),
+           "--port", str(port), "--certdir", str(certdir), "--size", str(size)]
     if profile:
         cmd.append("--profile")
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -253,7 +275,7 @@ def run_once(mode: str, certdir: Path, size: int, profile: bool) -> float:
         if mode == "tcp-tls":
             elapsed = asyncio.run(_client_tcp(port, certdir, size))
         else:
-            elapsed = asyncio.run(_client_quic(mode, port, certdir, size))
+            elapsed = asyncio.run(_client_quic(settings, port, certdir, size))
         if prof:
             prof.disable()
             _print_profile(prof, f"{mode} client (sender)")
@@ -265,46 +287,74 @@ def run_once(mode: str, certdir: Path, size: int, profile: bool) -> float:
             child.wait()
 
 
+def measure(mode: str, size: int = 128 << 20, runs: int = 3, certdir: Path | None = None,
+            settings: quic.TransportSettings | None = None) -> list[float]:
+    """MB/s of each of ``runs`` one-way transfers of ``size`` bytes in ``mode`` (a ``MODES`` key, or any
+    name with explicit ``settings``)."""
+    if settings is None and mode in MODES:
+        settings = MODES[mode]
+    if certdir is None:
+        with test_certificates() as tmp:
+            return measure(mode, size, runs, tmp, settings)
+    return [size / run_once(mode, settings, certdir, size) / 1e6 for _ in range(runs)]
+
+
+def raw_quic_throughput(settings: quic.TransportSettings | None = None, size: int = 128 << 20,
+                        runs: int = 3) -> float:
+    """Median MB/s of raw one-way QUIC bulk transfer with ``settings`` (default: kvnet's defaults, i.e.
+    the default stack tuned). The yardstick for "ratio to raw QUIC" in the relay and node benchmarks."""
+    return statistics.median(measure("raw", size, runs, settings=settings or quic.TransportSettings()))
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load average, to print next to every figure (the cores are shared)."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size-mib", type=int, default=256)
+    ap.add_argument("--size-mib", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma list of {', '.join(MODES)}")
     ap.add_argument("--profile", action="store_true", help="cProfile both sides (one run, slower)")
-    ap.add_argument("--serve", choices=MODES, help=argparse.SUPPRESS)
+    ap.add_argument("--serve", help=argparse.SUPPRESS)
+    ap.add_argument("--settings", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--certdir", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--size", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
-        server_main(args.serve, args.port, args.certdir, args.size, args.profile)
+        _server_main(args.serve, args.settings, args.port, args.certdir, args.size, args.profile)
         return 0
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
         if m not in MODES:
-            ap.error(f"unknown mode {m!r}; choose from {MODES}")
+            ap.error(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
     size = args.size_mib << 20
     results: dict[str, float] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        certdir = Path(tmp)
-        certs.create_ca(certdir)
-        certs.issue_cert(certdir, "server", ["localhost", "127.0.0.1"])
-        print(f"{args.size_mib} MiB one-way over loopback, median of {args.runs}, cores={os.cpu_count()}")
+    with test_certificates() as certdir:
+        print(f"{args.size_mib} MiB one-way over loopback, median of {args.runs}, cores={os.cpu_count()}, "
+              f"load {load_average()}")
         for mode in modes:
-            times = []
-            for _ in range(1 if args.profile else args.runs):
-                try:
-                    times.append(run_once(mode, certdir, size, args.profile))
-                except Exception as exc:  # a mode that cannot run is reported, the others still are
-                    print(f"{mode:16s} failed: {type(exc).__name__}: {exc}")
-                    break
-            if times:
-                results[mode] = size / statistics.median(times) / 1e6
-                runs = " ".join(f"{size / t / 1e6:.0f}" for t in times)
-                print(f"{mode:16s} {results[mode]:8.1f} MB/s   (runs: {runs})", flush=True)
-    base = results.get("aioquic-tuned")
-    if base:
-        print("ratios to aioquic-tuned: " + ", ".join(f"{m} {v / base:.2f}x" for m, v in results.items()))
+            try:
+                if args.profile:
+                    run_once(mode, MODES[mode], certdir, size, profile=True)
+                    continue
+                rates = measure(mode, size, args.runs, certdir)
+            except Exception as exc:  # a mode that cannot run is reported, the others still are
+                print(f"{mode:16s} failed: {type(exc).__name__}: {exc}")
+                continue
+            results[mode] = statistics.median(rates)
+            runs = " ".join(f"{r:.0f}" for r in rates)
+            print(f"{mode:16s} {results[mode]:8.1f} MB/s   (runs: {runs})   load {load_average()}",
+                  flush=True)
+    for base in ("aioquic-tuned", "qh3-tuned"):
+        if results.get(base):
+            ratios = ", ".join(f"{m} {v / results[base]:.2f}x" for m, v in results.items())
+            print(f"ratios to {base}: {ratios}")
     return 0
 
 

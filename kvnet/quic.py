@@ -18,9 +18,13 @@ import socket
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.congestion import base as _cc_base
+from aioquic.quic.congestion.cubic import CubicCongestionControl
+from aioquic.quic.congestion.reno import RenoCongestionControl
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +33,15 @@ DEFAULT_PORT = 4443
 
 # aioquic builds packets into a fixed buffer; above this it corrupts or stalls without an error, so we refuse.
 MAX_DATAGRAM_SIZE_LIMIT = 16384
+# qh3 takes any UDP payload size (65507 is the IPv4 maximum) and probes the path MTU up to it.
+MAX_DATAGRAM_SIZE_QH3 = 65507
+# qh3 on loopback: the largest size measured safe and fastest (benchmarks/bench_transport.py).
+DATAGRAM_SIZE_QH3_LOOPBACK = 65507
+STACKS = ("aioquic", "qh3")
+# Chosen by measurement (docs/performance.md): qh3 moves bulk data 4-7x faster, but its servers cannot
+# require client certificates and its round-trip count on the locate path is not yet shown to be as low,
+# so aioquic stays the default and qh3 is opt-in for bulk paths.
+DEFAULT_STACK = "aioquic"
 # RFC 9000 minimum: every QUIC path must carry 1200-byte datagrams.
 MIN_DATAGRAM_SIZE = 1200
 # Loopback has a 64 KiB MTU; 16384 is the largest size aioquic handles correctly.
@@ -49,9 +62,13 @@ _MAX_STREAMS = 1 << 20
 class TransportSettings:
     """QUIC transport knobs shared by every kvnet endpoint. Defaults are tuned for loopback and LANs."""
 
-    max_datagram_size: int = DATAGRAM_SIZE_LOOPBACK
-    """Largest UDP payload we send. 16384 on loopback; ``DATAGRAM_SIZE_ETHERNET`` (1452) on 1500-MTU paths.
-    aioquic does no path-MTU discovery, so a size the path cannot carry stalls the connection."""
+    max_datagram_size: int | None = None
+    """Largest UDP payload we send; None picks the stack's loopback size (``datagram_size``). aioquic
+    sends this size from the first packet and does no path-MTU discovery, so on a 1500-MTU path give
+    ``DATAGRAM_SIZE_ETHERNET`` (1452); qh3 treats it as the upper bound of its path-MTU probing."""
+    stack: str = DEFAULT_STACK
+    """QUIC implementation: "aioquic" (pure Python; the only one whose servers can require client
+    certificates) or "qh3" (Rust core, ~4x the bulk throughput). See ``kvnet.transport``."""
     socket_receive_buffer: int = 4 << 20
     """SO_RCVBUF in bytes (4 MiB). The kernel default (~208 KiB) overflows under bursts of large datagrams."""
     socket_send_buffer: int = 4 << 20
@@ -68,15 +85,23 @@ class TransportSettings:
     idle_timeout: float = 30.0
     """Seconds without packets before the connection is dropped."""
     congestion_control: str = "cubic"
-    """"reno" or "cubic" (aioquic's implementations)."""
+    """"reno" or "cubic" (aioquic's implementations; qh3 uses its core's own)."""
+    slow_start_rtt_exit: bool = False
+    """aioquic: leave slow start as soon as the RTT rises (its HyStart-like monitor). Off by default: on
+    loopback and LANs the RTT samples are scheduler noise, the monitor fires at ~1 MiB of window and cubic
+    then grows so slowly that throughput halves. Loss still ends slow start."""
     handshake_timeout: float = 10.0
     """Seconds a client waits for the QUIC+TLS handshake before giving up."""
 
     def __post_init__(self) -> None:
-        if not MIN_DATAGRAM_SIZE <= self.max_datagram_size <= MAX_DATAGRAM_SIZE_LIMIT:
+        if self.stack not in STACKS:
+            raise ValueError(f"stack must be one of {STACKS}, got {self.stack!r}")
+        limit = MAX_DATAGRAM_SIZE_LIMIT if self.stack == "aioquic" else MAX_DATAGRAM_SIZE_QH3
+        if self.max_datagram_size is not None and not MIN_DATAGRAM_SIZE <= self.max_datagram_size <= limit:
+            why = " (aioquic corrupts larger packets)" if self.stack == "aioquic" else ""
             raise ValueError(
-                f"max_datagram_size must be in {MIN_DATAGRAM_SIZE}..{MAX_DATAGRAM_SIZE_LIMIT} "
-                f"(aioquic corrupts larger packets), got {self.max_datagram_size}"
+                f"max_datagram_size must be in {MIN_DATAGRAM_SIZE}..{limit} for stack {self.stack}{why}, "
+                f"got {self.max_datagram_size}"
             )
         for name in ("socket_receive_buffer", "socket_send_buffer"):
             v = getattr(self, name)
@@ -99,10 +124,17 @@ class TransportSettings:
                 f"congestion_control must be one of {CONGESTION_CONTROLLERS}, got {self.congestion_control!r}"
             )
 
+    @property
+    def datagram_size(self) -> int:
+        """The datagram size in effect: ``max_datagram_size``, or the stack's loopback size."""
+        if self.max_datagram_size is not None:
+            return self.max_datagram_size
+        return DATAGRAM_SIZE_LOOPBACK if self.stack == "aioquic" else DATAGRAM_SIZE_QH3_LOOPBACK
+
     @classmethod
-    def for_ethernet(cls) -> TransportSettings:
+    def for_ethernet(cls, stack: str = DEFAULT_STACK) -> TransportSettings:
         """Settings for paths with a 1500-byte MTU (anything off-host without known jumbo frames)."""
-        return cls(max_datagram_size=DATAGRAM_SIZE_ETHERNET)
+        return cls(max_datagram_size=DATAGRAM_SIZE_ETHERNET, stack=stack)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,45 +186,87 @@ class TlsSettings:
         )
 
 
+class _NoRttExit:
+    """Mixin: ignore the RTT-increase signal that makes aioquic's controllers leave slow start."""
+
+    def on_rtt_measurement(self, *, now: float, rtt: float) -> None:
+        return None
+
+
+class _CubicNoRttExit(_NoRttExit, CubicCongestionControl):
+    pass
+
+
+class _RenoNoRttExit(_NoRttExit, RenoCongestionControl):
+    pass
+
+
+_NO_RTT_EXIT = {"cubic": ("kvnet-cubic", _CubicNoRttExit), "reno": ("kvnet-reno", _RenoNoRttExit)}
+
+
+def aioquic_congestion_control(settings: TransportSettings) -> str:
+    """The aioquic congestion-control name for ``settings`` (registering kvnet's variants on first use)."""
+    if settings.slow_start_rtt_exit:
+        return settings.congestion_control
+    name, factory = _NO_RTT_EXIT[settings.congestion_control]
+    _cc_base.register_congestion_control(name, factory)  # type: ignore[arg-type]
+    return name
+
+
+def _aioquic_datagram_size(settings: TransportSettings) -> int:
+    if settings.max_datagram_size is None:
+        return DATAGRAM_SIZE_LOOPBACK
+    if settings.max_datagram_size > MAX_DATAGRAM_SIZE_LIMIT:
+        raise ValueError(
+            f"max_datagram_size {settings.max_datagram_size} is above aioquic's {MAX_DATAGRAM_SIZE_LIMIT}"
+        )
+    return settings.max_datagram_size
+
+
 def _base_configuration(settings: TransportSettings, is_client: bool) -> QuicConfiguration:
     return QuicConfiguration(
         is_client=is_client,
         alpn_protocols=[ALPN_MOQT],
-        max_datagram_size=settings.max_datagram_size,
+        max_datagram_size=_aioquic_datagram_size(settings),
         max_data=settings.max_data,
         max_stream_data=settings.max_stream_data,
         idle_timeout=settings.idle_timeout,
-        congestion_control_algorithm=settings.congestion_control,
+        congestion_control_algorithm=aioquic_congestion_control(settings),
     )
 
 
-def client_configuration(
-    settings: TransportSettings, tls: TlsSettings, server_name: str | None = None
-) -> QuicConfiguration:
-    """QuicConfiguration for a client: ALPN moqt-18, TLS 1.3 (the only version QUIC has), verification on."""
-    config = _base_configuration(settings, is_client=True)
-    config.server_name = tls.server_name or server_name
+def apply_client_verification(config: Any, tls: TlsSettings) -> None:
+    """Server-certificate verification of a client configuration (either stack): on, against
+    ``tls.ca_file``, unless ``insecure_skip_verify`` is set, which is logged every time."""
     if tls.insecure_skip_verify:
         logger.warning(
             "TLS VERIFICATION DISABLED (insecure_skip_verify): the server's identity is NOT checked; "
             "use only for debugging"
         )
         config.verify_mode = ssl.CERT_NONE
-    else:
-        if tls.ca_file is None:
-            raise ValueError(
-                "a client needs ca_file to verify the server (or an explicit insecure_skip_verify)"
-            )
-        config.verify_mode = ssl.CERT_REQUIRED
-        config.load_verify_locations(cafile=str(tls.ca_file))
+        return
+    if tls.ca_file is None:
+        raise ValueError("a client needs ca_file to verify the server (or an explicit insecure_skip_verify)")
+    config.verify_mode = ssl.CERT_REQUIRED
+    config.load_verify_locations(cafile=str(tls.ca_file))
+
+
+def client_configuration(
+    settings: TransportSettings, tls: TlsSettings, server_name: str | None = None
+) -> QuicConfiguration:
+    """aioquic QuicConfiguration for a client: ALPN moqt-18, TLS 1.3, verification on. Whatever
+    ``settings.stack`` says (``kvnet.transport.client_configuration`` follows it)."""
+    config = _base_configuration(settings, is_client=True)
+    config.server_name = tls.server_name or server_name
+    apply_client_verification(config, tls)
     if tls.cert_file is not None:
         config.load_cert_chain(tls.cert_file, tls.key_file)
     return config
 
 
 def server_configuration(settings: TransportSettings, tls: TlsSettings) -> QuicConfiguration:
-    """QuicConfiguration for a server. Client certificates are checked by the connection glue after the
-    handshake (aioquic's server side does not verify them itself)."""
+    """aioquic QuicConfiguration for a server. Client certificates are checked by the connection glue
+    after the handshake (aioquic's server side does not verify them itself)."""
     if tls.cert_file is None:
         raise ValueError("a server needs cert_file and key_file")
     config = _base_configuration(settings, is_client=False)
@@ -202,11 +276,14 @@ def server_configuration(settings: TransportSettings, tls: TlsSettings) -> QuicC
     return config
 
 
-def apply_socket_buffers(transport_socket: socket.socket | None, settings: TransportSettings) -> None:
-    """Set SO_RCVBUF/SO_SNDBUF. The kernel caps them at net.core.{r,w}mem_max unless we are privileged,
-    so try the FORCE variants first and fall back quietly to the capped ones."""
+def apply_socket_buffers(
+    transport_socket: socket.socket | None, settings: TransportSettings
+) -> tuple[int, int] | None:
+    """Set SO_RCVBUF/SO_SNDBUF and return the sizes in effect (getsockopt: the kernel doubles what it
+    grants). Unprivileged processes are capped at net.core.{r,w}mem_max, so try the FORCE variants
+    (CAP_NET_ADMIN) first and fall back to the capped ones, logging once when we got less than asked."""
     if transport_socket is None:
-        return
+        return None
     pairs = (
         (settings.socket_receive_buffer, getattr(socket, "SO_RCVBUFFORCE", None), socket.SO_RCVBUF),
         (settings.socket_send_buffer, getattr(socket, "SO_SNDBUFFORCE", None), socket.SO_SNDBUF),
@@ -223,6 +300,16 @@ def apply_socket_buffers(transport_socket: socket.socket | None, settings: Trans
                 transport_socket.setsockopt(socket.SOL_SOCKET, opt, size)
             except OSError as exc:
                 logger.warning("could not set socket buffer %d: %s", size, exc)
+            # Linux reports double the size it granted (the bookkeeping overhead).
+            granted = transport_socket.getsockopt(socket.SOL_SOCKET, opt) // 2
+            if granted < size:
+                logger.info(
+                    "socket buffer %s: asked %d bytes, got %d (raise net.core.%s_max or run with "
+                    "CAP_NET_ADMIN)", "SO_RCVBUF" if opt == socket.SO_RCVBUF else "SO_SNDBUF", size, granted,
+                    "rmem" if opt == socket.SO_RCVBUF else "wmem",
+                )
+    return (transport_socket.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
+            transport_socket.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
 
 
 @dataclass(frozen=True, slots=True)
