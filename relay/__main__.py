@@ -1,0 +1,167 @@
+"""``kvnet-relay``: parse flags and an optional TOML file into a ``RelayConfig``, set up logging, serve.
+
+This is the only place that reads the command line, files named on it, or the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from relay.config import LOG_FORMATS, LOG_LEVELS, RelayConfig, load_config, read_toml
+
+# LogRecord attributes that are not user-supplied ``extra`` fields.
+_RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+
+def _kv_value(v: object) -> str:
+    s = str(v)
+    if s == "" or any(c in s for c in ' "=\n'):
+        return json.dumps(s)
+    return s
+
+
+class KeyValueFormatter(logging.Formatter):
+    """logfmt-style lines: ``ts=... level=info logger=relay.server msg="..." key=value``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        fields.update({k: v for k, v in record.__dict__.items() if k not in _RESERVED})
+        if record.exc_info:
+            fields["exc"] = self.formatException(record.exc_info)
+        return " ".join(f"{k}={_kv_value(v)}" for k, v in fields.items())
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line with the same fields as ``KeyValueFormatter``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields: dict[str, Any] = {
+            "ts": record.created,
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        fields.update({k: v for k, v in record.__dict__.items() if k not in _RESERVED})
+        if record.exc_info:
+            fields["exc"] = self.formatException(record.exc_info)
+        return json.dumps(fields, default=str)
+
+
+def setup_logging(log_format: str, level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else KeyValueFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # The QUIC stacks log packet-level events and every peer close; keep them quiet unless asked for.
+    logging.getLogger("quic").setLevel(logging.ERROR if level != "debug" else logging.DEBUG)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvnet-relay", description="MoQT draft-18 caching relay (native QUIC, ALPN moqt-18)"
+    )
+    p.add_argument("--config", type=Path, help="TOML config file; flags override its values")
+    p.add_argument("--listen", help="UDP host:port to listen on (default 127.0.0.1:4443; port 0 = any)")
+    p.add_argument("--cert", help="TLS certificate chain (PEM)")
+    p.add_argument("--key", help="TLS private key (PEM)")
+    p.add_argument("--ca", help="CA certificate(s) to verify upstream relays and client certificates")
+    p.add_argument(
+        "--require-client-cert", action="store_true", default=None, help="reject clients without a cert"
+    )
+    p.add_argument(
+        "--upstream", action="append", help="moqt://host:port of an upstream relay (repeatable, in order)"
+    )
+    p.add_argument("--metrics", help='Prometheus endpoint host:port (default 127.0.0.1:9464; "" disables)')
+    p.add_argument("--log-format", choices=LOG_FORMATS)
+    p.add_argument("--log-level", choices=LOG_LEVELS)
+    p.add_argument("--drain-timeout", type=float, help="seconds between GOAWAY and close on SIGTERM")
+    g = p.add_argument_group("cache")
+    g.add_argument("--cache-bytes", type=int, help="cache byte budget")
+    g.add_argument("--cache-track-bytes", type=int, help="largest single upstream response held")
+    g.add_argument("--cache-inflight-bytes", type=int, help="bytes of all upstream responses in flight")
+    g.add_argument("--negative-ttl", type=float, help="seconds a DOES_NOT_EXIST TRACK_STATUS is reused")
+    g = p.add_argument_group("limits")
+    g.add_argument("--max-sessions", type=int)
+    g.add_argument("--max-requests-per-session", type=int)
+    g.add_argument("--max-object-bytes", type=int)
+    g.add_argument("--max-buffered-bytes", type=int, help="per-session bytes queued toward a slow peer")
+    g.add_argument("--upstream-timeout", type=float)
+    g = p.add_argument_group("transport")
+    g.add_argument("--quic-stack", choices=("aioquic", "qh3"), help="QUIC implementation")
+    g.add_argument("--max-datagram-size", type=int, help="QUIC datagram size (16384 loopback, 1452 ethernet)")
+    g.add_argument("--socket-buffer", type=int, help="UDP SO_RCVBUF/SO_SNDBUF bytes")
+    g.add_argument("--max-data", type=int, help="connection flow-control window")
+    g.add_argument("--max-stream-data", type=int, help="per-stream flow-control window")
+    g.add_argument("--congestion-control", choices=("reno", "cubic"))
+    g.add_argument("--idle-timeout", type=float)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RelayConfig:
+    file_data = read_toml(args.config) if args.config else {}
+    overrides: dict[str, Any] = {
+        "listen": args.listen,
+        "cert": args.cert,
+        "key": args.key,
+        "ca": args.ca,
+        "require_client_cert": args.require_client_cert,
+        "upstream": args.upstream,
+        "metrics": args.metrics,
+        "log_format": args.log_format,
+        "log_level": args.log_level,
+        "drain_timeout": args.drain_timeout,
+        "cache.max_bytes": args.cache_bytes,
+        "cache.max_track_bytes": args.cache_track_bytes,
+        "cache.max_inflight_bytes": args.cache_inflight_bytes,
+        "cache.negative_ttl": args.negative_ttl,
+        "limits.max_sessions": args.max_sessions,
+        "limits.max_requests_per_session": args.max_requests_per_session,
+        "limits.max_object_bytes": args.max_object_bytes,
+        "limits.max_buffered_bytes_per_session": args.max_buffered_bytes,
+        "limits.upstream_timeout": args.upstream_timeout,
+        "transport.stack": args.quic_stack,
+        "transport.max_datagram_size": args.max_datagram_size,
+        "transport.socket_receive_buffer": args.socket_buffer,
+        "transport.socket_send_buffer": args.socket_buffer,
+        "transport.max_data": args.max_data,
+        "transport.max_stream_data": args.max_stream_data,
+        "transport.congestion_control": args.congestion_control,
+        "transport.idle_timeout": args.idle_timeout,
+    }
+    return load_config(file_data, overrides)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+    setup_logging(config.log_format, config.log_level)
+    from relay.server import serve  # after logging, so import-time warnings are formatted too
+
+    try:
+        asyncio.run(serve(config))
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

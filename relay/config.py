@@ -1,0 +1,179 @@
+"""Relay configuration: one frozen dataclass per component, built from a TOML file and/or CLI flags.
+
+Owns: ``RelayConfig`` and ``load_config``, which merges a TOML document (``tomllib``) with flag overrides.
+Only ``relay.__main__.main`` reads the command line or files; everything below receives a ``RelayConfig``.
+
+File format (every key optional; flags given on the command line win)::
+
+    listen = "127.0.0.1:4443"          # host:port (IPv6 as [::1]:4443)
+    cert = "certs/relay.pem"           # TLS chain and key (required)
+    key = "certs/relay-key.pem"
+    ca = "certs/ca.pem"                # verifies upstream relays (and client certs with require_client_cert)
+    require_client_cert = false
+    upstream = ["moqt://origin:4443"]  # relays to forward misses to, tried in order
+    metrics = "127.0.0.1:9464"         # Prometheus endpoint; "" disables
+    log_format = "kv"                  # "kv" (key=value) or "json"
+    log_level = "info"
+    drain_timeout = 5.0                # seconds between GOAWAY and close on SIGTERM
+
+    [cache]                            # relay.cache.CacheConfig fields
+    max_bytes = 268435456
+    [limits]                           # relay.limits.LimitsConfig fields
+    max_sessions = 1024
+    [transport]                        # kvnet.quic.TransportSettings fields
+    max_datagram_size = 16384
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvnet.quic import TlsSettings, TransportSettings, parse_moqt_url
+from relay.cache import CacheConfig
+from relay.limits import LimitsConfig
+
+LOG_FORMATS = ("kv", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_TOP_KEYS = {
+    "listen",
+    "cert",
+    "key",
+    "ca",
+    "require_client_cert",
+    "upstream",
+    "metrics",
+    "log_format",
+    "log_level",
+    "drain_timeout",
+    "cache",
+    "limits",
+    "transport",
+}
+
+
+def parse_hostport(value: str, what: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port``; port 0 lets the OS choose."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"{what} must be host:port, got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"{what} has an invalid port in {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{what} port must be in 0..65535, got {port}")
+    return host, port
+
+
+@dataclass(frozen=True, slots=True)
+class RelayConfig:
+    """Everything one relay process needs."""
+
+    tls: TlsSettings
+    """Our certificate and key (required) and the CA used to verify upstream relays."""
+    host: str = "127.0.0.1"
+    """Address to listen on (UDP)."""
+    port: int = 4443
+    """UDP port; 0 picks a free one (the chosen port is logged)."""
+    upstreams: tuple[str, ...] = ()
+    """``moqt://host:port`` relays that misses are forwarded to when no local publisher matches."""
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = 9464
+    """TCP port of the Prometheus endpoint; None disables it, 0 picks a free one."""
+    log_format: str = "kv"
+    """"kv" (logfmt-style key=value lines) or "json" (one object per line)."""
+    log_level: str = "info"
+    drain_timeout: float = 5.0
+    """Seconds between GOAWAY and closing the remaining sessions at shutdown."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    transport: TransportSettings = field(default_factory=TransportSettings)
+
+    def __post_init__(self) -> None:
+        if self.tls.cert_file is None:
+            raise ValueError("tls: a relay needs cert and key")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+        for url in self.upstreams:
+            parse_moqt_url(url)  # raises ValueError naming the URL
+        if self.upstreams and self.tls.ca_file is None:
+            raise ValueError("upstreams: verifying upstream relays needs ca (a CA certificate file)")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if not 0 <= self.drain_timeout <= 3600:
+            raise ValueError(f"drain_timeout must be in 0..3600 s, got {self.drain_timeout}")
+
+
+def _section(cls: type[Any], values: Mapping[str, Any], name: str) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - known
+    if unknown:
+        raise ValueError(f"[{name}] has unknown keys: {', '.join(sorted(unknown))}")
+    return cls(**values)
+
+
+def load_config(file_data: Mapping[str, Any], overrides: Mapping[str, Any]) -> RelayConfig:
+    """Merge a parsed TOML document with flag overrides (None means "not given") into a ``RelayConfig``.
+
+    ``overrides`` uses the file's top-level keys plus ``cache.<field>`` / ``limits.<field>`` /
+    ``transport.<field>`` for section fields.
+    """
+    unknown = set(file_data) - _TOP_KEYS
+    if unknown:
+        raise ValueError(f"config file has unknown keys: {', '.join(sorted(unknown))}")
+    top: dict[str, Any] = {k: v for k, v in file_data.items() if k not in ("cache", "limits", "transport")}
+    sections: dict[str, dict[str, Any]] = {
+        s: dict(file_data.get(s, {})) for s in ("cache", "limits", "transport")
+    }
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        sec, dot, sub = key.partition(".")
+        if dot:
+            sections[sec][sub] = value
+        else:
+            top[key] = value
+    if "cert" not in top or "key" not in top:
+        raise ValueError("cert and key are required (flags --cert/--key or the config file)")
+    tls = TlsSettings(
+        ca_file=Path(top["ca"]) if top.get("ca") else None,
+        cert_file=Path(top["cert"]),
+        key_file=Path(top["key"]),
+        require_client_cert=bool(top.get("require_client_cert", False)),
+    )
+    host, port = parse_hostport(str(top.get("listen", "127.0.0.1:4443")), "listen")
+    metrics = str(top.get("metrics", "127.0.0.1:9464"))
+    metrics_host, metrics_port = ("127.0.0.1", None) if not metrics else parse_hostport(metrics, "metrics")
+    upstream = top.get("upstream", ())
+    if isinstance(upstream, str):
+        upstream = (upstream,)
+    return RelayConfig(
+        tls=tls,
+        host=host,
+        port=port,
+        upstreams=tuple(str(u) for u in upstream),
+        metrics_host=metrics_host,
+        metrics_port=metrics_port,
+        log_format=str(top.get("log_format", "kv")),
+        log_level=str(top.get("log_level", "info")),
+        drain_timeout=float(top.get("drain_timeout", 5.0)),
+        cache=_section(CacheConfig, sections["cache"], "cache"),
+        limits=_section(LimitsConfig, sections["limits"], "limits"),
+        transport=_section(TransportSettings, sections["transport"], "transport"),
+    )
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        return tomllib.load(f)

@@ -1,0 +1,780 @@
+"""The relay daemon: accept loop, one runner per session, request handling, fan-out, shutdown.
+
+Owns: ``Relay`` (the shared state built once in ``serve``: cache, namespace router, fan-outs, upstream
+relays, metrics) and ``Peer`` (one accepted session: dispatches its requests to child tasks and cleans up
+after it). Each request is its own task, so a slow or failing request never blocks another; an exception
+in one session's runner closes that session only.
+
+Does not know what payloads mean (content-agnostic, like moq-relay) and does no MoQT parsing: events and
+actions come from ``kvnet.connection`` / ``proto.session``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+
+from kvnet.connection import (
+    ConnectionClosed,
+    ConnectionLimits,
+    IncomingFetch,
+    IncomingPublishNamespace,
+    IncomingRequest,
+    IncomingSubscribe,
+    IncomingTrackStatus,
+    MoqtConnection,
+    RequestRejected,
+    StreamResetError,
+    Subscription,
+)
+from kvnet.connection import serve as serve_moqt
+from proto import events as me
+from proto.data import ObjectStatus
+from proto.errors import PublishDoneCode, RequestErrorCode, SessionErrorCode, StreamResetCode
+from proto.messages import NO_PARAMETERS, FetchType, Location, MessageParameters, Properties
+from proto.session import SessionConfig
+from relay.cache import (
+    CachedObject,
+    FetchInfo,
+    ObjectCache,
+    RequestFailed,
+    TrackKey,
+    exclusive_to_wire_end,
+    wire_end_to_exclusive,
+)
+from relay.config import RelayConfig
+from relay.limits import LimitExceeded, Slots
+from relay.metrics import Metrics, MetricsServer
+from relay.router import NamespaceRouter, RouteLimitError
+from relay.upstream import RoutedUpstream, Source, UpstreamRelay, cached_object, forward_parameters
+
+logger = logging.getLogger(__name__)
+
+# Seconds between the last subgroup byte leaving and PUBLISH_DONE (see Fanout._publish_done_after_flush).
+_PUBLISH_DONE_GRACE = 0.2
+
+
+def _code_name(code: int) -> str:
+    try:
+        return RequestErrorCode(code).name.lower()
+    except ValueError:
+        return f"code_{code:#x}"
+
+
+class Peer:
+    """One accepted session."""
+
+    def __init__(self, relay: Relay, conn: MoqtConnection, peer_id: int) -> None:
+        self.relay = relay
+        self.conn = conn
+        self.id = peer_id
+        self.addr = _peer_address(conn)
+        self.name = f"session:{peer_id}"
+        self.requests = Slots("requests per session", relay.config.limits.max_requests_per_session)
+        self.namespaces: set[tuple[bytes, ...]] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self._aliases = itertools.count(1)
+        self.log = logging.LoggerAdapter(logger, {"session": peer_id, "peer": self.addr})
+
+    async def connection(self) -> MoqtConnection | None:
+        return None if self.conn.is_closed else self.conn
+
+    def next_alias(self) -> int:
+        return next(self._aliases)
+
+    async def run(self) -> None:
+        relay = self.relay
+        try:
+            async for req in self.conn.incoming_requests():
+                self.dispatch(req)
+        finally:
+            for task in list(self.tasks):
+                task.cancel()
+            if self.tasks:
+                await asyncio.gather(*self.tasks, return_exceptions=True)
+            relay.forget_peer(self)
+
+    def _spawn(self, req: IncomingRequest, kind: str, coro_fn: Callable[[], Awaitable[None]]) -> None:
+        try:
+            self.requests.acquire()
+        except LimitExceeded as exc:
+            self.relay.reject(req, kind, exc.code, str(exc), self.relay.config.limits.retry_interval_ms + 1)
+            self.relay.metrics.inc("limit_rejections_total", labels={"limit": "requests_per_session"})
+            return
+
+        async def runner() -> None:
+            try:
+                await coro_fn()
+            except asyncio.CancelledError:
+                pass
+            except ConnectionClosed:
+                pass  # the session ended under the request; nothing left to answer
+            except Exception:
+                self.log.exception("request handler failed", extra={"request_id": req.request_id})
+                with contextlib.suppress(Exception):
+                    self.relay.reject(req, kind, RequestErrorCode.INTERNAL_ERROR, "relay internal error")
+            finally:
+                self.requests.release()
+
+        task = asyncio.get_running_loop().create_task(runner())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def dispatch(self, req: IncomingRequest) -> None:
+        relay = self.relay
+        ev = req.event
+        if relay.going_away:
+            relay.reject(req, _kind(ev), RequestErrorCode.GOING_AWAY, "relay is shutting down")
+            return
+        if isinstance(req, IncomingFetch):
+            self._spawn(req, "fetch", lambda: relay.serve_fetch(self, req))
+        elif isinstance(req, IncomingTrackStatus):
+            self._spawn(req, "track_status", lambda: relay.serve_track_status(self, req))
+        elif isinstance(req, IncomingSubscribe):
+            self._spawn(req, "subscribe", lambda: relay.serve_subscribe(self, req))
+        elif isinstance(req, IncomingPublishNamespace):
+            self._spawn(req, "publish_namespace", lambda: relay.serve_publish_namespace(self, req))
+        elif isinstance(ev, me.SubscribeNamespaceReceived):
+            self._spawn(req, "subscribe_namespace", lambda: relay.serve_subscribe_namespace(self, req))
+        elif isinstance(ev, me.PublishReceived):
+            self._spawn(req, "publish", lambda: relay.serve_publish(self, req))
+        else:
+            relay.reject(req, _kind(ev), RequestErrorCode.NOT_SUPPORTED, "not supported by this relay")
+
+
+def _peer_address(conn: MoqtConnection) -> str:
+    """host:port of the peer, for logs. The QUIC stacks keep it only in private fields (aioquic: the
+    network paths; qh3: the remote address), so look in both and fall back to "?"."""
+    quic = conn._quic
+    paths = getattr(quic, "_network_paths", None)
+    addr = paths[0].addr if paths else getattr(quic, "_remote_addr", None)
+    if not addr:
+        return "?"
+    return f"{addr[0]}:{addr[1]}"
+
+
+def _kind(ev: me.MoqtEvent) -> str:
+    return {
+        me.FetchReceived: "fetch",
+        me.SubscribeReceived: "subscribe",
+        me.TrackStatusReceived: "track_status",
+        me.PublishNamespaceReceived: "publish_namespace",
+        me.PublishReceived: "publish",
+        me.SubscribeNamespaceReceived: "subscribe_namespace",
+        me.SubscribeTracksReceived: "subscribe_tracks",
+        me.RequestUpdateReceived: "request_update",
+    }.get(type(ev), "other")
+
+
+@dataclass
+class _DownSub:
+    """One downstream subscriber of a fan-out."""
+
+    peer: Peer
+    req: IncomingSubscribe
+    alias: int
+    streams: dict[tuple[int, int | None], int] = field(default_factory=dict)
+    """(group, subgroup) -> our stream id toward this subscriber."""
+    dropped: bool = False
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the relay ended this subscription (upstream done, or the subscriber was cut off)."""
+
+
+class Fanout:
+    """One upstream subscription (SUBSCRIBE we sent, or a PUBLISH we accepted) fanned out to N subscribers."""
+
+    def __init__(self, relay: Relay, key: TrackKey) -> None:
+        self.relay = relay
+        self.key = key
+        self.subs: dict[tuple[int, int], _DownSub] = {}
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.largest: Location | None = None
+        self.properties: Properties = ()
+        self.upstream: Subscription | None = None
+        self.source_peer: Peer | None = None
+        self.publish_objects: list[CachedObject] | None = None
+        """PUBLISH-fed tracks: objects collected to store the track in the cache once it is complete."""
+        self.publish_bytes = 0
+        self.task: asyncio.Task[None] | None = None
+        self.ended = False
+
+    def add(self, sub: _DownSub) -> None:
+        self.subs[(sub.peer.id, sub.req.request_id)] = sub
+
+    def remove(self, peer: Peer, request_id: int) -> None:
+        self.subs.pop((peer.id, request_id), None)
+        if not self.subs and self.publish_objects is None and self.upstream is not None:
+            # Last subscriber left a relay-initiated subscription: stop pulling it from upstream.
+            self.upstream.cancel()
+            self.relay.fanouts.pop(self.key, None)
+
+    def forward(self, obj: CachedObject) -> None:
+        loc = Location(obj.group, obj.object_id)
+        if self.largest is None or (loc.group, loc.object) > (self.largest.group, self.largest.object):
+            self.largest = loc
+        limit = self.relay.config.limits.max_buffered_bytes_per_session
+        for sub in list(self.subs.values()):
+            if sub.dropped or sub.peer.conn.is_closed:
+                continue
+            conn = sub.peer.conn
+            if conn.send_buffered() > limit:
+                self._drop(sub, "subscriber is not reading")
+                continue
+            try:
+                sid = sub.streams.get((obj.group, obj.subgroup))
+                if sid is None:
+                    for k in [k for k in sub.streams if k[0] < obj.group]:
+                        conn._do(conn.session.close_subgroup, sub.streams.pop(k))
+                    sid = conn._do(
+                        conn.session.open_subgroup,
+                        sub.alias,
+                        obj.group,
+                        obj.subgroup or 0,
+                        obj.priority,
+                        has_properties=bool(obj.properties),
+                    )
+                    sub.streams[(obj.group, obj.subgroup)] = sid
+                end = obj.status in (ObjectStatus.END_OF_GROUP, ObjectStatus.END_OF_TRACK)
+                conn._do(
+                    conn.session.send_subgroup_object,
+                    sid,
+                    obj.object_id,
+                    obj.payload,
+                    obj.properties,
+                    ObjectStatus(obj.status),
+                    end,
+                )
+                if end:
+                    sub.streams.pop((obj.group, obj.subgroup), None)
+                self.relay.metrics.inc("bytes_out_total", len(obj.payload))
+            except Exception as exc:  # a broken subscriber session must not stop the others
+                sub.peer.log.info("dropping subscriber", extra={"error": repr(exc)})
+                sub.dropped = True
+                sub.ended.set()
+
+    def _drop(self, sub: _DownSub, reason: str) -> None:
+        sub.dropped = True
+        sub.ended.set()
+        self.relay.metrics.inc("limit_rejections_total", labels={"limit": "buffered_bytes"})
+        sub.peer.log.warning(
+            "subscriber over buffered-bytes limit; ending subscription", extra={"reason": reason}
+        )
+        conn = sub.peer.conn
+        with contextlib.suppress(Exception):
+            conn._do(conn.session.cancel_request, sub.req.request_id, StreamResetCode.TOO_FAR_BEHIND)
+
+    def finish(self, status: int, reason: str) -> None:
+        """Upstream ended: close every subscriber's streams and send PUBLISH_DONE with the same status."""
+        self.ended = True
+        if self.relay.fanouts.get(self.key) is self:
+            del self.relay.fanouts[self.key]
+        for sub in list(self.subs.values()):
+            if sub.dropped or sub.peer.conn.is_closed:
+                continue
+            conn = sub.peer.conn
+            with contextlib.suppress(Exception):
+                for sid in sub.streams.values():
+                    conn._do(conn.session.close_subgroup, sid)
+                sub.streams.clear()
+                self.relay.spawn(self._publish_done_after_flush(sub, status, reason))
+        for sub in self.subs.values():
+            sub.ended.set()
+        self.subs.clear()
+
+    async def _publish_done_after_flush(self, sub: _DownSub, status: int, reason: str) -> None:
+        # PUBLISH_DONE travels on the request stream and can overtake subgroup data still in flight; some
+        # subscribers stop reading a subscription at PUBLISH_DONE, so wait (bounded) until our data is acked.
+        conn = sub.peer.conn
+        deadline = time.monotonic() + self.relay.config.limits.upstream_timeout
+        while conn.send_buffered() > 0 and time.monotonic() < deadline and not conn.is_closed:
+            await asyncio.sleep(0.005)
+        # On some QUIC stacks send_buffered() counts unsent rather than unacknowledged bytes; a short grace
+        # lets the last packets land (and be retransmitted once) before PUBLISH_DONE can overtake them.
+        await asyncio.sleep(_PUBLISH_DONE_GRACE)
+        with contextlib.suppress(Exception):
+            code = PublishDoneCode(status) if status in PublishDoneCode._value2member_map_ else status
+            conn._do(conn.session.publish_done, sub.req.request_id, code, reason)
+
+    async def pump(self, source: Subscription) -> None:
+        status, reason = 0x2, "track ended"  # TRACK_ENDED
+        try:
+            async for ev in source:
+                obj = cached_object(ev)
+                self.relay.metrics.inc("bytes_in_total", len(ev.payload))
+                if self.publish_objects is not None:
+                    self._collect(obj)
+                self.forward(obj)
+            if source.done is not None:
+                status, reason = source.done.status_code, source.done.reason
+        except (ConnectionClosed, RequestRejected, StreamResetError) as exc:
+            status, reason = 0x0, f"upstream ended: {exc}"  # INTERNAL_ERROR
+        finally:
+            self.finish(status, reason)
+
+    def _collect(self, obj: CachedObject) -> None:
+        objs = self.publish_objects
+        assert objs is not None
+        budget = self.relay.config.cache.max_track_bytes
+        if obj.status == ObjectStatus.END_OF_TRACK:
+            # A PUBLISH-pushed track that starts at {0,0} and has no gaps is complete: cache it so FETCH and
+            # TRACK_STATUS are served without asking the publisher.
+            contiguous = all(o.location == (0, i) for i, o in enumerate(objs))
+            if objs and contiguous and obj.location == (0, len(objs)):
+                self.relay.cache.put_track(
+                    self.key, list(objs), FetchInfo((0, len(objs)), True, self.properties)
+                )
+            self.publish_objects = []
+            self.publish_bytes = 0
+            return
+        if self.publish_bytes + obj.size > budget:
+            # Too big to cache as one track: stop collecting (objects are still forwarded live).
+            objs.clear()
+            self.publish_bytes = 0
+            return
+        objs.append(obj)
+        self.publish_bytes += obj.size
+
+
+class Relay:
+    """Shared state of one relay process; built once by ``serve``."""
+
+    def __init__(
+        self, config: RelayConfig, metrics: Metrics, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.clock = clock
+        self.cache = ObjectCache(config.cache, clock)
+        self.router: NamespaceRouter[Peer] = NamespaceRouter()
+        self.peers: dict[int, Peer] = {}
+        self.sessions = Slots("sessions", config.limits.max_sessions)
+        self.fanouts: dict[TrackKey, Fanout] = {}
+        self.ns_watchers: dict[tuple[int, int], tuple[Peer, IncomingRequest, tuple[bytes, ...]]] = {}
+        self.going_away = False
+        self._ids = itertools.count(1)
+        self._jobs: set[asyncio.Task[None]] = set()
+        session_cfg = SessionConfig(
+            is_client=True,
+            max_requests_in_flight=config.limits.max_requests_per_session,
+            max_object_size=config.limits.max_object_bytes,
+        )
+        self.upstreams = [
+            UpstreamRelay(url, config.transport, config.tls, session_cfg, self.connection_limits(), clock)
+            for url in config.upstreams
+        ]
+        self._register_metrics()
+
+    def connection_limits(self) -> ConnectionLimits:
+        lim = self.config.limits
+        return ConnectionLimits(
+            max_outstanding_requests=lim.max_requests_per_session,
+            max_send_buffer=min(lim.max_buffered_bytes_per_session, 16 << 20),
+            max_receive_buffer=lim.max_buffered_bytes_per_session,
+            setup_timeout=lim.setup_timeout,
+        )
+
+    def _register_metrics(self) -> None:
+        m = self.metrics
+        c = self.cache
+        m.gauge_fn("sessions", "open sessions", lambda: len(self.peers))
+        m.counter("sessions_total", "sessions accepted")
+        m.gauge_fn("cache_bytes", "bytes held by the cache", lambda: c.size_bytes)
+        m.gauge_fn("cache_objects", "objects held by the cache", lambda: c.objects)
+        m.gauge_fn("cache_tracks", "tracks held by the cache", lambda: c.tracks)
+        m.gauge_fn("cache_inflight_fills", "upstream fetches in flight", lambda: c.inflight())
+        m.gauge_fn(
+            "cache_inflight_bytes", "bytes held by upstream fetches in flight", lambda: c.inflight_bytes
+        )
+        m.counter_fn("cache_hits_total", "fetches served from cache", lambda: c.stats.hits)
+        m.counter_fn("cache_misses_total", "fetches that went upstream", lambda: c.stats.misses)
+        m.counter_fn("cache_evictions_total", "tracks evicted", lambda: c.stats.evictions)
+        m.counter_fn(
+            "cache_coalesced_total",
+            "requests joined to an in-flight upstream request",
+            lambda: c.stats.coalesced,
+        )
+        m.counter_fn(
+            "track_status_cache_hits_total", "TRACK_STATUS answered from cache", lambda: c.stats.status_hits
+        )
+        m.counter_fn(
+            "track_status_negative_hits_total",
+            "TRACK_STATUS answered from the negative cache",
+            lambda: c.stats.negative_hits,
+        )
+        m.gauge_fn("namespaces", "announced namespace routes", lambda: len(self.router))
+        m.gauge_fn("fanouts", "tracks with live upstream subscriptions", lambda: len(self.fanouts))
+        m.counter("bytes_in_total", "object payload bytes received")
+        m.counter("bytes_out_total", "object payload bytes sent")
+        m.counter("upstream_requests_total", "requests sent upstream")
+        m.counter("limit_rejections_total", "requests or sessions refused by a limit")
+        m.counter("requests_total", "requests by type and outcome")
+
+    # -- bookkeeping ---------------------------------------------------------------------------------
+    def spawn(self, coro: Coroutine[object, object, None]) -> None:
+        """Run a background job the relay owns (kept referenced until done)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
+
+    def count(self, kind: str, outcome: str) -> None:
+        self.metrics.inc("requests_total", labels={"type": kind, "outcome": outcome})
+
+    def reject(
+        self, req: IncomingRequest, kind: str, code: int, reason: str, retry_interval: int = 0
+    ) -> None:
+        self.count(kind, _code_name(code))
+        if req.conn.is_closed:
+            return
+        with contextlib.suppress(Exception):  # the request may have been cancelled meanwhile
+            req.reject(
+                RequestErrorCode(code) if code in RequestErrorCode._value2member_map_ else code,  # type: ignore[arg-type]
+                reason,
+                retry_interval,
+            )
+
+    def candidates(self, key: TrackKey, exclude: Peer | None) -> list[Source]:
+        pubs: list[Source] = [
+            p for p in self.router.lookup(key[0]) if p is not exclude and not p.conn.is_closed
+        ]
+        return [*pubs, *self.upstreams]
+
+    def upstream_for(self, key: TrackKey, requester: Peer) -> RoutedUpstream:
+        return RoutedUpstream(
+            self.candidates(key, requester), self.config.limits.upstream_timeout, self.metrics
+        )
+
+    def forget_peer(self, peer: Peer) -> None:
+        self.peers.pop(peer.id, None)
+        self.sessions.release()
+        removed = self.router.remove_route(peer)
+        for k in [k for k in self.ns_watchers if k[0] == peer.id]:
+            del self.ns_watchers[k]
+        for fan in list(self.fanouts.values()):
+            for key in [k for k in fan.subs if k[0] == peer.id]:
+                fan.remove(peer, key[1])
+            if fan.source_peer is peer and fan.task is not None:
+                fan.task.cancel()
+        peer.log.info("session ended", extra={"routes_removed": removed, "closed": peer.conn.session.closed})
+
+    # -- connections ---------------------------------------------------------------------------------
+    async def on_connection(self, conn: MoqtConnection) -> None:
+        try:
+            self.sessions.acquire()
+        except LimitExceeded as exc:
+            self.metrics.inc("limit_rejections_total", labels={"limit": "sessions"})
+            logger.warning("refusing session", extra={"reason": str(exc)})
+            # The session registry has no load code; INTERNAL_ERROR with a clear reason is the closest.
+            await conn.close_session(SessionErrorCode.INTERNAL_ERROR, f"relay {exc}")
+            return
+        peer = Peer(self, conn, next(self._ids))
+        self.peers[peer.id] = peer
+        self.metrics.inc("sessions_total")
+        peer.log.info("session started")
+        if self.going_away:
+            with contextlib.suppress(Exception):
+                await conn.goaway_peer("", int(self.config.drain_timeout * 1000))
+        await peer.run()
+
+    # -- FETCH -----------------------------------------------------------------------------------------
+    async def serve_fetch(self, peer: Peer, req: IncomingFetch) -> None:
+        ev = req.event
+        if ev.fetch_type != FetchType.STANDALONE or ev.track_namespace is None or ev.track_name is None:
+            # Joining fetches refer to a subscription; the relay serves those objects live instead.
+            self.reject(req, "fetch", RequestErrorCode.NOT_SUPPORTED, "joining FETCH is not supported")
+            return
+        assert ev.start is not None and ev.end is not None
+        key: TrackKey = (ev.track_namespace, ev.track_name)
+        start = (ev.start.group, ev.start.object)
+        end = wire_end_to_exclusive((ev.end.group, ev.end.object))
+        handle = self.cache.fetch(key, start, end, self.upstream_for(key, peer))
+        outcome = "cache_hit" if handle.from_cache else ("coalesced" if handle.coalesced else "miss")
+        try:
+            info = await handle.info()
+        except RequestFailed as exc:
+            self.reject(req, "fetch", exc.code, exc.reason, exc.retry_interval)
+            return
+        except (ConnectionClosed, StreamResetError) as exc:
+            self.reject(req, "fetch", RequestErrorCode.INTERNAL_ERROR, f"upstream failed: {exc}")
+            return
+        req.accept_fetch(info.end_of_track, Location(*exclusive_to_wire_end(info.end)))
+        stall = self.config.limits.upstream_timeout
+        try:
+            async for obj in handle.objects():
+                if req.cancelled.is_set() or req.conn.is_closed:
+                    return
+                req.send_object(
+                    obj.group, obj.subgroup, obj.object_id, obj.payload, obj.priority, obj.properties
+                )
+                self.metrics.inc("bytes_out_total", len(obj.payload))
+                try:
+                    await asyncio.wait_for(req.drain(), stall)
+                except TimeoutError:
+                    # The peer stopped reading: give the buffered bytes back instead of holding them forever.
+                    self.metrics.inc("limit_rejections_total", labels={"limit": "buffered_bytes"})
+                    req.conn._cancel(req.request_id, StreamResetCode.TOO_FAR_BEHIND)
+                    self.count("fetch", "too_far_behind")
+                    return
+        except RequestFailed as exc:
+            req.conn._cancel(req.request_id, StreamResetCode.INTERNAL_ERROR)
+            self.count("fetch", _code_name(exc.code))
+            return
+        except (ConnectionClosed, StreamResetError, OSError) as exc:
+            peer.log.info("upstream fetch broke mid-stream", extra={"error": str(exc)})
+            req.conn._cancel(req.request_id, StreamResetCode.INTERNAL_ERROR)
+            self.count("fetch", "upstream_reset")
+            return
+        req.finish()
+        self.count("fetch", outcome)
+
+    # -- TRACK_STATUS ------------------------------------------------------------------------------------
+    async def serve_track_status(self, peer: Peer, req: IncomingTrackStatus) -> None:
+        ev = req.event
+        key: TrackKey = (ev.track_namespace, ev.track_name)
+        hit = self.cache.cached_status(key) is not None
+        try:
+            st = await self.cache.track_status(key, self.upstream_for(key, peer))
+        except RequestFailed as exc:
+            self.reject(req, "track_status", exc.code, exc.reason, exc.retry_interval)
+            return
+        params = (
+            NO_PARAMETERS if st.largest is None else MessageParameters(largest_object=Location(*st.largest))
+        )
+        req.respond(params, st.properties)
+        self.count("track_status", "cache_hit" if hit else "ok")
+
+    # -- PUBLISH_NAMESPACE / SUBSCRIBE_NAMESPACE ---------------------------------------------------------
+    async def serve_publish_namespace(self, peer: Peer, req: IncomingPublishNamespace) -> None:
+        ns = req.event.track_namespace
+        if len(peer.namespaces) >= self.config.limits.max_namespaces_per_session:
+            self.metrics.inc("limit_rejections_total", labels={"limit": "namespaces_per_session"})
+            self.reject(
+                req,
+                "publish_namespace",
+                RequestErrorCode.EXCESSIVE_LOAD,
+                f"at most {self.config.limits.max_namespaces_per_session} namespaces per session",
+            )
+            return
+        try:
+            self.router.add(ns, peer)
+        except RouteLimitError as exc:
+            self.metrics.inc("limit_rejections_total", labels={"limit": "namespaces"})
+            self.reject(req, "publish_namespace", RequestErrorCode.EXCESSIVE_LOAD, str(exc))
+            return
+        peer.namespaces.add(ns)
+        self.cache.invalidate_negative(ns)
+        req.accept()
+        self.count("publish_namespace", "ok")
+        peer.log.info("namespace published", extra={"namespace": _ns_text(ns)})
+        self._notify_namespace(ns, added=True)
+        # The request slot is released, but the registration lives until the publisher withdraws it.
+        await req.cancelled.wait()
+        self.router.remove(ns, peer)
+        peer.namespaces.discard(ns)
+        self._notify_namespace(ns, added=False)
+        peer.log.info("namespace withdrawn", extra={"namespace": _ns_text(ns)})
+
+    def _notify_namespace(self, ns: tuple[bytes, ...], added: bool) -> None:
+        for wpeer, wreq, prefix in list(self.ns_watchers.values()):
+            if ns[: len(prefix)] != prefix or wpeer.conn.is_closed:
+                continue
+            suffix = ns[len(prefix) :]
+            with contextlib.suppress(Exception):
+                if added:
+                    wpeer.conn._do(wpeer.conn.session.namespace, wreq.request_id, suffix)
+                else:
+                    wpeer.conn._do(wpeer.conn.session.namespace_done, wreq.request_id, suffix)
+
+    async def serve_subscribe_namespace(self, peer: Peer, req: IncomingRequest) -> None:
+        ev = req.event
+        assert isinstance(ev, me.SubscribeNamespaceReceived)
+        prefix = ev.track_namespace_prefix
+        req.accept()
+        self.count("subscribe_namespace", "ok")
+        seen: set[tuple[bytes, ...]] = set()
+        for ns, _ in self.router.under(prefix):
+            if ns not in seen:
+                seen.add(ns)
+                peer.conn._do(peer.conn.session.namespace, req.request_id, ns[len(prefix) :])
+        self.ns_watchers[(peer.id, req.request_id)] = (peer, req, prefix)
+        try:
+            await req.cancelled.wait()
+        finally:
+            self.ns_watchers.pop((peer.id, req.request_id), None)
+
+    # -- SUBSCRIBE / PUBLISH -------------------------------------------------------------------------------
+    async def serve_subscribe(self, peer: Peer, req: IncomingSubscribe) -> None:
+        ev = req.event
+        key: TrackKey = (ev.track_namespace, ev.track_name)
+        fan = self.fanouts.get(key)
+        if fan is None:
+            fan = Fanout(self, key)
+            self.fanouts[key] = fan
+            try:
+                await self._subscribe_upstream(fan, peer)
+            except RequestFailed as exc:
+                if self.fanouts.get(key) is fan:
+                    del self.fanouts[key]
+                fan.ready.set_exception(exc)
+                fan.ready.exception()
+                self.reject(req, "subscribe", exc.code, exc.reason, exc.retry_interval)
+                return
+            fan.ready.set_result(None)
+            outcome = "ok"
+        else:
+            try:
+                await asyncio.shield(fan.ready)
+            except RequestFailed as exc:
+                self.reject(req, "subscribe", exc.code, exc.reason, exc.retry_interval)
+                return
+            outcome = "joined"
+        if len(fan.subs) >= self.config.limits.max_subscribers_per_track:
+            self.metrics.inc("limit_rejections_total", labels={"limit": "subscribers_per_track"})
+            self.reject(
+                req, "subscribe", RequestErrorCode.EXCESSIVE_LOAD, "too many subscribers for this track"
+            )
+            return
+        alias = peer.next_alias()
+        params = NO_PARAMETERS if fan.largest is None else MessageParameters(largest_object=fan.largest)
+        req.accept_subscribe(alias, params, fan.properties)
+        sub = _DownSub(peer, req, alias)
+        fan.add(sub)
+        self.count("subscribe", outcome)
+        waits = {asyncio.ensure_future(req.cancelled.wait()), asyncio.ensure_future(sub.ended.wait())}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+            fan.remove(peer, req.request_id)
+
+    async def _subscribe_upstream(self, fan: Fanout, requester: Peer) -> None:
+        ns, name = fan.key
+        last: RequestFailed | None = None
+        for src in self.candidates(fan.key, requester):
+            conn = await src.connection()
+            if conn is None:
+                continue
+            self.metrics.inc("upstream_requests_total", labels={"type": "subscribe"})
+            try:
+                sub = await asyncio.wait_for(
+                    conn.subscribe(ns, name, forward_parameters()), self.config.limits.upstream_timeout
+                )
+            except RequestRejected as exc:
+                last = RequestFailed(exc.code, exc.reason, exc.retry_interval)
+                if exc.code == RequestErrorCode.DOES_NOT_EXIST:
+                    continue
+                raise last from None
+            except TimeoutError:
+                raise RequestFailed(RequestErrorCode.TIMEOUT, f"no SUBSCRIBE_OK from {src.name}") from None
+            except ConnectionClosed:
+                continue
+            assert sub.ok is not None
+            fan.upstream = sub
+            fan.largest = sub.ok.parameters.largest_object
+            fan.properties = sub.ok.track_properties
+            fan.task = asyncio.get_running_loop().create_task(fan.pump(sub))
+            return
+        raise last or RequestFailed(
+            RequestErrorCode.DOES_NOT_EXIST, "no publisher or upstream relay for this track"
+        )
+
+    async def serve_publish(self, peer: Peer, req: IncomingRequest) -> None:
+        ev = req.event
+        assert isinstance(ev, me.PublishReceived)
+        key: TrackKey = (ev.track_namespace, ev.track_name)
+        if key in self.fanouts:
+            self.reject(
+                req, "publish", RequestErrorCode.DUPLICATE_SUBSCRIPTION, "track already has a publisher"
+            )
+            return
+        fan = Fanout(self, key)
+        fan.source_peer = peer
+        fan.properties = ev.track_properties
+        fan.largest = ev.parameters.largest_object
+        fan.publish_objects = []
+        fan.ready.set_result(None)
+        self.fanouts[key] = fan
+        # The glue routes objects to registered object streams; a PUBLISH is one whose objects we consume.
+        source = Subscription(peer.conn, req.request_id)
+        peer.conn._streams[req.request_id] = source
+        req.accept(MessageParameters(forward=1))
+        self.cache.invalidate_negative(key[0])
+        self.count("publish", "ok")
+        fan.task = asyncio.get_running_loop().create_task(fan.pump(source))
+        cancelled = asyncio.ensure_future(req.cancelled.wait())
+        try:
+            await asyncio.wait({fan.task, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cancelled.cancel()
+            if not fan.task.done():
+                fan.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await fan.task
+
+    # -- shutdown ------------------------------------------------------------------------------------------
+    async def close(self) -> None:
+        for up in self.upstreams:
+            await up.close()
+
+
+def _ns_text(ns: tuple[bytes, ...]) -> str:
+    return "/".join(p.decode() if p.isascii() and p.decode().isprintable() else p.hex() for p in ns)
+
+
+async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> None:
+    """Run a relay until SIGTERM/SIGINT (or ``stop``), then GOAWAY, drain and close."""
+    metrics = Metrics()
+    relay = Relay(config, metrics)
+    session_cfg = SessionConfig(
+        is_client=False,
+        max_requests_in_flight=config.limits.max_requests_per_session,
+        max_object_size=config.limits.max_object_bytes,
+    )
+    server = await serve_moqt(
+        config.host,
+        config.port,
+        config.transport,
+        config.tls,
+        relay.on_connection,
+        session_config=session_cfg,
+        limits=relay.connection_limits(),
+        # The relay enforces max_sessions itself so refusals are counted and logged.
+        max_connections=1 << 30,
+    )
+    metrics_server: MetricsServer | None = None
+    if config.metrics_port is not None:
+        metrics_server = MetricsServer(metrics, config.metrics_host, config.metrics_port)
+        await metrics_server.start()
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(RuntimeError, ValueError):  # not in the main thread
+            loop.add_signal_handler(sig, stop.set)
+    host, port = server.address
+    logger.info(
+        "listening",
+        extra={
+            "quic": f"{host}:{port}",
+            "metrics": f"{config.metrics_host}:{metrics_server.port}" if metrics_server else "off",
+            "upstreams": ",".join(config.upstreams) or "none",
+            "cache_bytes": config.cache.max_bytes,
+        },
+    )
+    await stop.wait()
+    started = time.monotonic()
+    logger.info(
+        "shutting down: GOAWAY to all sessions",
+        extra={"sessions": len(relay.peers), "drain_timeout": config.drain_timeout},
+    )
+    relay.going_away = True
+    await server.shutdown("", config.drain_timeout)
+    await relay.close()
+    if metrics_server is not None:
+        await metrics_server.close()
+    logger.info("stopped", extra={"drain_seconds": round(time.monotonic() - started, 3)})

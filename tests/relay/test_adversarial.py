@@ -1,0 +1,209 @@
+"""Misbehaving peers against a real relay process: the offender's session ends with the draft's code (or
+its stream/request does), other sessions keep working, and the relay's memory stays bounded.
+
+The raw peer is aioquic's ``QuicConnectionProtocol`` writing arbitrary bytes on QUIC streams: a real
+network peer with no MoQT library in the way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+from pathlib import Path
+
+from aioquic.asyncio.client import connect as quic_connect
+
+from kvnet.connection import ConnectionClosed, RequestRejected, StreamResetError
+from proto.data import SubgroupHeader, encode_subgroup_header, subgroup_object_prefix
+from proto.errors import SessionErrorCode, StreamResetCode
+from proto.messages import Location, Publish, Setup, TrackStatus, encode_message
+from tests.relay.conftest import CertDir, RelayProcess, start_relay
+from tests.relay.peers import NS, Publisher, RawPeer, connect_client, fetch_track, raw_config, track_objects
+
+# Python + aioquic + the relay at rest is ~60 MB; this leaves room for the cache and buffers we allow.
+RSS_LIMIT = 400 * 1024 * 1024
+
+
+async def expect_close(peer: RawPeer, code: int) -> str:
+    err, reason = await asyncio.wait_for(peer.terminated, 10)
+    assert err == code, (err, reason)
+    return reason
+
+
+async def still_serves(rp: RelayProcess, cert_dir: CertDir, pub: Publisher, name: bytes, n: int) -> None:
+    c = await connect_client(rp.url, str(cert_dir.ca))
+    try:
+        assert await fetch_track(c, name, n) == pub.tracks[name]
+    finally:
+        await c.close_session()
+
+
+async def start_pub(rp: RelayProcess, cert_dir: CertDir, tracks: dict[bytes, list[bytes]]) -> Publisher:
+    return await Publisher(await connect_client(rp.url, str(cert_dir.ca)), tracks).start()
+
+
+async def test_random_udp_datagrams_do_not_disturb(relay: RelayProcess, cert_dir: CertDir) -> None:
+    pub = await start_pub(relay, cert_dir, {b"t": track_objects(b"t")})
+    rnd = random.Random(1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _ in range(2000):
+            s.sendto(rnd.randbytes(rnd.randrange(1, 1400)), ("127.0.0.1", relay.port))
+    await still_serves(relay, cert_dir, pub, b"t", 4)
+    await pub.stop()
+    assert relay.proc.poll() is None
+
+
+async def test_random_bytes_on_streams_close_only_that_session(
+    relay: RelayProcess, cert_dir: CertDir
+) -> None:
+    pub = await start_pub(relay, cert_dir, {b"t": track_objects(b"t")})
+    rnd = random.Random(2)
+    for i in range(6):
+        async with quic_connect(
+            "127.0.0.1", relay.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
+        ) as peer:
+            assert isinstance(peer, RawPeer)
+            peer.setup()
+            uni = i % 2 == 0
+            # Random bytes behind a start that is invalid for the stream kind: 0x3F is a subgroup type with
+            # the reserved Subgroup ID mode; 0x01 is a reserved message type (here with a 16-byte length).
+            peer.send(peer.new_stream(uni=uni), (b"\x3f" if uni else b"\x01\x00\x10") + rnd.randbytes(3000))
+            reason = await expect_close(peer, SessionErrorCode.PROTOCOL_VIOLATION)
+            assert reason
+    await still_serves(relay, cert_dir, pub, b"t", 4)
+    await pub.stop()
+
+
+async def test_malformed_control_message(relay: RelayProcess, cert_dir: CertDir) -> None:
+    async with quic_connect(
+        "127.0.0.1", relay.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
+    ) as peer:
+        assert isinstance(peer, RawPeer)
+        ctrl = peer.new_stream(True)
+        # SETUP, then a TRACK_STATUS whose Length says 5 bytes but whose payload is a truncated namespace.
+        peer.send(ctrl, encode_message(Setup()))
+        peer.send(peer.new_stream(False), b"\x0d\x00\x05\x00\x05\xff\xff\xff")
+        await expect_close(peer, SessionErrorCode.PROTOCOL_VIOLATION)
+
+
+async def test_invalid_and_duplicate_request_ids(relay: RelayProcess, cert_dir: CertDir) -> None:
+    for ids in ((1,), (0, 0)):
+        async with quic_connect(
+            "127.0.0.1", relay.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
+        ) as peer:
+            assert isinstance(peer, RawPeer)
+            peer.setup()
+            for rid in ids:  # odd = server parity; a repeat is a duplicate
+                peer.send(peer.new_stream(False), encode_message(TrackStatus(rid, NS, b"x")))
+            await expect_close(peer, SessionErrorCode.INVALID_REQUEST_ID)
+
+
+async def test_oversized_control_message_length(relay: RelayProcess, cert_dir: CertDir) -> None:
+    async with quic_connect(
+        "127.0.0.1", relay.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
+    ) as peer:
+        assert isinstance(peer, RawPeer)
+        peer.setup()
+        # A maximal 65535-byte TRACK_STATUS: the namespace inside claims more fields than fit.
+        peer.send(peer.new_stream(False), b"\x0d\xff\xff\x00\x20" + b"\x01" * 65533)
+        await expect_close(peer, SessionErrorCode.PROTOCOL_VIOLATION)
+
+
+async def test_oversized_object_is_refused(
+    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+) -> None:
+    rp = start_relay(cert_dir, tmp_path, "--max-object-bytes", "10000")
+    relay_factory.append(rp)
+    pub = await start_pub(rp, cert_dir, {b"t": track_objects(b"t")})
+    async with quic_connect(
+        "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
+    ) as peer:
+        assert isinstance(peer, RawPeer)
+        peer.setup()
+        peer.send(peer.new_stream(False), encode_message(Publish(0, (b"evil",), b"big", 7)))
+        header = SubgroupHeader(7, 0)
+        sid = peer.new_stream(True)
+        peer.send(sid, encode_subgroup_header(header) + subgroup_object_prefix(header, 0, None, 1_000_000))
+        for _ in range(20):
+            peer.send(sid, os.urandom(50_000))
+            await asyncio.sleep(0.01)
+            if sid in peer.stop_sending:
+                break
+        assert peer.stop_sending.get(sid) == StreamResetCode.EXCESSIVE_LOAD
+    await still_serves(rp, cert_dir, pub, b"t", 4)
+    await pub.stop()
+
+
+async def test_peer_that_never_reads(
+    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+) -> None:
+    rp = start_relay(cert_dir, tmp_path, "--upstream-timeout", "2", "--max-buffered-bytes", "1000000")
+    relay_factory.append(rp)
+    big = track_objects(b"big", 8, 500_000)  # 4 MB
+    pub = await start_pub(rp, cert_dir, {b"big": big, b"small": track_objects(b"small")})
+    await still_serves(rp, cert_dir, pub, b"big", 8)  # now cached
+    async with quic_connect(
+        "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
+    ) as peer:
+        assert isinstance(peer, RawPeer)
+        peer.setup()
+        await asyncio.sleep(0.2)
+        # Ten fetches of 4 MB each, then we stop reading (and acknowledging) anything.
+        from proto.messages import Fetch, FetchType, StandaloneFetch
+
+        for i in range(10):
+            fetch = Fetch(
+                2 * i, FetchType.STANDALONE, StandaloneFetch(NS, b"big", Location(0, 0), Location(0, 8))
+            )
+            peer.send(peer.new_stream(False), encode_message(fetch))
+        await asyncio.sleep(0.3)
+        peer._transport.pause_reading()  # type: ignore[union-attr]
+        # Meanwhile another session is served normally.
+        await still_serves(rp, cert_dir, pub, b"small", 4)
+        await asyncio.sleep(3)
+        m = await rp.ametrics()
+        assert m['kvnet_relay_limit_rejections_total{limit="buffered_bytes"}'] >= 1
+        assert rp.rss_bytes() < RSS_LIMIT
+        peer._transport.resume_reading()  # type: ignore[union-attr]
+    await still_serves(rp, cert_dir, pub, b"small", 4)
+    await pub.stop()
+
+
+async def test_publisher_disconnects_mid_object(relay: RelayProcess, cert_dir: CertDir) -> None:
+    full = track_objects(b"cut", 4, 2_000_000)
+    bad = await start_pub(relay, cert_dir, {b"cut": full})
+    bad.cut_after = 2  # sends objects 0 and 1 (2 MB each), then vanishes while they are in flight
+    sub = await connect_client(relay.url, str(cert_dir.ca))
+    try:
+        failed: Exception | None = None
+        try:
+            await fetch_track(sub, b"cut", 4)
+        except (RequestRejected, StreamResetError, ConnectionClosed) as exc:
+            failed = exc  # a reset, REQUEST_ERROR or cut stream: never a clean end of a partial track
+        assert failed is not None
+        m = await relay.ametrics()
+        assert m["kvnet_relay_cache_objects"] == 0  # nothing partial was stored
+        good = await start_pub(relay, cert_dir, {b"cut": full})
+        assert await fetch_track(sub, b"cut", 4) == full
+        assert good.counts["fetch"] == 1
+        await good.stop()
+    finally:
+        await sub.close_session()
+    assert relay.rss_bytes() < RSS_LIMIT
+
+
+async def test_subscriber_disconnects_mid_object(relay: RelayProcess, cert_dir: CertDir) -> None:
+    big = track_objects(b"big", 4, 2_000_000)
+    pub = await start_pub(relay, cert_dir, {b"big": big, b"small": track_objects(b"small")})
+    for _ in range(3):
+        quitter = await connect_client(relay.url, str(cert_dir.ca))
+        h = await quitter.fetch(NS, b"big", Location(0, 0), Location(0, 4))
+        async for _obj in h:
+            break  # one object in, with megabytes still in flight toward us
+        quitter.close()  # the transport goes away without a MoQT close
+    await still_serves(relay, cert_dir, pub, b"big", 4)
+    await still_serves(relay, cert_dir, pub, b"small", 4)
+    await pub.stop()
+    assert relay.proc.poll() is None and relay.rss_bytes() < RSS_LIMIT

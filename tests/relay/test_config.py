@@ -1,0 +1,72 @@
+"""Relay configuration: TOML + flag merging, validation errors that name the field, metrics rendering."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from relay.__main__ import build_parser, config_from_args
+from relay.config import load_config, parse_hostport
+from relay.metrics import Metrics, parse_prometheus
+from tests.relay.conftest import CertDir
+
+
+def test_file_then_flags(cert_dir: CertDir, tmp_path: Path) -> None:
+    f = tmp_path / "relay.toml"
+    f.write_text(
+        f'listen = "127.0.0.1:5000"\ncert = "{cert_dir.cert}"\nkey = "{cert_dir.key}"\nca = "{cert_dir.ca}"\n'
+        'upstream = ["moqt://origin:4443"]\nlog_format = "json"\n'
+        "[cache]\nmax_bytes = 1000\nnegative_ttl = 0\n[limits]\nmax_sessions = 7\n"
+        "[transport]\nmax_datagram_size = 1452\n"
+    )
+    args = build_parser().parse_args(
+        ["--config", str(f), "--listen", "0.0.0.0:6000", "--cache-bytes", "2000"]
+    )
+    cfg = config_from_args(args)
+    assert (cfg.host, cfg.port) == ("0.0.0.0", 6000)
+    assert cfg.cache.max_bytes == 2000 and cfg.cache.negative_ttl == 0
+    assert cfg.limits.max_sessions == 7
+    assert cfg.transport.max_datagram_size == 1452
+    assert cfg.upstreams == ("moqt://origin:4443",) and cfg.log_format == "json"
+
+
+def test_validation_names_the_field(cert_dir: CertDir) -> None:
+    base = {"cert": str(cert_dir.cert), "key": str(cert_dir.key)}
+    with pytest.raises(ValueError, match="unknown keys: bogus"):
+        load_config({**base, "bogus": 1}, {})
+    with pytest.raises(ValueError, match=r"\[limits\] has unknown keys: nope"):
+        load_config({**base, "limits": {"nope": 1}}, {})
+    with pytest.raises(ValueError, match="max_sessions"):
+        load_config({**base, "limits": {"max_sessions": 0}}, {})
+    with pytest.raises(ValueError, match="upstreams: verifying upstream relays needs ca"):
+        load_config({**base, "upstream": ["moqt://x:1"]}, {})
+    with pytest.raises(ValueError, match="moqt://"):
+        load_config({**base, "ca": str(cert_dir.ca), "upstream": ["http://x:1"]}, {})
+    with pytest.raises(ValueError, match="cert and key are required"):
+        load_config({}, {})
+    with pytest.raises(ValueError, match="log_format"):
+        load_config({**base, "log_format": "xml"}, {})
+    metrics_off = load_config({**base, "metrics": ""}, {})
+    assert metrics_off.metrics_port is None
+
+
+def test_parse_hostport() -> None:
+    assert parse_hostport("[::1]:443", "listen") == ("::1", 443)
+    with pytest.raises(ValueError, match="listen must be host:port"):
+        parse_hostport("nohost", "listen")
+    with pytest.raises(ValueError, match="port must be in"):
+        parse_hostport("a:70000", "listen")
+
+
+def test_metrics_render_and_parse() -> None:
+    m = Metrics()
+    m.counter("requests_total", "requests")
+    m.inc("requests_total", labels={"type": "fetch", "outcome": "ok"})
+    m.inc("requests_total", 2, labels={"type": "fetch", "outcome": "ok"})
+    m.gauge_fn("cache_bytes", "bytes", lambda: 123)
+    text = m.render()
+    assert "# TYPE kvnet_relay_requests_total counter" in text
+    samples = parse_prometheus(text)
+    assert samples['kvnet_relay_requests_total{outcome="ok",type="fetch"}'] == 3
+    assert samples["kvnet_relay_cache_bytes"] == 123

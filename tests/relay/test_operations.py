@@ -1,0 +1,169 @@
+"""Relay operations against the real daemon: limits, PUBLISH into the cache, namespace discovery, logs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from aioquic.asyncio.client import connect as quic_connect
+
+from kvnet.connection import MoqtConnectionError, RequestRejected
+from proto.data import ObjectStatus
+from proto.errors import RequestErrorCode, SessionErrorCode
+from proto.events import NamespaceReceived
+from proto.messages import Location, TrackStatus, encode_message
+from tests.relay.conftest import CertDir, RelayProcess, start_relay
+from tests.relay.peers import NS, Publisher, RawPeer, connect_client, fetch_track, raw_config, track_objects
+
+
+async def test_session_limit(cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]) -> None:
+    rp = start_relay(cert_dir, tmp_path, "--max-sessions", "2")
+    relay_factory.append(rp)
+    pub = await Publisher(await connect_client(rp.url, str(cert_dir.ca)), {b"t": track_objects(b"t")}).start()
+    sub = await connect_client(rp.url, str(cert_dir.ca))
+    try:
+        # The relay accepts SETUP, then closes the session over its limit with a reason saying so.
+        extra = None
+        try:
+            extra = await connect_client(rp.url, str(cert_dir.ca))
+            code, reason = await asyncio.wait_for(extra.wait_session_closed(), 5)
+        except MoqtConnectionError as exc:
+            code, reason = SessionErrorCode.INTERNAL_ERROR, str(exc)
+        assert code == SessionErrorCode.INTERNAL_ERROR and "sessions" in reason
+        assert await fetch_track(sub, b"t", 4) == pub.tracks[b"t"]
+        m = await rp.ametrics()
+        assert m['kvnet_relay_limit_rejections_total{limit="sessions"}'] == 1
+        assert m["kvnet_relay_sessions"] == 2
+    finally:
+        await pub.stop()
+        await sub.close_session()
+
+
+async def test_requests_per_session_limit(
+    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+) -> None:
+    rp = start_relay(cert_dir, tmp_path, "--max-requests-per-session", "3")
+    relay_factory.append(rp)
+    tracks = {f"s{i}".encode(): track_objects(f"s{i}".encode()) for i in range(6)}
+    pub = await Publisher(await connect_client(rp.url, str(cert_dir.ca)), tracks).start()
+    pub.fetch_delay = 1.0
+    sub = await connect_client(rp.url, str(cert_dir.ca))
+    try:
+        results = await asyncio.gather(
+            *(fetch_track(sub, name, 4) for name in tracks), return_exceptions=True
+        )
+        refused = [r for r in results if isinstance(r, RequestRejected)]
+        served = [r for r in results if isinstance(r, list)]
+        assert len(served) == 3 and len(refused) == 3, results
+        assert all(r.code == RequestErrorCode.EXCESSIVE_LOAD and r.retry_interval > 0 for r in refused)
+        # The limit is on concurrent requests: once those finished, new ones are served.
+        assert await fetch_track(sub, b"s5", 4) == tracks[b"s5"]
+    finally:
+        await pub.stop()
+        await sub.close_session()
+
+
+async def test_publish_pushes_track_into_cache(relay: RelayProcess, cert_dir: CertDir) -> None:
+    objs = track_objects(b"pushed", 5)
+    pub = await Publisher(await connect_client(relay.url, str(cert_dir.ca)), {}).start()
+    c = pub.conn
+    c._do(c.session.publish, NS, b"pushed", 42)
+    # Send the objects once the relay accepted the PUBLISH (the draft also lets them go at once).
+    for _ in range(100):
+        if relay.metric('kvnet_relay_requests_total{outcome="ok",type="publish"}') == 1:
+            break
+        await asyncio.sleep(0.02)
+    sid = c._do(c.session.open_subgroup, 42, 0, 0, None)
+    for i, payload in enumerate(objs):
+        c._do(c.session.send_subgroup_object, sid, i, payload)
+    c._do(c.session.send_subgroup_object, sid, len(objs), b"", (), ObjectStatus.END_OF_TRACK, True)
+    sub = await connect_client(relay.url, str(cert_dir.ca))
+    try:
+        for _ in range(100):
+            m = await relay.ametrics()
+            if m["kvnet_relay_cache_objects"] == len(objs):
+                break
+            await asyncio.sleep(0.05)
+        st = await sub.track_status(NS, b"pushed")
+        assert st.parameters.largest_object == Location(0, 4)
+        assert await fetch_track(sub, b"pushed", 5) == objs
+        # Neither request reached the publisher: both came from the pushed copy.
+        assert pub.counts["fetch"] == 0 and pub.counts["track_status"] == 0
+    finally:
+        await pub.stop()
+        await sub.close_session()
+
+
+async def test_subscribe_namespace_lists_and_follows_announcements(
+    relay: RelayProcess, cert_dir: CertDir
+) -> None:
+    first = await Publisher(await connect_client(relay.url, str(cert_dir.ca)), {}).start()
+    watcher = await connect_client(relay.url, str(cert_dir.ca))
+    try:
+        rid = watcher._do(watcher.session.subscribe_namespace, (b"kvnet", b"v1"))
+        other_ns = (b"kvnet", b"v1", b"fp-other", b"tenant")
+        second = Publisher(await connect_client(relay.url, str(cert_dir.ca)), {}, namespace=other_ns)
+        await second.start()
+        seen: set[tuple[bytes, ...]] = set()
+        for _ in range(100):
+            seen = {
+                ev.track_namespace_suffix
+                for ev in watcher.other_events
+                if isinstance(ev, NamespaceReceived) and ev.request_id == rid
+            }
+            if len(seen) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert seen == {NS[2:], other_ns[2:]}
+        await second.stop()
+    finally:
+        await first.stop()
+        await watcher.close_session()
+
+
+async def test_going_away_requests_refused_after_sigterm(
+    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+) -> None:
+    rp = start_relay(cert_dir, tmp_path, "--drain-timeout", "3")
+    relay_factory.append(rp)
+    client = await connect_client(rp.url, str(cert_dir.ca))
+    # A raw peer ignores the GOAWAY and keeps sending requests, which the relay must refuse.
+    async with quic_connect(
+        "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
+    ) as raw:
+        assert isinstance(raw, RawPeer)
+        raw.setup()
+        await asyncio.sleep(0.3)
+        rp.proc.send_signal(15)
+        await asyncio.wait_for(client.goaway_event.wait(), 5)
+        sid = raw.new_stream(False)
+        raw.send(sid, encode_message(TrackStatus(0, NS, b"anything")))
+        for _ in range(100):
+            if raw.data.get(sid):
+                break
+            await asyncio.sleep(0.02)
+        # REQUEST_ERROR (0x05), 16-bit length, then Error Code GOING_AWAY (0x06).
+        answer = raw.data.get(sid, b"")
+        assert answer[:1] == b"\x05" and answer[3:4] == bytes([RequestErrorCode.GOING_AWAY]), answer
+    await client.close_session()
+    assert await asyncio.to_thread(rp.proc.wait, 10) == 0
+
+
+def test_json_logs_and_metrics_endpoint(
+    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+) -> None:
+    rp = start_relay(cert_dir, tmp_path, "--log-format", "json")
+    relay_factory.append(rp)
+    lines = [json.loads(line) for line in rp.log().splitlines() if line.startswith("{")]
+    listening = [e for e in lines if e["msg"] == "listening"]
+    assert listening and listening[0]["quic"] == f"127.0.0.1:{rp.port}"
+    text = urllib.request.urlopen(f"http://127.0.0.1:{rp.metrics_port}/metrics", timeout=5).read().decode()
+    assert "# TYPE kvnet_relay_cache_bytes gauge" in text
+    assert "# TYPE kvnet_relay_requests_total counter" in text
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        urllib.request.urlopen(f"http://127.0.0.1:{rp.metrics_port}/other", timeout=5)
+    assert ei.value.code == 404

@@ -1,0 +1,191 @@
+"""The relay daemon end to end: real ``python -m relay`` processes, real QUIC peers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from kvnet.connection import RequestRejected
+from proto.errors import RequestErrorCode
+from proto.messages import Location
+from tests.relay.conftest import CertDir, RelayProcess, sigterm, start_relay
+from tests.relay.peers import NS, Publisher, connect_client, fetch_track, track_objects
+
+
+async def publisher(rp: RelayProcess, cert_dir: CertDir, tracks: dict[bytes, list[bytes]]) -> Publisher:
+    conn = await connect_client(rp.url, str(cert_dir.ca))
+    return await Publisher(conn, tracks).start()
+
+
+async def _payloads(handle: object) -> list[bytes]:
+    return [o.payload async for o in handle if o.payload]  # type: ignore[attr-defined]
+
+
+async def test_publish_then_fetch_and_served_from_cache_after_publisher_left(
+    relay: RelayProcess, cert_dir: CertDir
+) -> None:
+    objs = track_objects(b"block-a", 5)
+    pub = await publisher(relay, cert_dir, {b"block-a": objs})
+    sub = await connect_client(relay.url, str(cert_dir.ca))
+    try:
+        assert await fetch_track(sub, b"block-a", 5) == objs
+        assert pub.counts["fetch"] == 1
+        await pub.stop()
+        # The publisher is gone: only the cache can answer now.
+        assert await fetch_track(sub, b"block-a", 5) == objs
+        st = await sub.track_status(NS, b"block-a")
+        assert st.parameters.largest_object == Location(0, 4)
+        m = await relay.ametrics()
+        assert m['kvnet_relay_requests_total{outcome="cache_hit",type="fetch"}'] == 1
+        assert m['kvnet_relay_requests_total{outcome="cache_hit",type="track_status"}'] == 1
+        assert m["kvnet_relay_cache_objects"] == 5
+    finally:
+        await sub.close_session()
+
+
+async def test_unknown_track_and_no_route_are_does_not_exist(relay: RelayProcess, cert_dir: CertDir) -> None:
+    pub = await publisher(relay, cert_dir, {b"x": track_objects(b"x")})
+    sub = await connect_client(relay.url, str(cert_dir.ca))
+    try:
+        with pytest.raises(RequestRejected) as ei:
+            await sub.track_status(NS, b"not-there")
+        assert ei.value.code == RequestErrorCode.DOES_NOT_EXIST
+        with pytest.raises(RequestRejected) as ei:
+            await fetch_track(sub, b"nope", 3, ns=(b"other", b"ns"))
+        assert ei.value.code == RequestErrorCode.DOES_NOT_EXIST
+        assert pub.counts["track_status"] == 1 and pub.counts["fetch"] == 0
+    finally:
+        await pub.stop()
+        await sub.close_session()
+
+
+async def test_track_status_forwarded_to_publisher(relay: RelayProcess, cert_dir: CertDir) -> None:
+    pub = await publisher(relay, cert_dir, {b"b": track_objects(b"b", 7)})
+    sub = await connect_client(relay.url, str(cert_dir.ca))
+    try:
+        st = await sub.track_status(NS, b"b")
+        assert st.parameters.largest_object == Location(0, 6)
+        assert pub.counts["track_status"] == 1
+    finally:
+        await pub.stop()
+        await sub.close_session()
+
+
+async def test_publish_subscribe_fanout_publisher_sends_once(relay: RelayProcess, cert_dir: CertDir) -> None:
+    objs = track_objects(b"live", 6)
+    pub = await publisher(relay, cert_dir, {b"live": objs})
+    subs = [await connect_client(relay.url, str(cert_dir.ca)) for _ in range(3)]
+    try:
+        handles = [await s.subscribe(NS, b"live") for s in subs]
+        assert pub.counts["subscribe"] == 1  # one upstream subscription for three subscribers
+        pub.live.set()
+
+        results = await asyncio.wait_for(asyncio.gather(*(_payloads(h) for h in handles)), 20)
+        for r in results:
+            assert r == objs
+        assert pub.objects_sent == len(objs)
+        m = await relay.ametrics()
+        assert m['kvnet_relay_requests_total{outcome="joined",type="subscribe"}'] == 2
+        assert m['kvnet_relay_upstream_requests_total{type="subscribe"}'] == 1
+    finally:
+        await pub.stop()
+        for s in subs:
+            await s.close_session()
+
+
+async def test_concurrent_fetches_coalesce(relay: RelayProcess, cert_dir: CertDir) -> None:
+    objs = track_objects(b"hot", 8, 20000)
+    pub = await publisher(relay, cert_dir, {b"hot": objs})
+    pub.fetch_delay = 0.3
+    clients = [await connect_client(relay.url, str(cert_dir.ca)) for _ in range(4)]
+    try:
+        results = await asyncio.gather(*(fetch_track(c, b"hot", 8) for c in clients for _ in range(2)))
+        assert all(r == objs for r in results)
+        assert pub.counts["fetch"] == 1
+        m = await relay.ametrics()
+        assert m['kvnet_relay_upstream_requests_total{type="fetch"}'] == 1
+        assert m["kvnet_relay_cache_coalesced_total"] == 7
+    finally:
+        await pub.stop()
+        for c in clients:
+            await c.close_session()
+
+
+async def test_edge_origin_chain(
+    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+) -> None:
+    origin = start_relay(cert_dir, tmp_path, name="origin")
+    relay_factory.append(origin)
+    edge = start_relay(cert_dir, tmp_path, "--upstream", origin.url, name="edge")
+    relay_factory.append(edge)
+    objs = track_objects(b"chained", 4)
+    pub = await publisher(origin, cert_dir, {b"chained": objs})
+    sub = await connect_client(edge.url, str(cert_dir.ca))
+    try:
+        st = await sub.track_status(NS, b"chained")
+        assert st.parameters.largest_object == Location(0, 3)
+        with pytest.raises(RequestRejected) as ei:
+            await sub.track_status(NS, b"missing")
+        assert ei.value.code == RequestErrorCode.DOES_NOT_EXIST
+        assert await fetch_track(sub, b"chained", 4) == objs
+        assert await fetch_track(sub, b"chained", 4) == objs
+        assert pub.counts["fetch"] == 1
+        em, om = await edge.ametrics(), await origin.ametrics()
+        assert em['kvnet_relay_upstream_requests_total{type="fetch"}'] == 1
+        assert em['kvnet_relay_requests_total{outcome="cache_hit",type="fetch"}'] == 1
+        assert om['kvnet_relay_upstream_requests_total{type="fetch"}'] == 1
+        # TRACK_STATUS of a track the edge now holds whole is answered at the edge.
+        before = pub.counts["track_status"]
+        await sub.track_status(NS, b"chained")
+        assert pub.counts["track_status"] == before
+        # A live subscription crosses both relays too.
+        handle = await sub.subscribe(NS, b"chained")
+        assert pub.counts["subscribe"] == 1
+        pub.live.set()
+        got = await asyncio.wait_for(_payloads(handle), 20)
+        assert got == objs
+    finally:
+        await pub.stop()
+        await sub.close_session()
+
+
+async def test_eviction_under_small_budget(
+    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+) -> None:
+    rp = start_relay(cert_dir, tmp_path, "--cache-bytes", "60000")
+    relay_factory.append(rp)
+    tracks = {n: track_objects(n, 4, 10000) for n in (b"e1", b"e2", b"e3")}  # ~40 KB each
+    pub = await publisher(rp, cert_dir, tracks)
+    sub = await connect_client(rp.url, str(cert_dir.ca))
+    try:
+        for n in (b"e1", b"e2", b"e3"):
+            assert await fetch_track(sub, n, 4) == tracks[n]
+        m = await rp.ametrics()
+        assert m["kvnet_relay_cache_evictions_total"] >= 2
+        assert m["kvnet_relay_cache_bytes"] <= 60000
+        assert await fetch_track(sub, b"e1", 4) == tracks[b"e1"]
+        assert pub.counts["fetch"] == 4  # e1 was evicted, so it went upstream again
+    finally:
+        await pub.stop()
+        await sub.close_session()
+
+
+async def test_goaway_on_sigterm(
+    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+) -> None:
+    rp = start_relay(cert_dir, tmp_path, "--drain-timeout", "2")
+    relay_factory.append(rp)
+    client = await connect_client(rp.url, str(cert_dir.ca))
+    t0 = time.monotonic()
+    sigterm(rp)
+    await asyncio.wait_for(client.goaway_event.wait(), 5)
+    assert client.goaway is not None and client.goaway.timeout == 2000
+    # The client does not leave; the relay closes it at the deadline and exits.
+    code = await asyncio.to_thread(rp.proc.wait, 10)
+    elapsed = time.monotonic() - t0
+    assert code == 0
+    assert elapsed < 2 + 3, elapsed
+    assert "stopped" in rp.log()
