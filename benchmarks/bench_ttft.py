@@ -1,0 +1,173 @@
+"""TTFT of cold / remote-hit / local-hit requests, and fetch goodput vs a raw QUIC transfer, one run.
+
+Starts a real relay, a publisher that publishes a shared prefix (2k tokens by default) on the ``bench``
+model preset, then runs one-shot subscribers (separate processes, real QUIC on loopback):
+
+* cold       — ``--abr recompute``: the whole prompt is prefilled locally;
+* remote hit — a fresh subscriber fetches the shared prefix from the relay (``--abr fetch``);
+* local hit  — the same process answers a second prompt sharing the prefix from its own cache.
+
+Then it times a raw one-way QUIC transfer of the same number of bytes with
+``benchmarks/bench_transport.py`` (tuned aioquic, same transport settings), and prints medians side by side:
+
+    python benchmarks/bench_ttft.py --runs 3 --model bench --prefix-tokens 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from kvnet import certs  # noqa: E402
+from kvnet.signing import generate_keypair  # noqa: E402
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _prefix(tokens: int) -> str:
+    # Deterministic text of `tokens - 1` bytes (BOS is the first token).
+    words = ("kv", "cache", "block", "relay", "quic", "prefix", "token", "layer", "fetch", "publish")
+    out, i = [], 0
+    while sum(len(w) + 1 for w in out) < tokens:
+        out.append(words[(i * 7 + i // 10) % len(words)])
+        i += 1
+    return " ".join(out)[: tokens - 1]
+
+
+class Bench:
+    def __init__(self, tmp: Path, model: str, threads: int) -> None:
+        self.tmp, self.model, self.threads = tmp, model, threads
+        certs.create_ca(tmp / "certs")
+        certs.issue_cert(tmp / "certs", "relay", ["127.0.0.1", "localhost"])
+        certs.issue_cert(tmp / "certs", "server", ["127.0.0.1", "localhost"])
+        generate_keypair(tmp / "home" / "keys", "publisher")
+        self.env = {**os.environ, "KVNET_HOME": str(tmp / "home"), "PYTHONPATH": str(REPO)}
+        self.port = _free_port()
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(self, args: list[str], name: str) -> subprocess.Popen[bytes]:
+        log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 (owned by the child)
+        proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=self.env, stdout=subprocess.PIPE,
+                                stderr=log)
+        self.procs.append(proc)
+        return proc
+
+    def node_args(self) -> list[str]:
+        return ["--relay", f"moqt://127.0.0.1:{self.port}", "--ca", str(self.tmp / "certs" / "ca.pem"),
+                "--model", self.model, "--cache-blocks", "1024", "--threads", str(self.threads)]
+
+    def start(self, prefix: str) -> None:
+        c = self.tmp / "certs"
+        self.spawn(["-m", "relay", "--listen", f"127.0.0.1:{self.port}", "--cert", str(c / "relay.pem"),
+                    "--key", str(c / "relay-key.pem"), "--metrics", "", "--cache-bytes", str(1 << 30)],
+                   "relay")
+        time.sleep(1.0)
+        pub = self.spawn(["-m", "publisher", *self.node_args(), "--prompt", prefix], "publisher")
+        log = self.tmp / "publisher.log"
+        deadline = time.monotonic() + 600
+        while "READY" not in log.read_text(errors="replace"):
+            if pub.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"publisher failed: {log.read_text()[-2000:]}")
+            time.sleep(0.2)
+
+    def subscribe(self, prompts: list[str], *extra: str) -> list[dict[str, Any]]:
+        args = ["-m", "subscriber", "--json", *self.node_args(), *extra]
+        for p in prompts:
+            args += ["--prompt", p]
+        proc = self.spawn(args, "subscriber")
+        out, _ = proc.communicate(timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"subscriber rc={proc.returncode}")
+        return [json.loads(line) for line in out.decode().splitlines() if line.strip()]
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _raw_quic_seconds(certdir: Path, nbytes: int) -> float:
+    """One raw one-way transfer of ``nbytes`` with the transport's default settings (same stack as the
+    nodes), for comparison with the fetch goodput."""
+    path = REPO / "benchmarks" / "bench_transport.py"
+    spec = importlib.util.spec_from_file_location("bench_transport", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from kvnet.quic import TransportSettings
+
+    elapsed: float = mod.run_once("default", TransportSettings(), certdir, nbytes)
+    return elapsed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="bench")
+    ap.add_argument("--prefix-tokens", type=int, default=2048)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads per node (one node runs at a time)")
+    args = ap.parse_args()
+    prefix = _prefix(args.prefix_tokens)
+    rows: dict[str, list[float]] = {"cold": [], "remote": [], "local": []}
+    goodput, raw, fetched = [], [], []
+    with tempfile.TemporaryDirectory() as d:
+        bench = Bench(Path(d), args.model, args.threads)
+        try:
+            print(f"publishing {args.prefix_tokens} tokens on model {args.model} ...", file=sys.stderr)
+            bench.start(prefix)
+            for run in range(args.runs):
+                q1, q2 = f"{prefix} Q{run}a: why?", f"{prefix} Q{run}b: how?"
+                n = str(args.max_tokens)
+                (cold,) = bench.subscribe([q1], "--abr", "recompute", "--max-tokens", n)
+                remote, local = bench.subscribe([q1, q2], "--abr", "fetch", "--max-tokens", n)
+                assert remote["output_token_ids"] == cold["output_token_ids"], "remote hit changed the output"
+                rows["cold"].append(cold["timings"]["ttft_s"])
+                rows["remote"].append(remote["timings"]["ttft_s"])
+                rows["local"].append(local["timings"]["ttft_s"])
+                nbytes = remote["bytes_fetched"]
+                fetched.append(nbytes)
+                goodput.append(nbytes / remote["timings"]["fetch_s"] / 1e6)
+                raw.append(nbytes / _raw_quic_seconds(Path(d) / "certs", nbytes) / 1e6)
+                print(f"run {run + 1}: cold {rows['cold'][-1]:.3f}s remote {rows['remote'][-1]:.3f}s "
+                      f"local {rows['local'][-1]:.3f}s remote_hit={remote['remote_hit_tokens']}",
+                      file=sys.stderr)
+        finally:
+            bench.close()
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    print(f"model={args.model} prefix_tokens={args.prefix_tokens} runs={args.runs} (medians)")
+    print(f"{'case':<12}{'TTFT s':>10}{'vs cold':>10}")
+    for k in ("cold", "remote", "local"):
+        print(f"{k:<12}{med[k]:>10.3f}{med['cold'] / med[k]:>9.1f}x")
+    g, r = statistics.median(goodput), statistics.median(raw)
+    print(f"fetch goodput {g:.1f} MB/s vs raw QUIC (same transport) {r:.1f} MB/s ({g / r:.2f}x) over "
+          f"{statistics.median(fetched) / 1e6:.1f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Publisher-side store of encoded KV block objects, bounded in bytes, with its own eviction.
+
+Owns: the encoded objects a publisher has produced (one entry per block hash and rendition) and which of
+them to drop when the byte budget is exceeded. A publisher keeps answering SUBSCRIBE/FETCH/TRACK_STATUS
+from here for as long as it runs, so a relay that evicted a block can ask again. It knows nothing about
+the network, the protocol or torch: entries are opaque byte payloads plus an opaque manifest.
+
+Eviction is LRU over entries, with one twist that matters for prefix chains: a block is useless when any
+block before it is gone (locating stops at the first miss). So ``put_chain`` inserts a prompt's blocks
+tail-first and ``touch_chain`` refreshes them tail-first, leaving the chain's head most recently used:
+the budget then trims chains from their tails, never cutting a head off a long, still-useful chain.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlock:
+    """One block in one rendition, ready to send."""
+
+    block_hash: bytes
+    rendition: str
+    objects: tuple[bytes, ...]
+    """Object payloads in object-id order (manifest first, then per-layer payloads)."""
+    manifest: Any = None
+    """The decoded manifest (for answering status queries without re-parsing)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(o) for o in self.objects)
+
+
+@dataclass
+class StoreStats:
+    """Counters for /metrics and logs."""
+
+    entries: int = 0
+    bytes: int = 0
+    inserted: int = 0
+    evicted: int = 0
+    hits: int = 0
+    misses: int = 0
+
+
+@dataclass
+class BlockStore:
+    """LRU store of ``StoredBlock`` keyed by ``(block_hash, rendition)``, at most ``max_bytes``."""
+
+    max_bytes: int
+    _entries: OrderedDict[tuple[bytes, str], StoredBlock] = field(default_factory=OrderedDict)
+    stats: StoreStats = field(default_factory=StoreStats)
+
+    def __post_init__(self) -> None:
+        if self.max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {self.max_bytes}")
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    @property
+    def nbytes(self) -> int:
+        return self.stats.bytes
+
+    def put(self, block: StoredBlock) -> bool:
+        """Insert (or refresh) one entry; False when it alone exceeds the budget and was not stored."""
+        if block.nbytes > self.max_bytes:
+            return False
+        key = (block.block_hash, block.rendition)
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.stats.bytes -= old.nbytes
+        else:
+            self.stats.inserted += 1
+        self._entries[key] = block
+        self.stats.bytes += block.nbytes
+        self._evict()
+        self.stats.entries = len(self._entries)
+        return key in self._entries
+
+    def put_chain(self, blocks: Sequence[StoredBlock]) -> int:
+        """Insert a prompt's blocks (given in chain order) tail-first; returns how many are stored."""
+        stored = 0
+        for b in reversed(blocks):
+            stored += self.put(b)
+        return stored
+
+    def get(self, block_hash: bytes, rendition: str) -> StoredBlock | None:
+        """The entry, refreshed as most recently used, or None."""
+        key = (block_hash, rendition)
+        block = self._entries.get(key)
+        if block is None:
+            self.stats.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.stats.hits += 1
+        return block
+
+    def peek(self, block_hash: bytes, rendition: str) -> StoredBlock | None:
+        """The entry without refreshing it (status queries must not keep junk alive)."""
+        return self._entries.get((block_hash, rendition))
+
+    def renditions(self, block_hash: bytes) -> list[str]:
+        return [r for (h, r) in self._entries if h == block_hash]
+
+    def touch_chain(self, keys: Iterable[tuple[bytes, str]]) -> None:
+        """Refresh entries given in chain order, tail-first, so the head ends most recently used."""
+        for key in reversed(list(keys)):
+            if key in self._entries:
+                self._entries.move_to_end(key)
+
+    def _evict(self) -> None:
+        while self.stats.bytes > self.max_bytes and self._entries:
+            _, victim = self._entries.popitem(last=False)
+            self.stats.bytes -= victim.nbytes
+            self.stats.evicted += 1

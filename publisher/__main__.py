@@ -1,0 +1,121 @@
+"""``kvnet-publisher``: prefill prompts, publish their KV blocks through a relay, keep serving them.
+
+    kvnet-publisher --relay moqt://HOST:PORT --ca CA_PEM --prompt TEXT [--prompt TEXT ...]
+                    [--prompt-file FILE] [--exit-after-publish] [--json]
+
+Blocks are announced under the node's namespace (PUBLISH_NAMESPACE) and served on SUBSCRIBE/FETCH/
+TRACK_STATUS for as long as the process runs; they are also pushed into the relay's cache with PUBLISH
+(unless ``--no-push``), so they stay available after ``--exit-after-publish`` returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvnet.node import (
+    NodeConfig,
+    add_node_arguments,
+    default_key_dir,
+    node_config_from_args,
+    resolve_keys,
+    setup_logging,
+    start_node,
+)
+
+logger = logging.getLogger("publisher")
+
+
+@dataclass(frozen=True)
+class PublisherConfig:
+    """The one-shot publisher: which prompts, then stay or leave."""
+
+    node: NodeConfig
+    prompts: tuple[str, ...]
+    exit_after_publish: bool = False
+    json_output: bool = False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvnet-publisher", description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    p.add_argument("--prompt-file", type=Path, action="append", default=[], help="prompt from a file")
+    p.add_argument(
+        "--exit-after-publish", action="store_true",
+        help="exit once the blocks are pushed into the relay's cache instead of serving until interrupted",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt on stdout")
+    add_node_arguments(p, relay_required=True)
+    return p
+
+
+async def run(config: PublisherConfig) -> int:
+    node = await start_node(config.node)
+    if config.exit_after_publish and node.peer is None:
+        # Nothing would outlive this process: say so rather than exit as if the blocks were published.
+        await node.close()
+        raise ConnectionError(f"relay {config.node.relay_url} unreachable; nothing published")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        for i, prompt in enumerate(config.prompts):
+            logger.info("prompt %d/%d: prefill ...", i + 1, len(config.prompts))
+            report = await node.publish_prompt(prompt)
+            logger.info(
+                "prompt %d/%d: %d tokens, %d blocks published (%d bytes, %d pushed), prefill %.3fs",
+                i + 1, len(config.prompts), report.prompt_tokens, report.blocks, report.objects_bytes,
+                report.pushed, report.prefill_s,
+            )
+            if config.json_output:
+                print(json.dumps(report.to_json()), flush=True)
+        if config.exit_after_publish:
+            return 0
+        logger.info("serving %d block objects; Ctrl-C to stop", len(node.store))
+        print("READY", file=sys.stderr, flush=True)
+        await stop.wait()
+        return 0
+    finally:
+        await node.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    prompts = list(args.prompt) + [f.read_text(encoding="utf-8") for f in args.prompt_file]
+    if not prompts:
+        print("kvnet-publisher: error: give at least one --prompt or --prompt-file", file=sys.stderr)
+        return 2
+    try:
+        node_cfg = node_config_from_args(args)
+        key_dir = args.key_dir or default_key_dir(os.environ.get("KVNET_HOME"))
+        node_cfg = resolve_keys(node_cfg, key_dir)
+    except (ValueError, OSError) as exc:
+        print(f"kvnet-publisher: error: {exc}", file=sys.stderr)
+        return 2
+    config = PublisherConfig(
+        node=node_cfg, prompts=tuple(prompts), exit_after_publish=args.exit_after_publish,
+        json_output=args.json,
+    )
+    try:
+        return asyncio.run(run(config))
+    except KeyboardInterrupt:
+        return 130
+    except (ConnectionError, TimeoutError, OSError) as exc:
+        print(f"kvnet-publisher: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""``kvnet-subscriber``: answer prompts reusing the longest KV prefix found locally or through a relay.
+
+    kvnet-subscriber --relay moqt://HOST:PORT --ca CA_PEM --prompt TEXT [--prompt TEXT ...]
+                     [--json] [--verify]
+
+For each prompt: local cache hits first, then the longest remote prefix (located in one round trip),
+fetched, verified (signature from a trusted key, token ids against our own prompt, chain hash, payload
+digests) and loaded into the paged cache; only the remainder is prefilled. Prompts given together share one
+process and cache, so a repeated prompt shows a local hit. ``--json`` prints one JSON object per prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvnet.node import (
+    NodeConfig,
+    add_node_arguments,
+    default_key_dir,
+    node_config_from_args,
+    resolve_keys,
+    setup_logging,
+    start_node,
+)
+
+logger = logging.getLogger("subscriber")
+
+
+@dataclass(frozen=True)
+class SubscriberConfig:
+    """The one-shot subscriber: prompts and output options."""
+
+    node: NodeConfig
+    prompts: tuple[str, ...]
+    json_output: bool = False
+    verify: bool = False
+    publish: bool = False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvnet-subscriber", description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    p.add_argument("--prompt-file", type=Path, action="append", default=[], help="prompt from a file")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt on stdout")
+    p.add_argument("--verify", action="store_true", help="check the output against a full local recompute")
+    p.add_argument("--publish", action="store_true", help="also publish the blocks this prompt computed")
+    add_node_arguments(p, relay_required=False)
+    return p
+
+
+def _human(report: dict[str, object]) -> str:
+    t = report["timings"]
+    assert isinstance(t, dict)
+    lines = [
+        f"prompt tokens    {report['prompt_tokens']}",
+        f"local hit        {report['local_hit_tokens']} tokens",
+        f"remote hit       {report['remote_hit_tokens']} tokens ({report['bytes_fetched']} bytes, "
+        f"renditions {report['renditions']})",
+        f"computed         {report['computed_tokens']} tokens",
+        f"ttft             {t['ttft_s'] * 1e3:.1f} ms (locate {t['locate_s'] * 1e3:.1f}, fetch "
+        f"{t['fetch_s'] * 1e3:.1f}, prefill {t['prefill_s'] * 1e3:.1f})",
+        f"output           {report['output_text']!r}",
+    ]
+    if "verified" in report:
+        lines.append(f"verified         {report['verified']}")
+    return "\n".join(lines)
+
+
+async def run(config: SubscriberConfig) -> int:
+    node = await start_node(config.node)
+    ok = True
+    try:
+        for prompt in config.prompts:
+            report = await node.complete(prompt, publish=config.publish, verify=config.verify)
+            out = report.to_json()
+            if config.json_output:
+                print(json.dumps(out), flush=True)
+            else:
+                print(_human(out), flush=True)
+            ok = ok and report.verified is not False
+    finally:
+        await node.close()
+    return 0 if ok else 3
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    prompts = list(args.prompt) + [f.read_text(encoding="utf-8") for f in args.prompt_file]
+    if not prompts:
+        print("kvnet-subscriber: error: give at least one --prompt or --prompt-file", file=sys.stderr)
+        return 2
+    try:
+        node_cfg = node_config_from_args(args)
+        key_dir = args.key_dir or default_key_dir(os.environ.get("KVNET_HOME"))
+        node_cfg = resolve_keys(node_cfg, key_dir)
+    except (ValueError, OSError) as exc:
+        print(f"kvnet-subscriber: error: {exc}", file=sys.stderr)
+        return 2
+    config = SubscriberConfig(
+        node=node_cfg, prompts=tuple(prompts), json_output=args.json, verify=args.verify, publish=args.publish
+    )
+    try:
+        return asyncio.run(run(config))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

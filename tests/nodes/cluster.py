@@ -1,0 +1,207 @@
+"""Real-process test cluster: a relay daemon, publishers and subscribers on loopback, certs from kvnet.certs.
+
+Nothing is mocked: every process is started with ``python -m relay|publisher|subscriber`` and talks QUIC
+to the others. Keys live in a per-test KVNET_HOME, so the publisher's default signing key is the
+subscriber's default trust.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvnet import certs
+from kvnet.signing import generate_keypair
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT = 60.0
+
+
+def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60.0) -> Any:
+    """GET (no body) or POST a JSON body; the decoded JSON answer."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        raw = resp.read()
+    return json.loads(raw) if raw.startswith((b"{", b"[")) else raw.decode()
+
+
+def free_port(kind: int = socket.SOCK_DGRAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Cluster:
+    """Processes of one test; ``close()`` kills whatever is still running."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.certs = tmp / "certs"
+        certs.create_ca(self.certs)
+        certs.issue_cert(self.certs, "relay", ["127.0.0.1", "localhost"])
+        self.home = tmp / "home"
+        generate_keypair(self.home / "keys", "publisher")
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.env = {
+            **os.environ,
+            "KVNET_HOME": str(self.home),
+            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "OMP_NUM_THREADS": "1",
+        }
+        self.relay_port = 0
+        self.metrics_port = 0
+        self.relay: subprocess.Popen[bytes] | None = None
+
+    @property
+    def ca(self) -> Path:
+        return self.certs / "ca.pem"
+
+    def url(self, port: int | None = None) -> str:
+        return f"moqt://127.0.0.1:{port or self.relay_port}"
+
+    def _spawn(self, args: Sequence[str], name: str) -> subprocess.Popen[bytes]:
+        log = open(self.tmp / f"{name}-{len(self.procs)}.log", "wb")  # noqa: SIM115 (owned by the process)
+        proc = subprocess.Popen(
+            [sys.executable, *args], cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=log
+        )
+        proc.log_path = log.name  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def log_of(self, proc: subprocess.Popen[bytes]) -> str:
+        return Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
+
+    def start_relay(self, *extra: str) -> subprocess.Popen[bytes]:
+        self.relay_port = self.relay_port or free_port()
+        self.metrics_port = self.metrics_port or free_port(socket.SOCK_STREAM)
+        proc = self._spawn(
+            [
+                "-m", "relay", "--listen", f"127.0.0.1:{self.relay_port}",
+                "--cert", str(self.certs / "relay.pem"), "--key", str(self.certs / "relay-key.pem"),
+                "--metrics", f"127.0.0.1:{self.metrics_port}", *extra,
+            ],
+            "relay",
+        )
+        # The relay logs msg=listening once its QUIC socket and metrics endpoint are up.
+        self._wait_for(proc, "msg=listening", "relay")
+        self.relay = proc
+        return proc
+
+    def _wait_for(self, proc: subprocess.Popen[bytes], marker: str, name: str) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while marker not in self.log_of(proc):
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited {proc.returncode}: {self.log_of(proc)[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} not ready: {self.log_of(proc)[-3000:]}")
+            time.sleep(0.05)
+
+    def relay_metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def node_args(self, prompts: Sequence[str], extra: Sequence[str], relay_port: int | None) -> list[str]:
+        args = ["--relay", self.url(relay_port), "--ca", str(self.ca)]
+        for p in prompts:
+            args += ["--prompt", p]
+        return [*args, *extra]
+
+    def start_publisher(
+        self, prompts: Sequence[str], *extra: str, wait: bool = True
+    ) -> subprocess.Popen[bytes]:
+        """Start a serving publisher; with ``wait``, return once it has published everything."""
+        proc = self._spawn(["-m", "publisher", *self.node_args(prompts, extra, None)], "publisher")
+        if wait:
+            self._wait_for(proc, "READY", "publisher")
+        return proc
+
+    def publish_and_exit(self, prompts: Sequence[str], *extra: str) -> None:
+        proc = self._spawn(
+            ["-m", "publisher", *self.node_args(prompts, ["--exit-after-publish", *extra], None)], "publisher"
+        )
+        rc = proc.wait(timeout=START_TIMEOUT)
+        assert rc == 0, self.log_of(proc)[-3000:]
+
+    def start_subscriber(
+        self, prompts: Sequence[str], *extra: str, relay_port: int | None = None
+    ) -> subprocess.Popen[bytes]:
+        # On the tiny model recomputing is cheaper than fetching, so the ABR would (rightly) recompute;
+        # tests about remote hits pin the policy to fetch unless they choose one.
+        policy = [] if "--abr" in extra else ["--abr", "fetch"]
+        return self._spawn(
+            ["-m", "subscriber", "--json", *policy, *self.node_args(prompts, extra, relay_port)], "subscriber"
+        )
+
+    def subscribe(
+        self, prompts: Sequence[str], *extra: str, relay_port: int | None = None, timeout: float = 120.0
+    ) -> list[dict[str, Any]]:
+        """Run a one-shot subscriber to completion; one report per prompt."""
+        proc = self.start_subscriber(prompts, *extra, relay_port=relay_port)
+        out, _ = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, f"subscriber rc={proc.returncode}: {self.log_of(proc)[-3000:]}"
+        return [json.loads(line) for line in out.decode().splitlines() if line.strip()]
+
+    def start_http_node(self, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+        """Start ``kvnet-node`` on a free HTTP port; returns the process and its base URL once it serves."""
+        port = free_port(socket.SOCK_STREAM)
+        args = ["-m", "publisher.node", "--http", f"127.0.0.1:{port}", "--relay", self.url()]
+        args += ["--ca", str(self.ca)]
+        proc = self._spawn([*args, *extra], "node")
+        return proc, f"http://127.0.0.1:{port}"
+
+    def wait_http_node(self, proc: subprocess.Popen[bytes]) -> None:
+        self._wait_for(proc, "READY http://", "node")
+
+    def kill(self, proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+@contextlib.contextmanager
+def cluster(tmp: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+# A long shared prefix (system prompt + document) and user parts; byte tokenizer: 1 token per byte.
+SHARED_PREFIX = (
+    "System: you are a careful assistant for the kvnet project. Answer briefly and cite the document.\n"
+    "Document: Media over QUIC relays cache, fan out and route named immutable objects. A KV block is "
+    "exactly that: immutable, named by its prefix hash, fetched by many subscribers at once.\n"
+)

@@ -1,0 +1,47 @@
+"""Two long-running ``kvnet-node`` processes behind one relay: the second reuses the first's prefix.
+
+Both nodes publish what they compute and fetch what they miss; requests go through the OpenAI-style HTTP
+API, so this covers ``kvnet.httpapi`` + ``publisher.node`` + the relay end to end.
+"""
+
+from __future__ import annotations
+
+from tests.nodes.cluster import SHARED_PREFIX, Cluster, http_json
+
+B = 16
+
+
+def test_second_node_reuses_first_nodes_prefix_over_http(kv_cluster: Cluster) -> None:
+    kv_cluster.start_relay()
+    node_a, url_a = kv_cluster.start_http_node()
+    node_b, url_b = kv_cluster.start_http_node("--abr", "fetch")
+    kv_cluster.wait_http_node(node_a)
+    kv_cluster.wait_http_node(node_b)
+    shared = (len(SHARED_PREFIX) + 1) // B * B
+
+    first = http_json(f"{url_a}/v1/completions", {"prompt": SHARED_PREFIX + "Q1: what?", "max_tokens": 6})
+    assert first["object"] == "text_completion"
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert len(first["choices"][0]["token_ids"]) == 6
+
+    prompt = SHARED_PREFIX + "Q2: and how?"
+    remote = http_json(f"{url_b}/v1/completions", {"prompt": prompt, "max_tokens": 6})
+    details = remote["usage"]["prompt_tokens_details"]
+    assert details["remote_cached_tokens"] == shared, remote["kvnet"]
+    assert details["local_cached_tokens"] == 0
+    assert remote["kvnet"]["renditions"] == {"lossless": shared // B}
+    # Node A answers the same prompt from its own cache: same tokens as B's answer built on A's blocks.
+    local = http_json(f"{url_a}/v1/completions", {"prompt": prompt, "max_tokens": 6})
+    assert local["usage"]["prompt_tokens_details"]["local_cached_tokens"] == shared
+    assert local["choices"][0]["token_ids"] == remote["choices"][0]["token_ids"]
+
+    again = http_json(f"{url_b}/v1/completions", {"prompt": prompt + " More?", "max_tokens": 2})
+    assert again["usage"]["prompt_tokens_details"]["local_cached_tokens"] >= shared
+    assert again["usage"]["prompt_tokens_details"]["remote_cached_tokens"] == 0
+
+    health = http_json(f"{url_b}/health")
+    assert health["status"] == "ok" and health["relay_connected"] is True
+    metrics = http_json(f"{url_b}/metrics")
+    values = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line)
+    assert float(values["kvnet_remote_hit_tokens_total"]) == shared
+    assert float(values["kvnet_requests_total"]) == 2
