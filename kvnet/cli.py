@@ -1,4 +1,4 @@
-"""The ``kvnet`` command: development certificates and the link emulator.
+"""The ``kvnet`` command: development certificates, authorization tokens and the link emulator.
 
 Each subcommand registers itself with ``_add_<name>(subparsers)`` and sets ``func`` on its parser; ``main``
 parses argv and dispatches. Only this module reads the command line; everything below gets plain arguments.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -59,6 +60,75 @@ def _add_certs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     show = csub.add_parser("show", help="print subject, hosts and expiry of a PEM certificate file")
     show.add_argument("file", type=Path)
     show.set_defaults(func=_cmd_certs_show)
+
+
+def _cmd_token_issuer(args: argparse.Namespace) -> int:
+    from kvnet import auth
+
+    key = auth.IssuerKey.generate()
+    key.save(args.key, overwrite=args.force)
+    key.save_public(args.public)
+    print(f"issuer key:        {args.key} (mode 0600; keep it off relays)")
+    print(f"issuer public key: {args.public} (give it to relays: --auth-issuer-key)")
+    print(f"key id:            {key.key_id.hex()}")
+    return 0
+
+
+def _cmd_token_issue(args: argparse.Namespace) -> int:
+    import time
+
+    from kvnet import auth
+
+    issuer = auth.IssuerKey.load(args.issuer_key)
+    claims = auth.make_claims(
+        args.subject,
+        args.tenant,
+        args.action,
+        [auth.parse_namespace(text) for text in args.prefix],
+        now=time.time(),
+        lifetime_s=args.lifetime,
+    )
+    token = auth.issue_token(issuer, claims)
+    # A token is a bearer credential: create the file owner-only, and refuse to clobber one by accident.
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if args.force else os.O_EXCL)
+    fd = os.open(args.out, flags, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(token)
+    print(f"token: {args.out} ({len(token)} bytes, expires in {int(args.lifetime)} s)")
+    return 0
+
+
+def _add_token(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from kvnet.auth import Action
+
+    p = sub.add_parser("token", help="authorization tokens for relays (AUTHORIZATION TOKEN)")
+    tsub = p.add_subparsers(dest="token_cmd", required=True)
+    issuer = tsub.add_parser("issuer", help="create an Ed25519 token issuer key pair")
+    issuer.add_argument("--key", type=Path, required=True, help="private key file to write (0600)")
+    issuer.add_argument("--public", type=Path, required=True, help="public key file to write")
+    issuer.add_argument("--force", action="store_true", help="overwrite an existing private key")
+    issuer.set_defaults(func=_cmd_token_issuer)
+    issue = tsub.add_parser("issue", help="issue a signed, expiring token")
+    issue.add_argument("--issuer-key", type=Path, required=True, help="issuer private key file")
+    issue.add_argument("--subject", required=True, help="who the token is for (logged by relays)")
+    issue.add_argument("--tenant", required=True, help="authenticated tenant id")
+    issue.add_argument(
+        "--action",
+        action="append",
+        required=True,
+        choices=[a.value for a in Action],
+        help="allowed action (repeatable): publish, subscribe (also fetch and track status), relay",
+    )
+    issue.add_argument(
+        "--prefix",
+        action="append",
+        required=True,
+        help="allowed namespace prefix in the draft's text form, fields joined by '-' (repeatable)",
+    )
+    issue.add_argument("--lifetime", type=float, default=3600.0, help="validity in seconds")
+    issue.add_argument("--out", type=Path, required=True, help="token file to write (0600)")
+    issue.add_argument("--force", action="store_true", help="overwrite an existing token file")
+    issue.set_defaults(func=_cmd_token_issue)
 
 
 def _cmd_linkemu(args: argparse.Namespace) -> int:
@@ -123,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_certs(sub)
+    _add_token(sub)
     _add_linkemu(sub)
     return parser
 

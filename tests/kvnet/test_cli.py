@@ -1,0 +1,105 @@
+"""The ``kvnet`` command: token issuance end to end, through main() as a user would call it."""
+
+from __future__ import annotations
+
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from kvnet import auth
+from kvnet.cli import main
+
+
+def _issuer(tmp_path: Path) -> tuple[Path, Path]:
+    key, pub = tmp_path / "issuer.pem", tmp_path / "issuer.pub"
+    assert main(["token", "issuer", "--key", str(key), "--public", str(pub)]) == 0
+    return key, pub
+
+
+def test_token_issue_verifies_with_the_issuer_public_key(tmp_path: Path) -> None:
+    key, pub = _issuer(tmp_path)
+    out = tmp_path / "sub.tok"
+    rc = main(
+        [
+            "token",
+            "issue",
+            "--issuer-key",
+            str(key),
+            "--subject",
+            "node-b",
+            "--tenant",
+            "acme",
+            "--action",
+            "subscribe",
+            "--prefix",
+            "kvnet-v1",
+            "--lifetime",
+            "60",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+    verifier = auth.TokenVerifier([auth.load_issuer_public_key(pub)], clock=time.time)
+    claims = verifier.verify(out.read_bytes())
+    assert claims.subject == "node-b" and claims.tenant == "acme"
+    assert claims.actions == frozenset({auth.Action.SUBSCRIBE})
+    assert claims.prefixes == ((b"kvnet", b"v1"),)
+    assert claims.expires - claims.not_before == 60
+    auth.Authorizer(verifier).authorize(claims, auth.Action.SUBSCRIBE, (b"kvnet", b"v1", b"fp", b"t1"))
+    with pytest.raises(auth.Unauthorized):
+        auth.Authorizer(verifier).authorize(claims, auth.Action.PUBLISH, (b"kvnet", b"v1", b"fp", b"t1"))
+
+
+def test_token_issue_refuses_to_overwrite_and_rejects_bad_actions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key, _ = _issuer(tmp_path)
+    out = tmp_path / "t.tok"
+    args = [
+        "token",
+        "issue",
+        "--issuer-key",
+        str(key),
+        "--subject",
+        "s",
+        "--tenant",
+        "t",
+        "--action",
+        "publish",
+        "--prefix",
+        "kvnet",
+        "--out",
+        str(out),
+    ]
+    assert main(args) == 0
+    assert main(args) == 2  # the existing token file is kept
+    assert "error" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "token",
+                "issue",
+                "--issuer-key",
+                str(key),
+                "--subject",
+                "s",
+                "--tenant",
+                "t",
+                "--action",
+                "delete-everything",
+                "--prefix",
+                "kvnet",
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+
+
+def test_issuer_key_is_private_and_not_overwritten(tmp_path: Path) -> None:
+    key, _ = _issuer(tmp_path)
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert main(["token", "issuer", "--key", str(key), "--public", str(tmp_path / "p2")]) == 2
