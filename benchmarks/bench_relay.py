@@ -122,11 +122,8 @@ class BenchPublisher:
             for i, p in enumerate(self.payloads):
                 req.send_object(sid, i, p)
                 await req.drain()
-            c = self.conn
-            c._do(c.session.send_subgroup_object, sid, n, b"", (), ObjectStatus.END_OF_TRACK, True)
-            while c.send_buffered() > 0 and not c.is_closed:  # PUBLISH_DONE must not overtake the data
-                await asyncio.sleep(0.005)
-            await asyncio.sleep(0.2)  # unsent is 0, but the last packets may still be in flight
+            req.send_object(sid, n, b"", end_stream=True, status=ObjectStatus.END_OF_TRACK)
+            # At once: PUBLISH_DONE's Stream Count keeps the subscription open until the data arrived.
             req.publish_done(0x2, "done")
         else:
             req.reject(0x3, "bench publisher")

@@ -97,6 +97,9 @@ class ConnectionLimits:
     """Incoming requests waiting for the application; more are refused with EXCESSIVE_LOAD."""
     setup_timeout: float = 10.0
     """Seconds to wait for the peer's SETUP."""
+    publish_done_timeout: float = 5.0
+    """Seconds a subscription stays open after PUBLISH_DONE waiting for the subgroup streams its Stream
+    Count announces (draft "PUBLISH_DONE": data may still be in flight) before it ends anyway."""
 
     def __post_init__(self) -> None:
         names = ("max_outstanding_requests", "max_send_buffer", "max_receive_buffer", "max_incoming_queue")
@@ -105,6 +108,8 @@ class ConnectionLimits:
                 raise ValueError(f"{name} must be positive")
         if self.setup_timeout <= 0:
             raise ValueError("setup_timeout must be positive")
+        if self.publish_done_timeout < 0:
+            raise ValueError("publish_done_timeout must not be negative")
 
 
 # -------------------------------------------------------------------------------- requesters' handles
@@ -155,10 +160,16 @@ class _ObjectStream:
             await self._wakeup.wait()
 
     def cancel(self) -> None:
-        """Abandon the request (resets its streams); iteration ends."""
+        """Abandon the request (resets its streams); iteration ends and unread objects are dropped."""
         if not self._finished:
             self._conn._cancel(self.request_id)
             self._finish(None)
+        self._discard()
+
+    def _discard(self) -> None:
+        """Drop unread objects, giving their bytes back to the connection's receive budget."""
+        while self._objects:
+            self._conn._received_bytes -= len(self._objects.popleft().payload)
 
 
 class FetchHandle(_ObjectStream):
@@ -184,12 +195,23 @@ class FetchHandle(_ObjectStream):
 
 
 class Subscription(_ObjectStream):
-    """An accepted SUBSCRIBE: ``ok`` is the SUBSCRIBE_OK; ``async for obj in sub`` until PUBLISH_DONE."""
+    """An accepted SUBSCRIBE (or an incoming PUBLISH's objects): ``ok`` is the SUBSCRIBE_OK; ``async for
+    obj in sub`` until PUBLISH_DONE and then until as many subgroup streams as its Stream Count have
+    ended (bounded by ``ConnectionLimits.publish_done_timeout``), so no object still in flight is lost."""
 
     def __init__(self, conn: MoqtConnection, request_id: int) -> None:
         super().__init__(conn, request_id)
         self.ok: me.SubscribeOkReceived | None = None
         self.done: me.PublishDoneReceived | None = None
+        self.streams_closed = 0
+        """Subgroup streams of this subscription that ended (FIN or reset)."""
+        self._done_timer: asyncio.TimerHandle | None = None
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        if self._done_timer is not None:
+            self._done_timer.cancel()
+            self._done_timer = None
+        super()._finish(error)
 
 
 # -------------------------------------------------------------------------------- incoming requests
@@ -215,6 +237,10 @@ class IncomingRequest:
     async def drain(self) -> None:
         """Wait until QUIC's send buffer is below the connection's bound (back-pressure)."""
         await self.conn.wait_writable()
+
+    def cancel(self, code: StreamResetCode = StreamResetCode.CANCELLED) -> None:
+        """Abandon the request after answering it: resets its request and data streams with ``code``."""
+        self.conn.cancel_request(self.request_id, code)
 
 
 class IncomingTrackStatus(IncomingRequest):
@@ -266,9 +292,12 @@ class IncomingSubscribe(IncomingRequest):
                                  publisher_priority, **kwargs)
         return sid
 
-    def send_object(self, stream_id: int, object_id: int, payload: bytes, end_stream: bool = False) -> None:
-        self.conn._do(self.conn.session.send_subgroup_object, stream_id, object_id, payload, (),
-                      ObjectStatus.NORMAL, end_stream)
+    def send_object(
+        self, stream_id: int, object_id: int, payload: bytes, end_stream: bool = False,
+        properties: Properties = (), status: ObjectStatus = ObjectStatus.NORMAL,
+    ) -> None:
+        self.conn._do(self.conn.session.send_subgroup_object, stream_id, object_id, payload, properties,
+                      status, end_stream)
 
     def close_subgroup(self, stream_id: int) -> None:
         self.conn._do(self.conn.session.close_subgroup, stream_id)
@@ -281,6 +310,31 @@ class IncomingPublishNamespace(IncomingRequest):
     event: me.PublishNamespaceReceived
 
 
+class IncomingPublish(IncomingRequest):
+    """A PUBLISH from the peer. Its objects are buffered from the moment the PUBLISH arrived (objects
+    may follow it at once, before the application has decided), counted against
+    ``ConnectionLimits.max_receive_buffer``; ``accept_publish`` answers PUBLISH_OK and returns them."""
+
+    event: me.PublishReceived
+
+    def __init__(self, conn: MoqtConnection, event: me.MoqtEvent) -> None:
+        super().__init__(conn, event)
+        self.objects = Subscription(conn, self.request_id)
+        """The track's objects; iteration ends after PUBLISH_DONE (see ``Subscription``)."""
+        conn._streams[self.request_id] = self.objects
+
+    def accept_publish(self, parameters: MessageParameters = NO_PARAMETERS) -> Subscription:
+        """PUBLISH_OK; returns the objects (those that arrived before it first)."""
+        self.accept(parameters)
+        return self.objects
+
+    def reject(self, code: RequestErrorCode, reason: str = "", retry_interval: int = 0) -> None:
+        self.conn._streams.pop(self.request_id, None)
+        self.objects._finish(RequestRejected(code, "PUBLISH refused"))
+        self.objects._discard()
+        super().reject(code, reason, retry_interval)
+
+
 _INCOMING_TYPES: dict[type, type[IncomingRequest]] = {
     me.TrackStatusReceived: IncomingTrackStatus,
     me.FetchReceived: IncomingFetch,
@@ -288,7 +342,7 @@ _INCOMING_TYPES: dict[type, type[IncomingRequest]] = {
     me.PublishNamespaceReceived: IncomingPublishNamespace,
     me.SubscribeNamespaceReceived: IncomingRequest,
     me.SubscribeTracksReceived: IncomingRequest,
-    me.PublishReceived: IncomingRequest,
+    me.PublishReceived: IncomingPublish,
     me.RequestUpdateReceived: IncomingRequest,
 }
 
@@ -430,6 +484,8 @@ class MoqtConnection(_ProtocolBase):
         if type(ev) in _INCOMING_TYPES:
             req = _INCOMING_TYPES[type(ev)](self, ev)
             if self._incoming.qsize() >= self.limits.max_incoming_queue:
+                if (buffered := self._streams.pop(req.request_id, None)) is not None:
+                    buffered._finish(None)
                 self.session.reject_request(req.request_id, RequestErrorCode.EXCESSIVE_LOAD, "queue full")
                 self._pump()
                 return
@@ -450,10 +506,30 @@ class MoqtConnection(_ProtocolBase):
             st = self._streams.get(ev.request_id)
             if isinstance(st, FetchHandle) and not st._ok.done():
                 st._ok.set_result(ev)
-        elif isinstance(ev, me.FetchCompleted | me.PublishDoneReceived):
-            st = self._streams.pop(ev.request_id, None)
-            if isinstance(st, Subscription) and isinstance(ev, me.PublishDoneReceived):
+        elif isinstance(ev, me.PublishDoneReceived):
+            st = self._streams.get(ev.request_id)
+            if isinstance(st, Subscription):
                 st.done = ev
+                if st.streams_closed >= ev.stream_count:
+                    self._end_subscription(st)
+                elif st._done_timer is None:
+                    # Subgroup streams announced by the Stream Count are still in flight.
+                    st._done_timer = asyncio.get_running_loop().call_later(
+                        self.limits.publish_done_timeout, self._end_subscription, st
+                    )
+            elif st is not None:
+                self._streams.pop(ev.request_id, None)
+                st._finish(None)
+        elif isinstance(ev, me.SubgroupClosed):
+            st = self._streams.get(ev.request_id)
+            if isinstance(st, Subscription):
+                st.streams_closed += 1
+                if st.done is not None and st.streams_closed >= st.done.stream_count:
+                    self._end_subscription(st)
+            else:
+                self.other_events.append(ev)
+        elif isinstance(ev, me.FetchCompleted):
+            st = self._streams.pop(ev.request_id, None)
             if st is not None:
                 st._finish(None)
         elif isinstance(ev, me.FetchStreamReset):
@@ -480,6 +556,11 @@ class MoqtConnection(_ProtocolBase):
                 self.other_events.append(ev)
         else:
             self.other_events.append(ev)
+
+    def _end_subscription(self, st: Subscription) -> None:
+        if self._streams.get(st.request_id) is st:
+            del self._streams[st.request_id]
+        st._finish(None)
 
     def _resolve(self, request_id: int, value: Any = None, error: BaseException | None = None) -> None:
         fut = self._pending.pop(request_id, None)
@@ -640,6 +721,60 @@ class MoqtConnection(_ProtocolBase):
         await fut
         return sub
 
+    async def publish(
+        self, namespace: TrackNamespace, name: bytes, track_alias: int,
+        parameters: MessageParameters = NO_PARAMETERS, track_properties: Properties = (),
+    ) -> me.PublishOkReceived:
+        """PUBLISH a track under ``track_alias``; returns PUBLISH_OK (raises ``RequestRejected``). Then send
+        its objects with ``open_subgroup`` / ``send_subgroup_object`` and end it with ``publish_done``."""
+        result: me.PublishOkReceived = await self._request(
+            self.session.publish, namespace, name, track_alias, parameters, track_properties
+        )
+        return result
+
+    def cancel_request(self, request_id: int, code: StreamResetCode = StreamResetCode.CANCELLED) -> None:
+        """Abandon a request either side started (resets its streams); a no-op once it has ended."""
+        st = self._streams.get(request_id)
+        self._cancel(request_id, code)
+        if st is not None:
+            st._finish(None)
+            st._discard()
+
+    # ---- objects of subscriptions we publish (an accepted SUBSCRIBE or our PUBLISH)
+
+    def open_subgroup(
+        self, track_alias: int, group_id: int, subgroup_id: int, publisher_priority: int | None = None,
+        *, has_properties: bool = False,
+    ) -> int:
+        """Open a subgroup stream; returns its stream id."""
+        sid: int = self._do(self.session.open_subgroup, track_alias, group_id, subgroup_id,
+                            publisher_priority, has_properties=has_properties)
+        return sid
+
+    def send_subgroup_object(
+        self, stream_id: int, object_id: int, payload: bytes, properties: Properties = (),
+        status: ObjectStatus = ObjectStatus.NORMAL, end_stream: bool = False,
+    ) -> None:
+        """One object (or a status object such as END_OF_TRACK) on a subgroup stream; ``end_stream`` FINs."""
+        self._do(self.session.send_subgroup_object, stream_id, object_id, payload, properties, status,
+                 end_stream)
+
+    def close_subgroup(self, stream_id: int) -> None:
+        """FIN a subgroup stream."""
+        self._do(self.session.close_subgroup, stream_id)
+
+    def publish_done(self, request_id: int, status_code: int, reason: str = "") -> None:
+        """PUBLISH_DONE for a subscription we publish (its subgroup streams must be closed first)."""
+        self._do(self.session.publish_done, request_id, status_code, reason)
+
+    def namespace(self, request_id: int, suffix: TrackNamespace) -> None:
+        """NAMESPACE on an accepted SUBSCRIBE_NAMESPACE."""
+        self._do(self.session.namespace, request_id, suffix)
+
+    def namespace_done(self, request_id: int, suffix: TrackNamespace) -> None:
+        """NAMESPACE_DONE for a suffix sent earlier with ``namespace``."""
+        self._do(self.session.namespace_done, request_id, suffix)
+
     # ---- incoming
 
     async def next_request(self) -> IncomingRequest | None:
@@ -660,6 +795,23 @@ class MoqtConnection(_ProtocolBase):
     @property
     def is_closed(self) -> bool:
         return self.session.closed is not None
+
+    @property
+    def peer_setup(self) -> me.SetupCompleted | None:
+        """The peer's SETUP options (authorization tokens, path, ...), once the exchange completed."""
+        fut = self._setup
+        return fut.result() if fut.done() and fut.exception() is None else None
+
+    @property
+    def peer_address(self) -> str:
+        """``host:port`` of the peer, or "?" when the QUIC stack does not know it (yet)."""
+        quic = self._quic
+        # aioquic keeps it in the network paths, qh3 as the remote address.
+        paths = getattr(quic, "_network_paths", None)
+        addr = paths[0].addr if paths else getattr(quic, "_remote_addr", None)
+        if not addr:
+            return "?"
+        return f"{addr[0]}:{addr[1]}"
 
     async def goaway_peer(self, new_session_uri: str = "", timeout_ms: int = 0) -> None:
         """Send GOAWAY on the control stream (servers may name a new session URI)."""
@@ -874,6 +1026,7 @@ __all__ = [
     "ConnectionLimits",
     "FetchHandle",
     "IncomingFetch",
+    "IncomingPublish",
     "IncomingPublishNamespace",
     "IncomingRequest",
     "IncomingSubscribe",

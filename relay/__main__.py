@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--upstream", action="append", help="moqt://host:port of an upstream relay (repeatable, in order)"
     )
+    p.add_argument(
+        "--auth-issuer-key",
+        action="append",
+        help="trusted token issuer public key (PEM, repeatable); given: authorization is required",
+    )
+    p.add_argument("--upstream-token", help="file with the token presented to upstream relays in SETUP")
     p.add_argument("--metrics", help='Prometheus endpoint host:port (default 127.0.0.1:9464; "" disables)')
     p.add_argument("--log-format", choices=LOG_FORMATS)
     p.add_argument("--log-level", choices=LOG_LEVELS)
@@ -125,6 +131,8 @@ def config_from_args(args: argparse.Namespace) -> RelayConfig:
         "log_format": args.log_format,
         "log_level": args.log_level,
         "drain_timeout": args.drain_timeout,
+        "auth_issuer_keys": args.auth_issuer_key,
+        "upstream_token": args.upstream_token,
         "cache.max_bytes": args.cache_bytes,
         "cache.max_track_bytes": args.cache_track_bytes,
         "cache.max_inflight_bytes": args.cache_inflight_bytes,

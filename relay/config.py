@@ -15,6 +15,8 @@ File format (every key optional; flags given on the command line win)::
     log_format = "kv"                  # "kv" (key=value) or "json"
     log_level = "info"
     drain_timeout = 5.0                # seconds between GOAWAY and close on SIGTERM
+    auth_issuer_keys = ["issuer.pub"]  # trusted token issuers (PEM); when set, authorization is required
+    upstream_token = "edge.token"      # token presented to upstream relays in SETUP (raw or base64url)
 
     [cache]                            # relay.cache.CacheConfig fields
     max_bytes = 268435456
@@ -50,6 +52,8 @@ _TOP_KEYS = {
     "log_format",
     "log_level",
     "drain_timeout",
+    "auth_issuer_keys",
+    "upstream_token",
     "cache",
     "limits",
     "transport",
@@ -92,6 +96,10 @@ class RelayConfig:
     log_level: str = "info"
     drain_timeout: float = 5.0
     """Seconds between GOAWAY and closing the remaining sessions at shutdown."""
+    auth_issuer_keys: tuple[Path, ...] = ()
+    """Ed25519 public keys (PEM) of trusted token issuers. Non-empty: every request must be authorized."""
+    upstream_token: Path | None = None
+    """File with the token this relay presents to its upstream relays in SETUP."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     transport: TransportSettings = field(default_factory=TransportSettings)
@@ -158,6 +166,10 @@ def load_config(file_data: Mapping[str, Any], overrides: Mapping[str, Any]) -> R
     upstream = top.get("upstream", ())
     if isinstance(upstream, str):
         upstream = (upstream,)
+    issuer_keys = top.get("auth_issuer_keys", ())
+    if isinstance(issuer_keys, str):
+        issuer_keys = (issuer_keys,)
+    upstream_token = top.get("upstream_token")
     return RelayConfig(
         tls=tls,
         host=host,
@@ -168,6 +180,8 @@ def load_config(file_data: Mapping[str, Any], overrides: Mapping[str, Any]) -> R
         log_format=str(top.get("log_format", "kv")),
         log_level=str(top.get("log_level", "info")),
         drain_timeout=float(top.get("drain_timeout", 5.0)),
+        auth_issuer_keys=tuple(Path(k) for k in issuer_keys),
+        upstream_token=Path(upstream_token) if upstream_token else None,
         cache=_section(CacheConfig, sections["cache"], "cache"),
         limits=_section(LimitsConfig, sections["limits"], "limits"),
         transport=_section(TransportSettings, sections["transport"], "transport"),

@@ -20,14 +20,17 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 
+from kvnet.auth import KVNET_TOKEN_TYPE, AuthError
 from kvnet.connection import (
     ConnectionClosed,
     ConnectionLimits,
     IncomingFetch,
+    IncomingPublish,
     IncomingPublishNamespace,
     IncomingRequest,
     IncomingSubscribe,
     IncomingTrackStatus,
+    LimitError,
     MoqtConnection,
     RequestRejected,
     StreamResetError,
@@ -36,9 +39,18 @@ from kvnet.connection import (
 from kvnet.connection import serve as serve_moqt
 from proto import events as me
 from proto.data import ObjectStatus
-from proto.errors import PublishDoneCode, RequestErrorCode, SessionErrorCode, StreamResetCode
-from proto.messages import NO_PARAMETERS, FetchType, Location, MessageParameters, Properties
+from proto.errors import ProtocolError, PublishDoneCode, RequestErrorCode, SessionErrorCode, StreamResetCode
+from proto.messages import (
+    NO_PARAMETERS,
+    AliasType,
+    AuthToken,
+    FetchType,
+    Location,
+    MessageParameters,
+    Properties,
+)
 from proto.session import SessionConfig
+from relay.auth import AUTH_TOKEN_CACHE_SIZE, RelayAuth, SessionAuth, load_token, request_target
 from relay.cache import (
     CachedObject,
     FetchInfo,
@@ -56,9 +68,6 @@ from relay.upstream import RoutedUpstream, Source, UpstreamRelay, cached_object,
 
 logger = logging.getLogger(__name__)
 
-# Seconds between the last subgroup byte leaving and PUBLISH_DONE (see Fanout._publish_done_after_flush).
-_PUBLISH_DONE_GRACE = 0.2
-
 
 def _code_name(code: int) -> str:
     try:
@@ -68,14 +77,20 @@ def _code_name(code: int) -> str:
 
 
 class Peer:
-    """One accepted session."""
+    """One session: accepted from a client, or our own session to an upstream relay (``upstream``)."""
 
-    def __init__(self, relay: Relay, conn: MoqtConnection, peer_id: int) -> None:
+    def __init__(
+        self, relay: Relay, conn: MoqtConnection, peer_id: int, upstream: UpstreamRelay | None = None
+    ) -> None:
         self.relay = relay
         self.conn = conn
         self.id = peer_id
-        self.addr = _peer_address(conn)
-        self.name = f"session:{peer_id}"
+        self.upstream = upstream
+        """Set when this is our session to an upstream relay: its requests are never sent back upstream."""
+        self.addr = conn.peer_address
+        self.name = f"session:{peer_id}" if upstream is None else upstream.name
+        self.auth: SessionAuth | None = None
+        """This session's credential when the relay requires authorization (never for upstream sessions)."""
         self.requests = Slots("requests per session", relay.config.limits.max_requests_per_session)
         self.namespaces: set[tuple[bytes, ...]] = set()
         self.tasks: set[asyncio.Task[None]] = set()
@@ -126,11 +141,36 @@ class Peer:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
+    def authorized(self, req: IncomingRequest) -> bool:
+        """The authorization check, before anything looks at caches or routes (see relay.auth)."""
+        if self.relay.auth is None or self.upstream is not None:
+            return True  # no authorization configured, or our own session to a relay we chose
+        ev = req.event
+        target = request_target(ev)
+        if target is None:
+            return True  # refused below as not supported
+        assert self.auth is not None
+        tokens: tuple[AuthToken, ...] = ev.parameters.authorization_tokens  # type: ignore[attr-defined]
+        try:
+            self.auth.check(tokens, *target)
+        except AuthError as exc:
+            err = exc.to_request_error()
+            self.relay.metrics.inc("auth_refusals_total", labels={"code": _code_name(err.error_code)})
+            self.relay.reject(req, _kind(ev), err.error_code, err.reason, err.retry_interval)
+            return False
+        except ProtocolError as exc:
+            self.log.warning("closing session: token alias misuse", extra={"reason": str(exc)})
+            self.relay.spawn(self.conn.close_session(exc.error_code, str(exc)))
+            return False
+        return True
+
     def dispatch(self, req: IncomingRequest) -> None:
         relay = self.relay
         ev = req.event
         if relay.going_away:
             relay.reject(req, _kind(ev), RequestErrorCode.GOING_AWAY, "relay is shutting down")
+            return
+        if not self.authorized(req):
             return
         if isinstance(req, IncomingFetch):
             self._spawn(req, "fetch", lambda: relay.serve_fetch(self, req))
@@ -142,21 +182,10 @@ class Peer:
             self._spawn(req, "publish_namespace", lambda: relay.serve_publish_namespace(self, req))
         elif isinstance(ev, me.SubscribeNamespaceReceived):
             self._spawn(req, "subscribe_namespace", lambda: relay.serve_subscribe_namespace(self, req))
-        elif isinstance(ev, me.PublishReceived):
+        elif isinstance(req, IncomingPublish):
             self._spawn(req, "publish", lambda: relay.serve_publish(self, req))
         else:
             relay.reject(req, _kind(ev), RequestErrorCode.NOT_SUPPORTED, "not supported by this relay")
-
-
-def _peer_address(conn: MoqtConnection) -> str:
-    """host:port of the peer, for logs. The QUIC stacks keep it only in private fields (aioquic: the
-    network paths; qh3: the remote address), so look in both and fall back to "?"."""
-    quic = conn._quic
-    paths = getattr(quic, "_network_paths", None)
-    addr = paths[0].addr if paths else getattr(quic, "_remote_addr", None)
-    if not addr:
-        return "?"
-    return f"{addr[0]}:{addr[1]}"
 
 
 def _kind(ev: me.MoqtEvent) -> str:
@@ -203,6 +232,8 @@ class Fanout:
         self.publish_bytes = 0
         self.task: asyncio.Task[None] | None = None
         self.ended = False
+        self.track_ended = False
+        """An END_OF_TRACK object arrived from the source."""
 
     def add(self, sub: _DownSub) -> None:
         self.subs[(sub.peer.id, sub.req.request_id)] = sub
@@ -230,9 +261,8 @@ class Fanout:
                 sid = sub.streams.get((obj.group, obj.subgroup))
                 if sid is None:
                     for k in [k for k in sub.streams if k[0] < obj.group]:
-                        conn._do(conn.session.close_subgroup, sub.streams.pop(k))
-                    sid = conn._do(
-                        conn.session.open_subgroup,
+                        conn.close_subgroup(sub.streams.pop(k))
+                    sid = conn.open_subgroup(
                         sub.alias,
                         obj.group,
                         obj.subgroup or 0,
@@ -241,14 +271,8 @@ class Fanout:
                     )
                     sub.streams[(obj.group, obj.subgroup)] = sid
                 end = obj.status in (ObjectStatus.END_OF_GROUP, ObjectStatus.END_OF_TRACK)
-                conn._do(
-                    conn.session.send_subgroup_object,
-                    sid,
-                    obj.object_id,
-                    obj.payload,
-                    obj.properties,
-                    ObjectStatus(obj.status),
-                    end,
+                conn.send_subgroup_object(
+                    sid, obj.object_id, obj.payload, obj.properties, ObjectStatus(obj.status), end
                 )
                 if end:
                     sub.streams.pop((obj.group, obj.subgroup), None)
@@ -265,12 +289,15 @@ class Fanout:
         sub.peer.log.warning(
             "subscriber over buffered-bytes limit; ending subscription", extra={"reason": reason}
         )
-        conn = sub.peer.conn
         with contextlib.suppress(Exception):
-            conn._do(conn.session.cancel_request, sub.req.request_id, StreamResetCode.TOO_FAR_BEHIND)
+            sub.req.cancel(StreamResetCode.TOO_FAR_BEHIND)
 
     def finish(self, status: int, reason: str) -> None:
-        """Upstream ended: close every subscriber's streams and send PUBLISH_DONE with the same status."""
+        """Upstream ended: FIN every subscriber's streams and send PUBLISH_DONE with the same status.
+
+        PUBLISH_DONE goes out at once: it carries the Stream Count, and a draft-18 subscriber keeps the
+        subscription until that many subgroup streams have ended, so it never cuts off data in flight.
+        """
         self.ended = True
         if self.relay.fanouts.get(self.key) is self:
             del self.relay.fanouts[self.key]
@@ -280,40 +307,32 @@ class Fanout:
             conn = sub.peer.conn
             with contextlib.suppress(Exception):
                 for sid in sub.streams.values():
-                    conn._do(conn.session.close_subgroup, sid)
+                    conn.close_subgroup(sid)
                 sub.streams.clear()
-                self.relay.spawn(self._publish_done_after_flush(sub, status, reason))
+                conn.publish_done(sub.req.request_id, status, reason)
         for sub in self.subs.values():
             sub.ended.set()
         self.subs.clear()
-
-    async def _publish_done_after_flush(self, sub: _DownSub, status: int, reason: str) -> None:
-        # PUBLISH_DONE travels on the request stream and can overtake subgroup data still in flight; some
-        # subscribers stop reading a subscription at PUBLISH_DONE, so wait (bounded) until our data is acked.
-        conn = sub.peer.conn
-        deadline = time.monotonic() + self.relay.config.limits.upstream_timeout
-        while conn.send_buffered() > 0 and time.monotonic() < deadline and not conn.is_closed:
-            await asyncio.sleep(0.005)
-        # On some QUIC stacks send_buffered() counts unsent rather than unacknowledged bytes; a short grace
-        # lets the last packets land (and be retransmitted once) before PUBLISH_DONE can overtake them.
-        await asyncio.sleep(_PUBLISH_DONE_GRACE)
-        with contextlib.suppress(Exception):
-            code = PublishDoneCode(status) if status in PublishDoneCode._value2member_map_ else status
-            conn._do(conn.session.publish_done, sub.req.request_id, code, reason)
 
     async def pump(self, source: Subscription) -> None:
         status, reason = 0x2, "track ended"  # TRACK_ENDED
         try:
             async for ev in source:
                 obj = cached_object(ev)
+                self.track_ended = self.track_ended or obj.status == ObjectStatus.END_OF_TRACK
                 self.relay.metrics.inc("bytes_in_total", len(ev.payload))
                 if self.publish_objects is not None:
                     self._collect(obj)
                 self.forward(obj)
             if source.done is not None:
                 status, reason = source.done.status_code, source.done.reason
-        except (ConnectionClosed, RequestRejected, StreamResetError) as exc:
-            status, reason = 0x0, f"upstream ended: {exc}"  # INTERNAL_ERROR
+        except (ConnectionClosed, RequestRejected, StreamResetError, LimitError) as exc:
+            if self.track_ended:
+                # The source went away after END_OF_TRACK (e.g. a one-shot publisher exiting before its
+                # PUBLISH_DONE): every object arrived, so the track did end.
+                status, reason = PublishDoneCode.TRACK_ENDED, "track ended"
+            else:
+                status, reason = PublishDoneCode.INTERNAL_ERROR, f"upstream ended: {exc}"
         finally:
             self.finish(status, reason)
 
@@ -359,13 +378,28 @@ class Relay:
         self.going_away = False
         self._ids = itertools.count(1)
         self._jobs: set[asyncio.Task[None]] = set()
+        self.auth = RelayAuth(config.auth_issuer_keys, time.time) if config.auth_issuer_keys else None
+        upstream_tokens: tuple[AuthToken, ...] = ()
+        if config.upstream_token is not None:
+            value = load_token(config.upstream_token)
+            upstream_tokens = (AuthToken(AliasType.USE_VALUE, token_type=KVNET_TOKEN_TYPE, value=value),)
         session_cfg = SessionConfig(
             is_client=True,
+            authorization_tokens=upstream_tokens,
             max_requests_in_flight=config.limits.max_requests_per_session,
             max_object_size=config.limits.max_object_bytes,
         )
         self.upstreams = [
-            UpstreamRelay(url, config.transport, config.tls, session_cfg, self.connection_limits(), clock)
+            UpstreamRelay(
+                url,
+                config.transport,
+                config.tls,
+                session_cfg,
+                self.connection_limits(),
+                clock,
+                on_session=self.serve_upstream_session,
+                request_timeout=config.limits.upstream_timeout,
+            )
             for url in config.upstreams
         ]
         self._register_metrics()
@@ -413,6 +447,7 @@ class Relay:
         m.counter("bytes_out_total", "object payload bytes sent")
         m.counter("upstream_requests_total", "requests sent upstream")
         m.counter("limit_rejections_total", "requests or sessions refused by a limit")
+        m.counter("auth_refusals_total", "requests and sessions refused by authorization, by code")
         m.counter("requests_total", "requests by type and outcome")
 
     # -- bookkeeping ---------------------------------------------------------------------------------
@@ -439,9 +474,13 @@ class Relay:
             )
 
     def candidates(self, key: TrackKey, exclude: Peer | None) -> list[Source]:
+        """Longest-prefix publishers, then the upstream relays. A request that came from an upstream relay
+        goes to local publishers only: sending it upstream again could only bring it back (a loop)."""
         pubs: list[Source] = [
             p for p in self.router.lookup(key[0]) if p is not exclude and not p.conn.is_closed
         ]
+        if exclude is not None and exclude.upstream is not None:
+            return pubs
         return [*pubs, *self.upstreams]
 
     def upstream_for(self, key: TrackKey, requester: Peer) -> RoutedUpstream:
@@ -450,8 +489,9 @@ class Relay:
         )
 
     def forget_peer(self, peer: Peer) -> None:
-        self.peers.pop(peer.id, None)
-        self.sessions.release()
+        if peer.upstream is None:
+            self.peers.pop(peer.id, None)
+            self.sessions.release()
         removed = self.router.remove_route(peer)
         for k in [k for k in self.ns_watchers if k[0] == peer.id]:
             del self.ns_watchers[k]
@@ -464,6 +504,21 @@ class Relay:
 
     # -- connections ---------------------------------------------------------------------------------
     async def on_connection(self, conn: MoqtConnection) -> None:
+        session_auth: SessionAuth | None = None
+        if self.auth is not None:
+            try:
+                session_auth = self.auth.session(conn.peer_setup)
+            except (AuthError, ProtocolError) as exc:
+                code = exc.error_code if isinstance(exc, ProtocolError) else exc.session_error_code
+                self.metrics.inc(
+                    "auth_refusals_total", labels={"code": f"session_{SessionErrorCode(code).name.lower()}"}
+                )
+                logger.warning(
+                    "refusing session: SETUP authorization",
+                    extra={"peer": conn.peer_address, "reason": str(exc)},
+                )
+                await conn.close_session(code, str(exc))
+                return
         try:
             self.sessions.acquire()
         except LimitExceeded as exc:
@@ -473,12 +528,19 @@ class Relay:
             await conn.close_session(SessionErrorCode.INTERNAL_ERROR, f"relay {exc}")
             return
         peer = Peer(self, conn, next(self._ids))
+        peer.auth = session_auth
         self.peers[peer.id] = peer
         self.metrics.inc("sessions_total")
         peer.log.info("session started")
         if self.going_away:
             with contextlib.suppress(Exception):
                 await conn.goaway_peer("", int(self.config.drain_timeout * 1000))
+        await peer.run()
+
+    async def serve_upstream_session(self, up: UpstreamRelay, conn: MoqtConnection) -> None:
+        """Serve the requests an upstream relay routes to us (for namespaces we announced to it)."""
+        peer = Peer(self, conn, next(self._ids), upstream=up)
+        peer.log.info("serving upstream relay session")
         await peer.run()
 
     # -- FETCH -----------------------------------------------------------------------------------------
@@ -517,16 +579,16 @@ class Relay:
                 except TimeoutError:
                     # The peer stopped reading: give the buffered bytes back instead of holding them forever.
                     self.metrics.inc("limit_rejections_total", labels={"limit": "buffered_bytes"})
-                    req.conn._cancel(req.request_id, StreamResetCode.TOO_FAR_BEHIND)
+                    req.cancel(StreamResetCode.TOO_FAR_BEHIND)
                     self.count("fetch", "too_far_behind")
                     return
         except RequestFailed as exc:
-            req.conn._cancel(req.request_id, StreamResetCode.INTERNAL_ERROR)
+            req.cancel(StreamResetCode.INTERNAL_ERROR)
             self.count("fetch", _code_name(exc.code))
             return
         except (ConnectionClosed, StreamResetError, OSError) as exc:
             peer.log.info("upstream fetch broke mid-stream", extra={"error": str(exc)})
-            req.conn._cancel(req.request_id, StreamResetCode.INTERNAL_ERROR)
+            req.cancel(StreamResetCode.INTERNAL_ERROR)
             self.count("fetch", "upstream_reset")
             return
         req.finish()
@@ -572,12 +634,30 @@ class Relay:
         self.count("publish_namespace", "ok")
         peer.log.info("namespace published", extra={"namespace": _ns_text(ns)})
         self._notify_namespace(ns, added=True)
-        # The request slot is released, but the registration lives until the publisher withdraws it.
-        await req.cancelled.wait()
-        self.router.remove(ns, peer)
-        peer.namespaces.discard(ns)
-        self._notify_namespace(ns, added=False)
-        peer.log.info("namespace withdrawn", extra={"namespace": _ns_text(ns)})
+        self._propagate(ns, peer, added=True)
+        # The registration lives until the publisher withdraws it or its session ends.
+        try:
+            await req.cancelled.wait()
+        finally:
+            self.router.remove(ns, peer)
+            peer.namespaces.discard(ns)
+            self._notify_namespace(ns, added=False)
+            self._propagate(ns, peer, added=False)
+            peer.log.info("namespace withdrawn", extra={"namespace": _ns_text(ns)})
+
+    def _propagate(self, ns: tuple[bytes, ...], source: Peer, added: bool) -> None:
+        """Forward a PUBLISH_NAMESPACE (or its withdrawal) to the upstream relays (draft "Relays"), so
+        they route requests for ``ns`` to us. Never back to the session it came from; withdrawn upstream
+        only when no local session announces exactly ``ns`` any more."""
+        if not added and any(n == ns for n, _ in self.router.under(ns)):
+            return
+        for up in self.upstreams:
+            if up is source.upstream:
+                continue
+            if added:
+                up.announce(ns)
+            else:
+                up.withdraw(ns)
 
     def _notify_namespace(self, ns: tuple[bytes, ...], added: bool) -> None:
         for wpeer, wreq, prefix in list(self.ns_watchers.values()):
@@ -586,9 +666,9 @@ class Relay:
             suffix = ns[len(prefix) :]
             with contextlib.suppress(Exception):
                 if added:
-                    wpeer.conn._do(wpeer.conn.session.namespace, wreq.request_id, suffix)
+                    wpeer.conn.namespace(wreq.request_id, suffix)
                 else:
-                    wpeer.conn._do(wpeer.conn.session.namespace_done, wreq.request_id, suffix)
+                    wpeer.conn.namespace_done(wreq.request_id, suffix)
 
     async def serve_subscribe_namespace(self, peer: Peer, req: IncomingRequest) -> None:
         ev = req.event
@@ -600,7 +680,7 @@ class Relay:
         for ns, _ in self.router.under(prefix):
             if ns not in seen:
                 seen.add(ns)
-                peer.conn._do(peer.conn.session.namespace, req.request_id, ns[len(prefix) :])
+                peer.conn.namespace(req.request_id, ns[len(prefix) :])
         self.ns_watchers[(peer.id, req.request_id)] = (peer, req, prefix)
         try:
             await req.cancelled.wait()
@@ -684,9 +764,8 @@ class Relay:
             RequestErrorCode.DOES_NOT_EXIST, "no publisher or upstream relay for this track"
         )
 
-    async def serve_publish(self, peer: Peer, req: IncomingRequest) -> None:
+    async def serve_publish(self, peer: Peer, req: IncomingPublish) -> None:
         ev = req.event
-        assert isinstance(ev, me.PublishReceived)
         key: TrackKey = (ev.track_namespace, ev.track_name)
         if key in self.fanouts:
             self.reject(
@@ -700,10 +779,8 @@ class Relay:
         fan.publish_objects = []
         fan.ready.set_result(None)
         self.fanouts[key] = fan
-        # The glue routes objects to registered object streams; a PUBLISH is one whose objects we consume.
-        source = Subscription(peer.conn, req.request_id)
-        peer.conn._streams[req.request_id] = source
-        req.accept(MessageParameters(forward=1))
+        # Objects that followed the PUBLISH before this answer are buffered by the glue, not lost.
+        source = req.accept_publish(MessageParameters(forward=1))
         self.cache.invalidate_negative(key[0])
         self.count("publish", "ok")
         fan.task = asyncio.get_running_loop().create_task(fan.pump(source))
@@ -733,6 +810,7 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> None:
     relay = Relay(config, metrics)
     session_cfg = SessionConfig(
         is_client=False,
+        max_auth_token_cache_size=AUTH_TOKEN_CACHE_SIZE if config.auth_issuer_keys else None,
         max_requests_in_flight=config.limits.max_requests_per_session,
         max_object_size=config.limits.max_object_bytes,
     )

@@ -1,9 +1,11 @@
 """Where cache misses go: publisher sessions that announced a matching namespace, then upstream relays.
 
-Owns: ``UpstreamRelay`` (a lazily connected, reconnecting client session to one ``--upstream`` relay) and
-``RoutedUpstream``, the ``relay.cache.Upstream`` implementation that tries the longest-prefix publishers
-first and the upstream relays after them, translating MoQT answers into cache terms. A candidate that says
-DOES_NOT_EXIST is skipped for the next one; every other failure is reported with its code.
+Owns: ``UpstreamRelay`` (a lazily connected, reconnecting client session to one ``--upstream`` relay, which
+also carries our publishers' PUBLISH_NAMESPACE registrations to that relay and serves the requests it
+routes back to us) and ``RoutedUpstream``, the ``relay.cache.Upstream`` implementation that tries the
+longest-prefix publishers first and the upstream relays after them, translating MoQT answers into cache
+terms. A candidate that says DOES_NOT_EXIST is skipped for the next one; every other failure is reported
+with its code.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol
 
 from kvnet.connection import (
@@ -26,7 +28,7 @@ from kvnet.connection import (
 from kvnet.quic import TlsSettings, TransportSettings
 from proto.errors import RequestErrorCode
 from proto.events import ObjectReceived
-from proto.messages import Location, MessageParameters
+from proto.messages import Location, MessageParameters, TrackNamespace
 from proto.session import SessionConfig
 from relay.cache import (
     CachedObject,
@@ -70,7 +72,14 @@ def cached_object(ev: ObjectReceived) -> CachedObject:
 
 
 class UpstreamRelay:
-    """A client session to an upstream relay, connected on first use and re-established after it ends."""
+    """A client session to an upstream relay, connected on first use and re-established after it ends.
+
+    Namespace propagation (draft "Relays"/"Publisher Interactions": the upstream relay routes requests for
+    a namespace to the session that announced it): ``announce``/``withdraw`` keep the set of namespaces our
+    publishers announced; each is sent upstream as PUBLISH_NAMESPACE on the current session (re-sent after
+    a reconnect) and withdrawn by cancelling that request. Requests the upstream relay sends us on this
+    session are handed to ``on_session`` (the relay serves them like any peer's).
+    """
 
     def __init__(
         self,
@@ -80,6 +89,8 @@ class UpstreamRelay:
         session_config: SessionConfig,
         limits: ConnectionLimits,
         clock: Callable[[], float],
+        on_session: Callable[[UpstreamRelay, MoqtConnection], Awaitable[None]] | None = None,
+        request_timeout: float = 10.0,
     ) -> None:
         self.url = url
         self.name = f"upstream:{url}"
@@ -88,9 +99,77 @@ class UpstreamRelay:
         self._session_config = session_config
         self._limits = limits
         self._clock = clock
+        self._on_session = on_session
+        self._request_timeout = request_timeout
         self._conn: MoqtConnection | None = None
         self._connecting: asyncio.Task[MoqtConnection] | None = None
         self._failed_at: float | None = None
+        self._wanted: set[TrackNamespace] = set()
+        """Namespaces our publishers announced (to be announced upstream)."""
+        self._announced: dict[TrackNamespace, int | None] = {}
+        """On the current session: namespace -> PUBLISH_NAMESPACE Request ID (None while in flight)."""
+        self._announced_on: MoqtConnection | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
+
+    @property
+    def announced(self) -> frozenset[TrackNamespace]:
+        """Namespaces the upstream relay accepted from us on the current session."""
+        return frozenset(ns for ns, rid in self._announced.items() if rid is not None)
+
+    def announce(self, namespace: TrackNamespace) -> None:
+        """Forward a publisher's PUBLISH_NAMESPACE upstream (now, or once connected)."""
+        self._wanted.add(namespace)
+        self._spawn(self._sync())
+
+    def withdraw(self, namespace: TrackNamespace) -> None:
+        """The last local announcer of ``namespace`` went away: cancel our PUBLISH_NAMESPACE upstream."""
+        self._wanted.discard(namespace)
+        rid = self._announced.pop(namespace, None)
+        conn = self._announced_on
+        if rid is not None and conn is not None and not conn.is_closed:
+            conn.cancel_request(rid)
+            logger.info("namespace withdrawn upstream", extra={"upstream": self.url})
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _sync(self) -> None:
+        """Announce every wanted namespace on the current session (connecting if needed)."""
+        if self._closing or not self._wanted:
+            return
+        conn = await self.connection()
+        if conn is None:
+            # Unreachable: retry after the backoff so the upstream learns the routes once it is back.
+            await asyncio.sleep(_RECONNECT_BACKOFF)
+            if self._wanted and (self._conn is None or self._conn.is_closed):
+                self._spawn(self._sync())
+            return
+        if self._announced_on is not conn:
+            self._announced_on = conn
+            self._announced = {}
+        todo = [ns for ns in self._wanted if ns not in self._announced]
+        for ns in todo:
+            self._announced[ns] = None
+        await asyncio.gather(*(self._announce_one(conn, ns) for ns in todo))
+
+    async def _announce_one(self, conn: MoqtConnection, ns: TrackNamespace) -> None:
+        try:
+            rid = await asyncio.wait_for(conn.publish_namespace(ns), self._request_timeout)
+        except (RequestRejected, ConnectionClosed, TimeoutError) as exc:
+            logger.warning(
+                "upstream relay refused PUBLISH_NAMESPACE", extra={"upstream": self.url, "error": str(exc)}
+            )
+            if self._announced_on is conn and self._announced.get(ns, 0) is None:
+                del self._announced[ns]
+            return
+        if self._announced_on is not conn or ns not in self._wanted:
+            conn.cancel_request(rid)  # withdrawn (or reconnected) while the announcement was in flight
+            return
+        self._announced[ns] = rid
+        logger.info("namespace announced upstream", extra={"upstream": self.url})
 
     async def connection(self) -> MoqtConnection | None:
         conn = self._conn
@@ -117,11 +196,27 @@ class UpstreamRelay:
     async def _connect(self) -> MoqtConnection:
         conn = await connect(self.url, self._settings, self._tls, self._session_config, self._limits)
         logger.info("connected to upstream relay", extra={"upstream": self.url})
+        self._spawn(self._run_session(conn))
         return conn
 
+    async def _run_session(self, conn: MoqtConnection) -> None:
+        """Serve what the upstream relay asks of us on ``conn``; after it ends, re-announce elsewhere."""
+        try:
+            if self._on_session is not None:
+                await self._on_session(self, conn)
+            await conn.wait_session_closed()
+        finally:
+            if not self._closing and self._wanted:
+                logger.warning("upstream session ended; re-announcing", extra={"upstream": self.url})
+                await asyncio.sleep(_RECONNECT_BACKOFF)
+                self._spawn(self._sync())
+
     async def close(self) -> None:
+        self._closing = True
         if self._connecting is not None:
             self._connecting.cancel()
+        for task in list(self._tasks):
+            task.cancel()
         if self._conn is not None and not self._conn.is_closed:
             with contextlib.suppress(TimeoutError, ConnectionError):
                 await asyncio.wait_for(self._conn.close_session(), 2)

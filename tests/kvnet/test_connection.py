@@ -12,6 +12,7 @@ from kvnet import certs, quic, transport
 from kvnet.connection import (
     ConnectionLimits,
     IncomingFetch,
+    IncomingPublish,
     IncomingPublishNamespace,
     IncomingSubscribe,
     IncomingTrackStatus,
@@ -21,8 +22,9 @@ from kvnet.connection import (
     connect,
     serve,
 )
+from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode
-from proto.messages import Location
+from proto.messages import Location, MessageParameters
 
 NS = (b"kvnet", b"test")
 
@@ -188,3 +190,55 @@ async def test_stacks_interoperate(pki: Path) -> None:
             assert [o.payload for o in objs] == [b"obj%d" % i * 1000 for i in range(5)]
     finally:
         await server.close()
+
+
+async def test_incoming_publish_buffers_early_objects_and_honours_stream_count(
+    pki: Path, settings: quic.TransportSettings
+) -> None:
+    """Objects that follow a PUBLISH before the application accepts it are kept, and PUBLISH_DONE sent
+    right after the data does not end the subscription before its Stream Count of streams has ended."""
+    got: dict[bytes, list[tuple[int, int, bytes]]] = {}
+    done: dict[bytes, int] = {}
+    finished = asyncio.Event()
+
+    async def on_connection(conn: MoqtConnection) -> None:
+        async for req in conn.incoming_requests():
+            assert isinstance(req, IncomingPublish)
+            name = req.event.track_name
+            if name == b"late-accept":
+                await asyncio.sleep(0.3)  # the objects are already here
+            objects = req.accept_publish(MessageParameters(forward=1))
+            got[name] = [(o.object_id, o.status, o.payload) async for o in objects]
+            assert objects.done is not None
+            done[name] = objects.done.stream_count
+            if len(got) == 2:
+                finished.set()
+
+    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), on_connection)
+    big = [bytes([i]) * 400_000 for i in range(3)]
+    try:
+        async with connect(f"moqt://localhost:{server.address[1]}", settings,
+                           quic.TlsSettings.from_dir(pki, None)) as conn:
+            # 1: objects sent right behind the PUBLISH, without waiting for PUBLISH_OK.
+            pending = asyncio.ensure_future(conn.publish(NS, b"late-accept", 11))
+            while not conn.session.established or 11 not in conn.session._pub_aliases:
+                await asyncio.sleep(0.001)
+            sid = conn.open_subgroup(11, 0, 0)
+            conn.send_subgroup_object(sid, 0, b"early")
+            conn.send_subgroup_object(sid, 1, b"", status=ObjectStatus.END_OF_TRACK, end_stream=True)
+            ok = await pending
+            conn.publish_done(ok.request_id, PublishDoneCode.TRACK_ENDED, "done")
+            # 2: large objects on two streams, PUBLISH_DONE at once while they are still in flight.
+            ok = await conn.publish(NS, b"in-flight", 12)
+            for group in range(2):
+                sid = conn.open_subgroup(12, group, 0)
+                for i, payload in enumerate(big):
+                    conn.send_subgroup_object(sid, i, payload, end_stream=i == len(big) - 1)
+            conn.publish_done(ok.request_id, PublishDoneCode.TRACK_ENDED, "done")
+            await asyncio.wait_for(finished.wait(), 20)
+    finally:
+        await server.close()
+    assert got[b"late-accept"] == [(0, ObjectStatus.NORMAL, b"early"), (1, ObjectStatus.END_OF_TRACK, b"")]
+    assert done == {b"late-accept": 1, b"in-flight": 2}
+    # The two streams interleave; each arrived whole.
+    assert sorted(p for _, _, p in got[b"in-flight"]) == sorted(big + big)

@@ -109,11 +109,8 @@ class Publisher:
             for i, payload in enumerate(objs):
                 req.send_object(sid, i, payload)
                 self.objects_sent += 1
-            c = self.conn
-            c._do(c.session.send_subgroup_object, sid, len(objs), b"", (), ObjectStatus.END_OF_TRACK, True)
-            while c.send_buffered() > 0 and not c.is_closed:  # PUBLISH_DONE must not overtake the data
-                await asyncio.sleep(0.005)
-            await asyncio.sleep(0.2)  # unsent is 0, but the last packets may still be in flight
+            req.send_object(sid, len(objs), b"", end_stream=True, status=ObjectStatus.END_OF_TRACK)
+            # At once: PUBLISH_DONE's Stream Count keeps the subscription open until the data has arrived.
             with contextlib.suppress(Exception):
                 req.publish_done(0x2, "track ended")
         else:

@@ -70,3 +70,16 @@ def test_metrics_render_and_parse() -> None:
     samples = parse_prometheus(text)
     assert samples['kvnet_relay_requests_total{outcome="ok",type="fetch"}'] == 3
     assert samples["kvnet_relay_cache_bytes"] == 123
+
+
+def test_auth_keys_from_file_and_flags(cert_dir: CertDir, tmp_path: Path) -> None:
+    f = tmp_path / "relay.toml"
+    f.write_text(
+        f'cert = "{cert_dir.cert}"\nkey = "{cert_dir.key}"\nauth_issuer_keys = "a.pub"\n'
+        'upstream_token = "edge.token"\n'
+    )
+    cfg = config_from_args(build_parser().parse_args(["--config", str(f)]))
+    assert cfg.auth_issuer_keys == (Path("a.pub"),) and cfg.upstream_token == Path("edge.token")
+    args = ["--config", str(f), "--auth-issuer-key", "b.pub", "--auth-issuer-key", "c.pub"]
+    cfg = config_from_args(build_parser().parse_args(args))
+    assert cfg.auth_issuer_keys == (Path("b.pub"), Path("c.pub"))

@@ -13,7 +13,7 @@ from aioquic.asyncio.client import connect as quic_connect
 
 from kvnet.connection import MoqtConnectionError, RequestRejected
 from proto.data import ObjectStatus
-from proto.errors import RequestErrorCode, SessionErrorCode
+from proto.errors import PublishDoneCode, RequestErrorCode, SessionErrorCode
 from proto.events import NamespaceReceived
 from proto.messages import Location, TrackStatus, encode_message
 from tests.relay.conftest import CertDir, RelayProcess, start_relay
@@ -71,16 +71,13 @@ async def test_publish_pushes_track_into_cache(relay: RelayProcess, cert_dir: Ce
     objs = track_objects(b"pushed", 5)
     pub = await Publisher(await connect_client(relay.url, str(cert_dir.ca)), {}).start()
     c = pub.conn
-    c._do(c.session.publish, NS, b"pushed", 42)
-    # Send the objects once the relay accepted the PUBLISH (the draft also lets them go at once).
-    for _ in range(100):
-        if relay.metric('kvnet_relay_requests_total{outcome="ok",type="publish"}') == 1:
-            break
-        await asyncio.sleep(0.02)
-    sid = c._do(c.session.open_subgroup, 42, 0, 0, None)
+    ok = asyncio.ensure_future(c.publish(NS, b"pushed", 42))
+    await asyncio.sleep(0)  # the PUBLISH is out; its objects follow at once, before PUBLISH_OK
+    sid = c.open_subgroup(42, 0, 0)
     for i, payload in enumerate(objs):
-        c._do(c.session.send_subgroup_object, sid, i, payload)
-    c._do(c.session.send_subgroup_object, sid, len(objs), b"", (), ObjectStatus.END_OF_TRACK, True)
+        c.send_subgroup_object(sid, i, payload)
+    c.send_subgroup_object(sid, len(objs), b"", status=ObjectStatus.END_OF_TRACK, end_stream=True)
+    c.publish_done((await ok).request_id, PublishDoneCode.TRACK_ENDED, "pushed")
     sub = await connect_client(relay.url, str(cert_dir.ca))
     try:
         for _ in range(100):
