@@ -42,6 +42,8 @@ from proto.session import (
 
 logger = logging.getLogger(__name__)
 
+# Application calls (requests, replies, objects) whose packets may wait for one deferred transmit.
+_TRANSMIT_BATCH = 128
 # TLS alert bad_certificate (42) as a QUIC CRYPTO_ERROR (0x100 + alert), RFC 9001 section 4.8.
 _CRYPTO_BAD_CERTIFICATE = 0x100 + 42
 
@@ -100,6 +102,13 @@ class ConnectionLimits:
     publish_done_timeout: float = 5.0
     """Seconds a subscription stays open after PUBLISH_DONE waiting for the subgroup streams its Stream
     Count announces (draft "PUBLISH_DONE": data may still be in flight) before it ends anyway."""
+    request_header_timeout: float | None = None
+    """Seconds a peer has, from the first byte on a new request stream, to complete the stream's first
+    control message (slowloris defence). Late: the stream is reset and stopped with DELIVERY_TIMEOUT.
+    None: no deadline."""
+    max_request_header_timeouts: int = 3
+    """Request streams of one session that may hit ``request_header_timeout``; the next one closes the
+    session with CONTROL_MESSAGE_TIMEOUT."""
 
     def __post_init__(self) -> None:
         names = ("max_outstanding_requests", "max_send_buffer", "max_receive_buffer", "max_incoming_queue")
@@ -110,6 +119,10 @@ class ConnectionLimits:
             raise ValueError("setup_timeout must be positive")
         if self.publish_done_timeout < 0:
             raise ValueError("publish_done_timeout must not be negative")
+        if self.request_header_timeout is not None and self.request_header_timeout <= 0:
+            raise ValueError("request_header_timeout must be positive (or None)")
+        if self.max_request_header_timeouts < 0:
+            raise ValueError("max_request_header_timeouts must not be negative")
 
 
 # -------------------------------------------------------------------------------- requesters' handles
@@ -390,6 +403,8 @@ class MoqtConnection(_ProtocolBase):
         self._slot_held: set[int] = set()
         self._received_bytes = 0
         self._written_streams: set[int] = set()
+        self._transmit_scheduled = False
+        self._untransmitted = 0
         self._writable = asyncio.Event()
         self._writable.set()
         self.goaway: me.GoawayReceived | None = None
@@ -398,6 +413,7 @@ class MoqtConnection(_ProtocolBase):
         self.other_events: deque[me.MoqtEvent] = deque(maxlen=1024)
         """Events no helper consumes (NAMESPACE, PUBLISH_BLOCKED, ...), newest kept."""
         self._log = logging.LoggerAdapter(logger, {"cid": quic.host_cid.hex()[:8]})
+        self._headers = _RequestHeaderWatch(self) if self.limits.request_header_timeout else None
 
     # ---- QUIC callbacks (never await)
 
@@ -405,6 +421,8 @@ class MoqtConnection(_ProtocolBase):
         s = self.session
         qe = self._events
         if isinstance(event, qe.StreamDataReceived):
+            if self._headers is not None and not event.stream_id & 2:
+                self._headers.data(event.stream_id, event.data)
             s.receive_stream_data(event.stream_id, event.data, event.end_stream)
         elif isinstance(event, qe.StreamReset):
             s.receive_stream_reset(event.stream_id, event.error_code)
@@ -467,8 +485,30 @@ class MoqtConnection(_ProtocolBase):
         """Run a session action from application code, then send what it produced."""
         result = action(*args, **kwargs)
         self._pump()
-        self.transmit()
+        self._transmit_soon()
         return result
+
+    def _transmit_soon(self) -> None:
+        """Packetize and send once the current batch of application calls is done, or now if the batch
+        has reached ``_TRANSMIT_BATCH`` calls.
+
+        Writes reach QUIC's stream buffers at once (``_pump``); only building and sending packets is
+        deferred to one ``call_soon``. Every transmit walks all of QUIC's open streams, so transmitting
+        after each of N requests issued together (a locate's TRACK_STATUS fan-out) cost O(N^2). The
+        batch bound keeps each burst of requests small enough for the peer to answer between datagrams
+        rather than refusing them once its requests-in-flight limit is reached."""
+        self._untransmitted += 1
+        if self._untransmitted >= _TRANSMIT_BATCH:
+            self._untransmitted = 0
+            self.transmit()
+        elif not self._transmit_scheduled:
+            self._transmit_scheduled = True
+            asyncio.get_running_loop().call_soon(self._deferred_transmit)
+
+    def _deferred_transmit(self) -> None:
+        self._transmit_scheduled = False
+        self._untransmitted = 0
+        self.transmit()
 
     def _route(self, ev: me.MoqtEvent) -> None:
         rid: int | None = getattr(ev, "request_id", None)
@@ -585,6 +625,8 @@ class MoqtConnection(_ProtocolBase):
             inc.cancelled.set()
         self._incoming.put_nowait(None)
         self._writable.set()  # wake writers; their next action fails on the closed session
+        if self._headers is not None:
+            self._headers.clear()
         if not self._closed_future.done():
             self._closed_future.set_result((ev.error_code, ev.reason))
 
@@ -599,6 +641,16 @@ class MoqtConnection(_ProtocolBase):
         return True
 
     # ---- back-pressure
+
+    @property
+    def receive_buffered(self) -> int:
+        """Object bytes received and not yet consumed by the application, over all requests."""
+        return self._received_bytes
+
+    @property
+    def request_header_timeouts(self) -> int:
+        """Request streams of this session reset because their first message came too slowly."""
+        return 0 if self._headers is None else self._headers.timeouts
 
     def send_buffered(self) -> int:
         """Bytes written to QUIC streams and not yet acknowledged."""
@@ -698,7 +750,7 @@ class MoqtConnection(_ProtocolBase):
         handle = FetchHandle(self, rid)
         self._streams[rid] = handle
         self._pump()
-        self.transmit()
+        self._transmit_soon()
         return handle
 
     async def subscribe(
@@ -717,7 +769,7 @@ class MoqtConnection(_ProtocolBase):
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         self._pump()
-        self.transmit()
+        self._transmit_soon()
         await fut
         return sub
 
@@ -829,6 +881,92 @@ class MoqtConnection(_ProtocolBase):
     async def wait_session_closed(self) -> tuple[int, str]:
         """Wait for the session to end; returns (error code, reason)."""
         return await asyncio.shield(self._closed_future)
+
+
+class _RequestHeaderWatch:
+    """``ConnectionLimits.request_header_timeout``: every request stream the peer opens must carry one
+    complete control message (Type (i), Length (16), payload) within the deadline of its first byte.
+
+    Only the framing is read here (a varint and two bytes); the session parses the message itself."""
+
+    def __init__(self, conn: MoqtConnection) -> None:
+        self._conn = conn
+        self._peer_bit = 1 if conn.session.is_client else 0
+        self._pending: dict[int, tuple[bytearray, int, asyncio.TimerHandle]] = {}
+        """Stream id -> (header bytes so far, bytes received, deadline timer)."""
+        self._low = self._peer_bit
+        """Lowest peer bidirectional stream id not seen yet; ``_above`` holds seen ids above it."""
+        self._above: set[int] = set()
+        self.timeouts = 0
+
+    def data(self, stream_id: int, data: bytes) -> None:
+        entry = self._pending.get(stream_id)
+        if entry is None:
+            if stream_id & 1 != self._peer_bit or not self._first_sight(stream_id):
+                return
+            timer = asyncio.get_running_loop().call_later(
+                self._conn.limits.request_header_timeout or 0.0, self._expired, stream_id
+            )
+            entry = (bytearray(), 0, timer)
+        head, received, timer = entry
+        received += len(data)
+        if len(head) < 11:
+            head += data[: 11 - len(head)]
+        need = _first_message_size(head)
+        if need is not None and received >= need:
+            timer.cancel()
+            self._pending.pop(stream_id, None)
+        else:
+            self._pending[stream_id] = (head, received, timer)
+
+    def _first_sight(self, stream_id: int) -> bool:
+        if stream_id < self._low or stream_id in self._above:
+            return False
+        self._above.add(stream_id)
+        while self._low in self._above:
+            self._above.discard(self._low)
+            self._low += 4
+        return True
+
+    def _expired(self, stream_id: int) -> None:
+        self._pending.pop(stream_id, None)
+        conn = self._conn
+        if conn.session.closed is not None:
+            return
+        self.timeouts += 1
+        limit = conn.limits.max_request_header_timeouts
+        if self.timeouts > limit:
+            conn._log.warning("closing session: %d request streams without a timely message", self.timeouts)
+            conn._do(
+                conn.session.close,
+                SessionErrorCode.CONTROL_MESSAGE_TIMEOUT,
+                "request streams without a complete control message in time",
+            )
+            return
+        conn._log.info("request stream %d: no complete control message in time; resetting", stream_id)
+        code = StreamResetCode.DELIVERY_TIMEOUT
+        with contextlib.suppress(Exception):  # the stream may have ended meanwhile
+            conn._quic.reset_stream(stream_id, code)
+        with contextlib.suppress(Exception):
+            conn._quic.stop_stream(stream_id, code)
+        # The session forgets the half-received request as if the peer had reset it (after our
+        # STOP_SENDING it must); the session's own reset of the stream is then a no-op.
+        conn._do(conn.session.receive_stream_reset, stream_id, code)
+
+    def clear(self) -> None:
+        for _, _, timer in self._pending.values():
+            timer.cancel()
+        self._pending.clear()
+
+
+def _first_message_size(head: bytes | bytearray) -> int | None:
+    """Bytes of a control message (Type varint, 16-bit Length, payload) given its first bytes."""
+    if not head:
+        return None
+    n = 1 << (head[0] >> 6)
+    if len(head) < n + 2:
+        return None
+    return n + 2 + int.from_bytes(head[n : n + 2], "big")
 
 
 @functools.cache

@@ -101,12 +101,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache-track-bytes", type=int, help="largest single upstream response held")
     g.add_argument("--cache-inflight-bytes", type=int, help="bytes of all upstream responses in flight")
     g.add_argument("--negative-ttl", type=float, help="seconds a DOES_NOT_EXIST TRACK_STATUS is reused")
+    g.add_argument("--cache-share-depth", type=int, help="namespace fields naming a cache share group (4)")
+    g.add_argument("--cache-share-bytes", type=int, help="most bytes one share group may hold (0: fraction)")
+    g.add_argument("--cache-share-fraction", type=float, help="share of the cache one group may hold (1.0)")
     g = p.add_argument_group("limits")
     g.add_argument("--max-sessions", type=int)
     g.add_argument("--max-requests-per-session", type=int)
+    g.add_argument("--max-requests", type=int, help="requests open on all sessions together")
+    g.add_argument(
+        "--reserved-requests-per-session", type=int, help="requests a session may open past --max-requests"
+    )
     g.add_argument("--max-object-bytes", type=int)
     g.add_argument("--max-buffered-bytes", type=int, help="per-session bytes queued toward a slow peer")
+    g.add_argument("--max-buffered-bytes-total", type=int, help="bytes buffered for all sessions together")
     g.add_argument("--upstream-timeout", type=float)
+    g.add_argument("--setup-timeout", type=float, help="seconds to complete the handshake and SETUP")
+    g.add_argument(
+        "--session-idle-timeout", type=float, help="close sessions without requests after S seconds (0 = off)"
+    )
+    g.add_argument(
+        "--request-header-timeout", type=float, help="seconds to complete a request's first message (0 = off)"
+    )
+    g.add_argument("--max-request-header-timeouts", type=int, help="late request streams before closing")
+    g.add_argument("--slow-peer-timeout", type=float, help="seconds a peer may read nothing while data waits")
     g = p.add_argument_group("transport")
     g.add_argument("--quic-stack", choices=("aioquic", "qh3"), help="QUIC implementation")
     g.add_argument("--max-datagram-size", type=int, help="QUIC datagram size (16384 loopback, 1452 ethernet)")
@@ -137,11 +154,22 @@ def config_from_args(args: argparse.Namespace) -> RelayConfig:
         "cache.max_track_bytes": args.cache_track_bytes,
         "cache.max_inflight_bytes": args.cache_inflight_bytes,
         "cache.negative_ttl": args.negative_ttl,
+        "cache.share_depth": args.cache_share_depth,
+        "cache.share_bytes": args.cache_share_bytes,
+        "cache.share_fraction": args.cache_share_fraction,
         "limits.max_sessions": args.max_sessions,
         "limits.max_requests_per_session": args.max_requests_per_session,
+        "limits.max_requests": args.max_requests,
+        "limits.reserved_requests_per_session": args.reserved_requests_per_session,
         "limits.max_object_bytes": args.max_object_bytes,
         "limits.max_buffered_bytes_per_session": args.max_buffered_bytes,
+        "limits.max_buffered_bytes": args.max_buffered_bytes_total,
         "limits.upstream_timeout": args.upstream_timeout,
+        "limits.setup_timeout": args.setup_timeout,
+        "limits.session_idle_timeout": args.session_idle_timeout,
+        "limits.request_header_timeout": args.request_header_timeout,
+        "limits.max_request_header_timeouts": args.max_request_header_timeouts,
+        "limits.slow_peer_timeout": args.slow_peer_timeout,
         "transport.stack": args.quic_stack,
         "transport.max_datagram_size": args.max_datagram_size,
         "transport.socket_receive_buffer": args.socket_buffer,

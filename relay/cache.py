@@ -11,6 +11,11 @@ Rules:
    covering it finished cleanly (FETCH_OK seen and the data stream ended with FIN). A failed or cut-off
    fill stores nothing, so a partial track is never served as complete.
 3. Payloads are opaque bytes; the cache never looks inside them (the relay is content-agnostic).
+4. Shares: tracks are grouped by the first ``share_depth`` namespace fields (for kvnet namespaces
+   ("kvnet", "v1", fingerprint, tenant): one group per tenant). A group holds at most ``share_limit``
+   bytes; storing beyond it evicts that group's own least recently used tracks first. When the whole
+   cache is over budget, the victim is the least recently used track of a group above an equal share of
+   the budget, so a group that floods the cache evicts itself, not the others.
 """
 
 from __future__ import annotations
@@ -146,6 +151,19 @@ class CacheConfig:
     """Seconds a DOES_NOT_EXIST answer to TRACK_STATUS is reused; 0 disables negative caching."""
     max_negative_entries: int = 65536
     """Bound on remembered negative answers (oldest dropped first)."""
+    share_depth: int = 4
+    """Namespace fields that name a cache share group (4: ("kvnet", "v1", fingerprint, tenant));
+    0 puts every track in one group."""
+    share_bytes: int = 0
+    """Most bytes one group may hold; 0 means ``share_fraction`` of ``max_bytes``."""
+    share_fraction: float = 1.0
+    """Share of ``max_bytes`` one group may hold when ``share_bytes`` is 0 (1.0: no cap of its own; the
+    equal-share rule still makes a flooding group evict its own tracks once the cache is full)."""
+
+    @property
+    def share_limit(self) -> int:
+        """Bytes one share group may hold."""
+        return self.share_bytes if self.share_bytes > 0 else int(self.max_bytes * self.share_fraction)
 
     def __post_init__(self) -> None:
         if self.max_bytes < 0:
@@ -158,6 +176,12 @@ class CacheConfig:
             raise ValueError("negative_ttl must be >= 0")
         if self.max_negative_entries < 0:
             raise ValueError("max_negative_entries must be >= 0")
+        if not 0 <= self.share_depth <= 32:
+            raise ValueError(f"share_depth must be in 0..32, got {self.share_depth}")
+        if self.share_bytes < 0:
+            raise ValueError("share_bytes must be >= 0")
+        if not 0 < self.share_fraction <= 1:
+            raise ValueError(f"share_fraction must be in (0, 1], got {self.share_fraction}")
 
 
 @dataclass
@@ -172,6 +196,8 @@ class CacheStats:
     upstream_track_status: int = 0
     status_hits: int = 0
     negative_hits: int = 0
+    share_evictions: int = 0
+    """Tracks evicted because their group was over its share (included in ``evictions``)."""
 
 
 @dataclass
@@ -189,6 +215,14 @@ class _Entry:
 
     def largest(self) -> Location | None:
         return max(self.objects) if self.objects else None
+
+
+@dataclass
+class _Group:
+    """One cache share group: its tracks in LRU order and the bytes they hold."""
+
+    keys: OrderedDict[TrackKey, None] = field(default_factory=OrderedDict)
+    bytes: int = 0
 
 
 class InflightBudget:
@@ -331,6 +365,7 @@ class ObjectCache:
         self._clock = clock
         self._entries: OrderedDict[TrackKey, _Entry] = OrderedDict()
         self._bytes = 0
+        self._groups: dict[tuple[bytes, ...], _Group] = {}
         self._fills: dict[TrackKey, list[Fill]] = {}
         self._inflight = InflightBudget(config.max_inflight_bytes)
         self._status = Coalescer[TrackKey, TrackStatus]()
@@ -360,6 +395,24 @@ class ObjectCache:
     def inflight(self) -> int:
         return sum(len(v) for v in self._fills.values())
 
+    def group_of(self, key: TrackKey) -> tuple[bytes, ...]:
+        """The share group of a track: the first ``share_depth`` fields of its namespace."""
+        return key[0][: self.config.share_depth]
+
+    def group_bytes(self, group: tuple[bytes, ...]) -> int:
+        g = self._groups.get(group)
+        return 0 if g is None else g.bytes
+
+    @property
+    def share_groups(self) -> int:
+        """Groups with at least one cached track."""
+        return len(self._groups)
+
+    def share_groups_full(self) -> int:
+        """Groups holding at least 90% of their share."""
+        limit = self.config.share_limit * 0.9
+        return sum(1 for g in self._groups.values() if g.bytes >= limit)
+
     @property
     def inflight_bytes(self) -> int:
         return self._inflight.used
@@ -382,7 +435,7 @@ class ObjectCache:
             return None  # asks only past the end of the track: let upstream answer INVALID_RANGE
         if not entry.covers(start, clipped):
             return None
-        self._entries.move_to_end(key)
+        self._touch(key)
         self.stats.hits += 1
         objs = [o for loc, o in sorted(entry.objects.items()) if start <= loc < clipped]
         eot = entry.final_end is not None and clipped == entry.final_end
@@ -398,7 +451,7 @@ class ObjectCache:
         entry = self._entries.get(key)
         if entry is None or entry.final_end is None or not entry.covers(START, entry.final_end):
             return None
-        self._entries.move_to_end(key)
+        self._touch(key)
         return TrackStatus(entry.largest(), True, entry.properties)
 
     # Fetch ---------------------------------------------------------------------------------------------
@@ -448,13 +501,16 @@ class ObjectCache:
     def _store_fill(self, fill: Fill) -> None:
         info = fill.info
         assert info is not None
-        if fill.bytes > self.config.max_bytes:
-            return  # would evict everything else and still not fit
+        if fill.bytes > min(self.config.max_bytes, self.config.share_limit):
+            return  # would evict everything else (of its group) and still not fit
         entry = self._entries.get(fill.key)
+        group = self.group_of(fill.key)
         if entry is None:
             entry = _Entry()
             self._entries[fill.key] = entry
-        self._entries.move_to_end(fill.key)
+            self._groups.setdefault(group, _Group()).keys[fill.key] = None
+        self._touch(fill.key)
+        g = self._groups[group]
         for obj in fill.objects:
             old = entry.objects.get(obj.location)
             if old is not None:
@@ -462,6 +518,7 @@ class ObjectCache:
                 continue
             entry.objects[obj.location] = obj
             entry.size += obj.size
+            g.bytes += obj.size
             self._bytes += obj.size
         covered_end = min(fill.end, info.end) if not info.end_of_track else fill.end
         entry.complete.append((fill.start, covered_end))
@@ -471,21 +528,45 @@ class ObjectCache:
         self._negative.pop(fill.key, None)
         self._evict(keep=fill.key)
 
+    def _touch(self, key: TrackKey) -> None:
+        """Mark a track most recently used, in the whole cache and in its group."""
+        self._entries.move_to_end(key)
+        g = self._groups.get(self.group_of(key))
+        if g is not None and key in g.keys:
+            g.keys.move_to_end(key)
+
+    def _remove(self, key: TrackKey) -> None:
+        entry = self._entries.pop(key)
+        self._bytes -= entry.size
+        group = self.group_of(key)
+        g = self._groups[group]
+        g.bytes -= entry.size
+        del g.keys[key]
+        if not g.keys:
+            del self._groups[group]
+        self.stats.evictions += 1
+
     def _evict(self, keep: TrackKey | None = None) -> None:
+        """Bring the group of ``keep`` under its share, then the cache under its budget (see rule 4);
+        ``keep`` (the track just stored) goes last."""
+        if keep is not None:
+            g = self._groups.get(self.group_of(keep))
+            limit = self.config.share_limit
+            while g is not None and g.bytes > limit and len(g.keys) > 1:
+                self._remove(next(k for k in g.keys if k != keep))
+                self.stats.share_evictions += 1
+        victim: TrackKey | None
         while self._bytes > self.config.max_bytes and self._entries:
-            key = next(iter(self._entries))
-            if key == keep and len(self._entries) == 1:
+            fair = self.config.max_bytes / max(1, len(self._groups))
+            victim = next(
+                (k for k in self._entries if k != keep and self._groups[self.group_of(k)].bytes > fair),
+                None,
+            )
+            if victim is None:
+                victim = next((k for k in self._entries if k != keep), keep)
+            if victim is None:
                 break
-            if key == keep:
-                self._entries.move_to_end(key)
-                continue
-            entry = self._entries.pop(key)
-            self._bytes -= entry.size
-            self.stats.evictions += 1
-        if self._bytes > self.config.max_bytes and keep in self._entries:
-            entry = self._entries.pop(keep)  # type: ignore[arg-type]
-            self._bytes -= entry.size
-            self.stats.evictions += 1
+            self._remove(victim)
 
     def put_track(
         self, key: TrackKey, objects: list[CachedObject], info: FetchInfo, start: Location = START

@@ -18,21 +18,44 @@ class LimitsConfig:
     """Bounds on what peers can make the relay hold."""
 
     max_sessions: int = 1024
-    """Concurrent sessions; the next handshake is refused with EXCESSIVE_LOAD."""
+    """Concurrent sessions; the next one is closed with INTERNAL_ERROR ("limit reached: sessions")."""
     max_requests_per_session: int = 8192
     """Concurrent requests a peer may have open (FETCH, SUBSCRIBE, TRACK_STATUS, ...)."""
+    max_requests: int = 65536
+    """Concurrent requests of all sessions together; beyond it a request gets EXCESSIVE_LOAD unless its
+    session holds fewer than ``reserved_requests_per_session`` (so the true bound is
+    ``max_requests + max_sessions * reserved_requests_per_session``)."""
+    reserved_requests_per_session: int = 4
+    """Requests every session may have open whatever the global count, so that sessions flooding the
+    relay cannot lock a well-behaved one out."""
     max_namespaces_per_session: int = 1024
     """PUBLISH_NAMESPACE registrations per publisher session."""
     max_object_bytes: int = 16 * 1024 * 1024
     """Largest object payload accepted from a peer."""
     max_buffered_bytes_per_session: int = 64 * 1024 * 1024
     """Bytes queued toward one peer that it has not yet read (a peer that never reads is cut off here)."""
+    max_buffered_bytes: int = 1024 * 1024 * 1024
+    """Bytes buffered for all sessions together (queued toward peers plus received and not yet
+    consumed). Beyond it new FETCH/SUBSCRIBE/PUBLISH get EXCESSIVE_LOAD and the sessions holding the
+    most are cut off (their data requests reset) until the total is back under it."""
     max_subscribers_per_track: int = 4096
     """Downstream subscriptions fanned out from one upstream track."""
     upstream_timeout: float = 10.0
     """Seconds to wait for an upstream answer (FETCH_OK, SUBSCRIBE_OK, TRACK_STATUS_OK) before TIMEOUT."""
     setup_timeout: float = 5.0
-    """Seconds a new connection has to complete SETUP."""
+    """Seconds a new connection has, from its first packet, to complete the QUIC handshake and SETUP."""
+    session_idle_timeout: float = 300.0
+    """Seconds a session may hold no open request and complete none before it is closed (NO_ERROR,
+    "idle timeout"); 0 disables. Independent of the QUIC idle timeout, which PINGs defeat."""
+    request_header_timeout: float = 10.0
+    """Seconds a peer has to complete the first control message of a request stream it opened; late:
+    the stream is reset (DELIVERY_TIMEOUT); 0 disables."""
+    max_request_header_timeouts: int = 3
+    """Request streams of one session that may time out so; one more closes the session
+    (CONTROL_MESSAGE_TIMEOUT)."""
+    slow_peer_timeout: float = 10.0
+    """Seconds a peer's send buffer may stay non-empty without shrinking before its FETCH and SUBSCRIBE
+    data streams are reset (TOO_FAR_BEHIND) and the bytes freed."""
     retry_interval_ms: int = 100
     """Retry Interval sent with EXCESSIVE_LOAD (draft: milliseconds plus one)."""
 
@@ -40,6 +63,8 @@ class LimitsConfig:
         for name in (
             "max_sessions",
             "max_requests_per_session",
+            "max_requests",
+            "max_buffered_bytes",
             "max_namespaces_per_session",
             "max_object_bytes",
             "max_buffered_bytes_per_session",
@@ -47,9 +72,15 @@ class LimitsConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("upstream_timeout", "setup_timeout"):
+        for name in ("upstream_timeout", "setup_timeout", "slow_peer_timeout"):
             if not 0 < getattr(self, name) <= 3600:
                 raise ValueError(f"{name} must be in (0, 3600] seconds, got {getattr(self, name)}")
+        for name in ("session_idle_timeout", "request_header_timeout"):
+            if not 0 <= getattr(self, name) <= 86400:
+                raise ValueError(f"{name} must be in [0, 86400] seconds (0 = off), got {getattr(self, name)}")
+        for name in ("reserved_requests_per_session", "max_request_header_timeouts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.retry_interval_ms <= 3_600_000:
             raise ValueError(f"retry_interval_ms must be in 0..3600000, got {self.retry_interval_ms}")
 
@@ -67,7 +98,7 @@ class LimitExceeded(Exception):
 
 
 class Slots:
-    """A counted resource (sessions, requests of one session)."""
+    """A counted resource (sessions, requests of one session, requests of all sessions)."""
 
     def __init__(self, what: str, limit: int) -> None:
         self.what = what
@@ -82,3 +113,16 @@ class Slots:
     def release(self) -> None:
         if self.used > 0:
             self.used -= 1
+
+
+def acquire_request(session: Slots, total: Slots, reserved: int) -> None:
+    """Take one request slot of a session and one of the relay-wide pool.
+
+    The session limit always applies. The global one is waived for a session's first ``reserved``
+    requests, so a relay saturated by other sessions still serves a session that asks for little.
+    """
+    session.acquire()
+    if total.used >= total.limit and session.used > reserved:
+        session.release()
+        raise LimitExceeded(total.what, total.limit)
+    total.used += 1

@@ -61,7 +61,7 @@ from relay.cache import (
     wire_end_to_exclusive,
 )
 from relay.config import RelayConfig
-from relay.limits import LimitExceeded, Slots
+from relay.limits import LimitExceeded, Slots, acquire_request
 from relay.metrics import Metrics, MetricsServer
 from relay.router import NamespaceRouter, RouteLimitError
 from relay.upstream import RoutedUpstream, Source, UpstreamRelay, cached_object, forward_parameters
@@ -94,6 +94,18 @@ class Peer:
         self.requests = Slots("requests per session", relay.config.limits.max_requests_per_session)
         self.namespaces: set[tuple[bytes, ...]] = set()
         self.tasks: set[asyncio.Task[None]] = set()
+        now = relay.clock()
+        self.last_active = now
+        """When a request of this session last started or ended (idle timeout)."""
+        self.fetches: dict[int, IncomingFetch] = {}
+        """FETCHes streaming to this peer; one that is cut off is removed and its loop stops."""
+        self.written = 0
+        """Object payload bytes the relay wrote toward this peer."""
+        self._progress = (now, 0)
+        """(when, bytes the peer had consumed then): the last time its send buffer drained a byte."""
+        self._cut_at: float | None = None
+        self.header_timeouts = 0
+        """Request-header timeouts of this session already counted in the metrics."""
         self._aliases = itertools.count(1)
         self.log = logging.LoggerAdapter(logger, {"session": peer_id, "peer": self.addr})
 
@@ -116,12 +128,15 @@ class Peer:
             relay.forget_peer(self)
 
     def _spawn(self, req: IncomingRequest, kind: str, coro_fn: Callable[[], Awaitable[None]]) -> None:
+        relay = self.relay
         try:
-            self.requests.acquire()
+            acquire_request(self.requests, relay.requests, relay.config.limits.reserved_requests_per_session)
         except LimitExceeded as exc:
-            self.relay.reject(req, kind, exc.code, str(exc), self.relay.config.limits.retry_interval_ms + 1)
-            self.relay.metrics.inc("limit_rejections_total", labels={"limit": "requests_per_session"})
+            relay.reject(req, kind, exc.code, str(exc), relay.config.limits.retry_interval_ms + 1)
+            label = "requests_per_session" if exc.what == self.requests.what else "requests_global"
+            relay.metrics.inc("limit_rejections_total", labels={"limit": label})
             return
+        self.last_active = relay.clock()
 
         async def runner() -> None:
             try:
@@ -136,10 +151,55 @@ class Peer:
                     self.relay.reject(req, kind, RequestErrorCode.INTERNAL_ERROR, "relay internal error")
             finally:
                 self.requests.release()
+                relay.requests.release()
+                self.last_active = relay.clock()
 
         task = asyncio.get_running_loop().create_task(runner())
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    def check_progress(self, now: float, buffered: int) -> None:
+        """Slow-peer rule: bytes queued toward the peer and none of them drained for
+        ``slow_peer_timeout``: its data requests are reset (TOO_FAR_BEHIND); still stuck after another
+        ``slow_peer_timeout`` (or nothing to reset), the session is closed."""
+        consumed = self.written - buffered
+        if buffered == 0 or consumed > self._progress[1]:
+            self._progress = (now, consumed)
+            self._cut_at = None
+            return
+        timeout = self.relay.config.limits.slow_peer_timeout
+        if now - self._progress[0] < timeout or (self._cut_at is not None and now - self._cut_at < timeout):
+            return
+        if self._cut_at is None and self.cut(StreamResetCode.TOO_FAR_BEHIND, "slow_peer"):
+            self._cut_at = now
+            return
+        self.close_for("slow_peer", "relay limit reached: peer is not reading")
+
+    def cut(self, code: StreamResetCode, limit: str) -> int:
+        """Reset every FETCH and SUBSCRIBE streaming to this peer with ``code``; returns how many."""
+        n = 0
+        for rid, req in list(self.fetches.items()):
+            del self.fetches[rid]
+            with contextlib.suppress(Exception):
+                req.cancel(code)
+            self.relay.metrics.inc("limit_rejections_total", labels={"limit": limit})
+            n += 1
+        for fan in list(self.relay.fanouts.values()):
+            for sub in [s for s in fan.subs.values() if s.peer is self and not s.dropped]:
+                fan.drop(sub, code, limit)
+                n += 1
+        if n:
+            self.log.warning("peer over a limit; data requests reset", extra={"limit": limit, "requests": n})
+        return n
+
+    def close_for(self, reason: str, text: str) -> None:
+        """Close this session because of a limit (counted once, in ``sessions_closed_total``)."""
+        if self.conn.is_closed:
+            return
+        self.relay.metrics.inc("sessions_closed_total", labels={"reason": reason})
+        self.log.warning("closing session", extra={"reason": reason})
+        code = SessionErrorCode.NO_ERROR if reason == "idle_timeout" else SessionErrorCode.INTERNAL_ERROR
+        self.conn._do(self.conn.session.close, code, text)
 
     def authorized(self, req: IncomingRequest) -> bool:
         """The authorization check, before anything looks at caches or routes (see relay.auth)."""
@@ -171,6 +231,16 @@ class Peer:
             relay.reject(req, _kind(ev), RequestErrorCode.GOING_AWAY, "relay is shutting down")
             return
         if not self.authorized(req):
+            return
+        if isinstance(req, IncomingFetch | IncomingSubscribe | IncomingPublish) and relay.buffers_full():
+            relay.metrics.inc("limit_rejections_total", labels={"limit": "buffered_bytes_global"})
+            relay.reject(
+                req,
+                _kind(ev),
+                RequestErrorCode.EXCESSIVE_LOAD,
+                f"relay buffers are full ({relay.config.limits.max_buffered_bytes} bytes)",
+                relay.config.limits.retry_interval_ms + 1,
+            )
             return
         if isinstance(req, IncomingFetch):
             self._spawn(req, "fetch", lambda: relay.serve_fetch(self, req))
@@ -249,13 +319,19 @@ class Fanout:
         loc = Location(obj.group, obj.object_id)
         if self.largest is None or (loc.group, loc.object) > (self.largest.group, self.largest.object):
             self.largest = loc
-        limit = self.relay.config.limits.max_buffered_bytes_per_session
+        relay = self.relay
+        limit = relay.config.limits.max_buffered_bytes_per_session
         for sub in list(self.subs.values()):
             if sub.dropped or sub.peer.conn.is_closed:
                 continue
             conn = sub.peer.conn
-            if conn.send_buffered() > limit:
-                self._drop(sub, "subscriber is not reading")
+            buffered = conn.send_buffered()
+            if buffered > limit:
+                self.drop(sub, StreamResetCode.TOO_FAR_BEHIND, "buffered_bytes")
+                continue
+            if relay.buffers_full() and buffered > relay.buffer_fair_share():
+                # Over the relay-wide cap: the subscribers holding more than an equal share go first.
+                self.drop(sub, StreamResetCode.EXCESSIVE_LOAD, "buffered_bytes_global")
                 continue
             try:
                 sid = sub.streams.get((obj.group, obj.subgroup))
@@ -276,21 +352,23 @@ class Fanout:
                 )
                 if end:
                     sub.streams.pop((obj.group, obj.subgroup), None)
-                self.relay.metrics.inc("bytes_out_total", len(obj.payload))
+                sub.peer.written += len(obj.payload)
+                relay.buffered_since += len(obj.payload)
+                relay.metrics.inc("bytes_out_total", len(obj.payload))
             except Exception as exc:  # a broken subscriber session must not stop the others
                 sub.peer.log.info("dropping subscriber", extra={"error": repr(exc)})
                 sub.dropped = True
                 sub.ended.set()
 
-    def _drop(self, sub: _DownSub, reason: str) -> None:
+    def drop(self, sub: _DownSub, code: StreamResetCode, limit: str) -> None:
+        """Cut one subscriber off (its request and subgroup streams reset with ``code``), counted under
+        ``limit_rejections_total{limit}``; the others keep receiving."""
         sub.dropped = True
         sub.ended.set()
-        self.relay.metrics.inc("limit_rejections_total", labels={"limit": "buffered_bytes"})
-        sub.peer.log.warning(
-            "subscriber over buffered-bytes limit; ending subscription", extra={"reason": reason}
-        )
+        self.relay.metrics.inc("limit_rejections_total", labels={"limit": limit})
+        sub.peer.log.warning("subscriber over a limit; ending subscription", extra={"limit": limit})
         with contextlib.suppress(Exception):
-            sub.req.cancel(StreamResetCode.TOO_FAR_BEHIND)
+            sub.req.cancel(code)
 
     def finish(self, status: int, reason: str) -> None:
         """Upstream ended: FIN every subscriber's streams and send PUBLISH_DONE with the same status.
@@ -373,6 +451,13 @@ class Relay:
         self.router: NamespaceRouter[Peer] = NamespaceRouter()
         self.peers: dict[int, Peer] = {}
         self.sessions = Slots("sessions", config.limits.max_sessions)
+        self.requests = Slots("requests", config.limits.max_requests)
+        """Requests of all sessions (``LimitsConfig.max_requests``)."""
+        self.buffered_sample = 0
+        """Bytes buffered for all sessions at the last sweep (send + receive side)."""
+        self.buffered_since = 0
+        """Object bytes written toward peers since that sweep (so the estimate never lags behind)."""
+        self._swept = asyncio.Event()
         self.fanouts: dict[TrackKey, Fanout] = {}
         self.ns_watchers: dict[tuple[int, int], tuple[Peer, IncomingRequest, tuple[bytes, ...]]] = {}
         self.going_away = False
@@ -411,7 +496,83 @@ class Relay:
             max_send_buffer=min(lim.max_buffered_bytes_per_session, 16 << 20),
             max_receive_buffer=lim.max_buffered_bytes_per_session,
             setup_timeout=lim.setup_timeout,
+            request_header_timeout=lim.request_header_timeout or None,
+            max_request_header_timeouts=lim.max_request_header_timeouts,
         )
+
+    # -- relay-wide limits and timeouts ---------------------------------------------------------------
+    def buffered_estimate(self) -> int:
+        return self.buffered_sample + self.buffered_since
+
+    def buffers_full(self) -> bool:
+        """Bytes buffered for all sessions have reached ``max_buffered_bytes``."""
+        return self.buffered_estimate() >= self.config.limits.max_buffered_bytes
+
+    def buffer_fair_share(self) -> int:
+        return self.config.limits.max_buffered_bytes // max(1, len(self.peers))
+
+    async def wait_buffer_room(self, timeout: float) -> bool:
+        """Wait (at most ``timeout``) until the relay-wide buffers are below their cap again."""
+        deadline = self.clock() + timeout
+        while self.buffers_full():
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._swept.wait(), remaining)
+        return True
+
+    def sweep_interval(self) -> float:
+        lim = self.config.limits
+        timeouts = [t for t in (lim.session_idle_timeout, lim.slow_peer_timeout) if t > 0]
+        return min(1.0, max(0.05, min(timeouts) / 4))
+
+    async def watch(self) -> None:
+        """Apply the timeouts and the relay-wide buffer cap, every ``sweep_interval`` seconds."""
+        interval = self.sweep_interval()
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.sweep(self.clock())
+            except Exception:  # the watchdog must outlive any one bad session
+                logger.exception("sweep failed")
+
+    def sweep(self, now: float) -> None:
+        """One pass over the sessions: idle ones are closed, slow readers cut off, header timeouts
+        counted; then, over ``max_buffered_bytes``, the sessions holding the most are cut off first."""
+        lim = self.config.limits
+        total = 0
+        held: list[tuple[int, Peer]] = []
+        for peer in list(self.peers.values()):
+            conn = peer.conn
+            if conn.is_closed:
+                continue
+            self._count_header_timeouts(peer)
+            idle = now - peer.last_active
+            if lim.session_idle_timeout and peer.requests.used == 0 and idle >= lim.session_idle_timeout:
+                peer.close_for("idle_timeout", "idle timeout")
+                continue
+            sent = conn.send_buffered()
+            total += sent + conn.receive_buffered
+            held.append((sent, peer))
+            peer.check_progress(now, sent)
+        if total > lim.max_buffered_bytes:
+            for sent, peer in sorted(held, key=lambda h: h[0], reverse=True):
+                if total <= lim.max_buffered_bytes or sent == 0:
+                    break
+                if not peer.cut(StreamResetCode.EXCESSIVE_LOAD, "buffered_bytes_global"):
+                    peer.close_for("buffered_bytes_global", "relay limit reached: buffered bytes")
+                total -= sent
+        self.buffered_sample = total
+        self.buffered_since = 0
+        self._swept.set()
+        self._swept = asyncio.Event()
+
+    def _count_header_timeouts(self, peer: Peer) -> None:
+        n = peer.conn.request_header_timeouts
+        if n > peer.header_timeouts:
+            self.metrics.inc("request_header_timeouts_total", n - peer.header_timeouts)
+            peer.header_timeouts = n
 
     def _register_metrics(self) -> None:
         m = self.metrics
@@ -449,6 +610,21 @@ class Relay:
         m.counter("limit_rejections_total", "requests or sessions refused by a limit")
         m.counter("auth_refusals_total", "requests and sessions refused by authorization, by code")
         m.counter("requests_total", "requests by type and outcome")
+        m.gauge_fn("requests_inflight", "requests open on all sessions", lambda: self.requests.used)
+        m.gauge_fn(
+            "buffered_bytes", "bytes buffered for all sessions (last sweep)", lambda: self.buffered_sample
+        )
+        m.counter("sessions_closed_total", "sessions closed by a timeout or limit, by reason")
+        m.counter("request_header_timeouts_total", "request streams reset for a late first message")
+        m.gauge_fn("cache_share_groups", "cache share groups holding tracks", lambda: c.share_groups)
+        m.gauge_fn(
+            "cache_share_groups_full", "cache share groups at 90% or more of their share", c.share_groups_full
+        )
+        m.counter_fn(
+            "cache_share_evictions_total",
+            "tracks evicted because their group was over its share",
+            lambda: c.stats.share_evictions,
+        )
 
     # -- bookkeeping ---------------------------------------------------------------------------------
     def spawn(self, coro: Coroutine[object, object, None]) -> None:
@@ -489,6 +665,10 @@ class Relay:
         )
 
     def forget_peer(self, peer: Peer) -> None:
+        self._count_header_timeouts(peer)
+        closed = peer.conn.session.closed
+        if closed is not None and closed[0] == SessionErrorCode.CONTROL_MESSAGE_TIMEOUT:
+            self.metrics.inc("sessions_closed_total", labels={"reason": "request_header_timeout"})
         if peer.upstream is None:
             self.peers.pop(peer.id, None)
             self.sessions.release()
@@ -565,23 +745,33 @@ class Relay:
             self.reject(req, "fetch", RequestErrorCode.INTERNAL_ERROR, f"upstream failed: {exc}")
             return
         req.accept_fetch(info.end_of_track, Location(*exclusive_to_wire_end(info.end)))
-        stall = self.config.limits.upstream_timeout
+        stall = self.config.limits.slow_peer_timeout
+        peer.fetches[req.request_id] = req
         try:
             async for obj in handle.objects():
-                if req.cancelled.is_set() or req.conn.is_closed:
+                if req.cancelled.is_set() or req.conn.is_closed or req.request_id not in peer.fetches:
+                    return
+                if self.buffers_full() and not await self.wait_buffer_room(stall):
+                    self.metrics.inc("limit_rejections_total", labels={"limit": "buffered_bytes_global"})
+                    req.cancel(StreamResetCode.EXCESSIVE_LOAD)
+                    self.count("fetch", "excessive_load")
                     return
                 req.send_object(
                     obj.group, obj.subgroup, obj.object_id, obj.payload, obj.priority, obj.properties
                 )
+                peer.written += len(obj.payload)
+                self.buffered_since += len(obj.payload)
                 self.metrics.inc("bytes_out_total", len(obj.payload))
                 try:
                     await asyncio.wait_for(req.drain(), stall)
                 except TimeoutError:
                     # The peer stopped reading: give the buffered bytes back instead of holding them forever.
-                    self.metrics.inc("limit_rejections_total", labels={"limit": "buffered_bytes"})
+                    self.metrics.inc("limit_rejections_total", labels={"limit": "slow_peer"})
                     req.cancel(StreamResetCode.TOO_FAR_BEHIND)
                     self.count("fetch", "too_far_behind")
                     return
+                if req.request_id not in peer.fetches:
+                    return  # cut off by a limit while we waited
         except RequestFailed as exc:
             req.cancel(StreamResetCode.INTERNAL_ERROR)
             self.count("fetch", _code_name(exc.code))
@@ -591,6 +781,8 @@ class Relay:
             req.cancel(StreamResetCode.INTERNAL_ERROR)
             self.count("fetch", "upstream_reset")
             return
+        finally:
+            peer.fetches.pop(req.request_id, None)
         req.finish()
         self.count("fetch", outcome)
 
@@ -829,6 +1021,7 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> None:
     if config.metrics_port is not None:
         metrics_server = MetricsServer(metrics, config.metrics_host, config.metrics_port)
         await metrics_server.start()
+    watchdog = asyncio.get_running_loop().create_task(relay.watch())
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -852,6 +1045,7 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> None:
     )
     relay.going_away = True
     await server.shutdown("", config.drain_timeout)
+    watchdog.cancel()
     await relay.close()
     if metrics_server is not None:
         await metrics_server.close()

@@ -83,3 +83,25 @@ def test_auth_keys_from_file_and_flags(cert_dir: CertDir, tmp_path: Path) -> Non
     args = ["--config", str(f), "--auth-issuer-key", "b.pub", "--auth-issuer-key", "c.pub"]
     cfg = config_from_args(build_parser().parse_args(args))
     assert cfg.auth_issuer_keys == (Path("b.pub"), Path("c.pub"))
+
+
+def test_limit_and_share_flags(cert_dir: CertDir, tmp_path: Path) -> None:
+    f = tmp_path / "relay.toml"
+    f.write_text(
+        f'cert = "{cert_dir.cert}"\nkey = "{cert_dir.key}"\n'
+        "[limits]\nslow_peer_timeout = 7.0\nsession_idle_timeout = 0\n[cache]\nshare_fraction = 0.25\n"
+    )
+    args = [
+        "--config", str(f), "--max-requests", "10", "--max-buffered-bytes-total", "5000",
+        "--request-header-timeout", "2.5", "--setup-timeout", "3", "--cache-share-depth", "3",
+    ]  # fmt: skip
+    cfg = config_from_args(build_parser().parse_args(args))
+    lim = cfg.limits
+    assert (lim.max_requests, lim.max_buffered_bytes, lim.request_header_timeout) == (10, 5000, 2.5)
+    assert (lim.setup_timeout, lim.slow_peer_timeout, lim.session_idle_timeout) == (3.0, 7.0, 0.0)
+    assert cfg.cache.share_depth == 3 and cfg.cache.share_limit == cfg.cache.max_bytes // 4
+    base = {"cert": str(cert_dir.cert), "key": str(cert_dir.key)}
+    with pytest.raises(ValueError, match="share_fraction"):
+        load_config({**base, "cache": {"share_fraction": 0}}, {})
+    with pytest.raises(ValueError, match="slow_peer_timeout"):
+        load_config({**base, "limits": {"slow_peer_timeout": 0}}, {})

@@ -1,0 +1,268 @@
+"""Relay-wide caps, cache shares per tenant, and the idle / slowloris / slow-reader / SETUP timeouts, each
+against a real relay process: the offender is refused or cut off with the draft's code, a well-behaved
+peer keeps being served."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from aioquic.asyncio.client import connect as quic_connect
+
+from kvnet.connection import ConnectionClosed, RequestRejected, StreamResetError
+from proto.data import ObjectStatus
+from proto.errors import PublishDoneCode, RequestErrorCode, SessionErrorCode, StreamResetCode
+from proto.messages import Fetch, FetchType, Location, StandaloneFetch, TrackStatus, encode_message
+from tests.relay.conftest import CertDir, RelayProcess, start_relay
+from tests.relay.peers import NS, Publisher, RawPeer, connect_client, fetch_track, raw_config, track_objects
+
+
+async def wait_metric(rp: RelayProcess, name: str, at_least: float, timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = (await rp.ametrics()).get(name, 0.0)
+        if value >= at_least or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(0.1)
+
+
+async def test_global_request_cap_refuses_floods_but_serves_a_light_session(
+    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+) -> None:
+    rp = start_relay(cert_dir, tmp_path, "--max-requests", "6", "--reserved-requests-per-session", "2")
+    relay_factory.append(rp)
+    tracks = {f"h{i}".encode(): track_objects(f"h{i}".encode()) for i in range(4)}
+    tracks[b"good"] = track_objects(b"good")
+    pub = await Publisher(await connect_client(rp.url, str(cert_dir.ca)), tracks).start()
+    good = await connect_client(rp.url, str(cert_dir.ca))
+    hogs = [await connect_client(rp.url, str(cert_dir.ca)) for _ in range(3)]
+    try:
+        assert await fetch_track(good, b"good", 4) == tracks[b"good"]  # now cached
+        pub.fetch_delay = 3.0  # the flood's fetches hold their slots for 3 s
+        # Three sessions, each well within its own limit (8192), together far beyond the relay's 6.
+        flood = [
+            asyncio.ensure_future(fetch_track(h, name, 4)) for h in hogs for name in tracks if name != b"good"
+        ]
+        await asyncio.sleep(0.7)
+        started = time.monotonic()
+        assert await fetch_track(good, b"good", 4) == tracks[b"good"]
+        assert time.monotonic() - started < 2.0  # served while the flood holds the relay's slots
+        results = await asyncio.gather(*flood, return_exceptions=True)
+        refused = [r for r in results if isinstance(r, RequestRejected)]
+        served = [r for r in results if isinstance(r, list)]
+        assert len(refused) >= 4 and served, results
+        assert all(r.code == RequestErrorCode.EXCESSIVE_LOAD and r.retry_interval > 0 for r in refused)
+        m = await rp.ametrics()
+        assert m['kvnet_relay_limit_rejections_total{limit="requests_global"}'] == len(refused)
+        assert m["kvnet_relay_requests_inflight"] == 1  # only the publisher's namespace is left
+    finally:
+        await pub.stop()
+        for c in (good, *hogs):
+            await c.close_session()
+
+
+async def test_global_buffered_bytes_cap_cuts_the_biggest_holder(
+    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+) -> None:
+    rp = start_relay(cert_dir, tmp_path, "--max-buffered-bytes-total", "3000000", "--slow-peer-timeout", "60")
+    relay_factory.append(rp)
+    big = track_objects(b"big", 8, 500_000)  # 4 MB: more than the relay may buffer for everybody
+    pub = Publisher(await connect_client(rp.url, str(cert_dir.ca)), {b"big": big, b"s": track_objects(b"s")})
+    await pub.start()
+    good = await connect_client(rp.url, str(cert_dir.ca))
+    try:
+        assert await fetch_track(good, b"big", 8) == big  # cached, and read by a peer that reads
+        async with quic_connect(
+            "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
+        ) as hog:
+            assert isinstance(hog, RawPeer)
+            hog.setup()
+            await asyncio.sleep(0.2)
+            fetch = Fetch(
+                0, FetchType.STANDALONE, StandaloneFetch(NS, b"big", Location(0, 0), Location(0, 8))
+            )
+            hog._transport.pause_reading()  # type: ignore[union-attr]
+            hog.send(hog.new_stream(False), encode_message(fetch))
+            cut = await wait_metric(
+                rp, 'kvnet_relay_limit_rejections_total{limit="buffered_bytes_global"}', 1, 8
+            )
+            assert cut >= 1
+            # Once the holder is cut off (and, still holding, closed), others are served again.
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    assert await fetch_track(good, b"s", 4) == pub.tracks[b"s"]
+                    break
+                except RequestRejected as exc:
+                    assert exc.code == RequestErrorCode.EXCESSIVE_LOAD
+                    assert time.monotonic() < deadline, "relay never recovered from the buffer cap"
+                    await asyncio.sleep(0.2)
+            hog._transport.resume_reading()  # type: ignore[union-attr]
+    finally:
+        await pub.stop()
+        await good.close_session()
+
+
+async def test_tenant_share_flood_does_not_evict_other_tenant(
+    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+) -> None:
+    rp = start_relay(cert_dir, tmp_path, "--cache-bytes", "2000000", "--cache-share-bytes", "600000")
+    relay_factory.append(rp)
+    ns_a = (b"kvnet", b"v1", b"fp", b"tenant-a")
+    ns_b = (b"kvnet", b"v1", b"fp", b"tenant-b")
+    tracks_a = {f"a{i}".encode(): track_objects(f"a{i}".encode(), 4, 50_000) for i in range(30)}
+    tracks_b = {f"b{i}".encode(): track_objects(f"b{i}".encode(), 4, 50_000) for i in range(2)}
+    pub_a = await Publisher(await connect_client(rp.url, str(cert_dir.ca)), tracks_a, ns_a).start()
+    pub_b = await Publisher(await connect_client(rp.url, str(cert_dir.ca)), tracks_b, ns_b).start()
+    c = await connect_client(rp.url, str(cert_dir.ca))
+    try:
+        for name, objs in tracks_b.items():
+            assert await fetch_track(c, name, 4, ns_b) == objs
+        # Tenant A pulls 6 MB through a 2 MB cache: 10 times its 600 kB share.
+        for name, objs in tracks_a.items():
+            assert await fetch_track(c, name, 4, ns_a) == objs
+        for name, objs in tracks_b.items():
+            assert await fetch_track(c, name, 4, ns_b) == objs
+        assert pub_b.counts["fetch"] == 2  # both of B's tracks were still cached
+        assert pub_a.counts["fetch"] == 30
+        m = await rp.ametrics()
+        assert m["kvnet_relay_cache_share_evictions_total"] >= 20
+        assert m["kvnet_relay_cache_share_groups"] == 2
+        assert m["kvnet_relay_cache_bytes"] <= 600_000 + 2 * 4 * 50_500
+    finally:
+        await pub_a.stop()
+        await pub_b.stop()
+        await c.close_session()
+
+
+async def test_idle_session_is_closed_busy_one_is_not(
+    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+) -> None:
+    rp = start_relay(cert_dir, tmp_path, "--session-idle-timeout", "1")
+    relay_factory.append(rp)
+    pub = await Publisher(await connect_client(rp.url, str(cert_dir.ca)), {b"t": track_objects(b"t")}).start()
+    idle = await connect_client(rp.url, str(cert_dir.ca))
+    started = time.monotonic()
+    code, reason = await asyncio.wait_for(idle.wait_session_closed(), 5)
+    assert code == SessionErrorCode.NO_ERROR and "idle" in reason
+    assert 0.9 < time.monotonic() - started < 3.0
+    # The publisher holds an open request (its namespace): never idle.
+    assert not pub.conn.is_closed
+    c = await connect_client(rp.url, str(cert_dir.ca))
+    try:
+        assert await fetch_track(c, b"t", 4) == pub.tracks[b"t"]
+        m = await rp.ametrics()
+        assert m['kvnet_relay_sessions_closed_total{reason="idle_timeout"}'] == 1
+    finally:
+        await pub.stop()
+        await c.close_session()
+
+
+async def test_slowloris_request_stream_reset_then_session_closed(
+    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+) -> None:
+    rp = start_relay(
+        cert_dir, tmp_path, "--request-header-timeout", "0.5", "--max-request-header-timeouts", "2"
+    )
+    relay_factory.append(rp)
+    pub = await Publisher(await connect_client(rp.url, str(cert_dir.ca)), {b"t": track_objects(b"t")}).start()
+    async with quic_connect(
+        "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
+    ) as peer:
+        assert isinstance(peer, RawPeer)
+        peer.setup()
+        msg = encode_message(TrackStatus(0, NS, b"t"))
+        slow = peer.new_stream(False)
+        peer.send(slow, msg[:4])  # a request that never finishes its first message
+        whole = peer.new_stream(False)
+        peer.send(whole, encode_message(TrackStatus(2, NS, b"t")))
+        started = time.monotonic()
+        while slow not in peer.resets and time.monotonic() - started < 3:
+            await asyncio.sleep(0.05)
+        assert peer.resets.get(slow) == StreamResetCode.DELIVERY_TIMEOUT
+        assert peer.stop_sending.get(slow) == StreamResetCode.DELIVERY_TIMEOUT
+        assert 0.4 < time.monotonic() - started < 1.5
+        assert whole not in peer.resets and peer.data.get(whole)  # the complete request was answered
+        assert not peer.terminated.done()
+        # Doing it again and again: after two timeouts the next one closes the session.
+        for _ in range(2):
+            peer.send(peer.new_stream(False), b"\x0d")
+        err, _reason = await asyncio.wait_for(peer.terminated, 5)
+        assert err == SessionErrorCode.CONTROL_MESSAGE_TIMEOUT
+    c = await connect_client(rp.url, str(cert_dir.ca))
+    try:
+        assert await fetch_track(c, b"t", 4) == pub.tracks[b"t"]
+        m = await rp.ametrics()
+        assert m["kvnet_relay_request_header_timeouts_total"] == 3
+        assert m['kvnet_relay_sessions_closed_total{reason="request_header_timeout"}'] == 1
+    finally:
+        await pub.stop()
+        await c.close_session()
+
+
+async def test_slow_reader_is_cut_off_other_subscriber_gets_everything(
+    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+) -> None:
+    rp = start_relay(cert_dir, tmp_path, "--slow-peer-timeout", "1")
+    relay_factory.append(rp)
+    objs = track_objects(b"live", 16, 250_000)  # 4 MB
+    pub = await Publisher(await connect_client(rp.url, str(cert_dir.ca)), {}).start()
+    ok = await pub.conn.publish(NS, b"live", 42)
+    good = await connect_client(rp.url, str(cert_dir.ca))
+    slow = await connect_client(rp.url, str(cert_dir.ca))
+    try:
+        good_sub = await good.subscribe(NS, b"live")
+        slow_sub = await slow.subscribe(NS, b"live")
+        slow._transport.pause_reading()  # type: ignore[union-attr]
+        sid = pub.conn.open_subgroup(42, 0, 0)
+        for i, payload in enumerate(objs):
+            pub.conn.send_subgroup_object(sid, i, payload)
+            await pub.conn.wait_writable()
+        got: list[bytes] = []
+
+        async def read_good() -> None:
+            async for obj in good_sub:
+                got.append(obj.payload)
+                if len(got) == len(objs):
+                    return
+
+        await asyncio.wait_for(read_good(), 10)
+        assert got == objs
+        cut = await wait_metric(rp, 'kvnet_relay_limit_rejections_total{limit="slow_peer"}', 1, 5)
+        assert cut == 1
+        slow._transport.resume_reading()  # type: ignore[union-attr]
+        # The track goes on for the good subscriber after the slow one was cut off.
+        pub.conn.send_subgroup_object(sid, len(objs), b"", status=ObjectStatus.END_OF_TRACK, end_stream=True)
+        pub.conn.publish_done(ok.request_id, PublishDoneCode.TRACK_ENDED, "done")
+        rest = [o async for o in good_sub]
+        assert [o.status for o in rest] == [ObjectStatus.END_OF_TRACK] and good_sub.done is not None
+        slow_got = 0
+        failure: BaseException | None = None
+        try:
+            async with asyncio.timeout(10):
+                async for _obj in slow_sub:
+                    slow_got += 1
+        except (ConnectionClosed, StreamResetError) as exc:
+            failure = exc
+        assert slow_got < len(objs)
+        code = getattr(failure, "error_code", getattr(failure, "code", None))
+        assert code == StreamResetCode.TOO_FAR_BEHIND, failure
+    finally:
+        await pub.stop()
+        await good.close_session()
+        await slow.close_session()
+
+
+async def test_setup_must_complete_within_the_deadline(
+    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+) -> None:
+    rp = start_relay(cert_dir, tmp_path, "--setup-timeout", "1")
+    relay_factory.append(rp)
+    async with quic_connect(
+        "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
+    ) as peer:
+        assert isinstance(peer, RawPeer)
+        started = time.monotonic()  # QUIC handshake done; no SETUP from us
+        await asyncio.wait_for(peer.terminated, 5)
+        assert time.monotonic() - started < 2.5
