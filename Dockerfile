@@ -1,0 +1,42 @@
+# kvnet image for the multi-node demo (docker-compose.yml): relay, publisher/subscriber nodes and tools.
+# Everything is installed at build time; containers need no network beyond the compose networks.
+
+FROM python:3.11-slim AS build
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+# torch comes from the CPU wheel index: the default index would pull a multi-GB CUDA build. The rest of the
+# pinned set (requirements-lock.txt) installs from the default index and finds torch already satisfied.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN python -m venv /opt/kvnet
+ENV PATH=/opt/kvnet/bin:$PATH
+WORKDIR /src
+COPY requirements-lock.txt ./
+RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0 \
+ && pip install -r requirements-lock.txt
+COPY pyproject.toml README.md ./
+COPY kvnet ./kvnet
+COPY proto ./proto
+COPY relay ./relay
+COPY publisher ./publisher
+COPY subscriber ./subscriber
+RUN pip install --no-deps . \
+ && python -c "import torch, kvnet.node, relay.config; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+
+FROM python:3.11-slim
+# curl: the one-line demo requests (docker compose exec sub-b curl ...).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends curl \
+ && rm -rf /var/lib/apt/lists/*
+COPY --from=build /opt/kvnet /opt/kvnet
+# Mount points exist in the image owned by the runtime user, so named volumes start out writable by it.
+RUN useradd --create-home --uid 10001 kvnet \
+ && mkdir -p /certs /keys \
+ && chown kvnet:kvnet /certs /keys
+ENV PATH=/opt/kvnet/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_INDEX=1
+USER kvnet
+WORKDIR /home/kvnet
+# QUIC (MoQT) for relays, HTTP for nodes, Prometheus for relays.
+EXPOSE 4443/udp 8000 9464
+CMD ["kvnet-relay", "--help"]
