@@ -4,14 +4,15 @@
 FROM python:3.11-slim AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-# torch comes from the CPU wheel index: the default index would pull a multi-GB CUDA build. The rest of the
-# pinned set (requirements-lock.txt) installs from the default index and finds torch already satisfied.
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# torch==2.13.0 is pinned. On Linux x86_64 the default index serves a CUDA build of several GB; kvnet runs on
+# the CPU build just as well, so pass your CPU wheel index as --build-arg TORCH_INDEX_URL=... to keep the
+# image small. The rest of the pinned set (requirements-lock.txt) then finds torch already satisfied.
+ARG TORCH_INDEX_URL=""
 RUN python -m venv /opt/kvnet
 ENV PATH=/opt/kvnet/bin:$PATH
 WORKDIR /src
 COPY requirements-lock.txt ./
-RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0 \
+RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0; fi \
  && pip install -r requirements-lock.txt
 COPY pyproject.toml README.md ./
 COPY kvnet ./kvnet
