@@ -18,6 +18,7 @@ occasionally, so multi-megabyte objects arriving in small chunks cost linear tim
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final, TypeAlias
@@ -562,6 +563,11 @@ class DataStreamReader:
     ``group_order`` must be set to the FETCH's GROUP_ORDER before fetch objects are read
     (descending fetches code group deltas downwards). Payloads larger than
     ``max_object_size`` raise LimitExceeded.
+
+    Large payloads are not re-buffered: once an object's fields are parsed and its payload is
+    incomplete, the fields are consumed and the payload's pieces are kept as fed (``bytes`` are kept
+    as they are) until the last one arrives; then they are joined once. So a payload costs one copy
+    however many QUIC chunks it arrives in, and the object's fields are parsed once, not per chunk.
     """
 
     def __init__(
@@ -585,6 +591,11 @@ class DataStreamReader:
         self._f_has_object = False
         self._f_subgroup: int | None = None
         self._f_priority = 0
+        # A payload being gathered: the pieces so far, bytes still missing, and what builds the item.
+        self._parts: list[bytes] = []
+        self._need = 0
+        self._have = 0
+        self._finish: Callable[[bytes], DataStreamItem] | None = None
 
     @property
     def subgroup_id(self) -> int | None:
@@ -594,7 +605,7 @@ class DataStreamReader:
     @property
     def buffered(self) -> int:
         """Bytes received and not yet consumed."""
-        return len(self._buf) - self._pos
+        return len(self._buf) - self._pos + self._have
 
     def take_buffered(self) -> bytes:
         """Remove and return the unconsumed bytes (for a control stream, starting at its type)."""
@@ -607,6 +618,20 @@ class DataStreamReader:
         """Append stream bytes; ``end_stream`` marks the FIN."""
         if self._fin and data:
             raise UsageError("data fed after the end of the stream")
+        if self._need and data:
+            # Gathering a payload: the bytes go straight into its pieces.
+            n = self._need
+            if len(data) <= n:
+                self._parts.append(data if type(data) is bytes else bytes(data))
+                self._need = n - len(data)
+                self._have += len(data)
+                self._fin = self._fin or end_stream
+                return
+            view = memoryview(data)
+            self._parts.append(bytes(view[:n]))
+            self._have += n
+            self._need = 0
+            data = view[n:]
         if self._kind == STREAM_TYPE_PADDING:
             # Padding is discarded as it arrives so it never holds memory (section "Padding Streams").
             if bytes(data).count(0) != len(data):
@@ -625,6 +650,12 @@ class DataStreamReader:
         """The next complete item, or None if more bytes are needed (or the stream is over)."""
         if self._ended:
             return None
+        if self._finish is not None:
+            if self._need:
+                if self._fin:
+                    raise StreamTruncated("stream ended inside an object payload")
+                return None
+            return self._complete_payload()
         start = self._pos
         try:
             item = self._parse()
@@ -633,6 +664,10 @@ class DataStreamReader:
             item = None
         if item is not None:
             return item
+        if self._finish is not None:  # an object's payload is being gathered
+            if self._fin:
+                raise StreamTruncated("stream ended inside an object payload")
+            return None
         if self._fin and self._kind != STREAM_TYPE_SETUP:
             if self._pos < len(self._buf) or self._kind is None:
                 raise StreamTruncated("stream ended inside a header or object")
@@ -659,9 +694,34 @@ class DataStreamReader:
         end = self._pos + n
         if end > len(self._buf):
             raise _NEED_MORE
-        data = bytes(self._buf[self._pos : end])
+        with memoryview(self._buf) as view:
+            data = bytes(view[self._pos : end])  # one copy (slicing the bytearray would add another)
         self._pos = end
         return data
+
+    def _payload(self, length: int, finish: Callable[[bytes], DataStreamItem]) -> DataStreamItem | None:
+        """The item built by ``finish(payload)`` if the payload is buffered; otherwise consume what is
+        buffered, gather the rest as it is fed (``feed``) and return None."""
+        avail = len(self._buf) - self._pos
+        if avail >= length:
+            return finish(self._take(length))
+        with memoryview(self._buf) as view:
+            self._parts = [bytes(view[self._pos :])] if avail else []
+        self._buf.clear()
+        self._pos = 0
+        self._have = avail
+        self._need = length - avail
+        self._finish = finish
+        return None
+
+    def _complete_payload(self) -> DataStreamItem:
+        parts, finish = self._parts, self._finish
+        assert finish is not None
+        payload = parts[0] if len(parts) == 1 else b"".join(parts)
+        self._parts = []
+        self._have = 0
+        self._finish = None
+        return finish(payload)
 
     def _properties(self) -> Properties:
         length = self._vi()
@@ -732,7 +792,7 @@ class DataStreamReader:
         self._subgroup_id = subgroup
         return header
 
-    def _parse_subgroup_object(self) -> SubgroupObject:
+    def _parse_subgroup_object(self) -> DataStreamItem | None:
         header = self.header
         assert isinstance(header, SubgroupHeader)
         delta = self._vi()
@@ -746,13 +806,16 @@ class DataStreamReader:
             status = _to_status(self._vi())
             if properties and status != ObjectStatus.NORMAL:
                 raise ProtocolViolation("properties on an object whose status is not Normal")
-        payload = self._take(length)
-        self._prev_object = object_id
-        if self._subgroup_id is None:
-            self._subgroup_id = object_id
-        return SubgroupObject(object_id, payload, status, properties)
 
-    def _parse_fetch_object(self) -> FetchObject | FetchEndOfRange:
+        def finish(payload: bytes) -> SubgroupObject:
+            self._prev_object = object_id
+            if self._subgroup_id is None:
+                self._subgroup_id = object_id
+            return SubgroupObject(object_id, payload, status, properties)
+
+        return self._payload(length, finish)
+
+    def _parse_fetch_object(self) -> DataStreamItem | None:
         flags = self._vi()
         if flags in (FETCH_END_OF_NON_EXISTENT_RANGE, FETCH_END_OF_UNKNOWN_RANGE):
             group = self._vi()
@@ -808,9 +871,12 @@ class DataStreamReader:
             priority = self._f_priority
         properties = self._properties() if flags & FETCH_PROPERTIES_PRESENT else ()
         length = self._payload_length()
-        payload = self._take(length)
-        self._f_group, self._f_object = group, obj
-        self._f_has_object = True
-        self._f_subgroup = subgroup
-        self._f_priority = priority
-        return FetchObject(group, obj, subgroup, priority, payload, properties)
+
+        def finish(payload: bytes) -> FetchObject:
+            self._f_group, self._f_object = group, obj
+            self._f_has_object = True
+            self._f_subgroup = subgroup
+            self._f_priority = priority
+            return FetchObject(group, obj, subgroup, priority, payload, properties)
+
+        return self._payload(length, finish)

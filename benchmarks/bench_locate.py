@@ -1,0 +1,242 @@
+"""Locate latency vs prompt length, in round trips: TRACK_STATUS for N block tracks at once over one
+``MoqtConnection`` through kvnet's userspace link emulator, N = 16 .. 4096.
+
+A locate asks for every block of the prompt in parallel (one TRACK_STATUS each) and takes the longest
+prefix answered OK; the publisher holds the first half of the blocks, so half the answers are
+REQUEST_ERROR DOES_NOT_EXIST. Processes: the publisher (a child process), the link emulator (``kvnet
+linkemu``, a child process) and, with ``--relay``, a ``kvnet-relay`` process between them; the subscriber
+is this process. The publisher answers in its own process so that each side has its own core.
+
+Two RTTs are measured (``--rtts-ms``, default 20 and 120): the locate time divided by the RTT counts
+CPU time as round trips too, so the round-trip count is also given as the slope of locate time over
+RTT between the two links, which is what a longer RTT really costs (the CPU part does not grow with it).
+
+    python benchmarks/bench_locate.py --blocks 16,256,1024,4096 --runs 3
+    python benchmarks/bench_locate.py --relay            # subscriber -> link -> relay -> publisher
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common
+
+from kvnet import quic
+from kvnet.connection import (
+    IncomingPublishNamespace,
+    IncomingTrackStatus,
+    MoqtConnection,
+    RequestRejected,
+    connect,
+    serve,
+)
+from proto.errors import RequestErrorCode
+
+NS = (b"kvnet", b"bench-locate")
+BLOCKS = (16, 64, 256, 1024, 4096)
+
+
+def track_name(i: int) -> bytes:
+    return b"block-%08d" % i
+
+
+def holds(name: bytes, cached: int) -> bool:
+    return name.startswith(b"block-") and int(name[6:]) < cached
+
+
+# ---------------------------------------------------------------- publisher (child process)
+
+
+async def _answer(conn: MoqtConnection, cached: int) -> None:
+    async for req in conn.incoming_requests():
+        if isinstance(req, IncomingTrackStatus):
+            if holds(req.event.track_name, cached):
+                req.respond()
+            else:
+                req.reject(RequestErrorCode.DOES_NOT_EXIST, "not cached")
+        elif isinstance(req, IncomingPublishNamespace):
+            req.accept()
+        else:
+            req.reject(RequestErrorCode.NOT_SUPPORTED, "bench publisher answers TRACK_STATUS only")
+
+
+async def _publisher_main(settings: quic.TransportSettings, certdir: Path, cached: int, port: int,
+                          relay_url: str | None) -> None:
+    stop = asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # parent closes stdin
+    if relay_url is None:
+        server = await serve("127.0.0.1", port, settings, quic.TlsSettings.from_dir(certdir, "server"),
+                             lambda conn: _answer(conn, cached))
+        print("ready", flush=True)
+        await stop
+        await server.close()
+        return
+    async with connect(relay_url, settings, quic.TlsSettings.from_dir(certdir, None)) as conn:
+        await conn.publish_namespace(NS)
+        task = asyncio.create_task(_answer(conn, cached))
+        print("ready", flush=True)
+        await stop
+        task.cancel()
+
+
+def _spawn(args: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, cwd=common.REPO, env=dict(os.environ, PYTHONPATH=str(common.REPO)))
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.stdin is not None:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def topology(settings: quic.TransportSettings, certdir: Path, cached: int, rtt_ms: float,
+             relay: bool) -> Iterator[str]:
+    """Start (relay,) publisher and link emulator; yields the URL the subscriber connects to."""
+    procs: list[subprocess.Popen[Any]] = []
+    try:
+        relay_url = None
+        if relay:
+            br = common.load_bench("bench_relay")
+            if br is None:
+                raise RuntimeError("benchmarks/bench_relay.py is needed for --relay")
+            rproc, rport = br.start_relay(certdir, cache_bytes=64 << 20)
+            procs.append(rproc)
+            relay_url = f"moqt://127.0.0.1:{rport}"
+            target = rport
+        else:
+            target = common.free_port()
+        cmd = [__file__, "--serve", "--settings", json.dumps({"stack": settings.stack}), "--certdir",
+               str(certdir), "--cached", str(cached), "--port", str(target)]
+        if relay_url:
+            cmd += ["--relay-url", relay_url]
+        pub = _spawn(cmd)
+        procs.append(pub)
+        assert pub.stdout is not None
+        if pub.stdout.readline().strip() != "ready":
+            raise RuntimeError("locate publisher failed to start")
+        emu_port = common.free_port()
+        emu = _spawn(["-m", "kvnet.cli", "linkemu", "--listen", f"127.0.0.1:{emu_port}", "--target",
+                      f"127.0.0.1:{target}", "--delay-ms", str(rtt_ms / 2)])
+        procs.append(emu)
+        assert emu.stdout is not None
+        emu.stdout.readline()  # "forwarding ..." once it listens
+        yield f"moqt://127.0.0.1:{emu_port}"
+    finally:
+        for p in reversed(procs):
+            _stop(p)
+
+
+# ---------------------------------------------------------------- subscriber (this process)
+
+
+def locate_round_trips(settings: quic.TransportSettings, blocks: list[int], runs: int = 3,
+                       rtts_ms: tuple[float, float] = (20.0, 120.0), relay: bool = False,
+                       certdir: Path | None = None) -> dict[str, Any]:
+    """Per N: locate seconds (every run) at each RTT, RTTs = time / RTT at each, and the slope estimate
+    (time(rtt2) - time(rtt1)) / (rtt2 - rtt1) of medians."""
+    if certdir is None:
+        with common.test_certificates() as tmp:
+            return locate_round_trips(settings, blocks, runs, rtts_ms, relay, tmp)
+    times: dict[float, dict[int, list[float]]] = {}
+    for rtt in rtts_ms:
+        with topology(settings, certdir, max(blocks) // 2, rtt, relay) as url:
+            times[rtt] = asyncio.run(_measure(url, settings, certdir, blocks, runs, max(blocks) // 2))
+    r1, r2 = rtts_ms
+    result: dict[str, Any] = {"rtts_ms": list(rtts_ms), "per_n": {}}
+    for n in blocks:
+        m1, m2 = common.median(times[r1][n]), common.median(times[r2][n])
+        result["per_n"][n] = {
+            "seconds": {str(r): times[r][n] for r in rtts_ms},
+            "rtts_at": {str(r): common.median(times[r][n]) / (r / 1e3) for r in rtts_ms},
+            "slope_rtts": (m2 - m1) / ((r2 - r1) / 1e3),
+        }
+    return result
+
+
+async def _measure(url: str, settings: quic.TransportSettings, certdir: Path, blocks: list[int],
+                          runs: int, cached: int) -> dict[int, list[float]]:
+    """Locate seconds per N: TRACK_STATUS for N tracks at once, chosen so that exactly the first N/2
+    exist (tracks cached - N/2 .. cached + N/2 - 1), over one connection, after a warm-up."""
+    out: dict[int, list[float]] = {}
+    async with connect(url, settings, quic.TlsSettings.from_dir(certdir, None)) as conn:
+
+        async def one(i: int) -> bool:
+            try:
+                await conn.track_status(NS, track_name(i))
+                return True
+            except RequestRejected as exc:
+                if exc.code != RequestErrorCode.DOES_NOT_EXIST:
+                    raise
+                return False
+
+        await asyncio.gather(*(one(i) for i in range(4)))  # warm-up
+        for n in blocks:
+            first = cached - n // 2
+            times = []
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                found = await asyncio.gather(*(one(first + i) for i in range(n)))
+                times.append(time.perf_counter() - t0)
+                hit = next((i for i, ok in enumerate(found) if not ok), n)
+                if hit != n // 2:
+                    raise RuntimeError(f"locate of {n} found {hit} cached blocks, expected {n // 2}")
+            out[n] = times
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--blocks", default=",".join(map(str, BLOCKS)))
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--rtts-ms", default="20,120")
+    ap.add_argument("--stack", default=quic.DEFAULT_STACK, choices=quic.STACKS)
+    ap.add_argument("--relay", action="store_true", help="through a kvnet-relay process")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--settings", help=argparse.SUPPRESS)
+    ap.add_argument("--certdir", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--cached", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--relay-url", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        settings = quic.TransportSettings(**json.loads(args.settings))
+        asyncio.run(_publisher_main(settings, args.certdir, args.cached, args.port, args.relay_url))
+        return 0
+    blocks = [int(x) for x in args.blocks.split(",") if x]
+    r1, r2 = (float(x) for x in args.rtts_ms.split(","))
+    settings = quic.TransportSettings(stack=args.stack)
+    print(f"locate via {'relay' if args.relay else 'direct'}, stack {args.stack}, median of {args.runs}, "
+          f"cores={os.cpu_count()}, load {common.load_average()}", flush=True)
+    res = locate_round_trips(settings, blocks, args.runs, (r1, r2), args.relay)
+    heads = [f"ms @{r1:g}", f"RTTs @{r1:g}", f"ms @{r2:g}", f"RTTs @{r2:g}", "slope RTTs"]
+    print(f"{'blocks':>7} " + " ".join(f"{h:>10}" for h in heads))
+    for n, row in res["per_n"].items():
+        s1, s2 = (common.median(row["seconds"][str(r)]) * 1e3 for r in (r1, r2))
+        a1, a2 = (row["rtts_at"][str(r)] for r in (r1, r2))
+        print(f"{n:>7} {s1:>10.0f} {a1:>10.2f} {s2:>10.0f} {a2:>10.2f} {row['slope_rtts']:>10.2f}")
+    print(f"load {common.load_average()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
