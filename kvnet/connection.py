@@ -43,7 +43,7 @@ from proto.session import (
 logger = logging.getLogger(__name__)
 
 # Application calls (requests, replies, objects) whose packets may wait for one deferred transmit.
-_TRANSMIT_BATCH = 128
+_TRANSMIT_BATCH = 32
 # TLS alert bad_certificate (42) as a QUIC CRYPTO_ERROR (0x100 + alert), RFC 9001 section 4.8.
 _CRYPTO_BAD_CERTIFICATE = 0x100 + 42
 
@@ -238,7 +238,14 @@ class IncomingRequest:
         self.event = event
         self.request_id: int = event.request_id  # type: ignore[attr-defined]
         self.cancelled = asyncio.Event()
-        """Set when the peer cancels the request (RequestCancelled)."""
+        """Set when the peer cancels the request (RequestCancelled, or STOP_SENDING on a FETCH's data
+        stream) or the session ends."""
+
+    @property
+    def gone(self) -> bool:
+        """The request can no longer be answered: the peer cancelled it or the session is over. Check it
+        after every ``await`` before acting on the request (the peer may cancel at any moment)."""
+        return self.cancelled.is_set() or self.conn.is_closed
 
     def reject(self, code: RequestErrorCode, reason: str = "", retry_interval: int = 0) -> None:
         self.conn._do(self.conn.session.reject_request, self.request_id, code, reason, retry_interval)
@@ -414,6 +421,8 @@ class MoqtConnection(_ProtocolBase):
         """Events no helper consumes (NAMESPACE, PUBLISH_BLOCKED, ...), newest kept."""
         self._log = logging.LoggerAdapter(logger, {"cid": quic.host_cid.hex()[:8]})
         self._headers = _RequestHeaderWatch(self) if self.limits.request_header_timeout else None
+        self._last_receive = loop.time()
+        self._keepalive: asyncio.TimerHandle | None = None
 
     # ---- QUIC callbacks (never await)
 
@@ -438,26 +447,54 @@ class MoqtConnection(_ProtocolBase):
             if self._client_ca_file is not None and not self._verify_client_certificate():
                 return
             s.initiate()
+            self._arm_keepalive()
         elif isinstance(event, qe.ConnectionTerminated):
             s.connection_lost(event.error_code, event.reason_phrase)
         self._pump()
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        self._last_receive = self._loop.time()
         super().datagram_received(data, addr)
         if not self._writable.is_set():
             self._check_writable()
 
     def datagrams_received(self, data: list[bytes], addr: Any) -> None:
         """Batched receive (qh3's client transport calls only this, never ``datagram_received``)."""
+        self._last_receive = self._loop.time()
         super().datagrams_received(data, addr)  # type: ignore[misc]
         if not self._writable.is_set():
             self._check_writable()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            self._keepalive = None
         super().connection_lost(exc)
         if self.session.closed is None:
             self.session.connection_lost(SessionErrorCode.NO_ERROR, "transport lost")
             self._pump()
+
+    # ---- keep-alive
+
+    def _arm_keepalive(self) -> None:
+        interval = self.settings.keepalive_interval
+        if interval > 0 and self._keepalive is None:
+            self._keepalive = self._loop.call_later(interval, self._keepalive_tick)
+
+    def _keepalive_tick(self) -> None:
+        """``TransportSettings.keepalive_interval``: PING when nothing arrived for an interval. The
+        peer's ACK keeps both idle timers fresh; a dead peer sends none, so QUIC's idle timeout
+        (``TransportSettings.idle_timeout``) ends the connection a few intervals later."""
+        self._keepalive = None
+        if self.session.closed is not None or self._closed.is_set():
+            return
+        interval = self.settings.keepalive_interval
+        idle = self._loop.time() - self._last_receive
+        if idle >= interval * 0.9:
+            self._quic.send_ping(0)  # uid 0: no waiter; the ACK alone is what we want
+            self.transmit()
+            idle = 0.0
+        self._keepalive = self._loop.call_later(max(0.01, interval - idle), self._keepalive_tick)
 
     # ---- session plumbing
 
@@ -588,6 +625,13 @@ class MoqtConnection(_ProtocolBase):
             if (st := self._streams.pop(ev.request_id, None)) is not None:
                 st._finish(ConnectionClosed(ev.error_code or 0, "request cancelled"))
             self._resolve(ev.request_id, error=ConnectionClosed(ev.error_code or 0, "request cancelled"))
+        elif isinstance(ev, me.DataStreamStopped):
+            # A FETCH has one data stream: the requester stopping it abandons the request.
+            inc = self._incoming_by_id.get(ev.request_id)
+            if isinstance(inc, IncomingFetch):
+                del self._incoming_by_id[ev.request_id]
+                inc.cancelled.set()
+            self.other_events.append(ev)
         elif isinstance(ev, me.GoawayReceived):
             if rid is None:
                 self.goaway = ev
@@ -709,8 +753,17 @@ class MoqtConnection(_ProtocolBase):
         self._pending[rid] = fut
         try:
             return await fut
+        except asyncio.CancelledError:
+            self._abandon(rid)
+            raise
         finally:
             self._release_slot(rid)
+
+    def _abandon(self, request_id: int) -> None:
+        """The caller stopped waiting for an answer: cancel the request so the peer stops working on it
+        and its late answer (or objects) is not buffered for nobody."""
+        self._pending.pop(request_id, None)
+        self._cancel(request_id)
 
     async def track_status(
         self, namespace: TrackNamespace, name: bytes, parameters: MessageParameters = NO_PARAMETERS
@@ -770,7 +823,12 @@ class MoqtConnection(_ProtocolBase):
         self._pending[rid] = fut
         self._pump()
         self._transmit_soon()
-        await fut
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self._abandon(rid)
+            self._release_slot(rid)
+            raise
         return sub
 
     async def publish(

@@ -82,8 +82,15 @@ class TransportSettings:
     TRACK_STATUS, ...), thousands at once; aioquic's built-in 128 would serialise them."""
     max_streams_uni: int = 4096
     """Concurrent peer-opened unidirectional streams (subgroup data streams)."""
-    idle_timeout: float = 30.0
-    """Seconds without packets before the connection is dropped."""
+    idle_timeout: float = 15.0
+    """Seconds without a packet from the peer before the connection is dropped (QUIC max_idle_timeout;
+    the smaller of both peers' values applies). With the keep-alive below a live peer is never idle
+    this long, so this is how quickly a dead one (killed, unplugged) is noticed: 3 keep-alive
+    intervals, enough to ride out one or two lost PINGs or ACKs."""
+    keepalive_interval: float = 5.0
+    """Send a QUIC PING after this many seconds without receiving anything (0 = never). The ACK it
+    elicits keeps an idle but live session (a node's long-lived relay session) open on both sides.
+    Must be below ``idle_timeout``."""
     congestion_control: str = "cubic"
     """"reno" or "cubic" (aioquic's implementations; qh3 uses its core's own)."""
     slow_start_rtt_exit: bool = False
@@ -117,6 +124,11 @@ class TransportSettings:
                 raise ValueError(f"{name} must be in 1..{_MAX_STREAMS}, got {v}")
         if not 0.1 <= self.idle_timeout <= 3600:
             raise ValueError(f"idle_timeout must be in 0.1..3600 s, got {self.idle_timeout}")
+        if self.keepalive_interval != 0 and not 0.05 <= self.keepalive_interval < self.idle_timeout:
+            raise ValueError(
+                f"keepalive_interval must be 0 (off) or in 0.05..idle_timeout ({self.idle_timeout} s), "
+                f"got {self.keepalive_interval}"
+            )
         if not 0.1 <= self.handshake_timeout <= 600:
             raise ValueError(f"handshake_timeout must be in 0.1..600 s, got {self.handshake_timeout}")
         if self.congestion_control not in CONGESTION_CONTROLLERS:

@@ -115,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-buffered-bytes", type=int, help="per-session bytes queued toward a slow peer")
     g.add_argument("--max-buffered-bytes-total", type=int, help="bytes buffered for all sessions together")
     g.add_argument("--upstream-timeout", type=float)
+    g.add_argument(
+        "--route-timeout",
+        type=float,
+        help="seconds before a silent route is passed over for the next (0 = off)",
+    )
     g.add_argument("--setup-timeout", type=float, help="seconds to complete the handshake and SETUP")
     g.add_argument(
         "--session-idle-timeout", type=float, help="close sessions without requests after S seconds (0 = off)"
@@ -131,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-data", type=int, help="connection flow-control window")
     g.add_argument("--max-stream-data", type=int, help="per-stream flow-control window")
     g.add_argument("--congestion-control", choices=("reno", "cubic"))
-    g.add_argument("--idle-timeout", type=float)
+    g.add_argument("--idle-timeout", type=float, help="seconds without packets before a peer counts as dead")
+    g.add_argument("--keepalive-interval", type=float, help="PING after S idle seconds (0 = off)")
     return p
 
 
@@ -165,6 +171,7 @@ def config_from_args(args: argparse.Namespace) -> RelayConfig:
         "limits.max_buffered_bytes_per_session": args.max_buffered_bytes,
         "limits.max_buffered_bytes": args.max_buffered_bytes_total,
         "limits.upstream_timeout": args.upstream_timeout,
+        "limits.route_timeout": args.route_timeout,
         "limits.setup_timeout": args.setup_timeout,
         "limits.session_idle_timeout": args.session_idle_timeout,
         "limits.request_header_timeout": args.request_header_timeout,
@@ -178,6 +185,7 @@ def config_from_args(args: argparse.Namespace) -> RelayConfig:
         "transport.max_stream_data": args.max_stream_data,
         "transport.congestion_control": args.congestion_control,
         "transport.idle_timeout": args.idle_timeout,
+        "transport.keepalive_interval": args.keepalive_interval,
     }
     return load_config(file_data, overrides)
 

@@ -353,8 +353,16 @@ class Coalescer(Generic[K, V]):
             return await asyncio.shield(fut), True
         task = factory()
         self._inflight[key] = task
-        task.add_done_callback(lambda _f: self._inflight.pop(key, None))
+        task.add_done_callback(lambda f: self._done(key, f))
         return await asyncio.shield(task), False
+
+    def _done(self, key: K, fut: asyncio.Future[V]) -> None:
+        if self._inflight.get(key) is fut:
+            del self._inflight[key]
+        # Every caller may have gone (their requests cancelled) before the shared call ended: read its
+        # outcome here so a failure nobody awaits any more is not reported as never retrieved.
+        if not fut.cancelled():
+            fut.exception()
 
 
 class ObjectCache:
@@ -369,6 +377,8 @@ class ObjectCache:
         self._fills: dict[TrackKey, list[Fill]] = {}
         self._inflight = InflightBudget(config.max_inflight_bytes)
         self._status = Coalescer[TrackKey, TrackStatus]()
+        self._tasks: set[asyncio.Task[None]] = set()
+        """Upstream fills in flight, referenced here so they outlive the requester that started them."""
         self._negative: OrderedDict[TrackKey, tuple[float, RequestFailed]] = OrderedDict()
         self.stats = CacheStats()
 
@@ -476,6 +486,8 @@ class ObjectCache:
         self._fills.setdefault(key, []).append(fill)
         handle = FetchHandle(start, end, fill=fill)
         handle.task = asyncio.get_running_loop().create_task(self._run_fill(fill, upstream))
+        self._tasks.add(handle.task)
+        handle.task.add_done_callback(self._tasks.discard)
         return handle
 
     async def _run_fill(self, fill: Fill, upstream: Upstream) -> None:

@@ -42,6 +42,12 @@ class LimitsConfig:
     """Downstream subscriptions fanned out from one upstream track."""
     upstream_timeout: float = 10.0
     """Seconds to wait for an upstream answer (FETCH_OK, SUBSCRIBE_OK, TRACK_STATUS_OK) before TIMEOUT."""
+    route_timeout: float = 1.5
+    """Seconds one route (an announcing session or an upstream relay) has to answer a forwarded request
+    while other routes for it exist; after that the next route is asked too (the first answer wins) and
+    the slow route is tried last by later requests until it answers again. The last route left gets
+    the rest of ``upstream_timeout``. 0 disables (routes are asked one after another, each with the
+    full ``upstream_timeout``)."""
     setup_timeout: float = 5.0
     """Seconds a new connection has, from its first packet, to complete the QUIC handshake and SETUP."""
     session_idle_timeout: float = 300.0
@@ -75,6 +81,11 @@ class LimitsConfig:
         for name in ("upstream_timeout", "setup_timeout", "slow_peer_timeout"):
             if not 0 < getattr(self, name) <= 3600:
                 raise ValueError(f"{name} must be in (0, 3600] seconds, got {getattr(self, name)}")
+        if not 0 <= self.route_timeout <= self.upstream_timeout:
+            raise ValueError(
+                f"route_timeout must be in [0, upstream_timeout ({self.upstream_timeout})] s (0 = off), "
+                f"got {self.route_timeout}"
+            )
         for name in ("session_idle_timeout", "request_header_timeout"):
             if not 0 <= getattr(self, name) <= 86400:
                 raise ValueError(f"{name} must be in [0, 86400] seconds (0 = off), got {getattr(self, name)}")

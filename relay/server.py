@@ -64,7 +64,8 @@ from relay.config import RelayConfig
 from relay.limits import LimitExceeded, Slots, acquire_request
 from relay.metrics import Metrics, MetricsServer
 from relay.router import NamespaceRouter, RouteLimitError
-from relay.upstream import RoutedUpstream, Source, UpstreamRelay, cached_object, forward_parameters
+from relay.tasks import spawn
+from relay.upstream import RoutedUpstream, Source, UpstreamRelay, cached_object
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,8 @@ class Peer:
         self._cut_at: float | None = None
         self.header_timeouts = 0
         """Request-header timeouts of this session already counted in the metrics."""
+        self.slow = False
+        """As a route: it let a forwarded request pass the route deadline (``relay.upstream.Source``)."""
         self._aliases = itertools.count(1)
         self.log = logging.LoggerAdapter(logger, {"session": peer_id, "peer": self.addr})
 
@@ -140,12 +143,20 @@ class Peer:
 
         async def runner() -> None:
             try:
+                if req.gone:
+                    relay.cancelled(self, req, kind)  # cancelled while queued: nothing to do
+                    return
                 await coro_fn()
             except asyncio.CancelledError:
-                pass
+                relay.cancelled(self, req, kind)  # its session ended (or the relay is stopping)
             except ConnectionClosed:
                 pass  # the session ended under the request; nothing left to answer
-            except Exception:
+            except Exception as exc:
+                if req.gone:
+                    # The requester cancelled (or left) between a check and an action on its request:
+                    # the action found the request gone. That is its cancellation, not a failure.
+                    relay.cancelled(self, req, kind, exc)
+                    return
                 self.log.exception("request handler failed", extra={"request_id": req.request_id})
                 with contextlib.suppress(Exception):
                     self.relay.reject(req, kind, RequestErrorCode.INTERNAL_ERROR, "relay internal error")
@@ -154,9 +165,7 @@ class Peer:
                 relay.requests.release()
                 self.last_active = relay.clock()
 
-        task = asyncio.get_running_loop().create_task(runner())
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        spawn(runner(), self.tasks, f"{kind} request")
 
     def check_progress(self, now: float, buffered: int) -> None:
         """Slow-peer rule: bytes queued toward the peer and none of them drained for
@@ -628,20 +637,29 @@ class Relay:
 
     # -- bookkeeping ---------------------------------------------------------------------------------
     def spawn(self, coro: Coroutine[object, object, None]) -> None:
-        """Run a background job the relay owns (kept referenced until done)."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._jobs.add(task)
-        task.add_done_callback(self._jobs.discard)
+        """Run a background job the relay owns (kept referenced until done, its failure logged once)."""
+        spawn(coro, self._jobs, "relay job")
 
     def count(self, kind: str, outcome: str) -> None:
         self.metrics.inc("requests_total", labels={"type": kind, "outcome": outcome})
 
+    def cancelled(
+        self, peer: Peer, req: IncomingRequest, kind: str, exc: BaseException | None = None
+    ) -> None:
+        """The requester cancelled ``req`` (or its session ended) before we answered it in full."""
+        self.count(kind, "cancelled")
+        extra = {"request_id": req.request_id, "type": kind}
+        if exc is not None:
+            extra["error"] = str(exc)
+        peer.log.debug("request cancelled by the requester", extra=extra)
+
     def reject(
         self, req: IncomingRequest, kind: str, code: int, reason: str, retry_interval: int = 0
     ) -> None:
-        self.count(kind, _code_name(code))
-        if req.conn.is_closed:
+        if req.gone:
+            self.count(kind, "cancelled")  # nobody left to tell
             return
+        self.count(kind, _code_name(code))
         with contextlib.suppress(Exception):  # the request may have been cancelled meanwhile
             req.reject(
                 RequestErrorCode(code) if code in RequestErrorCode._value2member_map_ else code,  # type: ignore[arg-type]
@@ -655,13 +673,14 @@ class Relay:
         pubs: list[Source] = [
             p for p in self.router.lookup(key[0]) if p is not exclude and not p.conn.is_closed
         ]
-        if exclude is not None and exclude.upstream is not None:
-            return pubs
-        return [*pubs, *self.upstreams]
+        found = pubs if exclude is not None and exclude.upstream is not None else [*pubs, *self.upstreams]
+        # Routes that recently let a request pass the route deadline go last (stable: order kept).
+        return sorted(found, key=lambda src: src.slow)
 
     def upstream_for(self, key: TrackKey, requester: Peer) -> RoutedUpstream:
+        lim = self.config.limits
         return RoutedUpstream(
-            self.candidates(key, requester), self.config.limits.upstream_timeout, self.metrics
+            self.candidates(key, requester), lim.upstream_timeout, self.metrics, lim.route_timeout
         )
 
     def forget_peer(self, peer: Peer) -> None:
@@ -744,17 +763,26 @@ class Relay:
         except (ConnectionClosed, StreamResetError) as exc:
             self.reject(req, "fetch", RequestErrorCode.INTERNAL_ERROR, f"upstream failed: {exc}")
             return
+        if req.gone:
+            self.cancelled(peer, req, "fetch")
+            return
         req.accept_fetch(info.end_of_track, Location(*exclusive_to_wire_end(info.end)))
         stall = self.config.limits.slow_peer_timeout
         peer.fetches[req.request_id] = req
         try:
             async for obj in handle.objects():
-                if req.cancelled.is_set() or req.conn.is_closed or req.request_id not in peer.fetches:
+                if req.gone:
+                    self.cancelled(peer, req, "fetch")
                     return
+                if req.request_id not in peer.fetches:
+                    return  # cut off by a limit (counted there)
                 if self.buffers_full() and not await self.wait_buffer_room(stall):
                     self.metrics.inc("limit_rejections_total", labels={"limit": "buffered_bytes_global"})
                     req.cancel(StreamResetCode.EXCESSIVE_LOAD)
                     self.count("fetch", "excessive_load")
+                    return
+                if req.gone:  # cancelled while we waited for buffer room
+                    self.cancelled(peer, req, "fetch")
                     return
                 req.send_object(
                     obj.group, obj.subgroup, obj.object_id, obj.payload, obj.priority, obj.properties
@@ -783,6 +811,10 @@ class Relay:
             return
         finally:
             peer.fetches.pop(req.request_id, None)
+        if req.gone:
+            # Cancelled while the last object was on its way: nothing to FIN, the request is over.
+            self.cancelled(peer, req, "fetch")
+            return
         req.finish()
         self.count("fetch", outcome)
 
@@ -795,6 +827,9 @@ class Relay:
             st = await self.cache.track_status(key, self.upstream_for(key, peer))
         except RequestFailed as exc:
             self.reject(req, "track_status", exc.code, exc.reason, exc.retry_interval)
+            return
+        if req.gone:
+            self.cancelled(peer, req, "track_status")
             return
         params = (
             NO_PARAMETERS if st.largest is None else MessageParameters(largest_object=Location(*st.largest))
@@ -883,28 +918,49 @@ class Relay:
     async def serve_subscribe(self, peer: Peer, req: IncomingSubscribe) -> None:
         ev = req.event
         key: TrackKey = (ev.track_namespace, ev.track_name)
-        fan = self.fanouts.get(key)
-        if fan is None:
-            fan = Fanout(self, key)
-            self.fanouts[key] = fan
-            try:
-                await self._subscribe_upstream(fan, peer)
-            except RequestFailed as exc:
-                if self.fanouts.get(key) is fan:
-                    del self.fanouts[key]
-                fan.ready.set_exception(exc)
-                fan.ready.exception()
-                self.reject(req, "subscribe", exc.code, exc.reason, exc.retry_interval)
-                return
-            fan.ready.set_result(None)
-            outcome = "ok"
+        for _ in range(3):
+            fan = self.fanouts.get(key)
+            if fan is None:
+                fan = Fanout(self, key)
+                self.fanouts[key] = fan
+                try:
+                    await self._subscribe_upstream(fan, peer)
+                except BaseException as exc:
+                    if self.fanouts.get(key) is fan:
+                        del self.fanouts[key]
+                    failed = (
+                        exc
+                        if isinstance(exc, RequestFailed)
+                        else RequestFailed(RequestErrorCode.INTERNAL_ERROR, "upstream subscription abandoned")
+                    )
+                    fan.ready.set_exception(failed)
+                    fan.ready.exception()  # joiners read it; retrieved here in case there are none
+                    if not isinstance(exc, RequestFailed):
+                        raise
+                    self.reject(req, "subscribe", exc.code, exc.reason, exc.retry_interval)
+                    return
+                fan.ready.set_result(None)
+                outcome = "ok"
+            else:
+                try:
+                    await asyncio.shield(fan.ready)
+                except RequestFailed as exc:
+                    self.reject(req, "subscribe", exc.code, exc.reason, exc.retry_interval)
+                    return
+                outcome = "joined"
+            if not fan.ended and self.fanouts.get(key) is fan:
+                break
+            # The fan-out ended while we waited (its upstream finished or its last subscriber left):
+            # start over with a fresh upstream subscription.
         else:
-            try:
-                await asyncio.shield(fan.ready)
-            except RequestFailed as exc:
-                self.reject(req, "subscribe", exc.code, exc.reason, exc.retry_interval)
-                return
-            outcome = "joined"
+            self.reject(
+                req, "subscribe", RequestErrorCode.INTERNAL_ERROR, "upstream subscription kept ending"
+            )
+            return
+        if req.gone:
+            self.cancelled(peer, req, "subscribe")
+            fan.remove(peer, req.request_id)  # the last (only) subscriber gone: stop the upstream
+            return
         if len(fan.subs) >= self.config.limits.max_subscribers_per_track:
             self.metrics.inc("limit_rejections_total", labels={"limit": "subscribers_per_track"})
             self.reject(
@@ -926,35 +982,12 @@ class Relay:
             fan.remove(peer, req.request_id)
 
     async def _subscribe_upstream(self, fan: Fanout, requester: Peer) -> None:
-        ns, name = fan.key
-        last: RequestFailed | None = None
-        for src in self.candidates(fan.key, requester):
-            conn = await src.connection()
-            if conn is None:
-                continue
-            self.metrics.inc("upstream_requests_total", labels={"type": "subscribe"})
-            try:
-                sub = await asyncio.wait_for(
-                    conn.subscribe(ns, name, forward_parameters()), self.config.limits.upstream_timeout
-                )
-            except RequestRejected as exc:
-                last = RequestFailed(exc.code, exc.reason, exc.retry_interval)
-                if exc.code == RequestErrorCode.DOES_NOT_EXIST:
-                    continue
-                raise last from None
-            except TimeoutError:
-                raise RequestFailed(RequestErrorCode.TIMEOUT, f"no SUBSCRIBE_OK from {src.name}") from None
-            except ConnectionClosed:
-                continue
-            assert sub.ok is not None
-            fan.upstream = sub
-            fan.largest = sub.ok.parameters.largest_object
-            fan.properties = sub.ok.track_properties
-            fan.task = asyncio.get_running_loop().create_task(fan.pump(sub))
-            return
-        raise last or RequestFailed(
-            RequestErrorCode.DOES_NOT_EXIST, "no publisher or upstream relay for this track"
-        )
+        sub = await self.upstream_for(fan.key, requester).subscribe(fan.key)
+        assert sub.ok is not None
+        fan.upstream = sub
+        fan.largest = sub.ok.parameters.largest_object
+        fan.properties = sub.ok.track_properties
+        fan.task = spawn(fan.pump(sub), what="subscription fan-out")
 
     async def serve_publish(self, peer: Peer, req: IncomingPublish) -> None:
         ev = req.event
@@ -975,7 +1008,7 @@ class Relay:
         source = req.accept_publish(MessageParameters(forward=1))
         self.cache.invalidate_negative(key[0])
         self.count("publish", "ok")
-        fan.task = asyncio.get_running_loop().create_task(fan.pump(source))
+        fan.task = spawn(fan.pump(source), what="published track fan-out")
         cancelled = asyncio.ensure_future(req.cancelled.wait())
         try:
             await asyncio.wait({fan.task, cancelled}, return_when=asyncio.FIRST_COMPLETED)

@@ -5,7 +5,9 @@ also carries our publishers' PUBLISH_NAMESPACE registrations to that relay and s
 routes back to us) and ``RoutedUpstream``, the ``relay.cache.Upstream`` implementation that tries the
 longest-prefix publishers first and the upstream relays after them, translating MoQT answers into cache
 terms. A candidate that says DOES_NOT_EXIST is skipped for the next one; every other failure is reported
-with its code.
+with its code. A candidate that has not answered within the route deadline while others remain is
+passed over: the next one is asked too and the first answer wins (a dead session is not waited for
+until QUIC notices it is gone).
 """
 
 from __future__ import annotations
@@ -13,21 +15,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, Protocol, TypeVar
 
 from kvnet.connection import (
     ConnectionClosed,
     ConnectionLimits,
+    FetchHandle,
     MoqtConnection,
     MoqtConnectionError,
     RequestRejected,
     StreamResetError,
+    Subscription,
     connect,
 )
 from kvnet.quic import TlsSettings, TransportSettings
 from proto.errors import RequestErrorCode
-from proto.events import ObjectReceived
+from proto.events import FetchOkReceived, ObjectReceived, TrackStatusOkReceived
 from proto.messages import Location, MessageParameters, TrackNamespace
 from proto.session import SessionConfig
 from relay.cache import (
@@ -41,8 +45,11 @@ from relay.cache import (
     wire_end_to_exclusive,
 )
 from relay.metrics import Metrics
+from relay.tasks import retrieve, spawn
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 # After a failed connect, do not retry an upstream relay for this long (each miss would otherwise pay a
 # full handshake timeout).
@@ -53,6 +60,9 @@ class Source(Protocol):
     """A session the relay can send requests to."""
 
     name: str
+    slow: bool
+    """It let a forwarded request pass its route deadline and has not answered anything since: later
+    requests try it after the other routes."""
 
     async def connection(self) -> MoqtConnection | None:
         """The live connection, or None when unavailable."""
@@ -111,6 +121,7 @@ class UpstreamRelay:
         self._announced_on: MoqtConnection | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
+        self.slow = False
 
     @property
     def announced(self) -> frozenset[TrackNamespace]:
@@ -131,10 +142,8 @@ class UpstreamRelay:
             conn.cancel_request(rid)
             logger.info("namespace withdrawn upstream", extra={"upstream": self.url})
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        spawn(coro, self._tasks, f"{self.name} job")
 
     async def _sync(self) -> None:
         """Announce every wanted namespace on the current session (connecting if needed)."""
@@ -179,6 +188,8 @@ class UpstreamRelay:
             return None
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(self._connect())
+            # Read by the waiter below, unless every waiter was cancelled first.
+            self._connecting.add_done_callback(lambda t: retrieve(t, f"{self.name} connect"))
         task = self._connecting
         try:
             conn = await asyncio.shield(task)
@@ -222,103 +233,169 @@ class UpstreamRelay:
                 await asyncio.wait_for(self._conn.close_session(), 2)
 
 
+class _NoRoute(Exception):
+    """A candidate had no live session."""
+
+
 class RoutedUpstream:
-    """``relay.cache.Upstream`` over an ordered list of candidate sources."""
+    """``relay.cache.Upstream`` over an ordered list of candidate sources.
+
+    Route deadline (``route_timeout``): a request goes to the first candidate; if it has not answered
+    (FETCH_OK, TRACK_STATUS_OK, SUBSCRIBE_OK or REQUEST_ERROR) within ``route_timeout`` and another
+    candidate remains, that one is asked as well, and so on. The first answer wins and the requests
+    still outstanding are cancelled. A candidate passed over so is marked ``slow`` (later requests try
+    it last) until it answers again. The whole exchange is bounded by ``timeout`` (TIMEOUT)."""
 
     def __init__(
         self,
         candidates: Sequence[Source],
         timeout: float,
         metrics: Metrics,
+        route_timeout: float = 0.0,
     ) -> None:
         self._candidates = list(candidates)
         self._timeout = timeout
+        self._route_timeout = route_timeout
         self._metrics = metrics
 
-    async def _each(self) -> AsyncIterator[tuple[Source, MoqtConnection]]:
-        """Live candidates in order, connecting (to an upstream relay) only when the earlier ones failed."""
-        found = False
-        for src in self._candidates:
+    async def _first_answer(
+        self,
+        kind: str,
+        attempt: Callable[[Source, MoqtConnection], Awaitable[_T]],
+        discard: Callable[[_T], None] = lambda _: None,
+    ) -> tuple[Source, _T]:
+        """Ask the candidates in order under the route deadline; returns the first one that answered
+        with its answer. DOES_NOT_EXIST and a vanished session move on to the next candidate; any other
+        REQUEST_ERROR is final (``RequestFailed`` with its code)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout
+        queue = list(self._candidates)
+        running: dict[asyncio.Task[_T], Source] = {}
+        last: RequestFailed | None = None
+        asked: list[str] = []
+
+        async def ask(src: Source) -> _T:
             conn = await src.connection()
-            if conn is not None and not conn.is_closed:
-                found = True
-                yield src, conn
-        if not found:
-            raise RequestFailed(
-                RequestErrorCode.DOES_NOT_EXIST, "no publisher or upstream relay for this track"
-            )
+            if conn is None or conn.is_closed:
+                raise _NoRoute(src.name)
+            self._metrics.inc("upstream_requests_total", labels={"type": kind})
+            return await attempt(src, conn)
+
+        def start_next() -> None:
+            src = queue.pop(0)
+            asked.append(src.name)
+            running[asyncio.get_running_loop().create_task(ask(src))] = src
+
+        try:
+            while True:
+                if not running:
+                    if not queue:
+                        raise last or RequestFailed(
+                            RequestErrorCode.DOES_NOT_EXIST, "no publisher or upstream relay for this track"
+                        )
+                    start_next()
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise RequestFailed(RequestErrorCode.TIMEOUT, f"no {kind} answer from {', '.join(asked)}")
+                wait = remaining
+                if queue and self._route_timeout > 0:
+                    wait = min(remaining, self._route_timeout)
+                done, _ = await asyncio.wait(running, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    if queue and self._route_timeout > 0:
+                        for src in running.values():
+                            if not src.slow:
+                                logger.info(
+                                    "route did not answer in time; asking the next one too",
+                                    extra={
+                                        "route": src.name,
+                                        "type": kind,
+                                        "route_timeout": self._route_timeout,
+                                    },
+                                )
+                            src.slow = True
+                        start_next()
+                    continue
+                # Several may finish in one step: take them in the order they were asked.
+                for task in [t for t in running if t in done]:
+                    src = running.pop(task)
+                    exc = task.exception()
+                    if exc is None:
+                        src.slow = False
+                        return src, task.result()  # the others are cancelled (or discarded) below
+                    if isinstance(exc, RequestRejected):
+                        src.slow = False
+                        last = RequestFailed(exc.code, exc.reason, exc.retry_interval)
+                        if exc.code != RequestErrorCode.DOES_NOT_EXIST:
+                            raise last
+                    elif not isinstance(exc, _NoRoute | ConnectionClosed | StreamResetError):
+                        raise exc
+        finally:
+            for task in running:
+                task.cancel()
+            for task in running:
+                task.add_done_callback(
+                    lambda t: discard(t.result()) if not t.cancelled() and t.exception() is None else None
+                )
 
     async def fetch(
         self, key: TrackKey, start: tuple[int, int], end: tuple[int, int], sink: FillSink
     ) -> None:
         ns, name = key
-        last: RequestFailed | None = None
-        async for src, conn in self._each():
-            self._metrics.inc("upstream_requests_total", labels={"type": "fetch"})
+
+        async def attempt(src: Source, conn: MoqtConnection) -> tuple[FetchHandle, FetchOkReceived]:
+            handle = await conn.fetch(ns, name, Location(*start), Location(*exclusive_to_wire_end(end)))
             try:
-                handle = await conn.fetch(ns, name, Location(*start), Location(*exclusive_to_wire_end(end)))
-            except ConnectionClosed:
-                continue
-            try:
-                ok = await asyncio.wait_for(handle.ok(), self._timeout)
-            except RequestRejected as exc:
-                last = RequestFailed(exc.code, exc.reason, exc.retry_interval)
-                if exc.code == RequestErrorCode.DOES_NOT_EXIST:
-                    continue
-                raise last from None
-            except TimeoutError:
-                handle.cancel()
-                raise RequestFailed(RequestErrorCode.TIMEOUT, f"no FETCH_OK from {src.name}") from None
-            except (ConnectionClosed, StreamResetError):
-                continue
-            sink.set_info(
-                FetchInfo(
-                    wire_end_to_exclusive((ok.end_location.group, ok.end_location.object)),
-                    ok.end_of_track,
-                    ok.track_properties,
-                )
-            )
-            try:
-                it = aiter(handle)
-                while True:
-                    try:
-                        ev = await asyncio.wait_for(anext(it), self._timeout)
-                    except StopAsyncIteration:
-                        break
-                    self._metrics.inc("bytes_in_total", len(ev.payload))
-                    sink.add(cached_object(ev))
-            except TimeoutError:
-                handle.cancel()
-                raise RequestFailed(RequestErrorCode.TIMEOUT, f"fetch from {src.name} stalled") from None
-            except RequestRejected as exc:
-                raise RequestFailed(exc.code, exc.reason, exc.retry_interval) from None
+                return handle, await handle.ok()
             except BaseException:
                 handle.cancel()
                 raise
-            return
-        raise last or RequestFailed(RequestErrorCode.DOES_NOT_EXIST, "track not found upstream")
+
+        src, (handle, ok) = await self._first_answer("fetch", attempt, lambda r: r[0].cancel())
+        sink.set_info(
+            FetchInfo(
+                wire_end_to_exclusive((ok.end_location.group, ok.end_location.object)),
+                ok.end_of_track,
+                ok.track_properties,
+            )
+        )
+        try:
+            it = aiter(handle)
+            while True:
+                try:
+                    ev = await asyncio.wait_for(anext(it), self._timeout)
+                except StopAsyncIteration:
+                    break
+                self._metrics.inc("bytes_in_total", len(ev.payload))
+                sink.add(cached_object(ev))
+        except TimeoutError:
+            handle.cancel()
+            raise RequestFailed(RequestErrorCode.TIMEOUT, f"fetch from {src.name} stalled") from None
+        except RequestRejected as exc:
+            raise RequestFailed(exc.code, exc.reason, exc.retry_interval) from None
+        except BaseException:
+            handle.cancel()
+            raise
 
     async def track_status(self, key: TrackKey) -> TrackStatus:
         ns, name = key
-        last: RequestFailed | None = None
-        async for src, conn in self._each():
-            self._metrics.inc("upstream_requests_total", labels={"type": "track_status"})
-            try:
-                ok = await asyncio.wait_for(conn.track_status(ns, name), self._timeout)
-            except RequestRejected as exc:
-                last = RequestFailed(exc.code, exc.reason, exc.retry_interval)
-                if exc.code == RequestErrorCode.DOES_NOT_EXIST:
-                    continue
-                raise last from None
-            except TimeoutError:
-                raise RequestFailed(
-                    RequestErrorCode.TIMEOUT, f"no TRACK_STATUS answer from {src.name}"
-                ) from None
-            except ConnectionClosed:
-                continue
-            lo = ok.parameters.largest_object
-            return TrackStatus(None if lo is None else (lo.group, lo.object), False, ok.track_properties)
-        raise last or RequestFailed(RequestErrorCode.DOES_NOT_EXIST, "track not found upstream")
+
+        async def attempt(src: Source, conn: MoqtConnection) -> TrackStatusOkReceived:
+            return await conn.track_status(ns, name)
+
+        _, ok = await self._first_answer("track_status", attempt)
+        lo = ok.parameters.largest_object
+        return TrackStatus(None if lo is None else (lo.group, lo.object), False, ok.track_properties)
+
+    async def subscribe(self, key: TrackKey) -> Subscription:
+        """SUBSCRIBE (Forward=1) at the first candidate that accepts; the caller owns the subscription."""
+        ns, name = key
+
+        async def attempt(src: Source, conn: MoqtConnection) -> Subscription:
+            return await conn.subscribe(ns, name, forward_parameters())
+
+        _, sub = await self._first_answer("subscribe", attempt, lambda s: s.cancel())
+        return sub
 
 
 def forward_parameters() -> MessageParameters:

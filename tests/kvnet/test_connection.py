@@ -242,3 +242,88 @@ async def test_incoming_publish_buffers_early_objects_and_honours_stream_count(
     assert done == {b"late-accept": 1, b"in-flight": 2}
     # The two streams interleave; each arrived whole.
     assert sorted(p for _, _, p in got[b"in-flight"]) == sorted(big + big)
+
+
+async def test_keepalive_holds_an_idle_session_and_a_dead_peer_is_noticed(
+    pki: Path, settings: quic.TransportSettings
+) -> None:
+    # Short timers so the test is quick: 1 s idle timeout, PING after 0.25 s of silence.
+    live = quic.TransportSettings(stack=settings.stack, idle_timeout=1.0, keepalive_interval=0.25)
+    closed_at: list[float] = []
+
+    async def on_connection(conn: MoqtConnection) -> None:
+        serving = asyncio.ensure_future(_publisher(conn))
+        await conn.wait_session_closed()
+        closed_at.append(asyncio.get_running_loop().time())
+        serving.cancel()
+
+    server = await serve("127.0.0.1", 0, live, quic.TlsSettings.from_dir(pki, "server"), on_connection)
+    url = f"moqt://127.0.0.1:{server.address[1]}"
+    tls = quic.TlsSettings.from_dir(pki, None)
+    try:
+        conn = await connect(url, live, tls)
+        await asyncio.sleep(3.0)  # three idle timeouts without a single request
+        assert not conn.is_closed and not closed_at
+        assert (await conn.track_status(NS, b"blocks")).request_id >= 0
+        # The client dies without a word (its socket just closes): the server notices within the idle
+        # timeout (+ a few PTOs), not never.
+        died = asyncio.get_running_loop().time()
+        conn._transport.close()
+        for _ in range(60):
+            if closed_at:
+                break
+            await asyncio.sleep(0.1)
+        assert closed_at and closed_at[0] - died < 3.0
+    finally:
+        await server.close()
+    # Control: with keep-alive off on both sides the same idle session is dropped by the idle timeout
+    # (one side's PINGs alone would keep both alive, the ACKs refreshing the other's timer).
+    quiet = quic.TransportSettings(stack=settings.stack, idle_timeout=1.0, keepalive_interval=0)
+    server = await serve("127.0.0.1", 0, quiet, quic.TlsSettings.from_dir(pki, "server"), on_connection)
+    try:
+        conn = await connect(f"moqt://127.0.0.1:{server.address[1]}", quiet, tls)
+        await asyncio.wait_for(conn.wait_session_closed(), 5)
+    finally:
+        await server.close()
+
+
+def test_keepalive_settings_validation() -> None:
+    assert quic.TransportSettings().keepalive_interval < quic.TransportSettings().idle_timeout
+    with pytest.raises(ValueError, match="keepalive_interval"):
+        quic.TransportSettings(idle_timeout=5.0, keepalive_interval=5.0)
+    with pytest.raises(ValueError, match="keepalive_interval"):
+        quic.TransportSettings(keepalive_interval=0.01)
+    assert quic.TransportSettings(keepalive_interval=0).keepalive_interval == 0
+
+
+async def test_stop_sending_on_fetch_stream_cancels_the_incoming_fetch(
+    pki: Path, settings: quic.TransportSettings
+) -> None:
+    outcome: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+    async def on_connection(conn: MoqtConnection) -> None:
+        async for req in conn.incoming_requests():
+            assert isinstance(req, IncomingFetch)
+            req.accept_fetch(end_of_track=True, end_location=Location(0, 100))
+            req.send_object(0, 0, 0, b"first")
+            try:
+                await asyncio.wait_for(req.cancelled.wait(), 5)
+            except TimeoutError:
+                outcome.set_result(False)
+            else:
+                outcome.set_result(req.gone)
+
+    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), on_connection)
+    try:
+        async with connect(f"moqt://127.0.0.1:{server.address[1]}", settings,
+                           quic.TlsSettings.from_dir(pki, None)) as conn:
+            handle = await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 100))
+            first = await anext(aiter(handle))
+            assert first.payload == b"first" and first.stream_id is not None
+            # Only the data stream is stopped (the request stream stays open): a FETCH has one data
+            # stream, so the requester wants nothing more.
+            conn._quic.stop_stream(first.stream_id, 0x0)
+            conn.transmit()
+            assert await asyncio.wait_for(outcome, 10)
+    finally:
+        await server.close()

@@ -54,6 +54,10 @@ class Publisher:
     """Seconds to wait before answering a FETCH (lets concurrent requests pile up at the relay)."""
     live: asyncio.Event = field(default_factory=asyncio.Event)
     """Set to make accepted SUBSCRIBEs send their track."""
+    status_delay: float = 0.0
+    """Seconds to wait before answering a TRACK_STATUS."""
+    finish_delay: float = 0.0
+    """Seconds between a FETCH's last object and the FIN of its stream."""
     cut_after: int | None = None
     """Drop the connection after sending this many fetch objects (a publisher dying mid-track)."""
     task: asyncio.Task[None] | None = None
@@ -76,6 +80,8 @@ class Publisher:
         if isinstance(req, IncomingTrackStatus):
             self.counts["track_status"] += 1
             objs = self.tracks.get(ev.track_name)  # type: ignore[attr-defined]
+            if self.status_delay:
+                await asyncio.sleep(self.status_delay)
             if objs is None:
                 req.reject(RequestErrorCode.DOES_NOT_EXIST, "unknown track")
             else:
@@ -96,6 +102,8 @@ class Publisher:
                 req.send_object(0, 0, i, payload)
                 self.objects_sent += 1
                 await req.drain()
+            if self.finish_delay:
+                await asyncio.sleep(self.finish_delay)
             req.finish()
         elif isinstance(req, IncomingSubscribe):
             self.counts["subscribe"] += 1
