@@ -8,9 +8,11 @@ model preset, then runs one-shot subscribers (separate processes, real QUIC on l
 * local hit  — the same process answers a second prompt sharing the prefix from its own cache.
 
 Then it times a raw one-way QUIC transfer of the same number of bytes with
-``benchmarks/bench_transport.py`` (tuned aioquic, same transport settings), and prints medians side by side:
+``benchmarks/bench_transport.py`` with the relay's transport settings (the relay is the sender of a
+fetch), and prints medians side by side, with the load average of the machine at each run (other work on
+the same cores moves these figures a lot):
 
-    python benchmarks/bench_ttft.py --runs 3 --model bench --prefix-tokens 2048
+    python benchmarks/bench_ttft.py --runs 3 --model bench --prefix-tokens 2048 [--block-size 32]
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def _free_port() -> int:
 def _prefix(tokens: int) -> str:
     # Deterministic text of `tokens - 1` bytes (BOS is the first token).
     words = ("kv", "cache", "block", "relay", "quic", "prefix", "token", "layer", "fetch", "publish")
-    out, i = [], 0
+    out: list[str] = []
+    i = 0
     while sum(len(w) + 1 for w in out) < tokens:
         out.append(words[(i * 7 + i // 10) % len(words)])
         i += 1
@@ -54,8 +57,8 @@ def _prefix(tokens: int) -> str:
 
 
 class Bench:
-    def __init__(self, tmp: Path, model: str, threads: int) -> None:
-        self.tmp, self.model, self.threads = tmp, model, threads
+    def __init__(self, tmp: Path, model: str, threads: int, node_extra: list[str]) -> None:
+        self.tmp, self.model, self.threads, self.node_extra = tmp, model, threads, node_extra
         certs.create_ca(tmp / "certs")
         certs.issue_cert(tmp / "certs", "relay", ["127.0.0.1", "localhost"])
         certs.issue_cert(tmp / "certs", "server", ["127.0.0.1", "localhost"])
@@ -73,7 +76,8 @@ class Bench:
 
     def node_args(self) -> list[str]:
         return ["--relay", f"moqt://127.0.0.1:{self.port}", "--ca", str(self.tmp / "certs" / "ca.pem"),
-                "--model", self.model, "--cache-blocks", "1024", "--threads", str(self.threads)]
+                "--model", self.model, "--cache-blocks", "1024", "--threads", str(self.threads),
+                *self.node_extra]
 
     def start(self, prefix: str) -> None:
         c = self.tmp / "certs"
@@ -124,6 +128,14 @@ def _raw_quic_seconds(certdir: Path, nbytes: int) -> float:
     return elapsed
 
 
+def _loadavg() -> str:
+    """1-minute load average (Linux); other work on the same cores moves every figure here."""
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        return "n/a"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="bench")
@@ -131,12 +143,20 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2, help="torch threads per node (one node runs at a time)")
+    ap.add_argument("--block-size", type=int, help="tokens per block (default: the nodes' default)")
+    ap.add_argument("--quic-stack", choices=["qh3", "aioquic"], help="nodes' QUIC stack (default: theirs)")
+    ap.add_argument("--fetch-window", help="subscriber fetch window, e.g. 4M (default: the nodes' default)")
     args = ap.parse_args()
+    node_extra: list[str] = []
+    for flag, value in (("--block-size", args.block_size), ("--quic-stack", args.quic_stack),
+                        ("--fetch-window", args.fetch_window)):
+        if value is not None:
+            node_extra += [flag, str(value)]
     prefix = _prefix(args.prefix_tokens)
     rows: dict[str, list[float]] = {"cold": [], "remote": [], "local": []}
-    goodput, raw, fetched = [], [], []
+    goodput, raw, fetched, locate, loads = [], [], [], [], []
     with tempfile.TemporaryDirectory() as d:
-        bench = Bench(Path(d), args.model, args.threads)
+        bench = Bench(Path(d), args.model, args.threads, node_extra)
         try:
             print(f"publishing {args.prefix_tokens} tokens on model {args.model} ...", file=sys.stderr)
             bench.start(prefix)
@@ -152,20 +172,25 @@ def main() -> int:
                 nbytes = remote["bytes_fetched"]
                 fetched.append(nbytes)
                 goodput.append(nbytes / remote["timings"]["fetch_s"] / 1e6)
+                locate.append(remote["timings"]["locate_s"])
+                loads.append(_loadavg())
                 raw.append(nbytes / _raw_quic_seconds(Path(d) / "certs", nbytes) / 1e6)
                 print(f"run {run + 1}: cold {rows['cold'][-1]:.3f}s remote {rows['remote'][-1]:.3f}s "
-                      f"local {rows['local'][-1]:.3f}s remote_hit={remote['remote_hit_tokens']}",
-                      file=sys.stderr)
+                      f"local {rows['local'][-1]:.3f}s remote_hit={remote['remote_hit_tokens']} "
+                      f"locate {locate[-1] * 1e3:.0f} ms goodput {goodput[-1]:.1f} MB/s "
+                      f"raw {raw[-1]:.1f} MB/s "
+                      f"load {loads[-1]}", file=sys.stderr)
         finally:
             bench.close()
     med = {k: statistics.median(v) for k, v in rows.items()}
-    print(f"model={args.model} prefix_tokens={args.prefix_tokens} runs={args.runs} (medians)")
+    print(f"model={args.model} prefix_tokens={args.prefix_tokens} runs={args.runs} {' '.join(node_extra)} "
+          f"(medians; load average per run: {', '.join(loads)})")
     print(f"{'case':<12}{'TTFT s':>10}{'vs cold':>10}")
     for k in ("cold", "remote", "local"):
         print(f"{k:<12}{med[k]:>10.3f}{med['cold'] / med[k]:>9.1f}x")
     g, r = statistics.median(goodput), statistics.median(raw)
     print(f"fetch goodput {g:.1f} MB/s vs raw QUIC (same transport) {r:.1f} MB/s ({g / r:.2f}x) over "
-          f"{statistics.median(fetched) / 1e6:.1f} MB")
+          f"{statistics.median(fetched) / 1e6:.1f} MB; locate {statistics.median(locate) * 1e3:.0f} ms")
     return 0
 
 

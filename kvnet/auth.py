@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -59,9 +58,9 @@ from typing import ClassVar, Final, TypeVar
 
 import msgpack
 from cryptography.exceptions import InvalidSignature as _CryptoInvalidSignature
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from kvnet import keys
 from proto.errors import (
     AuthTokenCacheOverflow,
     DuplicateAuthTokenAlias,
@@ -123,7 +122,7 @@ MAGIC: Final = b"KVT\x01"
 SIGNING_CONTEXT: Final = b"kvnet/auth-token/v1\x00"
 """Prepended to the signed bytes so that no other kvnet signature (e.g. a manifest's) is a valid token."""
 CLAIMS_VERSION: Final = 1
-KEY_ID_LEN: Final = 32
+KEY_ID_LEN: Final = keys.KEY_ID_LEN
 SIGNATURE_LEN: Final = 64
 TOKEN_ID_LEN: Final = 16
 _HEADER_LEN: Final = len(MAGIC) + KEY_ID_LEN
@@ -345,59 +344,40 @@ def parse_namespace(text: str) -> Namespace:
 # -- keys ----------------------------------------------------------------------------------------
 
 
-def _raw_public(pub: Ed25519PublicKey) -> bytes:
-    return pub.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-
-
 def issuer_key_id(public_key: Ed25519PublicKey | bytes) -> bytes:
-    """SHA-256 of the raw 32-byte Ed25519 public key (the same key id rule as manifest signers)."""
-    raw = public_key if isinstance(public_key, bytes) else _raw_public(public_key)
-    if len(raw) != 32:
-        raise ValueError(f"an Ed25519 public key has 32 raw bytes, got {len(raw)}")
-    return hashlib.sha256(raw).digest()
+    """SHA-256 of the raw 32-byte Ed25519 public key (``kvnet.keys.key_id``, as for manifest signers)."""
+    return keys.key_id(public_key)
 
 
 @dataclass(frozen=True)
 class IssuerKey:
-    """A token issuer's Ed25519 private key. Relays only ever need the public half."""
+    """A token issuer's Ed25519 private key. Relays only ever need the public half (``kvnet.keys`` files)."""
 
     private_key: Ed25519PrivateKey
 
     @classmethod
     def generate(cls) -> IssuerKey:
-        return cls(Ed25519PrivateKey.generate())
+        return cls(keys.generate_private_key())
 
     @classmethod
     def from_pem(cls, data: bytes) -> IssuerKey:
-        """Parse an unencrypted PKCS#8 PEM Ed25519 private key."""
-        try:
-            key = serialization.load_pem_private_key(data, password=None)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"not an unencrypted PEM private key: {exc}") from None
-        if not isinstance(key, Ed25519PrivateKey):
-            raise ValueError("issuer keys are Ed25519")
-        return cls(key)
+        """Parse an unencrypted PKCS#8 PEM Ed25519 private key (``ValueError`` if it is not one)."""
+        return cls(keys.private_key_from_pem(data))
 
     @classmethod
     def load(cls, path: Path | str) -> IssuerKey:
-        return cls.from_pem(Path(path).read_bytes())
+        return cls(keys.load_private_key(path))
 
     def to_pem(self) -> bytes:
-        return self.private_key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
+        return keys.private_key_pem(self.private_key)
 
     def save(self, path: Path | str, overwrite: bool = False) -> None:
-        """Write the private key as PEM, mode 0600 from creation on (never readable by others)."""
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
-        fd = os.open(path, flags, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(self.to_pem())
-        os.chmod(path, 0o600)
+        """Write the private key as PEM, mode 0600 from creation on; ``FileExistsError`` if it exists."""
+        keys.save_private_key(path, self.private_key, overwrite)
 
     def save_public(self, path: Path | str) -> None:
         """Write the public key (PEM SubjectPublicKeyInfo) for distribution to relays."""
-        Path(path).write_bytes(self.public_pem())
+        keys.save_public_key(path, self.public_key)
 
     @property
     def public_key(self) -> Ed25519PublicKey:
@@ -408,23 +388,15 @@ class IssuerKey:
         return issuer_key_id(self.public_key)
 
     def public_pem(self) -> bytes:
-        return self.public_key.public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
+        return keys.public_key_pem(self.public_key)
 
     def sign(self, data: bytes) -> bytes:
         return self.private_key.sign(data)
 
 
 def load_issuer_public_key(path: Path | str) -> Ed25519PublicKey:
-    """Read a PEM Ed25519 public key (what a relay is configured with)."""
-    try:
-        key = serialization.load_pem_public_key(Path(path).read_bytes())
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{path}: not a PEM public key: {exc}") from None
-    if not isinstance(key, Ed25519PublicKey):
-        raise ValueError(f"{path}: issuer keys are Ed25519")
-    return key
+    """Read a PEM Ed25519 public key (what a relay is configured with); ``ValueError`` if it is not one."""
+    return keys.load_public_key(path)
 
 
 # -- claims --------------------------------------------------------------------------------------

@@ -30,16 +30,25 @@ from typing import Any
 import torch
 
 from kvnet.abr import QUALITY_ORDER, AbrConfig, AbrPlan, KvAbr
+from kvnet.auth import DEFAULT_MAX_TOKEN_SIZE, KVNET_TOKEN_TYPE
 from kvnet.blockstore import BlockStore, StoredBlock
 from kvnet.connection import MoqtConnection, MoqtConnectionError, RequestRejected, connect
-from kvnet.fetching import BlockFetcher, BlockSink, ExpectedBlock, FetchOutcome, expected_blocks
+from kvnet.fetching import (
+    DEFAULT_WINDOW_BYTES,
+    BlockFetcher,
+    BlockSink,
+    ExpectedBlock,
+    FetchOutcome,
+    expected_blocks,
+)
 from kvnet.generate import cache_spec_for, generate
 from kvnet.hashing import block_hashes, root_hash
 from kvnet.model import Transformer
 from kvnet.paged_cache import PagedKVCache
 from kvnet.publishing import BlockServer, BlockSource, dtype_name, encode_blocks
-from kvnet.quic import TlsSettings, TransportSettings, parse_moqt_url
+from kvnet.quic import DATAGRAM_SIZE_ETHERNET, DEFAULT_STACK, TlsSettings, TransportSettings, parse_moqt_url
 from kvnet.signing import Signer, TrustStore, generate_keypair, load_signer
+from kvnet.tenancy import NodeSecret, TenancyError
 from kvnet.tokenizer import ByteTokenizer, Tokenizer
 from proto.errors import UsageError
 from proto.messages import AliasType, AuthToken
@@ -48,7 +57,11 @@ from proto.session import SessionConfig
 logger = logging.getLogger(__name__)
 
 KNOWN_RENDITIONS = QUALITY_ORDER
-DEFAULT_BLOCK_SIZE = 16
+# Chosen by measurement (docs/nodes.md, "Block size"): 64-token blocks fetched a 2k-token prefix of the
+# bench preset 1.5x faster than 16-token blocks (fewer, larger objects and requests; better compression),
+# at the cost of recomputing up to 63 shared tokens past the last full block.
+DEFAULT_BLOCK_SIZE = 64
+DEFAULT_TENANT = "default"
 
 
 @dataclass(frozen=True)
@@ -63,8 +76,9 @@ class NodeConfig:
     """Our client certificate (mTLS), optional."""
     key_file: Path | None = None
     """Private key of ``cert_file``."""
-    auth_token: str | None = None
-    """AUTHORIZATION_TOKEN sent in CLIENT_SETUP (the relay decides what it allows)."""
+    token_file: Path | None = None
+    """File holding the authorization token (``kvnet token issue``) presented in SETUP's AUTHORIZATION TOKEN
+    option; read at every connect, so a renewed token is picked up by the next session."""
     model: str = "tiny"
     """Built-in model preset (``tiny``, ``small``, ``bench``)."""
     checkpoint: Path | None = None
@@ -79,8 +93,10 @@ class NodeConfig:
     """Tokens per KV block (part of the fingerprint)."""
     cache_blocks: int = 2048
     """Physical blocks in the paged KV cache."""
-    salt: bytes = b""
-    """Tenant salt folded into the chain root: different salts never share blocks."""
+    node_secret: Path | None = None
+    """Operator's node secret file (``kvnet.tenancy``, mode 0600). With it the chain root is salted with
+    ``derive_tenant_salt(secret, tenant)`` and the namespace carries ``tenant_namespace_id(secret, tenant)``;
+    without it the salt is empty and the namespace carries the tenant id as given (single tenant only)."""
     publish_renditions: tuple[str, ...] = ("lossless",)
     """Renditions a publisher encodes and serves for every block."""
     acceptable_renditions: tuple[str, ...] = ("lossless",)
@@ -95,8 +111,9 @@ class NodeConfig:
     """Accept any correctly signed manifest whatever its key (development only; logged loudly)."""
     push: bool = True
     """Publisher: also PUBLISH blocks into the relay's cache (survives the publisher leaving)."""
-    fetch_window: int = 64
-    """Blocks requested concurrently during a fetch."""
+    fetch_window_bytes: int = DEFAULT_WINDOW_BYTES
+    """Raw block bytes requested ahead during a fetch (``kvnet.fetching``: a few MB keeps loopback and LAN
+    links busy without interleaving every block's delivery)."""
     request_timeout: float = 10.0
     """Seconds to wait for one locate or fetch before giving up (and recomputing)."""
     prior_throughput_bps: float = 100e6
@@ -105,10 +122,15 @@ class NodeConfig:
     """``auto`` (fetch or recompute by estimate), ``fetch`` (always fetch located blocks), ``recompute``."""
     max_new_tokens: int = 16
     """Default generation length."""
-    tenant: str = "default"
-    """Tenant id, the last field of the block namespace (authorization is per namespace)."""
-    quic_stack: str | None = None
-    """QUIC implementation for the relay session ("qh3" or "aioquic"); None takes the transport default."""
+    tenant: str = DEFAULT_TENANT
+    """Tenant this node computes for (set by the operator; never taken from a client)."""
+    quic_stack: str = DEFAULT_STACK
+    """QUIC implementation of the relay session. qh3 fetches about twice as fast on loopback, but its
+    small initial congestion window makes a locate of 256 blocks cost ~4 round trips instead of under
+    three, which long links pay on every request (docs/nodes.md, Performance)."""
+    max_datagram_size: int | None = None
+    """Largest UDP payload of the relay session; None takes the stack's loopback size. Give 1452
+    (``--ethernet``) on a 1500-byte path and 8952 on jumbo frames."""
     torch_threads: int = 1
     """Intra-op threads of torch. One by default: a node shares its cores with the relay and its own event
     loop, and OpenMP workers spin-waiting on a contended 2-core machine made a 5 ms prefill take 300 ms."""
@@ -127,8 +149,8 @@ class NodeConfig:
                 raise ValueError(f"{name}: unknown rendition(s) {unknown}; known: {list(KNOWN_RENDITIONS)}")
         if self.store_bytes <= 0:
             raise ValueError(f"store_bytes must be positive, got {self.store_bytes}")
-        if self.fetch_window <= 0:
-            raise ValueError(f"fetch_window must be positive, got {self.fetch_window}")
+        if self.fetch_window_bytes <= 0:
+            raise ValueError(f"fetch_window_bytes must be positive, got {self.fetch_window_bytes}")
         if self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be positive, got {self.request_timeout}")
         if self.abr_mode not in ("auto", "fetch", "recompute"):
@@ -137,8 +159,20 @@ class NodeConfig:
             raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        self.transport_settings  # noqa: B018 (validates stack and datagram size, naming the field)
+        if self.tenant != DEFAULT_TENANT and self.node_secret is None:
+            # Different tenants must never share a chain root: that takes a salt, hence a node secret.
+            raise ValueError("tenant: a tenant other than the default needs --node-secret (salted hashes)")
         if self.relay_url is not None and self.ca_file is None:
             raise ValueError("ca_file: a relay connection needs --ca to verify the relay (TLS is always on)")
+
+
+    @property
+    def transport_settings(self) -> TransportSettings:
+        """QUIC settings of the relay session (``TransportSettings.for_ethernet`` on 1500-byte paths)."""
+        if self.max_datagram_size == DATAGRAM_SIZE_ETHERNET:
+            return TransportSettings.for_ethernet(self.quic_stack)
+        return TransportSettings(max_datagram_size=self.max_datagram_size, stack=self.quic_stack)
 
 
 def _renditions(text: str) -> tuple[str, ...]:
@@ -161,8 +195,22 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
     g.add_argument("--ca", type=Path, help="CA certificate (PEM) the relay's certificate must chain to")
     g.add_argument("--cert", type=Path, help="client certificate (PEM) for mTLS")
     g.add_argument("--key", type=Path, help="private key of --cert")
-    g.add_argument("--auth-token", help="authorization token sent to the relay")
-    g.add_argument("--quic-stack", choices=["qh3", "aioquic"], help="QUIC implementation (default: qh3)")
+    g.add_argument("--token", type=Path, help="authorization token file presented to the relay in SETUP")
+    g.add_argument(
+        "--quic-stack", choices=["qh3", "aioquic"], default=DEFAULT_STACK,
+        help=f"QUIC implementation of the relay session (default {DEFAULT_STACK}; qh3 fetches faster, "
+        "locates in more round trips)",
+    )
+    size = g.add_mutually_exclusive_group()
+    size.add_argument(
+        "--max-datagram-size", type=int,
+        help="largest UDP payload (default: the stack's loopback size; 1452 for a 1500-byte MTU path, "
+        "8952 for 9000-byte jumbo frames)",
+    )
+    size.add_argument(
+        "--ethernet", action="store_true",
+        help="size datagrams for a 1500-byte Ethernet path (same as --max-datagram-size 1452)",
+    )
     m = parser.add_argument_group("model and cache")
     m.add_argument("--model", default="tiny", help="built-in model preset: tiny, small, bench (default tiny)")
     m.add_argument("--checkpoint", type=Path, help="local checkpoint directory instead of the preset")
@@ -172,8 +220,14 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
     m.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     m.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
     m.add_argument("--cache-blocks", type=int, default=2048, help="blocks in the paged KV cache")
-    m.add_argument("--salt", default="", help="tenant salt (blocks are shared only within one salt)")
-    m.add_argument("--tenant", default="default", help="tenant id in the block namespace")
+    m.add_argument(
+        "--node-secret", type=Path,
+        help="node secret file (mode 0600) from which the tenant's hash salt and namespace id derive",
+    )
+    m.add_argument(
+        "--tenant", default=DEFAULT_TENANT,
+        help="tenant this node computes for (needs --node-secret unless it is the default)",
+    )
     k = parser.add_argument_group("blocks, signing, ABR")
     k.add_argument(
         "--renditions", type=_renditions, default=("lossless",),
@@ -194,7 +248,10 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
         help="accept blocks signed by any key (development only: anyone could poison the cache)",
     )
     k.add_argument("--no-push", action="store_true", help="publisher: do not PUBLISH into the relay cache")
-    k.add_argument("--fetch-window", type=int, default=64, help="blocks fetched concurrently")
+    k.add_argument(
+        "--fetch-window", type=_size, default=DEFAULT_WINDOW_BYTES,
+        help="raw block bytes requested ahead while fetching (default 4M)",
+    )
     k.add_argument("--timeout", type=float, default=10.0, help="seconds per locate/fetch before recompute")
     k.add_argument("--abr", default="auto", choices=["auto", "fetch", "recompute"], help="fetch policy")
     k.add_argument("--assume-throughput", type=float, default=100e6, help="ABR prior in bytes/s")
@@ -213,7 +270,7 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         ca_file=args.ca,
         cert_file=args.cert,
         key_file=args.key,
-        auth_token=args.auth_token,
+        token_file=args.token,
         model=args.model,
         checkpoint=args.checkpoint,
         seed=args.seed,
@@ -221,7 +278,7 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         device=args.device,
         block_size=args.block_size,
         cache_blocks=args.cache_blocks,
-        salt=args.salt.encode("utf-8"),
+        node_secret=args.node_secret,
         publish_renditions=tuple(args.renditions),
         acceptable_renditions=tuple(args.accept),
         store_bytes=args.store_bytes,
@@ -229,7 +286,7 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         trust=tuple(args.trust),
         trust_any=args.trust_any,
         push=not args.no_push,
-        fetch_window=args.fetch_window,
+        fetch_window_bytes=args.fetch_window,
         request_timeout=args.timeout,
         prior_throughput_bps=args.assume_throughput,
         abr_mode=args.abr,
@@ -237,15 +294,24 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         tenant=args.tenant,
         torch_threads=args.threads,
         quic_stack=args.quic_stack,
+        max_datagram_size=DATAGRAM_SIZE_ETHERNET if args.ethernet else args.max_datagram_size,
     )
 
 
 def resolve_keys(config: NodeConfig, key_dir: Path | None) -> NodeConfig:
-    """Fill in the default signing key and trust store from ``key_dir`` (created on first use).
+    """Check the node's secret files and fill in the default signing key and trust store from ``key_dir``
+    (created on first use). Raises ``ValueError``/``OSError`` naming an unusable file.
 
     So that two shells on one machine reproduce a remote hit with no key flags: the publisher signs with
     ``key_dir/publisher.key`` and the subscriber trusts every ``key_dir/*.pub``.
     """
+    if config.node_secret is not None:
+        try:  # refuse an unsafe or malformed secret file before anything starts
+            NodeSecret.load(config.node_secret)
+        except TenancyError as exc:
+            raise ValueError(str(exc)) from None
+    if config.token_file is not None:
+        read_token(config.token_file)
     if key_dir is None:
         return config
     signing_key = config.signing_key
@@ -256,6 +322,15 @@ def resolve_keys(config: NodeConfig, key_dir: Path | None) -> NodeConfig:
             logger.info("created publisher signing key %s", signing_key)
     trust = config.trust or (key_dir,)
     return dataclasses.replace(config, signing_key=signing_key, trust=trust)
+
+
+def read_token(path: Path) -> bytes:
+    """The authorization token in ``path`` (as ``kvnet token issue`` writes it); ValueError if unusable."""
+    with path.open("rb") as f:
+        value = f.read(DEFAULT_MAX_TOKEN_SIZE + 1)
+    if not value or len(value) > DEFAULT_MAX_TOKEN_SIZE:
+        raise ValueError(f"{path}: a token has 1..{DEFAULT_MAX_TOKEN_SIZE} bytes")
+    return value
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -306,6 +381,8 @@ class RequestReport:
     finish_reason: str = "length"
     abr: dict[str, Any] = field(default_factory=dict)
     fallback: list[str] = field(default_factory=list)
+    security_events: list[dict[str, str]] = field(default_factory=list)
+    """Blocks refused by verification: ``{"kind": "signature" | "content", "detail": ...}``."""
     published_blocks: int = 0
     verified: bool | None = None
 
@@ -324,6 +401,7 @@ class RequestReport:
             "finish_reason": self.finish_reason,
             "abr": self.abr,
             "fallback": list(self.fallback),
+            "security_events": [dict(e) for e in self.security_events],
             "published_blocks": self.published_blocks,
         }
         if self.verified is not None:
@@ -359,6 +437,10 @@ class NodeCounters:
     computed_tokens: int = 0
     bytes_fetched: int = 0
     blocks_rejected: int = 0
+    security_signature_failures: int = 0
+    """Blocks refused because they were unsigned or not signed by a trusted key."""
+    security_content_failures: int = 0
+    """Signed blocks whose manifest or payload disagreed with our prompt (poisoning or corruption)."""
     fetch_fallbacks: int = 0
     published_blocks: int = 0
 
@@ -374,7 +456,9 @@ class Node:
         tokenizer: Tokenizer | None = None,
         signer: Signer | None = None,
         trust: TrustStore | None = None,
+        node_secret: NodeSecret | None = None,
     ) -> None:
+        """``node_secret`` derives the tenant's salt and namespace id (``NodeConfig.node_secret``)."""
         self.config = config
         self.model = model.eval()
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
@@ -383,10 +467,21 @@ class Node:
         self.cache = PagedKVCache(spec, config.cache_blocks, self.device)
         # The fingerprint hashes every weight: once per process.
         self.fingerprint = model.fingerprint(config.block_size)
-        self.root = root_hash(self.fingerprint, config.salt)
+        if node_secret is not None:
+            salt = node_secret.tenant_salt(config.tenant)
+            self.tenant_namespace = node_secret.namespace_id(config.tenant)
+        elif config.tenant != DEFAULT_TENANT:
+            raise ValueError("a tenant other than the default needs a node secret")
+        else:
+            salt, self.tenant_namespace = b"", config.tenant
+        self.root = root_hash(self.fingerprint, salt)
         self.store = BlockStore(config.store_bytes)
         self.signer = signer or Signer.generate()
-        self.trust = trust
+        # Never "accept anything": without a trust store a node trusts only its own key, and accepting
+        # other keys takes the explicit config.trust_any (logged loudly by the fetcher).
+        self.trust = trust if trust is not None else TrustStore()
+        if trust is None:
+            self.trust.add(self.signer.public_key)
         acceptable = tuple(r for r in QUALITY_ORDER if r in config.acceptable_renditions)
         self.abr = KvAbr(
             AbrConfig(
@@ -407,15 +502,15 @@ class Node:
     def from_config(cls, config: NodeConfig) -> Node:
         model = build_model(config)
         signer = load_signer(config.signing_key) if config.signing_key is not None else None
-        trust: TrustStore | None
+        trust = TrustStore.from_paths(config.trust)
+        if signer is not None:
+            trust.add(signer.public_key)  # a node always trusts what it signed itself
         if config.trust_any:
             logger.warning("--trust-any: accepting blocks signed by ANY key; the cache can be poisoned")
-            trust = None
-        else:
-            trust = TrustStore.from_paths(config.trust)
-            if signer is not None:
-                trust.add(signer.public_key)  # a node always trusts what it signed itself
-        return cls(config, model, signer=signer, trust=trust)
+        elif not trust:
+            logger.warning("no trusted publisher keys: every fetched block will be rejected (give --trust)")
+        secret = NodeSecret.load(config.node_secret) if config.node_secret is not None else None
+        return cls(config, model, signer=signer, trust=trust, node_secret=secret)
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -639,7 +734,14 @@ class Node:
         if outcome.error is not None:
             self.counters.fetch_fallbacks += 1
             if outcome.rejected:
+                kind = outcome.rejected_kind or "content"
                 self.counters.blocks_rejected += 1
+                if kind == "signature":
+                    self.counters.security_signature_failures += 1
+                else:
+                    self.counters.security_content_failures += 1
+                report.security_events.append({"kind": kind, "detail": outcome.error or ""})
+                logger.warning("SECURITY: fetched block refused (%s): %s", kind, outcome.error)
             msg = (
                 f"fetch stopped at block {start + outcome.loaded} of {start + plan.fetch_blocks}: "
                 f"{outcome.error}; recomputing from there"
@@ -762,8 +864,8 @@ class RelayPeer:
         assert cfg.relay_url is not None
         url = parse_moqt_url(cfg.relay_url)
         tokens = (
-            (AuthToken(AliasType.USE_VALUE, token_type=0, value=cfg.auth_token.encode()),)
-            if cfg.auth_token else ()
+            (AuthToken(AliasType.USE_VALUE, token_type=KVNET_TOKEN_TYPE, value=read_token(cfg.token_file)),)
+            if cfg.token_file is not None else ()
         )
         session_config = SessionConfig(
             is_client=True, path=url.path or None, authority=f"{url.host}:{url.port}",
@@ -773,15 +875,17 @@ class RelayPeer:
             max_requests_in_flight=16384,
         )
         tls = TlsSettings(ca_file=cfg.ca_file, cert_file=cfg.cert_file, key_file=cfg.key_file)
-        settings = TransportSettings() if cfg.quic_stack is None else TransportSettings(stack=cfg.quic_stack)
+        settings = cfg.transport_settings
         conn = await asyncio.wait_for(
             connect(cfg.relay_url, settings, tls, session_config), cfg.request_timeout
         )
         spec = node.cache.spec
-        server = BlockServer(conn, node.store, node.fingerprint, cfg.tenant, spec.num_layers)
+        server = BlockServer(conn, node.store, node.fingerprint, node.tenant_namespace, spec.num_layers)
         fetcher = BlockFetcher(
-            conn, node.fingerprint, cfg.tenant, spec.block_shape, node.dtype_name, node.trust, node.abr,
-            timeout=cfg.request_timeout, window=cfg.fetch_window, device=node.device,
+            conn, node.fingerprint, node.tenant_namespace, spec.block_shape, node.dtype_name, node.trust,
+            node.abr,
+            trust_any=cfg.trust_any, timeout=cfg.request_timeout, window_bytes=cfg.fetch_window_bytes,
+            device=node.device,
         )
         peer = cls(conn, server, fetcher, cfg.relay_url)
         try:
@@ -794,7 +898,7 @@ class RelayPeer:
             raise
         loop = asyncio.get_running_loop()
         peer._tasks = [loop.create_task(server.serve()), loop.create_task(peer._watch())]
-        logger.info("connected to relay %s", cfg.relay_url)
+        logger.info("connected to relay %s; namespace tenant field %s", cfg.relay_url, node.tenant_namespace)
         return peer
 
     async def _watch(self) -> None:
@@ -844,3 +948,4 @@ class RelayPeer:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.to_thread(self.fetcher.close)

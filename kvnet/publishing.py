@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvnet import transport
 from kvnet.blockstore import BlockStore, StoredBlock
 from kvnet.codecs import get_codec
 from kvnet.connection import (
@@ -39,7 +38,6 @@ from kvnet.paged_cache import PagedKVCache
 from kvnet.signing import Signer
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode, UsageError
-from proto.events import PublishOkReceived
 from proto.kvobject import (
     BLOCK_GROUP_ID,
     BlockManifest,
@@ -247,16 +245,11 @@ class BlockServer:
             self.stats.objects_sent += 1
             self.stats.bytes_sent += len(payload)
             await req.drain()
-        self._end_track(stream_id, len(block.objects))
+        # END_OF_TRACK status object after the last layer, then FIN (KVOBJECT.md section 3).
+        req.send_object(stream_id, len(block.objects), b"", True, status=ObjectStatus.END_OF_TRACK)
         req.publish_done(PublishDoneCode.TRACK_ENDED, "block complete")
         self.stats.subscribes_served += 1
 
-    def _end_track(self, stream_id: int, object_id: int) -> None:
-        # END_OF_TRACK status object after the last layer, then FIN (KVOBJECT.md section 3).
-        self.conn._do(
-            self.conn.session.send_subgroup_object, stream_id, object_id, b"", (), ObjectStatus.END_OF_TRACK,
-            True,
-        )
 
     def _alias(self) -> int:
         alias = self._next_alias
@@ -266,10 +259,11 @@ class BlockServer:
     async def push(self, blocks: Sequence[StoredBlock], window: int = 64) -> int:
         """PUBLISH each block track, then its objects, into the relay's cache; returns how many it accepted.
 
-        Objects follow PUBLISH_OK rather than racing ahead of it: a relay that registers the track only
-        when its handler accepts the PUBLISH drops objects that arrived earlier. Up to ``window`` PUBLISHes
-        are in flight at once, so pushing a whole prompt costs about one round trip. A relay that refuses
-        PUBLISH still reaches the blocks through PUBLISH_NAMESPACE routing while we run.
+        Objects follow PUBLISH_OK: a relay that already holds the block (or refuses pushes) answers with
+        REQUEST_ERROR, and the block's bytes are then never sent. Up to ``window`` PUBLISHes are in flight
+        at once, so pushing a whole prompt costs about one round trip. PUBLISH_DONE follows the FIN at
+        once, carrying the Stream Count (1) that tells the receiver to wait for the subgroup stream. A relay
+        that refuses PUBLISH still reaches the blocks through PUBLISH_NAMESPACE routing while we run.
         """
         slots = asyncio.Semaphore(window)
 
@@ -280,44 +274,30 @@ class BlockServer:
                 ns, name = block_track(self.fingerprint, self.tenant, block.block_hash, block.rendition)
                 alias = self._alias()
                 try:
-                    ok: PublishOkReceived = await self.conn._request(
-                        self.conn.session.publish, ns, name, alias,
-                        MessageParameters(largest_object=self._largest()),
-                    )
+                    params = MessageParameters(largest_object=self._largest())
+                    ok = await self.conn.publish(ns, name, alias, params)
                 except RequestRejected as exc:
                     self.stats.requests_refused += 1
                     logger.debug("relay refused PUBLISH (%s): serving on request only", exc)
                     return False
-                stream_id: int = self.conn._do(self._send_pushed_track, alias, block)
-                # PUBLISH_DONE only once the peer acknowledged every object: it travels on another stream,
-                # and a receiver that ends the subscription on PUBLISH_DONE (without waiting for the
-                # Stream Count it carries) would otherwise drop objects still in flight.
-                await self._delivered(stream_id, timeout=30.0)
-                if not self.conn.is_closed:
-                    done = PublishDoneCode.TRACK_ENDED
-                    self.conn._do(self.conn.session.publish_done, ok.request_id, done, "block complete")
+                if self.conn.is_closed:
+                    return False
+                self._send_pushed_track(alias, block)
+                self.conn.publish_done(ok.request_id, PublishDoneCode.TRACK_ENDED, "block complete")
+                await self.conn.wait_writable()
                 return True
 
         results = await asyncio.gather(*(one(b) for b in blocks))
         return sum(results)
 
-    async def _delivered(self, stream_id: int, timeout: float) -> None:
-        """Wait until QUIC no longer holds data of our stream ``stream_id`` (acknowledged on aioquic, sent
-        on qh3, which is what the transports expose)."""
-        deadline = time.monotonic() + timeout
-        while not self.conn.is_closed and time.monotonic() < deadline:
-            if transport.unsent_bytes(self.conn._quic, [stream_id]).get(stream_id, 0) == 0:
-                return
-            await asyncio.sleep(0.005)
-
-    def _send_pushed_track(self, alias: int, block: StoredBlock) -> int:
-        """All objects of one pushed block then END_OF_TRACK + FIN (one session pump); the stream id."""
-        session = self.conn.session
-        stream_id = session.open_subgroup(alias, BLOCK_GROUP_ID, 0)
+    def _send_pushed_track(self, alias: int, block: StoredBlock) -> None:
+        """All objects of one pushed block, then END_OF_TRACK + FIN (KVOBJECT.md section 3)."""
+        stream_id = self.conn.open_subgroup(alias, BLOCK_GROUP_ID, 0)
         for object_id, payload in enumerate(block.objects):
-            session.send_subgroup_object(stream_id, object_id, payload)
+            self.conn.send_subgroup_object(stream_id, object_id, payload)
             self.stats.objects_sent += 1
             self.stats.bytes_sent += len(payload)
-        session.send_subgroup_object(stream_id, len(block.objects), b"", (), ObjectStatus.END_OF_TRACK, True)
+        self.conn.send_subgroup_object(
+            stream_id, len(block.objects), b"", (), ObjectStatus.END_OF_TRACK, end_stream=True
+        )
         self.stats.pushed_tracks += 1
-        return stream_id

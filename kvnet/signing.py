@@ -8,29 +8,28 @@ hash decides what every subscriber computes. So subscribers accept a block only 
 a key in their trust store. This module knows nothing about the manifest's layout, the network or the model:
 it signs and verifies byte strings and names keys.
 
-Key files (PEM, so standard tools read them)::
+Key files and key ids are ``kvnet.keys``'s (shared with token issuers)::
 
     NAME.key   Ed25519 private key, PKCS#8, unencrypted, mode 0600
     NAME.pub   Ed25519 public key, SubjectPublicKeyInfo
 
-Key id: SHA-256 of the 32 raw public key bytes (32 bytes). It names the signer inside manifests, so a
-verifier looks the key up in O(1) instead of trying every trusted key.
+Key id: SHA-256 of the 32 raw public key bytes. It names the signer inside manifests, so a verifier looks
+the key up in O(1) instead of trying every trusted key.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-KEY_ID_LEN = 32
+from kvnet import keys
+
+KEY_ID_LEN = keys.KEY_ID_LEN
 SIGNATURE_LEN = 64
 PRIVATE_SUFFIX = ".key"
 PUBLIC_SUFFIX = ".pub"
@@ -46,16 +45,12 @@ class SupportsSigningBytes(Protocol):
     def signing_bytes(self) -> bytes: ...
 
 
-def _raw_public(pub: Ed25519PublicKey) -> bytes:
-    return pub.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-
-
 def key_id(pub: Ed25519PublicKey | bytes) -> bytes:
-    """SHA-256 of the raw 32-byte public key."""
-    raw = pub if isinstance(pub, bytes) else _raw_public(pub)
-    if len(raw) != 32:
-        raise SigningError(f"an Ed25519 public key has 32 raw bytes, got {len(raw)}")
-    return hashlib.sha256(raw).digest()
+    """SHA-256 of the raw 32-byte public key (``kvnet.keys.key_id``)."""
+    try:
+        return keys.key_id(pub)
+    except keys.KeyMaterialError as exc:
+        raise SigningError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -66,7 +61,7 @@ class Signer:
 
     @classmethod
     def generate(cls) -> Signer:
-        return cls(Ed25519PrivateKey.generate())
+        return cls(keys.generate_private_key())
 
     @property
     def public_key(self) -> Ed25519PublicKey:
@@ -74,7 +69,7 @@ class Signer:
 
     @property
     def public_raw(self) -> bytes:
-        return _raw_public(self.public_key)
+        return keys.raw_public_key(self.public_key)
 
     @property
     def key_id(self) -> bytes:
@@ -86,18 +81,6 @@ class Signer:
     def sign_manifest(self, manifest: SupportsSigningBytes) -> bytes:
         """Signature over the manifest's canonical signing bytes (64 bytes)."""
         return self.sign(manifest.signing_bytes())
-
-
-def _write_private(path: Path, data: bytes, overwrite: bool) -> None:
-    # Mode set at creation: the private key is never readable by others, not even briefly.
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
-    try:
-        fd = os.open(path, flags, 0o600)
-    except FileExistsError as exc:
-        raise SigningError(f"{path} already exists") from exc
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(path, 0o600)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,49 +102,28 @@ def generate_keypair(directory: Path | str, name: str = "publisher", overwrite: 
     priv, pub = d / f"{name}{PRIVATE_SUFFIX}", d / f"{name}{PUBLIC_SUFFIX}"
     if not overwrite and (priv.exists() or pub.exists()):
         raise SigningError(f"{priv} or {pub} already exists")
-    _write_private(
-        priv,
-        signer.private_key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        ),
-        overwrite,
-    )
-    spki = serialization.PublicFormat.SubjectPublicKeyInfo
-    pub.write_bytes(signer.public_key.public_bytes(serialization.Encoding.PEM, spki))
+    try:
+        keys.save_private_key(priv, signer.private_key, overwrite)
+    except FileExistsError as exc:
+        raise SigningError(f"{priv} already exists") from exc
+    keys.save_public_key(pub, signer.public_key)
     return KeyPaths(private=priv, public=pub, key_id=signer.key_id)
 
 
 def load_signer(path: Path | str) -> Signer:
     """Read an Ed25519 private key (PEM PKCS#8)."""
-    p = Path(path)
     try:
-        key = serialization.load_pem_private_key(p.read_bytes(), password=None)
-    except (OSError, ValueError) as exc:
-        raise SigningError(f"cannot read private key {p}: {exc}") from exc
-    if not isinstance(key, Ed25519PrivateKey):
-        raise SigningError(f"{p} is not an Ed25519 private key")
-    return Signer(key)
+        return Signer(keys.load_private_key(path))
+    except (OSError, keys.KeyMaterialError) as exc:
+        raise SigningError(f"cannot read private key {path}: {exc}") from exc
 
 
 def load_public_key(path: Path | str) -> Ed25519PublicKey:
     """Read an Ed25519 public key (PEM SPKI; a private key file yields its public half)."""
-    p = Path(path)
     try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise SigningError(f"cannot read public key {p}: {exc}") from exc
-    try:
-        if b"PRIVATE KEY" in data:
-            priv = serialization.load_pem_private_key(data, password=None)
-            if not isinstance(priv, Ed25519PrivateKey):
-                raise SigningError(f"{p} is not an Ed25519 key")
-            return priv.public_key()
-        key = serialization.load_pem_public_key(data)
-    except ValueError as exc:
-        raise SigningError(f"cannot parse key {p}: {exc}") from exc
-    if not isinstance(key, Ed25519PublicKey):
-        raise SigningError(f"{p} is not an Ed25519 public key")
-    return key
+        return keys.load_public_key(path, allow_private=True)
+    except (OSError, keys.KeyMaterialError) as exc:
+        raise SigningError(f"cannot read public key {path}: {exc}") from exc
 
 
 @dataclass

@@ -25,6 +25,7 @@ from kvnet.signing import generate_keypair
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 60.0
+TEST_BLOCK_SIZE = 16
 
 
 def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60.0) -> Any:
@@ -119,10 +120,16 @@ class Cluster:
         return out
 
     def node_args(self, prompts: Sequence[str], extra: Sequence[str], relay_port: int | None) -> list[str]:
-        args = ["--relay", self.url(relay_port), "--ca", str(self.ca)]
+        args = ["--relay", self.url(relay_port), "--ca", str(self.ca), *self._block_size(extra)]
         for p in prompts:
             args += ["--prompt", p]
         return [*args, *extra]
+
+    @staticmethod
+    def _block_size(extra: Sequence[str]) -> list[str]:
+        # The tests' prompts are a few hundred tokens: 16-token blocks give them many blocks to share,
+        # whatever the nodes' default; a test that wants another size passes its own.
+        return [] if "--block-size" in extra else ["--block-size", str(TEST_BLOCK_SIZE)]
 
     def start_publisher(
         self, prompts: Sequence[str], *extra: str, wait: bool = True
@@ -163,7 +170,7 @@ class Cluster:
         """Start ``kvnet-node`` on a free HTTP port; returns the process and its base URL once it serves."""
         port = free_port(socket.SOCK_STREAM)
         args = ["-m", "publisher.node", "--http", f"127.0.0.1:{port}", "--relay", self.url()]
-        args += ["--ca", str(self.ca)]
+        args += ["--ca", str(self.ca), *self._block_size(extra)]
         proc = self._spawn([*args, *extra], "node")
         return proc, f"http://127.0.0.1:{port}"
 

@@ -6,9 +6,9 @@ API, so this covers ``kvnet.httpapi`` + ``publisher.node`` + the relay end to en
 
 from __future__ import annotations
 
-from tests.nodes.cluster import SHARED_PREFIX, Cluster, http_json
+from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster, http_json
 
-B = 16
+B = TEST_BLOCK_SIZE
 
 
 def test_second_node_reuses_first_nodes_prefix_over_http(kv_cluster: Cluster) -> None:
@@ -45,3 +45,5 @@ def test_second_node_reuses_first_nodes_prefix_over_http(kv_cluster: Cluster) ->
     values = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line)
     assert float(values["kvnet_remote_hit_tokens_total"]) == shared
     assert float(values["kvnet_requests_total"]) == 2
+    assert float(values["kvnet_security_signature_failures_total"]) == 0
+    assert float(values["kvnet_security_content_failures_total"]) == 0

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tests.nodes.cluster import SHARED_PREFIX, Cluster
+from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster
 
-B = 16
+B = TEST_BLOCK_SIZE
 
 
 def test_publisher_killed_after_publishing_still_hits_from_relay_cache(kv_cluster: Cluster) -> None:
