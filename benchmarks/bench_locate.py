@@ -1,11 +1,13 @@
-"""Locate latency vs prompt length, in round trips: TRACK_STATUS for N block tracks at once over one
-``MoqtConnection`` through kvnet's userspace link emulator, N = 16 .. 4096.
+"""Locate latency vs prompt length, in round trips: kvnet's locate (``kvnet.fetching.locate_prefix``, a
+bounded fan-out search with TRACK_STATUS probes) over one ``MoqtConnection`` through kvnet's userspace
+link emulator, N = 16 .. 4096 blocks.
 
-A locate asks for every block of the prompt in parallel (one TRACK_STATUS each) and takes the longest
-prefix answered OK; the publisher holds the first half of the blocks, so half the answers are
-REQUEST_ERROR DOES_NOT_EXIST. Processes: the publisher (a child process), the link emulator (``kvnet
-linkemu``, a child process) and, with ``--relay``, a ``kvnet-relay`` process between them; the subscriber
-is this process. The publisher answers in its own process so that each side has its own core.
+The publisher holds the first half of the N blocks, so the search has to find a boundary in the middle:
+round 1 probes ``--fan-out`` blocks spread over the chain, round 2 every block of the one gap that holds
+the boundary (N <= fan-out: one round of N probes). ``--mode all`` is the former locate for comparison:
+one TRACK_STATUS per block, all at once. Processes: the publisher (a child process), the link emulator
+(``kvnet linkemu``, a child process) and, with ``--relay``, a ``kvnet-relay`` process between them; the
+subscriber is this process. The publisher answers in its own process so that each side has its own core.
 
 Two RTTs are measured (``--rtts-ms``, default 20 and 120): the locate time divided by the RTT counts
 CPU time as round trips too, so the round-trip count is also given as the slope of locate time over
@@ -13,6 +15,7 @@ RTT between the two links, which is what a longer RTT really costs (the CPU part
 
     python benchmarks/bench_locate.py --blocks 16,256,1024,4096 --runs 3
     python benchmarks/bench_locate.py --relay            # subscriber -> link -> relay -> publisher
+    python benchmarks/bench_locate.py --relay --mode all # the former one-request-per-block locate
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from kvnet.connection import (
     connect,
     serve,
 )
+from kvnet.fetching import DEFAULT_LOCATE_FAN_OUT, locate_prefix
 from proto.errors import RequestErrorCode
 
 NS = (b"kvnet", b"bench-locate")
@@ -151,16 +155,21 @@ def topology(settings: quic.TransportSettings, certdir: Path, cached: int, rtt_m
 
 def locate_round_trips(settings: quic.TransportSettings, blocks: list[int], runs: int = 3,
                        rtts_ms: tuple[float, float] = (20.0, 120.0), relay: bool = False,
-                       certdir: Path | None = None) -> dict[str, Any]:
-    """Per N: locate seconds (every run) at each RTT, RTTs = time / RTT at each, and the slope estimate
-    (time(rtt2) - time(rtt1)) / (rtt2 - rtt1) of medians."""
+                       certdir: Path | None = None, fan_out: int | None = DEFAULT_LOCATE_FAN_OUT
+                       ) -> dict[str, Any]:
+    """Per N: locate seconds (every run) at each RTT, RTTs = time / RTT at each, the slope estimate
+    (time(rtt2) - time(rtt1)) / (rtt2 - rtt1) of medians, and the probes and rounds of one locate.
+    ``fan_out`` None: every block probed at once (the former locate)."""
     if certdir is None:
         with common.test_certificates() as tmp:
-            return locate_round_trips(settings, blocks, runs, rtts_ms, relay, tmp)
+            return locate_round_trips(settings, blocks, runs, rtts_ms, relay, tmp, fan_out)
     times: dict[float, dict[int, list[float]]] = {}
+    cost: dict[int, tuple[int, int]] = {}
     for rtt in rtts_ms:
         with topology(settings, certdir, max(blocks) // 2, rtt, relay) as url:
-            times[rtt] = asyncio.run(_measure(url, settings, certdir, blocks, runs, max(blocks) // 2))
+            times[rtt] = asyncio.run(
+                _measure(url, settings, certdir, blocks, runs, max(blocks) // 2, fan_out, cost)
+            )
     r1, r2 = rtts_ms
     result: dict[str, Any] = {"rtts_ms": list(rtts_ms), "per_n": {}}
     for n in blocks:
@@ -169,14 +178,18 @@ def locate_round_trips(settings: quic.TransportSettings, blocks: list[int], runs
             "seconds": {str(r): times[r][n] for r in rtts_ms},
             "rtts_at": {str(r): common.median(times[r][n]) / (r / 1e3) for r in rtts_ms},
             "slope_rtts": (m2 - m1) / ((r2 - r1) / 1e3),
+            "probes": cost[n][0],
+            "rounds": cost[n][1],
         }
     return result
 
 
 async def _measure(url: str, settings: quic.TransportSettings, certdir: Path, blocks: list[int],
-                          runs: int, cached: int) -> dict[int, list[float]]:
-    """Locate seconds per N: TRACK_STATUS for N tracks at once, chosen so that exactly the first N/2
-    exist (tracks cached - N/2 .. cached + N/2 - 1), over one connection, after a warm-up."""
+                   runs: int, cached: int, fan_out: int | None,
+                   cost: dict[int, tuple[int, int]]) -> dict[int, list[float]]:
+    """Locate seconds per N over one connection, after a warm-up: the search runs over tracks
+    cached - N/2 .. cached + N/2 - 1, of which exactly the first N/2 exist. Records (probes, rounds)
+    per N in ``cost``."""
     out: dict[int, list[float]] = {}
     async with connect(url, settings, quic.TlsSettings.from_dir(certdir, None)) as conn:
 
@@ -192,12 +205,22 @@ async def _measure(url: str, settings: quic.TransportSettings, certdir: Path, bl
         await asyncio.gather(*(one(i) for i in range(4)))  # warm-up
         for n in blocks:
             first = cached - n // 2
+
+            async def probe(i: int, _rendition: str, first: int = first) -> None:
+                await conn.track_status(NS, track_name(first + i))
+
             times = []
             for _ in range(runs):
                 t0 = time.perf_counter()
-                found = await asyncio.gather(*(one(first + i) for i in range(n)))
+                if fan_out is None:
+                    found = await asyncio.gather(*(one(first + i) for i in range(n)))
+                    hit = next((i for i, ok in enumerate(found) if not ok), n)
+                    cost[n] = (n, 1)
+                else:
+                    located = await locate_prefix(n, ("lossless",), probe, fan_out=fan_out, timeout=60.0)
+                    hit = len(located.available)
+                    cost[n] = (located.probes, located.rounds)
                 times.append(time.perf_counter() - t0)
-                hit = next((i for i, ok in enumerate(found) if not ok), n)
                 if hit != n // 2:
                     raise RuntimeError(f"locate of {n} found {hit} cached blocks, expected {n // 2}")
             out[n] = times
@@ -211,6 +234,9 @@ def main() -> int:
     ap.add_argument("--rtts-ms", default="20,120")
     ap.add_argument("--stack", default=quic.DEFAULT_STACK, choices=quic.STACKS)
     ap.add_argument("--relay", action="store_true", help="through a kvnet-relay process")
+    ap.add_argument("--mode", default="search", choices=["search", "all"],
+                    help="search: bounded fan-out locate (kvnet's); all: one TRACK_STATUS per block at once")
+    ap.add_argument("--fan-out", type=int, default=DEFAULT_LOCATE_FAN_OUT, help="probes per round (search)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--settings", help=argparse.SUPPRESS)
     ap.add_argument("--certdir", type=Path, help=argparse.SUPPRESS)
@@ -225,15 +251,18 @@ def main() -> int:
     blocks = [int(x) for x in args.blocks.split(",") if x]
     r1, r2 = (float(x) for x in args.rtts_ms.split(","))
     settings = quic.TransportSettings(stack=args.stack)
-    print(f"locate via {'relay' if args.relay else 'direct'}, stack {args.stack}, median of {args.runs}, "
-          f"cores={os.cpu_count()}, load {common.load_average()}", flush=True)
-    res = locate_round_trips(settings, blocks, args.runs, (r1, r2), args.relay)
-    heads = [f"ms @{r1:g}", f"RTTs @{r1:g}", f"ms @{r2:g}", f"RTTs @{r2:g}", "slope RTTs"]
+    fan_out = args.fan_out if args.mode == "search" else None
+    mode = f"search, fan-out {fan_out}" if fan_out else "all at once"
+    print(f"locate ({mode}) via {'relay' if args.relay else 'direct'}, stack {args.stack}, median of "
+          f"{args.runs}, cores={os.cpu_count()}, load {common.load_average()}", flush=True)
+    res = locate_round_trips(settings, blocks, args.runs, (r1, r2), args.relay, fan_out=fan_out)
+    heads = [f"ms @{r1:g}", f"RTTs @{r1:g}", f"ms @{r2:g}", f"RTTs @{r2:g}", "slope RTTs", "probes", "rounds"]
     print(f"{'blocks':>7} " + " ".join(f"{h:>10}" for h in heads))
     for n, row in res["per_n"].items():
         s1, s2 = (common.median(row["seconds"][str(r)]) * 1e3 for r in (r1, r2))
         a1, a2 = (row["rtts_at"][str(r)] for r in (r1, r2))
-        print(f"{n:>7} {s1:>10.0f} {a1:>10.2f} {s2:>10.0f} {a2:>10.2f} {row['slope_rtts']:>10.2f}")
+        print(f"{n:>7} {s1:>10.0f} {a1:>10.2f} {s2:>10.0f} {a2:>10.2f} {row['slope_rtts']:>10.2f} "
+              f"{row['probes']:>10} {row['rounds']:>10}")
     print(f"load {common.load_average()}")
     return 0
 

@@ -6,10 +6,16 @@ Owns:
   manifest, signature by a trusted key, fingerprint, block hash, parent hash, chain rule
   ``block_hash == hash_block(parent, tokens)``, token ids equal to the subscriber's own prompt slice, and
   the shape/dtype/codec it expects. Payload digests are checked per layer object as it arrives.
-* ``BlockFetcher`` — over a ``MoqtConnection``: ``locate`` sends one TRACK_STATUS per candidate block all
-  at once (one round trip whatever the prompt length; TRACK_STATUS moves no payload, so nothing past the
-  first miss is pulled) and ``fetch`` pipelines FETCHes of the chosen prefix with a window bounded in
-  bytes, verifying, decoding and importing each layer into the paged cache as it arrives.
+* ``PrefixSearch`` / ``locate_prefix`` — find the longest available prefix with a bounded fan-out search:
+  each round probes at most ``fan_out`` blocks of the still-undecided range, all in parallel, and the
+  leading run of hits narrows the range to one gap between probes. Presence is (nearly) prefix-closed
+  (publishers publish whole prompts), so ``fan_out`` F decides N <= F blocks in one round trip and
+  N <= F*F in two, with at most F requests in flight per rendition.
+* ``BlockFetcher`` — over a ``MoqtConnection``: ``locate`` runs that search with TRACK_STATUS probes
+  (TRACK_STATUS moves no payload, so nothing past the first miss is pulled) and ``fetch`` pipelines
+  FETCHes of the chosen prefix with a window bounded in bytes, verifying, decoding and importing each
+  layer as it arrives. A hole the search could not see (a block evicted below a probed hit) fails its
+  FETCH, which ends the usable prefix there like any other fetch failure.
 
 Where the time goes (profiled on the bench preset): the transport's per-packet work dominates, so the
 event loop only receives. The per-layer work (SHA-256 of the payload, zstd + numpy decode, one copy into
@@ -32,7 +38,7 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -58,6 +64,210 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_WINDOW_BYTES = 4 << 20
 """Raw block bytes a fetch keeps requested ahead of the block being loaded (see the module docstring)."""
+MAX_FETCHES_IN_FLIGHT = 128
+"""FETCHes a fetch keeps open at most, however small the blocks: peers refuse more than
+``SessionConfig.max_requests_in_flight`` (256 by default) unanswered requests of one session."""
+DEFAULT_LOCATE_FAN_OUT = 64
+"""Blocks (per rendition) a locate probes per round trip: 64 decides prompts of up to 4096 blocks in two."""
+
+
+def spread_probes(lo: int, hi: int, fan_out: int) -> list[int]:
+    """Blocks to probe in ``[lo, hi)``, ascending: all of them when there are at most ``fan_out``, else
+    ``fan_out`` evenly spaced ones including ``lo`` and ``hi - 1``.
+
+    Consecutive probes are at most ``ceil((hi - lo - 1) / (fan_out - 1))`` apart, so each gap between
+    them holds fewer unprobed blocks than that.
+    """
+    if fan_out < 2:
+        raise ValueError(f"fan_out must be at least 2, got {fan_out}")
+    width = hi - lo
+    if width <= fan_out:
+        return list(range(lo, hi))
+    # Integer spacing: distinct (the step is > 1), first lo, last hi - 1.
+    return [lo + k * (width - 1) // (fan_out - 1) for k in range(fan_out)]
+
+
+@dataclass
+class PrefixSearch:
+    """Bounded fan-out search for the first missing block of a chain of ``blocks`` (pure bookkeeping).
+
+    Blocks ``[0, lo)`` count as present (a probe at ``lo - 1`` hit and every probe before it hit),
+    block ``hi`` is a probed miss (or ``hi == blocks``), and ``[lo, hi)`` is undecided. Each round
+    probes ``next_probes()`` (at most ``fan_out`` blocks of the undecided range, including both of its
+    ends) and ``record``s the answers: the leading run of hits moves ``lo`` past the last hit, the first
+    miss moves ``hi`` to it, and the range shrinks to the unprobed blocks between the two, at most
+    ``ceil(width / (fan_out - 1))``. An unanswered probe counts as a miss.
+
+    For a prefix-closed pattern (block i present implies every block < i present) the result is the
+    exact boundary. For any pattern it is never past a probed miss; holes between probes are caught by
+    FETCH, which stops at the first block it cannot get.
+    """
+
+    blocks: int
+    fan_out: int = DEFAULT_LOCATE_FAN_OUT
+    lo: int = 0
+    hi: int = -1
+    probes: int = 0
+    rounds: int = 0
+
+    def __post_init__(self) -> None:
+        if self.fan_out < 2:
+            raise ValueError(f"fan_out must be at least 2, got {self.fan_out}")
+        if self.hi < 0:
+            self.hi = self.blocks
+
+    @property
+    def done(self) -> bool:
+        return self.lo >= self.hi
+
+    @property
+    def run(self) -> int:
+        """Length of the leading run of present blocks (final once ``done``)."""
+        return self.lo
+
+    def next_probes(self) -> list[int]:
+        """Blocks to probe this round, ascending; empty once ``done``."""
+        return [] if self.done else spread_probes(self.lo, self.hi, self.fan_out)
+
+    def record(self, probed: Sequence[int], hits: Mapping[int, bool]) -> None:
+        """Take the answers to ``probed`` (this round's ``next_probes()``); missing answers are misses."""
+        for i in probed:
+            if hits.get(i, False):
+                self.lo = i + 1
+            else:
+                self.hi = i
+                break
+        self.probes += len(probed)
+        self.rounds += 1
+
+
+def round_decided(probed: Sequence[int], answers: Mapping[int, bool | None]) -> bool:
+    """Whether a round's answers so far decide the search: every probe up to the first miss answered
+    (``None`` = not yet). Answers after the first miss do not matter."""
+    for i in probed:
+        hit = answers.get(i)
+        if hit is None:
+            return False
+        if not hit:
+            return True
+    return True
+
+
+@dataclass
+class Located:
+    """What a locate found and what it cost."""
+
+    available: list[list[str]]
+    """Renditions available for each block of the leading located run."""
+    blocks: int
+    """Blocks that were searched."""
+    probes: int
+    """TRACK_STATUS requests sent (all renditions)."""
+    rounds: int
+    """Round trips of probes (0 when nothing had to be searched)."""
+    fan_out: int
+
+    def to_json(self) -> dict[str, int]:
+        return {"blocks": self.blocks, "located": len(self.available), "probes": self.probes,
+                "rounds": self.rounds, "fan_out": self.fan_out}
+
+
+Probe = Callable[[int, str], Coroutine[Any, Any, Any]]
+"""Ask whether block i exists in a rendition: returns when it does, raises when it does not."""
+
+
+async def locate_prefix(
+    blocks: int,
+    renditions: Sequence[str],
+    probe: Probe,
+    *,
+    fan_out: int = DEFAULT_LOCATE_FAN_OUT,
+    timeout: float = 10.0,
+    straggler_grace: float = 0.5,
+    on_first_answer: Callable[[float], None] | None = None,
+) -> Located:
+    """Longest leading run of blocks available in any of ``renditions`` (one ``PrefixSearch`` each).
+
+    All renditions are searched in the same rounds; a round's probes go out before any answer is
+    awaited, and the round ends once its answers decide every search (all probes up to each first miss
+    answered). Answers that straggle (a relay forwarding to a publisher that died without closing its
+    session waits for its own timeout) are waited for at most ``max(straggler_grace, 4 x first answer)``
+    after the round's first answer, then count as misses, which costs reuse, never correctness.
+    ``on_first_answer`` gets each round's first-answer delay (an RTT sample). Raises ``TimeoutError``
+    when the first round gets no answer at all within ``timeout``.
+    """
+    searches = {r: PrefixSearch(blocks, fan_out) for r in dict.fromkeys(renditions)}
+    deadline = time.perf_counter() + timeout
+    while asks := {r: s.next_probes() for r, s in searches.items() if not s.done}:
+        first_round = not any(s.rounds for s in searches.values())
+        answers = await _probe_round(
+            asks, probe, deadline, straggler_grace, on_first_answer, raise_if_silent=first_round
+        )
+        for r, probed in asks.items():
+            searches[r].record(probed, {i: hit is True for i, hit in answers[r].items()})
+    run = max((s.run for s in searches.values()), default=0)
+    available = [[r for r, s in searches.items() if i < s.run] for i in range(run)]
+    return Located(
+        available=available, blocks=blocks, probes=sum(s.probes for s in searches.values()),
+        rounds=max((s.rounds for s in searches.values()), default=0), fan_out=fan_out,
+    )
+
+
+async def _probe_round(
+    asks: Mapping[str, Sequence[int]],
+    probe: Probe,
+    deadline: float,
+    straggler_grace: float,
+    on_first_answer: Callable[[float], None] | None,
+    *,
+    raise_if_silent: bool,
+) -> dict[str, dict[int, bool | None]]:
+    """Send one round of probes at once; per rendition and block: True (exists), False (does not, or
+    the probe failed) or None (no answer by the time the round was decided or gave up)."""
+    loop = asyncio.get_running_loop()
+    answered = asyncio.Event()
+    tasks: dict[str, dict[int, asyncio.Task[Any]]] = {}
+    for r, probed in asks.items():
+        tasks[r] = {}
+        for i in probed:
+            task = loop.create_task(probe(i, r))
+            # One callback per task (not asyncio.wait over the pending set on every wake-up, which is
+            # quadratic in the number of probes); many answers arrive per loop iteration anyway.
+            task.add_done_callback(lambda _t: answered.set())
+            tasks[r][i] = task
+
+    def answers() -> dict[str, dict[int, bool | None]]:
+        return {r: {i: _probe_answer(t) for i, t in ts.items()} for r, ts in tasks.items()}
+
+    started = time.perf_counter()
+    first_answer: float | None = None
+    try:
+        while not all(round_decided(asks[r], a) for r, a in answers().items()):
+            now = time.perf_counter()
+            if first_answer is None and answered.is_set():
+                first_answer = now - started
+                if on_first_answer is not None:
+                    on_first_answer(first_answer)
+                deadline = min(deadline, now + max(straggler_grace, 4 * first_answer))
+            if now >= deadline:
+                if first_answer is None and raise_if_silent:
+                    raise TimeoutError("no TRACK_STATUS answer before the locate timed out")
+                break
+            answered.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(answered.wait(), deadline - now)
+        return answers()
+    finally:
+        every = [t for ts in tasks.values() for t in ts.values()]
+        for task in every:
+            task.cancel()
+        await asyncio.gather(*every, return_exceptions=True)
+
+
+def _probe_answer(task: asyncio.Task[Any]) -> bool | None:
+    if not task.done():
+        return None
+    return not task.cancelled() and task.exception() is None
 
 
 class BlockRejected(Exception):
@@ -187,6 +397,7 @@ class BlockFetcher:
         timeout: float = 10.0,
         window_bytes: int = DEFAULT_WINDOW_BYTES,
         straggler_grace: float = 0.5,
+        locate_fan_out: int = DEFAULT_LOCATE_FAN_OUT,
         device: torch.device | None = None,
     ) -> None:
         if window_bytes <= 0:
@@ -202,7 +413,10 @@ class BlockFetcher:
         self.timeout = timeout
         self.window_bytes = window_bytes
         self.straggler_grace = straggler_grace
-        """Seconds (at least; 4x the first answer's delay if longer) a locate waits for late answers."""
+        """Seconds (at least; 4x the first answer's delay if longer) a locate round waits for late answers."""
+        if locate_fan_out < 2:
+            raise ValueError(f"locate_fan_out must be at least 2, got {locate_fan_out}")
+        self.locate_fan_out = locate_fan_out
         self.device = device or torch.device("cpu")
         # One thread: layers are decoded in arrival order, and a second one would only fight the event
         # loop for the GIL on a small machine.
@@ -213,8 +427,9 @@ class BlockFetcher:
 
     @property
     def window_blocks(self) -> int:
-        """FETCHes in flight: ``window_bytes`` of raw blocks, at least two (one loading, one arriving)."""
-        return max(2, -(-self.window_bytes // raw_bytes(self.shape, self.dtype)))
+        """FETCHes in flight: ``window_bytes`` of raw blocks, at least two (one loading, one arriving) and
+        at most ``MAX_FETCHES_IN_FLIGHT``."""
+        return min(MAX_FETCHES_IN_FLIGHT, max(2, -(-self.window_bytes // raw_bytes(self.shape, self.dtype))))
 
     def close(self) -> None:
         """Stop the worker thread (waits for a layer being decoded, if any)."""
@@ -222,56 +437,20 @@ class BlockFetcher:
 
     # -- locate -----------------------------------------------------------------------------------
 
-    async def locate(self, hashes: Sequence[bytes], renditions: Sequence[str]) -> list[list[str]]:
-        """Renditions available for each block of the longest leading run that has any (one round trip).
+    async def locate(self, hashes: Sequence[bytes], renditions: Sequence[str]) -> Located:
+        """Renditions available for each block of the longest leading run that has any, found with
+        ``locate_prefix`` (one TRACK_STATUS per probe; at most ``fan_out`` blocks per rendition and round
+        trip, two round trips up to ``fan_out ** 2`` blocks). Raises ``TimeoutError`` when no answer at
+        all arrives within ``timeout``."""
 
-        Every TRACK_STATUS goes out before any answer is awaited. The answer is settled as soon as the
-        leading run is known (all blocks before the first miss answered). Answers that straggle (a relay
-        forwarding to a publisher that died without closing its session waits for its own timeout) are
-        not waited for past a grace period after the first answer: the run then ends at the first block
-        without a positive answer, which costs reuse, never correctness.
-        Raises ``TimeoutError`` when no answer at all arrives within ``timeout``.
-        """
-        loop = asyncio.get_running_loop()
-        asks: list[tuple[int, str, asyncio.Task[Any]]] = []
-        for i, block_hash in enumerate(hashes):
-            for r in renditions:
-                ns, name = block_track(self.fingerprint, self.tenant, block_hash, r)
-                asks.append((i, r, loop.create_task(self.conn.track_status(ns, name))))
-        started = time.perf_counter()
-        deadline = started + self.timeout
-        first_answer: float | None = None
-        per_block: list[list[asyncio.Task[Any]]] = [[] for _ in hashes]
-        answered = asyncio.Event()
-        for i, _, task in asks:
-            per_block[i].append(task)
-            # One callback per task (not asyncio.wait over the pending set on every wake-up, which is
-            # quadratic in the number of blocks); many answers arrive per loop iteration anyway.
-            task.add_done_callback(lambda _t: answered.set())
-        try:
-            while (run := _settled_run(per_block)) is None:
-                now = time.perf_counter()
-                if first_answer is None and answered.is_set():
-                    first_answer = now - started
-                    self.abr.rtt.add(first_answer)
-                    deadline = min(deadline, now + max(self.straggler_grace, 4 * first_answer))
-                if now >= deadline:
-                    if first_answer is None:
-                        raise TimeoutError(f"no TRACK_STATUS answer within {self.timeout:.1f}s")
-                    run = _answered_run(per_block)
-                    break
-                answered.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(answered.wait(), deadline - now)
-        finally:
-            for _, _, task in asks:
-                task.cancel()
-            await asyncio.gather(*(t for _, _, t in asks), return_exceptions=True)
-        available: list[list[str]] = [[] for _ in range(run)]
-        for i, r, task in asks:
-            if i < run and _answered_ok(task):
-                available[i].append(r)
-        return available
+        def probe(i: int, rendition: str) -> Coroutine[Any, Any, Any]:
+            ns, name = block_track(self.fingerprint, self.tenant, hashes[i], rendition)
+            return self.conn.track_status(ns, name)
+
+        return await locate_prefix(
+            len(hashes), renditions, probe, fan_out=self.locate_fan_out, timeout=self.timeout,
+            straggler_grace=self.straggler_grace, on_first_answer=self.abr.rtt.add,
+        )
 
     # -- fetch ------------------------------------------------------------------------------------
 
@@ -459,33 +638,6 @@ _FETCH_ERRORS = (
     CodecError, KVCacheError,
 )
 """What ends the usable prefix at a block (anything else is a bug and propagates)."""
-
-
-def _answered_ok(task: asyncio.Task[Any]) -> bool:
-    return task.done() and not task.cancelled() and task.exception() is None
-
-
-def _answered_run(per_block: Sequence[Sequence[asyncio.Task[Any]]]) -> int:
-    """Length of the leading run of blocks with a positive answer so far."""
-    run = 0
-    while run < len(per_block) and any(_answered_ok(t) for t in per_block[run]):
-        run += 1
-    return run
-
-
-def _settled_run(per_block: Sequence[Sequence[asyncio.Task[Any]]]) -> int | None:
-    """Length of the leading run of located blocks, or None while answers that decide it are missing.
-
-    Block i counts once any rendition answered OK; it is a miss once every rendition answered with an
-    error. Answers for blocks after the first miss do not matter.
-    """
-    for i, tasks in enumerate(per_block):
-        if any(_answered_ok(t) for t in tasks):
-            continue
-        if all(t.done() for t in tasks):
-            return i
-        return None
-    return len(per_block)
 
 
 DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

@@ -6,9 +6,10 @@ Owns: ``NodeConfig`` and the command-line flags every node command shares (``add
 * ``Node.publish_prompt`` — prefill a prompt into the paged cache, encode and sign its full blocks in the
   configured renditions, keep them in the bounded ``BlockStore`` and (optionally) PUBLISH them into the
   relay's cache; the ``BlockServer`` keeps answering for them while the node runs.
-* ``Node.complete`` — hash the prompt, take local cache hits first, locate the longest remote prefix in one
-  round trip, let the KV ABR pick per block a rendition or recompute, fetch + verify + load the chosen
-  blocks layer by layer, prefill only the remainder and generate. Returns a ``RequestReport``.
+* ``Node.complete`` — hash the prompt, take local cache hits first, locate the longest remote prefix
+  (bounded fan-out search: two round trips up to 4096 blocks), let the KV ABR pick per block a rendition
+  or recompute, fetch + verify + load the chosen blocks layer by layer, prefill only the remainder and
+  generate. Returns a ``RequestReport``.
 
 Model work runs in a worker thread (torch releases the GIL) so the event loop keeps serving the relay
 while a prompt is computed; one asyncio lock serialises every touch of the paged cache.
@@ -39,6 +40,7 @@ from kvnet.fetching import (
     BlockSink,
     ExpectedBlock,
     FetchOutcome,
+    Located,
     expected_blocks,
 )
 from kvnet.generate import cache_spec_for, generate
@@ -380,6 +382,8 @@ class RequestReport:
     output_text: str = ""
     finish_reason: str = "length"
     abr: dict[str, Any] = field(default_factory=dict)
+    locate: dict[str, int] = field(default_factory=dict)
+    """What the locate searched and cost: ``blocks, located, probes, rounds, fan_out``."""
     fallback: list[str] = field(default_factory=list)
     security_events: list[dict[str, str]] = field(default_factory=list)
     """Blocks refused by verification: ``{"kind": "signature" | "content", "detail": ...}``."""
@@ -400,6 +404,7 @@ class RequestReport:
             "output_text": self.output_text,
             "finish_reason": self.finish_reason,
             "abr": self.abr,
+            "locate": dict(self.locate),
             "fallback": list(self.fallback),
             "security_events": [dict(e) for e in self.security_events],
             "published_blocks": self.published_blocks,
@@ -703,14 +708,16 @@ class Node:
         renditions = list(self.abr.config.acceptable)
         t = time.perf_counter()
         try:
-            located = await peer.locate(hashes[start:usable], renditions)
+            found = await peer.locate(hashes[start:usable], renditions)
         except Exception as exc:  # the relay is gone or misbehaved: recompute, never fail the request
             logger.warning("locate failed (%r); recomputing the whole prompt", exc)
             report.fallback.append(f"locate failed: {exc!r}")
             report.timings.locate_s = time.perf_counter() - t
             return
         report.timings.locate_s = time.perf_counter() - t
+        located = found.available
         report.located_blocks = len(located)
+        report.locate = found.to_json()
         if not located:
             return
         plan: AbrPlan = self.abr.plan(
@@ -870,8 +877,7 @@ class RelayPeer:
         session_config = SessionConfig(
             is_client=True, path=url.path or None, authority=f"{url.host}:{url.port}",
             authorization_tokens=tokens,
-            # A locate sends one TRACK_STATUS per block and rendition at once; the relay forwards many
-            # requests to us when it serves from our store.
+            # The relay forwards many requests to us at once when it serves blocks from our store.
             max_requests_in_flight=16384,
         )
         tls = TlsSettings(ca_file=cfg.ca_file, cert_file=cfg.cert_file, key_file=cfg.key_file)
@@ -911,7 +917,7 @@ class RelayPeer:
     def connected(self) -> bool:
         return not self.conn.is_closed
 
-    async def locate(self, hashes: list[bytes], renditions: list[str]) -> list[list[str]]:
+    async def locate(self, hashes: list[bytes], renditions: list[str]) -> Located:
         if not self.connected:
             raise ConnectionError("relay session is not up")
         return await self.fetcher.locate(hashes, renditions)
