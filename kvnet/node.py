@@ -81,8 +81,9 @@ class NodeConfig:
     token_file: Path | None = None
     """File holding the authorization token (``kvnet token issue``) presented in SETUP's AUTHORIZATION TOKEN
     option; read at every connect, so a renewed token is picked up by the next session."""
-    model: str = "tiny"
-    """Built-in model preset (``tiny``, ``small``, ``bench``)."""
+    model: str = "small"
+    """Built-in model preset (``tiny``, ``small``, ``bench``). ``small`` by default: on ``tiny`` a CPU
+    prefills faster than any network fetch, so the ABR would (rightly) never reuse a remote prefix."""
     checkpoint: Path | None = None
     """A local Llama-layout checkpoint directory used instead of the preset."""
     seed: int = 0
@@ -214,7 +215,9 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
         help="size datagrams for a 1500-byte Ethernet path (same as --max-datagram-size 1452)",
     )
     m = parser.add_argument_group("model and cache")
-    m.add_argument("--model", default="tiny", help="built-in model preset: tiny, small, bench (default tiny)")
+    m.add_argument(
+        "--model", default="small", help="built-in model preset: tiny, small, bench (default small)"
+    )
     m.add_argument("--checkpoint", type=Path, help="local checkpoint directory instead of the preset")
     m.add_argument("--seed", type=int, default=0, help="seed of the built-in weights")
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

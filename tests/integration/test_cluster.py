@@ -33,11 +33,12 @@ from kvnet.cluster import (
     upstream_links,
 )
 from kvnet.model import ModelArgs
+from kvnet.node import DEFAULT_BLOCK_SIZE
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
 
 ROOT = Path(__file__).resolve().parents[2]
-BLOCK = 16  # the nodes' default --block-size
+BLOCK = DEFAULT_BLOCK_SIZE  # the compose nodes run with the default --block-size
 _REASON = netns_available()
 
 CONTEXT = (

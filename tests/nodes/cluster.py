@@ -128,8 +128,10 @@ class Cluster:
     @staticmethod
     def _block_size(extra: Sequence[str]) -> list[str]:
         # The tests' prompts are a few hundred tokens: 16-token blocks give them many blocks to share,
-        # whatever the nodes' default; a test that wants another size passes its own.
-        return [] if "--block-size" in extra else ["--block-size", str(TEST_BLOCK_SIZE)]
+        # whatever the nodes' default; a test that wants another size passes its own. The tiny preset
+        # keeps processes quick to start; its prefill is so fast that tests force --abr where it matters.
+        args = [] if "--block-size" in extra else ["--block-size", str(TEST_BLOCK_SIZE)]
+        return args if "--model" in extra or "--checkpoint" in extra else [*args, "--model", "tiny"]
 
     def start_publisher(
         self, prompts: Sequence[str], *extra: str, wait: bool = True
