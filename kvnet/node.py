@@ -128,9 +128,8 @@ class NodeConfig:
     tenant: str = DEFAULT_TENANT
     """Tenant this node computes for (set by the operator; never taken from a client)."""
     quic_stack: str = DEFAULT_STACK
-    """QUIC implementation of the relay session. qh3 fetches about twice as fast on loopback, but its
-    small initial congestion window makes a locate of 256 blocks cost ~4 round trips instead of under
-    three, which long links pay on every request (docs/nodes.md, Performance)."""
+    """QUIC implementation of the relay session. qh3 fetches about twice as fast on loopback; aioquic
+    stays the default because qh3 servers cannot require client certificates (docs/performance.md)."""
     max_datagram_size: int | None = None
     """Largest UDP payload of the relay session; None takes the stack's loopback size. Give 1452
     (``--ethernet``) on a 1500-byte path and 8952 on jumbo frames."""
