@@ -1,0 +1,338 @@
+"""Resource exhaustion against a real relay process: many sessions, a request flood on one session,
+slowloris streams and sessions, oversized objects. In every case the relay stays within a memory bound
+(VmRSS from /proc), keeps serving a well-behaved client promptly, and its metrics show the load it held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+
+import pytest
+from aioquic.asyncio.client import connect as quic_connect
+
+from kvnet.connection import ConnectionLimits, MoqtConnection, RequestRejected, connect
+from kvnet.quic import TlsSettings
+from proto.data import SubgroupHeader, encode_subgroup_header, subgroup_object_prefix
+from proto.errors import RequestErrorCode, SessionErrorCode, StreamResetCode
+from proto.messages import Location, Publish, TrackStatus, encode_message
+from tests.nodes.cluster import SHARED_PREFIX, Cluster
+from tests.relay.conftest import CertDir, RelayProcess, start_relay
+from tests.relay.peers import NS, Publisher, RawPeer, connect_client, fetch_track, raw_config, track_objects
+
+PROMPT = SHARED_PREFIX + "Question: is anyone still there?"
+RSS_LIMIT = 400 * 1024 * 1024
+"""Python + aioquic + the relay at rest is ~45 MB; this bounds what any of the loads below may add."""
+SERVED_WITHIN = 3.0
+"""Seconds a well-behaved FETCH of a cached track may take while the relay is under load (2 busy cores)."""
+
+
+def metric_sum(rp: RelayProcess, prefix: str) -> float:
+    return sum(v for k, v in rp.metrics().items() if k.startswith(prefix))
+
+
+async def start_good(rp: RelayProcess, ca: Path) -> tuple[Publisher, MoqtConnection]:
+    """A publisher of track ``good`` and a client that has fetched it once (so the relay caches it)."""
+    pub = await Publisher(await connect_client(rp.url, str(ca)), {b"good": track_objects(b"good")}).start()
+    client = await connect_client(rp.url, str(ca))
+    assert await fetch_track(client, b"good", 4) == pub.tracks[b"good"]
+    return pub, client
+
+
+async def served_promptly(client: MoqtConnection, pub: Publisher) -> float:
+    started = time.perf_counter()
+    got = await asyncio.wait_for(fetch_track(client, b"good", 4), 15)
+    st = await asyncio.wait_for(client.track_status(NS, b"good"), 15)
+    elapsed = time.perf_counter() - started
+    assert got == pub.tracks[b"good"]
+    assert st.parameters.largest_object == Location(0, 3)
+    assert elapsed < SERVED_WITHIN, elapsed
+    return elapsed
+
+
+async def stop_good(pub: Publisher, client: MoqtConnection) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(client.close_session(), 5)
+    await pub.stop()
+
+
+@pytest.mark.slow
+async def test_thousand_concurrent_sessions(
+    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+) -> None:
+    rp = start_relay(cert_dir, tmp_path, "--max-sessions", "1100", "--log-level", "info")
+    relay_factory.append(rp)
+    pub, client = await start_good(rp, cert_dir.ca)
+    base_rss = rp.rss_bytes()
+    n = 1000
+    async with contextlib.AsyncExitStack() as stack:
+        peers: list[RawPeer] = []
+
+        async def open_one() -> None:
+            peer = await stack.enter_async_context(
+                quic_connect(
+                    "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
+                )
+            )
+            assert isinstance(peer, RawPeer)
+            peer.setup()
+            peers.append(peer)
+
+        for _ in range(n // 50):  # bounded: 20 batches of 50 handshakes
+            await asyncio.gather(*(open_one() for _ in range(50)))
+        deadline = time.monotonic() + 60
+        while (await rp.ametrics()).get("kvnet_relay_sessions", 0) < n + 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        m = await rp.ametrics()
+        held_rss = rp.rss_bytes()
+        # Metrics report the load: every raw session plus the publisher and the client.
+        assert m["kvnet_relay_sessions"] == n + 2, m.get("kvnet_relay_sessions")
+        assert not any(p.terminated.done() for p in peers)
+        await served_promptly(client, pub)
+        assert held_rss < RSS_LIMIT, (base_rss, held_rss)
+        print(
+            f"1000 sessions: RSS {base_rss >> 20} -> {held_rss >> 20} MiB "
+            f"({(held_rss - base_rss) / n / 1024:.0f} KiB per session)"
+        )
+        for p in peers:  # close all at once (leaving the stack closes them one by one)
+            p.close()
+        await asyncio.wait_for(asyncio.gather(*(p.wait_closed() for p in peers)), 30)
+    deadline = time.monotonic() + 30
+    while (await rp.ametrics()).get("kvnet_relay_sessions", 0) > 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    state = (pub.conn.session.closed, client.session.closed)
+    assert (await rp.ametrics())["kvnet_relay_sessions"] == 2, state
+    await served_promptly(client, pub)
+    await stop_good(pub, client)
+    assert rp.proc.poll() is None
+
+
+async def test_session_limit_refuses_extra_sessions(
+    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+) -> None:
+    rp = start_relay(cert_dir, tmp_path, "--max-sessions", "12", "--log-level", "info")
+    relay_factory.append(rp)
+    pub, client = await start_good(rp, cert_dir.ca)
+    async with contextlib.AsyncExitStack() as stack:
+        peers = []
+        for _ in range(20):
+            peer = await stack.enter_async_context(
+                quic_connect(
+                    "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
+                )
+            )
+            assert isinstance(peer, RawPeer)
+            peer.setup()
+            peers.append(peer)
+        await asyncio.sleep(1.0)
+        refused = [p for p in peers if p.terminated.done()]
+        assert len(refused) == 10  # 12 = publisher + client + 10 raw sessions
+        for p in refused:
+            code, reason = p.terminated.result()
+            assert code == SessionErrorCode.INTERNAL_ERROR and "limit reached: sessions" in reason
+        assert metric_sum(rp, 'kvnet_relay_limit_rejections_total{limit="sessions"') == 10
+        await served_promptly(client, pub)
+    await stop_good(pub, client)
+
+
+async def test_request_floods_per_session_and_global(
+    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+) -> None:
+    """Two sessions flood 2,000 FETCHes each: the per-session cap (100) and the relay-wide cap (150)."""
+    rp = start_relay(
+        cert_dir,
+        tmp_path,
+        "--max-requests-per-session",
+        "100",
+        "--max-requests",
+        "150",
+        "--log-level",
+        "info",
+    )
+    relay_factory.append(rp)
+    pub, client = await start_good(rp, cert_dir.ca)
+    pub.fetch_delay = 2.0  # every flooded FETCH holds a request slot at the relay for 2 s
+    tls = TlsSettings(ca_file=cert_dir.ca)
+    limits = ConnectionLimits(max_outstanding_requests=4000)
+    flooders = [await connect(rp.url, tls=tls, limits=limits) for _ in range(2)]
+    codes: list[dict[int, int]] = [{}, {}]
+
+    async def one(f: int, i: int) -> None:
+        try:
+            h = await flooders[f].fetch(NS, b"flood-%d-%d" % (f, i), Location(0, 0), Location(0, 4))
+            await asyncio.wait_for(h.read_all(), 30)
+        except RequestRejected as exc:
+            codes[f][exc.code] = codes[f].get(exc.code, 0) + 1
+
+    try:
+        flood = [asyncio.create_task(one(0, i)) for i in range(2000)]
+        await asyncio.sleep(0.5)  # the first flooder now holds its 100 requests
+        flood += [asyncio.create_task(one(1, i)) for i in range(2000)]
+        await asyncio.sleep(0.5)
+        await served_promptly(client, pub)  # during the flood: the client's requests are reserved ones
+        await asyncio.wait_for(asyncio.gather(*flood), 60)
+        excessive = [c.get(RequestErrorCode.EXCESSIVE_LOAD, 0) for c in codes]
+        global_refused = metric_sum(rp, 'kvnet_relay_limit_rejections_total{limit="requests_global"')
+        # First flooder: exactly the requests over its session's cap (100) are refused. Second flooder:
+        # only what fits in the relay-wide pool (150, of which the first flooder holds 100 and the
+        # publisher's namespace one) is admitted; every refusal of it is counted in the relay's metrics.
+        assert excessive[0] == 2000 - 100, codes
+        admitted = 2000 - excessive[1]
+        assert 40 <= admitted <= 50, codes
+        assert global_refused == excessive[1], (codes, global_refused)
+        # The admitted ones end upstream (the publisher answers DOES_NOT_EXIST after its delay, or the
+        # relay gives up with TIMEOUT).
+        for c in codes:
+            assert set(c) <= {
+                RequestErrorCode.EXCESSIVE_LOAD,
+                RequestErrorCode.DOES_NOT_EXIST,
+                RequestErrorCode.TIMEOUT,
+            }, codes
+        held = metric_sum(rp, 'kvnet_relay_requests_total{outcome="does_not_exist",type="fetch"')
+        held += metric_sum(rp, 'kvnet_relay_requests_total{outcome="timeout",type="fetch"')
+        assert held == 100 + admitted, held
+        assert pub.counts["fetch"] <= 100 + admitted + 1
+        assert rp.rss_bytes() < RSS_LIMIT
+        pub.fetch_delay = 0.0
+        await served_promptly(client, pub)  # after
+    finally:
+        for flooder in flooders:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(flooder.close_session(), 5)
+        await stop_good(pub, client)
+
+
+async def test_slowloris_streams_and_sessions(
+    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+) -> None:
+    rp = start_relay(
+        cert_dir,
+        tmp_path,
+        "--request-header-timeout",
+        "1",
+        "--max-request-header-timeouts",
+        "3",
+        "--setup-timeout",
+        "2",
+        "--log-level",
+        "info",
+    )
+    relay_factory.append(rp)
+    pub, client = await start_good(rp, cert_dir.ca)
+    base_rss = rp.rss_bytes()
+    n_dribblers, n_streams, n_silent = 20, 50, 10
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def open_raw() -> RawPeer:
+            peer = await stack.enter_async_context(
+                quic_connect(
+                    "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
+                )
+            )
+            assert isinstance(peer, RawPeer)
+            return peer
+
+        dribblers: list[tuple[RawPeer, list[tuple[int, bytes]]]] = []
+        for s in range(n_dribblers):
+            peer = await open_raw()
+            peer.setup()
+            # Request streams each carrying a valid TRACK_STATUS that is never completed. (A stream id
+            # is taken only once data is sent on it: open each stream before asking for the next id.)
+            msgs = []
+            for i in range(n_streams):
+                sid, msg = (
+                    peer.new_stream(False),
+                    encode_message(TrackStatus(2 * i, NS, b"slow-%d-%d" % (s, i))),
+                )
+                peer.send(sid, msg[:1])
+                msgs.append((sid, msg))
+            assert len({sid for sid, _ in msgs}) == n_streams
+            dribblers.append((peer, msgs))
+        silent = [await open_raw() for _ in range(n_silent)]  # complete QUIC, never send SETUP
+        started = time.monotonic()
+        # Dribble one more byte per stream every 100 ms, never completing a message, until the relay has
+        # closed every dribbling session (bounded: 8 s).
+        step = 0
+        while not all(p.terminated.done() for p, _ in dribblers) and time.monotonic() - started < 8:
+            step += 1
+            for peer, msgs in dribblers:
+                if peer.terminated.done():
+                    continue
+                for sid, msg in msgs:
+                    if step < len(msg) - 1 and sid not in peer.stop_sending and sid not in peer.resets:
+                        with contextlib.suppress(ValueError, AssertionError):  # closed meanwhile
+                            peer.send(sid, msg[step : step + 1])
+            if step % 10 == 0:
+                await served_promptly(client, pub)  # during the attack
+            await asyncio.sleep(0.1)
+        # Each dribbling session got its late request streams reset (DELIVERY_TIMEOUT) and, past three
+        # of them, was closed with CONTROL_MESSAGE_TIMEOUT, about one header timeout after it started.
+        closed = [p.terminated.result()[0] for p, _ in dribblers if p.terminated.done()]
+        assert closed == [SessionErrorCode.CONTROL_MESSAGE_TIMEOUT] * n_dribblers, closed
+        assert time.monotonic() - started < 6
+        # A session without SETUP is closed after the setup timeout (2 s here).
+        await asyncio.wait_for(asyncio.gather(*(p.terminated for p in silent)), 10)
+        assert rp.rss_bytes() < base_rss + 64 * 1024 * 1024
+        m = await rp.ametrics()
+        assert m['kvnet_relay_sessions_closed_total{reason="request_header_timeout"}'] == n_dribblers, m
+        assert m["kvnet_relay_request_header_timeouts_total"] >= 3 * n_dribblers, m
+        deadline = time.monotonic() + 10
+        while (await rp.ametrics())["kvnet_relay_sessions"] > 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert (await rp.ametrics())["kvnet_relay_sessions"] == 2  # only the publisher and the client left
+        await served_promptly(client, pub)
+    await stop_good(pub, client)
+
+
+async def test_oversized_object_declared_huge(
+    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+) -> None:
+    rp = start_relay(cert_dir, tmp_path, "--max-object-bytes", "1048576", "--log-level", "info")
+    relay_factory.append(rp)
+    pub, client = await start_good(rp, cert_dir.ca)
+    base = rp.rss_bytes()
+    async with quic_connect(
+        "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
+    ) as peer:
+        assert isinstance(peer, RawPeer)
+        peer.setup()
+        for i, size in enumerate((1_048_577, 1 << 31, (1 << 62) - 1)):
+            alias = 9 + i
+            peer.send(
+                peer.new_stream(False), encode_message(Publish(2 * i, (b"evil",), b"huge-%d" % i, alias))
+            )
+            header = SubgroupHeader(alias, 0)
+            sid = peer.new_stream(True)
+            peer.send(sid, encode_subgroup_header(header) + subgroup_object_prefix(header, 0, None, size))
+            for _ in range(40):  # up to 4 MB of it, unless the relay stops it first
+                if sid in peer.stop_sending or peer.terminated.done():
+                    break
+                with contextlib.suppress(ValueError):  # aioquic: the stream was stopped meanwhile
+                    peer.send(sid, b"\xab" * 100_000)
+                await asyncio.sleep(0.01)
+            deadline = time.monotonic() + 5
+            while sid not in peer.stop_sending and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            # The relay refuses the object by stopping its stream; the session stays up.
+            assert peer.stop_sending.get(sid) == StreamResetCode.EXCESSIVE_LOAD, (size, peer.stop_sending)
+            assert not peer.terminated.done(), peer.terminated
+    await served_promptly(client, pub)
+    assert rp.rss_bytes() < base + 64 * 1024 * 1024
+    await stop_good(pub, client)
+
+
+def test_idle_publisher_outlives_the_quic_idle_timeout(kv_cluster: Cluster) -> None:
+    """Keep-alive PINGs hold an idle publisher's relay session open past the QUIC idle timeout, so a
+    request arriving much later still reaches it (with ``--no-push`` only the publisher holds the blocks)."""
+    c = kv_cluster
+    c.start_relay("--idle-timeout", "2", "--keepalive-interval", "0.5")
+    pub = c.start_publisher([PROMPT], "--no-push")
+    time.sleep(5)  # more than twice the idle timeout without a single request
+    (report,) = c.subscribe([PROMPT], "--verify", "--timeout", "5")
+    assert report["verified"] is True
+    assert report["remote_hit_tokens"] > 0, report
+    assert pub.poll() is None
+    log = c.log_of(pub).lower()
+    assert "lost" not in log and "closed" not in log, log[-2000:]
