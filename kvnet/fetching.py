@@ -176,6 +176,13 @@ Probe = Callable[[int, str], Coroutine[Any, Any, Any]]
 """Ask whether block i exists in a rendition: returns when it does, raises when it does not."""
 
 
+# How long a locate round waits for probes that straggle after its first answer. Answers can be slow
+# without anything being wrong: some come from a relay's cache at once while others are forwarded to a
+# publisher that is busy (e.g. pushing the same blocks). Relays skip dead routes themselves after their
+# route deadline, so a generous grace costs little when a publisher is gone.
+DEFAULT_STRAGGLER_GRACE = 2.0
+
+
 async def locate_prefix(
     blocks: int,
     renditions: Sequence[str],
@@ -183,7 +190,7 @@ async def locate_prefix(
     *,
     fan_out: int = DEFAULT_LOCATE_FAN_OUT,
     timeout: float = 10.0,
-    straggler_grace: float = 0.5,
+    straggler_grace: float = DEFAULT_STRAGGLER_GRACE,
     on_first_answer: Callable[[float], None] | None = None,
 ) -> Located:
     """Longest leading run of blocks available in any of ``renditions`` (one ``PrefixSearch`` each).
@@ -396,7 +403,7 @@ class BlockFetcher:
         trust_any: bool = False,
         timeout: float = 10.0,
         window_bytes: int = DEFAULT_WINDOW_BYTES,
-        straggler_grace: float = 0.5,
+        straggler_grace: float = DEFAULT_STRAGGLER_GRACE,
         locate_fan_out: int = DEFAULT_LOCATE_FAN_OUT,
         device: torch.device | None = None,
     ) -> None:

@@ -302,6 +302,23 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
     )
 
 
+def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--prompt`` / ``--prompt-file`` of the one-shot commands."""
+    parser.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    parser.add_argument("--prompt-file", type=Path, action="append", default=[], help="prompt from a file")
+
+
+def prompts_from_args(args: argparse.Namespace) -> list[str]:
+    """The prompts given with ``add_prompt_arguments``, texts first, then files in order."""
+    return list(args.prompt) + [f.read_text(encoding="utf-8") for f in args.prompt_file]
+
+
+def node_config_from_cli(args: argparse.Namespace, kvnet_home: str | None) -> NodeConfig:
+    """``node_config_from_args`` with keys resolved from ``--key-dir`` or ``$KVNET_HOME/keys`` (the caller's
+    ``main`` reads the environment). Raises ValueError or OSError with a message for the user."""
+    return resolve_keys(node_config_from_args(args), args.key_dir or default_key_dir(kvnet_home))
+
+
 def resolve_keys(config: NodeConfig, key_dir: Path | None) -> NodeConfig:
     """Check the node's secret files and fill in the default signing key and trust store from ``key_dir``
     (created on first use). Raises ``ValueError``/``OSError`` naming an unusable file.

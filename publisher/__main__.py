@@ -20,14 +20,13 @@ import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvnet.node import (
     NodeConfig,
     add_node_arguments,
-    default_key_dir,
-    node_config_from_args,
-    resolve_keys,
+    add_prompt_arguments,
+    node_config_from_cli,
+    prompts_from_args,
     setup_logging,
     start_node,
 )
@@ -47,8 +46,7 @@ class PublisherConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvnet-publisher", description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
-    p.add_argument("--prompt-file", type=Path, action="append", default=[], help="prompt from a file")
+    add_prompt_arguments(p)
     p.add_argument(
         "--exit-after-publish", action="store_true",
         help="exit once the blocks are pushed into the relay's cache instead of serving until interrupted",
@@ -93,14 +91,12 @@ async def run(config: PublisherConfig) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
-    prompts = list(args.prompt) + [f.read_text(encoding="utf-8") for f in args.prompt_file]
-    if not prompts:
-        print("kvnet-publisher: error: give at least one --prompt or --prompt-file", file=sys.stderr)
-        return 2
     try:
-        node_cfg = node_config_from_args(args)
-        key_dir = args.key_dir or default_key_dir(os.environ.get("KVNET_HOME"))
-        node_cfg = resolve_keys(node_cfg, key_dir)
+        prompts = prompts_from_args(args)
+        if not prompts:
+            print("kvnet-publisher: error: give at least one --prompt or --prompt-file", file=sys.stderr)
+            return 2
+        node_cfg = node_config_from_cli(args, os.environ.get("KVNET_HOME"))
     except (ValueError, OSError) as exc:
         print(f"kvnet-publisher: error: {exc}", file=sys.stderr)
         return 2

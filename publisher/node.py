@@ -25,9 +25,7 @@ from kvnet.node import (
     Node,
     NodeConfig,
     add_node_arguments,
-    default_key_dir,
-    node_config_from_args,
-    resolve_keys,
+    node_config_from_cli,
     setup_logging,
     start_node,
 )
@@ -117,9 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     try:
-        node_cfg = resolve_keys(
-            node_config_from_args(args), args.key_dir or default_key_dir(os.environ.get("KVNET_HOME"))
-        )
+        node_cfg = node_config_from_cli(args, os.environ.get("KVNET_HOME"))
     except (ValueError, OSError) as exc:
         print(f"kvnet-node: error: {exc}", file=sys.stderr)
         return 2
