@@ -68,9 +68,12 @@ async def run(config: PublisherConfig) -> int:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     try:
+        blocks = pushed = 0
         for i, prompt in enumerate(config.prompts):
             logger.info("prompt %d/%d: prefill ...", i + 1, len(config.prompts))
             report = await node.publish_prompt(prompt)
+            blocks += report.blocks
+            pushed += report.pushed
             logger.info(
                 "prompt %d/%d: %d tokens, %d blocks published (%d bytes, %d pushed), prefill %.3fs",
                 i + 1, len(config.prompts), report.prompt_tokens, report.blocks, report.objects_bytes,
@@ -79,6 +82,10 @@ async def run(config: PublisherConfig) -> int:
             if config.json_output:
                 print(json.dumps(report.to_json()), flush=True)
         if config.exit_after_publish:
+            if blocks and not pushed:
+                # Once this process exits only the relay's cache can serve the blocks, and it took none.
+                logger.error("the relay accepted none of %d blocks; nothing outlives this process", blocks)
+                return 1
             return 0
         logger.info("serving %d block objects; Ctrl-C to stop", len(node.store))
         print("READY", file=sys.stderr, flush=True)

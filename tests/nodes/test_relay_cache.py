@@ -40,3 +40,12 @@ def test_two_publishers_of_one_prefix_leave_one_cached_copy(kv_cluster: Cluster)
     ], (one, two)
     (report,) = kv_cluster.subscribe([SHARED_PREFIX + "which copy?"], "--verify")
     assert report["remote_hit_tokens"] == (len(SHARED_PREFIX) + 1) // B * B and report["verified"]
+
+
+def test_publish_and_exit_fails_when_nothing_reaches_the_relay_cache(kv_cluster: Cluster) -> None:
+    # With --no-push the relay holds nothing once the publisher is gone, so exiting 0 would lie.
+    kv_cluster.start_relay()
+    args = kv_cluster.node_args([SHARED_PREFIX], ["--exit-after-publish", "--no-push"], None)
+    proc = kv_cluster._spawn(["-m", "publisher", *args], "publisher")
+    assert proc.wait(timeout=120) == 1
+    assert "accepted none of" in kv_cluster.log_of(proc)
