@@ -401,6 +401,9 @@ class MoqtConnection(_ProtocolBase):
             transport.request_client_certificate(quic)
         loop = asyncio.get_running_loop()
         self._setup: asyncio.Future[me.SetupCompleted] = loop.create_future()
+        # A failed handshake ends the session before anyone awaits SETUP; the caller gets that error from
+        # connect(), so mark this one retrieved rather than have asyncio report it as lost.
+        self._setup.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._closed_future: asyncio.Future[tuple[int, str]] = loop.create_future()
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._streams: dict[int, _ObjectStream] = {}

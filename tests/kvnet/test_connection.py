@@ -125,6 +125,72 @@ async def test_unknown_ca_is_a_clear_error(
         await server.close()
 
 
+def _expired_server_cert(pki: Path) -> tuple[Path, Path]:
+    """A server certificate signed by the project CA in ``pki`` whose validity ended yesterday."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    ca_cert = x509.load_pem_x509_certificate((pki / "ca.pem").read_bytes())
+    ca_key = serialization.load_pem_private_key((pki / "ca-key.pem").read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "expired")]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=30))
+        .not_valid_after(now - datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    cert_file, key_file = pki / "expired.pem", pki / "expired-key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return cert_file, key_file
+
+
+async def test_expired_server_certificate_is_a_clear_error(
+    pki: Path, settings: quic.TransportSettings
+) -> None:
+    cert_file, key_file = _expired_server_cert(pki)
+    tls = quic.TlsSettings(ca_file=pki / "ca.pem", cert_file=cert_file, key_file=key_file)
+    server = await serve("127.0.0.1", 0, settings, tls, _publisher)
+    try:
+        with pytest.raises(MoqtConnectionError, match="handshake") as info:
+            await connect(
+                f"moqt://localhost:{server.address[1]}", settings, quic.TlsSettings.from_dir(pki, None)
+            )
+        assert "expired" in str(info.value).lower() or "certificate" in str(info.value).lower()
+    finally:
+        await server.close()
+
+
+async def test_certificate_for_another_name_is_a_clear_error(
+    pki: Path, settings: quic.TransportSettings
+) -> None:
+    # The server's certificate names localhost and 127.0.0.1, not the name the client dials.
+    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), _publisher)
+    try:
+        tls = quic.TlsSettings(ca_file=pki / "ca.pem", server_name="relay.example")
+        with pytest.raises(MoqtConnectionError, match="handshake") as info:
+            await connect(f"moqt://127.0.0.1:{server.address[1]}", settings, tls)
+        assert "relay.example" in str(info.value) or "certificate" in str(info.value).lower()
+    finally:
+        await server.close()
+
+
 async def test_mtls_required(pki: Path, tmp_path: Path, settings: quic.TransportSettings) -> None:
     tls = quic.TlsSettings.from_dir(pki, "server", require_client_cert=True)
     if not transport.get_stack(settings.stack).can_request_client_certificate:
