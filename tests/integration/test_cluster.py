@@ -123,8 +123,10 @@ def test_prefix_published_at_one_edge_is_reused_behind_the_other(ready: NetnsClu
     assert_verified_hit(ready, report, expected_hit(published, report))
     # The blocks crossed the origin (edge-b -> origin -> edge-a), once per block.
     assert origin_requests(ready, "fetch") - fetches == report["abr"]["fetch_blocks"] > 0
-    # The locate round trip crossed the emulated 20 ms origin<->edge RTT (twice: edge-b and edge-a paths).
-    assert report["abr"]["inputs"]["rtt_s"] >= 0.02, report
+    # The locate crossed the emulated 20 ms origin<->edge RTT: nothing of this prompt is cached at edge-b,
+    # so the answer for block 0 came from behind the origin. (The ABR's RTT sample is the round's first
+    # answer, which may be a quick one from the local edge, so it proves nothing here.)
+    assert report["timings"]["locate_s"] >= 0.02, report
 
 
 def test_second_subscriber_behind_the_same_edge_is_served_from_the_edge_cache(ready: NetnsCluster) -> None:
