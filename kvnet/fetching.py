@@ -17,14 +17,15 @@ Owns:
   layer as it arrives. A hole the search could not see (a block evicted below a probed hit) fails its
   FETCH, which ends the usable prefix there like any other fetch failure.
 
-Where the time goes (profiled on the bench preset): the transport's per-packet work dominates, so the
-event loop only receives. The per-layer work (SHA-256 of the payload, zstd + numpy decode, one copy into
-the cache) runs in one worker thread, in arrival order, overlapped with the loop receiving the next
-objects: hashlib, zstd, numpy and torch's copy release the GIL on buffers of this size. Payload bytes are
-never copied on the way: the decoder reads them through views. The window is in bytes rather than
-blocks because QUIC interleaves concurrent streams: a deep window of large blocks delivers every block
-late (round robin) and multiplies the sender's per-packet frame work, while a window of a few MB keeps
-the link busy and blocks arriving in chain order.
+Where the time goes (profiled on the bench preset, 2 cores): the transport's per-packet work dominates,
+and the per-layer work (SHA-256 of the payload, zstd + numpy decode, one copy into the cache; ~0.3 ms per
+128 KiB layer) runs on the event loop as each layer arrives, while the next FETCHes keep arriving in the
+socket and QUIC buffers. A worker thread for it measured 20-40% slower end to end: hashlib, zstd and
+torch release the GIL only inside their calls, so the loop, coming back from every socket read, queued
+behind the worker for the GIL. Payload bytes are never copied on the way: the decoder reads them through
+views. The window is in bytes rather than blocks because QUIC interleaves concurrent streams: a deep
+window of large blocks delivers every block late (round robin) and multiplies the sender's per-packet
+frame work, while a window of a few MB keeps the link busy and blocks arriving in chain order.
 
 Any failure (timeout, reset, error reply, failed check) ends the usable prefix at that block; the caller
 recomputes the rest. A fetch problem costs time, never correctness. Verification failures carry a kind
@@ -34,7 +35,6 @@ recomputes the rest. A fetch problem costs time, never correctness. Verification
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import time
@@ -363,7 +363,7 @@ class FetchOutcome:
     bytes: int = 0
     renditions: dict[str, int] = field(default_factory=dict)
     load_s: float = 0.0
-    """Seconds spent verifying, decoding and importing (overlapped with the transfer)."""
+    """Seconds spent verifying, decoding and importing (between arrivals, while later FETCHes arrive)."""
     error: str | None = None
     rejected: bool = False
     """The fetch stopped because a block failed verification (``rejected_kind`` says which check)."""
@@ -373,9 +373,8 @@ class FetchOutcome:
 class BlockSink(Protocol):
     """Where verified layers go: the node's paged cache (``begin/import/finish/abort`` import protocol).
 
-    ``import_layer`` is called from the fetcher's worker thread, possibly while the event loop calls
-    ``begin_import`` for a later block; it must touch only the storage of the block it names. Every
-    import still running has ended before ``finish_import`` or ``abort_import`` is called for its block.
+    All four are called on the event loop, one block at a time: ``begin_import``, its layers in order,
+    then ``finish_import`` or (on any failure) ``abort_import``.
     """
 
     def begin_import(self, block_hash: bytes) -> bool: ...
@@ -425,9 +424,6 @@ class BlockFetcher:
             raise ValueError(f"locate_fan_out must be at least 2, got {locate_fan_out}")
         self.locate_fan_out = locate_fan_out
         self.device = device or torch.device("cpu")
-        # One thread: layers are decoded in arrival order, and a second one would only fight the event
-        # loop for the GIL on a small machine.
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvnet-load")
         if trust_any:
             logger.warning("trust-any: blocks signed by ANY key are accepted; anyone who can publish to the "
                            "relay decides what this node computes")
@@ -437,10 +433,6 @@ class BlockFetcher:
         """FETCHes in flight: ``window_bytes`` of raw blocks, at least two (one loading, one arriving) and
         at most ``MAX_FETCHES_IN_FLIGHT``."""
         return min(MAX_FETCHES_IN_FLIGHT, max(2, -(-self.window_bytes // raw_bytes(self.shape, self.dtype))))
-
-    def close(self) -> None:
-        """Stop the worker thread (waits for a layer being decoded, if any)."""
-        self._worker.shutdown(wait=True, cancel_futures=True)
 
     # -- locate -----------------------------------------------------------------------------------
 
@@ -466,17 +458,15 @@ class BlockFetcher:
     ) -> FetchOutcome:
         """Fetch, verify and import blocks in chain order with ``window_blocks`` FETCHes in flight.
 
-        The event loop receives objects and checks each manifest (small) before anything of its block is
-        touched; the worker thread verifies, decodes and imports each layer as it arrives; a block is
-        finished (made visible in the cache) once all its layers are in, while later blocks arrive.
+        Each object is handled as it arrives: the manifest is checked before anything of its block is
+        touched, each layer is verified, decoded and written into the block reserved for it, and the block
+        becomes visible in the cache once all its layers are in, while the next FETCHes keep arriving.
         """
         out = FetchOutcome()
         end = Location(BLOCK_GROUP_ID, self.shape[0] + 1)
         handles: dict[int, FetchHandle] = {}
-        loading: list[_LoadingBlock] = []  # received (or being received), not finished, in chain order
         window = self.window_blocks
         next_issue = 0
-        failed: tuple[ExpectedBlock, BaseException] | None = None
         started = time.perf_counter()
         try:
             for index, exp in enumerate(expected):
@@ -493,24 +483,17 @@ class BlockFetcher:
                         await self._receive_block(handle, block, sink, out)
                     finally:
                         handle.cancel()
+                    self._finish_block(block, sink, out)
                 except _FETCH_ERRORS as exc:
-                    failed = (exp, exc)
-                    await self._abort([block], sink)
+                    self._describe_failure(out, exp, exc)
                     break
-                loading.append(block)
-                # Finish what the worker has completed (in chain order) without waiting for it.
-                failed = await self._finish_blocks(loading, sink, out, wait=False)
-                if failed is not None:
-                    break
-            if failed is None or loading:
-                # Blocks before a failure may still be good: finish them in order.
-                failed = await self._finish_blocks(loading, sink, out, wait=True) or failed
+                finally:
+                    if block.importing:  # failed or interrupted: give the reserved block back
+                        block.importing = False
+                        sink.abort_import(exp.block_hash)
         finally:
             for h in handles.values():
                 h.cancel()
-            await self._abort(loading, sink)
-        if failed is not None:
-            self._describe_failure(out, *failed)
         elapsed = time.perf_counter() - started
         if out.bytes and elapsed > 0:
             self.abr.throughput.add(out.bytes, elapsed)
@@ -528,7 +511,7 @@ class BlockFetcher:
     async def _receive_block(
         self, handle: FetchHandle, block: _LoadingBlock, sink: BlockSink, out: FetchOutcome
     ) -> None:
-        """Consume one FETCH: check the manifest, then hand each layer to the worker as it arrives."""
+        """Consume one FETCH: check the manifest, then verify, decode and import each layer as it arrives."""
         num_layers = self.shape[0]
         exp, rendition = block.exp, block.rendition
         next_object = MANIFEST_OBJECT_ID
@@ -547,8 +530,8 @@ class BlockFetcher:
             payload = obj.payload
             block.nbytes += len(payload)
             out.bytes += len(payload)
+            t = time.perf_counter()
             if obj.object_id == MANIFEST_OBJECT_ID:
-                t = time.perf_counter()
                 block.manifest = verify_manifest(
                     payload, exp, fingerprint=self.fingerprint, rendition=rendition, shape=self.shape,
                     dtype=self.dtype, trust=self.trust, trust_any=self.trust_any,
@@ -559,34 +542,14 @@ class BlockFetcher:
                     return  # already cached (imported meanwhile by another request): nothing to load
             else:
                 assert block.manifest is not None
-                block.jobs.append(self._worker.submit(
-                    _load_layer, sink, block.manifest, exp.block_hash, rendition, obj.object_id, payload,
-                    self.device,
-                ))
+                _load_layer(
+                    sink, block.manifest, exp.block_hash, rendition, obj.object_id, payload, self.device
+                )
+                out.load_s += time.perf_counter() - t
             next_object += 1
 
-    async def _finish_blocks(
-        self, loading: list[_LoadingBlock], sink: BlockSink, out: FetchOutcome, *, wait: bool
-    ) -> tuple[ExpectedBlock, BaseException] | None:
-        """Make loaded blocks visible in the cache in chain order (all of them with ``wait``, else only
-        those whose layers are all in); the failing block and its error, if one fails."""
-        while loading and (wait or loading[0].ready()):
-            block = loading[0]
-            try:
-                await self._finish_block(block, sink, out)
-            except _FETCH_ERRORS as exc:
-                return block.exp, exc
-            loading.pop(0)
-        return None
-
-    async def _finish_block(self, block: _LoadingBlock, sink: BlockSink, out: FetchOutcome) -> None:
-        if block.jobs:
-            # Every job must end before the block can be finished or aborted, even when one failed.
-            results = await asyncio.gather(*map(asyncio.wrap_future, block.jobs), return_exceptions=True)
-            for r in results:
-                if isinstance(r, BaseException):
-                    raise r
-                out.load_s += r
+    def _finish_block(self, block: _LoadingBlock, sink: BlockSink, out: FetchOutcome) -> None:
+        """Make a block whose layers are all in visible in the cache and account for it."""
         if block.importing:
             sink.finish_import(block.exp.block_hash)
             block.importing = False
@@ -596,48 +559,29 @@ class BlockFetcher:
         raw = raw_bytes(self.shape, block.manifest.dtype)
         self.abr.renditions.add(block.rendition, raw, block.nbytes, 0.0)
 
-    async def _abort(self, loading: list[_LoadingBlock], sink: BlockSink) -> None:
-        """Undo the imports of blocks that were not finished, once their layer jobs have ended."""
-        # A queued job is cancelled and never starts; a running one cannot be, so wait for it to end
-        # (on the worker's own future: an asyncio wrapper would report "cancelled" at once).
-        running = [j for b in loading for j in b.jobs if not j.cancel()]
-        if running:
-            await asyncio.wait(map(asyncio.wrap_future, running))
-        for block in loading:
-            if block.importing:
-                sink.abort_import(block.exp.block_hash)
-                block.importing = False
-        loading.clear()
-
 
 @dataclass
 class _LoadingBlock:
-    """A block whose FETCH is being consumed or whose layers the worker is still loading."""
+    """A block whose FETCH is being consumed."""
 
     index: int
     exp: ExpectedBlock
     rendition: str
     manifest: BlockManifest | None = None
     importing: bool = False
+    """``begin_import`` reserved a cache block that is neither finished nor aborted yet."""
     nbytes: int = 0
-    jobs: list[concurrent.futures.Future[float]] = field(default_factory=list)
-    """The worker's layer jobs (seconds each took), in layer order."""
-
-    def ready(self) -> bool:
-        return all(j.done() for j in self.jobs)
 
 
 def _load_layer(
     sink: BlockSink, manifest: BlockManifest, block_hash: bytes, rendition: str, object_id: int,
     payload: bytes, device: torch.device,
-) -> float:
-    """Worker thread: check one layer's digest, decode it and write it into the cache; seconds spent."""
-    started = time.perf_counter()
+) -> None:
+    """Check one layer's digest, decode it and write it into the cache."""
     if not manifest.verify_payload(object_id, payload):
         raise BlockRejected(f"payload digest of layer {object_id - 1} differs")
     k, v = get_codec(rendition).decode(payload, manifest.layer_shape, DTYPE_BY_NAME[manifest.dtype], device)
     sink.import_layer(block_hash, object_id - 1, k, v)
-    return time.perf_counter() - started
 
 
 _FETCH_ERRORS = (

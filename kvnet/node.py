@@ -973,4 +973,3 @@ class RelayPeer:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.to_thread(self.fetcher.close)
