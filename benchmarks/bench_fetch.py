@@ -39,6 +39,7 @@ import common
 
 from kvnet import quic
 from kvnet.connection import IncomingFetch, MoqtConnection, connect, serve
+from proto.errors import RequestErrorCode
 from proto.messages import Location
 
 NS = (b"kvnet", b"bench-fetch")
@@ -93,7 +94,7 @@ async def _publisher_main(settings: quic.TransportSettings, port: int, certdir: 
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
             else:
-                req.reject(0x3, "bench publisher serves FETCH only")
+                req.reject(RequestErrorCode.NOT_SUPPORTED, "bench publisher serves FETCH only")
         await asyncio.gather(*tasks, return_exceptions=True)
 
     server = await serve("127.0.0.1", port, settings, quic.TlsSettings.from_dir(certdir, "server"),
@@ -133,7 +134,7 @@ async def _raw_sender_main(settings: quic.TransportSettings, port: int, certdir:
             self.after_receive()
 
         def datagrams_received(self, data: Any, addr: Any) -> None:
-            super().datagrams_received(data, addr)  # type: ignore[misc]
+            super().datagrams_received(data, addr)
             self.after_receive()
 
         def after_receive(self) -> None:
@@ -192,12 +193,13 @@ async def _raw_receive_once(settings: quic.TransportSettings, port: int, certdir
     return elapsed
 
 
-def raw_server_to_client(settings: quic.TransportSettings, size: int, runs: int,
-                         certdir: Path) -> list[float]:
+def raw_server_to_client(settings: quic.TransportSettings, size: int, runs: int, certdir: Path,
+                         client_settings: quic.TransportSettings | None = None) -> list[float]:
     """MB/s of ``runs`` raw one-way QUIC transfers of ``size`` bytes from a server (child process) to a
-    client, i.e. in the direction a FETCH response travels, with ``settings``."""
+    client, i.e. in the direction a FETCH response travels, with ``settings`` on the server and
+    ``client_settings`` (default: the same) on the client, e.g. a relay on aioquic and a node on qh3."""
     with Publisher(settings, certdir, 0, 0, raw=True) as port:
-        return [size / asyncio.run(_raw_receive_once(settings, port, certdir, size)) / 1e6
+        return [size / asyncio.run(_raw_receive_once(client_settings or settings, port, certdir, size)) / 1e6
                 for _ in range(runs)]
 
 
