@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 # Application calls (requests, replies, objects) whose packets may wait for one deferred transmit.
 _TRANSMIT_BATCH = 32
+# Smallest size at which the table of incoming requests is swept of answered ones.
+_INCOMING_PRUNE_MIN = 256
 # TLS alert bad_certificate (42) as a QUIC CRYPTO_ERROR (0x100 + alert), RFC 9001 section 4.8.
 _CRYPTO_BAD_CERTIFICATE = 0x100 + 42
 
@@ -408,6 +410,8 @@ class MoqtConnection(_ProtocolBase):
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._streams: dict[int, _ObjectStream] = {}
         self._incoming_by_id: dict[int, IncomingRequest] = {}
+        # Answered requests are dropped from the table when it reaches this size (see _remember_incoming).
+        self._incoming_prune_at = _INCOMING_PRUNE_MIN
         self._incoming: asyncio.Queue[IncomingRequest | None] = asyncio.Queue()
         self._slots = asyncio.Semaphore(self.limits.max_outstanding_requests)
         self._slot_held: set[int] = set()
@@ -528,6 +532,24 @@ class MoqtConnection(_ProtocolBase):
         self._transmit_soon()
         return result
 
+    def _remember_incoming(self, req: IncomingRequest) -> None:
+        """Keep ``req`` findable by id for cancellations. The session ends requests without an event
+        (answered, finished), so the table is swept of the ones it no longer knows whenever it has doubled
+        since the last sweep: amortised O(1) per request, and a long session's table stays as large as
+        its open requests rather than growing with every request ever answered."""
+        if len(self._incoming_by_id) >= self._incoming_prune_at:
+            session = self.session
+            self._incoming_by_id = {
+                rid: inc for rid, inc in self._incoming_by_id.items() if session.request_is_open(rid)
+            }
+            self._incoming_prune_at = max(_INCOMING_PRUNE_MIN, 2 * len(self._incoming_by_id))
+        self._incoming_by_id[req.request_id] = req
+
+    @property
+    def open_incoming_requests(self) -> int:
+        """Incoming requests this side still tracks (open ones, plus answered ones until the next sweep)."""
+        return len(self._incoming_by_id)
+
     def _transmit_soon(self) -> None:
         """Packetize and send once the current batch of application calls is done, or now if the batch
         has reached ``_TRANSMIT_BATCH`` calls.
@@ -569,7 +591,7 @@ class MoqtConnection(_ProtocolBase):
                 self.session.reject_request(req.request_id, RequestErrorCode.EXCESSIVE_LOAD, "queue full")
                 self._pump()
                 return
-            self._incoming_by_id[req.request_id] = req
+            self._remember_incoming(req)
             self._incoming.put_nowait(req)
             return
         if isinstance(ev, me.SetupCompleted):

@@ -623,6 +623,11 @@ class MoqtSession:
         """The peer sent GOAWAY on the control stream: no new requests may be initiated."""
         return self._goaway_received
 
+    def request_is_open(self, request_id: int) -> bool:
+        """The request exists and is not over yet: events and actions for it are still possible."""
+        req = self._requests.get(request_id)
+        return req is not None and not req.ended
+
     # -- output ----------------------------------------------------------------------------------
 
     def next_event(self) -> MoqtEvent | None:

@@ -393,3 +393,29 @@ async def test_stop_sending_on_fetch_stream_cancels_the_incoming_fetch(
             assert await asyncio.wait_for(outcome, 10)
     finally:
         await server.close()
+
+
+async def test_answered_incoming_requests_are_forgotten(pki: Path) -> None:
+    # A long-lived session answers requests for hours: what it tracks must follow the open requests,
+    # not every request it ever answered.
+    served: list[MoqtConnection] = []
+
+    async def publisher(conn: MoqtConnection) -> None:
+        served.append(conn)
+        await _publisher(conn)
+
+    settings = quic.TransportSettings()
+    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), publisher)
+    try:
+        async with connect(f"moqt://127.0.0.1:{server.address[1]}", settings,
+                           quic.TlsSettings.from_dir(pki, None)) as conn:
+            for _ in range(6):
+                await asyncio.wait_for(
+                    asyncio.gather(*(conn.track_status(NS, b"blocks") for _ in range(200))), 30
+                )
+            handle = await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 5))
+            assert len(await handle.read_all()) == 5
+            (peer,) = served
+            assert 0 < peer.open_incoming_requests <= 400, peer.open_incoming_requests
+    finally:
+        await server.close()
