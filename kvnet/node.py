@@ -128,8 +128,9 @@ class NodeConfig:
     tenant: str = DEFAULT_TENANT
     """Tenant this node computes for (set by the operator; never taken from a client)."""
     quic_stack: str = DEFAULT_STACK
-    """QUIC implementation of the relay session. qh3 fetches about twice as fast on loopback; aioquic
-    stays the default because qh3 servers cannot require client certificates (docs/performance.md)."""
+    """QUIC implementation of the relay session (this node is its client). qh3 fetches ~30% faster on
+    loopback but locates in 1-2 more round trips through an aioquic relay, so aioquic is the default
+    (docs/performance.md, "Node fetch path")."""
     max_datagram_size: int | None = None
     """Largest UDP payload of the relay session; None takes the stack's loopback size. Give 1452
     (``--ethernet``) on a 1500-byte path and 8952 on jumbo frames."""

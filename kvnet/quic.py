@@ -38,9 +38,9 @@ MAX_DATAGRAM_SIZE_QH3 = 65507
 # qh3 on loopback: the largest size measured safe and fastest (benchmarks/bench_transport.py).
 DATAGRAM_SIZE_QH3_LOOPBACK = 65507
 STACKS = ("aioquic", "qh3")
-# Chosen by measurement (docs/performance.md): qh3 moves bulk data 4-7x faster, but its servers cannot
-# require client certificates and its round-trip count on the locate path is not yet shown to be as low,
-# so aioquic stays the default and qh3 is opt-in for bulk paths.
+# Chosen by measurement (docs/performance.md): qh3 moves bulk data 4-7x faster client -> server, but
+# its servers send ~1400-byte datagrams and cannot require client certificates, and as a client it
+# locates in 1-2 more round trips through an aioquic relay; so aioquic is the default and qh3 is opt-in.
 DEFAULT_STACK = "aioquic"
 # RFC 9000 minimum: every QUIC path must carry 1200-byte datagrams.
 MIN_DATAGRAM_SIZE = 1200
