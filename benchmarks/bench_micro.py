@@ -79,17 +79,20 @@ def codecs(res: common.SuiteResult, prefix: int = 256, runs: int = 5, model_name
 
 
 def import_bandwidth(res: common.SuiteResult, blocks: int = 256, runs: int = 5,
-                     model_name: str = "bench") -> None:
-    """Blocks of the ``model_name`` preset's shape (bf16, 16 tokens) imported into a cache of ``blocks``
-    blocks, whole-block and layer by layer, against ``torch.Tensor.copy_`` of the same bytes."""
+                     model_name: str = "bench", block_size: int | None = None) -> None:
+    """Blocks of the ``model_name`` preset's shape (bf16, ``block_size`` tokens, default the nodes'
+    block size) imported into a cache of ``blocks`` blocks, whole-block and layer by layer (the fetch
+    path), against ``torch.Tensor.copy_`` of the same bytes."""
     import torch
 
     from kvnet.model import ModelArgs
+    from kvnet.node import NodeConfig
     from kvnet.paged_cache import BlockKV, CacheSpec, PagedKVCache
 
     torch.set_num_threads(1)
     a = ModelArgs.from_name(model_name)
-    spec = CacheSpec(a.n_layers, a.n_kv_heads, a.head_dim, 16, torch.bfloat16)
+    tokens = block_size or NodeConfig.block_size
+    spec = CacheSpec(a.n_layers, a.n_kv_heads, a.head_dim, tokens, torch.bfloat16)
     device = torch.device("cpu")
     src = [BlockKV(torch.randn(spec.block_shape).to(torch.bfloat16), torch.randn(spec.block_shape).to(
         torch.bfloat16)) for _ in range(8)]
@@ -136,7 +139,8 @@ def import_bandwidth(res: common.SuiteResult, blocks: int = 256, runs: int = 5,
         figures[label] = common.median(rates)
         ratio = "" if label == "torch copy" else f", {figures[label] / figures['torch copy']:.2f}x torch copy"
         res.add(f"import {label}", rates, "MB/s",
-                f"{blocks} blocks x {spec.bytes_per_block >> 10} KiB ({model_name} shape, bf16){ratio}; "
+                f"{blocks} blocks x {spec.bytes_per_block >> 10} KiB ({model_name} shape, bf16, "
+                f"{tokens} tokens){ratio}; "
                 "target >= 0.5x")
 
 
