@@ -20,6 +20,7 @@ The role (client/server, publisher/subscriber) is a parameter, never a separate 
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -532,6 +533,34 @@ def _is_uni(stream_id: int) -> bool:
 # -- the session --------------------------------------------------------------------------------
 
 
+
+class _HandledPeerStreams:
+    """Peer stream ids already handled, so that late frames do not resurrect them.
+
+    Frames of different streams may arrive out of order, hence a set rather than a high-water mark; it is
+    bounded by forgetting the smallest ids, which a heap finds in O(log n) (taking ``min`` of the set was
+    O(n) per new stream: 10% of a publisher's CPU answering a locate's TRACK_STATUS probes).
+    """
+
+    __slots__ = ("_heap", "_ids", "_limit")
+
+    def __init__(self, limit: int) -> None:
+        self._ids: set[int] = set()
+        self._heap: list[int] = []
+        self._limit = limit
+
+    def __contains__(self, stream_id: int) -> bool:
+        return stream_id in self._ids
+
+    def add(self, stream_id: int) -> None:
+        if stream_id in self._ids:
+            return
+        self._ids.add(stream_id)
+        heapq.heappush(self._heap, stream_id)
+        if len(self._ids) > self._limit:
+            self._ids.discard(heapq.heappop(self._heap))
+
+
 class MoqtSession:
     """One MoQT session over one QUIC connection, without I/O.
 
@@ -564,8 +593,8 @@ class MoqtSession:
         self._updates: dict[int, _Request] = {}
         """Peer REQUEST_UPDATE Request ID -> request it updates, until we answer it."""
         self._incoming: dict[int, _IncomingStream] = {}
-        self._seen_bidi: set[int] = set()
-        self._seen_uni: set[int] = set()
+        self._seen_bidi = _HandledPeerStreams(4 * self.config.max_requests_in_flight + 1024)
+        self._seen_uni = _HandledPeerStreams(4 * self.config.max_data_streams + 1024)
         self._data_streams_open = 0
         self._peer_requests_open = 0
         self._pending_alias: dict[int, list[_IncomingStream]] = {}
@@ -1269,8 +1298,7 @@ class MoqtSession:
         if req is None:
             if _is_local(stream_id, self.is_client) or stream_id in self._seen_bidi:
                 return  # a request stream we already finished with; late bytes are harmless
-            limit = 4 * self.config.max_requests_in_flight + 1024
-            self._remember_peer_stream(self._seen_bidi, stream_id, limit)
+            self._seen_bidi.add(stream_id)
             req = _Request(stream_id, local=False, framer=_control_reader(self.config))
             self._bidi[stream_id] = req
         if req.fin_received:
@@ -1278,13 +1306,6 @@ class MoqtSession:
         req.framer.feed(data)
         req.fin_received = end_stream
         self._pump_request(req)
-
-    def _remember_peer_stream(self, seen: set[int], stream_id: int, limit: int) -> None:
-        # Peer streams already handled, so late frames do not resurrect them. Frames of different
-        # streams may arrive out of order, hence a set, bounded by forgetting the oldest ids.
-        seen.add(stream_id)
-        if len(seen) > limit:
-            seen.discard(min(seen))
 
     def _pump_request(self, req: _Request) -> None:
         """Process what is buffered on a request stream, unless SETUP has not completed yet."""
@@ -1746,7 +1767,7 @@ class MoqtSession:
         if stream is None:
             if stream_id in self._seen_uni:
                 return
-            self._remember_peer_stream(self._seen_uni, stream_id, 4 * self.config.max_data_streams + 1024)
+            self._seen_uni.add(stream_id)
             stream = _IncomingStream(stream_id, DataStreamReader(self.config.max_object_size))
             self._incoming[stream_id] = stream
         if stream.fin:

@@ -568,3 +568,18 @@ def test_subscriber_updates_a_publish() -> None:
     pair.run()
     assert of_type(pair.client_events, PublishDoneReceived)[0].request_id == rid
     assert pair.server._requests == {} and pair.client._requests == {}
+
+
+def test_handled_peer_streams_stay_bounded_and_forget_the_smallest_ids() -> None:
+    from proto.session import _HandledPeerStreams
+
+    seen = _HandledPeerStreams(limit=4)
+    ids = [16, 4, 12, 0, 8, 20, 4]  # out of order, one repeat
+    for i in ids:
+        seen.add(i)
+    # Six distinct ids over a limit of four: the two smallest are forgotten, the rest are remembered.
+    assert 0 not in seen and 4 not in seen
+    assert all(i in seen for i in (8, 12, 16, 20))
+    for i in range(24, 4000, 4):
+        seen.add(i)
+    assert [i for i in range(0, 4000, 4) if i in seen] == [3984, 3988, 3992, 3996]
