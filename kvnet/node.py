@@ -33,7 +33,13 @@ import torch
 from kvnet.abr import QUALITY_ORDER, AbrConfig, AbrPlan, KvAbr
 from kvnet.auth import DEFAULT_MAX_TOKEN_SIZE, KVNET_TOKEN_TYPE
 from kvnet.blockstore import BlockStore, StoredBlock
-from kvnet.connection import MoqtConnection, MoqtConnectionError, RequestRejected, connect
+from kvnet.connection import (
+    MoqtConnection,
+    MoqtConnectionError,
+    RequestRejected,
+    connect,
+    freeze_startup_objects,
+)
 from kvnet.fetching import (
     DEFAULT_WINDOW_BYTES,
     BlockFetcher,
@@ -865,6 +871,7 @@ async def start_node(config: NodeConfig, *, calibrate: bool = True) -> Node:
         per_token = await asyncio.to_thread(node.calibrate)
         logger.info("model ready: fingerprint %s, prefill %.3f ms/token", node.fingerprint.hex()[:16],
                     per_token * 1e3)
+    freeze_startup_objects()
     if config.relay_url is not None:
         await node.connect()
     return node
