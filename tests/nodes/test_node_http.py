@@ -6,9 +6,17 @@ API, so this covers ``kvnet.httpapi`` + ``publisher.node`` + the relay end to en
 
 from __future__ import annotations
 
+import time
+
 from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster, http_json
 
 B = TEST_BLOCK_SIZE
+
+
+def _metric(url: str, name: str) -> float:
+    text: str = http_json(f"{url}/metrics")
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return float(values[name])
 
 
 def test_second_node_reuses_first_nodes_prefix_over_http(kv_cluster: Cluster) -> None:
@@ -23,6 +31,15 @@ def test_second_node_reuses_first_nodes_prefix_over_http(kv_cluster: Cluster) ->
     assert first["object"] == "text_completion"
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert len(first["choices"][0]["token_ids"]) == 6
+    # A answers before its background push reaches the relay, and the relay still remembers the misses of
+    # A's own locate for its negative TTL (0.25 s): wait for the push, as a second node would see it a
+    # moment later in a fleet.
+    published = first["kvnet"]["published_blocks"]
+    assert published >= shared // B
+    deadline = time.monotonic() + 20
+    while _metric(url_a, "kvnet_publisher_pushed_tracks_total") < published:
+        assert time.monotonic() < deadline, "node A never pushed its blocks to the relay"
+        time.sleep(0.05)
 
     prompt = SHARED_PREFIX + "Q2: and how?"
     remote = http_json(f"{url_b}/v1/completions", {"prompt": prompt, "max_tokens": 6})
@@ -41,9 +58,7 @@ def test_second_node_reuses_first_nodes_prefix_over_http(kv_cluster: Cluster) ->
 
     health = http_json(f"{url_b}/health")
     assert health["status"] == "ok" and health["relay_connected"] is True
-    metrics = http_json(f"{url_b}/metrics")
-    values = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line)
-    assert float(values["kvnet_remote_hit_tokens_total"]) == shared
-    assert float(values["kvnet_requests_total"]) == 2
-    assert float(values["kvnet_security_signature_failures_total"]) == 0
-    assert float(values["kvnet_security_content_failures_total"]) == 0
+    assert _metric(url_b, "kvnet_remote_hit_tokens_total") == shared
+    assert _metric(url_b, "kvnet_requests_total") == 2
+    assert _metric(url_b, "kvnet_security_signature_failures_total") == 0
+    assert _metric(url_b, "kvnet_security_content_failures_total") == 0
