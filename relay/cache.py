@@ -380,6 +380,11 @@ class ObjectCache:
         self._tasks: set[asyncio.Task[None]] = set()
         """Upstream fills in flight, referenced here so they outlive the requester that started them."""
         self._negative: OrderedDict[TrackKey, tuple[float, RequestFailed]] = OrderedDict()
+        """Track -> (expiry, DOES_NOT_EXIST answer), oldest first."""
+        self._invalidated: dict[tuple[bytes, ...], float] = {}
+        """Namespace prefix -> when a publisher last announced it: negative answers made before then are
+        stale. Checked on lookup, so invalidating is O(1) however many negatives are held (a scan of
+        them all on every PUBLISH cost O(negatives) per pushed block)."""
         self.stats = CacheStats()
 
     # Introspection -------------------------------------------------------------------------------------
@@ -592,9 +597,30 @@ class ObjectCache:
 
     def invalidate_negative(self, namespace_prefix: tuple[bytes, ...]) -> None:
         """Forget negative answers under a prefix (a publisher just announced it)."""
-        n = len(namespace_prefix)
-        for key in [k for k in self._negative if k[0][:n] == namespace_prefix]:
-            del self._negative[key]
+        now = self._clock()
+        self._invalidated[namespace_prefix] = now
+        if len(self._invalidated) > self.config.max_negative_entries:
+            # Marks older than the TTL cannot outdate any live negative answer.
+            horizon = now - self.config.negative_ttl
+            self._invalidated = {p: t for p, t in self._invalidated.items() if t >= horizon}
+            if len(self._invalidated) > self.config.max_negative_entries:
+                self._negative.clear()  # forgetting misses only costs upstream queries
+                self._invalidated = {namespace_prefix: now}
+
+    def _fresh_negative(self, key: TrackKey, now: float) -> RequestFailed | None:
+        """The remembered DOES_NOT_EXIST for ``key`` if it has not expired and no publisher announced a
+        prefix of its namespace since it was made; drops a stale one."""
+        neg = self._negative.get(key)
+        if neg is None:
+            return None
+        expires, err = neg
+        made = expires - self.config.negative_ttl
+        ns = key[0]
+        announced = (self._invalidated.get(ns[:i]) for i in range(len(ns) + 1))
+        if now < expires and all(t is None or t < made for t in announced):
+            return err
+        del self._negative[key]
+        return None
 
     # TRACK_STATUS --------------------------------------------------------------------------------------
     async def track_status(self, key: TrackKey, upstream: Upstream) -> TrackStatus:
@@ -603,13 +629,10 @@ class ObjectCache:
         if cached is not None:
             self.stats.status_hits += 1
             return cached
-        neg = self._negative.get(key)
-        if neg is not None:
-            expires, err = neg
-            if self._clock() < expires:
-                self.stats.negative_hits += 1
-                raise RequestFailed(err.code, err.reason, err.retry_interval)
-            del self._negative[key]
+        miss = self._fresh_negative(key, self._clock())
+        if miss is not None:
+            self.stats.negative_hits += 1
+            raise RequestFailed(miss.code, miss.reason, miss.retry_interval)
 
         def start() -> asyncio.Task[TrackStatus]:
             self.stats.upstream_track_status += 1

@@ -236,6 +236,30 @@ async def test_track_status_coalesces_and_caches_negatives_briefly() -> None:
     assert up.statuses == 4
 
 
+async def test_announcing_a_prefix_outdates_only_earlier_misses_under_it() -> None:
+    clock = FakeClock()
+    up = ScriptedUpstream({})
+    cache = ObjectCache(CacheConfig(negative_ttl=10.0), clock=clock)
+    other = ((b"other", b"ns"), b"nope")
+
+    async def miss(k: TrackKey) -> None:
+        with pytest.raises(RequestFailed):
+            await cache.track_status(k, up)
+
+    await miss(key(b"nope"))
+    await miss(other)
+    assert up.statuses == 2
+    clock.now += 1
+    cache.invalidate_negative((b"kvnet",))  # a shorter prefix of NS
+    clock.now += 1
+    await miss(key(b"nope"))  # made before the announcement: asked again
+    await miss(other)  # not under the prefix: still answered from the negative cache
+    assert up.statuses == 3 and cache.stats.negative_hits == 1
+    clock.now += 1
+    await miss(key(b"nope"))  # the new miss, made after the announcement, is fresh
+    assert up.statuses == 3 and cache.stats.negative_hits == 2
+
+
 async def test_negative_caching_disabled_with_zero_ttl() -> None:
     up = ScriptedUpstream({})
     cache = ObjectCache(CacheConfig(negative_ttl=0))
