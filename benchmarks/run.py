@@ -133,7 +133,7 @@ def suite_ttft(res: common.SuiteResult, quick: bool) -> None:
         prefix = bt._prefix(length)
         rows: dict[str, list[float]] = {"cold": [], "remote": [], "local": []}
         with tempfile.TemporaryDirectory() as d:
-            bench = bt.Bench(Path(d), model, 2)
+            bench = bt.Bench(Path(d), model, 2, [])
             try:
                 bench.start(prefix)
                 for run in range(runs):
