@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 
@@ -137,20 +138,30 @@ def start_relay(cert_dir: CertDir, tmp_path: Path, *extra: str, name: str = "rel
         time.sleep(0.05)
 
 
+class RelayFactory(Protocol):
+    """``start_relay`` with the test's certificates and directory: ``relay_factory(*flags, name=...)``."""
+
+    def __call__(self, *extra: str, name: str = "relay") -> RelayProcess: ...
+
+
 @pytest.fixture
-def relay_factory(cert_dir: CertDir, tmp_path: Path) -> Iterator[list[RelayProcess]]:
-    """Call ``start_relay`` through this list so every process is killed at teardown."""
+def relay_factory(cert_dir: CertDir, tmp_path: Path) -> Iterator[RelayFactory]:
+    """Starts relays for a test; every one it started is stopped at teardown."""
     started: list[RelayProcess] = []
-    yield started
+
+    def start(*extra: str, name: str = "relay") -> RelayProcess:
+        rp = start_relay(cert_dir, tmp_path, *extra, name=name)
+        started.append(rp)
+        return rp
+
+    yield start
     for rp in started:
         rp.stop()
 
 
 @pytest.fixture
-def relay(cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]) -> RelayProcess:
-    rp = start_relay(cert_dir, tmp_path)
-    relay_factory.append(rp)
-    return rp
+def relay(relay_factory: RelayFactory) -> RelayProcess:
+    return relay_factory()
 
 
 def sigterm(rp: RelayProcess) -> None:

@@ -11,7 +11,6 @@ import asyncio
 import os
 import random
 import socket
-from pathlib import Path
 
 from aioquic.asyncio.client import connect as quic_connect
 
@@ -19,7 +18,7 @@ from kvnet.connection import ConnectionClosed, RequestRejected, StreamResetError
 from proto.data import SubgroupHeader, encode_subgroup_header, subgroup_object_prefix
 from proto.errors import SessionErrorCode, StreamResetCode
 from proto.messages import Location, Publish, Setup, TrackStatus, encode_message
-from tests.relay.conftest import CertDir, RelayProcess, start_relay
+from tests.relay.conftest import CertDir, RelayFactory, RelayProcess
 from tests.relay.peers import NS, Publisher, RawPeer, connect_client, fetch_track, raw_config, track_objects
 
 # Python + aioquic + the relay at rest is ~60 MB; this leaves room for the cache and buffers we allow.
@@ -112,10 +111,9 @@ async def test_oversized_control_message_length(relay: RelayProcess, cert_dir: C
 
 
 async def test_oversized_object_is_refused(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
-    rp = start_relay(cert_dir, tmp_path, "--max-object-bytes", "10000")
-    relay_factory.append(rp)
+    rp = relay_factory("--max-object-bytes", "10000")
     pub = await start_pub(rp, cert_dir, {b"t": track_objects(b"t")})
     async with quic_connect(
         "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
@@ -137,10 +135,9 @@ async def test_oversized_object_is_refused(
 
 
 async def test_peer_that_never_reads(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
-    rp = start_relay(cert_dir, tmp_path, "--slow-peer-timeout", "2", "--max-buffered-bytes", "1000000")
-    relay_factory.append(rp)
+    rp = relay_factory("--slow-peer-timeout", "2", "--max-buffered-bytes", "1000000")
     big = track_objects(b"big", 8, 500_000)  # 4 MB
     pub = await start_pub(rp, cert_dir, {b"big": big, b"small": track_objects(b"small")})
     await still_serves(rp, cert_dir, pub, b"big", 8)  # now cached

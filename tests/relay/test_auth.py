@@ -16,7 +16,7 @@ from kvnet.quic import TlsSettings
 from proto.errors import RequestErrorCode, SessionErrorCode
 from proto.messages import AliasType, AuthToken, Location, MessageParameters
 from proto.session import SessionConfig
-from tests.relay.conftest import CertDir, RelayProcess, start_relay
+from tests.relay.conftest import CertDir, RelayFactory, RelayProcess
 from tests.relay.peers import Publisher, fetch_track, track_objects
 
 NS_A = (b"kvnet", b"v1", b"fp", b"tenant-a")
@@ -63,10 +63,9 @@ async def _code(coro: object) -> int:
 
 
 async def test_scopes_codes_and_tenant_isolation(
-    issuer: Issuer, cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    issuer: Issuer, cert_dir: CertDir, tmp_path: Path, relay_factory: RelayFactory
 ) -> None:
-    rp = start_relay(cert_dir, tmp_path, "--auth-issuer-key", str(issuer.pub_path))
-    relay_factory.append(rp)
+    rp = relay_factory("--auth-issuer-key", str(issuer.pub_path))
     objs = track_objects(b"blk", 3)
     pub_conn = await _client(rp, cert_dir, issuer.token(["publish"], [NS_A]))
     pub = await Publisher(pub_conn, {b"blk": objs}, namespace=NS_A).start()
@@ -120,10 +119,9 @@ async def test_scopes_codes_and_tenant_isolation(
 
 
 async def test_bad_setup_token_closes_the_session(
-    issuer: Issuer, cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    issuer: Issuer, cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
-    rp = start_relay(cert_dir, tmp_path, "--auth-issuer-key", str(issuer.pub_path))
-    relay_factory.append(rp)
+    rp = relay_factory("--auth-issuer-key", str(issuer.pub_path))
     expired = issuer.token(["subscribe"], [NS_A], lifetime=10, ago=3600)
     cases = [(expired, SessionErrorCode.EXPIRED_AUTH_TOKEN), (b"junk", SessionErrorCode.MALFORMED_AUTH_TOKEN)]
     for token, code in cases:
@@ -138,18 +136,13 @@ async def test_bad_setup_token_closes_the_session(
 
 
 async def test_edge_to_origin_needs_upstream_token(
-    issuer: Issuer, cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    issuer: Issuer, cert_dir: CertDir, tmp_path: Path, relay_factory: RelayFactory
 ) -> None:
-    origin = start_relay(cert_dir, tmp_path, "--auth-issuer-key", str(issuer.pub_path), name="origin")
-    relay_factory.append(origin)
+    origin = relay_factory("--auth-issuer-key", str(issuer.pub_path), name="origin")
     token_file = tmp_path / "edge.token"
     token_file.write_bytes(base64.urlsafe_b64encode(issuer.token([Action.RELAY.value], [()])).rstrip(b"="))
-    edge = start_relay(
-        cert_dir, tmp_path, "--upstream", origin.url, "--upstream-token", str(token_file), name="edge"
-    )
-    relay_factory.append(edge)
-    bare = start_relay(cert_dir, tmp_path, "--upstream", origin.url, name="bare-edge")
-    relay_factory.append(bare)
+    edge = relay_factory("--upstream", origin.url, "--upstream-token", str(token_file), name="edge")
+    bare = relay_factory("--upstream", origin.url, name="bare-edge")
     objs = track_objects(b"up", 3)
     pub_conn = await _client(origin, cert_dir, issuer.token(["publish"], [NS_A]))
     pub = await Publisher(pub_conn, {b"up": objs}, namespace=NS_A).start()

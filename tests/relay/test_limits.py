@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 from aioquic.asyncio.client import connect as quic_connect
 
@@ -14,7 +13,7 @@ from kvnet.connection import ConnectionClosed, RequestRejected, StreamResetError
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode, SessionErrorCode, StreamResetCode
 from proto.messages import Fetch, FetchType, Location, StandaloneFetch, TrackStatus, encode_message
-from tests.relay.conftest import CertDir, RelayProcess, start_relay
+from tests.relay.conftest import CertDir, RelayFactory, RelayProcess
 from tests.relay.peers import NS, Publisher, RawPeer, connect_client, fetch_track, raw_config, track_objects
 
 
@@ -28,10 +27,9 @@ async def wait_metric(rp: RelayProcess, name: str, at_least: float, timeout: flo
 
 
 async def test_global_request_cap_refuses_floods_but_serves_a_light_session(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
-    rp = start_relay(cert_dir, tmp_path, "--max-requests", "6", "--reserved-requests-per-session", "2")
-    relay_factory.append(rp)
+    rp = relay_factory("--max-requests", "6", "--reserved-requests-per-session", "2")
     tracks = {f"h{i}".encode(): track_objects(f"h{i}".encode()) for i in range(4)}
     tracks[b"good"] = track_objects(b"good")
     pub = await Publisher(await connect_client(rp.url, str(cert_dir.ca)), tracks).start()
@@ -63,10 +61,9 @@ async def test_global_request_cap_refuses_floods_but_serves_a_light_session(
 
 
 async def test_global_buffered_bytes_cap_cuts_the_biggest_holder(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
-    rp = start_relay(cert_dir, tmp_path, "--max-buffered-bytes-total", "3000000", "--slow-peer-timeout", "60")
-    relay_factory.append(rp)
+    rp = relay_factory("--max-buffered-bytes-total", "3000000", "--slow-peer-timeout", "60")
     big = track_objects(b"big", 8, 500_000)  # 4 MB: more than the relay may buffer for everybody
     pub = Publisher(await connect_client(rp.url, str(cert_dir.ca)), {b"big": big, b"s": track_objects(b"s")})
     await pub.start()
@@ -105,10 +102,9 @@ async def test_global_buffered_bytes_cap_cuts_the_biggest_holder(
 
 
 async def test_tenant_share_flood_does_not_evict_other_tenant(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
-    rp = start_relay(cert_dir, tmp_path, "--cache-bytes", "2000000", "--cache-share-bytes", "600000")
-    relay_factory.append(rp)
+    rp = relay_factory("--cache-bytes", "2000000", "--cache-share-bytes", "600000")
     ns_a = (b"kvnet", b"v1", b"fp", b"tenant-a")
     ns_b = (b"kvnet", b"v1", b"fp", b"tenant-b")
     tracks_a = {f"a{i}".encode(): track_objects(f"a{i}".encode(), 4, 50_000) for i in range(30)}
@@ -137,10 +133,9 @@ async def test_tenant_share_flood_does_not_evict_other_tenant(
 
 
 async def test_idle_session_is_closed_busy_one_is_not(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
-    rp = start_relay(cert_dir, tmp_path, "--session-idle-timeout", "1")
-    relay_factory.append(rp)
+    rp = relay_factory("--session-idle-timeout", "1")
     pub = await Publisher(await connect_client(rp.url, str(cert_dir.ca)), {b"t": track_objects(b"t")}).start()
     idle = await connect_client(rp.url, str(cert_dir.ca))
     started = time.monotonic()
@@ -160,12 +155,9 @@ async def test_idle_session_is_closed_busy_one_is_not(
 
 
 async def test_slowloris_request_stream_reset_then_session_closed(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
-    rp = start_relay(
-        cert_dir, tmp_path, "--request-header-timeout", "0.5", "--max-request-header-timeouts", "2"
-    )
-    relay_factory.append(rp)
+    rp = relay_factory("--request-header-timeout", "0.5", "--max-request-header-timeouts", "2")
     pub = await Publisher(await connect_client(rp.url, str(cert_dir.ca)), {b"t": track_objects(b"t")}).start()
     async with quic_connect(
         "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
@@ -202,10 +194,9 @@ async def test_slowloris_request_stream_reset_then_session_closed(
 
 
 async def test_slow_reader_is_cut_off_other_subscriber_gets_everything(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
-    rp = start_relay(cert_dir, tmp_path, "--slow-peer-timeout", "1")
-    relay_factory.append(rp)
+    rp = relay_factory("--slow-peer-timeout", "1")
     objs = track_objects(b"live", 16, 250_000)  # 4 MB
     pub = await Publisher(await connect_client(rp.url, str(cert_dir.ca)), {}).start()
     ok = await pub.conn.publish(NS, b"live", 42)
@@ -255,10 +246,9 @@ async def test_slow_reader_is_cut_off_other_subscriber_gets_everything(
 
 
 async def test_setup_must_complete_within_the_deadline(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
-    rp = start_relay(cert_dir, tmp_path, "--setup-timeout", "1")
-    relay_factory.append(rp)
+    rp = relay_factory("--setup-timeout", "1")
     async with quic_connect(
         "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
     ) as peer:

@@ -6,7 +6,6 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 from aioquic.asyncio.client import connect as quic_connect
@@ -16,13 +15,12 @@ from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode, SessionErrorCode
 from proto.events import NamespaceReceived
 from proto.messages import Location, TrackStatus, encode_message
-from tests.relay.conftest import CertDir, RelayProcess, start_relay
+from tests.relay.conftest import CertDir, RelayFactory, RelayProcess
 from tests.relay.peers import NS, Publisher, RawPeer, connect_client, fetch_track, raw_config, track_objects
 
 
-async def test_session_limit(cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]) -> None:
-    rp = start_relay(cert_dir, tmp_path, "--max-sessions", "2")
-    relay_factory.append(rp)
+async def test_session_limit(cert_dir: CertDir, relay_factory: RelayFactory) -> None:
+    rp = relay_factory("--max-sessions", "2")
     pub = await Publisher(await connect_client(rp.url, str(cert_dir.ca)), {b"t": track_objects(b"t")}).start()
     sub = await connect_client(rp.url, str(cert_dir.ca))
     try:
@@ -44,10 +42,9 @@ async def test_session_limit(cert_dir: CertDir, tmp_path: Path, relay_factory: l
 
 
 async def test_requests_per_session_limit(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
-    rp = start_relay(cert_dir, tmp_path, "--max-requests-per-session", "3")
-    relay_factory.append(rp)
+    rp = relay_factory("--max-requests-per-session", "3")
     tracks = {f"s{i}".encode(): track_objects(f"s{i}".encode()) for i in range(6)}
     pub = await Publisher(await connect_client(rp.url, str(cert_dir.ca)), tracks).start()
     pub.fetch_delay = 1.0
@@ -123,10 +120,9 @@ async def test_subscribe_namespace_lists_and_follows_announcements(
 
 
 async def test_going_away_requests_refused_after_sigterm(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
-    rp = start_relay(cert_dir, tmp_path, "--drain-timeout", "3")
-    relay_factory.append(rp)
+    rp = relay_factory("--drain-timeout", "3")
     client = await connect_client(rp.url, str(cert_dir.ca))
     # A raw peer ignores the GOAWAY and keeps sending requests, which the relay must refuse.
     async with quic_connect(
@@ -151,10 +147,9 @@ async def test_going_away_requests_refused_after_sigterm(
 
 
 def test_json_logs_and_metrics_endpoint(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    relay_factory: RelayFactory
 ) -> None:
-    rp = start_relay(cert_dir, tmp_path, "--log-format", "json")
-    relay_factory.append(rp)
+    rp = relay_factory("--log-format", "json")
     lines = [json.loads(line) for line in rp.log().splitlines() if line.startswith("{")]
     listening = [e for e in lines if e["msg"] == "listening"]
     assert listening and listening[0]["quic"] == f"127.0.0.1:{rp.port}"

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import pytest
 
 from kvnet.connection import RequestRejected
 from proto.errors import RequestErrorCode
 from proto.messages import Location
-from tests.relay.conftest import CertDir, RelayProcess, start_relay
+from tests.relay.conftest import CertDir, RelayFactory, RelayProcess
 from tests.relay.peers import NS, Publisher, connect_client, fetch_track, track_objects
 
 
@@ -30,14 +29,12 @@ def _namespaces(rp: RelayProcess) -> float:
 
 @pytest.fixture
 def tree(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    relay_factory: RelayFactory
 ) -> tuple[RelayProcess, RelayProcess, RelayProcess]:
-    origin = start_relay(cert_dir, tmp_path, name="origin")
-    relay_factory.append(origin)
+    origin = relay_factory(name="origin")
     edges = []
     for name in ("edge-a", "edge-b"):
-        edge = start_relay(cert_dir, tmp_path, "--upstream", origin.url, name=name)
-        relay_factory.append(edge)
+        edge = relay_factory("--upstream", origin.url, name=name)
         edges.append(edge)
     return origin, edges[0], edges[1]
 

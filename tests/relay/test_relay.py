@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import pytest
 
 from kvnet.connection import RequestRejected
 from proto.errors import RequestErrorCode
 from proto.messages import Location
-from tests.relay.conftest import CertDir, RelayProcess, sigterm, start_relay
+from tests.relay.conftest import CertDir, RelayFactory, RelayProcess, sigterm
 from tests.relay.peers import NS, Publisher, connect_client, fetch_track, track_objects
 
 
@@ -115,12 +114,10 @@ async def test_concurrent_fetches_coalesce(relay: RelayProcess, cert_dir: CertDi
 
 
 async def test_edge_origin_chain(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
-    origin = start_relay(cert_dir, tmp_path, name="origin")
-    relay_factory.append(origin)
-    edge = start_relay(cert_dir, tmp_path, "--upstream", origin.url, name="edge")
-    relay_factory.append(edge)
+    origin = relay_factory(name="origin")
+    edge = relay_factory("--upstream", origin.url, name="edge")
     objs = track_objects(b"chained", 4)
     pub = await publisher(origin, cert_dir, {b"chained": objs})
     sub = await connect_client(edge.url, str(cert_dir.ca))
@@ -153,10 +150,9 @@ async def test_edge_origin_chain(
 
 
 async def test_eviction_under_small_budget(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
-    rp = start_relay(cert_dir, tmp_path, "--cache-bytes", "60000")
-    relay_factory.append(rp)
+    rp = relay_factory("--cache-bytes", "60000")
     tracks = {n: track_objects(n, 4, 10000) for n in (b"e1", b"e2", b"e3")}  # ~40 KB each
     pub = await publisher(rp, cert_dir, tracks)
     sub = await connect_client(rp.url, str(cert_dir.ca))
@@ -174,10 +170,9 @@ async def test_eviction_under_small_budget(
 
 
 async def test_goaway_on_sigterm(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
-    rp = start_relay(cert_dir, tmp_path, "--drain-timeout", "2")
-    relay_factory.append(rp)
+    rp = relay_factory("--drain-timeout", "2")
     client = await connect_client(rp.url, str(cert_dir.ca))
     t0 = time.monotonic()
     sigterm(rp)

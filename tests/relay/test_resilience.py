@@ -7,11 +7,10 @@ import asyncio
 import contextlib
 import signal
 import time
-from pathlib import Path
 
 from kvnet.connection import RequestRejected
 from proto.messages import Location
-from tests.relay.conftest import CertDir, RelayProcess, start_relay
+from tests.relay.conftest import CertDir, RelayFactory, RelayProcess
 from tests.relay.peers import NS, Publisher, connect_client, track_objects
 
 _BAD = ("request handler failed", "never retrieved", "level=error", "Traceback")
@@ -63,20 +62,13 @@ async def test_cancelled_requests_end_quietly(relay: RelayProcess, cert_dir: Cer
 
 
 async def test_killed_edge_is_routed_around_then_withdrawn(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
     # Origin: PING every 0.5 s, a peer silent for 3 s is dead (defaults 5 s / 15 s; short to keep the
     # test fast). Edge B gives up on the origin after 2 s.
-    origin = start_relay(
-        cert_dir, tmp_path, "--idle-timeout", "3", "--keepalive-interval", "0.5", name="origin"
-    )
-    relay_factory.append(origin)
-    edge_a = start_relay(cert_dir, tmp_path, "--upstream", origin.url, name="edge-a")
-    relay_factory.append(edge_a)
-    edge_b = start_relay(
-        cert_dir, tmp_path, "--upstream", origin.url, "--upstream-timeout", "2", name="edge-b"
-    )
-    relay_factory.append(edge_b)
+    origin = relay_factory("--idle-timeout", "3", "--keepalive-interval", "0.5", name="origin")
+    edge_a = relay_factory("--upstream", origin.url, name="edge-a")
+    edge_b = relay_factory("--upstream", origin.url, "--upstream-timeout", "2", name="edge-b")
     ca = str(cert_dir.ca)
     objs = track_objects(b"at-b", 3)
     # Edge A announces first, so the origin routes the namespace to edge A before edge B.

@@ -19,7 +19,7 @@ from proto.data import SubgroupHeader, encode_subgroup_header, subgroup_object_p
 from proto.errors import RequestErrorCode, SessionErrorCode, StreamResetCode
 from proto.messages import Location, Publish, TrackStatus, encode_message
 from tests.nodes.cluster import SHARED_PREFIX, Cluster
-from tests.relay.conftest import CertDir, RelayProcess, start_relay
+from tests.relay.conftest import CertDir, RelayFactory, RelayProcess
 from tests.relay.peers import NS, Publisher, RawPeer, connect_client, fetch_track, raw_config, track_objects
 
 PROMPT = SHARED_PREFIX + "Question: is anyone still there?"
@@ -60,10 +60,9 @@ async def stop_good(pub: Publisher, client: MoqtConnection) -> None:
 
 @pytest.mark.slow
 async def test_thousand_concurrent_sessions(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
-    rp = start_relay(cert_dir, tmp_path, "--max-sessions", "1100", "--log-level", "info")
-    relay_factory.append(rp)
+    rp = relay_factory("--max-sessions", "1100", "--log-level", "info")
     pub, client = await start_good(rp, cert_dir.ca)
     base_rss = rp.rss_bytes()
     n = 1000
@@ -110,10 +109,9 @@ async def test_thousand_concurrent_sessions(
 
 
 async def test_session_limit_refuses_extra_sessions(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
-    rp = start_relay(cert_dir, tmp_path, "--max-sessions", "12", "--log-level", "info")
-    relay_factory.append(rp)
+    rp = relay_factory("--max-sessions", "12", "--log-level", "info")
     pub, client = await start_good(rp, cert_dir.ca)
     async with contextlib.AsyncExitStack() as stack:
         peers = []
@@ -138,20 +136,10 @@ async def test_session_limit_refuses_extra_sessions(
 
 
 async def test_request_floods_per_session_and_global(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
     """Two sessions flood 2,000 FETCHes each: the per-session cap (100) and the relay-wide cap (150)."""
-    rp = start_relay(
-        cert_dir,
-        tmp_path,
-        "--max-requests-per-session",
-        "100",
-        "--max-requests",
-        "150",
-        "--log-level",
-        "info",
-    )
-    relay_factory.append(rp)
+    rp = relay_factory("--max-requests-per-session", "100", "--max-requests", "150", "--log-level", "info")
     pub, client = await start_good(rp, cert_dir.ca)
     pub.fetch_delay = 2.0  # every flooded FETCH holds a request slot at the relay for 2 s
     tls = TlsSettings(ca_file=cert_dir.ca)
@@ -205,21 +193,12 @@ async def test_request_floods_per_session_and_global(
 
 
 async def test_slowloris_streams_and_sessions(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
-    rp = start_relay(
-        cert_dir,
-        tmp_path,
-        "--request-header-timeout",
-        "1",
-        "--max-request-header-timeouts",
-        "3",
-        "--setup-timeout",
-        "2",
-        "--log-level",
-        "info",
+    rp = relay_factory(
+        "--request-header-timeout", "1", "--max-request-header-timeouts", "3", "--setup-timeout", "2",
+        "--log-level", "info",
     )
-    relay_factory.append(rp)
     pub, client = await start_good(rp, cert_dir.ca)
     base_rss = rp.rss_bytes()
     n_dribblers, n_streams, n_silent = 20, 50, 10
@@ -287,10 +266,9 @@ async def test_slowloris_streams_and_sessions(
 
 
 async def test_oversized_object_declared_huge(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess]
+    cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
-    rp = start_relay(cert_dir, tmp_path, "--max-object-bytes", "1048576", "--log-level", "info")
-    relay_factory.append(rp)
+    rp = relay_factory("--max-object-bytes", "1048576", "--log-level", "info")
     pub, client = await start_good(rp, cert_dir.ca)
     base = rp.rss_bytes()
     async with quic_connect(

@@ -42,7 +42,7 @@ from proto.kvobject import block_namespace
 from proto.messages import AliasType, AuthToken, Location
 from proto.session import SessionConfig
 from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster
-from tests.relay.conftest import CertDir, RelayProcess, start_relay
+from tests.relay.conftest import CertDir, RelayFactory, RelayProcess
 from tests.relay.peers import Publisher, fetch_track, track_objects
 
 PROMPT = SHARED_PREFIX + "Question: which tenant asked this?"
@@ -230,11 +230,10 @@ async def probe(conn: MoqtConnection, name: bytes, fetch: bool) -> tuple[int, fl
 
 
 async def test_scoped_token_cannot_locate_or_time_probe(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess], issuer: tuple[IssuerKey, Path]
+    cert_dir: CertDir, relay_factory: RelayFactory, issuer: tuple[IssuerKey, Path]
 ) -> None:
     key, pub_path = issuer
-    rp = start_relay(cert_dir, tmp_path, AUTH_FLAG, str(pub_path), "--log-level", "info")
-    relay_factory.append(rp)
+    rp = relay_factory(AUTH_FLAG, str(pub_path), "--log-level", "info")
     pub = await start_tenant_a(rp, cert_dir.ca, key)
     b = await connect_with(rp, cert_dir.ca, token(key, "b", ["subscribe"], NS_B))
     try:
@@ -266,11 +265,10 @@ async def test_scoped_token_cannot_locate_or_time_probe(
 
 
 async def test_bad_tokens_are_refused(
-    cert_dir: CertDir, tmp_path: Path, relay_factory: list[RelayProcess], issuer: tuple[IssuerKey, Path]
+    cert_dir: CertDir, relay_factory: RelayFactory, issuer: tuple[IssuerKey, Path]
 ) -> None:
     key, pub_path = issuer
-    rp = start_relay(cert_dir, tmp_path, AUTH_FLAG, str(pub_path), "--log-level", "info")
-    relay_factory.append(rp)
+    rp = relay_factory(AUTH_FLAG, str(pub_path), "--log-level", "info")
     pub = await start_tenant_a(rp, cert_dir.ca, key)
     try:
         good = token(key, "a", ["subscribe"], NS_A)
