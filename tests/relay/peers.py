@@ -9,10 +9,12 @@ import asyncio
 import contextlib
 import ssl
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from aioquic.asyncio import QuicConnectionProtocol
+from aioquic.asyncio import connect as quic_connect
 from aioquic.quic import events as qe
 from aioquic.quic.configuration import QuicConfiguration
 
@@ -180,3 +182,12 @@ def raw_config(ca: Path) -> QuicConfiguration:
     cfg.verify_mode = ssl.CERT_REQUIRED
     cfg.load_verify_locations(cafile=str(ca))
     return cfg
+
+
+@contextlib.asynccontextmanager
+async def raw_peer(port: int, ca: Path) -> AsyncIterator[RawPeer]:
+    """A raw QUIC connection to the relay on loopback ``port``, for hand-made or malformed MoQT bytes."""
+    config = raw_config(ca)
+    async with quic_connect("127.0.0.1", port, configuration=config, create_protocol=RawPeer) as peer:
+        assert isinstance(peer, RawPeer)
+        yield peer

@@ -12,14 +12,20 @@ import os
 import random
 import socket
 
-from aioquic.asyncio.client import connect as quic_connect
-
 from kvnet.connection import ConnectionClosed, RequestRejected, StreamResetError
 from proto.data import SubgroupHeader, encode_subgroup_header, subgroup_object_prefix
 from proto.errors import SessionErrorCode, StreamResetCode
 from proto.messages import Location, Publish, Setup, TrackStatus, encode_message
 from tests.relay.conftest import CertDir, RelayFactory, RelayProcess
-from tests.relay.peers import NS, Publisher, RawPeer, connect_client, fetch_track, raw_config, track_objects
+from tests.relay.peers import (
+    NS,
+    Publisher,
+    RawPeer,
+    connect_client,
+    fetch_track,
+    raw_peer,
+    track_objects,
+)
 
 # Python + aioquic + the relay at rest is ~60 MB; this leaves room for the cache and buffers we allow.
 RSS_LIMIT = 400 * 1024 * 1024
@@ -60,10 +66,7 @@ async def test_random_bytes_on_streams_close_only_that_session(
     pub = await start_pub(relay, cert_dir, {b"t": track_objects(b"t")})
     rnd = random.Random(2)
     for i in range(6):
-        async with quic_connect(
-            "127.0.0.1", relay.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
-        ) as peer:
-            assert isinstance(peer, RawPeer)
+        async with raw_peer(relay.port, cert_dir.ca) as peer:
             peer.setup()
             uni = i % 2 == 0
             # Random bytes behind a start that is invalid for the stream kind: 0x3F is a subgroup type with
@@ -76,10 +79,7 @@ async def test_random_bytes_on_streams_close_only_that_session(
 
 
 async def test_malformed_control_message(relay: RelayProcess, cert_dir: CertDir) -> None:
-    async with quic_connect(
-        "127.0.0.1", relay.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
-    ) as peer:
-        assert isinstance(peer, RawPeer)
+    async with raw_peer(relay.port, cert_dir.ca) as peer:
         ctrl = peer.new_stream(True)
         # SETUP, then a TRACK_STATUS whose Length says 5 bytes but whose payload is a truncated namespace.
         peer.send(ctrl, encode_message(Setup()))
@@ -89,10 +89,7 @@ async def test_malformed_control_message(relay: RelayProcess, cert_dir: CertDir)
 
 async def test_invalid_and_duplicate_request_ids(relay: RelayProcess, cert_dir: CertDir) -> None:
     for ids in ((1,), (0, 0)):
-        async with quic_connect(
-            "127.0.0.1", relay.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
-        ) as peer:
-            assert isinstance(peer, RawPeer)
+        async with raw_peer(relay.port, cert_dir.ca) as peer:
             peer.setup()
             for rid in ids:  # odd = server parity; a repeat is a duplicate
                 peer.send(peer.new_stream(False), encode_message(TrackStatus(rid, NS, b"x")))
@@ -100,10 +97,7 @@ async def test_invalid_and_duplicate_request_ids(relay: RelayProcess, cert_dir: 
 
 
 async def test_oversized_control_message_length(relay: RelayProcess, cert_dir: CertDir) -> None:
-    async with quic_connect(
-        "127.0.0.1", relay.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
-    ) as peer:
-        assert isinstance(peer, RawPeer)
+    async with raw_peer(relay.port, cert_dir.ca) as peer:
         peer.setup()
         # A maximal 65535-byte TRACK_STATUS: the namespace inside claims more fields than fit.
         peer.send(peer.new_stream(False), b"\x0d\xff\xff\x00\x20" + b"\x01" * 65533)
@@ -115,10 +109,7 @@ async def test_oversized_object_is_refused(
 ) -> None:
     rp = relay_factory("--max-object-bytes", "10000")
     pub = await start_pub(rp, cert_dir, {b"t": track_objects(b"t")})
-    async with quic_connect(
-        "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
-    ) as peer:
-        assert isinstance(peer, RawPeer)
+    async with raw_peer(rp.port, cert_dir.ca) as peer:
         peer.setup()
         peer.send(peer.new_stream(False), encode_message(Publish(0, (b"evil",), b"big", 7)))
         header = SubgroupHeader(7, 0)
@@ -141,10 +132,7 @@ async def test_peer_that_never_reads(
     big = track_objects(b"big", 8, 500_000)  # 4 MB
     pub = await start_pub(rp, cert_dir, {b"big": big, b"small": track_objects(b"small")})
     await still_serves(rp, cert_dir, pub, b"big", 8)  # now cached
-    async with quic_connect(
-        "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
-    ) as peer:
-        assert isinstance(peer, RawPeer)
+    async with raw_peer(rp.port, cert_dir.ca) as peer:
         peer.setup()
         await asyncio.sleep(0.2)
         # Ten fetches of 4 MB each, then we stop reading (and acknowledging) anything.

@@ -7,14 +7,19 @@ from __future__ import annotations
 import asyncio
 import time
 
-from aioquic.asyncio.client import connect as quic_connect
-
 from kvnet.connection import ConnectionClosed, RequestRejected, StreamResetError
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode, SessionErrorCode, StreamResetCode
 from proto.messages import Fetch, FetchType, Location, StandaloneFetch, TrackStatus, encode_message
 from tests.relay.conftest import CertDir, RelayFactory, RelayProcess
-from tests.relay.peers import NS, Publisher, RawPeer, connect_client, fetch_track, raw_config, track_objects
+from tests.relay.peers import (
+    NS,
+    Publisher,
+    connect_client,
+    fetch_track,
+    raw_peer,
+    track_objects,
+)
 
 
 async def wait_metric(rp: RelayProcess, name: str, at_least: float, timeout: float) -> float:
@@ -70,10 +75,7 @@ async def test_global_buffered_bytes_cap_cuts_the_biggest_holder(
     good = await connect_client(rp.url, str(cert_dir.ca))
     try:
         assert await fetch_track(good, b"big", 8) == big  # cached, and read by a peer that reads
-        async with quic_connect(
-            "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
-        ) as hog:
-            assert isinstance(hog, RawPeer)
+        async with raw_peer(rp.port, cert_dir.ca) as hog:
             hog.setup()
             await asyncio.sleep(0.2)
             fetch = Fetch(
@@ -159,10 +161,7 @@ async def test_slowloris_request_stream_reset_then_session_closed(
 ) -> None:
     rp = relay_factory("--request-header-timeout", "0.5", "--max-request-header-timeouts", "2")
     pub = await Publisher(await connect_client(rp.url, str(cert_dir.ca)), {b"t": track_objects(b"t")}).start()
-    async with quic_connect(
-        "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
-    ) as peer:
-        assert isinstance(peer, RawPeer)
+    async with raw_peer(rp.port, cert_dir.ca) as peer:
         peer.setup()
         msg = encode_message(TrackStatus(0, NS, b"t"))
         slow = peer.new_stream(False)
@@ -249,10 +248,7 @@ async def test_setup_must_complete_within_the_deadline(
     cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
     rp = relay_factory("--setup-timeout", "1")
-    async with quic_connect(
-        "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
-    ) as peer:
-        assert isinstance(peer, RawPeer)
+    async with raw_peer(rp.port, cert_dir.ca) as peer:
         started = time.monotonic()  # QUIC handshake done; no SETUP from us
         await asyncio.wait_for(peer.terminated, 5)
         assert time.monotonic() - started < 2.5

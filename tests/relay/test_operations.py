@@ -8,7 +8,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-from aioquic.asyncio.client import connect as quic_connect
 
 from kvnet.connection import MoqtConnectionError, RequestRejected
 from proto.data import ObjectStatus
@@ -16,7 +15,14 @@ from proto.errors import PublishDoneCode, RequestErrorCode, SessionErrorCode
 from proto.events import NamespaceReceived
 from proto.messages import Location, TrackStatus, encode_message
 from tests.relay.conftest import CertDir, RelayFactory, RelayProcess
-from tests.relay.peers import NS, Publisher, RawPeer, connect_client, fetch_track, raw_config, track_objects
+from tests.relay.peers import (
+    NS,
+    Publisher,
+    connect_client,
+    fetch_track,
+    raw_peer,
+    track_objects,
+)
 
 
 async def test_session_limit(cert_dir: CertDir, relay_factory: RelayFactory) -> None:
@@ -125,10 +131,7 @@ async def test_going_away_requests_refused_after_sigterm(
     rp = relay_factory("--drain-timeout", "3")
     client = await connect_client(rp.url, str(cert_dir.ca))
     # A raw peer ignores the GOAWAY and keeps sending requests, which the relay must refuse.
-    async with quic_connect(
-        "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
-    ) as raw:
-        assert isinstance(raw, RawPeer)
+    async with raw_peer(rp.port, cert_dir.ca) as raw:
         raw.setup()
         await asyncio.sleep(0.3)
         rp.proc.send_signal(15)

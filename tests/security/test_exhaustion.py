@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-from aioquic.asyncio.client import connect as quic_connect
 
 from kvnet.connection import ConnectionLimits, MoqtConnection, RequestRejected, connect
 from kvnet.quic import TlsSettings
@@ -20,7 +19,15 @@ from proto.errors import RequestErrorCode, SessionErrorCode, StreamResetCode
 from proto.messages import Location, Publish, TrackStatus, encode_message
 from tests.nodes.cluster import SHARED_PREFIX, Cluster
 from tests.relay.conftest import CertDir, RelayFactory, RelayProcess
-from tests.relay.peers import NS, Publisher, RawPeer, connect_client, fetch_track, raw_config, track_objects
+from tests.relay.peers import (
+    NS,
+    Publisher,
+    RawPeer,
+    connect_client,
+    fetch_track,
+    raw_peer,
+    track_objects,
+)
 
 PROMPT = SHARED_PREFIX + "Question: is anyone still there?"
 RSS_LIMIT = 400 * 1024 * 1024
@@ -70,12 +77,7 @@ async def test_thousand_concurrent_sessions(
         peers: list[RawPeer] = []
 
         async def open_one() -> None:
-            peer = await stack.enter_async_context(
-                quic_connect(
-                    "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
-                )
-            )
-            assert isinstance(peer, RawPeer)
+            peer = await stack.enter_async_context(raw_peer(rp.port, cert_dir.ca))
             peer.setup()
             peers.append(peer)
 
@@ -116,12 +118,7 @@ async def test_session_limit_refuses_extra_sessions(
     async with contextlib.AsyncExitStack() as stack:
         peers = []
         for _ in range(20):
-            peer = await stack.enter_async_context(
-                quic_connect(
-                    "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
-                )
-            )
-            assert isinstance(peer, RawPeer)
+            peer = await stack.enter_async_context(raw_peer(rp.port, cert_dir.ca))
             peer.setup()
             peers.append(peer)
         await asyncio.sleep(1.0)
@@ -205,12 +202,7 @@ async def test_slowloris_streams_and_sessions(
     async with contextlib.AsyncExitStack() as stack:
 
         async def open_raw() -> RawPeer:
-            peer = await stack.enter_async_context(
-                quic_connect(
-                    "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
-                )
-            )
-            assert isinstance(peer, RawPeer)
+            peer = await stack.enter_async_context(raw_peer(rp.port, cert_dir.ca))
             return peer
 
         dribblers: list[tuple[RawPeer, list[tuple[int, bytes]]]] = []
@@ -271,10 +263,7 @@ async def test_oversized_object_declared_huge(
     rp = relay_factory("--max-object-bytes", "1048576", "--log-level", "info")
     pub, client = await start_good(rp, cert_dir.ca)
     base = rp.rss_bytes()
-    async with quic_connect(
-        "127.0.0.1", rp.port, configuration=raw_config(cert_dir.ca), create_protocol=RawPeer
-    ) as peer:
-        assert isinstance(peer, RawPeer)
+    async with raw_peer(rp.port, cert_dir.ca) as peer:
         peer.setup()
         for i, size in enumerate((1_048_577, 1 << 31, (1 << 62) - 1)):
             alias = 9 + i
