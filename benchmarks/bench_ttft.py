@@ -18,7 +18,6 @@ the same cores moves these figures a lot):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -31,18 +30,12 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import common  # noqa: E402
 
 from kvnet import certs  # noqa: E402
 from kvnet.signing import generate_keypair  # noqa: E402
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _prefix(tokens: int) -> str:
@@ -64,7 +57,7 @@ class Bench:
         certs.issue_cert(tmp / "certs", "server", ["127.0.0.1", "localhost"])
         generate_keypair(tmp / "home" / "keys", "publisher")
         self.env = {**os.environ, "KVNET_HOME": str(tmp / "home"), "PYTHONPATH": str(REPO)}
-        self.port = _free_port()
+        self.port = common.free_port()
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def spawn(self, args: list[str], name: str) -> subprocess.Popen[bytes]:
@@ -117,25 +110,14 @@ class Bench:
 def _raw_quic_mbps(certdir: Path, nbytes: int, node_stack: str | None) -> float:
     """MB/s of one raw one-way QUIC transfer of ``nbytes`` in the fetch's direction: from a server with
     the relay's transport settings to a client with the nodes' (``bench_fetch.raw_server_to_client``)."""
-    path = REPO / "benchmarks" / "bench_fetch.py"
-    spec = importlib.util.spec_from_file_location("bench_fetch", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = common.load_bench("bench_fetch")
+    assert mod is not None, "benchmarks/bench_fetch.py is needed for the raw baseline"
     from kvnet.node import NodeConfig
     from kvnet.quic import TransportSettings
 
     client = TransportSettings(stack=node_stack or NodeConfig.quic_stack)
     (rate,) = mod.raw_server_to_client(TransportSettings(), nbytes, 1, certdir, client)
     return float(rate)
-
-
-def _loadavg() -> str:
-    """1-minute load average (Linux); other work on the same cores moves every figure here."""
-    try:
-        return Path("/proc/loadavg").read_text().split()[0]
-    except OSError:
-        return "n/a"
 
 
 def main() -> int:
@@ -175,7 +157,7 @@ def main() -> int:
                 fetched.append(nbytes)
                 goodput.append(nbytes / remote["timings"]["fetch_s"] / 1e6)
                 locate.append(remote["timings"]["locate_s"])
-                loads.append(_loadavg())
+                loads.append(common.load_average().split()[0])
                 raw.append(_raw_quic_mbps(Path(d) / "certs", nbytes, args.quic_stack))
                 print(f"run {run + 1}: cold {rows['cold'][-1]:.3f}s remote {rows['remote'][-1]:.3f}s "
                       f"local {rows['local'][-1]:.3f}s remote_hit={remote['remote_hit_tokens']} "
