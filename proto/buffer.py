@@ -34,6 +34,8 @@ _VI64_LEN: Final = bytes(
 _VI64_BITS: Final = (0, 7, 14, 21, 28, 35, 42, 49, 56, 64)
 # First-byte prefix (the leading 1 bits and the terminating 0) per length.
 _VI64_PREFIX: Final = (0, 0x00, 0x80, 0xC0, 0xE0, 0xF0, 0xF8, 0xFC, 0xFE, 0xFF)
+# The one-byte encodings (values 0..127), built once.
+_VI64_ONE_BYTE: Final = tuple(bytes((value,)) for value in range(0x80))
 
 
 class BufferReadError(ValueError):
@@ -48,14 +50,15 @@ def vi64_size(value: int) -> int:
     """Length in bytes of the minimal vi64 encoding of ``value``."""
     if value < 0 or value > VI64_MAX:
         raise BufferWriteError(f"vi64 value out of range: {value}")
-    for length in range(1, 9):
-        if value < (1 << _VI64_BITS[length]):
-            return length
-    return 9
+    bits = value.bit_length()
+    # 7 value bits per byte up to 8 bytes (56 bits); the 9-byte form carries all 64.
+    return 9 if bits > 56 else max(1, (bits + 6) // 7)
 
 
 def vi64_encode(value: int, length: int | None = None) -> bytes:
     """Encode ``value`` as vi64, minimally unless an explicit (valid, maybe longer) ``length`` is given."""
+    if length is None and 0 <= value < 0x80:
+        return _VI64_ONE_BYTE[value]  # request ids, lengths and counts are mostly this small
     minimal = vi64_size(value)
     if length is None:
         length = minimal

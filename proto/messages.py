@@ -527,6 +527,9 @@ def _decode_filter(data: bytes) -> SubscriptionFilter:
 
 
 def _push_parameters(buf: Buffer, params: MessageParameters, allowed: frozenset[ParameterType]) -> None:
+    if params is NO_PARAMETERS:
+        buf.push_vi64(0)  # most requests carry none: skip looking at every parameter type
+        return
     entries: list[tuple[ParameterType, object]] = []
     for ptype, (name, _kind) in _PARAM_SPECS.items():
         value = getattr(params, name)
