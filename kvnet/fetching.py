@@ -212,8 +212,12 @@ async def locate_prefix(
         )
         for r, probed in asks.items():
             searches[r].record(probed, {i: hit is True for i, hit in answers[r].items()})
-    run = max((s.run for s in searches.values()), default=0)
-    available = [[r for r, s in searches.items() if i < s.run] for i in range(run)]
+    # Per block, the renditions whose run covers it: one list per stretch between two runs' ends, not
+    # one comprehension per block (4096 blocks made that a millisecond after the last answer).
+    available: list[list[str]] = []
+    for end in sorted({s.run for s in searches.values()}):
+        holders = [r for r, s in searches.items() if s.run >= end]
+        available.extend(holders.copy() for _ in range(end - len(available)))
     return Located(
         available=available, blocks=blocks, probes=sum(s.probes for s in searches.values()),
         rounds=max((s.rounds for s in searches.values()), default=0), fan_out=fan_out,
