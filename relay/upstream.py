@@ -286,6 +286,25 @@ class RoutedUpstream:
             asked.append(src.name)
             running[asyncio.get_running_loop().create_task(ask(src))] = src
 
+        if len(queue) == 1:
+            # One candidate (the usual case: one publisher, or one origin relay): there is nobody to
+            # race, so ask it in this task instead of a task of its own plus a wait per request.
+            src = queue[0]
+            try:
+                async with asyncio.timeout(self._timeout):
+                    answer = await ask(src)
+            except TimeoutError:
+                raise RequestFailed(RequestErrorCode.TIMEOUT, f"no {kind} answer from {src.name}") from None
+            except RequestRejected as rejected:
+                src.slow = False
+                raise RequestFailed(rejected.code, rejected.reason, rejected.retry_interval) from None
+            except (_NoRoute, ConnectionClosed, StreamResetError):
+                raise RequestFailed(
+                    RequestErrorCode.DOES_NOT_EXIST, "no publisher or upstream relay for this track"
+                ) from None
+            src.slow = False
+            return src, answer
+
         try:
             while True:
                 if not running:
