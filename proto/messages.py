@@ -526,26 +526,32 @@ def _decode_filter(data: bytes) -> SubscriptionFilter:
     return SubscriptionFilter(ftype, start, end)
 
 
+# The same, flattened with plain int types for the encoder's loop (enum members cost more per access).
+_PARAM_FIELDS: Final = tuple((int(ptype), name, kind) for ptype, (name, kind) in _PARAM_SPECS.items())
+_TOKEN_PARAM: Final = int(ParameterType.AUTHORIZATION_TOKEN)
+
+
 def _push_parameters(buf: Buffer, params: MessageParameters, allowed: frozenset[ParameterType]) -> None:
     if params is NO_PARAMETERS:
         buf.push_vi64(0)  # most requests carry none: skip looking at every parameter type
         return
-    entries: list[tuple[ParameterType, object]] = []
-    for ptype, (name, _kind) in _PARAM_SPECS.items():
+    entries: list[tuple[int, str, object]] = []
+    for ptype, name, kind in _PARAM_FIELDS:  # ascending type order, as the delta encoding needs
         value = getattr(params, name)
-        if ptype == ParameterType.AUTHORIZATION_TOKEN:
-            entries.extend((ptype, token) for token in value)
-        elif value is not None:
-            entries.append((ptype, value))
-    for ptype, _value in entries:
+        if value is None:
+            continue
+        if ptype == _TOKEN_PARAM:
+            entries.extend((ptype, kind, token) for token in value)
+        else:
+            entries.append((ptype, kind, value))
+    for ptype, _kind, _value in entries:
         if ptype not in allowed:
-            raise UsageError(f"parameter {ptype.name} is not allowed in this message")
+            raise UsageError(f"parameter {ParameterType(ptype).name} is not allowed in this message")
     buf.push_vi64(len(entries))
     previous = 0
-    for ptype, value in entries:  # _PARAM_SPECS is in ascending type order
+    for ptype, kind, value in entries:
         buf.push_vi64(ptype - previous)
         previous = ptype
-        kind = _PARAM_SPECS[ptype][1]
         if kind == "varint":
             assert isinstance(value, int)
             buf.push_vi64(value)
@@ -589,12 +595,12 @@ def _pull_parameters(buf: Buffer, allowed: frozenset[ParameterType]) -> MessageP
         ptype += delta
         if ptype > VI64_MAX:
             raise ProtocolViolation("parameter type larger than 2^64-1")
-        if ptype not in _PARAM_SPECS_BY_INT:
+        spec = _PARAM_SPECS_BY_INT.get(ptype)
+        if spec is None:
             raise ProtocolViolation(f"unknown parameter type {ptype:#x}")
-        known = ParameterType(ptype)
+        known, name, kind = spec
         if known not in allowed:
             raise ProtocolViolation(f"parameter {known.name} is not allowed in this message")
-        name, kind = _PARAM_SPECS[known]
         if kind == "varint":
             values[name] = buf.pull_vi64()
         elif kind == "uint8":
@@ -620,7 +626,8 @@ def _pull_parameters(buf: Buffer, allowed: frozenset[ParameterType]) -> MessageP
     return MessageParameters(authorization_tokens=tuple(tokens), **values)  # type: ignore[arg-type]
 
 
-_PARAM_SPECS_BY_INT: Final = frozenset(int(t) for t in _PARAM_SPECS)
+# Wire type -> (type, field name, value encoding), so decoding a parameter needs no enum lookup.
+_PARAM_SPECS_BY_INT: Final = {int(t): (t, name, kind) for t, (name, kind) in _PARAM_SPECS.items()}
 
 
 def _allowed(*types: ParameterType) -> frozenset[ParameterType]:
