@@ -680,7 +680,7 @@ class Relay:
     def upstream_for(self, key: TrackKey, requester: Peer) -> RoutedUpstream:
         lim = self.config.limits
         return RoutedUpstream(
-            self.candidates(key, requester), lim.upstream_timeout, self.metrics, lim.route_timeout
+            lambda: self.candidates(key, requester), lim.upstream_timeout, self.metrics, lim.route_timeout
         )
 
     def forget_peer(self, peer: Peer) -> None:

@@ -248,12 +248,13 @@ class RoutedUpstream:
 
     def __init__(
         self,
-        candidates: Sequence[Source],
+        candidates: Callable[[], Sequence[Source]],
         timeout: float,
         metrics: Metrics,
         route_timeout: float = 0.0,
     ) -> None:
-        self._candidates = list(candidates)
+        # Looked up when a request first goes upstream: most requests are answered from the cache.
+        self._find_candidates = candidates
         self._timeout = timeout
         self._route_timeout = route_timeout
         self._metrics = metrics
@@ -269,7 +270,7 @@ class RoutedUpstream:
         REQUEST_ERROR is final (``RequestFailed`` with its code)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout
-        queue = list(self._candidates)
+        queue = list(self._find_candidates())
         running: dict[asyncio.Task[_T], Source] = {}
         last: RequestFailed | None = None
         asked: list[str] = []
