@@ -2,12 +2,16 @@
 bounded fan-out search with TRACK_STATUS probes) over one ``MoqtConnection`` through kvnet's userspace
 link emulator, N = 16 .. 4096 blocks.
 
-The publisher holds the first half of the N blocks, so the search has to find a boundary in the middle:
+The publisher (kvnet's own ``BlockServer`` over a ``BlockStore``) holds the first half of the N blocks, so
+the search has to find a boundary in the middle:
 round 1 probes ``--fan-out`` blocks spread over the chain, round 2 every block of the one gap that holds
 the boundary (N <= fan-out: one round of N probes). ``--mode all`` is the former locate for comparison:
 one TRACK_STATUS per block, all at once. Processes: the publisher (a child process), the link emulator
 (``kvnet linkemu``, a child process) and, with ``--relay``, a ``kvnet-relay`` process between them; the
 subscriber is this process. The publisher answers in its own process so that each side has its own core.
+With ``--relay --push`` the publisher first PUBLISHes its blocks into the relay's cache, as nodes do by
+default, so the relay answers the hits itself and forwards only the misses; without ``--push`` the relay's
+cache is cold and every probe goes on to the publisher.
 
 Two RTTs are measured (``--rtts-ms``, default 20 and 120): the locate time divided by the RTT counts
 CPU time as round trips too, so the round-trip count is also given as the slope of locate time over
@@ -15,6 +19,7 @@ RTT between the two links, which is what a longer RTT really costs (the CPU part
 
     python benchmarks/bench_locate.py --blocks 16,256,1024,4096 --runs 3
     python benchmarks/bench_locate.py --relay            # subscriber -> link -> relay -> publisher
+    python benchmarks/bench_locate.py --relay --push     # blocks pushed into the relay first (node default)
     python benchmarks/bench_locate.py --relay --mode all # the former one-request-per-block locate
 """
 
@@ -38,58 +43,64 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
 from kvnet import quic
-from kvnet.connection import (
-    IncomingPublishNamespace,
-    IncomingTrackStatus,
-    MoqtConnection,
-    RequestRejected,
-    connect,
-    serve,
-)
+from kvnet.blockstore import BlockStore, StoredBlock
+from kvnet.connection import MoqtConnection, RequestRejected, connect, serve
 from kvnet.fetching import DEFAULT_LOCATE_FAN_OUT, locate_prefix
+from kvnet.publishing import BlockServer
 from proto.errors import RequestErrorCode
+from proto.kvobject import block_track
 
-NS = (b"kvnet", b"bench-locate")
 BLOCKS = (16, 64, 256, 1024, 4096)
+FINGERPRINT = bytes(range(32))
+TENANT = "bench"
+RENDITION = "lossless"
 
 
-def track_name(i: int) -> bytes:
-    return b"block-%08d" % i
+def block_hash(i: int) -> bytes:
+    return i.to_bytes(32, "big")
 
 
-def holds(name: bytes, cached: int) -> bool:
-    return name.startswith(b"block-") and int(name[6:]) < cached
+def track(i: int) -> tuple[tuple[bytes, ...], bytes]:
+    """Full Track Name of block ``i``, as a node names it."""
+    return block_track(FINGERPRINT, TENANT, block_hash(i), RENDITION)
 
 
 # ---------------------------------------------------------------- publisher (child process)
 
 
-async def _answer(conn: MoqtConnection, cached: int) -> None:
-    async for req in conn.incoming_requests():
-        if isinstance(req, IncomingTrackStatus):
-            if holds(req.event.track_name, cached):
-                req.respond()
-            else:
-                req.reject(RequestErrorCode.DOES_NOT_EXIST, "not cached")
-        elif isinstance(req, IncomingPublishNamespace):
-            req.accept()
-        else:
-            req.reject(RequestErrorCode.NOT_SUPPORTED, "bench publisher answers TRACK_STATUS only")
+def _blocks(cached: int) -> list[StoredBlock]:
+    """Blocks 0 .. cached-1, each a one-layer block of two small objects (a locate only asks whether a
+    block exists; the bytes matter to FETCH, measured elsewhere)."""
+    return [StoredBlock(block_hash(i), RENDITION, (b"manifest", b"layer 0")) for i in range(cached)]
+
+
+def _block_server(conn: MoqtConnection, blocks: list[StoredBlock]) -> BlockServer:
+    """kvnet's publisher, serving ``blocks``."""
+    store = BlockStore(max_bytes=1 << 30)
+    for block in blocks:
+        store.put(block)
+    return BlockServer(conn, store, FINGERPRINT, TENANT, num_layers=1)
 
 
 async def _publisher_main(settings: quic.TransportSettings, certdir: Path, cached: int, port: int,
-                          relay_url: str | None) -> None:
+                          relay_url: str | None, push: bool) -> None:
     stop = asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # parent closes stdin
+    blocks = _blocks(cached)
     if relay_url is None:
         server = await serve("127.0.0.1", port, settings, quic.TlsSettings.from_dir(certdir, "server"),
-                             lambda conn: _answer(conn, cached))
+                             lambda conn: _block_server(conn, blocks).serve())
         print("ready", flush=True)
         await stop
         await server.close()
         return
     async with connect(relay_url, settings, quic.TlsSettings.from_dir(certdir, None)) as conn:
-        await conn.publish_namespace(NS)
-        task = asyncio.create_task(_answer(conn, cached))
+        server = _block_server(conn, blocks)
+        await server.announce()
+        task = asyncio.create_task(server.serve())
+        if push:
+            pushed = await server.push(blocks)
+            if pushed != cached:
+                raise RuntimeError(f"the relay took {pushed} of {cached} pushed blocks")
         print("ready", flush=True)
         await stop
         task.cancel()
@@ -114,8 +125,9 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 @contextlib.contextmanager
 def topology(settings: quic.TransportSettings, certdir: Path, cached: int, rtt_ms: float,
-             relay: bool) -> Iterator[str]:
-    """Start (relay,) publisher and link emulator; yields the URL the subscriber connects to."""
+             relay: bool, push: bool = False) -> Iterator[str]:
+    """Start (relay,) publisher and link emulator; yields the URL the subscriber connects to. ``push``:
+    the publisher PUBLISHes its blocks into the relay before it reports ready."""
     procs: list[subprocess.Popen[Any]] = []
     try:
         relay_url = None
@@ -132,7 +144,7 @@ def topology(settings: quic.TransportSettings, certdir: Path, cached: int, rtt_m
         cmd = [__file__, "--serve", "--settings", json.dumps({"stack": settings.stack}), "--certdir",
                str(certdir), "--cached", str(cached), "--port", str(target)]
         if relay_url:
-            cmd += ["--relay-url", relay_url]
+            cmd += ["--relay-url", relay_url] + (["--push"] if push else [])
         pub = _spawn(cmd)
         procs.append(pub)
         assert pub.stdout is not None
@@ -155,18 +167,19 @@ def topology(settings: quic.TransportSettings, certdir: Path, cached: int, rtt_m
 
 def locate_round_trips(settings: quic.TransportSettings, blocks: list[int], runs: int = 3,
                        rtts_ms: tuple[float, float] = (20.0, 120.0), relay: bool = False,
-                       certdir: Path | None = None, fan_out: int | None = DEFAULT_LOCATE_FAN_OUT
-                       ) -> dict[str, Any]:
+                       certdir: Path | None = None, fan_out: int | None = DEFAULT_LOCATE_FAN_OUT,
+                       push: bool = False) -> dict[str, Any]:
     """Per N: locate seconds (every run) at each RTT, RTTs = time / RTT at each, the slope estimate
     (time(rtt2) - time(rtt1)) / (rtt2 - rtt1) of medians, and the probes and rounds of one locate.
-    ``fan_out`` None: every block probed at once (the former locate)."""
+    ``fan_out`` None: every block probed at once (the former locate). ``push`` (with ``relay``): the
+    blocks are in the relay's cache, as after a node's push."""
     if certdir is None:
         with common.test_certificates() as tmp:
-            return locate_round_trips(settings, blocks, runs, rtts_ms, relay, tmp, fan_out)
+            return locate_round_trips(settings, blocks, runs, rtts_ms, relay, tmp, fan_out, push)
     times: dict[float, dict[int, list[float]]] = {}
     cost: dict[int, tuple[int, int]] = {}
     for rtt in rtts_ms:
-        with topology(settings, certdir, max(blocks) // 2, rtt, relay) as url:
+        with topology(settings, certdir, max(blocks) // 2, rtt, relay, push) as url:
             times[rtt] = asyncio.run(
                 _measure(url, settings, certdir, blocks, runs, max(blocks) // 2, fan_out, cost)
             )
@@ -195,7 +208,7 @@ async def _measure(url: str, settings: quic.TransportSettings, certdir: Path, bl
 
         async def one(i: int) -> bool:
             try:
-                await conn.track_status(NS, track_name(i))
+                await conn.track_status(*track(i))
                 return True
             except RequestRejected as exc:
                 if exc.code != RequestErrorCode.DOES_NOT_EXIST:
@@ -207,7 +220,7 @@ async def _measure(url: str, settings: quic.TransportSettings, certdir: Path, bl
             first = cached - n // 2
 
             async def probe(i: int, _rendition: str, first: int = first) -> None:
-                await conn.track_status(NS, track_name(first + i))
+                await conn.track_status(*track(first + i))
 
             times = []
             for _ in range(runs):
@@ -234,6 +247,8 @@ def main() -> int:
     ap.add_argument("--rtts-ms", default="20,120")
     ap.add_argument("--stack", default=quic.DEFAULT_STACK, choices=quic.STACKS)
     ap.add_argument("--relay", action="store_true", help="through a kvnet-relay process")
+    ap.add_argument("--push", action="store_true",
+                    help="with --relay: the publisher pushes its blocks into the relay's cache first")
     ap.add_argument("--mode", default="search", choices=["search", "all"],
                     help="search: bounded fan-out locate (kvnet's); all: one TRACK_STATUS per block at once")
     ap.add_argument("--fan-out", type=int, default=DEFAULT_LOCATE_FAN_OUT, help="probes per round (search)")
@@ -246,16 +261,20 @@ def main() -> int:
     args = ap.parse_args()
     if args.serve:
         settings = quic.TransportSettings(**json.loads(args.settings))
-        asyncio.run(_publisher_main(settings, args.certdir, args.cached, args.port, args.relay_url))
+        asyncio.run(
+            _publisher_main(settings, args.certdir, args.cached, args.port, args.relay_url, args.push)
+        )
         return 0
     blocks = [int(x) for x in args.blocks.split(",") if x]
     r1, r2 = (float(x) for x in args.rtts_ms.split(","))
     settings = quic.TransportSettings(stack=args.stack)
     fan_out = args.fan_out if args.mode == "search" else None
     mode = f"search, fan-out {fan_out}" if fan_out else "all at once"
-    print(f"locate ({mode}) via {'relay' if args.relay else 'direct'}, stack {args.stack}, median of "
+    path = ("relay, blocks pushed" if args.push else "relay, cache cold") if args.relay else "direct"
+    print(f"locate ({mode}) via {path}, stack {args.stack}, median of "
           f"{args.runs}, cores={os.cpu_count()}, load {common.load_average()}", flush=True)
-    res = locate_round_trips(settings, blocks, args.runs, (r1, r2), args.relay, fan_out=fan_out)
+    res = locate_round_trips(settings, blocks, args.runs, (r1, r2), args.relay, fan_out=fan_out,
+                             push=args.push)
     heads = [f"ms @{r1:g}", f"RTTs @{r1:g}", f"ms @{r2:g}", f"RTTs @{r2:g}", "slope RTTs", "probes", "rounds"]
     print(f"{'blocks':>7} " + " ".join(f"{h:>10}" for h in heads))
     for n, row in res["per_n"].items():

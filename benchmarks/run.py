@@ -18,7 +18,8 @@ missing, or that fails, is recorded as skipped with the reason and the others st
   fanout   one publisher, 1/2/4/8 subscribers through a relay: FETCH cold and warm, SUBSCRIBE
            (bench_relay.run_relay_scenarios)
   locate   locate latency in round trips for 16..4096 blocks through the link emulator at 20 and
-           120 ms RTT, direct and through a relay (bench_locate.locate_round_trips)
+           120 ms RTT, direct and through a relay, with the blocks pushed into its cache and with a cold
+           cache (bench_locate.locate_round_trips)
   micro    hashing ns/token, codec MB/s and ratio, paged-cache import vs torch copy, sans-I/O session
            data path (bench_micro.run)
   scale    relay memory and CPU per 1k idle sessions and per 100k cached objects (bench_scale)
@@ -158,15 +159,15 @@ def suite_locate(res: common.SuiteResult, quick: bool) -> None:
     blocks = [16, 256, 1024] if quick else [16, 64, 256, 1024, 4096]
     runs = 3
     settings = quic.TransportSettings()
-    for relay in (False, True):
+    # direct; relay with the blocks pushed into its cache (the nodes' default); relay with a cold cache
+    for path, relay, push in (("direct", False, False), ("relay", True, True), ("relay-cold", True, False)):
         try:
-            out = bl.locate_round_trips(settings, blocks, runs, (20.0, 120.0), relay)
-        except Exception as exc:  # the relay path is optional; record why it did not run
+            out = bl.locate_round_trips(settings, blocks, runs, (20.0, 120.0), relay, push=push)
+        except Exception as exc:  # the relay paths are optional; record why they did not run
             if not relay:
                 raise
-            res.skip(f"locate through the relay: {type(exc).__name__}: {exc}")
+            res.skip(f"locate through the relay ({path}): {type(exc).__name__}: {exc}")
             continue
-        path = "relay" if relay else "direct"
         for n, row in out["per_n"].items():
             res.add(f"locate {path} N={n} @20ms", row["seconds"]["20.0"], "s",
                     f"{row['rtts_at']['20.0']:.2f} RTTs of 20 ms")
