@@ -599,8 +599,10 @@ class MoqtSession:
         self._peer_requests_open = 0
         self._pending_alias: dict[int, list[_IncomingStream]] = {}
         """Subgroup streams waiting for the SUBSCRIBE_OK / PUBLISH that defines their Track Alias."""
-        self._sub_tracks: OrderedDict[int, _SubscribedTrack] = OrderedDict()
+        self._sub_tracks: dict[int, _SubscribedTrack] = {}
         """Subscriber side: Track Alias -> subscription (active ones and recently ended ones)."""
+        self._retired_sub_aliases: OrderedDict[int, None] = OrderedDict()
+        """Aliases of ended subscriptions in the order they ended, so the oldest are forgotten first."""
         self._pub_aliases: dict[int, int] = {}
         """Publisher side: Track Alias we assigned -> Request ID of the subscription."""
         self._outgoing: dict[int, _OutgoingSubgroup] = {}
@@ -1450,7 +1452,7 @@ class MoqtSession:
         if req.track_alias is not None:
             track = self._sub_tracks.get(req.track_alias)
             if track is not None and track.request_id == req.request_id:
-                track.established = False
+                self._retire_sub_track(req.track_alias, track)
         self._maybe_forget(req)
 
     def _abort_request(self, req: _Request, code: int) -> None:
@@ -1489,7 +1491,8 @@ class MoqtSession:
             if req.track_alias is not None:
                 track = self._sub_tracks.get(req.track_alias)
                 if track is not None and track.request_id == req.request_id:
-                    track.active = track.established = False
+                    track.active = False
+                    self._retire_sub_track(req.track_alias, track)
         if req.local and req.kind == _FETCH:
             req.fetch_data_done = True
 
@@ -1987,11 +1990,19 @@ class MoqtSession:
             raise DuplicateTrackAlias(f"Track Alias {track_alias} is already used for another track")
         req.track_alias = track_alias
         self._sub_tracks[track_alias] = _SubscribedTrack(req.request_id, req.full_track_name)
-        self._sub_tracks.move_to_end(track_alias)
-        # Forget the oldest ended subscriptions beyond the configured memory (dict order is age).
-        ended = [alias for alias, t in self._sub_tracks.items() if not t.established]
-        for alias in ended[: max(0, len(ended) - self.config.max_retired_aliases)]:
-            del self._sub_tracks[alias]
+        self._retired_sub_aliases.pop(track_alias, None)  # bound again: live, not retired
+
+    def _retire_sub_track(self, track_alias: int, track: _SubscribedTrack) -> None:
+        """A subscription ended: keep its alias a while, so its late objects are dropped quietly, and
+        forget the oldest ended ones beyond ``max_retired_aliases``. O(1) per subscription: a scan of
+        every alias per PUBLISH made a publisher pushing N tracks on one session cost O(N^2)."""
+        track.established = False
+        self._retired_sub_aliases[track_alias] = None
+        while len(self._retired_sub_aliases) > self.config.max_retired_aliases:
+            alias, _ = self._retired_sub_aliases.popitem(last=False)
+            retired = self._sub_tracks.get(alias)
+            if retired is not None and not retired.established:
+                del self._sub_tracks[alias]
 
     def _release_pending_alias(self, track_alias: int) -> None:
         for stream in self._pending_alias.pop(track_alias, []):

@@ -583,3 +583,21 @@ def test_handled_peer_streams_stay_bounded_and_forget_the_smallest_ids() -> None
     for i in range(24, 4000, 4):
         seen.add(i)
     assert [i for i in range(0, 4000, 4) if i in seen] == [3984, 3988, 3992, 3996]
+
+
+def test_ended_pushes_are_remembered_up_to_the_limit_oldest_first() -> None:
+    # A publisher pushing many tracks on one session (a node filling a relay): each ended PUBLISH keeps
+    # its alias for late objects, at most max_retired_aliases of them, the oldest forgotten first.
+    pair = make_pair(max_retired_aliases=4)
+    for alias in range(1, 41):
+        rid = pair.server.publish(NS, b"block-%d" % alias, track_alias=alias)
+        pair.run()
+        pair.client.accept_request(rid)
+        sid = pair.server.open_subgroup(alias, 0, 0)
+        pair.server.send_subgroup_object(sid, 0, b"kv", end_stream=True)
+        pair.server.publish_done(rid, PublishDoneCode.TRACK_ENDED, "complete")
+        pair.run()
+    assert len(of_type(pair.client_events, ObjectReceived)) == 40
+    assert len(of_type(pair.client_events, PublishDoneReceived)) == 40
+    assert sorted(pair.client._sub_tracks) == [37, 38, 39, 40]
+    assert pair.client.closed is None and pair.server.closed is None
