@@ -22,6 +22,7 @@ from kvnet.connection import (
     connect,
     serve,
 )
+from kvnet.linkemu import EmulatorConfig, LinkEmulator
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode
 from proto.messages import Location, MessageParameters
@@ -349,6 +350,37 @@ async def test_keepalive_holds_an_idle_session_and_a_dead_peer_is_noticed(
     try:
         conn = await connect(f"moqt://127.0.0.1:{server.address[1]}", quiet, tls)
         await asyncio.wait_for(conn.wait_session_closed(), 5)
+    finally:
+        await server.close()
+
+
+async def test_keepalive_is_the_clients_job_and_the_server_covers_a_silent_client(
+    pki: Path, settings: quic.TransportSettings
+) -> None:
+    # Counted on the wire through the link emulator (no shaping): with keep-alive on both sides an idle
+    # session carries one PING and one ACK per interval, not a PING and an ACK from each side.
+    live = quic.TransportSettings(stack=settings.stack, idle_timeout=1.0, keepalive_interval=0.25)
+    server = await serve("127.0.0.1", 0, live, quic.TlsSettings.from_dir(pki, "server"), _publisher)
+    tls = quic.TlsSettings.from_dir(pki, None)
+    try:
+        config = EmulatorConfig(listen=("127.0.0.1", 0), target=("127.0.0.1", server.address[1]))
+        async with (
+            LinkEmulator(config) as emu,
+            connect(f"moqt://127.0.0.1:{emu.listen_address[1]}", live, tls) as conn,
+        ):
+            await asyncio.sleep(0.5)  # past the handshake's own packets
+            stats = emu.stats()
+            before = stats["upstream"].forwarded + stats["downstream"].forwarded
+            await asyncio.sleep(2.0)  # 8 intervals
+            idle_datagrams = stats["upstream"].forwarded + stats["downstream"].forwarded - before
+            assert not conn.is_closed
+        assert 8 <= idle_datagrams <= 24  # ~16 (PING + ACK per interval); both sides pinging made ~32
+        # A client without keep-alive (another implementation, say) is kept alive by the server's PINGs.
+        quiet = quic.TransportSettings(stack=settings.stack, idle_timeout=1.0, keepalive_interval=0)
+        async with connect(f"moqt://127.0.0.1:{server.address[1]}", quiet, tls) as conn:
+            await asyncio.sleep(3.0)  # three idle timeouts
+            assert not conn.is_closed
+            assert (await conn.track_status(NS, b"blocks")).request_id >= 0
     finally:
         await server.close()
 
