@@ -19,7 +19,7 @@ import functools
 import gc
 import logging
 import socket
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from dataclasses import dataclass
 from types import TracebackType
@@ -426,6 +426,10 @@ class MoqtConnection(_ProtocolBase):
         """The peer's control-stream GOAWAY, once received."""
         self.goaway_event = asyncio.Event()
         self.other_events: deque[me.MoqtEvent] = deque(maxlen=1024)
+        self.refused_requests: Counter[str] = Counter()
+        """Peer requests refused for a limit before the application saw them, by limit:
+        ``requests_in_flight`` (the session's ``max_requests_in_flight``) and ``incoming_queue``
+        (``ConnectionLimits.max_incoming_queue``)."""
         """Events no helper consumes (NAMESPACE, PUBLISH_BLOCKED, ...), newest kept."""
         self._log = logging.LoggerAdapter(logger, {"cid": quic.host_cid.hex()[:8]})
         self._headers = _RequestHeaderWatch(self) if self.limits.request_header_timeout else None
@@ -600,6 +604,7 @@ class MoqtConnection(_ProtocolBase):
                 if (buffered := self._streams.pop(req.request_id, None)) is not None:
                     buffered._finish(None)
                 self.session.reject_request(req.request_id, RequestErrorCode.EXCESSIVE_LOAD, "queue full")
+                self.refused_requests["incoming_queue"] += 1
                 self._pump()
                 return
             self._remember_incoming(req)
@@ -655,6 +660,9 @@ class MoqtConnection(_ProtocolBase):
             self._resolve(ev.request_id, ev)
         elif isinstance(ev, me.TrackStatusOkReceived | me.RequestOkReceived | me.PublishOkReceived):
             self._resolve(ev.request_id, ev)
+        elif isinstance(ev, me.RequestRefused):
+            if ev.error_code == RequestErrorCode.EXCESSIVE_LOAD:
+                self.refused_requests["requests_in_flight"] += 1
         elif isinstance(ev, me.RequestCancelled):
             if (inc := self._incoming_by_id.pop(ev.request_id, None)) is not None:
                 inc.cancelled.set()

@@ -44,6 +44,7 @@ __all__ = [
     "RequestCancelled",
     "RequestErrorReceived",
     "RequestOkReceived",
+    "RequestRefused",
     "RequestUpdateReceived",
     "SessionTerminated",
     "SetupCompleted",
@@ -372,6 +373,18 @@ class RequestCancelled(MoqtEvent):
     """Request ID of the cancelled request."""
     error_code: int | None
     """Stream Reset Error Code (StreamResetCode value or unknown), None for a FIN."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRefused(MoqtEvent):
+    """The session answered a peer request with REQUEST_ERROR itself, without reporting the request:
+    over ``SessionConfig.max_requests_in_flight`` (EXCESSIVE_LOAD) or after GOAWAY (GOING_AWAY). For
+    counting; there is nothing to answer."""
+
+    request_id: int
+    error_code: int
+    """Request Error Code sent."""
+    reason: str
 
 
 # -- objects ------------------------------------------------------------------------------------

@@ -82,6 +82,7 @@ from .events import (
     RequestCancelled,
     RequestErrorReceived,
     RequestOkReceived,
+    RequestRefused,
     RequestUpdateReceived,
     SessionTerminated,
     SetupCompleted,
@@ -1392,6 +1393,7 @@ class MoqtSession:
     def _auto_reject(self, req: _Request, code: RequestErrorCode, reason: str, retry: int) -> None:
         self._send_on_request(req, RequestError(int(code), retry, reason))
         self._end_request(req)
+        self._events.append(RequestRefused(req.request_id, int(code), reason))
 
     def _on_request_goaway(self, req: _Request, msg: Goaway) -> None:
         if req.peer_goaway:

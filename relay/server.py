@@ -107,6 +107,8 @@ class Peer:
         self._cut_at: float | None = None
         self.header_timeouts = 0
         """Request-header timeouts of this session already counted in the metrics."""
+        self.refusals_counted: dict[str, int] = {}
+        """``conn.refused_requests`` already counted in the metrics, by limit."""
         self.slow = False
         """As a route: it let a forwarded request pass the route deadline (``relay.upstream.Source``)."""
         self._aliases = itertools.count(1)
@@ -582,6 +584,12 @@ class Relay:
         if n > peer.header_timeouts:
             self.metrics.inc("request_header_timeouts_total", n - peer.header_timeouts)
             peer.header_timeouts = n
+        # Requests the session (or its connection) refused for a limit before they reached us.
+        for limit, total in peer.conn.refused_requests.items():
+            new = total - peer.refusals_counted.get(limit, 0)
+            if new > 0:
+                self.metrics.inc("limit_rejections_total", new, labels={"limit": f"session_{limit}"})
+                peer.refusals_counted[limit] = total
 
     def _register_metrics(self) -> None:
         m = self.metrics

@@ -65,6 +65,29 @@ async def test_global_request_cap_refuses_floods_but_serves_a_light_session(
             await c.close_session()
 
 
+async def test_session_request_limit_refusals_are_counted(
+    cert_dir: CertDir, relay_factory: RelayFactory
+) -> None:
+    # The per-session cap is enforced by the session itself, before the relay sees the request; the
+    # refusals still show in the relay's metrics.
+    rp = relay_factory("--max-requests-per-session", "4")
+    tracks = {f"t{i}".encode(): track_objects(f"t{i}".encode()) for i in range(10)}
+    pub = await Publisher(await connect_client(rp.url, str(cert_dir.ca)), tracks).start()
+    client = await connect_client(rp.url, str(cert_dir.ca))
+    try:
+        pub.fetch_delay = 1.0  # the first fetches hold the session's slots
+        fetches = (fetch_track(client, name, 4) for name in tracks)
+        results = await asyncio.gather(*fetches, return_exceptions=True)
+        refused = [r for r in results if isinstance(r, RequestRejected)]
+        assert refused and all(r.code == RequestErrorCode.EXCESSIVE_LOAD for r in refused), results
+        assert any(isinstance(r, list) for r in results), results
+        name = 'kvnet_relay_limit_rejections_total{limit="session_requests_in_flight"}'
+        assert await wait_metric(rp, name, len(refused), 5) == len(refused)
+    finally:
+        await pub.stop()
+        await client.close_session()
+
+
 async def test_global_buffered_bytes_cap_cuts_the_biggest_holder(
     cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
