@@ -12,6 +12,8 @@ Differences handled here (aioquic 1.7 / qh3 2.x):
   aioquic uses it from the first packet and silently stalls above 16384.
 - Receive path: qh3's client transport reads batches with GRO and calls ``datagrams_received(list)``,
   never ``datagram_received``; a protocol must hook both.
+- Transmits: aioquic's protocol transmits after every received datagram (a walk over all open
+  streams each time); ``arm_timer`` lets ``kvnet.connection`` transmit every few datagrams instead.
 - Send buffer: aioquic keeps every unacknowledged byte in the stream's sender buffer; qh3 reports bytes
   not yet sent once (``get_send_buffer_size``). Both work as a back-pressure measure.
 - Stream limits: neither has a setting (aioquic grants 128 concurrent peer streams, qh3 100), so we raise
@@ -154,6 +156,25 @@ _QH3_CORE_MAX_STREAMS_BIDI = 21
 _QH3_CORE_MAX_STREAMS_UNI = 22
 _CORE = "QuicConnectionCore"
 _PARAMS = "QuicTransportParameters"
+
+
+def window_limited(quic: Any) -> bool:
+    """aioquic: whether the congestion window has no room for another full datagram."""
+    loss = quic._loss
+    return bool(loss.bytes_in_flight + quic._max_datagram_size > loss.congestion_window)
+
+
+def arm_timer(protocol: Any) -> None:
+    """aioquic: re-arm a protocol's QUIC timer as its ``transmit()`` does, without building packets, for
+    a receiver that transmits only every few datagrams (``kvnet.connection``): the ACK-delay and loss
+    timers must still fire when a burst ends between two transmits."""
+    timer_at = protocol._quic.get_timer()
+    if protocol._timer is not None and protocol._timer_at != timer_at:
+        protocol._timer.cancel()
+        protocol._timer = None
+    if protocol._timer is None and timer_at is not None:
+        protocol._timer = protocol._loop.call_at(timer_at, protocol._handle_timer)
+    protocol._timer_at = timer_at
 
 
 def _set(module: Any, name: str, value: Any) -> None:
