@@ -433,11 +433,11 @@ class MoqtConnection(_ProtocolBase):
         """The peer's control-stream GOAWAY, once received."""
         self.goaway_event = asyncio.Event()
         self.other_events: deque[me.MoqtEvent] = deque(maxlen=1024)
+        """Events no helper consumes (NAMESPACE, PUBLISH_BLOCKED, ...), newest kept."""
         self.refused_requests: Counter[str] = Counter()
         """Peer requests refused for a limit before the application saw them, by limit:
         ``requests_in_flight`` (the session's ``max_requests_in_flight``) and ``incoming_queue``
         (``ConnectionLimits.max_incoming_queue``)."""
-        """Events no helper consumes (NAMESPACE, PUBLISH_BLOCKED, ...), newest kept."""
         self._log = logging.LoggerAdapter(logger, {"cid": quic.host_cid.hex()[:8]})
         self._headers = _RequestHeaderWatch(self) if self.limits.request_header_timeout else None
         self._last_receive = loop.time()
