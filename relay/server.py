@@ -549,8 +549,9 @@ class Relay:
                 logger.exception("sweep failed")
 
     def sweep(self, now: float) -> None:
-        """One pass over the sessions: idle ones are closed, slow readers cut off, header timeouts
-        counted; then, over ``max_buffered_bytes``, the sessions holding the most are cut off first."""
+        """One pass over the sessions: idle ones are closed, slow readers cut off, header timeouts and
+        the sessions' own refusals counted; then, over ``max_buffered_bytes``, the sessions holding the
+        most are cut off first."""
         lim = self.config.limits
         total = 0
         held: list[tuple[int, Peer]] = []
@@ -558,7 +559,7 @@ class Relay:
             conn = peer.conn
             if conn.is_closed:
                 continue
-            self._count_header_timeouts(peer)
+            self._count_session_refusals(peer)
             idle = now - peer.last_active
             if lim.session_idle_timeout and peer.requests.used == 0 and idle >= lim.session_idle_timeout:
                 peer.close_for("idle_timeout", "idle timeout")
@@ -579,12 +580,13 @@ class Relay:
         self._swept.set()
         self._swept = asyncio.Event()
 
-    def _count_header_timeouts(self, peer: Peer) -> None:
+    def _count_session_refusals(self, peer: Peer) -> None:
+        """Add to the metrics what the session's connection refused or reset on its own since the last
+        call: request-header timeouts, and requests refused for a limit before they reached us."""
         n = peer.conn.request_header_timeouts
         if n > peer.header_timeouts:
             self.metrics.inc("request_header_timeouts_total", n - peer.header_timeouts)
             peer.header_timeouts = n
-        # Requests the session (or its connection) refused for a limit before they reached us.
         for limit, total in peer.conn.refused_requests.items():
             new = total - peer.refusals_counted.get(limit, 0)
             if new > 0:
@@ -692,7 +694,7 @@ class Relay:
         )
 
     def forget_peer(self, peer: Peer) -> None:
-        self._count_header_timeouts(peer)
+        self._count_session_refusals(peer)
         closed = peer.conn.session.closed
         if closed is not None and closed[0] == SessionErrorCode.CONTROL_MESSAGE_TIMEOUT:
             self.metrics.inc("sessions_closed_total", labels={"reason": "request_header_timeout"})
