@@ -425,7 +425,7 @@ class MoqtConnection(_ProtocolBase):
         self._written_streams: set[int] = set()
         self._transmit_scheduled = False
         self._untransmitted = 0
-        self._batch_receive_transmits = settings.stack == "aioquic"
+        self._batch_receive_transmits = transport.get_stack(settings.stack).transmits_after_each_datagram
         self._received_untransmitted = 0
         self._writable = asyncio.Event()
         self._writable.set()

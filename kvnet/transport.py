@@ -52,6 +52,9 @@ class QuicStack:
     max_datagram_size: int
     """Largest datagram size the stack handles correctly."""
     can_request_client_certificate: bool
+    transmits_after_each_datagram: bool
+    """Its protocol transmits after every received datagram (aioquic); ``kvnet.connection`` batches those
+    with ``arm_timer`` and ``window_limited``."""
 
 
 @functools.cache
@@ -64,7 +67,7 @@ def get_stack(name: str) -> QuicStack:
         import aioquic.quic.events as ae
 
         return QuicStack("aioquic", ac.QuicConfiguration, an.QuicConnection, aa.QuicConnectionProtocol, ae,
-                         aa.connect, aa.serve, kq.MAX_DATAGRAM_SIZE_LIMIT, True)
+                         aa.connect, aa.serve, kq.MAX_DATAGRAM_SIZE_LIMIT, True, True)
     if name == "qh3":
         import qh3.asyncio as qa
         import qh3.quic.configuration as qc
@@ -72,7 +75,7 @@ def get_stack(name: str) -> QuicStack:
         import qh3.quic.events as qv
 
         return QuicStack("qh3", qc.QuicConfiguration, qn.QuicConnection, qa.QuicConnectionProtocol, qv,
-                         qa.connect, qa.serve, kq.MAX_DATAGRAM_SIZE_QH3, False)
+                         qa.connect, qa.serve, kq.MAX_DATAGRAM_SIZE_QH3, False, False)
     raise ValueError(f"unknown QUIC stack {name!r}; choose from {STACKS}")
 
 
