@@ -237,6 +237,10 @@ class _NoRoute(Exception):
     """A candidate had no live session."""
 
 
+def _no_route() -> RequestFailed:
+    return RequestFailed(RequestErrorCode.DOES_NOT_EXIST, "no publisher or upstream relay for this track")
+
+
 class RoutedUpstream:
     """``relay.cache.Upstream`` over an ordered list of candidate sources.
 
@@ -300,9 +304,7 @@ class RoutedUpstream:
                 src.slow = False
                 raise RequestFailed(rejected.code, rejected.reason, rejected.retry_interval) from None
             except (_NoRoute, ConnectionClosed, StreamResetError):
-                raise RequestFailed(
-                    RequestErrorCode.DOES_NOT_EXIST, "no publisher or upstream relay for this track"
-                ) from None
+                raise _no_route() from None
             src.slow = False
             return src, answer
 
@@ -310,9 +312,7 @@ class RoutedUpstream:
             while True:
                 if not running:
                     if not queue:
-                        raise last or RequestFailed(
-                            RequestErrorCode.DOES_NOT_EXIST, "no publisher or upstream relay for this track"
-                        )
+                        raise last or _no_route()
                     start_next()
                 remaining = deadline - loop.time()
                 if remaining <= 0:
