@@ -292,6 +292,11 @@ _PARAM_SPECS: Final[dict[ParameterType, tuple[str, str]]] = {
     ParameterType.NEW_GROUP_REQUEST: ("new_group_request", "varint"),
     ParameterType.TRACK_NAMESPACE_PREFIX: ("track_namespace_prefix", "namespace"),
 }
+# The same as plain ints (enum members cost more per access): in type order for the encoder's loop,
+# and by wire type for the decoder's lookup.
+_PARAM_FIELDS: Final = tuple((int(ptype), name, kind) for ptype, (name, kind) in _PARAM_SPECS.items())
+_PARAM_SPECS_BY_INT: Final = {int(t): (t, name, kind) for t, (name, kind) in _PARAM_SPECS.items()}
+_TOKEN_PARAM: Final = int(ParameterType.AUTHORIZATION_TOKEN)
 
 
 # -- primitive codecs --------------------------------------------------------------------------
@@ -526,11 +531,6 @@ def _decode_filter(data: bytes) -> SubscriptionFilter:
     return SubscriptionFilter(ftype, start, end)
 
 
-# The same, flattened with plain int types for the encoder's loop (enum members cost more per access).
-_PARAM_FIELDS: Final = tuple((int(ptype), name, kind) for ptype, (name, kind) in _PARAM_SPECS.items())
-_TOKEN_PARAM: Final = int(ParameterType.AUTHORIZATION_TOKEN)
-
-
 def _push_parameters(buf: Buffer, params: MessageParameters, allowed: frozenset[ParameterType]) -> None:
     if params is NO_PARAMETERS:
         buf.push_vi64(0)  # most requests carry none: skip looking at every parameter type
@@ -624,10 +624,6 @@ def _pull_parameters(buf: Buffer, allowed: frozenset[ParameterType]) -> MessageP
             else:
                 values[name] = _decode_filter(data)
     return MessageParameters(authorization_tokens=tuple(tokens), **values)  # type: ignore[arg-type]
-
-
-# Wire type -> (type, field name, value encoding), so decoding a parameter needs no enum lookup.
-_PARAM_SPECS_BY_INT: Final = {int(t): (t, name, kind) for t, (name, kind) in _PARAM_SPECS.items()}
 
 
 def _allowed(*types: ParameterType) -> frozenset[ParameterType]:
