@@ -21,7 +21,7 @@ COPY relay ./relay
 COPY publisher ./publisher
 COPY subscriber ./subscriber
 RUN pip install --no-deps . \
- && python -c "import torch, kvnet.node, relay.config; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+ && python -c "import torch, kvnet.node.node, relay.config; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 
 FROM python:3.11-slim
 # curl: the one-line demo requests (docker compose exec sub-b curl ...).

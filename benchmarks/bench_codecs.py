@@ -27,10 +27,10 @@ from collections.abc import Callable
 
 import torch
 
-from kvnet.codecs import CODECS, Codec, Int8Codec
-from kvnet.model import ModelArgs, Transformer
-from kvnet.paged_cache import CacheSpec, PagedKVCache
-from kvnet.tokenizer import ByteTokenizer
+from kvnet.blocks.codecs import CODECS, Codec, Int8Codec
+from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
+from kvnet.model.tokenizer import ByteTokenizer
+from kvnet.model.transformer import ModelArgs, Transformer
 
 TEXT = (
     "Media over QUIC carries named, immutable objects through caching relays. A KV cache block is such "

@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
 
-from kvnet import quic
-from kvnet.connection import IncomingFetch, MoqtConnection, connect, serve
+from kvnet.net import quic
+from kvnet.net.connection import IncomingFetch, MoqtConnection, connect, serve
 from proto.errors import RequestErrorCode
 from proto.messages import Location
 
@@ -53,7 +53,7 @@ def kv_payloads(codec_name: str, objects: int) -> tuple[list[bytes], int]:
     the uncompressed size of one. A handful of distinct tensors are reused to keep setup short."""
     import torch
 
-    from kvnet.codecs import get_codec
+    from kvnet.blocks.codecs import get_codec
 
     codec = get_codec(codec_name)
     gen = torch.Generator().manual_seed(0)
@@ -110,8 +110,8 @@ async def _raw_sender_main(settings: quic.TransportSettings, port: int, certdir:
     """Raw QUIC in the fetch's direction: the client opens a stream and writes its size in ASCII; we
     answer with that many bytes on the same stream (server -> client), with the same back-pressure bound
     as ``MoqtConnection`` (``ConnectionLimits.max_send_buffer``)."""
-    from kvnet.connection import ConnectionLimits
-    from kvnet.transport import get_stack, server_configuration, unsent_bytes
+    from kvnet.net.connection import ConnectionLimits
+    from kvnet.net.transport import get_stack, server_configuration, unsent_bytes
 
     stack = get_stack(settings.stack)
     events = stack.events
@@ -164,7 +164,7 @@ async def _raw_sender_main(settings: quic.TransportSettings, port: int, certdir:
 
 
 async def _raw_receive_once(settings: quic.TransportSettings, port: int, certdir: Path, size: int) -> float:
-    from kvnet.transport import client_configuration, get_stack
+    from kvnet.net.transport import client_configuration, get_stack
 
     stack = get_stack(settings.stack)
     events = stack.events
@@ -230,7 +230,7 @@ async def _fetch_once(settings: quic.TransportSettings, port: int, certdir: Path
     if codec:
         import torch
 
-        from kvnet.codecs import get_codec
+        from kvnet.blocks.codecs import get_codec
 
         dec = get_codec(codec)
     tls = quic.TlsSettings.from_dir(certdir, None)

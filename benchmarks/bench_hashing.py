@@ -1,4 +1,4 @@
-"""Block-hashing throughput: ns per token of ``kvnet.hashing.block_hashes``.
+"""Block-hashing throughput: ns per token of ``kvnet.cache.hashing.block_hashes``.
 
 Hashes a 100k-token prompt for block sizes 16, 64 and 256 and prints the median of 5 runs per size,
 plus the time for the whole prompt. Run: ``python benchmarks/bench_hashing.py [--tokens N] [--runs R]``.
@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from kvnet.hashing import block_hashes, canonical_fingerprint, root_hash
+from kvnet.cache.hashing import block_hashes, canonical_fingerprint, root_hash
 
 BLOCK_SIZES = (16, 64, 256)
 

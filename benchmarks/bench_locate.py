@@ -1,4 +1,4 @@
-"""Locate latency vs prompt length, in round trips: kvnet's locate (``kvnet.fetching.locate_prefix``, a
+"""Locate latency vs prompt length, in round trips: kvnet's locate (``kvnet.node.fetching.locate_prefix``, a
 bounded fan-out search with TRACK_STATUS probes) over one ``MoqtConnection`` through kvnet's userspace
 link emulator, N = 16 .. 4096 blocks.
 
@@ -42,11 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
 
-from kvnet import quic
-from kvnet.blockstore import BlockStore, StoredBlock
-from kvnet.connection import MoqtConnection, RequestRejected, connect, serve
-from kvnet.fetching import DEFAULT_LOCATE_FAN_OUT, locate_prefix
-from kvnet.publishing import BlockServer
+from kvnet.net import quic
+from kvnet.net.connection import MoqtConnection, RequestRejected, connect, serve
+from kvnet.node.blockstore import BlockStore, StoredBlock
+from kvnet.node.fetching import DEFAULT_LOCATE_FAN_OUT, locate_prefix
+from kvnet.node.publishing import BlockServer
 from proto.errors import RequestErrorCode
 from proto.kvobject import block_track
 

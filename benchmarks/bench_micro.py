@@ -1,6 +1,6 @@
 """Micro benchmarks, one process, no network:
 
-- hashing: ns per token of ``kvnet.hashing.block_hashes`` (``bench_hashing.time_block_hashes``);
+- hashing: ns per token of ``kvnet.cache.hashing.block_hashes`` (``bench_hashing.time_block_hashes``);
 - codecs: compression ratio and encode/decode MB/s per rendition on the reference model's K/V
   (``bench_codecs.prefill_blocks`` / ``measure_codec``), bf16;
 - import: copying fetched blocks into the paged KV cache (``PagedKVCache.import_block`` and the
@@ -38,7 +38,7 @@ PARTS = ("hashing", "codecs", "import", "session")
 def hashing(res: common.SuiteResult, tokens: int = 100_000, runs: int = 5) -> None:
     import numpy as np
 
-    from kvnet.hashing import canonical_fingerprint, root_hash
+    from kvnet.cache.hashing import canonical_fingerprint, root_hash
 
     bh = common.load_bench("bench_hashing")
     assert bh is not None
@@ -57,8 +57,8 @@ def hashing(res: common.SuiteResult, tokens: int = 100_000, runs: int = 5) -> No
 def codecs(res: common.SuiteResult, prefix: int = 256, runs: int = 5, model_name: str = "small") -> None:
     import torch
 
-    from kvnet.codecs import CODECS
-    from kvnet.model import ModelArgs, Transformer
+    from kvnet.blocks.codecs import CODECS
+    from kvnet.model.transformer import ModelArgs, Transformer
 
     bc = common.load_bench("bench_codecs")
     assert bc is not None
@@ -85,9 +85,9 @@ def import_bandwidth(res: common.SuiteResult, blocks: int = 256, runs: int = 5,
     path), against ``torch.Tensor.copy_`` of the same bytes."""
     import torch
 
-    from kvnet.model import ModelArgs
-    from kvnet.node import NodeConfig
-    from kvnet.paged_cache import BlockKV, CacheSpec, PagedKVCache
+    from kvnet.cache.paged_cache import BlockKV, CacheSpec, PagedKVCache
+    from kvnet.model.transformer import ModelArgs
+    from kvnet.node.node import NodeConfig
 
     torch.set_num_threads(1)
     a = ModelArgs.from_name(model_name)

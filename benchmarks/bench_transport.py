@@ -40,7 +40,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvnet import certs, quic, transport
+from kvnet.net import quic, transport
+from kvnet.security import certs
 
 CHUNK = 1 << 20
 # Bytes the client keeps queued in the QUIC stack (aioquic: unacknowledged, qh3: unsent): enough to keep

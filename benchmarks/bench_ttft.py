@@ -34,8 +34,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import common  # noqa: E402
 
-from kvnet import certs  # noqa: E402
-from kvnet.signing import generate_keypair  # noqa: E402
+from kvnet.blocks.signing import generate_keypair  # noqa: E402
+from kvnet.security import certs  # noqa: E402
 
 
 def _prefix(tokens: int) -> str:
@@ -112,8 +112,8 @@ def _raw_quic_mbps(certdir: Path, nbytes: int, node_stack: str | None) -> float:
     the relay's transport settings to a client with the nodes' (``bench_fetch.raw_server_to_client``)."""
     mod = common.load_bench("bench_fetch")
     assert mod is not None, "benchmarks/bench_fetch.py is needed for the raw baseline"
-    from kvnet.node import NodeConfig
-    from kvnet.quic import TransportSettings
+    from kvnet.net.quic import TransportSettings
+    from kvnet.node.node import NodeConfig
 
     client = TransportSettings(stack=node_stack or NodeConfig.quic_stack)
     (rate,) = mod.raw_server_to_client(TransportSettings(), nbytes, 1, certdir, client)

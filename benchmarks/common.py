@@ -81,7 +81,7 @@ def free_port(kind: int = socket.SOCK_DGRAM) -> int:
 def test_certificates() -> Iterator[Path]:
     """A temporary directory with a development CA (``ca.pem``) and a ``server`` certificate for
     localhost / 127.0.0.1."""
-    from kvnet import certs
+    from kvnet.security import certs
 
     with tempfile.TemporaryDirectory() as tmp:
         certdir = Path(tmp)

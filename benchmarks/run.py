@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
 
-from kvnet import quic
+from kvnet.net import quic
 
 
 def _need(name: str):  # type: ignore[no-untyped-def]

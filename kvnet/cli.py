@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvnet import certs
+from kvnet.security import certs
 
 
 def _cmd_certs_init(args: argparse.Namespace) -> int:
@@ -63,7 +63,7 @@ def _add_certs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _cmd_token_issuer(args: argparse.Namespace) -> int:
-    from kvnet import auth
+    from kvnet.security import tokens as auth
 
     key = auth.IssuerKey.generate()
     key.save(args.key, overwrite=args.force)
@@ -77,7 +77,7 @@ def _cmd_token_issuer(args: argparse.Namespace) -> int:
 def _cmd_token_issue(args: argparse.Namespace) -> int:
     import time
 
-    from kvnet import auth
+    from kvnet.security import tokens as auth
 
     issuer = auth.IssuerKey.load(args.issuer_key)
     claims = auth.make_claims(
@@ -99,7 +99,7 @@ def _cmd_token_issue(args: argparse.Namespace) -> int:
 
 
 def _add_token(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from kvnet.auth import Action
+    from kvnet.security.tokens import Action
 
     p = sub.add_parser("token", help="authorization tokens for relays (AUTHORIZATION TOKEN)")
     tsub = p.add_subparsers(dest="token_cmd", required=True)
@@ -132,7 +132,7 @@ def _add_token(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _cmd_linkemu(args: argparse.Namespace) -> int:
-    from kvnet import linkemu
+    from kvnet.tools import linkemu
 
     up = linkemu.LinkParams(
         delay_ms=args.delay_ms,

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvnet.node import (
+from kvnet.node.node import (
     NodeConfig,
     add_node_arguments,
     add_prompt_arguments,

@@ -2,7 +2,7 @@
 
 Owns: ``RelayAuth`` (the trusted issuer keys and the verified-token cache shared by all sessions),
 ``SessionAuth`` (one peer's SETUP credential and its token aliases) and ``load_token`` (the token file a
-relay presents upstream). The token format, scope rules and error codes are ``kvnet.auth``'s.
+relay presents upstream). The token format, scope rules and error codes are ``kvnet.security.tokens``'s.
 
 Rules (docs/relay.md "Authorization"):
 
@@ -24,7 +24,7 @@ import binascii
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvnet.auth import (
+from kvnet.security.tokens import (
     KVNET_TOKEN_TYPE,
     MAGIC,
     Action,

@@ -22,7 +22,7 @@ File format (every key optional; flags given on the command line win)::
     max_bytes = 268435456
     [limits]                           # relay.limits.LimitsConfig fields
     max_sessions = 1024
-    [transport]                        # kvnet.quic.TransportSettings fields
+    [transport]                        # kvnet.net.quic.TransportSettings fields
     max_datagram_size = 16384
 """
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvnet.quic import TlsSettings, TransportSettings, parse_moqt_url
+from kvnet.net.quic import TlsSettings, TransportSettings, parse_moqt_url
 from relay.cache import CacheConfig
 from relay.limits import LimitsConfig
 

@@ -6,7 +6,7 @@ after it). Each request is its own task, so a slow or failing request never bloc
 in one session's runner closes that session only.
 
 Does not know what payloads mean (content-agnostic, like moq-relay) and does no MoQT parsing: events and
-actions come from ``kvnet.connection`` / ``proto.session``.
+actions come from ``kvnet.net.connection`` / ``proto.session``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 
-from kvnet.auth import KVNET_TOKEN_TYPE, AuthError
-from kvnet.connection import (
+from kvnet.net.connection import (
     ConnectionClosed,
     ConnectionLimits,
     IncomingFetch,
@@ -36,7 +35,8 @@ from kvnet.connection import (
     StreamResetError,
     Subscription,
 )
-from kvnet.connection import serve as serve_moqt
+from kvnet.net.connection import serve as serve_moqt
+from kvnet.security.tokens import KVNET_TOKEN_TYPE, AuthError
 from proto import events as me
 from proto.data import ObjectStatus
 from proto.errors import ProtocolError, PublishDoneCode, RequestErrorCode, SessionErrorCode, StreamResetCode

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
-from kvnet.connection import (
+from kvnet.net.connection import (
     ConnectionClosed,
     ConnectionLimits,
     FetchHandle,
@@ -29,7 +29,7 @@ from kvnet.connection import (
     Subscription,
     connect,
 )
-from kvnet.quic import TlsSettings, TransportSettings
+from kvnet.net.quic import TlsSettings, TransportSettings
 from proto.errors import RequestErrorCode
 from proto.events import FetchOkReceived, ObjectReceived, TrackStatusOkReceived
 from proto.messages import Location, MessageParameters, TrackNamespace

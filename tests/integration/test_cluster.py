@@ -1,6 +1,7 @@
 """The compose topology as real processes in Linux network namespaces (see docs/cluster.md).
 
-One cluster for the module: origin, two edges, two sites, built from docker-compose.yml by kvnet.cluster,
+One cluster for the module: origin, two edges, two sites, built from docker-compose.yml by
+kvnet.tools.cluster,
 with 10 ms one-way delay (20 ms RTT) and 1% loss per direction on each origin<->edge path from the link
 emulator. Prompts are sent with the same one-shot subscriber command the docs give users.
 
@@ -22,8 +23,10 @@ from typing import Any
 
 import pytest
 
-from kvnet.abr import AbrConfig, KvAbr
-from kvnet.cluster import (
+from kvnet.model.transformer import ModelArgs
+from kvnet.node.abr import AbrConfig, KvAbr
+from kvnet.node.node import DEFAULT_BLOCK_SIZE
+from kvnet.tools.cluster import (
     NetnsCluster,
     load_compose,
     netns_available,
@@ -32,8 +35,6 @@ from kvnet.cluster import (
     subscriber_argv,
     upstream_links,
 )
-from kvnet.model import ModelArgs
-from kvnet.node import DEFAULT_BLOCK_SIZE
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
 
@@ -166,7 +167,7 @@ def test_publisher_restart_loses_nothing_already_cached(ready: NetnsCluster) -> 
 
 
 def _predict(report: dict[str, Any], lossless_ratio: float, raw_block_bytes: int, throughput: float) -> int:
-    """fetch_blocks that kvnet.abr's rule gives for the inputs the subscriber reported."""
+    """fetch_blocks that kvnet.node.abr's rule gives for the inputs the subscriber reported."""
     abr = KvAbr(AbrConfig(prior_throughput_bps=throughput))
     inputs = report["abr"]["inputs"]
     abr.rtt.add(inputs["rtt_s"])

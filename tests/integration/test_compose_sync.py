@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvnet.cluster import (
+from kvnet.tools.cluster import (
     ComposeError,
     ComposeProject,
     LinkShape,
@@ -213,8 +213,8 @@ def test_netns_cluster_starts_the_same_services_with_the_same_commands(
 
 def test_netns_script_reads_the_compose_file() -> None:
     script = (ROOT / "scripts" / "netns-cluster").read_text()
-    assert "-m kvnet.cluster" in script
-    from kvnet.cluster import _build_parser
+    assert "-m kvnet.tools.cluster" in script
+    from kvnet.tools.cluster import _build_parser
 
     args = _build_parser().parse_args(["up"])
     assert args.compose == Path("docker-compose.yml")

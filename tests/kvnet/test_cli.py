@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvnet import auth
 from kvnet.cli import main
+from kvnet.security import tokens as auth
 
 
 def _issuer(tmp_path: Path) -> tuple[Path, Path]:

@@ -1,4 +1,5 @@
-"""Real-process test cluster: a relay daemon, publishers and subscribers on loopback, certs from kvnet.certs.
+"""Real-process test cluster: a relay daemon, publishers and subscribers on loopback, certs from
+kvnet.security.certs.
 
 Nothing is mocked: every process is started with ``python -m relay|publisher|subscriber`` and talks QUIC
 to the others. Keys live in a per-test KVNET_HOME, so the publisher's default signing key is the
@@ -20,8 +21,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvnet import certs
-from kvnet.signing import generate_keypair
+from kvnet.blocks.signing import generate_keypair
+from kvnet.security import certs
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 60.0
@@ -171,7 +172,7 @@ class Cluster:
     def start_http_node(self, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
         """Start ``kvnet-node`` on a free HTTP port; returns the process and its base URL once it serves."""
         port = free_port(socket.SOCK_STREAM)
-        args = ["-m", "publisher.node", "--http", f"127.0.0.1:{port}", "--relay", self.url()]
+        args = ["-m", "kvnet.node.serve", "--http", f"127.0.0.1:{port}", "--relay", self.url()]
         args += ["--ca", str(self.ca), *self._block_size(extra)]
         proc = self._spawn([*args, *extra], "node")
         return proc, f"http://127.0.0.1:{port}"

@@ -1,7 +1,7 @@
 """Two long-running ``kvnet-node`` processes behind one relay: the second reuses the first's prefix.
 
 Both nodes publish what they compute and fetch what they miss; requests go through the OpenAI-style HTTP
-API, so this covers ``kvnet.httpapi`` + ``publisher.node`` + the relay end to end.
+API, so this covers ``kvnet.node.httpapi`` + ``kvnet.node.serve`` + the relay end to end.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def test_local_hit_after_remote_hit_in_one_process(kv_cluster: Cluster) -> None:
 def test_tenants_are_isolated_by_node_secret_salts(kv_cluster: Cluster) -> None:
     """Salts derive from the operator's node secret and the tenant id: tenants never hit each other's
     blocks, nodes sharing the secret share a tenant's blocks, and a raw salt is not accepted at all."""
-    from kvnet.tenancy import NodeSecret
+    from kvnet.security.tenancy import NodeSecret
 
     secret, other_secret = kv_cluster.tmp / "node.secret", kv_cluster.tmp / "other.secret"
     NodeSecret.generate(secret)

@@ -7,8 +7,8 @@ import json
 import time
 from pathlib import Path
 
-from kvnet import auth
-from kvnet.signing import generate_keypair
+from kvnet.blocks.signing import generate_keypair
+from kvnet.security import tokens as auth
 from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster
 
 B = TEST_BLOCK_SIZE

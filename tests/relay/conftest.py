@@ -1,6 +1,7 @@
 """Fixtures for relay tests: a dev CA, free ports, and real ``python -m relay`` processes.
 
-Every relay is a subprocess on loopback, started with certificates from ``kvnet.certs`` and considered ready
+Every relay is a subprocess on loopback, started with certificates from ``kvnet.security.certs`` and
+considered ready
 when its metrics endpoint answers; teardown always kills it.
 """
 
@@ -21,7 +22,7 @@ from typing import Protocol
 
 import pytest
 
-from kvnet import certs
+from kvnet.security import certs
 from relay.metrics import parse_prometheus
 
 REPO = Path(__file__).resolve().parents[2]

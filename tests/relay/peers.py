@@ -1,6 +1,7 @@
 """Real MoQT peers for relay tests: a scripted publisher that counts what it is asked for, and clients.
 
-They speak to the relay process over QUIC on loopback through ``kvnet.connection``, exactly as the nodes do.
+They speak to the relay process over QUIC on loopback through ``kvnet.net.connection``, exactly as the nodes
+do.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from aioquic.asyncio import connect as quic_connect
 from aioquic.quic import events as qe
 from aioquic.quic.configuration import QuicConfiguration
 
-from kvnet.connection import (
+from kvnet.net.connection import (
     IncomingFetch,
     IncomingRequest,
     IncomingSubscribe,
@@ -26,7 +27,7 @@ from kvnet.connection import (
     MoqtConnection,
     connect,
 )
-from kvnet.quic import TlsSettings
+from kvnet.net.quic import TlsSettings
 from proto.data import ObjectStatus
 from proto.errors import RequestErrorCode
 from proto.messages import Location, MessageParameters, Setup, encode_message

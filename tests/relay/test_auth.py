@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvnet.auth import Action, IssuerKey, issue_token, make_claims
-from kvnet.connection import ConnectionClosed, MoqtConnection, RequestRejected, connect
-from kvnet.quic import TlsSettings
+from kvnet.net.connection import ConnectionClosed, MoqtConnection, RequestRejected, connect
+from kvnet.net.quic import TlsSettings
+from kvnet.security.tokens import Action, IssuerKey, issue_token, make_claims
 from proto.errors import RequestErrorCode, SessionErrorCode
 from proto.messages import AliasType, AuthToken, Location, MessageParameters
 from proto.session import SessionConfig

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvnet.connection import ConnectionLimits, MoqtConnection, RequestRejected, connect
-from kvnet.quic import TlsSettings
+from kvnet.net.connection import ConnectionLimits, MoqtConnection, RequestRejected, connect
+from kvnet.net.quic import TlsSettings
 from proto.data import SubgroupHeader, encode_subgroup_header, subgroup_object_prefix
 from proto.errors import RequestErrorCode, SessionErrorCode, StreamResetCode
 from proto.messages import Location, Publish, TrackStatus, encode_message

@@ -26,17 +26,17 @@ from typing import Any
 
 import pytest
 
-from kvnet.auth import IssuerKey, issue_token, make_claims
-from kvnet.connection import (
+from kvnet.net.connection import (
     ConnectionClosed,
     MoqtConnection,
     MoqtConnectionError,
     RequestRejected,
     connect,
 )
-from kvnet.node import Node, NodeConfig
-from kvnet.quic import TlsSettings
-from kvnet.tenancy import NodeSecret
+from kvnet.net.quic import TlsSettings
+from kvnet.node.node import Node, NodeConfig
+from kvnet.security.tenancy import NodeSecret
+from kvnet.security.tokens import IssuerKey, issue_token, make_claims
 from proto.errors import RequestErrorCode, SessionErrorCode
 from proto.kvobject import block_namespace
 from proto.messages import AliasType, AuthToken, Location

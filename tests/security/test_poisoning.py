@@ -25,9 +25,10 @@ from typing import Any
 import pytest
 import torch
 
-from kvnet.blockstore import BlockStore, StoredBlock
-from kvnet.codecs import get_codec
-from kvnet.connection import (
+from kvnet.blocks.codecs import get_codec
+from kvnet.blocks.signing import Signer
+from kvnet.model.generate import generate
+from kvnet.net.connection import (
     IncomingFetch,
     IncomingPublishNamespace,
     IncomingRequest,
@@ -38,11 +39,10 @@ from kvnet.connection import (
     connect,
     serve,
 )
-from kvnet.generate import generate
-from kvnet.node import Node, NodeConfig
-from kvnet.publishing import BlockServer, dtype_name
-from kvnet.quic import TlsSettings, TransportSettings
-from kvnet.signing import Signer
+from kvnet.net.quic import TlsSettings, TransportSettings
+from kvnet.node.blockstore import BlockStore, StoredBlock
+from kvnet.node.node import Node, NodeConfig
+from kvnet.node.publishing import BlockServer, dtype_name
 from proto.errors import RequestErrorCode
 from proto.kvobject import MANIFEST_OBJECT_ID, BlockManifest
 from proto.session import SessionConfig

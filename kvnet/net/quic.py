@@ -1,0 +1,351 @@
+"""QUIC transport settings and TLS configuration for kvnet peers (relay, publisher, subscriber).
+
+Owns: the tuned transport knobs (``TransportSettings``), TLS material (``TlsSettings``), building aioquic
+``QuicConfiguration`` objects for clients and servers, UDP socket buffer sizing, and ``moqt://`` URL parsing.
+Knows nothing about MoQT messages; ``kvnet.net.connection`` is the protocol glue.
+
+Why the defaults are what they are (2 cores, loopback, bulk one-way transfer, see
+``benchmarks/bench_transport.py``): aioquic's defaults (1200-byte datagrams, 1 MiB windows, the kernel's
+default socket buffers) reach only a few tens of MB/s because the cost is per packet, not per byte. Large
+datagrams cut the packet count, large socket buffers stop the kernel dropping bursts that aioquic then has to
+recover, and larger flow-control windows keep the pipe full.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.congestion import base as _cc_base
+from aioquic.quic.congestion.cubic import CubicCongestionControl
+from aioquic.quic.congestion.reno import RenoCongestionControl
+
+logger = logging.getLogger(__name__)
+
+ALPN_MOQT = "moqt-18"
+DEFAULT_PORT = 4443
+
+# aioquic builds packets into a fixed buffer; above this it corrupts or stalls without an error, so we refuse.
+MAX_DATAGRAM_SIZE_LIMIT = 16384
+# qh3 takes any UDP payload size (65507 is the IPv4 maximum) and probes the path MTU up to it.
+MAX_DATAGRAM_SIZE_QH3 = 65507
+# qh3 on loopback: the largest size measured safe and fastest (benchmarks/bench_transport.py).
+DATAGRAM_SIZE_QH3_LOOPBACK = 65507
+STACKS = ("aioquic", "qh3")
+# Chosen by measurement (docs/performance.md): qh3 moves bulk data 4-7x faster client -> server, but
+# its servers send ~1400-byte datagrams and cannot require client certificates, and as a client it
+# locates in 1-2 more round trips through an aioquic relay; so aioquic is the default and qh3 is opt-in.
+DEFAULT_STACK = "aioquic"
+# RFC 9000 minimum: every QUIC path must carry 1200-byte datagrams.
+MIN_DATAGRAM_SIZE = 1200
+# Loopback has a 64 KiB MTU; 16384 is the largest size aioquic handles correctly.
+DATAGRAM_SIZE_LOOPBACK = 16384
+# A 1500-byte Ethernet path: 1500 - 40 (IPv6) - 8 (UDP) = 1452. Use this for anything leaving the host
+# unless every hop is known to carry jumbo frames (then 8952 for a 9000-byte MTU).
+DATAGRAM_SIZE_ETHERNET = 1452
+DATAGRAM_SIZE_JUMBO = 8952
+
+CONGESTION_CONTROLLERS = ("reno", "cubic")
+# Ceilings on what a settings object may request, so a typo cannot ask for terabytes of window.
+_MAX_WINDOW = 1 << 32
+_MAX_SOCKET_BUFFER = 1 << 30
+_MAX_STREAMS = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class TransportSettings:
+    """QUIC transport knobs shared by every kvnet endpoint. Defaults are tuned for loopback and LANs."""
+
+    max_datagram_size: int | None = None
+    """Largest UDP payload we send; None picks the stack's loopback size (``datagram_size``). aioquic
+    sends this size from the first packet and does no path-MTU discovery, so on a 1500-MTU path give
+    ``DATAGRAM_SIZE_ETHERNET`` (1452); qh3 treats it as the upper bound of its path-MTU probing."""
+    stack: str = DEFAULT_STACK
+    """QUIC implementation: "aioquic" (pure Python; the only one whose servers can require client
+    certificates) or "qh3" (Rust core, ~4x the bulk throughput). See ``kvnet.net.transport``."""
+    socket_receive_buffer: int = 4 << 20
+    """SO_RCVBUF in bytes (4 MiB). The kernel default (~208 KiB) overflows under bursts of large datagrams."""
+    socket_send_buffer: int = 4 << 20
+    """SO_SNDBUF in bytes (4 MiB)."""
+    max_data: int = 32 << 20
+    """Connection-level flow-control window we grant (aioquic doubles it as it is consumed)."""
+    max_stream_data: int = 8 << 20
+    """Per-stream flow-control window we grant. A KV block per layer is far below this."""
+    max_streams_bidi: int = 16384
+    """Concurrent peer-opened bidirectional streams. kvnet opens one bidi stream per request (FETCH,
+    TRACK_STATUS, ...), thousands at once; aioquic's built-in 128 would serialise them."""
+    max_streams_uni: int = 4096
+    """Concurrent peer-opened unidirectional streams (subgroup data streams)."""
+    idle_timeout: float = 15.0
+    """Seconds without a packet from the peer before the connection is dropped (QUIC max_idle_timeout;
+    the smaller of both peers' values applies). With the keep-alive below a live peer is never idle
+    this long, so this is how quickly a dead one (killed, unplugged) is noticed: 3 keep-alive
+    intervals, enough to ride out one or two lost PINGs or ACKs."""
+    keepalive_interval: float = 5.0
+    """Send a QUIC PING after this many seconds without receiving anything (0 = never). The ACK it
+    elicits keeps an idle but live session (a node's long-lived relay session) open on both sides.
+    Must be below ``idle_timeout``."""
+    congestion_control: str = "cubic"
+    """"reno" or "cubic" (aioquic's implementations; qh3 uses its core's own)."""
+    slow_start_rtt_exit: bool = False
+    """aioquic: leave slow start as soon as the RTT rises (its HyStart-like monitor). Off by default: on
+    loopback and LANs the RTT samples are scheduler noise, the monitor fires at ~1 MiB of window and cubic
+    then grows so slowly that throughput halves. Loss still ends slow start."""
+    handshake_timeout: float = 10.0
+    """Seconds a client waits for the QUIC+TLS handshake before giving up."""
+
+    def __post_init__(self) -> None:
+        if self.stack not in STACKS:
+            raise ValueError(f"stack must be one of {STACKS}, got {self.stack!r}")
+        limit = MAX_DATAGRAM_SIZE_LIMIT if self.stack == "aioquic" else MAX_DATAGRAM_SIZE_QH3
+        if self.max_datagram_size is not None and not MIN_DATAGRAM_SIZE <= self.max_datagram_size <= limit:
+            why = " (aioquic corrupts larger packets)" if self.stack == "aioquic" else ""
+            raise ValueError(
+                f"max_datagram_size must be in {MIN_DATAGRAM_SIZE}..{limit} for stack {self.stack}{why}, "
+                f"got {self.max_datagram_size}"
+            )
+        for name in ("socket_receive_buffer", "socket_send_buffer"):
+            v = getattr(self, name)
+            if not 0 <= v <= _MAX_SOCKET_BUFFER:
+                raise ValueError(f"{name} must be in 0..{_MAX_SOCKET_BUFFER} (0 = kernel default), got {v}")
+        for name in ("max_data", "max_stream_data"):
+            v = getattr(self, name)
+            if not 65536 <= v <= _MAX_WINDOW:
+                raise ValueError(f"{name} must be in 65536..{_MAX_WINDOW}, got {v}")
+        for name in ("max_streams_bidi", "max_streams_uni"):
+            v = getattr(self, name)
+            if not 1 <= v <= _MAX_STREAMS:
+                raise ValueError(f"{name} must be in 1..{_MAX_STREAMS}, got {v}")
+        if not 0.1 <= self.idle_timeout <= 3600:
+            raise ValueError(f"idle_timeout must be in 0.1..3600 s, got {self.idle_timeout}")
+        if self.keepalive_interval != 0 and not 0.05 <= self.keepalive_interval < self.idle_timeout:
+            raise ValueError(
+                f"keepalive_interval must be 0 (off) or in 0.05..idle_timeout ({self.idle_timeout} s), "
+                f"got {self.keepalive_interval}"
+            )
+        if not 0.1 <= self.handshake_timeout <= 600:
+            raise ValueError(f"handshake_timeout must be in 0.1..600 s, got {self.handshake_timeout}")
+        if self.congestion_control not in CONGESTION_CONTROLLERS:
+            raise ValueError(
+                f"congestion_control must be one of {CONGESTION_CONTROLLERS}, got {self.congestion_control!r}"
+            )
+
+    @property
+    def datagram_size(self) -> int:
+        """The datagram size in effect: ``max_datagram_size``, or the stack's loopback size."""
+        if self.max_datagram_size is not None:
+            return self.max_datagram_size
+        return DATAGRAM_SIZE_LOOPBACK if self.stack == "aioquic" else DATAGRAM_SIZE_QH3_LOOPBACK
+
+    @classmethod
+    def for_ethernet(cls, stack: str = DEFAULT_STACK) -> TransportSettings:
+        """Settings for paths with a 1500-byte MTU (anything off-host without known jumbo frames)."""
+        return cls(max_datagram_size=DATAGRAM_SIZE_ETHERNET, stack=stack)
+
+
+@dataclass(frozen=True, slots=True)
+class TlsSettings:
+    """TLS material. Verification is on unless ``insecure_skip_verify`` is set explicitly."""
+
+    ca_file: Path | None = None
+    """CA certificate(s) that peer certificates must chain to (``kvnet certs init`` writes ``ca.pem``).
+    Clients must give one unless ``insecure_skip_verify``; servers need it only to verify client certs."""
+    cert_file: Path | None = None
+    """Our certificate chain (PEM). Required for servers; optional for clients (mTLS)."""
+    key_file: Path | None = None
+    """Our private key (PEM)."""
+    server_name: str | None = None
+    """Name checked against the server certificate (clients); defaults to the host in the URL."""
+    require_client_cert: bool = False
+    """Servers: ask clients for a certificate and reject those that do not chain to ``ca_file``."""
+    insecure_skip_verify: bool = False
+    """Clients: do not verify the server certificate. Debugging only; logged as a warning every time."""
+
+    def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file must be given together")
+        for name in ("ca_file", "cert_file", "key_file"):
+            p = getattr(self, name)
+            if p is not None and not Path(p).is_file():
+                raise ValueError(f"{name} {p} does not exist or is not a file")
+        if self.require_client_cert and self.ca_file is None:
+            raise ValueError("require_client_cert needs ca_file to verify client certificates against")
+
+    @classmethod
+    def from_dir(
+        cls,
+        directory: Path | str,
+        name: str | None,
+        *,
+        server_name: str | None = None,
+        require_client_cert: bool = False,
+    ) -> TlsSettings:
+        """TLS settings from a ``kvnet certs`` directory: ``ca.pem`` plus ``NAME.pem``/``NAME-key.pem``
+        (no own certificate when ``name`` is None, e.g. a client without mTLS)."""
+        d = Path(directory)
+        return cls(
+            ca_file=d / "ca.pem",
+            cert_file=None if name is None else d / f"{name}.pem",
+            key_file=None if name is None else d / f"{name}-key.pem",
+            server_name=server_name,
+            require_client_cert=require_client_cert,
+        )
+
+
+class _NoRttExit:
+    """Mixin: ignore the RTT-increase signal that makes aioquic's controllers leave slow start."""
+
+    def on_rtt_measurement(self, *, now: float, rtt: float) -> None:
+        return None
+
+
+class _CubicNoRttExit(_NoRttExit, CubicCongestionControl):
+    pass
+
+
+class _RenoNoRttExit(_NoRttExit, RenoCongestionControl):
+    pass
+
+
+_NO_RTT_EXIT = {"cubic": ("kvnet-cubic", _CubicNoRttExit), "reno": ("kvnet-reno", _RenoNoRttExit)}
+
+
+def aioquic_congestion_control(settings: TransportSettings) -> str:
+    """The aioquic congestion-control name for ``settings`` (registering kvnet's variants on first use)."""
+    if settings.slow_start_rtt_exit:
+        return settings.congestion_control
+    name, factory = _NO_RTT_EXIT[settings.congestion_control]
+    _cc_base.register_congestion_control(name, factory)  # type: ignore[arg-type]
+    return name
+
+
+def _aioquic_datagram_size(settings: TransportSettings) -> int:
+    if settings.max_datagram_size is None:
+        return DATAGRAM_SIZE_LOOPBACK
+    if settings.max_datagram_size > MAX_DATAGRAM_SIZE_LIMIT:
+        raise ValueError(
+            f"max_datagram_size {settings.max_datagram_size} is above aioquic's {MAX_DATAGRAM_SIZE_LIMIT}"
+        )
+    return settings.max_datagram_size
+
+
+def _base_configuration(settings: TransportSettings, is_client: bool) -> QuicConfiguration:
+    return QuicConfiguration(
+        is_client=is_client,
+        alpn_protocols=[ALPN_MOQT],
+        max_datagram_size=_aioquic_datagram_size(settings),
+        max_data=settings.max_data,
+        max_stream_data=settings.max_stream_data,
+        idle_timeout=settings.idle_timeout,
+        congestion_control_algorithm=aioquic_congestion_control(settings),
+    )
+
+
+def apply_client_verification(config: Any, tls: TlsSettings) -> None:
+    """Server-certificate verification of a client configuration (either stack): on, against
+    ``tls.ca_file``, unless ``insecure_skip_verify`` is set, which is logged every time."""
+    if tls.insecure_skip_verify:
+        logger.warning(
+            "TLS VERIFICATION DISABLED (insecure_skip_verify): the server's identity is NOT checked; "
+            "use only for debugging"
+        )
+        config.verify_mode = ssl.CERT_NONE
+        return
+    if tls.ca_file is None:
+        raise ValueError("a client needs ca_file to verify the server (or an explicit insecure_skip_verify)")
+    config.verify_mode = ssl.CERT_REQUIRED
+    config.load_verify_locations(cafile=str(tls.ca_file))
+
+
+def client_configuration(
+    settings: TransportSettings, tls: TlsSettings, server_name: str | None = None
+) -> QuicConfiguration:
+    """aioquic QuicConfiguration for a client: ALPN moqt-18, TLS 1.3, verification on. Whatever
+    ``settings.stack`` says (``kvnet.net.transport.client_configuration`` follows it)."""
+    config = _base_configuration(settings, is_client=True)
+    config.server_name = tls.server_name or server_name
+    apply_client_verification(config, tls)
+    if tls.cert_file is not None:
+        config.load_cert_chain(tls.cert_file, tls.key_file)
+    return config
+
+
+def server_configuration(settings: TransportSettings, tls: TlsSettings) -> QuicConfiguration:
+    """aioquic QuicConfiguration for a server. Client certificates are checked by the connection glue
+    after the handshake (aioquic's server side does not verify them itself)."""
+    if tls.cert_file is None:
+        raise ValueError("a server needs cert_file and key_file")
+    config = _base_configuration(settings, is_client=False)
+    config.load_cert_chain(tls.cert_file, tls.key_file)
+    if tls.ca_file is not None:
+        config.load_verify_locations(cafile=str(tls.ca_file))
+    return config
+
+
+def apply_socket_buffers(
+    transport_socket: socket.socket | None, settings: TransportSettings
+) -> tuple[int, int] | None:
+    """Set SO_RCVBUF/SO_SNDBUF and return the sizes in effect (getsockopt: the kernel doubles what it
+    grants). Unprivileged processes are capped at net.core.{r,w}mem_max, so try the FORCE variants
+    (CAP_NET_ADMIN) first and fall back to the capped ones, logging once when we got less than asked."""
+    if transport_socket is None:
+        return None
+    pairs = (
+        (settings.socket_receive_buffer, getattr(socket, "SO_RCVBUFFORCE", None), socket.SO_RCVBUF),
+        (settings.socket_send_buffer, getattr(socket, "SO_SNDBUFFORCE", None), socket.SO_SNDBUF),
+    )
+    for size, force_opt, opt in pairs:
+        if size <= 0:
+            continue
+        try:
+            if force_opt is None:
+                raise PermissionError
+            transport_socket.setsockopt(socket.SOL_SOCKET, force_opt, size)
+        except (PermissionError, OSError):
+            try:
+                transport_socket.setsockopt(socket.SOL_SOCKET, opt, size)
+            except OSError as exc:
+                logger.warning("could not set socket buffer %d: %s", size, exc)
+            # Linux reports double the size it granted (the bookkeeping overhead).
+            granted = transport_socket.getsockopt(socket.SOL_SOCKET, opt) // 2
+            if granted < size:
+                logger.info(
+                    "socket buffer %s: asked %d bytes, got %d (raise net.core.%s_max or run with "
+                    "CAP_NET_ADMIN)", "SO_RCVBUF" if opt == socket.SO_RCVBUF else "SO_SNDBUF", size, granted,
+                    "rmem" if opt == socket.SO_RCVBUF else "wmem",
+                )
+    return (transport_socket.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
+            transport_socket.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
+
+
+@dataclass(frozen=True, slots=True)
+class MoqtUrl:
+    """A parsed ``moqt://host:port[/path]`` URL."""
+
+    host: str
+    port: int
+    path: str = field(default="")
+
+
+def parse_moqt_url(url: str) -> MoqtUrl:
+    """Parse ``moqt://host[:port][/path]``; IPv6 hosts in brackets. Port defaults to ``DEFAULT_PORT``."""
+    if len(url) > 2048:
+        raise ValueError("URL too long")
+    parts = urlsplit(url)
+    if parts.scheme != "moqt":
+        raise ValueError(f"expected a moqt:// URL, got {url!r}")
+    if not parts.hostname:
+        raise ValueError(f"URL {url!r} has no host")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"URL {url!r} has an invalid port") from exc
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError(f"URL {url!r} may not have user info, a query or a fragment")
+    return MoqtUrl(host=parts.hostname, port=port if port is not None else DEFAULT_PORT, path=parts.path)

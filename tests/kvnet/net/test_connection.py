@@ -1,0 +1,454 @@
+"""End-to-end tests of kvnet.net.connection: real QUIC on loopback, project-made certificates, real sessions,
+on each QUIC stack (aioquic, qh3) through the same code path."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from kvnet.net import quic, transport
+from kvnet.net.connection import (
+    ConnectionLimits,
+    IncomingFetch,
+    IncomingPublish,
+    IncomingPublishNamespace,
+    IncomingSubscribe,
+    IncomingTrackStatus,
+    MoqtConnection,
+    MoqtConnectionError,
+    RequestRejected,
+    connect,
+    serve,
+)
+from kvnet.security import certs
+from kvnet.tools.linkemu import EmulatorConfig, LinkEmulator
+from proto.data import ObjectStatus
+from proto.errors import PublishDoneCode, RequestErrorCode
+from proto.messages import Location, MessageParameters
+
+NS = (b"kvnet", b"test")
+
+
+async def _publisher(conn: MoqtConnection) -> None:
+    """Serves track b"blocks" with objects 0..4 of group 0; rejects anything else."""
+    async for req in conn.incoming_requests():
+        ev = req.event
+        if isinstance(req, IncomingPublishNamespace):
+            req.accept()
+        elif isinstance(req, IncomingTrackStatus):
+            if req.event.track_name == b"blocks":
+                req.respond()
+            else:
+                req.reject(RequestErrorCode.DOES_NOT_EXIST, "no such track")
+        elif isinstance(req, IncomingFetch):
+            req.accept_fetch(end_of_track=True, end_location=Location(0, 5))
+            for i in range(5):
+                req.send_object(0, 0, i, b"obj%d" % i * 1000)
+                await req.drain()
+            req.finish()
+        elif isinstance(req, IncomingSubscribe):
+            req.accept_subscribe(track_alias=7)
+            sid = req.open_subgroup(0, 0)
+            for i in range(3):
+                req.send_object(sid, i, b"live%d" % i, end_stream=i == 2)
+            req.publish_done(PublishDoneCode.TRACK_ENDED, "done")
+        else:
+            req.reject(RequestErrorCode.NOT_SUPPORTED, type(ev).__name__)
+
+
+@pytest.fixture(params=quic.STACKS)
+def settings(request: pytest.FixtureRequest) -> quic.TransportSettings:
+    return quic.TransportSettings(stack=request.param)
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Path:
+    certs.create_ca(tmp_path)
+    certs.issue_cert(tmp_path, "server", ["localhost", "127.0.0.1"])
+    certs.issue_cert(tmp_path, "client", ["client.local"])
+    return tmp_path
+
+
+async def test_setup_and_requests_end_to_end(pki: Path, settings: quic.TransportSettings) -> None:
+    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), _publisher)
+    port = server.address[1]
+    try:
+        client_tls = quic.TlsSettings.from_dir(pki, None)
+        async with connect(f"moqt://localhost:{port}", settings, client_tls) as conn:
+            assert conn.session.established
+            assert await conn.publish_namespace(NS) >= 0
+            ok = await conn.track_status(NS, b"blocks")
+            assert ok.request_id >= 0
+            with pytest.raises(RequestRejected) as info:
+                await conn.track_status(NS, b"missing")
+            assert info.value.code == RequestErrorCode.DOES_NOT_EXIST
+            handle = await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 5))
+            objs = await handle.read_all()
+            assert [o.object_id for o in objs] == [0, 1, 2, 3, 4]
+            assert objs[3].payload == b"obj3" * 1000
+            assert (await handle.ok()).end_location == Location(0, 5)
+            sub = await conn.subscribe(NS, b"blocks")
+            assert sub.ok is not None and sub.ok.track_alias == 7
+            live = [o.payload async for o in sub]
+            assert live == [b"live0", b"live1", b"live2"]
+            assert sub.done is not None and sub.done.status_code == PublishDoneCode.TRACK_ENDED
+    finally:
+        await server.close()
+
+
+async def test_many_concurrent_requests(pki: Path, settings: quic.TransportSettings) -> None:
+    # More concurrent request streams than aioquic's built-in 128 and qh3's 100-stream grant.
+    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), _publisher)
+    try:
+        async with connect(f"moqt://127.0.0.1:{server.address[1]}", settings,
+                           quic.TlsSettings.from_dir(pki, None)) as conn:
+            results = await asyncio.wait_for(
+                asyncio.gather(*(conn.track_status(NS, b"blocks") for _ in range(600))), 30
+            )
+            assert len({r.request_id for r in results}) == 600
+    finally:
+        await server.close()
+
+
+async def test_unknown_ca_is_a_clear_error(
+    pki: Path, tmp_path: Path, settings: quic.TransportSettings
+) -> None:
+    other = tmp_path / "other"
+    certs.create_ca(other)
+    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), _publisher)
+    try:
+        with pytest.raises(MoqtConnectionError, match="handshake") as info:
+            await connect(f"moqt://localhost:{server.address[1]}", settings,
+                          quic.TlsSettings(ca_file=other / "ca.pem"))
+        assert "certificate" in str(info.value).lower() or "issuer" in str(info.value).lower()
+    finally:
+        await server.close()
+
+
+def _expired_server_cert(pki: Path) -> tuple[Path, Path]:
+    """A server certificate signed by the project CA in ``pki`` whose validity ended yesterday."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    ca_cert = x509.load_pem_x509_certificate((pki / "ca.pem").read_bytes())
+    ca_key = serialization.load_pem_private_key((pki / "ca-key.pem").read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "expired")]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=30))
+        .not_valid_after(now - datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    cert_file, key_file = pki / "expired.pem", pki / "expired-key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return cert_file, key_file
+
+
+async def test_expired_server_certificate_is_a_clear_error(
+    pki: Path, settings: quic.TransportSettings
+) -> None:
+    cert_file, key_file = _expired_server_cert(pki)
+    tls = quic.TlsSettings(ca_file=pki / "ca.pem", cert_file=cert_file, key_file=key_file)
+    server = await serve("127.0.0.1", 0, settings, tls, _publisher)
+    try:
+        with pytest.raises(MoqtConnectionError, match="handshake") as info:
+            await connect(
+                f"moqt://localhost:{server.address[1]}", settings, quic.TlsSettings.from_dir(pki, None)
+            )
+        assert "expired" in str(info.value).lower() or "certificate" in str(info.value).lower()
+    finally:
+        await server.close()
+
+
+async def test_certificate_for_another_name_is_a_clear_error(
+    pki: Path, settings: quic.TransportSettings
+) -> None:
+    # The server's certificate names localhost and 127.0.0.1, not the name the client dials.
+    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), _publisher)
+    try:
+        tls = quic.TlsSettings(ca_file=pki / "ca.pem", server_name="relay.example")
+        with pytest.raises(MoqtConnectionError, match="handshake") as info:
+            await connect(f"moqt://127.0.0.1:{server.address[1]}", settings, tls)
+        assert "relay.example" in str(info.value) or "certificate" in str(info.value).lower()
+    finally:
+        await server.close()
+
+
+async def test_mtls_required(pki: Path, tmp_path: Path, settings: quic.TransportSettings) -> None:
+    tls = quic.TlsSettings.from_dir(pki, "server", require_client_cert=True)
+    if not transport.get_stack(settings.stack).can_request_client_certificate:
+        with pytest.raises(ValueError, match="require_client_cert"):
+            await serve("127.0.0.1", 0, settings, tls, _publisher)
+    # Servers that require client certificates run on aioquic; clients of either stack present one.
+    server = await serve("127.0.0.1", 0, quic.TransportSettings(stack="aioquic"), tls, _publisher)
+    url = f"moqt://localhost:{server.address[1]}"
+    try:
+        async with connect(url, settings, quic.TlsSettings.from_dir(pki, "client")) as conn:
+            assert (await conn.track_status(NS, b"blocks")).request_id >= 0
+        # A client certificate from another CA is refused.
+        other = tmp_path / "other"
+        certs.create_ca(other)
+        certs.issue_cert(other, "intruder", ["x.local"])
+        bad = quic.TlsSettings(ca_file=pki / "ca.pem", cert_file=other / "intruder.pem",
+                               key_file=other / "intruder-key.pem")
+        with pytest.raises(MoqtConnectionError):
+            async with connect(url, settings, bad) as conn:
+                await asyncio.wait_for(conn.track_status(NS, b"blocks"), 5)
+    finally:
+        await server.close()
+
+
+async def test_bulk_fetch_with_back_pressure(pki: Path, settings: quic.TransportSettings) -> None:
+    # 24 MiB through one fetch: more than the send-buffer bound, so the publisher must wait in drain()
+    # and be woken by the receive path (qh3 delivers batches through datagrams_received).
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    count = 24
+
+    async def bulk(conn: MoqtConnection) -> None:
+        async for req in conn.incoming_requests():
+            assert isinstance(req, IncomingFetch)
+            req.accept_fetch(end_of_track=True, end_location=Location(0, count))
+            for i in range(count):
+                req.send_object(0, 0, i, payload)
+                await req.drain()
+            req.finish()
+
+    limits = ConnectionLimits(max_send_buffer=4 << 20)
+    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), bulk,
+                         limits=limits)
+    try:
+        async with connect(f"moqt://127.0.0.1:{server.address[1]}", settings,
+                           quic.TlsSettings.from_dir(pki, None)) as conn:
+            handle = await conn.fetch(NS, b"bulk", Location(0, 0), Location(0, count))
+            got = 0
+            async for obj in handle:
+                assert obj.payload == payload
+                got += 1
+            assert got == count
+    finally:
+        await server.close()
+
+
+async def test_stacks_interoperate(pki: Path) -> None:
+    server = await serve("127.0.0.1", 0, quic.TransportSettings(stack="qh3"),
+                         quic.TlsSettings.from_dir(pki, "server"), _publisher)
+    try:
+        async with connect(f"moqt://localhost:{server.address[1]}", quic.TransportSettings(stack="aioquic"),
+                           quic.TlsSettings.from_dir(pki, None)) as conn:
+            objs = await (await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 5))).read_all()
+            assert [o.payload for o in objs] == [b"obj%d" % i * 1000 for i in range(5)]
+    finally:
+        await server.close()
+
+
+async def test_incoming_publish_buffers_early_objects_and_honours_stream_count(
+    pki: Path, settings: quic.TransportSettings
+) -> None:
+    """Objects that follow a PUBLISH before the application accepts it are kept, and PUBLISH_DONE sent
+    right after the data does not end the subscription before its Stream Count of streams has ended."""
+    got: dict[bytes, list[tuple[int, int, bytes]]] = {}
+    done: dict[bytes, int] = {}
+    finished = asyncio.Event()
+
+    async def on_connection(conn: MoqtConnection) -> None:
+        async for req in conn.incoming_requests():
+            assert isinstance(req, IncomingPublish)
+            name = req.event.track_name
+            if name == b"late-accept":
+                await asyncio.sleep(0.3)  # the objects are already here
+            objects = req.accept_publish(MessageParameters(forward=1))
+            got[name] = [(o.object_id, o.status, o.payload) async for o in objects]
+            assert objects.done is not None
+            done[name] = objects.done.stream_count
+            if len(got) == 2:
+                finished.set()
+
+    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), on_connection)
+    big = [bytes([i]) * 400_000 for i in range(3)]
+    try:
+        async with connect(f"moqt://localhost:{server.address[1]}", settings,
+                           quic.TlsSettings.from_dir(pki, None)) as conn:
+            # 1: objects sent right behind the PUBLISH, without waiting for PUBLISH_OK.
+            pending = asyncio.ensure_future(conn.publish(NS, b"late-accept", 11))
+            while not conn.session.established or 11 not in conn.session._pub_aliases:
+                await asyncio.sleep(0.001)
+            sid = conn.open_subgroup(11, 0, 0)
+            conn.send_subgroup_object(sid, 0, b"early")
+            conn.send_subgroup_object(sid, 1, b"", status=ObjectStatus.END_OF_TRACK, end_stream=True)
+            ok = await pending
+            conn.publish_done(ok.request_id, PublishDoneCode.TRACK_ENDED, "done")
+            # 2: large objects on two streams, PUBLISH_DONE at once while they are still in flight.
+            ok = await conn.publish(NS, b"in-flight", 12)
+            for group in range(2):
+                sid = conn.open_subgroup(12, group, 0)
+                for i, payload in enumerate(big):
+                    conn.send_subgroup_object(sid, i, payload, end_stream=i == len(big) - 1)
+            conn.publish_done(ok.request_id, PublishDoneCode.TRACK_ENDED, "done")
+            await asyncio.wait_for(finished.wait(), 20)
+    finally:
+        await server.close()
+    assert got[b"late-accept"] == [(0, ObjectStatus.NORMAL, b"early"), (1, ObjectStatus.END_OF_TRACK, b"")]
+    assert done == {b"late-accept": 1, b"in-flight": 2}
+    # The two streams interleave; each arrived whole.
+    assert sorted(p for _, _, p in got[b"in-flight"]) == sorted(big + big)
+
+
+async def test_keepalive_holds_an_idle_session_and_a_dead_peer_is_noticed(
+    pki: Path, settings: quic.TransportSettings
+) -> None:
+    # Short timers so the test is quick: 1 s idle timeout, PING after 0.25 s of silence.
+    live = quic.TransportSettings(stack=settings.stack, idle_timeout=1.0, keepalive_interval=0.25)
+    closed_at: list[float] = []
+
+    async def on_connection(conn: MoqtConnection) -> None:
+        serving = asyncio.ensure_future(_publisher(conn))
+        await conn.wait_session_closed()
+        closed_at.append(asyncio.get_running_loop().time())
+        serving.cancel()
+
+    server = await serve("127.0.0.1", 0, live, quic.TlsSettings.from_dir(pki, "server"), on_connection)
+    url = f"moqt://127.0.0.1:{server.address[1]}"
+    tls = quic.TlsSettings.from_dir(pki, None)
+    try:
+        conn = await connect(url, live, tls)
+        await asyncio.sleep(3.0)  # three idle timeouts without a single request
+        assert not conn.is_closed and not closed_at
+        assert (await conn.track_status(NS, b"blocks")).request_id >= 0
+        # The client dies without a word (its socket just closes): the server notices within the idle
+        # timeout (+ a few PTOs), not never.
+        died = asyncio.get_running_loop().time()
+        conn._transport.close()
+        for _ in range(60):
+            if closed_at:
+                break
+            await asyncio.sleep(0.1)
+        assert closed_at and closed_at[0] - died < 3.0
+    finally:
+        await server.close()
+    # Control: with keep-alive off on both sides the same idle session is dropped by the idle timeout
+    # (one side's PINGs alone would keep both alive, the ACKs refreshing the other's timer).
+    quiet = quic.TransportSettings(stack=settings.stack, idle_timeout=1.0, keepalive_interval=0)
+    server = await serve("127.0.0.1", 0, quiet, quic.TlsSettings.from_dir(pki, "server"), on_connection)
+    try:
+        conn = await connect(f"moqt://127.0.0.1:{server.address[1]}", quiet, tls)
+        await asyncio.wait_for(conn.wait_session_closed(), 5)
+    finally:
+        await server.close()
+
+
+async def test_keepalive_is_the_clients_job_and_the_server_covers_a_silent_client(
+    pki: Path, settings: quic.TransportSettings
+) -> None:
+    # Counted on the wire through the link emulator (no shaping): with keep-alive on both sides an idle
+    # session carries one PING and one ACK per interval, not a PING and an ACK from each side.
+    live = quic.TransportSettings(stack=settings.stack, idle_timeout=1.0, keepalive_interval=0.25)
+    server = await serve("127.0.0.1", 0, live, quic.TlsSettings.from_dir(pki, "server"), _publisher)
+    tls = quic.TlsSettings.from_dir(pki, None)
+    try:
+        config = EmulatorConfig(listen=("127.0.0.1", 0), target=("127.0.0.1", server.address[1]))
+        async with (
+            LinkEmulator(config) as emu,
+            connect(f"moqt://127.0.0.1:{emu.listen_address[1]}", live, tls) as conn,
+        ):
+            await asyncio.sleep(0.5)  # past the handshake's own packets
+            stats = emu.stats()
+            before = stats["upstream"].forwarded + stats["downstream"].forwarded
+            await asyncio.sleep(2.0)  # 8 intervals
+            idle_datagrams = stats["upstream"].forwarded + stats["downstream"].forwarded - before
+            assert not conn.is_closed
+        assert 8 <= idle_datagrams <= 24  # ~16 (PING + ACK per interval); both sides pinging made ~32
+        # A client without keep-alive (another implementation, say) is kept alive by the server's PINGs.
+        quiet = quic.TransportSettings(stack=settings.stack, idle_timeout=1.0, keepalive_interval=0)
+        async with connect(f"moqt://127.0.0.1:{server.address[1]}", quiet, tls) as conn:
+            await asyncio.sleep(3.0)  # three idle timeouts
+            assert not conn.is_closed
+            assert (await conn.track_status(NS, b"blocks")).request_id >= 0
+    finally:
+        await server.close()
+
+
+def test_keepalive_settings_validation() -> None:
+    assert quic.TransportSettings().keepalive_interval < quic.TransportSettings().idle_timeout
+    with pytest.raises(ValueError, match="keepalive_interval"):
+        quic.TransportSettings(idle_timeout=5.0, keepalive_interval=5.0)
+    with pytest.raises(ValueError, match="keepalive_interval"):
+        quic.TransportSettings(keepalive_interval=0.01)
+    assert quic.TransportSettings(keepalive_interval=0).keepalive_interval == 0
+
+
+async def test_stop_sending_on_fetch_stream_cancels_the_incoming_fetch(
+    pki: Path, settings: quic.TransportSettings
+) -> None:
+    outcome: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+    async def on_connection(conn: MoqtConnection) -> None:
+        async for req in conn.incoming_requests():
+            assert isinstance(req, IncomingFetch)
+            req.accept_fetch(end_of_track=True, end_location=Location(0, 100))
+            req.send_object(0, 0, 0, b"first")
+            try:
+                await asyncio.wait_for(req.cancelled.wait(), 5)
+            except TimeoutError:
+                outcome.set_result(False)
+            else:
+                outcome.set_result(req.gone)
+
+    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), on_connection)
+    try:
+        async with connect(f"moqt://127.0.0.1:{server.address[1]}", settings,
+                           quic.TlsSettings.from_dir(pki, None)) as conn:
+            handle = await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 100))
+            first = await anext(aiter(handle))
+            assert first.payload == b"first" and first.stream_id is not None
+            # Only the data stream is stopped (the request stream stays open): a FETCH has one data
+            # stream, so the requester wants nothing more.
+            conn._quic.stop_stream(first.stream_id, 0x0)
+            conn.transmit()
+            assert await asyncio.wait_for(outcome, 10)
+    finally:
+        await server.close()
+
+
+async def test_answered_incoming_requests_are_forgotten(pki: Path) -> None:
+    # A long-lived session answers requests for hours: what it tracks must follow the open requests,
+    # not every request it ever answered.
+    served: list[MoqtConnection] = []
+
+    async def publisher(conn: MoqtConnection) -> None:
+        served.append(conn)
+        await _publisher(conn)
+
+    settings = quic.TransportSettings()
+    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), publisher)
+    try:
+        async with connect(f"moqt://127.0.0.1:{server.address[1]}", settings,
+                           quic.TlsSettings.from_dir(pki, None)) as conn:
+            for _ in range(6):
+                await asyncio.wait_for(
+                    asyncio.gather(*(conn.track_status(NS, b"blocks") for _ in range(200))), 30
+                )
+            handle = await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 5))
+            assert len(await handle.read_all()) == 5
+            (peer,) = served
+            assert 0 < peer.open_incoming_requests <= 400, peer.open_incoming_requests
+    finally:
+        await server.close()

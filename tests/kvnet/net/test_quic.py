@@ -1,0 +1,123 @@
+"""Tests for kvnet.net.quic: settings validation, TLS configuration rules, URL parsing, a real handshake."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+from pathlib import Path
+
+import pytest
+from aioquic.asyncio import connect, serve
+
+from kvnet.net import quic
+from kvnet.security import certs
+
+
+def test_settings_defaults_and_validation() -> None:
+    s = quic.TransportSettings()
+    assert s.stack == quic.DEFAULT_STACK and s.socket_receive_buffer == 4 << 20
+    assert quic.TransportSettings(stack="aioquic").datagram_size == 16384
+    assert quic.TransportSettings(stack="qh3").datagram_size == quic.DATAGRAM_SIZE_QH3_LOOPBACK
+    assert quic.TransportSettings.for_ethernet().datagram_size == 1452
+    with pytest.raises(ValueError, match="max_datagram_size"):
+        quic.TransportSettings(stack="aioquic", max_datagram_size=16385)
+    assert quic.TransportSettings(stack="qh3", max_datagram_size=65000).datagram_size == 65000
+    with pytest.raises(ValueError, match="max_datagram_size"):
+        quic.TransportSettings(stack="qh3", max_datagram_size=65508)
+    with pytest.raises(ValueError, match="stack"):
+        quic.TransportSettings(stack="quiche")
+    with pytest.raises(ValueError, match="max_datagram_size"):
+        quic.TransportSettings(max_datagram_size=1000)
+    with pytest.raises(ValueError, match="congestion_control"):
+        quic.TransportSettings(congestion_control="bbr")
+    with pytest.raises(ValueError, match="max_streams_bidi"):
+        quic.TransportSettings(max_streams_bidi=0)
+
+
+def test_parse_moqt_url() -> None:
+    assert quic.parse_moqt_url("moqt://relay.example:4433/kv") == quic.MoqtUrl("relay.example", 4433, "/kv")
+    assert quic.parse_moqt_url("moqt://[::1]:5") == quic.MoqtUrl("::1", 5, "")
+    assert quic.parse_moqt_url("moqt://h").port == quic.DEFAULT_PORT
+    for bad in ("https://h:1", "moqt://:1", "moqt://h:99999", "moqt://u@h:1", "moqt://h:1?x=1"):
+        with pytest.raises(ValueError):
+            quic.parse_moqt_url(bad)
+
+
+def test_tls_rules(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    certs.create_ca(tmp_path)
+    certs.issue_cert(tmp_path, "server", ["localhost"])
+    with pytest.raises(ValueError, match="ca_file"):
+        quic.client_configuration(quic.TransportSettings(), quic.TlsSettings())
+    with pytest.raises(ValueError, match="together"):
+        quic.TlsSettings(cert_file=tmp_path / "server.pem")
+    with pytest.raises(ValueError, match="does not exist"):
+        quic.TlsSettings(ca_file=tmp_path / "nope.pem")
+    cfg = quic.client_configuration(quic.TransportSettings(), quic.TlsSettings.from_dir(tmp_path, None), "h")
+    assert cfg.verify_mode == ssl.CERT_REQUIRED and cfg.alpn_protocols == ["moqt-18"]
+    with caplog.at_level(logging.WARNING):
+        cfg = quic.client_configuration(quic.TransportSettings(), quic.TlsSettings(insecure_skip_verify=True))
+    assert cfg.verify_mode == ssl.CERT_NONE
+    assert "VERIFICATION DISABLED" in caplog.text
+
+
+async def test_handshake_with_project_certs(tmp_path: Path) -> None:
+    certs.create_ca(tmp_path)
+    certs.issue_cert(tmp_path, "server", ["localhost", "127.0.0.1"])
+    settings = quic.TransportSettings()
+    server = await serve(
+        "127.0.0.1", 0,
+        configuration=quic.server_configuration(settings, quic.TlsSettings.from_dir(tmp_path, "server")),
+    )
+    sock = server._transport.get_extra_info("socket")  # type: ignore[union-attr]
+    quic.apply_socket_buffers(sock, settings)
+    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) >= 4 << 20
+    port = sock.getsockname()[1]
+    cfg = quic.client_configuration(settings, quic.TlsSettings.from_dir(tmp_path, None), "localhost")
+    async with connect("127.0.0.1", port, configuration=cfg) as client:
+        await client.ping()
+        assert client._quic.tls.alpn_negotiated == "moqt-18"
+    server.close()
+
+
+def test_aioquic_configuration_never_exceeds_its_datagram_cap(tmp_path: Path) -> None:
+    certs.create_ca(tmp_path)
+    tls = quic.TlsSettings.from_dir(tmp_path, None)
+    # Settings chosen for qh3 still give a working aioquic configuration, capped at 16384 ...
+    cfg = quic.client_configuration(quic.TransportSettings(stack="qh3"), tls, "h")
+    assert cfg.max_datagram_size == 16384 and cfg.congestion_control_algorithm == "kvnet-cubic"
+    # ... unless a larger size was asked for explicitly, which aioquic would corrupt.
+    with pytest.raises(ValueError, match="16384"):
+        quic.client_configuration(quic.TransportSettings(stack="qh3", max_datagram_size=20000), tls, "h")
+    rtt_exit = quic.TransportSettings(stack="aioquic", slow_start_rtt_exit=True, congestion_control="reno")
+    assert quic.client_configuration(rtt_exit, tls, "h").congestion_control_algorithm == "reno"
+
+
+class _UnprivilegedSocket:
+    """A UDP socket on which the FORCE options fail as they do without CAP_NET_ADMIN."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+
+    def setsockopt(self, level: int, opt: int, value: int) -> None:
+        if opt in (getattr(socket, "SO_RCVBUFFORCE", -1), getattr(socket, "SO_SNDBUFFORCE", -1)):
+            raise PermissionError("operation not permitted")
+        self.sock.setsockopt(level, opt, value)
+
+    def getsockopt(self, level: int, opt: int) -> int:
+        return int(self.sock.getsockopt(level, opt))
+
+
+def test_socket_buffers_report_what_the_kernel_applied() -> None:
+    settings = quic.TransportSettings(socket_receive_buffer=1 << 20, socket_send_buffer=1 << 20)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        applied = quic.apply_socket_buffers(sock, settings)
+        assert applied == (sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
+                           sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
+    fake = _UnprivilegedSocket()
+    try:
+        # Without privileges the plain options still apply, capped by the kernel (which doubles them).
+        rcv, snd = quic.apply_socket_buffers(fake, settings)  # type: ignore[arg-type, misc]
+        assert rcv >= min(1 << 20, 212992) and snd >= min(1 << 20, 212992)
+    finally:
+        fake.sock.close()

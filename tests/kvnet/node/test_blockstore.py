@@ -1,0 +1,61 @@
+"""Tests for kvnet/node/blockstore.py: byte budget, LRU eviction, chain-aware ordering."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvnet.node.blockstore import BlockStore, StoredBlock
+
+
+def _block(i: int, size: int = 100, rendition: str = "lossless") -> StoredBlock:
+    payload = (b"m", b"x" * (size - 1))
+    return StoredBlock(block_hash=i.to_bytes(32, "big"), rendition=rendition, objects=payload)
+
+
+def test_put_get_and_byte_accounting() -> None:
+    store = BlockStore(max_bytes=1000)
+    assert store.put(_block(1))
+    assert store.put(_block(1, rendition="int8"))
+    assert store.nbytes == 200 and len(store) == 2
+    got = store.get((1).to_bytes(32, "big"), "lossless")
+    assert got is not None and got.nbytes == 100
+    assert store.get((2).to_bytes(32, "big"), "lossless") is None
+    assert sorted(store.renditions((1).to_bytes(32, "big"))) == ["int8", "lossless"]
+    # Re-putting the same key replaces it without double counting.
+    store.put(_block(1, size=50))
+    assert store.nbytes == 150
+
+
+def test_lru_eviction_respects_budget() -> None:
+    store = BlockStore(max_bytes=300)
+    for i in range(3):
+        store.put(_block(i))
+    store.get((0).to_bytes(32, "big"), "lossless")  # 0 becomes most recent; 1 is now the LRU
+    store.put(_block(3))
+    assert store.nbytes <= 300
+    assert ((1).to_bytes(32, "big"), "lossless") not in store
+    assert ((0).to_bytes(32, "big"), "lossless") in store
+    assert store.stats.evicted == 1
+
+
+def test_oversized_block_is_refused() -> None:
+    store = BlockStore(max_bytes=50)
+    assert not store.put(_block(1, size=100))
+    assert len(store) == 0
+    with pytest.raises(ValueError):
+        BlockStore(max_bytes=0)
+
+
+def test_chain_is_trimmed_from_the_tail() -> None:
+    store = BlockStore(max_bytes=500)
+    chain = [_block(i) for i in range(5)]
+    assert store.put_chain(chain) == 5
+    store.put(_block(99))  # over budget by one block: the tail (block 4) must go, not the head
+    assert ((4).to_bytes(32, "big"), "lossless") not in store
+    for i in range(4):
+        assert ((i).to_bytes(32, "big"), "lossless") in store
+    # Touching the chain keeps its head most recent.
+    store.touch_chain([(b.block_hash, "lossless") for b in chain[:4]])
+    store.put(_block(100))
+    store.put(_block(101))
+    assert ((0).to_bytes(32, "big"), "lossless") in store

@@ -1,0 +1,486 @@
+"""Tests for kvnet.security.tokens: token format, verification errors, scopes, verified-token cache,
+aliases."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from pathlib import Path
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvnet.security.tokens import (
+    KVNET_TOKEN_TYPE,
+    MAGIC,
+    SIGNING_CONTEXT,
+    TOKEN_ALIAS_OVERHEAD,
+    Action,
+    AuthError,
+    Authorizer,
+    Claims,
+    ExpiredToken,
+    InvalidSignature,
+    IssuerKey,
+    MalformedToken,
+    NotYetValid,
+    TokenAliasRegistry,
+    TokenVerifier,
+    Unauthorized,
+    UnknownIssuer,
+    action_for_message,
+    format_namespace,
+    issue_token,
+    load_issuer_public_key,
+    make_claims,
+    parse_namespace,
+)
+from proto.errors import (
+    AuthTokenCacheOverflow,
+    DuplicateAuthTokenAlias,
+    ProtocolViolation,
+    RequestErrorCode,
+    SessionErrorCode,
+    UnknownAuthTokenAlias,
+)
+from proto.messages import AliasType, AuthToken, decode_auth_token
+
+FP = b"ab" * 32
+TENANT_A = (b"kvnet", b"v1", FP, b"tenantA")
+TENANT_B = (b"kvnet", b"v1", FP, b"tenantB")
+NOW = 1_700_000_000.0
+
+
+class Clock:
+    def __init__(self, now: float = NOW) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def issuer() -> IssuerKey:
+    return IssuerKey.generate()
+
+
+def claims_for(
+    actions: set[Action], prefixes: tuple[tuple[bytes, ...], ...] = (TENANT_A,), lifetime: float = 3600
+) -> Claims:
+    return make_claims("node-1", "tenantA", actions, prefixes, now=NOW, lifetime_s=lifetime)
+
+
+def verifier_for(issuer: IssuerKey, clock: Clock | None = None) -> TokenVerifier:
+    return TokenVerifier([issuer.public_key], clock or Clock(), max_token_size=8192, leeway_s=30)
+
+
+# -- round trip and wire format --------------------------------------------------------------------
+
+
+def test_round_trip(issuer: IssuerKey) -> None:
+    claims = claims_for({Action.SUBSCRIBE, Action.PUBLISH})
+    token = issue_token(issuer, claims)
+    got = verifier_for(issuer).verify(token)
+    assert got.subject == "node-1" and got.tenant == "tenantA"
+    assert got.actions == {Action.SUBSCRIBE, Action.PUBLISH}
+    assert got.prefixes == (TENANT_A,)
+    assert (got.not_before, got.expires) == (int(NOW), int(NOW) + 3600)
+    assert got.issuer_key_id == issuer.key_id
+    assert len(got.token_id) == 16
+
+
+def test_wire_layout(issuer: IssuerKey) -> None:
+    token = issue_token(issuer, claims_for({Action.SUBSCRIBE}))
+    assert token[:4] == MAGIC
+    assert token[4:36] == issuer.key_id
+    claims = msgpack.unpackb(token[36:-64], raw=False)
+    assert list(claims) == ["act", "exp", "jti", "nbf", "pfx", "sub", "ten", "v"]
+    assert claims["act"] == ["subscribe"] and claims["pfx"] == [list(TENANT_A)]
+    issuer.public_key.verify(token[-64:], SIGNING_CONTEXT + token[:-64])
+    assert KVNET_TOKEN_TYPE == 0  # the draft's "negotiated out-of-band" type: no private range exists
+
+
+def test_token_ids_are_fresh(issuer: IssuerKey) -> None:
+    claims = claims_for({Action.SUBSCRIBE})
+    assert issue_token(issuer, claims) != issue_token(issuer, claims)
+
+
+def test_pem_save_load(tmp_path: Path, issuer: IssuerKey) -> None:
+    path = tmp_path / "issuer.key"
+    issuer.save(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    with pytest.raises(FileExistsError):
+        issuer.save(path)
+    loaded = IssuerKey.load(path)
+    assert loaded.key_id == issuer.key_id
+    issuer.save_public(tmp_path / "issuer.pub")
+    pub = load_issuer_public_key(tmp_path / "issuer.pub")
+    token = issue_token(loaded, claims_for({Action.SUBSCRIBE}))
+    assert TokenVerifier([pub], Clock()).verify(token).subject == "node-1"
+    with pytest.raises(ValueError):
+        IssuerKey.from_pem(b"-----BEGIN PRIVATE KEY-----\nnope\n-----END PRIVATE KEY-----\n")
+
+
+# -- verification errors ---------------------------------------------------------------------------
+
+
+def test_expired_and_not_yet_valid(issuer: IssuerKey) -> None:
+    clock = Clock()
+    verifier = verifier_for(issuer, clock)
+    token = issue_token(issuer, claims_for({Action.SUBSCRIBE}, lifetime=60))
+    clock.now = NOW + 60 + 29  # inside the leeway
+    verifier.verify(token)
+    clock.now = NOW + 60 + 30
+    with pytest.raises(ExpiredToken) as exc:
+        verifier.verify(token)
+    assert exc.value.request_error_code == RequestErrorCode.EXPIRED_AUTH_TOKEN
+    assert exc.value.session_error_code == SessionErrorCode.EXPIRED_AUTH_TOKEN
+    clock.now = NOW - 100
+    with pytest.raises(NotYetValid) as early:
+        verifier.verify(token)
+    assert early.value.request_error_code == RequestErrorCode.UNAUTHORIZED
+    assert early.value.retry_after_s == pytest.approx(70)
+    assert early.value.to_request_error().retry_interval == 70_001
+
+
+def test_forged_signature(issuer: IssuerKey) -> None:
+    token = bytearray(issue_token(issuer, claims_for({Action.SUBSCRIBE})))
+    token[-1] ^= 1
+    with pytest.raises(InvalidSignature) as exc:
+        verifier_for(issuer).verify(bytes(token))
+    assert exc.value.request_error_code == RequestErrorCode.MALFORMED_AUTH_TOKEN
+
+
+def test_altered_claims_fail_signature(issuer: IssuerKey) -> None:
+    token = issue_token(issuer, claims_for({Action.SUBSCRIBE}))
+    # Widen the tenant field in the claims without re-signing.
+    forged = token.replace(b"tenantA", b"tenantB")
+    assert forged != token
+    with pytest.raises(InvalidSignature):
+        verifier_for(issuer).verify(forged)
+
+
+def test_other_key_signing_under_trusted_key_id(issuer: IssuerKey) -> None:
+    attacker = IssuerKey.generate()
+    token = issue_token(attacker, claims_for({Action.PUBLISH}))
+    forged = token[:4] + issuer.key_id + token[36:]
+    with pytest.raises(InvalidSignature):
+        verifier_for(issuer).verify(forged)
+
+
+def test_unknown_issuer(issuer: IssuerKey) -> None:
+    token = issue_token(IssuerKey.generate(), claims_for({Action.SUBSCRIBE}))
+    with pytest.raises(UnknownIssuer) as exc:
+        verifier_for(issuer).verify(token)
+    assert exc.value.request_error_code == RequestErrorCode.UNAUTHORIZED
+    assert not exc.value.permanent
+
+
+def test_truncated(issuer: IssuerKey) -> None:
+    token = issue_token(issuer, claims_for({Action.SUBSCRIBE}))
+    verifier = verifier_for(issuer)
+    for cut in range(len(token)):
+        with pytest.raises((MalformedToken, InvalidSignature)):
+            verifier.verify(token[:cut])
+    with pytest.raises(MalformedToken):
+        verifier.verify(token[:100])
+
+
+def test_oversized(issuer: IssuerKey) -> None:
+    verifier = TokenVerifier([issuer.public_key], Clock(), max_token_size=200)
+    with pytest.raises(MalformedToken):
+        verifier.verify(issue_token(issuer, claims_for({Action.SUBSCRIBE}, prefixes=(TENANT_A,) * 8)))
+
+
+def test_other_type0_token_is_malformed(issuer: IssuerKey) -> None:
+    with pytest.raises(MalformedToken) as exc:
+        verifier_for(issuer).verify(b"eyJhbGciOiJFUzI1NiJ9." + b"x" * 200)
+    assert exc.value.to_session_error().error_code == SessionErrorCode.MALFORMED_AUTH_TOKEN
+
+
+def _sign_raw_claims(issuer: IssuerKey, claims: bytes) -> bytes:
+    signed = MAGIC + issuer.key_id + claims
+    return signed + issuer.sign(SIGNING_CONTEXT + signed)
+
+
+def test_signed_but_non_canonical_claims_rejected(issuer: IssuerKey) -> None:
+    good = issue_token(issuer, claims_for({Action.SUBSCRIBE}))
+    obj = msgpack.unpackb(good[36:-64], raw=False)
+    verifier = verifier_for(issuer)
+    reordered = dict(reversed(list(obj.items())))
+    duplicated = dict(obj, act=["subscribe", "subscribe"])
+    as_bool = dict(obj, nbf=True)
+    unknown_action = dict(obj, act=["admin"])
+    extra_key = dict(obj, zzz=1)
+    for bad in (reordered, duplicated, as_bool, unknown_action, extra_key):
+        with pytest.raises(MalformedToken):
+            verifier.verify(_sign_raw_claims(issuer, msgpack.packb(bad, use_bin_type=True)))
+    # A wider integer encoding of the same value is not canonical.
+    wide = good[36:-64].replace(b"\xa3nbf\xce", b"\xa3nbf\xcf\x00\x00\x00\x00")
+    assert wide != good[36:-64]
+    with pytest.raises(MalformedToken):
+        verifier.verify(_sign_raw_claims(issuer, wide))
+    verifier.verify(_sign_raw_claims(issuer, good[36:-64]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=400))
+def test_random_bytes_only_typed_errors(data: bytes) -> None:
+    verifier = TokenVerifier([IssuerKey.generate().public_key], Clock(), max_token_size=300)
+    with pytest.raises(AuthError):
+        verifier.verify(data)
+    with pytest.raises((MalformedToken, UnknownIssuer, InvalidSignature)):
+        verifier.verify(MAGIC + data)
+
+
+_FUZZ_ISSUER = IssuerKey.generate()
+
+
+@settings(max_examples=200, deadline=None)
+@given(claims=st.binary(min_size=1, max_size=300))
+def test_random_signed_claims_only_typed_errors(claims: bytes) -> None:
+    key = _FUZZ_ISSUER
+    verifier = TokenVerifier([key.public_key], Clock())
+    # Any outcome but a typed AuthError (or success) fails the test.
+    with contextlib.suppress(AuthError):
+        verifier.verify(_sign_raw_claims(key, claims))
+
+
+@settings(max_examples=100, deadline=None)
+@given(position=st.integers(min_value=0), value=st.integers(min_value=1, max_value=255))
+def test_bit_flips_never_verify(issuer: IssuerKey, position: int, value: int) -> None:
+    token = bytearray(issue_token(issuer, claims_for({Action.SUBSCRIBE})))
+    token[position % len(token)] ^= value
+    with pytest.raises((MalformedToken, UnknownIssuer, InvalidSignature)):
+        verifier_for(issuer).verify(bytes(token))
+
+
+# -- claims validation ------------------------------------------------------------------------------
+
+
+def test_claims_validation() -> None:
+    with pytest.raises(ValueError):
+        make_claims("s", "t", [], [TENANT_A], now=NOW, lifetime_s=10)
+    with pytest.raises(ValueError):
+        make_claims("s", "t", ["admin"], [TENANT_A], now=NOW, lifetime_s=10)
+    with pytest.raises(ValueError):
+        make_claims("s", "t", ["subscribe"], [], now=NOW, lifetime_s=10)
+    with pytest.raises(ValueError):
+        make_claims("s", "t", ["subscribe"], [(b"x",) * 33], now=NOW, lifetime_s=10)
+    with pytest.raises(ValueError):
+        make_claims("", "t", ["subscribe"], [TENANT_A], now=NOW, lifetime_s=10)
+    with pytest.raises(ValueError):
+        make_claims("s", "t", ["subscribe"], [TENANT_A], now=NOW, lifetime_s=0)
+    with pytest.raises(ValueError):
+        Claims("s", "t", frozenset({Action.PUBLISH}), (TENANT_A,), not_before=10, expires=10)
+    with pytest.raises(ValueError):
+        issue_token(IssuerKey.generate(), Claims("s", "t", frozenset({Action.PUBLISH}), (TENANT_A,),
+                                                 not_before=1, expires=2, issuer_key_id=b"k" * 32))
+
+
+# -- scopes -----------------------------------------------------------------------------------------
+
+
+def test_publish_only_cannot_subscribe() -> None:
+    claims = claims_for({Action.PUBLISH})
+    Authorizer.authorize(claims, Action.PUBLISH, TENANT_A)
+    with pytest.raises(Unauthorized) as exc:
+        Authorizer.authorize(claims, Action.SUBSCRIBE, TENANT_A)
+    assert exc.value.request_error_code == RequestErrorCode.UNAUTHORIZED
+    with pytest.raises(Unauthorized):
+        Authorizer.authorize(claims, Action.RELAY, TENANT_A)
+
+
+def test_subscribe_only_cannot_publish() -> None:
+    with pytest.raises(Unauthorized):
+        Authorizer.authorize(claims_for({Action.SUBSCRIBE}), Action.PUBLISH, TENANT_A)
+
+
+def test_relay_implies_publish_and_subscribe() -> None:
+    claims = claims_for({Action.RELAY})
+    for action in Action:
+        Authorizer.authorize(claims, action, TENANT_A)
+    with pytest.raises(Unauthorized):
+        Authorizer.authorize(claims, Action.SUBSCRIBE, TENANT_B)
+
+
+def test_prefix_is_field_wise() -> None:
+    claims = claims_for({Action.SUBSCRIBE, Action.PUBLISH})
+    Authorizer.authorize(claims, Action.SUBSCRIBE, TENANT_A)
+    Authorizer.authorize(claims, Action.SUBSCRIBE, (*TENANT_A, b"more"))
+    for outside in (
+        TENANT_B,
+        (b"kvnet", b"v1", FP, b"tenantAB"),  # the allowed field is a byte-string prefix of this one
+        (b"kvnet", b"v1", FP, b"tenant"),  # this field is a byte-string prefix of the allowed one
+        (b"kvnet", b"v1", FP),  # broader than the grant
+        (b"kvnet", b"v1", FP + b"tenantA"),  # concatenation of two allowed fields
+        (),
+    ):
+        with pytest.raises(Unauthorized):
+            Authorizer.authorize(claims, Action.SUBSCRIBE, outside)
+
+
+def test_empty_prefix_allows_everything() -> None:
+    claims = claims_for({Action.SUBSCRIBE}, prefixes=((),))
+    Authorizer.authorize(claims, Action.SUBSCRIBE, ())
+    Authorizer.authorize(claims, Action.SUBSCRIBE, TENANT_B)
+
+
+def test_several_prefixes() -> None:
+    claims = claims_for({Action.SUBSCRIBE}, prefixes=(TENANT_A, TENANT_B))
+    Authorizer.authorize(claims, Action.SUBSCRIBE, TENANT_A)
+    Authorizer.authorize(claims, Action.SUBSCRIBE, TENANT_B)
+    with pytest.raises(Unauthorized):
+        Authorizer.authorize(claims, Action.SUBSCRIBE, (b"kvnet", b"v1", FP, b"tenantC"))
+
+
+def test_action_for_message() -> None:
+    assert action_for_message("FETCH") is Action.SUBSCRIBE
+    assert action_for_message("TRACK_STATUS") is Action.SUBSCRIBE
+    assert action_for_message("SUBSCRIBE_NAMESPACE") is Action.SUBSCRIBE
+    assert action_for_message("PUBLISH_NAMESPACE") is Action.PUBLISH
+    with pytest.raises(ValueError):
+        action_for_message("GOAWAY")
+
+
+# -- authorizer cache -------------------------------------------------------------------------------
+
+
+def test_authorizer_cache_bounded_and_expiring(issuer: IssuerKey) -> None:
+    clock = Clock()
+    auth = Authorizer(verifier_for(issuer, clock), cache_entries=3)
+    tokens = [issue_token(issuer, claims_for({Action.SUBSCRIBE}, lifetime=100)) for _ in range(5)]
+    for t in tokens:
+        auth.check(t, Action.SUBSCRIBE, TENANT_A)
+    assert len(auth) == 3 and auth.misses == 5
+    auth.check(tokens[-1], Action.SUBSCRIBE, TENANT_A)
+    assert auth.hits == 1
+    auth.check(tokens[0], Action.SUBSCRIBE, TENANT_A)  # evicted first (LRU): verified again
+    assert auth.misses == 6
+    with pytest.raises(Unauthorized):  # a cached token is still scope-checked
+        auth.check(tokens[-1], Action.PUBLISH, TENANT_A)
+    clock.now = NOW + 200
+    with pytest.raises(ExpiredToken):  # a cached token still expires
+        auth.check(tokens[-1], Action.SUBSCRIBE, TENANT_A)
+    assert len(auth) == 2
+
+
+def test_authorizer_does_not_cache_failures(issuer: IssuerKey) -> None:
+    auth = Authorizer(verifier_for(issuer), cache_entries=3)
+    for _ in range(3):
+        with pytest.raises(MalformedToken):
+            auth.verify(os.urandom(120))
+    assert len(auth) == 0
+
+
+def test_check_any(issuer: IssuerKey) -> None:
+    auth = Authorizer(verifier_for(issuer))
+    pub = issue_token(issuer, claims_for({Action.PUBLISH}))
+    sub = issue_token(issuer, claims_for({Action.SUBSCRIBE}))
+    claims = auth.check_any([(7, b"other"), (KVNET_TOKEN_TYPE, pub), (KVNET_TOKEN_TYPE, sub)],
+                            Action.SUBSCRIBE, TENANT_A)
+    assert claims.actions == {Action.SUBSCRIBE}
+    with pytest.raises(Unauthorized):
+        auth.check_any([(KVNET_TOKEN_TYPE, pub)], Action.SUBSCRIBE, TENANT_A)
+    with pytest.raises(Unauthorized):
+        auth.check_any([], Action.SUBSCRIBE, TENANT_A)
+
+
+# -- aliases ----------------------------------------------------------------------------------------
+
+
+def test_alias_register_use_delete() -> None:
+    reg = TokenAliasRegistry(max_cache_size=100)
+    got = reg.apply(AuthToken(AliasType.REGISTER, 1, 0, b"a" * 20))
+    assert got is not None and got.value == b"a" * 20
+    assert reg.size == TOKEN_ALIAS_OVERHEAD + 20
+    used = reg.apply(AuthToken(AliasType.USE_ALIAS, 1))
+    assert used is not None and used.value == b"a" * 20 and used.token_type == 0
+    assert reg.apply(AuthToken(AliasType.DELETE, 1)) is None
+    assert reg.size == 0 and 1 not in reg
+    with pytest.raises(UnknownAuthTokenAlias) as exc:
+        reg.apply(AuthToken(AliasType.USE_ALIAS, 1))
+    assert exc.value.error_code == SessionErrorCode.UNKNOWN_AUTH_TOKEN_ALIAS
+    with pytest.raises(UnknownAuthTokenAlias):
+        reg.apply(AuthToken(AliasType.DELETE, 1))
+    # Re-registration after deletion is allowed.
+    reg.apply(AuthToken(AliasType.REGISTER, 1, 0, b"b"))
+
+
+def test_alias_duplicate() -> None:
+    reg = TokenAliasRegistry(max_cache_size=1000)
+    reg.register(5, 0, b"x")
+    with pytest.raises(DuplicateAuthTokenAlias) as exc:
+        reg.register(5, 0, b"y")
+    assert exc.value.error_code == SessionErrorCode.DUPLICATE_AUTH_TOKEN_ALIAS
+
+
+def test_alias_cache_bounded() -> None:
+    reg = TokenAliasRegistry(max_cache_size=3 * (TOKEN_ALIAS_OVERHEAD + 10))
+    for alias in range(3):
+        assert reg.register(alias, 0, b"v" * 10)
+    with pytest.raises(AuthTokenCacheOverflow) as exc:
+        reg.register(3, 0, b"v")
+    assert exc.value.error_code == SessionErrorCode.AUTH_TOKEN_CACHE_OVERFLOW
+    assert len(reg) == 3
+    reg.delete(0)
+    assert reg.register(3, 0, b"v" * 10)
+
+
+def test_alias_default_size_forbids_aliases() -> None:
+    reg = TokenAliasRegistry()
+    with pytest.raises(AuthTokenCacheOverflow):
+        reg.register(1, 0, b"")
+
+
+def test_alias_in_setup() -> None:
+    reg = TokenAliasRegistry(max_cache_size=0)
+    # Over the limit in SETUP: used as USE_VALUE, not registered, no session error.
+    got = reg.apply(AuthToken(AliasType.REGISTER, 1, 0, b"tok"), in_setup=True)
+    assert got is not None and got.value == b"tok" and 1 not in reg
+    for kind in (AliasType.DELETE, AliasType.USE_ALIAS):
+        with pytest.raises(ProtocolViolation):
+            reg.apply(AuthToken(kind, 1), in_setup=True)
+
+
+def test_alias_remembers_only_permanent_failures(issuer: IssuerKey) -> None:
+    reg = TokenAliasRegistry(max_cache_size=1000)
+    reg.register(1, 0, b"garbage")
+    reg.register(2, 0, b"later")
+    size = reg.size
+    reg.remember_failure(1, MalformedToken("bad"))
+    reg.remember_failure(2, NotYetValid("soon", retry_after_s=5))
+    with pytest.raises(MalformedToken):
+        reg.resolve(1)
+    assert reg.resolve(2).value == b"later"
+    assert reg.size == size  # the draft counts the value whether or not it is kept
+
+
+def test_alias_round_trip_through_proto_decoder() -> None:
+    reg = TokenAliasRegistry(max_cache_size=200)
+    wire = bytes([AliasType.REGISTER, 9, 0]) + b"value"
+    got = reg.apply(decode_auth_token(wire))
+    assert got is not None and got.value == b"value" and 9 in reg
+
+
+# -- namespace rendering ----------------------------------------------------------------------------
+
+
+def test_namespace_rendering() -> None:
+    ns = (b"kvnet", b"v1", b"ab12", b"tenant-A.x")
+    text = format_namespace(ns)
+    assert text == "kvnet-v1-ab12-tenant.2dA.2ex"
+    assert parse_namespace(text) == ns
+    assert parse_namespace("") == ()
+    for bad in ("a.61", "a.2D", "a.", "a.2", "a b", "é"):
+        with pytest.raises(ValueError):
+            parse_namespace(bad)
+
+
+@given(st.lists(st.binary(min_size=1, max_size=12), min_size=1, max_size=6))
+def test_namespace_rendering_round_trip(fields: list[bytes]) -> None:
+    ns = tuple(fields)
+    assert parse_namespace(format_namespace(ns)) == ns
