@@ -50,12 +50,12 @@ FORMAT_VERSION: Final = 1
 """Manifest format version (field ``v``)."""
 NAMESPACE_ROOT: Final = b"kvnet"
 """First Track Namespace Field of every kvnet track."""
-NAMESPACE_VERSION: Final = b"v1"
-"""Second Track Namespace Field: version of this naming scheme."""
+NAMESPACE_VERSION: Final = b"v2"
+"""Second Track Namespace Field: version of this naming scheme (v2: every name is UTF-8 text)."""
 HASH_LEN: Final = 32
 """Bytes in a block hash, parent hash, fingerprint and payload digest (SHA-256)."""
 TRACK_NAME_SEPARATOR: Final = b"."
-"""Byte between the raw block hash and the rendition name in a Track Name."""
+"""Byte between the hex block hash and the rendition name in a Track Name."""
 BLOCK_GROUP_ID: Final = 0
 """The only group of a block track."""
 MANIFEST_OBJECT_ID: Final = 0
@@ -83,7 +83,8 @@ DTYPES: Final = frozenset({"bfloat16", "float16", "float32", "float64"})
 
 _RENDITION_RE = re.compile(rb"[a-z0-9_]{1,%d}" % MAX_RENDITION_LEN)
 _TENANT_RE = re.compile(rb"[A-Za-z0-9_.\-]{1,%d}" % MAX_TENANT_LEN)
-_FINGERPRINT_HEX_RE = re.compile(rb"[0-9a-f]{%d}" % (2 * HASH_LEN))
+_HASH_HEX_RE = re.compile(rb"[0-9a-f]{%d}" % (2 * HASH_LEN))
+"""A fingerprint or block hash in a name: lowercase hex, so one byte string per hash."""
 
 # Manifest map keys (short, so the manifest stays small); the canonical form sorts them bytewise.
 _K_BLOCK_INDEX = "bi"
@@ -161,7 +162,7 @@ def _describe(value: object) -> str:
 def block_namespace(fingerprint: bytes, tenant: str) -> tuple[bytes, ...]:
     """Track Namespace of every block of ``tenant`` under model ``fingerprint``.
 
-    ``("kvnet", "v1", <fingerprint as 64 lowercase hex digits>, <tenant>)``; a publisher announces
+    ``("kvnet", "v2", <fingerprint as 64 lowercase hex digits>, <tenant>)``; a publisher announces
     exactly this tuple with PUBLISH_NAMESPACE.
     """
     fp = _check_hash("fingerprint", fingerprint)
@@ -174,10 +175,11 @@ def block_track(
 ) -> tuple[tuple[bytes, ...], bytes]:
     """``(track_namespace, track_name)`` of one block in one rendition.
 
-    Track Name = 32 raw bytes of the block hash + ``b"."`` + ASCII rendition name.
+    Track Name = block hash as 64 lowercase hex digits + ``b"."`` + ASCII rendition name: text only, so
+    relays that insist on UTF-8 names carry it.
     """
     namespace = block_namespace(fingerprint, tenant)
-    name = _check_hash("block_hash", block_hash) + TRACK_NAME_SEPARATOR + _check_ascii(
+    name = _check_hash("block_hash", block_hash).hex().encode("ascii") + TRACK_NAME_SEPARATOR + _check_ascii(
         "rendition", rendition, _RENDITION_RE
     )
     return namespace, name
@@ -193,21 +195,22 @@ def parse_block_track(namespace: Sequence[bytes], track_name: bytes) -> BlockTra
         raise KVObjectError(f"namespace root {root!r} is not {NAMESPACE_ROOT!r}")
     if version != NAMESPACE_VERSION:
         raise KVObjectError(f"unsupported namespace version {version!r}")
-    if not _FINGERPRINT_HEX_RE.fullmatch(fp_hex):
+    if not _HASH_HEX_RE.fullmatch(fp_hex):
         raise KVObjectError("fingerprint field must be 64 lowercase hex digits")
     if not _TENANT_RE.fullmatch(tenant_raw):
         raise KVObjectError(f"tenant field {tenant_raw!r} is not 1..{MAX_TENANT_LEN} of [A-Za-z0-9_.-]")
     if not isinstance(track_name, bytes):
         raise KVObjectError(f"track name must be bytes, got {type(track_name).__name__}")
-    block_hash, sep, rendition = (
-        track_name[:HASH_LEN], track_name[HASH_LEN : HASH_LEN + 1], track_name[HASH_LEN + 1 :],
+    hex_len = 2 * HASH_LEN
+    hash_hex, sep, rendition = (
+        track_name[:hex_len], track_name[hex_len : hex_len + 1], track_name[hex_len + 1 :],
     )
-    if len(block_hash) != HASH_LEN or sep != TRACK_NAME_SEPARATOR:
-        raise KVObjectError("track name must be a 32-byte block hash, '.', and a rendition name")
+    if not _HASH_HEX_RE.fullmatch(hash_hex) or sep != TRACK_NAME_SEPARATOR:
+        raise KVObjectError("track name must be a block hash in 64 lowercase hex digits, '.', a rendition")
     if not _RENDITION_RE.fullmatch(rendition):
         raise KVObjectError(f"rendition {rendition!r} is not 1..{MAX_RENDITION_LEN} of [a-z0-9_]")
-    return BlockTrack(bytes.fromhex(fp_hex.decode("ascii")), tenant_raw.decode("ascii"), block_hash,
-                      rendition.decode("ascii"))
+    return BlockTrack(bytes.fromhex(fp_hex.decode("ascii")), tenant_raw.decode("ascii"),
+                      bytes.fromhex(hash_hex.decode("ascii")), rendition.decode("ascii"))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -284,7 +284,7 @@ def _check_namespace(what: str, ns: Sequence[bytes]) -> Namespace:
 def namespace_in_scope(namespace: Sequence[bytes], prefixes: Iterable[Namespace]) -> bool:
     """True when some prefix is a field-wise prefix of ``namespace`` (equal fields, in order).
 
-    ``("kvnet", "v1", fp, "tenantA")`` covers ``("kvnet", "v1", fp, "tenantA", ...)`` but neither
+    ``("kvnet", "v2", fp, "tenantA")`` covers ``("kvnet", "v2", fp, "tenantA", ...)`` but neither
     ``(..., "tenantB")`` nor ``(..., "tenantAB")``: fields are compared whole, never as string prefixes.
     """
     ns = tuple(namespace)

@@ -48,9 +48,9 @@ def _manifest(**overrides: object) -> BlockManifest:
 
 def test_block_track_layout() -> None:
     namespace, name = block_track(FP, "tenant-a", H1, "int8")
-    assert namespace == (b"kvnet", b"v1", FP.hex().encode(), b"tenant-a")
+    assert namespace == (b"kvnet", b"v2", FP.hex().encode(), b"tenant-a")
     assert namespace == block_namespace(FP, "tenant-a")
-    assert name == H1 + b".int8"
+    assert name == H1.hex().encode() + b".int8"
     assert sum(len(f) for f in namespace) + len(name) <= 4096
     assert parse_block_track(namespace, name) == BlockTrack(FP, "tenant-a", H1, "int8")
 
@@ -64,6 +64,9 @@ def test_block_track_layout() -> None:
 def test_track_round_trip(fp: bytes, block_hash: bytes, tenant: str, rendition: str) -> None:
     namespace, name = block_track(fp, tenant, block_hash, rendition)
     assert len(namespace) == 4 and all(namespace)
+    # Every field and the name are UTF-8 text (relays in the field refuse other names).
+    for text in (*namespace, name):
+        text.decode("utf-8")
     assert parse_block_track(list(namespace), name) == BlockTrack(fp, tenant, block_hash, rendition)
 
 
@@ -93,16 +96,18 @@ def test_parse_block_track_rejects_bad_names() -> None:
         (ns[:3], name),
         ((*ns, b"extra"), name),
         ((b"kvnetx", *ns[1:]), name),
-        ((ns[0], b"v2", *ns[2:]), name),
+        ((ns[0], b"v1", *ns[2:]), name),
         ((ns[0], ns[1], FP.hex().upper().encode(), ns[3]), name),
         ((ns[0], ns[1], FP.hex().encode()[:-2], ns[3]), name),
         ((*ns[:3], b"bad tenant"), name),
         ((*ns[:3], b""), name),
-        (ns, H1 + b"int4"),
-        (ns, H1 + b"."),
-        (ns, H1[:31] + b".int4"),
-        (ns, H1 + b"-int4"),
-        (ns, H1 + b".INT4"),
+        (ns, H1.hex().encode() + b"int4"),
+        (ns, H1.hex().encode() + b"."),
+        (ns, H1.hex().encode()[:-2] + b".int4"),
+        (ns, H1.hex().encode() + b"-int4"),
+        (ns, H1.hex().encode() + b".INT4"),
+        (ns, H1.hex().upper().encode() + b".int4"),
+        (ns, H1 + b".int4"),
         (ns, b""),
     ]
     for namespace, track_name in bad:
