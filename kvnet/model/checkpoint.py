@@ -71,6 +71,90 @@ def hf_tensor_names(args: ModelArgs) -> dict[str, str]:
     return names
 
 
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+"""``model_type`` values whose math is the Llama layout (mistral only without a sliding window)."""
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+"""RoPE types `kvnet.model.transformer` implements (``rope_parameters``/``rope_scaling`` ``rope_type``)."""
+
+
+def _rope_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """`ModelArgs` RoPE fields: ``rope_parameters`` (transformers >= 5) or ``rope_theta``/``rope_scaling``."""
+    parameters = config.get("rope_parameters")
+    scaling = config.get("rope_scaling")
+    key = "rope_parameters" if parameters is not None else "rope_scaling"
+    rope = parameters if parameters is not None else scaling
+    if parameters is not None and scaling is not None and scaling != parameters:
+        raise CheckpointError(f"{CONFIG_FILE}: rope_parameters and rope_scaling disagree; keep one of them")
+    if rope is not None and not isinstance(rope, Mapping):
+        raise CheckpointError(f"{CONFIG_FILE}: {key} must be an object, got {rope!r}")
+    rope = rope or {}
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    if (
+        "rope_theta" in rope
+        and "rope_theta" in config
+        and float(rope["rope_theta"]) != float(config["rope_theta"])
+    ):
+        raise CheckpointError(
+            f"{CONFIG_FILE}: rope_theta {config['rope_theta']} disagrees with {key}.rope_theta"
+        )
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise CheckpointError(
+            f"{CONFIG_FILE}: {key}.rope_type {rope_type!r} is not supported "
+            f"(only {list(SUPPORTED_ROPE_TYPES)})"
+        )
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise CheckpointError(f"{CONFIG_FILE}: partial_rotary_factor {partial} is not supported (only 1.0)")
+    fields: dict[str, Any] = {"rope_theta": float(theta)}
+    if rope_type == "llama3":
+        fields |= {
+            "rope_scaling": "llama3",
+            "rope_scaling_factor": float(rope["factor"]),
+            "rope_low_freq_factor": float(rope["low_freq_factor"]),
+            "rope_high_freq_factor": float(rope["high_freq_factor"]),
+            "rope_original_max_seq_len": int(rope["original_max_position_embeddings"]),
+        }
+    return fields
+
+
+def _reject_unsupported(config: Mapping[str, Any]) -> None:
+    """`CheckpointError` naming the first key whose value asks for math kvnet does not implement."""
+    model_type = config.get("model_type", "llama")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"{CONFIG_FILE}: model_type {model_type!r} is not supported (only {list(SUPPORTED_MODEL_TYPES)})"
+        )
+    hidden_act = config.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise CheckpointError(f"{CONFIG_FILE}: hidden_act {hidden_act!r} is not supported (only 'silu')")
+    for flag in ("attention_bias", "mlp_bias", "use_sliding_window", "rope_interleaved"):
+        if config.get(flag):
+            raise CheckpointError(f"{CONFIG_FILE}: {flag}=true is not supported")
+    for key in ("sliding_window", "quantization_config", "attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(key) is not None:
+            raise CheckpointError(f"{CONFIG_FILE}: {key} is not supported (got {config[key]!r})")
+    layer_types = config.get("layer_types")
+    if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
+        raise CheckpointError(f"{CONFIG_FILE}: layer_types other than 'full_attention' are not supported")
+
+
+def config_dtype(config: Mapping[str, Any]) -> torch.dtype:
+    """The weights dtype a config names: ``dtype`` (``torch_dtype`` before transformers 5); else float32."""
+    named = {
+        key: str(config[key]).removeprefix("torch.") for key in ("dtype", "torch_dtype") if config.get(key)
+    }
+    if len(set(named.values())) > 1:
+        raise CheckpointError(
+            f"{CONFIG_FILE}: dtype {named['dtype']!r} and torch_dtype {named['torch_dtype']!r} disagree"
+        )
+    for key, name in named.items():
+        if name not in _DTYPES:
+            raise CheckpointError(f"{CONFIG_FILE}: {key} {name!r} not in {sorted(_DTYPES)}")
+        return _DTYPES[name]
+    return torch.float32
+
+
 def model_args_from_hf_config(config: Mapping[str, Any], tokenizer_identity: str) -> ModelArgs:
     """`ModelArgs` from a Hugging Face Llama ``config.json``; `CheckpointError` for what kvnet cannot run."""
 
@@ -79,14 +163,7 @@ def model_args_from_hf_config(config: Mapping[str, Any], tokenizer_identity: str
             raise CheckpointError(f"{CONFIG_FILE} lacks required key {key!r}")
         return config[key]
 
-    hidden_act = config.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise CheckpointError(f"{CONFIG_FILE}: hidden_act {hidden_act!r} is not supported (only 'silu')")
-    for flag in ("attention_bias", "mlp_bias"):
-        if config.get(flag):
-            raise CheckpointError(f"{CONFIG_FILE}: {flag}=true is not supported (Llama layout has no biases)")
-    if config.get("sliding_window") is not None:
-        raise CheckpointError(f"{CONFIG_FILE}: sliding_window attention is not supported")
+    _reject_unsupported(config)
     dim, n_heads = require("hidden_size"), require("num_attention_heads")
     head_dim = config.get("head_dim")
     if head_dim is not None and head_dim * n_heads != dim:
@@ -94,33 +171,18 @@ def model_args_from_hf_config(config: Mapping[str, Any], tokenizer_identity: str
             f"{CONFIG_FILE}: head_dim {head_dim} * num_attention_heads {n_heads} != hidden_size {dim}"
         )
     try:
-        rope_fields: dict[str, Any] = {}
-        scaling = config.get("rope_scaling")
-        if scaling is not None:
-            rope_type = scaling.get("rope_type", scaling.get("type"))
-            if rope_type not in ("llama3", "default"):
-                raise CheckpointError(f"{CONFIG_FILE}: rope_scaling type {rope_type!r} is not supported")
-            if rope_type == "llama3":
-                rope_fields = {
-                    "rope_scaling": "llama3",
-                    "rope_scaling_factor": float(scaling["factor"]),
-                    "rope_low_freq_factor": float(scaling["low_freq_factor"]),
-                    "rope_high_freq_factor": float(scaling["high_freq_factor"]),
-                    "rope_original_max_seq_len": int(scaling["original_max_position_embeddings"]),
-                }
         return ModelArgs(
             dim=dim,
             n_layers=require("num_hidden_layers"),
             n_heads=n_heads,
-            n_kv_heads=config.get("num_key_value_heads", n_heads),
+            n_kv_heads=config.get("num_key_value_heads") or n_heads,
             intermediate_size=require("intermediate_size"),
             vocab_size=require("vocab_size"),
             max_seq_len=require("max_position_embeddings"),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
             norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             tokenizer_identity=tokenizer_identity,
-            **rope_fields,
+            **_rope_fields(config),
         )
     except CheckpointError:
         raise
@@ -176,9 +238,9 @@ def load_checkpoint(
 ) -> Transformer:
     """A `Transformer` with the weights of a Hugging Face Llama-layout checkpoint directory.
 
-    `dtype` defaults to the config's ``torch_dtype`` (float32 if absent). The tokenizer identity (part of
-    the fingerprint) is, in order: the argument, ``config.json``'s ``kvnet_tokenizer_identity``, a digest
-    of the tokenizer files in the directory; with none of these, `CheckpointError`.
+    `dtype` defaults to the config's ``dtype``/``torch_dtype`` (float32 if absent). The tokenizer identity
+    (part of the fingerprint) is, in order: the argument, ``config.json``'s ``kvnet_tokenizer_identity``, a
+    digest of the tokenizer files in the directory; with none of these, `CheckpointError`.
     """
     directory = Path(directory)
     config = _read_config(directory)
@@ -189,10 +251,7 @@ def load_checkpoint(
         )
     args = model_args_from_hf_config(config, identity)
     if dtype is None:
-        dtype_name = config.get("torch_dtype", "float32")
-        if dtype_name not in _DTYPES:
-            raise CheckpointError(f"{CONFIG_FILE}: torch_dtype {dtype_name!r} not in {sorted(_DTYPES)}")
-        dtype = _DTYPES[dtype_name]
+        dtype = config_dtype(config)
 
     model = Transformer(args, device=torch.device("meta"), dtype=dtype)
     expected_shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
@@ -200,8 +259,19 @@ def load_checkpoint(
     names = hf_tensor_names(args)
     missing = sorted(hf for hf in names if hf not in tensors)
     if missing:
+        untied = " (tie_word_embeddings is false)" if "lm_head.weight" in missing else ""
         raise CheckpointError(
-            f"checkpoint {directory} lacks {len(missing)} tensor(s): {', '.join(missing[:8])}"
+            f"checkpoint {directory} lacks {len(missing)} tensor(s){untied}: {', '.join(missing[:8])}"
+        )
+    head = tensors.get("lm_head.weight")
+    if (
+        args.tie_embeddings
+        and head is not None
+        and not torch.equal(head, tensors["model.embed_tokens.weight"])
+    ):
+        # A tied model computes logits with the embeddings; a different head would be silently dropped.
+        raise CheckpointError(
+            f"{CONFIG_FILE}: tie_word_embeddings is true but lm_head.weight differs from the embeddings"
         )
     ignored = set(names) | ({"lm_head.weight"} if args.tie_embeddings else set())
     unexpected = sorted(

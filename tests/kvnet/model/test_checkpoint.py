@@ -164,3 +164,90 @@ def test_missing_files_and_tokenizer_identity(tmp_path: Path, tiny: Transformer)
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"no \*\.safetensors"):
         load_checkpoint(tmp_path, device=CPU)
+
+
+def _transformers5_config(tiny: Transformer, **changes: object) -> dict[str, object]:
+    """The config.json transformers >= 5 writes for `tiny` (``rope_parameters`` and ``dtype`` keys)."""
+    args = tiny.args
+    config: dict[str, object] = {
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 1, "dtype": "bfloat16", "eos_token_id": 2, "head_dim": args.head_dim,
+        "hidden_act": "silu", "hidden_size": args.dim, "initializer_range": 0.02,
+        "intermediate_size": args.intermediate_size, "max_position_embeddings": args.max_seq_len,
+        "mlp_bias": False, "model_type": "llama", "num_attention_heads": args.n_heads,
+        "num_hidden_layers": args.n_layers, "num_key_value_heads": args.n_kv_heads, "pad_token_id": None,
+        "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
+        "tie_word_embeddings": False, "transformers_version": "5.23.0", "use_cache": True,
+        "vocab_size": args.vocab_size, "kvnet_tokenizer_identity": args.tokenizer_identity,
+    }
+    config.update(changes)
+    return config
+
+
+def test_transformers5_config_gives_theta_and_dtype(tmp_path: Path, tiny: Transformer) -> None:
+    save_checkpoint(tiny, tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(_transformers5_config(tiny)))
+    loaded = load_checkpoint(tmp_path, device=CPU)
+    assert loaded.args.rope_theta == 100000.0 and loaded.dtype == torch.bfloat16
+    llama3 = {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(_transformers5_config(tiny, rope_parameters=llama3)))
+    args = load_checkpoint(tmp_path, device=CPU).args
+    assert (args.rope_theta, args.rope_scaling, args.rope_scaling_factor) == (500000.0, "llama3", 8.0)
+    assert args.rope_original_max_seq_len == 64
+
+
+def test_config_written_by_transformers_loads(tmp_path: Path, tiny: Transformer) -> None:
+    transformers = pytest.importorskip("transformers", reason="transformers is in the test extras")
+    args = tiny.args
+    config = transformers.LlamaConfig(
+        hidden_size=args.dim, num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads, intermediate_size=args.intermediate_size,
+        vocab_size=args.vocab_size, max_position_embeddings=args.max_seq_len, rms_norm_eps=args.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": 250000.0}, dtype=torch.bfloat16,
+    )
+    save_checkpoint(tiny, tmp_path)
+    config.save_pretrained(tmp_path)
+    loaded = load_checkpoint(tmp_path, device=CPU, tokenizer_identity=args.tokenizer_identity)
+    assert loaded.args.rope_theta == 250000.0 and loaded.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("changes", "key"),
+    [
+        ({"model_type": "qwen2"}, "model_type"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"sliding_window": 4096}, "sliding_window"),
+        ({"use_sliding_window": True}, "use_sliding_window"),
+        ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_type 'yarn'"),
+        ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial_rotary"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_theta": 5e5}, "rope_theta"),
+        ({"torch_dtype": "float32"}, "torch_dtype"),
+        ({"dtype": "float8"}, "dtype 'float8'"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+        ({"rope_interleaved": True}, "rope_interleaved"),
+    ],
+)
+def test_unsupported_transformers5_keys_fail_naming_the_key(
+    tmp_path: Path, tiny: Transformer, changes: dict[str, object], key: str
+) -> None:
+    save_checkpoint(tiny, tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(_transformers5_config(tiny, **changes)))
+    with pytest.raises(CheckpointError, match=key):
+        load_checkpoint(tmp_path, device=CPU)
+
+
+def test_tied_and_untied_heads_it_cannot_honour(tmp_path: Path, tiny: Transformer) -> None:
+    save_checkpoint(tiny, tmp_path)
+    _edit_tensors(tmp_path, {"lm_head.weight": None})
+    with pytest.raises(CheckpointError, match="tie_word_embeddings is false"):
+        load_checkpoint(tmp_path, device=CPU)
+    _edit_tensors(tmp_path, {"lm_head.weight": torch.ones(259, 64)})
+    _edit_config(tmp_path, tie_word_embeddings=True)
+    with pytest.raises(CheckpointError, match=r"tie_word_embeddings is true but lm_head\.weight differs"):
+        load_checkpoint(tmp_path, device=CPU)
