@@ -38,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
 from kvnet.net import quic
-from kvnet.net.connection import IncomingFetch, MoqtConnection, connect, serve
+from kvnet.net.connection import MoqtConnection
+from kvnet.net.endpoint import connect, serve
+from kvnet.net.handles import IncomingFetch
 from proto.errors import RequestErrorCode
 from proto.messages import Location
 
@@ -111,7 +113,7 @@ async def _raw_sender_main(settings: quic.TransportSettings, port: int, certdir:
     answer with that many bytes on the same stream (server -> client), with the same back-pressure bound
     as ``MoqtConnection`` (``ConnectionLimits.max_send_buffer``)."""
     from kvnet.net.connection import ConnectionLimits
-    from kvnet.net.transport import get_stack, server_configuration, unsent_bytes
+    from kvnet.net.quic import get_stack, server_configuration, unsent_bytes
 
     stack = get_stack(settings.stack)
     events = stack.events
@@ -164,7 +166,7 @@ async def _raw_sender_main(settings: quic.TransportSettings, port: int, certdir:
 
 
 async def _raw_receive_once(settings: quic.TransportSettings, port: int, certdir: Path, size: int) -> float:
-    from kvnet.net.transport import client_configuration, get_stack
+    from kvnet.net.quic import client_configuration, get_stack
 
     stack = get_stack(settings.stack)
     events = stack.events

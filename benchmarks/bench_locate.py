@@ -43,7 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
 from kvnet.net import quic
-from kvnet.net.connection import MoqtConnection, RequestRejected, connect, serve
+from kvnet.net.connection import MoqtConnection
+from kvnet.net.endpoint import connect, serve
+from kvnet.net.errors import RequestRejected
 from kvnet.node.blockstore import BlockStore, StoredBlock
 from kvnet.node.fetching import DEFAULT_LOCATE_FAN_OUT, locate_prefix
 from kvnet.node.publishing import BlockServer

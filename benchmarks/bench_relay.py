@@ -31,7 +31,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kvnet.net.connection import IncomingFetch, IncomingSubscribe, MoqtConnection, connect  # noqa: E402
+from kvnet.net.connection import MoqtConnection  # noqa: E402
+from kvnet.net.endpoint import connect  # noqa: E402
+from kvnet.net.handles import IncomingFetch, IncomingSubscribe  # noqa: E402
 from kvnet.net.quic import TlsSettings, TransportSettings  # noqa: E402
 from kvnet.security import certs  # noqa: E402
 from proto.data import ObjectStatus  # noqa: E402

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
 from kvnet.net import quic
-from kvnet.net.connection import MoqtConnection, connect
+from kvnet.net.connection import MoqtConnection
+from kvnet.net.endpoint import connect
 from proto.messages import Location
 
 OBJECTS_PER_TRACK = 1000

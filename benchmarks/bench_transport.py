@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvnet.net import quic, transport
+from kvnet.net import quic
 from kvnet.security import certs
 
 CHUNK = 1 << 20
@@ -88,12 +88,12 @@ def _quic_config(settings: quic.TransportSettings | None, is_client: bool, certd
             cfg.load_cert_chain(certdir / "server.pem", certdir / "server-key.pem")
         return cfg
     if is_client:
-        return transport.client_configuration(settings, quic.TlsSettings.from_dir(certdir, None), "localhost")
-    return transport.server_configuration(settings, quic.TlsSettings.from_dir(certdir, "server"))
+        return quic.client_configuration(settings, quic.TlsSettings.from_dir(certdir, None), "localhost")
+    return quic.server_configuration(settings, quic.TlsSettings.from_dir(certdir, "server"))
 
 
-def _stack(settings: quic.TransportSettings | None) -> transport.QuicStack:
-    return transport.get_stack("aioquic" if settings is None else settings.stack)
+def _stack(settings: quic.TransportSettings | None) -> quic.QuicStack:
+    return quic.get_stack("aioquic" if settings is None else settings.stack)
 
 
 # ---------------------------------------------------------------- server side (child process)
@@ -191,7 +191,7 @@ async def _client_quic(settings: quic.TransportSettings | None, port: int, certd
                 drained.set()
 
     def buffered(proto: Any) -> int:
-        return transport.unsent_bytes(proto._quic, [proto.stream_id])[proto.stream_id]
+        return quic.unsent_bytes(proto._quic, [proto.stream_id])[proto.stream_id]
 
     chunk = memoryview(b"\x5a" * CHUNK)
     async with stack.connect(

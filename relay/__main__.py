@@ -198,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     setup_logging(config.log_format, config.log_level)
-    from kvnet.net.connection import freeze_startup_objects
+    from kvnet.net.endpoint import freeze_startup_objects
     from relay.server import serve  # after logging, so import-time warnings are formatted too
 
     freeze_startup_objects()

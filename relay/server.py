@@ -20,22 +20,18 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 
-from kvnet.net.connection import (
-    ConnectionClosed,
-    ConnectionLimits,
+from kvnet.net.connection import ConnectionLimits, MoqtConnection
+from kvnet.net.endpoint import serve as serve_moqt
+from kvnet.net.errors import ConnectionClosed, LimitError, RequestRejected, StreamResetError
+from kvnet.net.handles import (
     IncomingFetch,
     IncomingPublish,
     IncomingPublishNamespace,
     IncomingRequest,
     IncomingSubscribe,
     IncomingTrackStatus,
-    LimitError,
-    MoqtConnection,
-    RequestRejected,
-    StreamResetError,
     Subscription,
 )
-from kvnet.net.connection import serve as serve_moqt
 from kvnet.security.tokens import KVNET_TOKEN_TYPE, AuthError
 from proto import events as me
 from proto.data import ObjectStatus

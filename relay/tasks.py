@@ -13,7 +13,7 @@ import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from kvnet.net.connection import ConnectionClosed, MoqtConnectionError, RequestRejected, StreamResetError
+from kvnet.net.errors import ConnectionClosed, MoqtConnectionError, RequestRejected, StreamResetError
 from relay.cache import RequestFailed
 
 logger = logging.getLogger(__name__)

@@ -18,17 +18,10 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
-from kvnet.net.connection import (
-    ConnectionClosed,
-    ConnectionLimits,
-    FetchHandle,
-    MoqtConnection,
-    MoqtConnectionError,
-    RequestRejected,
-    StreamResetError,
-    Subscription,
-    connect,
-)
+from kvnet.net.connection import ConnectionLimits, MoqtConnection
+from kvnet.net.endpoint import connect
+from kvnet.net.errors import ConnectionClosed, MoqtConnectionError, RequestRejected, StreamResetError
+from kvnet.net.handles import FetchHandle, Subscription
 from kvnet.net.quic import TlsSettings, TransportSettings
 from proto.errors import RequestErrorCode
 from proto.events import FetchOkReceived, ObjectReceived, TrackStatusOkReceived

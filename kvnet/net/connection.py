@@ -1,11 +1,12 @@
-"""The asyncio glue between QUIC (aioquic or qh3, see ``kvnet.net.transport``) and the sans-I/O
+"""The asyncio glue between QUIC (aioquic or qh3, see ``kvnet.net.quic``) and the sans-I/O
 ``proto.session.MoqtSession``.
 
-Owns: one ``MoqtConnection`` (an aioquic ``QuicConnectionProtocol``) per QUIC connection, holding one
+Owns: one ``MoqtConnection`` (the QUIC stack's ``QuicConnectionProtocol``) per QUIC connection, holding one
 ``MoqtSession``; the async request helpers (``track_status``, ``fetch``, ``subscribe``,
-``publish_namespace``), incoming requests as typed objects with reply methods, send back-pressure, and
-``connect`` / ``serve``. No MoQT parsing happens here: bytes go into the session, events and transmissions
-come out.
+``publish_namespace``), routing the session's events to the request handles (``kvnet.net.handles``), send
+and receive back-pressure, keep-alive, and the per-connection limits (``ConnectionLimits``). No MoQT parsing
+happens here: bytes go into the session, events and transmissions come out. Opening connections is
+``kvnet.net.endpoint``.
 
 Rules: QUIC callbacks never await. They feed the session, apply its transmissions to QUIC, and route its
 events to futures and queues; the role code awaits those from its own task (one per connection).
@@ -16,17 +17,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import gc
 import logging
-import socket
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
-from kvnet.net import quic as kq
-from kvnet.net import transport
+from kvnet.net.errors import ConnectionClosed, LimitError, RequestRejected, StreamResetError
+from kvnet.net.handles import (
+    INCOMING_REQUEST_TYPES,
+    FetchHandle,
+    IncomingFetch,
+    IncomingRequest,
+    Subscription,
+    _ObjectStream,
+)
+from kvnet.net.quic import (
+    ALPN_MOQT,
+    TransportSettings,
+    arm_timer,
+    get_stack,
+    raise_stream_limits,
+    request_client_certificate,
+    unsent_bytes,
+    verify_client_certificate,
+    window_limited,
+)
 from proto import events as me
 from proto.data import ObjectStatus
 from proto.errors import RequestErrorCode, SessionErrorCode, StreamResetCode
@@ -54,42 +70,6 @@ _RECEIVE_TRANSMIT_BATCH = 4
 _INCOMING_PRUNE_MIN = 256
 # TLS alert bad_certificate (42) as a QUIC CRYPTO_ERROR (0x100 + alert), RFC 9001 section 4.8.
 _CRYPTO_BAD_CERTIFICATE = 0x100 + 42
-
-
-class MoqtConnectionError(Exception):
-    """The connection could not be established or is gone."""
-
-
-class ConnectionClosed(MoqtConnectionError):
-    """The session ended while a request was outstanding."""
-
-    def __init__(self, error_code: int, reason: str) -> None:
-        super().__init__(f"MoQT session closed (code {error_code:#x}): {reason}")
-        self.error_code = error_code
-        self.reason = reason
-
-
-class RequestRejected(Exception):
-    """The peer answered a request with REQUEST_ERROR."""
-
-    def __init__(self, code: int, reason: str, retry_interval: int = 0) -> None:
-        name = RequestErrorCode(code).name if code in RequestErrorCode._value2member_map_ else hex(code)
-        super().__init__(f"request rejected: {name}: {reason}")
-        self.code = code
-        self.reason = reason
-        self.retry_interval = retry_interval
-
-
-class StreamResetError(Exception):
-    """The peer reset a data stream of a request (fetch stream, subgroup)."""
-
-    def __init__(self, code: int) -> None:
-        super().__init__(f"data stream reset by peer (code {code:#x})")
-        self.code = code
-
-
-class LimitError(Exception):
-    """A per-connection limit was reached (buffered bytes of a request)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,248 +113,6 @@ class ConnectionLimits:
             raise ValueError("max_request_header_timeouts must not be negative")
 
 
-# -------------------------------------------------------------------------------- requesters' handles
-
-
-class _ObjectStream:
-    """Objects of one request, queued for the application, with a terminal state."""
-
-    def __init__(self, conn: MoqtConnection, request_id: int) -> None:
-        self._conn = conn
-        self.request_id = request_id
-        self._objects: deque[me.ObjectReceived] = deque()
-        self._wakeup = asyncio.Event()
-        self._error: BaseException | None = None
-        self._finished = False
-
-    def _push(self, obj: me.ObjectReceived) -> None:
-        self._objects.append(obj)
-        self._conn._received_bytes += len(obj.payload)
-        self._wakeup.set()
-
-    def _finish(self, error: BaseException | None = None) -> None:
-        if self._finished:
-            return
-        self._finished = True
-        self._error = error
-        self._wakeup.set()
-        self._conn._release_slot(self.request_id)
-
-    @property
-    def finished(self) -> bool:
-        return self._finished
-
-    def __aiter__(self) -> AsyncIterator[me.ObjectReceived]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[me.ObjectReceived]:
-        while True:
-            while self._objects:
-                obj = self._objects.popleft()
-                self._conn._received_bytes -= len(obj.payload)
-                yield obj
-            if self._finished:
-                if self._error is not None:
-                    raise self._error
-                return
-            self._wakeup.clear()
-            await self._wakeup.wait()
-
-    def cancel(self) -> None:
-        """Abandon the request (resets its streams); iteration ends and unread objects are dropped."""
-        if not self._finished:
-            self._conn._cancel(self.request_id)
-            self._finish(None)
-        self._discard()
-
-    def _discard(self) -> None:
-        """Drop unread objects, giving their bytes back to the connection's receive budget."""
-        while self._objects:
-            self._conn._received_bytes -= len(self._objects.popleft().payload)
-
-
-class FetchHandle(_ObjectStream):
-    """A FETCH in progress: ``await handle.ok()`` for FETCH_OK, ``async for obj in handle`` for objects.
-    Iteration raises ``RequestRejected`` on REQUEST_ERROR and ``StreamResetError`` on a reset fetch stream."""
-
-    def __init__(self, conn: MoqtConnection, request_id: int) -> None:
-        super().__init__(conn, request_id)
-        self._ok: asyncio.Future[me.FetchOkReceived] = asyncio.get_running_loop().create_future()
-
-    async def ok(self) -> me.FetchOkReceived:
-        return await asyncio.shield(self._ok)
-
-    def _finish(self, error: BaseException | None = None) -> None:
-        if not self._ok.done():
-            self._ok.set_exception(error or ConnectionClosed(0, "fetch ended before FETCH_OK"))
-            self._ok.exception()  # mark retrieved: iteration reports the error too
-        super()._finish(error)
-
-    async def read_all(self) -> list[me.ObjectReceived]:
-        """All objects until the fetch completes."""
-        return [obj async for obj in self]
-
-
-class Subscription(_ObjectStream):
-    """An accepted SUBSCRIBE (or an incoming PUBLISH's objects): ``ok`` is the SUBSCRIBE_OK; ``async for
-    obj in sub`` until PUBLISH_DONE and then until as many subgroup streams as its Stream Count have
-    ended (bounded by ``ConnectionLimits.publish_done_timeout``), so no object still in flight is lost."""
-
-    def __init__(self, conn: MoqtConnection, request_id: int) -> None:
-        super().__init__(conn, request_id)
-        self.ok: me.SubscribeOkReceived | None = None
-        self.done: me.PublishDoneReceived | None = None
-        self.streams_closed = 0
-        """Subgroup streams of this subscription that ended (FIN or reset)."""
-        self._done_timer: asyncio.TimerHandle | None = None
-
-    def _finish(self, error: BaseException | None = None) -> None:
-        if self._done_timer is not None:
-            self._done_timer.cancel()
-            self._done_timer = None
-        super()._finish(error)
-
-
-# -------------------------------------------------------------------------------- incoming requests
-
-
-class IncomingRequest:
-    """A request the peer sent us (``event`` is the proto event). Answer it exactly once."""
-
-    def __init__(self, conn: MoqtConnection, event: me.MoqtEvent) -> None:
-        self.conn = conn
-        self.event = event
-        self.request_id: int = event.request_id  # type: ignore[attr-defined]
-        self.cancelled = asyncio.Event()
-        """Set when the peer cancels the request (RequestCancelled, or STOP_SENDING on a FETCH's data
-        stream) or the session ends."""
-
-    @property
-    def gone(self) -> bool:
-        """The request can no longer be answered: the peer cancelled it or the session is over. Check it
-        after every ``await`` before acting on the request (the peer may cancel at any moment)."""
-        return self.cancelled.is_set() or self.conn.is_closed
-
-    def reject(self, code: RequestErrorCode, reason: str = "", retry_interval: int = 0) -> None:
-        self.conn._do(self.conn.session.reject_request, self.request_id, code, reason, retry_interval)
-
-    def accept(self, parameters: MessageParameters = NO_PARAMETERS) -> None:
-        """REQUEST_OK (PUBLISH_NAMESPACE, SUBSCRIBE_NAMESPACE, SUBSCRIBE_TRACKS, PUBLISH, REQUEST_UPDATE)."""
-        self.conn._do(self.conn.session.accept_request, self.request_id, parameters)
-
-    async def drain(self) -> None:
-        """Wait until QUIC's send buffer is below the connection's bound (back-pressure)."""
-        await self.conn.wait_writable()
-
-    def cancel(self, code: StreamResetCode = StreamResetCode.CANCELLED) -> None:
-        """Abandon the request after answering it: resets its request and data streams with ``code``."""
-        self.conn.cancel_request(self.request_id, code)
-
-
-class IncomingTrackStatus(IncomingRequest):
-    event: me.TrackStatusReceived
-
-    def respond(
-        self, parameters: MessageParameters = NO_PARAMETERS, track_properties: Properties = ()
-    ) -> None:
-        self.conn._do(self.conn.session.respond_track_status, self.request_id, parameters, track_properties)
-
-
-class IncomingFetch(IncomingRequest):
-    event: me.FetchReceived
-
-    def accept_fetch(
-        self, end_of_track: bool, end_location: Location, parameters: MessageParameters = NO_PARAMETERS
-    ) -> None:
-        self.conn._do(self.conn.session.accept_fetch, self.request_id, end_of_track, end_location, parameters)
-
-    def send_object(
-        self, group_id: int, subgroup_id: int | None, object_id: int, payload: bytes,
-        publisher_priority: int = 128, properties: Properties = (),
-    ) -> None:
-        self.conn._do(
-            self.conn.session.send_fetch_object, self.request_id, group_id, subgroup_id, object_id, payload,
-            publisher_priority, properties,
-        )
-
-    def finish(self) -> None:
-        self.conn._do(self.conn.session.finish_fetch, self.request_id)
-
-
-class IncomingSubscribe(IncomingRequest):
-    event: me.SubscribeReceived
-
-    def accept_subscribe(
-        self,
-        track_alias: int,
-        parameters: MessageParameters = NO_PARAMETERS,
-        track_properties: Properties = (),
-    ) -> None:
-        self.track_alias = track_alias
-        self.conn._do(self.conn.session.accept_subscribe, self.request_id, track_alias, parameters,
-                      track_properties)
-
-    def open_subgroup(self, group_id: int, subgroup_id: int, publisher_priority: int | None = None,
-                      **kwargs: bool) -> int:
-        sid: int = self.conn._do(self.conn.session.open_subgroup, self.track_alias, group_id, subgroup_id,
-                                 publisher_priority, **kwargs)
-        return sid
-
-    def send_object(
-        self, stream_id: int, object_id: int, payload: bytes, end_stream: bool = False,
-        properties: Properties = (), status: ObjectStatus = ObjectStatus.NORMAL,
-    ) -> None:
-        self.conn._do(self.conn.session.send_subgroup_object, stream_id, object_id, payload, properties,
-                      status, end_stream)
-
-    def close_subgroup(self, stream_id: int) -> None:
-        self.conn._do(self.conn.session.close_subgroup, stream_id)
-
-    def publish_done(self, status_code: int, reason: str = "") -> None:
-        self.conn._do(self.conn.session.publish_done, self.request_id, status_code, reason)
-
-
-class IncomingPublishNamespace(IncomingRequest):
-    event: me.PublishNamespaceReceived
-
-
-class IncomingPublish(IncomingRequest):
-    """A PUBLISH from the peer. Its objects are buffered from the moment the PUBLISH arrived (objects
-    may follow it at once, before the application has decided), counted against
-    ``ConnectionLimits.max_receive_buffer``; ``accept_publish`` answers PUBLISH_OK and returns them."""
-
-    event: me.PublishReceived
-
-    def __init__(self, conn: MoqtConnection, event: me.MoqtEvent) -> None:
-        super().__init__(conn, event)
-        self.objects = Subscription(conn, self.request_id)
-        """The track's objects; iteration ends after PUBLISH_DONE (see ``Subscription``)."""
-        conn._streams[self.request_id] = self.objects
-
-    def accept_publish(self, parameters: MessageParameters = NO_PARAMETERS) -> Subscription:
-        """PUBLISH_OK; returns the objects (those that arrived before it first)."""
-        self.accept(parameters)
-        return self.objects
-
-    def reject(self, code: RequestErrorCode, reason: str = "", retry_interval: int = 0) -> None:
-        self.conn._streams.pop(self.request_id, None)
-        self.objects._finish(RequestRejected(code, "PUBLISH refused"))
-        self.objects._discard()
-        super().reject(code, reason, retry_interval)
-
-
-_INCOMING_TYPES: dict[type, type[IncomingRequest]] = {
-    me.TrackStatusReceived: IncomingTrackStatus,
-    me.FetchReceived: IncomingFetch,
-    me.SubscribeReceived: IncomingSubscribe,
-    me.PublishNamespaceReceived: IncomingPublishNamespace,
-    me.SubscribeNamespaceReceived: IncomingRequest,
-    me.SubscribeTracksReceived: IncomingRequest,
-    me.PublishReceived: IncomingPublish,
-    me.RequestUpdateReceived: IncomingRequest,
-}
-
-
 # -------------------------------------------------------------------------------- the protocol
 
 if TYPE_CHECKING:
@@ -394,7 +132,7 @@ class MoqtConnection(_ProtocolBase):
         stream_handler: Any = None,
         *,
         session_config: SessionConfig,
-        settings: kq.TransportSettings,
+        settings: TransportSettings,
         limits: ConnectionLimits | None = None,
         client_ca_file: str | None = None,
     ) -> None:
@@ -402,11 +140,11 @@ class MoqtConnection(_ProtocolBase):
         self.session = MoqtSession(session_config, quic)
         self.settings = settings
         self.limits = limits or ConnectionLimits()
-        self._events = transport.get_stack(settings.stack).events
+        self._events = get_stack(settings.stack).events
         self._client_ca_file = client_ca_file
-        transport.raise_stream_limits(quic, settings)
+        raise_stream_limits(quic, settings)
         if client_ca_file is not None:
-            transport.request_client_certificate(quic)
+            request_client_certificate(quic)
         loop = asyncio.get_running_loop()
         self._setup: asyncio.Future[me.SetupCompleted] = loop.create_future()
         # A failed handshake ends the session before anyone awaits SETUP; the caller gets that error from
@@ -425,7 +163,7 @@ class MoqtConnection(_ProtocolBase):
         self._written_streams: set[int] = set()
         self._transmit_scheduled = False
         self._untransmitted = 0
-        self._batch_receive_transmits = transport.get_stack(settings.stack).transmits_after_each_datagram
+        self._batch_receive_transmits = get_stack(settings.stack).transmits_after_each_datagram
         self._received_untransmitted = 0
         self._writable = asyncio.Event()
         self._writable.set()
@@ -459,7 +197,7 @@ class MoqtConnection(_ProtocolBase):
         elif isinstance(event, qe.DatagramFrameReceived):
             s.receive_datagram(event.data)
         elif isinstance(event, qe.HandshakeCompleted):
-            if event.alpn_protocol != kq.ALPN_MOQT:
+            if event.alpn_protocol != ALPN_MOQT:
                 # 0x178: CRYPTO_ERROR no_application_protocol (RFC 9001 section 8.1).
                 self._quic.close(error_code=0x178, reason_phrase="ALPN moqt-18 required")
                 return
@@ -475,14 +213,14 @@ class MoqtConnection(_ProtocolBase):
         self._last_receive = now = self._loop.time()
         # A sender held back by its congestion window transmits at once (this datagram may carry the ACK
         # that opens it); a receiver, or a sender that is not window-limited, batches.
-        if self._batch_receive_transmits and self._setup.done() and not transport.window_limited(self._quic):
+        if self._batch_receive_transmits and self._setup.done() and not window_limited(self._quic):
             self._quic.receive_datagram(cast(bytes, data), addr, now=now)
             self._process_events()
             self._received_untransmitted += 1
             if self._received_untransmitted >= _RECEIVE_TRANSMIT_BATCH:
                 self.transmit()
             else:
-                transport.arm_timer(self)
+                arm_timer(self)
         else:
             super().datagram_received(data, addr)
         if not self._writable.is_set():
@@ -620,8 +358,8 @@ class MoqtConnection(_ProtocolBase):
                     self._cancel(ev.request_id, StreamResetCode.EXCESSIVE_LOAD)
                     st._finish(LimitError(f"receive buffer limit {self.limits.max_receive_buffer} reached"))
             return
-        if type(ev) in _INCOMING_TYPES:
-            req = _INCOMING_TYPES[type(ev)](self, ev)
+        if type(ev) in INCOMING_REQUEST_TYPES:
+            req = INCOMING_REQUEST_TYPES[type(ev)](self, ev)
             if self._incoming.qsize() >= self.limits.max_incoming_queue:
                 if (buffered := self._streams.pop(req.request_id, None)) is not None:
                     buffered._finish(None)
@@ -743,7 +481,7 @@ class MoqtConnection(_ProtocolBase):
     def _verify_client_certificate(self) -> bool:
         assert self._client_ca_file is not None
         try:
-            transport.verify_client_certificate(self._quic, self._client_ca_file)
+            verify_client_certificate(self._quic, self._client_ca_file)
         except Exception as exc:  # any failure of the check means the client is not authenticated
             self._log.warning("rejecting client certificate: %s", exc)
             self._quic.close(error_code=_CRYPTO_BAD_CERTIFICATE, reason_phrase=f"client certificate: {exc}")
@@ -766,7 +504,7 @@ class MoqtConnection(_ProtocolBase):
         """Bytes written to QUIC streams and not yet acknowledged."""
         total = 0
         # aioquic counts unacknowledged bytes, qh3 unsent ones; an empty stream needs no more tracking.
-        for sid, n in transport.unsent_bytes(self._quic, list(self._written_streams)).items():
+        for sid, n in unsent_bytes(self._quic, list(self._written_streams)).items():
             if n == 0:
                 self._written_streams.discard(sid)
             total += n
@@ -1096,225 +834,5 @@ def _first_message_size(head: bytes | bytearray) -> int | None:
 @functools.cache
 def protocol_class(stack: str) -> type[MoqtConnection]:
     """``MoqtConnection`` on top of ``stack``'s ``QuicConnectionProtocol`` ("aioquic" or "qh3")."""
-    base = transport.get_stack(stack).QuicConnectionProtocol
+    base = get_stack(stack).QuicConnectionProtocol
     return type(f"MoqtConnection_{stack}", (MoqtConnection, base), {"__module__": __name__})
-
-
-# -------------------------------------------------------------------------------- connect
-
-
-class _Connector:
-    """``conn = await connect(...)`` or ``async with connect(...) as conn``."""
-
-    def __init__(self, coro: Callable[[], Awaitable[MoqtConnection]]) -> None:
-        self._coro = coro
-        self._conn: MoqtConnection | None = None
-
-    def __await__(self) -> Generator[Any, None, MoqtConnection]:
-        return self._coro().__await__()
-
-    async def __aenter__(self) -> MoqtConnection:
-        self._conn = await self._coro()
-        return self._conn
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self._conn is not None:
-            await self._conn.close_session()
-
-
-
-def freeze_startup_objects() -> None:
-    """Put every object alive now out of the cyclic garbage collector's reach (``gc.freeze``).
-
-    A role process calls this once it has started (imports, model, configuration) and before it serves.
-    torch alone leaves ~185k objects that every full collection traverses (~80 ms here), and collections
-    run on the event loop, stalling every session of the process; a subscriber spent 3 ms of each 64-probe
-    locate in collections before (313 ms over 100 locates), 0.3 ms after. Objects made later (sessions,
-    cached blocks) are collected as usual.
-    """
-    gc.collect()
-    gc.freeze()
-
-def connect(
-    url: str,
-    settings: kq.TransportSettings | None = None,
-    tls: kq.TlsSettings | None = None,
-    session_config: SessionConfig | None = None,
-    limits: ConnectionLimits | None = None,
-) -> _Connector:
-    """Connect to ``moqt://host:port[/path]``, complete QUIC+TLS and the MoQT SETUP exchange."""
-    settings = settings or kq.TransportSettings()
-    tls = tls or kq.TlsSettings()
-    limits = limits or ConnectionLimits()
-    target = kq.parse_moqt_url(url)
-
-    async def run() -> MoqtConnection:
-        loop = asyncio.get_running_loop()
-        stack = transport.get_stack(settings.stack)
-        config = transport.client_configuration(settings, tls, server_name=target.host)
-        infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_DGRAM)
-        if not infos:
-            raise MoqtConnectionError(f"cannot resolve {target.host}")
-        family, _, _, _, addr = infos[0]
-        scfg = session_config or SessionConfig(
-            is_client=True, path=target.path or None, authority=f"{target.host}:{target.port}"
-        )
-        sock = socket.socket(family, socket.SOCK_DGRAM)
-        try:
-            sock.bind(("::", 0) if family == socket.AF_INET6 else ("0.0.0.0", 0))
-            kq.apply_socket_buffers(sock, settings)
-            udp, protocol = await transport.open_client_endpoint(
-                settings, sock,
-                lambda: protocol_class(settings.stack)(stack.QuicConnection(configuration=config),
-                                                       session_config=scfg, settings=settings, limits=limits),
-            )
-        except BaseException:
-            sock.close()
-            raise
-        conn: MoqtConnection = protocol
-        try:
-            conn.connect(addr)
-            try:
-                await asyncio.wait_for(conn.wait_connected(), settings.handshake_timeout)
-            except ConnectionError as exc:
-                reason = conn.session.closed[1] if conn.session.closed else str(exc)
-                raise MoqtConnectionError(f"QUIC/TLS handshake with {url} failed: {reason}") from exc
-            except TimeoutError as exc:
-                raise MoqtConnectionError(f"QUIC/TLS handshake with {url} timed out") from exc
-            try:
-                await conn.wait_setup()
-            except TimeoutError as exc:
-                raise MoqtConnectionError(f"no MoQT SETUP from {url}") from exc
-            except ConnectionClosed as exc:
-                raise MoqtConnectionError(f"MoQT setup with {url} failed: {exc}") from exc
-        except BaseException:
-            conn.close()
-            udp.close()
-            raise
-        return conn
-
-    return _Connector(run)
-
-
-# -------------------------------------------------------------------------------- serve
-
-
-class MoqtServer:
-    """A listening endpoint; each connection gets its own task running ``on_connection``."""
-
-    def __init__(self, quic_server: Any, tasks: set[asyncio.Task[None]],
-                 connections: set[MoqtConnection]) -> None:
-        self._server = quic_server
-        self._tasks = tasks
-        self.connections = connections
-        """Connections whose SETUP completed and whose handler is running."""
-
-    @property
-    def address(self) -> tuple[str, int]:
-        name = self._server._transport.get_extra_info("sockname")
-        return name[0], name[1]
-
-    async def shutdown(self, new_session_uri: str = "", drain_timeout: float = 5.0) -> None:
-        """GOAWAY to every session, wait up to ``drain_timeout`` for them to end, then close everything."""
-        for conn in list(self.connections):
-            with contextlib.suppress(Exception):
-                await conn.goaway_peer(new_session_uri, int(drain_timeout * 1000))
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=drain_timeout)
-        await self.close()
-
-    async def close(self) -> None:
-        for conn in list(self.connections):
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.close_session(SessionErrorCode.NO_ERROR, "server closing"), 2)
-        for t in list(self._tasks):
-            t.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._server.close()
-
-
-async def serve(
-    host: str,
-    port: int,
-    settings: kq.TransportSettings,
-    tls: kq.TlsSettings,
-    on_connection: Callable[[MoqtConnection], Awaitable[None]],
-    session_config: SessionConfig | None = None,
-    limits: ConnectionLimits | None = None,
-    max_connections: int = 1024,
-) -> MoqtServer:
-    """Listen on host:port. After SETUP completes, ``on_connection(conn)`` runs in its own task; when it
-    returns (or raises, which is logged) the session is closed. Beyond ``max_connections`` live sessions new
-    ones are closed with EXCESSIVE_LOAD. ``settings.stack`` picks the QUIC stack."""
-    config = transport.server_configuration(settings, tls)
-    stack = transport.get_stack(settings.stack)
-    cls = protocol_class(settings.stack)
-    scfg = session_config or SessionConfig(is_client=False)
-    ca = str(tls.ca_file) if tls.require_client_cert and tls.ca_file is not None else None
-    tasks: set[asyncio.Task[None]] = set()
-    live: set[MoqtConnection] = set()
-
-    async def run(conn: MoqtConnection) -> None:
-        try:
-            await conn.wait_setup()
-        except (TimeoutError, ConnectionClosed) as exc:
-            logger.info("session setup failed: %s", exc)
-            conn.close()
-            return
-        if len(live) >= max_connections:
-            # The session registry has no load code; INTERNAL_ERROR with a reason is the closest.
-            await conn.close_session(SessionErrorCode.INTERNAL_ERROR, "too many sessions")
-            return
-        live.add(conn)
-        try:
-            await on_connection(conn)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            logger.exception("connection handler failed")
-            if not conn.is_closed:
-                conn._do(conn.session.close, SessionErrorCode.INTERNAL_ERROR, "internal error")
-        finally:
-            live.discard(conn)
-            if not conn.is_closed:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(conn.close_session(), 2)
-
-    def create_protocol(quic: Any, stream_handler: Any = None) -> MoqtConnection:
-        conn = cls(quic, stream_handler, session_config=scfg, settings=settings, limits=limits,
-                              client_ca_file=ca)
-        task = asyncio.get_running_loop().create_task(run(conn))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-        return conn
-
-    quic_server = await stack.serve(host, port, configuration=config, create_protocol=create_protocol)
-    kq.apply_socket_buffers(quic_server._transport.get_extra_info("socket"), settings)
-    return MoqtServer(quic_server, tasks, live)
-
-
-__all__ = [
-    "ConnectionClosed",
-    "ConnectionLimits",
-    "FetchHandle",
-    "IncomingFetch",
-    "IncomingPublish",
-    "IncomingPublishNamespace",
-    "IncomingRequest",
-    "IncomingSubscribe",
-    "IncomingTrackStatus",
-    "LimitError",
-    "MoqtConnection",
-    "MoqtConnectionError",
-    "MoqtServer",
-    "RequestRejected",
-    "StreamResetError",
-    "Subscription",
-    "connect",
-    "freeze_startup_objects",
-    "protocol_class",
-    "serve",
-]

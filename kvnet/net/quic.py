@@ -1,27 +1,48 @@
-"""QUIC transport settings and TLS configuration for kvnet peers (relay, publisher, subscriber).
+"""QUIC for kvnet peers (relay, nodes): settings, TLS configuration and the two stacks behind them.
 
-Owns: the tuned transport knobs (``TransportSettings``), TLS material (``TlsSettings``), building aioquic
-``QuicConfiguration`` objects for clients and servers, UDP socket buffer sizing, and ``moqt://`` URL parsing.
-Knows nothing about MoQT messages; ``kvnet.net.connection`` is the protocol glue.
+Owns: the tuned transport knobs (``TransportSettings``), TLS material (``TlsSettings``), ``moqt://`` URL
+parsing, UDP socket buffer sizing, and the QUIC stack adapter: choosing aioquic (pure Python) or qh3 (the
+same asyncio API over a Rust core) by ``TransportSettings.stack``, building its client and server
+configuration, and everything else that differs between the two, so that ``kvnet.net.connection`` has one
+code path. Knows nothing about MoQT messages; ``kvnet.net.connection`` is the protocol glue.
 
 Why the defaults are what they are (2 cores, loopback, bulk one-way transfer, see
 ``benchmarks/bench_transport.py``): aioquic's defaults (1200-byte datagrams, 1 MiB windows, the kernel's
 default socket buffers) reach only a few tens of MB/s because the cost is per packet, not per byte. Large
 datagrams cut the packet count, large socket buffers stop the kernel dropping bursts that aioquic then has to
 recover, and larger flow-control windows keep the pipe full.
+
+Differences between the stacks handled here (aioquic 1.7 / qh3 2.x):
+
+- Configuration: qh3 has no ``congestion_control_algorithm`` (its core picks one), and
+  ``max_datagram_size`` is an upper bound that it reaches by path-MTU probing from 1280 bytes, while
+  aioquic uses it from the first packet and silently stalls above 16384.
+- Receive path: qh3's client transport reads batches with GRO and calls ``datagrams_received(list)``,
+  never ``datagram_received``; a protocol must hook both.
+- Transmits: aioquic's protocol transmits after every received datagram (a walk over all open
+  streams each time); ``arm_timer`` lets ``kvnet.net.connection`` transmit every few datagrams instead.
+- Send buffer: aioquic keeps every unacknowledged byte in the stream's sender buffer; qh3 reports bytes
+  not yet sent once (``get_send_buffer_size``). Both work as a back-pressure measure.
+- Stream limits: neither has a setting (aioquic grants 128 concurrent peer streams, qh3 100), so we raise
+  them before the handshake announces them.
+- TLS: qh3 servers cannot request a client certificate, so ``require_client_cert`` needs aioquic there.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import socket
 import ssl
+import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 from urllib.parse import urlsplit
 
-from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.congestion import base as _cc_base
 from aioquic.quic.congestion.cubic import CubicCongestionControl
 from aioquic.quic.congestion.reno import RenoCongestionControl
@@ -31,21 +52,24 @@ logger = logging.getLogger(__name__)
 ALPN_MOQT = "moqt-18"
 DEFAULT_PORT = 4443
 
-# aioquic builds packets into a fixed buffer; above this it corrupts or stalls without an error, so we refuse.
-MAX_DATAGRAM_SIZE_LIMIT = 16384
-# qh3 takes any UDP payload size (65507 is the IPv4 maximum) and probes the path MTU up to it.
-MAX_DATAGRAM_SIZE_QH3 = 65507
-# qh3 on loopback: the largest size measured safe and fastest (benchmarks/bench_transport.py).
-DATAGRAM_SIZE_QH3_LOOPBACK = 65507
 STACKS = ("aioquic", "qh3")
 # Chosen by measurement (docs/performance.md): qh3 moves bulk data 4-7x faster client -> server, but
 # its servers send ~1400-byte datagrams and cannot require client certificates, and as a client it
 # locates in 1-2 more round trips through an aioquic relay; so aioquic is the default and qh3 is opt-in.
 DEFAULT_STACK = "aioquic"
+
+# Datagram sizes. Every rule about the UDP payload size we send lives with these constants and
+# ``TransportSettings.datagram_size``.
 # RFC 9000 minimum: every QUIC path must carry 1200-byte datagrams.
 MIN_DATAGRAM_SIZE = 1200
+# aioquic builds packets into a fixed buffer; above this it corrupts or stalls without an error, so we refuse.
+MAX_DATAGRAM_SIZE_LIMIT = 16384
+# qh3 takes any UDP payload size (65507 is the IPv4 maximum) and probes the path MTU up to it.
+MAX_DATAGRAM_SIZE_QH3 = 65507
 # Loopback has a 64 KiB MTU; 16384 is the largest size aioquic handles correctly.
 DATAGRAM_SIZE_LOOPBACK = 16384
+# qh3 on loopback: the largest size measured safe and fastest (benchmarks/bench_transport.py).
+DATAGRAM_SIZE_QH3_LOOPBACK = 65507
 # A 1500-byte Ethernet path: 1500 - 40 (IPv6) - 8 (UDP) = 1452. Use this for anything leaving the host
 # unless every hop is known to carry jumbo frames (then 8952 for a 9000-byte MTU).
 DATAGRAM_SIZE_ETHERNET = 1452
@@ -68,7 +92,7 @@ class TransportSettings:
     ``DATAGRAM_SIZE_ETHERNET`` (1452); qh3 treats it as the upper bound of its path-MTU probing."""
     stack: str = DEFAULT_STACK
     """QUIC implementation: "aioquic" (pure Python; the only one whose servers can require client
-    certificates) or "qh3" (Rust core, ~4x the bulk throughput). See ``kvnet.net.transport``."""
+    certificates) or "qh3" (Rust core, ~4x the bulk throughput). See the module docstring."""
     socket_receive_buffer: int = 4 << 20
     """SO_RCVBUF in bytes (4 MiB). The kernel default (~208 KiB) overflows under bursts of large datagrams."""
     socket_send_buffer: int = 4 << 20
@@ -198,96 +222,6 @@ class TlsSettings:
         )
 
 
-class _NoRttExit:
-    """Mixin: ignore the RTT-increase signal that makes aioquic's controllers leave slow start."""
-
-    def on_rtt_measurement(self, *, now: float, rtt: float) -> None:
-        return None
-
-
-class _CubicNoRttExit(_NoRttExit, CubicCongestionControl):
-    pass
-
-
-class _RenoNoRttExit(_NoRttExit, RenoCongestionControl):
-    pass
-
-
-_NO_RTT_EXIT = {"cubic": ("kvnet-cubic", _CubicNoRttExit), "reno": ("kvnet-reno", _RenoNoRttExit)}
-
-
-def aioquic_congestion_control(settings: TransportSettings) -> str:
-    """The aioquic congestion-control name for ``settings`` (registering kvnet's variants on first use)."""
-    if settings.slow_start_rtt_exit:
-        return settings.congestion_control
-    name, factory = _NO_RTT_EXIT[settings.congestion_control]
-    _cc_base.register_congestion_control(name, factory)  # type: ignore[arg-type]
-    return name
-
-
-def _aioquic_datagram_size(settings: TransportSettings) -> int:
-    if settings.max_datagram_size is None:
-        return DATAGRAM_SIZE_LOOPBACK
-    if settings.max_datagram_size > MAX_DATAGRAM_SIZE_LIMIT:
-        raise ValueError(
-            f"max_datagram_size {settings.max_datagram_size} is above aioquic's {MAX_DATAGRAM_SIZE_LIMIT}"
-        )
-    return settings.max_datagram_size
-
-
-def _base_configuration(settings: TransportSettings, is_client: bool) -> QuicConfiguration:
-    return QuicConfiguration(
-        is_client=is_client,
-        alpn_protocols=[ALPN_MOQT],
-        max_datagram_size=_aioquic_datagram_size(settings),
-        max_data=settings.max_data,
-        max_stream_data=settings.max_stream_data,
-        idle_timeout=settings.idle_timeout,
-        congestion_control_algorithm=aioquic_congestion_control(settings),
-    )
-
-
-def apply_client_verification(config: Any, tls: TlsSettings) -> None:
-    """Server-certificate verification of a client configuration (either stack): on, against
-    ``tls.ca_file``, unless ``insecure_skip_verify`` is set, which is logged every time."""
-    if tls.insecure_skip_verify:
-        logger.warning(
-            "TLS VERIFICATION DISABLED (insecure_skip_verify): the server's identity is NOT checked; "
-            "use only for debugging"
-        )
-        config.verify_mode = ssl.CERT_NONE
-        return
-    if tls.ca_file is None:
-        raise ValueError("a client needs ca_file to verify the server (or an explicit insecure_skip_verify)")
-    config.verify_mode = ssl.CERT_REQUIRED
-    config.load_verify_locations(cafile=str(tls.ca_file))
-
-
-def client_configuration(
-    settings: TransportSettings, tls: TlsSettings, server_name: str | None = None
-) -> QuicConfiguration:
-    """aioquic QuicConfiguration for a client: ALPN moqt-18, TLS 1.3, verification on. Whatever
-    ``settings.stack`` says (``kvnet.net.transport.client_configuration`` follows it)."""
-    config = _base_configuration(settings, is_client=True)
-    config.server_name = tls.server_name or server_name
-    apply_client_verification(config, tls)
-    if tls.cert_file is not None:
-        config.load_cert_chain(tls.cert_file, tls.key_file)
-    return config
-
-
-def server_configuration(settings: TransportSettings, tls: TlsSettings) -> QuicConfiguration:
-    """aioquic QuicConfiguration for a server. Client certificates are checked by the connection glue
-    after the handshake (aioquic's server side does not verify them itself)."""
-    if tls.cert_file is None:
-        raise ValueError("a server needs cert_file and key_file")
-    config = _base_configuration(settings, is_client=False)
-    config.load_cert_chain(tls.cert_file, tls.key_file)
-    if tls.ca_file is not None:
-        config.load_verify_locations(cafile=str(tls.ca_file))
-    return config
-
-
 def apply_socket_buffers(
     transport_socket: socket.socket | None, settings: TransportSettings
 ) -> tuple[int, int] | None:
@@ -349,3 +283,284 @@ def parse_moqt_url(url: str) -> MoqtUrl:
     if parts.query or parts.fragment or parts.username or parts.password:
         raise ValueError(f"URL {url!r} may not have user info, a query or a fragment")
     return MoqtUrl(host=parts.hostname, port=port if port is not None else DEFAULT_PORT, path=parts.path)
+
+
+# -------------------------------------------------------------------------------- the QUIC stack
+
+
+class _NoRttExit:
+    """Mixin: ignore the RTT-increase signal that makes aioquic's controllers leave slow start."""
+
+    def on_rtt_measurement(self, *, now: float, rtt: float) -> None:
+        return None
+
+
+class _CubicNoRttExit(_NoRttExit, CubicCongestionControl):
+    pass
+
+
+class _RenoNoRttExit(_NoRttExit, RenoCongestionControl):
+    pass
+
+
+_NO_RTT_EXIT = {"cubic": ("kvnet-cubic", _CubicNoRttExit), "reno": ("kvnet-reno", _RenoNoRttExit)}
+
+
+def aioquic_congestion_control(settings: TransportSettings) -> str:
+    """The aioquic congestion-control name for ``settings`` (registering kvnet's variants on first use)."""
+    if settings.slow_start_rtt_exit:
+        return settings.congestion_control
+    name, factory = _NO_RTT_EXIT[settings.congestion_control]
+    _cc_base.register_congestion_control(name, factory)  # type: ignore[arg-type]
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class QuicStack:
+    """The symbols of one QUIC stack that kvnet uses (both stacks expose aioquic's names)."""
+
+    name: str
+    QuicConfiguration: type
+    QuicConnection: type
+    QuicConnectionProtocol: type
+    events: ModuleType
+    """Module with ``StreamDataReceived``, ``StreamReset``, ``HandshakeCompleted``, ... classes."""
+    connect: Callable[..., Any]
+    serve: Callable[..., Any]
+    max_datagram_size: int
+    """Largest datagram size the stack handles correctly."""
+    can_request_client_certificate: bool
+    transmits_after_each_datagram: bool
+    """Its protocol transmits after every received datagram (aioquic); ``kvnet.net.connection`` batches those
+    with ``arm_timer`` and ``window_limited``."""
+
+
+@functools.cache
+def get_stack(name: str) -> QuicStack:
+    """The stack called ``name`` ("aioquic" or "qh3"), imported on first use."""
+    if name == "aioquic":
+        import aioquic.asyncio as aa
+        import aioquic.quic.configuration as ac
+        import aioquic.quic.connection as an
+        import aioquic.quic.events as ae
+
+        return QuicStack("aioquic", ac.QuicConfiguration, an.QuicConnection, aa.QuicConnectionProtocol, ae,
+                         aa.connect, aa.serve, MAX_DATAGRAM_SIZE_LIMIT, True, True)
+    if name == "qh3":
+        import qh3.asyncio as qa
+        import qh3.quic.configuration as qc
+        import qh3.quic.connection as qn
+        import qh3.quic.events as qv
+
+        return QuicStack("qh3", qc.QuicConfiguration, qn.QuicConnection, qa.QuicConnectionProtocol, qv,
+                         qa.connect, qa.serve, MAX_DATAGRAM_SIZE_QH3, False, False)
+    raise ValueError(f"unknown QUIC stack {name!r}; choose from {STACKS}")
+
+
+def _base_configuration(settings: TransportSettings, is_client: bool) -> Any:
+    stack = get_stack(settings.stack)
+    config = stack.QuicConfiguration(
+        is_client=is_client,
+        alpn_protocols=[ALPN_MOQT],
+        max_datagram_size=settings.datagram_size,
+        max_data=settings.max_data,
+        max_stream_data=settings.max_stream_data,
+        idle_timeout=settings.idle_timeout,
+    )
+    if stack.name == "aioquic":
+        config.congestion_control_algorithm = aioquic_congestion_control(settings)
+    return config
+
+
+def apply_client_verification(config: Any, tls: TlsSettings) -> None:
+    """Server-certificate verification of a client configuration (either stack): on, against
+    ``tls.ca_file``, unless ``insecure_skip_verify`` is set, which is logged every time."""
+    if tls.insecure_skip_verify:
+        logger.warning(
+            "TLS VERIFICATION DISABLED (insecure_skip_verify): the server's identity is NOT checked; "
+            "use only for debugging"
+        )
+        config.verify_mode = ssl.CERT_NONE
+        return
+    if tls.ca_file is None:
+        raise ValueError("a client needs ca_file to verify the server (or an explicit insecure_skip_verify)")
+    config.verify_mode = ssl.CERT_REQUIRED
+    config.load_verify_locations(cafile=str(tls.ca_file))
+
+
+def client_configuration(
+    settings: TransportSettings, tls: TlsSettings, server_name: str | None = None
+) -> Any:
+    """Client configuration for ``settings.stack``: ALPN moqt-18, TLS 1.3, server verification on."""
+    config = _base_configuration(settings, is_client=True)
+    config.server_name = tls.server_name or server_name
+    apply_client_verification(config, tls)
+    if tls.cert_file is not None:
+        config.load_cert_chain(tls.cert_file, tls.key_file)
+    return config
+
+
+def server_configuration(settings: TransportSettings, tls: TlsSettings) -> Any:
+    """Server configuration for ``settings.stack``. Raises ``ValueError`` when the stack cannot do what
+    ``tls`` asks (qh3 cannot request client certificates). aioquic's server side does not verify client
+    certificates itself: the connection glue checks them after the handshake
+    (``request_client_certificate``, ``verify_client_certificate``)."""
+    if tls.require_client_cert and not get_stack(settings.stack).can_request_client_certificate:
+        raise ValueError(
+            f"require_client_cert needs a stack that requests client certificates; {settings.stack} "
+            "cannot, use stack='aioquic' for this server"
+        )
+    if tls.cert_file is None:
+        raise ValueError("a server needs cert_file and key_file")
+    config = _base_configuration(settings, is_client=False)
+    config.load_cert_chain(tls.cert_file, tls.key_file)
+    if tls.ca_file is not None:
+        config.load_verify_locations(cafile=str(tls.ca_file))
+    return config
+
+
+async def open_client_endpoint(
+    settings: TransportSettings, sock: socket.socket, protocol_factory: Callable[[], Any]
+) -> tuple[asyncio.DatagramTransport, Any]:
+    """Wrap a bound UDP socket in the stack's datagram transport (qh3: batched receive with GRO)."""
+    loop = asyncio.get_running_loop()
+    if settings.stack == "qh3":
+        from qh3.asyncio._transport import create_optimized_datagram_transport
+
+        transport, protocol = await create_optimized_datagram_transport(loop, protocol_factory, sock=sock)
+        return transport, protocol
+    transport, protocol = await loop.create_datagram_endpoint(protocol_factory, sock=sock)
+    return transport, protocol
+
+
+def unsent_bytes(quic: Any, stream_ids: Iterable[int]) -> dict[int, int]:
+    """Bytes still held by the stack per stream: aioquic counts unacknowledged bytes, qh3 unsent ones."""
+    get = getattr(quic, "get_send_buffer_size", None)
+    if get is not None:
+        return {sid: int(get(sid)) for sid in stream_ids}
+    streams = quic._streams
+    result = {}
+    for sid in stream_ids:
+        stream = streams.get(sid)
+        result[sid] = 0 if stream is None else len(stream.sender._buffer)
+    return result
+
+
+# Positions of local_max_streams_bidi / _uni among qh3's QuicConnectionCore arguments (qh3 2.x).
+_QH3_CORE_MAX_STREAMS_BIDI = 21
+_QH3_CORE_MAX_STREAMS_UNI = 22
+_CORE = "QuicConnectionCore"
+_PARAMS = "QuicTransportParameters"
+
+
+def window_limited(quic: Any) -> bool:
+    """aioquic: whether the congestion window has no room for another full datagram."""
+    loss = quic._loss
+    return bool(loss.bytes_in_flight + quic._max_datagram_size > loss.congestion_window)
+
+
+def arm_timer(protocol: Any) -> None:
+    """aioquic: re-arm a protocol's QUIC timer as its ``transmit()`` does, without building packets, for
+    a receiver that transmits only every few datagrams (``kvnet.net.connection``): the ACK-delay and loss
+    timers must still fire when a burst ends between two transmits."""
+    timer_at = protocol._quic.get_timer()
+    if protocol._timer is not None and protocol._timer_at != timer_at:
+        protocol._timer.cancel()
+        protocol._timer = None
+    if protocol._timer is None and timer_at is not None:
+        protocol._timer = protocol._loop.call_at(timer_at, protocol._handle_timer)
+    protocol._timer_at = timer_at
+
+
+def _set(module: Any, name: str, value: Any) -> None:
+    setattr(module, name, value)
+
+
+def raise_stream_limits(quic: Any, settings: TransportSettings) -> None:
+    """Grant the peer ``settings.max_streams_*`` concurrent streams before the handshake announces them.
+    Neither stack has a setting: aioquic starts from 128 per direction, qh3 from 100 bidirectional and
+    103 unidirectional; kvnet opens one bidirectional stream per request, thousands at once."""
+    if hasattr(quic, "_local_max_streams_bidi"):  # aioquic: plain attributes read at handshake time
+        for attr, value in (("_local_max_streams_bidi", settings.max_streams_bidi),
+                            ("_local_max_streams_uni", settings.max_streams_uni)):
+            limit = getattr(quic, attr)
+            limit.value = limit.sent = value
+        return
+    # qh3 hard-codes the limits twice, as literals: where it creates its native core (which enforces
+    # them) and where its TLS bridge builds the transport parameters (which announce them). Intercept
+    # those two constructions for this connection only and substitute ours.
+    core_module = sys.modules[type(quic).__module__]
+    original_create_core = quic._create_core
+    original_create_tls = quic._create_tls
+
+    def create_core(*args: Any, **kwargs: Any) -> None:
+        core_class = getattr(core_module, _CORE)
+
+        def core(*core_args: Any) -> Any:
+            values = list(core_args)
+            values[_QH3_CORE_MAX_STREAMS_BIDI] = settings.max_streams_bidi
+            values[_QH3_CORE_MAX_STREAMS_UNI] = settings.max_streams_uni
+            return core_class(*values)
+
+        _set(core_module, _CORE, core)
+        try:
+            original_create_core(*args, **kwargs)
+        finally:
+            _set(core_module, _CORE, core_class)
+
+    def create_tls(*args: Any, **kwargs: Any) -> Any:
+        import qh3.quic.tls_bridge as bridge_module
+
+        params_class = getattr(bridge_module, _PARAMS)
+
+        def params(**fields: Any) -> Any:
+            fields["initial_max_streams_bidi"] = settings.max_streams_bidi
+            fields["initial_max_streams_uni"] = settings.max_streams_uni
+            return params_class(**fields)
+
+        # The bridge serialises its parameters while it is built and again later (e.g. after a retry).
+        _set(bridge_module, _PARAMS, params)
+        try:
+            bridge = original_create_tls(*args, **kwargs)
+        finally:
+            _set(bridge_module, _PARAMS, params_class)
+        original_serialize = bridge.serialize_transport_parameters
+
+        def serialize() -> bytes:
+            _set(bridge_module, _PARAMS, params)
+            try:
+                data: bytes = original_serialize()
+            finally:
+                _set(bridge_module, _PARAMS, params_class)
+            return data
+
+        bridge.serialize_transport_parameters = serialize
+        return bridge
+
+    quic._create_core = create_core
+    quic._create_tls = create_tls
+
+
+def request_client_certificate(quic: Any) -> None:
+    """Make an aioquic server connection ask for a client certificate (checked after the handshake by
+    ``verify_client_certificate``). aioquic sets the flag on a TLS context that only exists once the
+    first packet arrived, so the hook wraps ``_initialize``."""
+    original = quic._initialize
+
+    def initialize(peer_cid: bytes) -> None:
+        original(peer_cid)
+        quic.tls._request_client_certificate = True
+
+    quic._initialize = initialize
+
+
+def verify_client_certificate(quic: Any, cafile: str) -> None:
+    """Check the client's certificate chain against ``cafile``; raises on any failure."""
+    from aioquic.tls import verify_certificate
+
+    tls = quic.tls
+    cert = getattr(tls, "_peer_certificate", None)
+    if cert is None:
+        raise ValueError("no client certificate")
+    chain = getattr(tls, "_peer_certificate_chain", [])
+    verify_certificate(certificate=cert, chain=chain, cafile=cafile)

@@ -48,14 +48,9 @@ from kvnet.blocks.codecs import CodecError, get_codec
 from kvnet.blocks.signing import TrustStore
 from kvnet.cache.hashing import hash_block
 from kvnet.errors import KVCacheError
-from kvnet.net.connection import (
-    FetchHandle,
-    LimitError,
-    MoqtConnection,
-    MoqtConnectionError,
-    RequestRejected,
-    StreamResetError,
-)
+from kvnet.net.connection import MoqtConnection
+from kvnet.net.errors import LimitError, MoqtConnectionError, RequestRejected, StreamResetError
+from kvnet.net.handles import FetchHandle
 from kvnet.node.abr import KvAbr
 from proto.kvobject import BLOCK_GROUP_ID, MANIFEST_OBJECT_ID, BlockManifest, KVObjectError, block_track
 from proto.messages import Location

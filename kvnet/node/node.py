@@ -36,13 +36,9 @@ from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.model.generate import cache_spec_for, generate
 from kvnet.model.tokenizer import ByteTokenizer, Tokenizer
 from kvnet.model.transformer import Transformer
-from kvnet.net.connection import (
-    MoqtConnection,
-    MoqtConnectionError,
-    RequestRejected,
-    connect,
-    freeze_startup_objects,
-)
+from kvnet.net.connection import MoqtConnection
+from kvnet.net.endpoint import connect, freeze_startup_objects
+from kvnet.net.errors import MoqtConnectionError, RequestRejected
 from kvnet.net.quic import (
     DATAGRAM_SIZE_ETHERNET,
     DEFAULT_STACK,

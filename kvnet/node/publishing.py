@@ -26,15 +26,9 @@ import torch
 from kvnet.blocks.codecs import get_codec
 from kvnet.blocks.signing import Signer
 from kvnet.cache.paged_cache import PagedKVCache
-from kvnet.net.connection import (
-    ConnectionClosed,
-    IncomingFetch,
-    IncomingRequest,
-    IncomingSubscribe,
-    IncomingTrackStatus,
-    MoqtConnection,
-    RequestRejected,
-)
+from kvnet.net.connection import MoqtConnection
+from kvnet.net.errors import ConnectionClosed, RequestRejected
+from kvnet.net.handles import IncomingFetch, IncomingRequest, IncomingSubscribe, IncomingTrackStatus
 from kvnet.node.blockstore import BlockStore, StoredBlock
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode, UsageError

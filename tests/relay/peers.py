@@ -19,14 +19,9 @@ from aioquic.asyncio import connect as quic_connect
 from aioquic.quic import events as qe
 from aioquic.quic.configuration import QuicConfiguration
 
-from kvnet.net.connection import (
-    IncomingFetch,
-    IncomingRequest,
-    IncomingSubscribe,
-    IncomingTrackStatus,
-    MoqtConnection,
-    connect,
-)
+from kvnet.net.connection import MoqtConnection
+from kvnet.net.endpoint import connect
+from kvnet.net.handles import IncomingFetch, IncomingRequest, IncomingSubscribe, IncomingTrackStatus
 from kvnet.net.quic import TlsSettings
 from proto.data import ObjectStatus
 from proto.errors import RequestErrorCode

@@ -12,7 +12,7 @@ import os
 import random
 import socket
 
-from kvnet.net.connection import ConnectionClosed, RequestRejected, StreamResetError
+from kvnet.net.errors import ConnectionClosed, RequestRejected, StreamResetError
 from proto.data import SubgroupHeader, encode_subgroup_header, subgroup_object_prefix
 from proto.errors import SessionErrorCode, StreamResetCode
 from proto.messages import Location, Publish, Setup, TrackStatus, encode_message

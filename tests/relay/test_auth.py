@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvnet.net.connection import ConnectionClosed, MoqtConnection, RequestRejected, connect
+from kvnet.net.connection import MoqtConnection
+from kvnet.net.endpoint import connect
+from kvnet.net.errors import ConnectionClosed, RequestRejected
 from kvnet.net.quic import TlsSettings
 from kvnet.security.tokens import Action, IssuerKey, issue_token, make_claims
 from proto.errors import RequestErrorCode, SessionErrorCode

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvnet.net.connection import ConnectionClosed, RequestRejected, StreamResetError
+from kvnet.net.errors import ConnectionClosed, RequestRejected, StreamResetError
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode, SessionErrorCode, StreamResetCode
 from proto.messages import Fetch, FetchType, Location, StandaloneFetch, TrackStatus, encode_message

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from kvnet.net.connection import MoqtConnectionError, RequestRejected
+from kvnet.net.errors import MoqtConnectionError, RequestRejected
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode, SessionErrorCode
 from proto.events import NamespaceReceived

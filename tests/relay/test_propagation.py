@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvnet.net.connection import RequestRejected
+from kvnet.net.errors import RequestRejected
 from proto.errors import RequestErrorCode
 from proto.messages import Location
 from tests.relay.conftest import CertDir, RelayFactory, RelayProcess

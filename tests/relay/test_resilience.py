@@ -8,7 +8,7 @@ import contextlib
 import signal
 import time
 
-from kvnet.net.connection import RequestRejected
+from kvnet.net.errors import RequestRejected
 from proto.messages import Location
 from tests.relay.conftest import CertDir, RelayFactory, RelayProcess
 from tests.relay.peers import NS, Publisher, connect_client, track_objects

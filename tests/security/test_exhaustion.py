@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvnet.net.connection import ConnectionLimits, MoqtConnection, RequestRejected, connect
+from kvnet.net.connection import ConnectionLimits, MoqtConnection
+from kvnet.net.endpoint import connect
+from kvnet.net.errors import RequestRejected
 from kvnet.net.quic import TlsSettings
 from proto.data import SubgroupHeader, encode_subgroup_header, subgroup_object_prefix
 from proto.errors import RequestErrorCode, SessionErrorCode, StreamResetCode

@@ -26,13 +26,9 @@ from typing import Any
 
 import pytest
 
-from kvnet.net.connection import (
-    ConnectionClosed,
-    MoqtConnection,
-    MoqtConnectionError,
-    RequestRejected,
-    connect,
-)
+from kvnet.net.connection import MoqtConnection
+from kvnet.net.endpoint import connect
+from kvnet.net.errors import ConnectionClosed, MoqtConnectionError, RequestRejected
 from kvnet.net.quic import TlsSettings
 from kvnet.node.node import Node, NodeConfig
 from kvnet.security.tenancy import NodeSecret

@@ -28,17 +28,10 @@ import torch
 from kvnet.blocks.codecs import get_codec
 from kvnet.blocks.signing import Signer
 from kvnet.model.generate import generate
-from kvnet.net.connection import (
-    IncomingFetch,
-    IncomingPublishNamespace,
-    IncomingRequest,
-    IncomingTrackStatus,
-    MoqtConnection,
-    MoqtServer,
-    RequestRejected,
-    connect,
-    serve,
-)
+from kvnet.net.connection import MoqtConnection
+from kvnet.net.endpoint import MoqtServer, connect, serve
+from kvnet.net.errors import RequestRejected
+from kvnet.net.handles import IncomingFetch, IncomingPublishNamespace, IncomingRequest, IncomingTrackStatus
 from kvnet.net.quic import TlsSettings, TransportSettings
 from kvnet.node.blockstore import BlockStore, StoredBlock
 from kvnet.node.node import Node, NodeConfig

@@ -8,19 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from kvnet.net import quic, transport
-from kvnet.net.connection import (
-    ConnectionLimits,
+from kvnet.net import quic
+from kvnet.net.connection import ConnectionLimits, MoqtConnection
+from kvnet.net.endpoint import connect, serve
+from kvnet.net.errors import MoqtConnectionError, RequestRejected
+from kvnet.net.handles import (
     IncomingFetch,
     IncomingPublish,
     IncomingPublishNamespace,
     IncomingSubscribe,
     IncomingTrackStatus,
-    MoqtConnection,
-    MoqtConnectionError,
-    RequestRejected,
-    connect,
-    serve,
 )
 from kvnet.security import certs
 from kvnet.tools.linkemu import EmulatorConfig, LinkEmulator
@@ -195,7 +192,7 @@ async def test_certificate_for_another_name_is_a_clear_error(
 
 async def test_mtls_required(pki: Path, tmp_path: Path, settings: quic.TransportSettings) -> None:
     tls = quic.TlsSettings.from_dir(pki, "server", require_client_cert=True)
-    if not transport.get_stack(settings.stack).can_request_client_certificate:
+    if not quic.get_stack(settings.stack).can_request_client_certificate:
         with pytest.raises(ValueError, match="require_client_cert"):
             await serve("127.0.0.1", 0, settings, tls, _publisher)
     # Servers that require client certificates run on aioquic; clients of either stack present one.

@@ -1,4 +1,5 @@
-"""Tests for kvnet.net.quic: settings validation, TLS configuration rules, URL parsing, a real handshake."""
+"""Tests for kvnet.net.quic: settings validation, TLS configuration rules on both stacks, URL parsing, a real
+handshake."""
 
 from __future__ import annotations
 
@@ -80,17 +81,21 @@ async def test_handshake_with_project_certs(tmp_path: Path) -> None:
     server.close()
 
 
-def test_aioquic_configuration_never_exceeds_its_datagram_cap(tmp_path: Path) -> None:
+def test_configuration_follows_the_stack(tmp_path: Path) -> None:
     certs.create_ca(tmp_path)
     tls = quic.TlsSettings.from_dir(tmp_path, None)
-    # Settings chosen for qh3 still give a working aioquic configuration, capped at 16384 ...
-    cfg = quic.client_configuration(quic.TransportSettings(stack="qh3"), tls, "h")
+    cfg = quic.client_configuration(quic.TransportSettings(stack="aioquic"), tls, "h")
+    assert type(cfg) is quic.get_stack("aioquic").QuicConfiguration
     assert cfg.max_datagram_size == 16384 and cfg.congestion_control_algorithm == "kvnet-cubic"
-    # ... unless a larger size was asked for explicitly, which aioquic would corrupt.
-    with pytest.raises(ValueError, match="16384"):
-        quic.client_configuration(quic.TransportSettings(stack="qh3", max_datagram_size=20000), tls, "h")
     rtt_exit = quic.TransportSettings(stack="aioquic", slow_start_rtt_exit=True, congestion_control="reno")
     assert quic.client_configuration(rtt_exit, tls, "h").congestion_control_algorithm == "reno"
+    # qh3 gets its own configuration class, with its path-MTU probing ceiling and no controller choice.
+    cfg = quic.client_configuration(quic.TransportSettings(stack="qh3"), tls, "h")
+    assert type(cfg) is quic.get_stack("qh3").QuicConfiguration
+    assert cfg.max_datagram_size == quic.DATAGRAM_SIZE_QH3_LOOPBACK and cfg.alpn_protocols == ["moqt-18"]
+    server_tls = quic.TlsSettings(ca_file=tmp_path / "ca.pem", require_client_cert=True)
+    with pytest.raises(ValueError, match="client certificates"):
+        quic.server_configuration(quic.TransportSettings(stack="qh3"), server_tls)
 
 
 class _UnprivilegedSocket:

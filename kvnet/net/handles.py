@@ -1,0 +1,265 @@
+"""Handles on the requests of one MoQT connection, for role code.
+
+Owns: the requester's side (``FetchHandle``, ``Subscription``: objects queued for the application with a
+terminal state) and the responder's side (``IncomingRequest`` and one subclass per request type, with the
+reply methods the peer's request allows; ``INCOMING_REQUEST_TYPES`` maps each proto event to its class).
+The handles only turn calls into session actions on their ``MoqtConnection``; the connection routes the
+session's events to them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from kvnet.net.errors import ConnectionClosed, RequestRejected
+from proto import events as me
+from proto.data import ObjectStatus
+from proto.errors import RequestErrorCode, StreamResetCode
+from proto.messages import NO_PARAMETERS, Location, MessageParameters, Properties
+
+if TYPE_CHECKING:
+    from kvnet.net.connection import MoqtConnection
+
+# -------------------------------------------------------------------------------- requesters' handles
+
+
+class _ObjectStream:
+    """Objects of one request, queued for the application, with a terminal state."""
+
+    def __init__(self, conn: MoqtConnection, request_id: int) -> None:
+        self._conn = conn
+        self.request_id = request_id
+        self._objects: deque[me.ObjectReceived] = deque()
+        self._wakeup = asyncio.Event()
+        self._error: BaseException | None = None
+        self._finished = False
+
+    def _push(self, obj: me.ObjectReceived) -> None:
+        self._objects.append(obj)
+        self._conn._received_bytes += len(obj.payload)
+        self._wakeup.set()
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self._error = error
+        self._wakeup.set()
+        self._conn._release_slot(self.request_id)
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def __aiter__(self) -> AsyncIterator[me.ObjectReceived]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[me.ObjectReceived]:
+        while True:
+            while self._objects:
+                obj = self._objects.popleft()
+                self._conn._received_bytes -= len(obj.payload)
+                yield obj
+            if self._finished:
+                if self._error is not None:
+                    raise self._error
+                return
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+    def cancel(self) -> None:
+        """Abandon the request (resets its streams); iteration ends and unread objects are dropped."""
+        if not self._finished:
+            self._conn._cancel(self.request_id)
+            self._finish(None)
+        self._discard()
+
+    def _discard(self) -> None:
+        """Drop unread objects, giving their bytes back to the connection's receive budget."""
+        while self._objects:
+            self._conn._received_bytes -= len(self._objects.popleft().payload)
+
+
+class FetchHandle(_ObjectStream):
+    """A FETCH in progress: ``await handle.ok()`` for FETCH_OK, ``async for obj in handle`` for objects.
+    Iteration raises ``RequestRejected`` on REQUEST_ERROR and ``StreamResetError`` on a reset fetch stream."""
+
+    def __init__(self, conn: MoqtConnection, request_id: int) -> None:
+        super().__init__(conn, request_id)
+        self._ok: asyncio.Future[me.FetchOkReceived] = asyncio.get_running_loop().create_future()
+
+    async def ok(self) -> me.FetchOkReceived:
+        return await asyncio.shield(self._ok)
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        if not self._ok.done():
+            self._ok.set_exception(error or ConnectionClosed(0, "fetch ended before FETCH_OK"))
+            self._ok.exception()  # mark retrieved: iteration reports the error too
+        super()._finish(error)
+
+    async def read_all(self) -> list[me.ObjectReceived]:
+        """All objects until the fetch completes."""
+        return [obj async for obj in self]
+
+
+class Subscription(_ObjectStream):
+    """An accepted SUBSCRIBE (or an incoming PUBLISH's objects): ``ok`` is the SUBSCRIBE_OK; ``async for
+    obj in sub`` until PUBLISH_DONE and then until as many subgroup streams as its Stream Count have
+    ended (bounded by ``ConnectionLimits.publish_done_timeout``), so no object still in flight is lost."""
+
+    def __init__(self, conn: MoqtConnection, request_id: int) -> None:
+        super().__init__(conn, request_id)
+        self.ok: me.SubscribeOkReceived | None = None
+        self.done: me.PublishDoneReceived | None = None
+        self.streams_closed = 0
+        """Subgroup streams of this subscription that ended (FIN or reset)."""
+        self._done_timer: asyncio.TimerHandle | None = None
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        if self._done_timer is not None:
+            self._done_timer.cancel()
+            self._done_timer = None
+        super()._finish(error)
+
+
+# -------------------------------------------------------------------------------- incoming requests
+
+
+class IncomingRequest:
+    """A request the peer sent us (``event`` is the proto event). Answer it exactly once."""
+
+    def __init__(self, conn: MoqtConnection, event: me.MoqtEvent) -> None:
+        self.conn = conn
+        self.event = event
+        self.request_id: int = event.request_id  # type: ignore[attr-defined]
+        self.cancelled = asyncio.Event()
+        """Set when the peer cancels the request (RequestCancelled, or STOP_SENDING on a FETCH's data
+        stream) or the session ends."""
+
+    @property
+    def gone(self) -> bool:
+        """The request can no longer be answered: the peer cancelled it or the session is over. Check it
+        after every ``await`` before acting on the request (the peer may cancel at any moment)."""
+        return self.cancelled.is_set() or self.conn.is_closed
+
+    def reject(self, code: RequestErrorCode, reason: str = "", retry_interval: int = 0) -> None:
+        self.conn._do(self.conn.session.reject_request, self.request_id, code, reason, retry_interval)
+
+    def accept(self, parameters: MessageParameters = NO_PARAMETERS) -> None:
+        """REQUEST_OK (PUBLISH_NAMESPACE, SUBSCRIBE_NAMESPACE, SUBSCRIBE_TRACKS, PUBLISH, REQUEST_UPDATE)."""
+        self.conn._do(self.conn.session.accept_request, self.request_id, parameters)
+
+    async def drain(self) -> None:
+        """Wait until QUIC's send buffer is below the connection's bound (back-pressure)."""
+        await self.conn.wait_writable()
+
+    def cancel(self, code: StreamResetCode = StreamResetCode.CANCELLED) -> None:
+        """Abandon the request after answering it: resets its request and data streams with ``code``."""
+        self.conn.cancel_request(self.request_id, code)
+
+
+class IncomingTrackStatus(IncomingRequest):
+    event: me.TrackStatusReceived
+
+    def respond(
+        self, parameters: MessageParameters = NO_PARAMETERS, track_properties: Properties = ()
+    ) -> None:
+        self.conn._do(self.conn.session.respond_track_status, self.request_id, parameters, track_properties)
+
+
+class IncomingFetch(IncomingRequest):
+    event: me.FetchReceived
+
+    def accept_fetch(
+        self, end_of_track: bool, end_location: Location, parameters: MessageParameters = NO_PARAMETERS
+    ) -> None:
+        self.conn._do(self.conn.session.accept_fetch, self.request_id, end_of_track, end_location, parameters)
+
+    def send_object(
+        self, group_id: int, subgroup_id: int | None, object_id: int, payload: bytes,
+        publisher_priority: int = 128, properties: Properties = (),
+    ) -> None:
+        self.conn._do(
+            self.conn.session.send_fetch_object, self.request_id, group_id, subgroup_id, object_id, payload,
+            publisher_priority, properties,
+        )
+
+    def finish(self) -> None:
+        self.conn._do(self.conn.session.finish_fetch, self.request_id)
+
+
+class IncomingSubscribe(IncomingRequest):
+    event: me.SubscribeReceived
+
+    def accept_subscribe(
+        self,
+        track_alias: int,
+        parameters: MessageParameters = NO_PARAMETERS,
+        track_properties: Properties = (),
+    ) -> None:
+        self.track_alias = track_alias
+        self.conn._do(self.conn.session.accept_subscribe, self.request_id, track_alias, parameters,
+                      track_properties)
+
+    def open_subgroup(self, group_id: int, subgroup_id: int, publisher_priority: int | None = None,
+                      **kwargs: bool) -> int:
+        sid: int = self.conn._do(self.conn.session.open_subgroup, self.track_alias, group_id, subgroup_id,
+                                 publisher_priority, **kwargs)
+        return sid
+
+    def send_object(
+        self, stream_id: int, object_id: int, payload: bytes, end_stream: bool = False,
+        properties: Properties = (), status: ObjectStatus = ObjectStatus.NORMAL,
+    ) -> None:
+        self.conn._do(self.conn.session.send_subgroup_object, stream_id, object_id, payload, properties,
+                      status, end_stream)
+
+    def close_subgroup(self, stream_id: int) -> None:
+        self.conn._do(self.conn.session.close_subgroup, stream_id)
+
+    def publish_done(self, status_code: int, reason: str = "") -> None:
+        self.conn._do(self.conn.session.publish_done, self.request_id, status_code, reason)
+
+
+class IncomingPublishNamespace(IncomingRequest):
+    event: me.PublishNamespaceReceived
+
+
+class IncomingPublish(IncomingRequest):
+    """A PUBLISH from the peer. Its objects are buffered from the moment the PUBLISH arrived (objects
+    may follow it at once, before the application has decided), counted against
+    ``ConnectionLimits.max_receive_buffer``; ``accept_publish`` answers PUBLISH_OK and returns them."""
+
+    event: me.PublishReceived
+
+    def __init__(self, conn: MoqtConnection, event: me.MoqtEvent) -> None:
+        super().__init__(conn, event)
+        self.objects = Subscription(conn, self.request_id)
+        """The track's objects; iteration ends after PUBLISH_DONE (see ``Subscription``)."""
+        conn._streams[self.request_id] = self.objects
+
+    def accept_publish(self, parameters: MessageParameters = NO_PARAMETERS) -> Subscription:
+        """PUBLISH_OK; returns the objects (those that arrived before it first)."""
+        self.accept(parameters)
+        return self.objects
+
+    def reject(self, code: RequestErrorCode, reason: str = "", retry_interval: int = 0) -> None:
+        self.conn._streams.pop(self.request_id, None)
+        self.objects._finish(RequestRejected(code, "PUBLISH refused"))
+        self.objects._discard()
+        super().reject(code, reason, retry_interval)
+
+
+INCOMING_REQUEST_TYPES: dict[type, type[IncomingRequest]] = {
+    me.TrackStatusReceived: IncomingTrackStatus,
+    me.FetchReceived: IncomingFetch,
+    me.SubscribeReceived: IncomingSubscribe,
+    me.PublishNamespaceReceived: IncomingPublishNamespace,
+    me.SubscribeNamespaceReceived: IncomingRequest,
+    me.SubscribeTracksReceived: IncomingRequest,
+    me.PublishReceived: IncomingPublish,
+    me.RequestUpdateReceived: IncomingRequest,
+}
