@@ -29,7 +29,7 @@ def _kv_value(v: object) -> str:
 
 
 class KeyValueFormatter(logging.Formatter):
-    """logfmt-style lines: ``ts=... level=info logger=relay.server msg="..." key=value``."""
+    """logfmt-style lines: ``ts=... level=info logger=relay.relay msg="..." key=value``."""
 
     def format(self, record: logging.LogRecord) -> str:
         fields: dict[str, Any] = {
@@ -199,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     setup_logging(config.log_format, config.log_level)
     from kvnet.net.endpoint import freeze_startup_objects
-    from relay.server import serve  # after logging, so import-time warnings are formatted too
+    from relay.relay import serve  # after logging, so import-time warnings are formatted too
 
     freeze_startup_objects()
     try:

@@ -1,9 +1,8 @@
-"""The relay daemon: accept loop, one runner per session, request handling, fan-out, shutdown.
+"""The relay daemon: shared state, request handling, limits sweep, accept loop and shutdown.
 
 Owns: ``Relay`` (the shared state built once in ``serve``: cache, namespace router, fan-outs, upstream
-relays, metrics) and ``Peer`` (one accepted session: dispatches its requests to child tasks and cleans up
-after it). Each request is its own task, so a slow or failing request never blocks another; an exception
-in one session's runner closes that session only.
+relays, metrics) and ``serve``. Sessions are ``relay.peer.Peer``; fan-out of one track to its subscribers
+is ``relay.fanout.Fanout``.
 
 Does not know what payloads mean (content-agnostic, like moq-relay) and does no MoQT parsing: events and
 actions come from ``kvnet.net.connection`` / ``proto.session``.
@@ -17,12 +16,11 @@ import itertools
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine
 
 from kvnet.net.connection import ConnectionLimits, MoqtConnection
 from kvnet.net.endpoint import serve as serve_moqt
-from kvnet.net.errors import ConnectionClosed, LimitError, RequestRejected, StreamResetError
+from kvnet.net.errors import ConnectionClosed, StreamResetError
 from kvnet.net.handles import (
     IncomingFetch,
     IncomingPublish,
@@ -30,419 +28,24 @@ from kvnet.net.handles import (
     IncomingRequest,
     IncomingSubscribe,
     IncomingTrackStatus,
-    Subscription,
 )
 from kvnet.security.tokens import KVNET_TOKEN_TYPE, AuthError
 from proto import events as me
-from proto.data import ObjectStatus
-from proto.errors import ProtocolError, PublishDoneCode, RequestErrorCode, SessionErrorCode, StreamResetCode
-from proto.messages import (
-    NO_PARAMETERS,
-    AliasType,
-    AuthToken,
-    FetchType,
-    Location,
-    MessageParameters,
-    Properties,
-)
+from proto.errors import ProtocolError, RequestErrorCode, SessionErrorCode, StreamResetCode
+from proto.messages import NO_PARAMETERS, AliasType, AuthToken, FetchType, Location, MessageParameters
 from proto.session import SessionConfig
-from relay.auth import AUTH_TOKEN_CACHE_SIZE, RelayAuth, SessionAuth, load_token, request_target
-from relay.cache import (
-    CachedObject,
-    FetchInfo,
-    ObjectCache,
-    RequestFailed,
-    TrackKey,
-    exclusive_to_wire_end,
-    wire_end_to_exclusive,
-)
+from relay.auth import AUTH_TOKEN_CACHE_SIZE, RelayAuth, SessionAuth, load_token
+from relay.cache import ObjectCache, RequestFailed, TrackKey, exclusive_to_wire_end, wire_end_to_exclusive
 from relay.config import RelayConfig
-from relay.limits import LimitExceeded, Slots, acquire_request
+from relay.fanout import DownstreamSubscriber, Fanout
+from relay.limits import LimitExceeded, Slots
 from relay.metrics import Metrics, MetricsServer
+from relay.peer import Peer, code_name
 from relay.router import NamespaceRouter, RouteLimitError
 from relay.tasks import spawn
-from relay.upstream import RoutedUpstream, Source, UpstreamRelay, cached_object
+from relay.upstream import RoutedUpstream, Source, UpstreamRelay
 
 logger = logging.getLogger(__name__)
-
-
-def _code_name(code: int) -> str:
-    try:
-        return RequestErrorCode(code).name.lower()
-    except ValueError:
-        return f"code_{code:#x}"
-
-
-class Peer:
-    """One session: accepted from a client, or our own session to an upstream relay (``upstream``)."""
-
-    def __init__(
-        self, relay: Relay, conn: MoqtConnection, peer_id: int, upstream: UpstreamRelay | None = None
-    ) -> None:
-        self.relay = relay
-        self.conn = conn
-        self.id = peer_id
-        self.upstream = upstream
-        """Set when this is our session to an upstream relay: its requests are never sent back upstream."""
-        self.addr = conn.peer_address
-        self.name = f"session:{peer_id}" if upstream is None else upstream.name
-        self.auth: SessionAuth | None = None
-        """This session's credential when the relay requires authorization (never for upstream sessions)."""
-        self.requests = Slots("requests per session", relay.config.limits.max_requests_per_session)
-        self.namespaces: set[tuple[bytes, ...]] = set()
-        self.tasks: set[asyncio.Task[None]] = set()
-        now = relay.clock()
-        self.last_active = now
-        """When a request of this session last started or ended (idle timeout)."""
-        self.fetches: dict[int, IncomingFetch] = {}
-        """FETCHes streaming to this peer; one that is cut off is removed and its loop stops."""
-        self.written = 0
-        """Object payload bytes the relay wrote toward this peer."""
-        self._progress = (now, 0)
-        """(when, bytes the peer had consumed then): the last time its send buffer drained a byte."""
-        self._cut_at: float | None = None
-        self.header_timeouts = 0
-        """Request-header timeouts of this session already counted in the metrics."""
-        self.refusals_counted: dict[str, int] = {}
-        """``conn.refused_requests`` already counted in the metrics, by limit."""
-        self.slow = False
-        """As a route: it let a forwarded request pass the route deadline (``relay.upstream.Source``)."""
-        self._aliases = itertools.count(1)
-        self.log = logging.LoggerAdapter(logger, {"session": peer_id, "peer": self.addr})
-
-    async def connection(self) -> MoqtConnection | None:
-        return None if self.conn.is_closed else self.conn
-
-    def next_alias(self) -> int:
-        return next(self._aliases)
-
-    async def run(self) -> None:
-        relay = self.relay
-        try:
-            async for req in self.conn.incoming_requests():
-                self.dispatch(req)
-        finally:
-            for task in list(self.tasks):
-                task.cancel()
-            if self.tasks:
-                await asyncio.gather(*self.tasks, return_exceptions=True)
-            relay.forget_peer(self)
-
-    def _spawn(self, req: IncomingRequest, kind: str, coro_fn: Callable[[], Awaitable[None]]) -> None:
-        relay = self.relay
-        try:
-            acquire_request(self.requests, relay.requests, relay.config.limits.reserved_requests_per_session)
-        except LimitExceeded as exc:
-            relay.reject(req, kind, exc.code, str(exc), relay.config.limits.retry_interval_ms + 1)
-            label = "requests_per_session" if exc.what == self.requests.what else "requests_global"
-            relay.metrics.inc("limit_rejections_total", labels={"limit": label})
-            return
-        self.last_active = relay.clock()
-
-        async def runner() -> None:
-            try:
-                if req.gone:
-                    relay.cancelled(self, req, kind)  # cancelled while queued: nothing to do
-                    return
-                await coro_fn()
-            except asyncio.CancelledError:
-                relay.cancelled(self, req, kind)  # its session ended (or the relay is stopping)
-            except ConnectionClosed:
-                pass  # the session ended under the request; nothing left to answer
-            except Exception as exc:
-                if req.gone:
-                    # The requester cancelled (or left) between a check and an action on its request:
-                    # the action found the request gone. That is its cancellation, not a failure.
-                    relay.cancelled(self, req, kind, exc)
-                    return
-                self.log.exception("request handler failed", extra={"request_id": req.request_id})
-                with contextlib.suppress(Exception):
-                    self.relay.reject(req, kind, RequestErrorCode.INTERNAL_ERROR, "relay internal error")
-            finally:
-                self.requests.release()
-                relay.requests.release()
-                self.last_active = relay.clock()
-
-        spawn(runner(), self.tasks, f"{kind} request")
-
-    def check_progress(self, now: float, buffered: int) -> None:
-        """Slow-peer rule: bytes queued toward the peer and none of them drained for
-        ``slow_peer_timeout``: its data requests are reset (TOO_FAR_BEHIND); still stuck after another
-        ``slow_peer_timeout`` (or nothing to reset), the session is closed."""
-        consumed = self.written - buffered
-        if buffered == 0 or consumed > self._progress[1]:
-            self._progress = (now, consumed)
-            self._cut_at = None
-            return
-        timeout = self.relay.config.limits.slow_peer_timeout
-        if now - self._progress[0] < timeout or (self._cut_at is not None and now - self._cut_at < timeout):
-            return
-        if self._cut_at is None and self.cut(StreamResetCode.TOO_FAR_BEHIND, "slow_peer"):
-            self._cut_at = now
-            return
-        self.close_for("slow_peer", "relay limit reached: peer is not reading")
-
-    def cut(self, code: StreamResetCode, limit: str) -> int:
-        """Reset every FETCH and SUBSCRIBE streaming to this peer with ``code``; returns how many."""
-        n = 0
-        for rid, req in list(self.fetches.items()):
-            del self.fetches[rid]
-            with contextlib.suppress(Exception):
-                req.cancel(code)
-            self.relay.metrics.inc("limit_rejections_total", labels={"limit": limit})
-            n += 1
-        for fan in list(self.relay.fanouts.values()):
-            for sub in [s for s in fan.subs.values() if s.peer is self and not s.dropped]:
-                fan.drop(sub, code, limit)
-                n += 1
-        if n:
-            self.log.warning("peer over a limit; data requests reset", extra={"limit": limit, "requests": n})
-        return n
-
-    def close_for(self, reason: str, text: str) -> None:
-        """Close this session because of a limit (counted once, in ``sessions_closed_total``)."""
-        if self.conn.is_closed:
-            return
-        self.relay.metrics.inc("sessions_closed_total", labels={"reason": reason})
-        self.log.warning("closing session", extra={"reason": reason})
-        code = SessionErrorCode.NO_ERROR if reason == "idle_timeout" else SessionErrorCode.INTERNAL_ERROR
-        self.conn._do(self.conn.session.close, code, text)
-
-    def authorized(self, req: IncomingRequest) -> bool:
-        """The authorization check, before anything looks at caches or routes (see relay.auth)."""
-        if self.relay.auth is None or self.upstream is not None:
-            return True  # no authorization configured, or our own session to a relay we chose
-        ev = req.event
-        target = request_target(ev)
-        if target is None:
-            return True  # refused below as not supported
-        assert self.auth is not None
-        tokens: tuple[AuthToken, ...] = ev.parameters.authorization_tokens  # type: ignore[attr-defined]
-        try:
-            self.auth.check(tokens, *target)
-        except AuthError as exc:
-            err = exc.to_request_error()
-            self.relay.metrics.inc("auth_refusals_total", labels={"code": _code_name(err.error_code)})
-            self.relay.reject(req, _kind(ev), err.error_code, err.reason, err.retry_interval)
-            return False
-        except ProtocolError as exc:
-            self.log.warning("closing session: token alias misuse", extra={"reason": str(exc)})
-            self.relay.spawn(self.conn.close_session(exc.error_code, str(exc)))
-            return False
-        return True
-
-    def dispatch(self, req: IncomingRequest) -> None:
-        relay = self.relay
-        ev = req.event
-        if relay.going_away:
-            relay.reject(req, _kind(ev), RequestErrorCode.GOING_AWAY, "relay is shutting down")
-            return
-        if not self.authorized(req):
-            return
-        if isinstance(req, IncomingFetch | IncomingSubscribe | IncomingPublish) and relay.buffers_full():
-            relay.metrics.inc("limit_rejections_total", labels={"limit": "buffered_bytes_global"})
-            relay.reject(
-                req,
-                _kind(ev),
-                RequestErrorCode.EXCESSIVE_LOAD,
-                f"relay buffers are full ({relay.config.limits.max_buffered_bytes} bytes)",
-                relay.config.limits.retry_interval_ms + 1,
-            )
-            return
-        if isinstance(req, IncomingFetch):
-            self._spawn(req, "fetch", lambda: relay.serve_fetch(self, req))
-        elif isinstance(req, IncomingTrackStatus):
-            self._spawn(req, "track_status", lambda: relay.serve_track_status(self, req))
-        elif isinstance(req, IncomingSubscribe):
-            self._spawn(req, "subscribe", lambda: relay.serve_subscribe(self, req))
-        elif isinstance(req, IncomingPublishNamespace):
-            self._spawn(req, "publish_namespace", lambda: relay.serve_publish_namespace(self, req))
-        elif isinstance(ev, me.SubscribeNamespaceReceived):
-            self._spawn(req, "subscribe_namespace", lambda: relay.serve_subscribe_namespace(self, req))
-        elif isinstance(req, IncomingPublish):
-            self._spawn(req, "publish", lambda: relay.serve_publish(self, req))
-        else:
-            relay.reject(req, _kind(ev), RequestErrorCode.NOT_SUPPORTED, "not supported by this relay")
-
-
-def _kind(ev: me.MoqtEvent) -> str:
-    return {
-        me.FetchReceived: "fetch",
-        me.SubscribeReceived: "subscribe",
-        me.TrackStatusReceived: "track_status",
-        me.PublishNamespaceReceived: "publish_namespace",
-        me.PublishReceived: "publish",
-        me.SubscribeNamespaceReceived: "subscribe_namespace",
-        me.SubscribeTracksReceived: "subscribe_tracks",
-        me.RequestUpdateReceived: "request_update",
-    }.get(type(ev), "other")
-
-
-@dataclass
-class _DownSub:
-    """One downstream subscriber of a fan-out."""
-
-    peer: Peer
-    req: IncomingSubscribe
-    alias: int
-    streams: dict[tuple[int, int | None], int] = field(default_factory=dict)
-    """(group, subgroup) -> our stream id toward this subscriber."""
-    dropped: bool = False
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set when the relay ended this subscription (upstream done, or the subscriber was cut off)."""
-
-
-class Fanout:
-    """One upstream subscription (SUBSCRIBE we sent, or a PUBLISH we accepted) fanned out to N subscribers."""
-
-    def __init__(self, relay: Relay, key: TrackKey) -> None:
-        self.relay = relay
-        self.key = key
-        self.subs: dict[tuple[int, int], _DownSub] = {}
-        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.largest: Location | None = None
-        self.properties: Properties = ()
-        self.upstream: Subscription | None = None
-        self.source_peer: Peer | None = None
-        self.publish_objects: list[CachedObject] | None = None
-        """PUBLISH-fed tracks: objects collected to store the track in the cache once it is complete."""
-        self.publish_bytes = 0
-        self.task: asyncio.Task[None] | None = None
-        self.ended = False
-        self.track_ended = False
-        """An END_OF_TRACK object arrived from the source."""
-
-    def add(self, sub: _DownSub) -> None:
-        self.subs[(sub.peer.id, sub.req.request_id)] = sub
-
-    def remove(self, peer: Peer, request_id: int) -> None:
-        self.subs.pop((peer.id, request_id), None)
-        if not self.subs and self.publish_objects is None and self.upstream is not None:
-            # Last subscriber left a relay-initiated subscription: stop pulling it from upstream.
-            self.upstream.cancel()
-            self.relay.fanouts.pop(self.key, None)
-
-    def forward(self, obj: CachedObject) -> None:
-        loc = Location(obj.group, obj.object_id)
-        if self.largest is None or (loc.group, loc.object) > (self.largest.group, self.largest.object):
-            self.largest = loc
-        relay = self.relay
-        limit = relay.config.limits.max_buffered_bytes_per_session
-        for sub in list(self.subs.values()):
-            if sub.dropped or sub.peer.conn.is_closed:
-                continue
-            conn = sub.peer.conn
-            buffered = conn.send_buffered()
-            if buffered > limit:
-                self.drop(sub, StreamResetCode.TOO_FAR_BEHIND, "buffered_bytes")
-                continue
-            if relay.buffers_full() and buffered > relay.buffer_fair_share():
-                # Over the relay-wide cap: the subscribers holding more than an equal share go first.
-                self.drop(sub, StreamResetCode.EXCESSIVE_LOAD, "buffered_bytes_global")
-                continue
-            try:
-                sid = sub.streams.get((obj.group, obj.subgroup))
-                if sid is None:
-                    for k in [k for k in sub.streams if k[0] < obj.group]:
-                        conn.close_subgroup(sub.streams.pop(k))
-                    sid = conn.open_subgroup(
-                        sub.alias,
-                        obj.group,
-                        obj.subgroup or 0,
-                        obj.priority,
-                        has_properties=bool(obj.properties),
-                    )
-                    sub.streams[(obj.group, obj.subgroup)] = sid
-                end = obj.status in (ObjectStatus.END_OF_GROUP, ObjectStatus.END_OF_TRACK)
-                conn.send_subgroup_object(
-                    sid, obj.object_id, obj.payload, obj.properties, ObjectStatus(obj.status), end
-                )
-                if end:
-                    sub.streams.pop((obj.group, obj.subgroup), None)
-                sub.peer.written += len(obj.payload)
-                relay.buffered_since += len(obj.payload)
-                relay.metrics.inc("bytes_out_total", len(obj.payload))
-            except Exception as exc:  # a broken subscriber session must not stop the others
-                sub.peer.log.info("dropping subscriber", extra={"error": repr(exc)})
-                sub.dropped = True
-                sub.ended.set()
-
-    def drop(self, sub: _DownSub, code: StreamResetCode, limit: str) -> None:
-        """Cut one subscriber off (its request and subgroup streams reset with ``code``), counted under
-        ``limit_rejections_total{limit}``; the others keep receiving."""
-        sub.dropped = True
-        sub.ended.set()
-        self.relay.metrics.inc("limit_rejections_total", labels={"limit": limit})
-        sub.peer.log.warning("subscriber over a limit; ending subscription", extra={"limit": limit})
-        with contextlib.suppress(Exception):
-            sub.req.cancel(code)
-
-    def finish(self, status: int, reason: str) -> None:
-        """Upstream ended: FIN every subscriber's streams and send PUBLISH_DONE with the same status.
-
-        PUBLISH_DONE goes out at once: it carries the Stream Count, and a draft-18 subscriber keeps the
-        subscription until that many subgroup streams have ended, so it never cuts off data in flight.
-        """
-        self.ended = True
-        if self.relay.fanouts.get(self.key) is self:
-            del self.relay.fanouts[self.key]
-        for sub in list(self.subs.values()):
-            if sub.dropped or sub.peer.conn.is_closed:
-                continue
-            conn = sub.peer.conn
-            with contextlib.suppress(Exception):
-                for sid in sub.streams.values():
-                    conn.close_subgroup(sid)
-                sub.streams.clear()
-                conn.publish_done(sub.req.request_id, status, reason)
-        for sub in self.subs.values():
-            sub.ended.set()
-        self.subs.clear()
-
-    async def pump(self, source: Subscription) -> None:
-        status, reason = 0x2, "track ended"  # TRACK_ENDED
-        try:
-            async for ev in source:
-                obj = cached_object(ev)
-                self.track_ended = self.track_ended or obj.status == ObjectStatus.END_OF_TRACK
-                self.relay.metrics.inc("bytes_in_total", len(ev.payload))
-                if self.publish_objects is not None:
-                    self._collect(obj)
-                self.forward(obj)
-            if source.done is not None:
-                status, reason = source.done.status_code, source.done.reason
-        except (ConnectionClosed, RequestRejected, StreamResetError, LimitError) as exc:
-            if self.track_ended:
-                # The source went away after END_OF_TRACK (e.g. a one-shot publisher exiting before its
-                # PUBLISH_DONE): every object arrived, so the track did end.
-                status, reason = PublishDoneCode.TRACK_ENDED, "track ended"
-            else:
-                status, reason = PublishDoneCode.INTERNAL_ERROR, f"upstream ended: {exc}"
-        finally:
-            self.finish(status, reason)
-
-    def _collect(self, obj: CachedObject) -> None:
-        objs = self.publish_objects
-        assert objs is not None
-        budget = self.relay.config.cache.max_track_bytes
-        if obj.status == ObjectStatus.END_OF_TRACK:
-            # A PUBLISH-pushed track that starts at {0,0} and has no gaps is complete: cache it so FETCH and
-            # TRACK_STATUS are served without asking the publisher.
-            contiguous = all(o.location == (0, i) for i, o in enumerate(objs))
-            if objs and contiguous and obj.location == (0, len(objs)):
-                self.relay.cache.put_track(
-                    self.key, list(objs), FetchInfo((0, len(objs)), True, self.properties)
-                )
-            self.publish_objects = []
-            self.publish_bytes = 0
-            return
-        if self.publish_bytes + obj.size > budget:
-            # Too big to cache as one track: stop collecting (objects are still forwarded live).
-            objs.clear()
-            self.publish_bytes = 0
-            return
-        objs.append(obj)
-        self.publish_bytes += obj.size
 
 
 class Relay:
@@ -665,7 +268,7 @@ class Relay:
         if req.gone:
             self.count(kind, "cancelled")  # nobody left to tell
             return
-        self.count(kind, _code_name(code))
+        self.count(kind, code_name(code))
         with contextlib.suppress(Exception):  # the request may have been cancelled meanwhile
             req.reject(
                 RequestErrorCode(code) if code in RequestErrorCode._value2member_map_ else code,  # type: ignore[arg-type]
@@ -808,7 +411,7 @@ class Relay:
                     return  # cut off by a limit while we waited
         except RequestFailed as exc:
             req.cancel(StreamResetCode.INTERNAL_ERROR)
-            self.count("fetch", _code_name(exc.code))
+            self.count("fetch", code_name(exc.code))
             return
         except (ConnectionClosed, StreamResetError, OSError) as exc:
             peer.log.info("upstream fetch broke mid-stream", extra={"error": str(exc)})
@@ -976,7 +579,7 @@ class Relay:
         alias = peer.next_alias()
         params = NO_PARAMETERS if fan.largest is None else MessageParameters(largest_object=fan.largest)
         req.accept_subscribe(alias, params, fan.properties)
-        sub = _DownSub(peer, req, alias)
+        sub = DownstreamSubscriber(peer, req, alias)
         fan.add(sub)
         self.count("subscribe", outcome)
         waits = {asyncio.ensure_future(req.cancelled.wait()), asyncio.ensure_future(sub.ended.wait())}
@@ -1089,3 +692,4 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> None:
     if metrics_server is not None:
         await metrics_server.close()
     logger.info("stopped", extra={"drain_seconds": round(time.monotonic() - started, 3)})
+

@@ -1,0 +1,194 @@
+"""Fan-out: one upstream subscription (a SUBSCRIBE the relay sent, or a PUBLISH it accepted) forwarded to
+every downstream subscriber, with the per-subscriber buffer limits; PUBLISH-fed tracks are collected so a
+complete track lands in the cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvnet.net.errors import ConnectionClosed, LimitError, RequestRejected, StreamResetError
+from kvnet.net.handles import (
+    IncomingSubscribe,
+    Subscription,
+)
+from proto.data import ObjectStatus
+from proto.errors import PublishDoneCode, StreamResetCode
+from proto.messages import Location, Properties
+from relay.cache import CachedObject, FetchInfo, TrackKey
+from relay.upstream import cached_object
+
+if TYPE_CHECKING:
+    from relay.peer import Peer
+    from relay.relay import Relay
+
+
+@dataclass
+class DownstreamSubscriber:
+    """One downstream subscriber of a fan-out."""
+
+    peer: Peer
+    req: IncomingSubscribe
+    alias: int
+    streams: dict[tuple[int, int | None], int] = field(default_factory=dict)
+    """(group, subgroup) -> our stream id toward this subscriber."""
+    dropped: bool = False
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the relay ended this subscription (upstream done, or the subscriber was cut off)."""
+
+
+class Fanout:
+    """One upstream subscription (SUBSCRIBE we sent, or a PUBLISH we accepted) fanned out to N subscribers."""
+
+    def __init__(self, relay: Relay, key: TrackKey) -> None:
+        self.relay = relay
+        self.key = key
+        self.subs: dict[tuple[int, int], DownstreamSubscriber] = {}
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.largest: Location | None = None
+        self.properties: Properties = ()
+        self.upstream: Subscription | None = None
+        self.source_peer: Peer | None = None
+        self.publish_objects: list[CachedObject] | None = None
+        """PUBLISH-fed tracks: objects collected to store the track in the cache once it is complete."""
+        self.publish_bytes = 0
+        self.task: asyncio.Task[None] | None = None
+        self.ended = False
+        self.track_ended = False
+        """An END_OF_TRACK object arrived from the source."""
+
+    def add(self, sub: DownstreamSubscriber) -> None:
+        self.subs[(sub.peer.id, sub.req.request_id)] = sub
+
+    def remove(self, peer: Peer, request_id: int) -> None:
+        self.subs.pop((peer.id, request_id), None)
+        if not self.subs and self.publish_objects is None and self.upstream is not None:
+            # Last subscriber left a relay-initiated subscription: stop pulling it from upstream.
+            self.upstream.cancel()
+            self.relay.fanouts.pop(self.key, None)
+
+    def forward(self, obj: CachedObject) -> None:
+        loc = Location(obj.group, obj.object_id)
+        if self.largest is None or (loc.group, loc.object) > (self.largest.group, self.largest.object):
+            self.largest = loc
+        relay = self.relay
+        limit = relay.config.limits.max_buffered_bytes_per_session
+        for sub in list(self.subs.values()):
+            if sub.dropped or sub.peer.conn.is_closed:
+                continue
+            conn = sub.peer.conn
+            buffered = conn.send_buffered()
+            if buffered > limit:
+                self.drop(sub, StreamResetCode.TOO_FAR_BEHIND, "buffered_bytes")
+                continue
+            if relay.buffers_full() and buffered > relay.buffer_fair_share():
+                # Over the relay-wide cap: the subscribers holding more than an equal share go first.
+                self.drop(sub, StreamResetCode.EXCESSIVE_LOAD, "buffered_bytes_global")
+                continue
+            try:
+                sid = sub.streams.get((obj.group, obj.subgroup))
+                if sid is None:
+                    for k in [k for k in sub.streams if k[0] < obj.group]:
+                        conn.close_subgroup(sub.streams.pop(k))
+                    sid = conn.open_subgroup(
+                        sub.alias,
+                        obj.group,
+                        obj.subgroup or 0,
+                        obj.priority,
+                        has_properties=bool(obj.properties),
+                    )
+                    sub.streams[(obj.group, obj.subgroup)] = sid
+                end = obj.status in (ObjectStatus.END_OF_GROUP, ObjectStatus.END_OF_TRACK)
+                conn.send_subgroup_object(
+                    sid, obj.object_id, obj.payload, obj.properties, ObjectStatus(obj.status), end
+                )
+                if end:
+                    sub.streams.pop((obj.group, obj.subgroup), None)
+                sub.peer.written += len(obj.payload)
+                relay.buffered_since += len(obj.payload)
+                relay.metrics.inc("bytes_out_total", len(obj.payload))
+            except Exception as exc:  # a broken subscriber session must not stop the others
+                sub.peer.log.info("dropping subscriber", extra={"error": repr(exc)})
+                sub.dropped = True
+                sub.ended.set()
+
+    def drop(self, sub: DownstreamSubscriber, code: StreamResetCode, limit: str) -> None:
+        """Cut one subscriber off (its request and subgroup streams reset with ``code``), counted under
+        ``limit_rejections_total{limit}``; the others keep receiving."""
+        sub.dropped = True
+        sub.ended.set()
+        self.relay.metrics.inc("limit_rejections_total", labels={"limit": limit})
+        sub.peer.log.warning("subscriber over a limit; ending subscription", extra={"limit": limit})
+        with contextlib.suppress(Exception):
+            sub.req.cancel(code)
+
+    def finish(self, status: int, reason: str) -> None:
+        """Upstream ended: FIN every subscriber's streams and send PUBLISH_DONE with the same status.
+
+        PUBLISH_DONE goes out at once: it carries the Stream Count, and a draft-18 subscriber keeps the
+        subscription until that many subgroup streams have ended, so it never cuts off data in flight.
+        """
+        self.ended = True
+        if self.relay.fanouts.get(self.key) is self:
+            del self.relay.fanouts[self.key]
+        for sub in list(self.subs.values()):
+            if sub.dropped or sub.peer.conn.is_closed:
+                continue
+            conn = sub.peer.conn
+            with contextlib.suppress(Exception):
+                for sid in sub.streams.values():
+                    conn.close_subgroup(sid)
+                sub.streams.clear()
+                conn.publish_done(sub.req.request_id, status, reason)
+        for sub in self.subs.values():
+            sub.ended.set()
+        self.subs.clear()
+
+    async def pump(self, source: Subscription) -> None:
+        status, reason = 0x2, "track ended"  # TRACK_ENDED
+        try:
+            async for ev in source:
+                obj = cached_object(ev)
+                self.track_ended = self.track_ended or obj.status == ObjectStatus.END_OF_TRACK
+                self.relay.metrics.inc("bytes_in_total", len(ev.payload))
+                if self.publish_objects is not None:
+                    self._collect(obj)
+                self.forward(obj)
+            if source.done is not None:
+                status, reason = source.done.status_code, source.done.reason
+        except (ConnectionClosed, RequestRejected, StreamResetError, LimitError) as exc:
+            if self.track_ended:
+                # The source went away after END_OF_TRACK (e.g. a one-shot publisher exiting before its
+                # PUBLISH_DONE): every object arrived, so the track did end.
+                status, reason = PublishDoneCode.TRACK_ENDED, "track ended"
+            else:
+                status, reason = PublishDoneCode.INTERNAL_ERROR, f"upstream ended: {exc}"
+        finally:
+            self.finish(status, reason)
+
+    def _collect(self, obj: CachedObject) -> None:
+        objs = self.publish_objects
+        assert objs is not None
+        budget = self.relay.config.cache.max_track_bytes
+        if obj.status == ObjectStatus.END_OF_TRACK:
+            # A PUBLISH-pushed track that starts at {0,0} and has no gaps is complete: cache it so FETCH and
+            # TRACK_STATUS are served without asking the publisher.
+            contiguous = all(o.location == (0, i) for i, o in enumerate(objs))
+            if objs and contiguous and obj.location == (0, len(objs)):
+                self.relay.cache.put_track(
+                    self.key, list(objs), FetchInfo((0, len(objs)), True, self.properties)
+                )
+            self.publish_objects = []
+            self.publish_bytes = 0
+            return
+        if self.publish_bytes + obj.size > budget:
+            # Too big to cache as one track: stop collecting (objects are still forwarded live).
+            objs.clear()
+            self.publish_bytes = 0
+            return
+        objs.append(obj)
+        self.publish_bytes += obj.size
+

@@ -1,0 +1,254 @@
+"""One relay session: ``Peer`` dispatches the session's requests to child tasks, applies the per-session
+limits (request slots, slow reader, authorization) and cleans up after it.
+
+Each request is its own task, so a slow or failing request never blocks another; an exception in one
+session's runner closes that session only. What a request does is ``Relay``'s business (relay.relay).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from kvnet.net.connection import MoqtConnection
+from kvnet.net.errors import ConnectionClosed
+from kvnet.net.handles import (
+    IncomingFetch,
+    IncomingPublish,
+    IncomingPublishNamespace,
+    IncomingRequest,
+    IncomingSubscribe,
+    IncomingTrackStatus,
+)
+from kvnet.security.tokens import AuthError
+from proto import events as me
+from proto.errors import ProtocolError, RequestErrorCode, SessionErrorCode, StreamResetCode
+from proto.messages import AuthToken
+from relay.auth import SessionAuth, request_target
+from relay.limits import LimitExceeded, Slots, acquire_request
+from relay.tasks import spawn
+from relay.upstream import UpstreamRelay
+
+if TYPE_CHECKING:
+    from relay.relay import Relay
+
+logger = logging.getLogger(__name__)
+
+
+def code_name(code: int) -> str:
+    try:
+        return RequestErrorCode(code).name.lower()
+    except ValueError:
+        return f"code_{code:#x}"
+
+
+
+def request_kind(ev: me.MoqtEvent) -> str:
+    return {
+        me.FetchReceived: "fetch",
+        me.SubscribeReceived: "subscribe",
+        me.TrackStatusReceived: "track_status",
+        me.PublishNamespaceReceived: "publish_namespace",
+        me.PublishReceived: "publish",
+        me.SubscribeNamespaceReceived: "subscribe_namespace",
+        me.SubscribeTracksReceived: "subscribe_tracks",
+        me.RequestUpdateReceived: "request_update",
+    }.get(type(ev), "other")
+
+
+
+class Peer:
+    """One session: accepted from a client, or our own session to an upstream relay (``upstream``)."""
+
+    def __init__(
+        self, relay: Relay, conn: MoqtConnection, peer_id: int, upstream: UpstreamRelay | None = None
+    ) -> None:
+        self.relay = relay
+        self.conn = conn
+        self.id = peer_id
+        self.upstream = upstream
+        """Set when this is our session to an upstream relay: its requests are never sent back upstream."""
+        self.addr = conn.peer_address
+        self.name = f"session:{peer_id}" if upstream is None else upstream.name
+        self.auth: SessionAuth | None = None
+        """This session's credential when the relay requires authorization (never for upstream sessions)."""
+        self.requests = Slots("requests per session", relay.config.limits.max_requests_per_session)
+        self.namespaces: set[tuple[bytes, ...]] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
+        now = relay.clock()
+        self.last_active = now
+        """When a request of this session last started or ended (idle timeout)."""
+        self.fetches: dict[int, IncomingFetch] = {}
+        """FETCHes streaming to this peer; one that is cut off is removed and its loop stops."""
+        self.written = 0
+        """Object payload bytes the relay wrote toward this peer."""
+        self._progress = (now, 0)
+        """(when, bytes the peer had consumed then): the last time its send buffer drained a byte."""
+        self._cut_at: float | None = None
+        self.header_timeouts = 0
+        """Request-header timeouts of this session already counted in the metrics."""
+        self.refusals_counted: dict[str, int] = {}
+        """``conn.refused_requests`` already counted in the metrics, by limit."""
+        self.slow = False
+        """As a route: it let a forwarded request pass the route deadline (``relay.upstream.Source``)."""
+        self._aliases = itertools.count(1)
+        self.log = logging.LoggerAdapter(logger, {"session": peer_id, "peer": self.addr})
+
+    async def connection(self) -> MoqtConnection | None:
+        return None if self.conn.is_closed else self.conn
+
+    def next_alias(self) -> int:
+        return next(self._aliases)
+
+    async def run(self) -> None:
+        relay = self.relay
+        try:
+            async for req in self.conn.incoming_requests():
+                self.dispatch(req)
+        finally:
+            for task in list(self.tasks):
+                task.cancel()
+            if self.tasks:
+                await asyncio.gather(*self.tasks, return_exceptions=True)
+            relay.forget_peer(self)
+
+    def _spawn(self, req: IncomingRequest, kind: str, coro_fn: Callable[[], Awaitable[None]]) -> None:
+        relay = self.relay
+        try:
+            acquire_request(self.requests, relay.requests, relay.config.limits.reserved_requests_per_session)
+        except LimitExceeded as exc:
+            relay.reject(req, kind, exc.code, str(exc), relay.config.limits.retry_interval_ms + 1)
+            label = "requests_per_session" if exc.what == self.requests.what else "requests_global"
+            relay.metrics.inc("limit_rejections_total", labels={"limit": label})
+            return
+        self.last_active = relay.clock()
+
+        async def runner() -> None:
+            try:
+                if req.gone:
+                    relay.cancelled(self, req, kind)  # cancelled while queued: nothing to do
+                    return
+                await coro_fn()
+            except asyncio.CancelledError:
+                relay.cancelled(self, req, kind)  # its session ended (or the relay is stopping)
+            except ConnectionClosed:
+                pass  # the session ended under the request; nothing left to answer
+            except Exception as exc:
+                if req.gone:
+                    # The requester cancelled (or left) between a check and an action on its request:
+                    # the action found the request gone. That is its cancellation, not a failure.
+                    relay.cancelled(self, req, kind, exc)
+                    return
+                self.log.exception("request handler failed", extra={"request_id": req.request_id})
+                with contextlib.suppress(Exception):
+                    self.relay.reject(req, kind, RequestErrorCode.INTERNAL_ERROR, "relay internal error")
+            finally:
+                self.requests.release()
+                relay.requests.release()
+                self.last_active = relay.clock()
+
+        spawn(runner(), self.tasks, f"{kind} request")
+
+    def check_progress(self, now: float, buffered: int) -> None:
+        """Slow-peer rule: bytes queued toward the peer and none of them drained for
+        ``slow_peer_timeout``: its data requests are reset (TOO_FAR_BEHIND); still stuck after another
+        ``slow_peer_timeout`` (or nothing to reset), the session is closed."""
+        consumed = self.written - buffered
+        if buffered == 0 or consumed > self._progress[1]:
+            self._progress = (now, consumed)
+            self._cut_at = None
+            return
+        timeout = self.relay.config.limits.slow_peer_timeout
+        if now - self._progress[0] < timeout or (self._cut_at is not None and now - self._cut_at < timeout):
+            return
+        if self._cut_at is None and self.cut(StreamResetCode.TOO_FAR_BEHIND, "slow_peer"):
+            self._cut_at = now
+            return
+        self.close_for("slow_peer", "relay limit reached: peer is not reading")
+
+    def cut(self, code: StreamResetCode, limit: str) -> int:
+        """Reset every FETCH and SUBSCRIBE streaming to this peer with ``code``; returns how many."""
+        n = 0
+        for rid, req in list(self.fetches.items()):
+            del self.fetches[rid]
+            with contextlib.suppress(Exception):
+                req.cancel(code)
+            self.relay.metrics.inc("limit_rejections_total", labels={"limit": limit})
+            n += 1
+        for fan in list(self.relay.fanouts.values()):
+            for sub in [s for s in fan.subs.values() if s.peer is self and not s.dropped]:
+                fan.drop(sub, code, limit)
+                n += 1
+        if n:
+            self.log.warning("peer over a limit; data requests reset", extra={"limit": limit, "requests": n})
+        return n
+
+    def close_for(self, reason: str, text: str) -> None:
+        """Close this session because of a limit (counted once, in ``sessions_closed_total``)."""
+        if self.conn.is_closed:
+            return
+        self.relay.metrics.inc("sessions_closed_total", labels={"reason": reason})
+        self.log.warning("closing session", extra={"reason": reason})
+        code = SessionErrorCode.NO_ERROR if reason == "idle_timeout" else SessionErrorCode.INTERNAL_ERROR
+        self.conn._do(self.conn.session.close, code, text)
+
+    def authorized(self, req: IncomingRequest) -> bool:
+        """The authorization check, before anything looks at caches or routes (see relay.auth)."""
+        if self.relay.auth is None or self.upstream is not None:
+            return True  # no authorization configured, or our own session to a relay we chose
+        ev = req.event
+        target = request_target(ev)
+        if target is None:
+            return True  # refused below as not supported
+        assert self.auth is not None
+        tokens: tuple[AuthToken, ...] = ev.parameters.authorization_tokens  # type: ignore[attr-defined]
+        try:
+            self.auth.check(tokens, *target)
+        except AuthError as exc:
+            err = exc.to_request_error()
+            self.relay.metrics.inc("auth_refusals_total", labels={"code": code_name(err.error_code)})
+            self.relay.reject(req, request_kind(ev), err.error_code, err.reason, err.retry_interval)
+            return False
+        except ProtocolError as exc:
+            self.log.warning("closing session: token alias misuse", extra={"reason": str(exc)})
+            self.relay.spawn(self.conn.close_session(exc.error_code, str(exc)))
+            return False
+        return True
+
+    def dispatch(self, req: IncomingRequest) -> None:
+        relay = self.relay
+        ev = req.event
+        if relay.going_away:
+            relay.reject(req, request_kind(ev), RequestErrorCode.GOING_AWAY, "relay is shutting down")
+            return
+        if not self.authorized(req):
+            return
+        if isinstance(req, IncomingFetch | IncomingSubscribe | IncomingPublish) and relay.buffers_full():
+            relay.metrics.inc("limit_rejections_total", labels={"limit": "buffered_bytes_global"})
+            relay.reject(
+                req,
+                request_kind(ev),
+                RequestErrorCode.EXCESSIVE_LOAD,
+                f"relay buffers are full ({relay.config.limits.max_buffered_bytes} bytes)",
+                relay.config.limits.retry_interval_ms + 1,
+            )
+            return
+        if isinstance(req, IncomingFetch):
+            self._spawn(req, "fetch", lambda: relay.serve_fetch(self, req))
+        elif isinstance(req, IncomingTrackStatus):
+            self._spawn(req, "track_status", lambda: relay.serve_track_status(self, req))
+        elif isinstance(req, IncomingSubscribe):
+            self._spawn(req, "subscribe", lambda: relay.serve_subscribe(self, req))
+        elif isinstance(req, IncomingPublishNamespace):
+            self._spawn(req, "publish_namespace", lambda: relay.serve_publish_namespace(self, req))
+        elif isinstance(ev, me.SubscribeNamespaceReceived):
+            self._spawn(req, "subscribe_namespace", lambda: relay.serve_subscribe_namespace(self, req))
+        elif isinstance(req, IncomingPublish):
+            self._spawn(req, "publish", lambda: relay.serve_publish(self, req))
+        else:
+            relay.reject(req, request_kind(ev), RequestErrorCode.NOT_SUPPORTED, "not supported by this relay")
+
