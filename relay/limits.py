@@ -62,6 +62,9 @@ class LimitsConfig:
     slow_peer_timeout: float = 10.0
     """Seconds a peer's send buffer may stay non-empty without shrinking before its FETCH and SUBSCRIBE
     data streams are reset (TOO_FAR_BEHIND) and the bytes freed."""
+    max_rendezvous_timeout: float = 30.0
+    """Longest a SUBSCRIBE's RENDEZVOUS TIMEOUT may hold it waiting for a publisher (seconds); a larger
+    requested timeout is cut to this."""
     retry_interval_ms: int = 100
     """Retry Interval sent with EXCESSIVE_LOAD (draft: milliseconds plus one)."""
 
@@ -86,7 +89,7 @@ class LimitsConfig:
                 f"route_timeout must be in [0, upstream_timeout ({self.upstream_timeout})] s (0 = off), "
                 f"got {self.route_timeout}"
             )
-        for name in ("session_idle_timeout", "request_header_timeout"):
+        for name in ("session_idle_timeout", "request_header_timeout", "max_rendezvous_timeout"):
             if not 0 <= getattr(self, name) <= 86400:
                 raise ValueError(f"{name} must be in [0, 86400] seconds (0 = off), got {getattr(self, name)}")
         for name in ("reserved_requests_per_session", "max_request_header_timeouts"):

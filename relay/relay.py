@@ -70,6 +70,8 @@ class Relay:
         self._swept = asyncio.Event()
         self.fanouts: dict[TrackKey, Fanout] = {}
         self.ns_watchers: dict[tuple[int, int], tuple[Peer, IncomingRequest, tuple[bytes, ...]]] = {}
+        self._routes_changed = asyncio.Event()
+        """Set (and replaced) whenever a namespace or track gets a publisher (``routes_changed``)."""
         self.going_away = False
         self._ids = itertools.count(1)
         self._jobs: set[asyncio.Task[None]] = set()
@@ -466,6 +468,7 @@ class Relay:
             return
         peer.namespaces.add(ns)
         self.cache.invalidate_negative(ns)
+        self.routes_changed()
         req.accept()
         self.count("publish_namespace", "ok")
         peer.log.info("namespace published", extra={"namespace": _ns_text(ns)})
@@ -527,45 +530,28 @@ class Relay:
     async def serve_subscribe(self, peer: Peer, req: IncomingSubscribe) -> None:
         ev = req.event
         key: TrackKey = (ev.track_namespace, ev.track_name)
-        for _ in range(3):
-            fan = self.fanouts.get(key)
-            if fan is None:
-                fan = Fanout(self, key)
-                self.fanouts[key] = fan
-                try:
-                    await self._subscribe_upstream(fan, peer)
-                except BaseException as exc:
-                    if self.fanouts.get(key) is fan:
-                        del self.fanouts[key]
-                    failed = (
-                        exc
-                        if isinstance(exc, RequestFailed)
-                        else RequestFailed(RequestErrorCode.INTERNAL_ERROR, "upstream subscription abandoned")
-                    )
-                    fan.ready.set_exception(failed)
-                    fan.ready.exception()  # joiners read it; retrieved here in case there are none
-                    if not isinstance(exc, RequestFailed):
-                        raise
-                    self.reject(req, "subscribe", exc.code, exc.reason, exc.retry_interval)
-                    return
-                fan.ready.set_result(None)
-                outcome = "ok"
-            else:
-                try:
-                    await asyncio.shield(fan.ready)
-                except RequestFailed as exc:
-                    self.reject(req, "subscribe", exc.code, exc.reason, exc.retry_interval)
-                    return
-                outcome = "joined"
-            if not fan.ended and self.fanouts.get(key) is fan:
+        # RENDEZVOUS TIMEOUT: a SUBSCRIBE for a track nobody publishes yet is held that long (capped by
+        # our limit) for a publisher to appear, then answered TIMEOUT (draft "SUBSCRIBE Parameters").
+        rendezvous_ms = ev.parameters.rendezvous_timeout
+        deadline = (
+            None
+            if not rendezvous_ms
+            else self.clock() + min(rendezvous_ms / 1000, self.config.limits.max_rendezvous_timeout)
+        )
+        while True:
+            routes_changed = self._routes_changed
+            try:
+                fan, outcome = await self._join_fanout(peer, key)
                 break
-            # The fan-out ended while we waited (its upstream finished or its last subscriber left):
-            # start over with a fresh upstream subscription.
-        else:
-            self.reject(
-                req, "subscribe", RequestErrorCode.INTERNAL_ERROR, "upstream subscription kept ending"
-            )
-            return
+            except RequestFailed as exc:
+                if exc.code != RequestErrorCode.DOES_NOT_EXIST or deadline is None or req.gone:
+                    self.reject(req, "subscribe", exc.code, exc.reason, exc.retry_interval)
+                    return
+            if not await self._wait_routes_changed(routes_changed, deadline):
+                self.reject(
+                    req, "subscribe", RequestErrorCode.TIMEOUT, "no publisher within the rendezvous timeout"
+                )
+                return
         if req.gone:
             self.cancelled(peer, req, "subscribe")
             fan.remove(peer, req.request_id)  # the last (only) subscriber gone: stop the upstream
@@ -589,6 +575,54 @@ class Relay:
             for w in waits:
                 w.cancel()
             fan.remove(peer, req.request_id)
+
+    async def _join_fanout(self, peer: Peer, key: TrackKey) -> tuple[Fanout, str]:
+        """The live fan-out of ``key``, starting its upstream subscription if there is none; returns it
+        with the outcome to count ("ok" or "joined"). ``RequestFailed`` when upstream refused."""
+        for _ in range(3):
+            fan = self.fanouts.get(key)
+            if fan is None:
+                fan = Fanout(self, key)
+                self.fanouts[key] = fan
+                try:
+                    await self._subscribe_upstream(fan, peer)
+                except BaseException as exc:
+                    if self.fanouts.get(key) is fan:
+                        del self.fanouts[key]
+                    failed = (
+                        exc
+                        if isinstance(exc, RequestFailed)
+                        else RequestFailed(RequestErrorCode.INTERNAL_ERROR, "upstream subscription abandoned")
+                    )
+                    fan.ready.set_exception(failed)
+                    fan.ready.exception()  # joiners read it; retrieved here in case there are none
+                    raise
+                fan.ready.set_result(None)
+                outcome = "ok"
+            else:
+                await asyncio.shield(fan.ready)
+                outcome = "joined"
+            if not fan.ended and self.fanouts.get(key) is fan:
+                return fan, outcome
+            # The fan-out ended while we waited (its upstream finished or its last subscriber left):
+            # start over with a fresh upstream subscription.
+        raise RequestFailed(RequestErrorCode.INTERNAL_ERROR, "upstream subscription kept ending")
+
+    def routes_changed(self) -> None:
+        """A namespace or a track got a publisher: wake the requests waiting for one (rendezvous)."""
+        self._routes_changed.set()
+        self._routes_changed = asyncio.Event()
+
+    async def _wait_routes_changed(self, changed: asyncio.Event, deadline: float) -> bool:
+        """Wait until ``changed`` is set (True) or ``deadline`` passes (False)."""
+        remaining = deadline - self.clock()
+        if remaining <= 0:
+            return False
+        try:
+            await asyncio.wait_for(changed.wait(), remaining)
+        except TimeoutError:
+            return False
+        return True
 
     async def _subscribe_upstream(self, fan: Fanout, requester: Peer) -> None:
         sub = await self.upstream_for(fan.key, requester).subscribe(fan.key)
@@ -616,6 +650,7 @@ class Relay:
         # Objects that followed the PUBLISH before this answer are buffered by the glue, not lost.
         source = req.accept_publish(MessageParameters(forward=1))
         self.cache.invalidate_negative(key[0])
+        self.routes_changed()
         self.count("publish", "ok")
         fan.task = spawn(fan.pump(source), what="published track fan-out")
         cancelled = asyncio.ensure_future(req.cancelled.wait())

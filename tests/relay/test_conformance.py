@@ -1,0 +1,61 @@
+"""Draft-18 relay behaviour a third-party client checks: rendezvous, SUBSCRIBE_TRACKS, joining FETCH,
+PREFIX_OVERLAP and FETCH of a PUBLISH-fed track, against the real relay process over QUIC."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kvnet.net.errors import RequestRejected
+from proto.errors import RequestErrorCode
+from proto.messages import MessageParameters
+from tests.relay.conftest import CertDir, RelayProcess
+from tests.relay.peers import NS, Publisher, connect_client, track_objects
+
+
+async def wait_metric(rp: RelayProcess, name: str, at_least: float, timeout: float = 10.0) -> None:
+    """Poll the relay's metrics until ``name`` reaches ``at_least`` (fails after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while (await rp.ametrics()).get(name, 0.0) < at_least:
+        assert time.monotonic() < deadline, f"{name} never reached {at_least}"
+        await asyncio.sleep(0.02)
+
+
+async def test_rendezvous_timeout_answers_timeout(cert_dir: CertDir, relay: RelayProcess) -> None:
+    sub = await connect_client(relay.url, str(cert_dir.ca))
+    try:
+        with pytest.raises(RequestRejected) as info:
+            await sub.subscribe(NS, b"nobody", MessageParameters(rendezvous_timeout=200))
+        assert info.value.code == RequestErrorCode.TIMEOUT
+        # Without the parameter the answer stays DOES_NOT_EXIST at once.
+        with pytest.raises(RequestRejected) as info:
+            await sub.subscribe(NS, b"nobody")
+        assert info.value.code == RequestErrorCode.DOES_NOT_EXIST
+    finally:
+        await sub.close_session()
+
+
+async def test_rendezvous_routes_to_a_publisher_that_comes_later(
+    cert_dir: CertDir, relay: RelayProcess
+) -> None:
+    sub = await connect_client(relay.url, str(cert_dir.ca))
+    pub: Publisher | None = None
+    try:
+        pending = asyncio.ensure_future(
+            sub.subscribe(NS, b"late", MessageParameters(rendezvous_timeout=30_000))
+        )
+        # The SUBSCRIBE is held at the relay (an open request) before any publisher exists.
+        await wait_metric(relay, "kvnet_relay_requests_inflight", 1)
+        assert not pending.done()
+        pub_conn = await connect_client(relay.url, str(cert_dir.ca))
+        pub = await Publisher(pub_conn, {b"late": track_objects(b"late")}).start()
+        subscription = await asyncio.wait_for(pending, 10)
+        pub.live.set()
+        got = [ev.payload async for ev in subscription if ev.payload]
+        assert got == pub.tracks[b"late"]
+    finally:
+        if pub is not None:
+            await pub.stop()
+        await sub.close_session()
