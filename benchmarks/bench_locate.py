@@ -1,4 +1,4 @@
-"""Locate latency vs prompt length, in round trips: kvnet's locate (``kvnet.node.fetching.locate_prefix``, a
+"""Locate latency vs prompt length, in round trips: kvnet's locate (``kvnet.node.locate.locate_prefix``, a
 bounded fan-out search with TRACK_STATUS probes) over one ``MoqtConnection`` through kvnet's userspace
 link emulator, N = 16 .. 4096 blocks.
 
@@ -47,7 +47,7 @@ from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect, serve
 from kvnet.net.errors import RequestRejected
 from kvnet.node.blockstore import BlockStore, StoredBlock
-from kvnet.node.fetching import DEFAULT_LOCATE_FAN_OUT, locate_prefix
+from kvnet.node.locate import DEFAULT_LOCATE_FAN_OUT, locate_prefix
 from kvnet.node.publishing import BlockServer
 from proto.errors import RequestErrorCode
 from proto.kvobject import block_track

@@ -87,7 +87,7 @@ def import_bandwidth(res: common.SuiteResult, blocks: int = 256, runs: int = 5,
 
     from kvnet.cache.paged_cache import BlockKV, CacheSpec, PagedKVCache
     from kvnet.model.transformer import ModelArgs
-    from kvnet.node.node import NodeConfig
+    from kvnet.node.config import NodeConfig
 
     torch.set_num_threads(1)
     a = ModelArgs.from_name(model_name)

@@ -113,7 +113,7 @@ def _raw_quic_mbps(certdir: Path, nbytes: int, node_stack: str | None) -> float:
     mod = common.load_bench("bench_fetch")
     assert mod is not None, "benchmarks/bench_fetch.py is needed for the raw baseline"
     from kvnet.net.quic import TransportSettings
-    from kvnet.node.node import NodeConfig
+    from kvnet.node.config import NodeConfig
 
     client = TransportSettings(stack=node_stack or NodeConfig.quic_stack)
     (rate,) = mod.raw_server_to_client(TransportSettings(), nbytes, 1, certdir, client)

@@ -21,15 +21,15 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvnet.node.node import (
+from kvnet.node.config import (
     NodeConfig,
     add_node_arguments,
     add_prompt_arguments,
     node_config_from_cli,
     prompts_from_args,
     setup_logging,
-    start_node,
 )
+from kvnet.node.node import start_node
 
 logger = logging.getLogger("publisher")
 

@@ -6,16 +6,12 @@ Owns:
   manifest, signature by a trusted key, fingerprint, block hash, parent hash, chain rule
   ``block_hash == hash_block(parent, tokens)``, token ids equal to the subscriber's own prompt slice, and
   the shape/dtype/codec it expects. Payload digests are checked per layer object as it arrives.
-* ``PrefixSearch`` / ``locate_prefix`` — find the longest available prefix with a bounded fan-out search:
-  each round probes at most ``fan_out`` blocks of the still-undecided range, all in parallel, and the
-  leading run of hits narrows the range to one gap between probes. Presence is (nearly) prefix-closed
-  (publishers publish whole prompts), so ``fan_out`` F decides N <= F blocks in one round trip and
-  N <= F*F in two, with at most F requests in flight per rendition.
-* ``BlockFetcher`` — over a ``MoqtConnection``: ``locate`` runs that search with TRACK_STATUS probes
-  (TRACK_STATUS moves no payload, so nothing past the first miss is pulled) and ``fetch`` pipelines
-  FETCHes of the chosen prefix with a window bounded in bytes, verifying, decoding and importing each
-  layer as it arrives. A hole the search could not see (a block evicted below a probed hit) fails its
-  FETCH, which ends the usable prefix there like any other fetch failure.
+* ``BlockFetcher`` — over a ``MoqtConnection``: ``locate`` runs the bounded fan-out search of
+  ``kvnet.node.locate`` with TRACK_STATUS probes (TRACK_STATUS moves no payload, so nothing past the first
+  miss is pulled) and ``fetch`` pipelines FETCHes of the chosen prefix with a window bounded in bytes,
+  verifying, decoding and importing each layer as it arrives. A hole the search could not see (a block
+  evicted below a probed hit) fails its FETCH, which ends the usable prefix there like any other fetch
+  failure.
 
 Where the time goes (profiled on the bench preset, 2 cores): the transport's per-packet work dominates,
 and the per-layer work (SHA-256 of the payload, zstd + numpy decode, one copy into the cache; ~0.3 ms per
@@ -35,10 +31,9 @@ recomputes the rest. A fetch problem costs time, never correctness. Verification
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -52,6 +47,7 @@ from kvnet.net.connection import MoqtConnection
 from kvnet.net.errors import LimitError, MoqtConnectionError, RequestRejected, StreamResetError
 from kvnet.net.handles import FetchHandle
 from kvnet.node.abr import KvAbr
+from kvnet.node.locate import DEFAULT_LOCATE_FAN_OUT, DEFAULT_STRAGGLER_GRACE, Located, locate_prefix
 from proto.kvobject import BLOCK_GROUP_ID, MANIFEST_OBJECT_ID, BlockManifest, KVObjectError, block_track
 from proto.messages import Location
 
@@ -62,218 +58,6 @@ DEFAULT_WINDOW_BYTES = 4 << 20
 MAX_FETCHES_IN_FLIGHT = 128
 """FETCHes a fetch keeps open at most, however small the blocks: peers refuse more than
 ``SessionConfig.max_requests_in_flight`` (256 by default) unanswered requests of one session."""
-DEFAULT_LOCATE_FAN_OUT = 64
-"""Blocks (per rendition) a locate probes per round trip: 64 decides prompts of up to 4096 blocks in two."""
-
-
-def spread_probes(lo: int, hi: int, fan_out: int) -> list[int]:
-    """Blocks to probe in ``[lo, hi)``, ascending: all of them when there are at most ``fan_out``, else
-    ``fan_out`` evenly spaced ones including ``lo`` and ``hi - 1``.
-
-    Consecutive probes are at most ``ceil((hi - lo - 1) / (fan_out - 1))`` apart, so each gap between
-    them holds fewer unprobed blocks than that.
-    """
-    if fan_out < 2:
-        raise ValueError(f"fan_out must be at least 2, got {fan_out}")
-    width = hi - lo
-    if width <= fan_out:
-        return list(range(lo, hi))
-    # Integer spacing: distinct (the step is > 1), first lo, last hi - 1.
-    return [lo + k * (width - 1) // (fan_out - 1) for k in range(fan_out)]
-
-
-@dataclass
-class PrefixSearch:
-    """Bounded fan-out search for the first missing block of a chain of ``blocks`` (pure bookkeeping).
-
-    Blocks ``[0, lo)`` count as present (a probe at ``lo - 1`` hit and every probe before it hit),
-    block ``hi`` is a probed miss (or ``hi == blocks``), and ``[lo, hi)`` is undecided. Each round
-    probes ``next_probes()`` (at most ``fan_out`` blocks of the undecided range, including both of its
-    ends) and ``record``s the answers: the leading run of hits moves ``lo`` past the last hit, the first
-    miss moves ``hi`` to it, and the range shrinks to the unprobed blocks between the two, at most
-    ``ceil(width / (fan_out - 1))``. An unanswered probe counts as a miss.
-
-    For a prefix-closed pattern (block i present implies every block < i present) the result is the
-    exact boundary. For any pattern it is never past a probed miss; holes between probes are caught by
-    FETCH, which stops at the first block it cannot get.
-    """
-
-    blocks: int
-    fan_out: int = DEFAULT_LOCATE_FAN_OUT
-    lo: int = 0
-    hi: int = -1
-    probes: int = 0
-    rounds: int = 0
-
-    def __post_init__(self) -> None:
-        if self.fan_out < 2:
-            raise ValueError(f"fan_out must be at least 2, got {self.fan_out}")
-        if self.hi < 0:
-            self.hi = self.blocks
-
-    @property
-    def done(self) -> bool:
-        return self.lo >= self.hi
-
-    @property
-    def run(self) -> int:
-        """Length of the leading run of present blocks (final once ``done``)."""
-        return self.lo
-
-    def next_probes(self) -> list[int]:
-        """Blocks to probe this round, ascending; empty once ``done``."""
-        return [] if self.done else spread_probes(self.lo, self.hi, self.fan_out)
-
-    def record(self, probed: Sequence[int], hits: Mapping[int, bool]) -> None:
-        """Take the answers to ``probed`` (this round's ``next_probes()``); missing answers are misses."""
-        for i in probed:
-            if hits.get(i, False):
-                self.lo = i + 1
-            else:
-                self.hi = i
-                break
-        self.probes += len(probed)
-        self.rounds += 1
-
-
-def round_decided(probed: Sequence[int], answers: Mapping[int, bool | None]) -> bool:
-    """Whether a round's answers so far decide the search: every probe up to the first miss answered
-    (``None`` = not yet). Answers after the first miss do not matter."""
-    for i in probed:
-        hit = answers.get(i)
-        if hit is None:
-            return False
-        if not hit:
-            return True
-    return True
-
-
-@dataclass
-class Located:
-    """What a locate found and what it cost."""
-
-    available: list[list[str]]
-    """Renditions available for each block of the leading located run."""
-    blocks: int
-    """Blocks that were searched."""
-    probes: int
-    """TRACK_STATUS requests sent (all renditions)."""
-    rounds: int
-    """Round trips of probes (0 when nothing had to be searched)."""
-    fan_out: int
-
-    def to_json(self) -> dict[str, int]:
-        return {"blocks": self.blocks, "located": len(self.available), "probes": self.probes,
-                "rounds": self.rounds, "fan_out": self.fan_out}
-
-
-Probe = Callable[[int, str], Coroutine[Any, Any, Any]]
-"""Ask whether block i exists in a rendition: returns when it does, raises when it does not."""
-
-
-# How long a locate round waits for probes that straggle after its first answer. Answers can be slow
-# without anything being wrong: some come from a relay's cache at once while others are forwarded to a
-# publisher that is busy (e.g. pushing the same blocks). Relays skip dead routes themselves after their
-# route deadline, so a generous grace costs little when a publisher is gone.
-DEFAULT_STRAGGLER_GRACE = 2.0
-
-
-async def locate_prefix(
-    blocks: int,
-    renditions: Sequence[str],
-    probe: Probe,
-    *,
-    fan_out: int = DEFAULT_LOCATE_FAN_OUT,
-    timeout: float = 10.0,
-    straggler_grace: float = DEFAULT_STRAGGLER_GRACE,
-    on_first_answer: Callable[[float], None] | None = None,
-) -> Located:
-    """Longest leading run of blocks available in any of ``renditions`` (one ``PrefixSearch`` each).
-
-    All renditions are searched in the same rounds; a round's probes go out before any answer is
-    awaited, and the round ends once its answers decide every search (all probes up to each first miss
-    answered). Answers that straggle (a relay forwarding to a publisher that died without closing its
-    session waits for its own timeout) are waited for at most ``max(straggler_grace, 4 x first answer)``
-    after the round's first answer, then count as misses, which costs reuse, never correctness.
-    ``on_first_answer`` gets each round's first-answer delay (an RTT sample). Raises ``TimeoutError``
-    when the first round gets no answer at all within ``timeout``.
-    """
-    searches = {r: PrefixSearch(blocks, fan_out) for r in dict.fromkeys(renditions)}
-    deadline = time.perf_counter() + timeout
-    while asks := {r: s.next_probes() for r, s in searches.items() if not s.done}:
-        first_round = not any(s.rounds for s in searches.values())
-        answers = await _probe_round(
-            asks, probe, deadline, straggler_grace, on_first_answer, raise_if_silent=first_round
-        )
-        for r, probed in asks.items():
-            searches[r].record(probed, {i: hit is True for i, hit in answers[r].items()})
-    # Per block, the renditions whose run covers it: one list per stretch between two runs' ends, not
-    # one comprehension per block (4096 blocks made that a millisecond after the last answer).
-    available: list[list[str]] = []
-    for end in sorted({s.run for s in searches.values()}):
-        holders = [r for r, s in searches.items() if s.run >= end]
-        available.extend(holders.copy() for _ in range(end - len(available)))
-    return Located(
-        available=available, blocks=blocks, probes=sum(s.probes for s in searches.values()),
-        rounds=max((s.rounds for s in searches.values()), default=0), fan_out=fan_out,
-    )
-
-
-async def _probe_round(
-    asks: Mapping[str, Sequence[int]],
-    probe: Probe,
-    deadline: float,
-    straggler_grace: float,
-    on_first_answer: Callable[[float], None] | None,
-    *,
-    raise_if_silent: bool,
-) -> dict[str, dict[int, bool | None]]:
-    """Send one round of probes at once; per rendition and block: True (exists), False (does not, or
-    the probe failed) or None (no answer by the time the round was decided or gave up)."""
-    loop = asyncio.get_running_loop()
-    answered = asyncio.Event()
-    tasks: dict[str, dict[int, asyncio.Task[Any]]] = {}
-    for r, probed in asks.items():
-        tasks[r] = {}
-        for i in probed:
-            task = loop.create_task(probe(i, r))
-            # One callback per task (not asyncio.wait over the pending set on every wake-up, which is
-            # quadratic in the number of probes); many answers arrive per loop iteration anyway.
-            task.add_done_callback(lambda _t: answered.set())
-            tasks[r][i] = task
-
-    def answers() -> dict[str, dict[int, bool | None]]:
-        return {r: {i: _probe_answer(t) for i, t in ts.items()} for r, ts in tasks.items()}
-
-    started = time.perf_counter()
-    first_answer: float | None = None
-    try:
-        while not all(round_decided(asks[r], a) for r, a in answers().items()):
-            now = time.perf_counter()
-            if first_answer is None and answered.is_set():
-                first_answer = now - started
-                if on_first_answer is not None:
-                    on_first_answer(first_answer)
-                deadline = min(deadline, now + max(straggler_grace, 4 * first_answer))
-            if now >= deadline:
-                if first_answer is None and raise_if_silent:
-                    raise TimeoutError("no TRACK_STATUS answer before the locate timed out")
-                break
-            answered.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(answered.wait(), deadline - now)
-        return answers()
-    finally:
-        every = [t for ts in tasks.values() for t in ts.values()]
-        for task in every:
-            task.cancel()
-        await asyncio.gather(*every, return_exceptions=True)
-
-
-def _probe_answer(task: asyncio.Task[Any]) -> bool | None:
-    if not task.done():
-        return None
-    return not task.cancelled() and task.exception() is None
 
 
 class BlockRejected(Exception):

@@ -1,7 +1,7 @@
 """A kvnet inference node: model + paged KV cache + block publishing + prefix fetching.
 
-Owns: ``NodeConfig`` and the command-line flags every node command shares (``add_node_arguments``), and
-``Node``, used by all three processes (``kvnet-publisher``, ``kvnet-subscriber``, ``kvnet-node``):
+Owns ``Node``, used by all three processes (``kvnet-publisher``, ``kvnet-subscriber``, ``kvnet-node``), and
+``start_node`` / ``build_model`` that make one from a ``NodeConfig`` (``kvnet.node.config``):
 
 * ``Node.publish_prompt`` — prefill a prompt into the paged cache, encode and sign its full blocks in the
   configured renditions, keep them in the bounded ``BlockStore`` and (optionally) PUBLISH them into the
@@ -9,359 +9,39 @@ Owns: ``NodeConfig`` and the command-line flags every node command shares (``add
 * ``Node.complete`` — hash the prompt, take local cache hits first, locate the longest remote prefix
   (bounded fan-out search: two round trips up to 4096 blocks), let the KV ABR pick per block a rendition
   or recompute, fetch + verify + load the chosen blocks layer by layer, prefill only the remainder and
-  generate. Returns a ``RequestReport``.
+  generate. Returns a ``RequestReport`` (``kvnet.node.reports``).
 
-Model work runs in a worker thread (torch releases the GIL) so the event loop keeps serving the relay
-while a prompt is computed; one asyncio lock serialises every touch of the paged cache.
-Nothing here reads the command line or the environment: ``main()`` functions build a ``NodeConfig``.
+The relay session is a ``RelayPeer`` (``kvnet.node.relay_peer``). Model work runs in a worker thread (torch
+releases the GIL) so the event loop keeps serving the relay while a prompt is computed; one asyncio lock
+serialises every touch of the paged cache. Nothing here reads the command line or the environment.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
-import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvnet.blocks.signing import Signer, TrustStore, generate_keypair, load_signer
+from kvnet.blocks.signing import Signer, TrustStore, load_signer
 from kvnet.cache.hashing import block_hashes, root_hash
 from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.model.generate import cache_spec_for, generate
 from kvnet.model.tokenizer import ByteTokenizer, Tokenizer
 from kvnet.model.transformer import Transformer
-from kvnet.net.connection import MoqtConnection
-from kvnet.net.endpoint import connect, freeze_startup_objects
-from kvnet.net.errors import MoqtConnectionError, RequestRejected
-from kvnet.net.quic import (
-    DATAGRAM_SIZE_ETHERNET,
-    DEFAULT_STACK,
-    TlsSettings,
-    TransportSettings,
-    parse_moqt_url,
-)
+from kvnet.net.endpoint import freeze_startup_objects
 from kvnet.node.abr import QUALITY_ORDER, AbrConfig, AbrPlan, KvAbr
-from kvnet.node.blockstore import BlockStore, StoredBlock
-from kvnet.node.fetching import (
-    DEFAULT_WINDOW_BYTES,
-    BlockFetcher,
-    BlockSink,
-    ExpectedBlock,
-    FetchOutcome,
-    Located,
-    expected_blocks,
-)
-from kvnet.node.publishing import BlockServer, BlockSource, dtype_name, encode_blocks
-from kvnet.security.tenancy import NodeSecret, TenancyError
-from kvnet.security.tokens import DEFAULT_MAX_TOKEN_SIZE, KVNET_TOKEN_TYPE
-from proto.errors import UsageError
-from proto.messages import AliasType, AuthToken
-from proto.session import SessionConfig
+from kvnet.node.blockstore import BlockStore
+from kvnet.node.config import DEFAULT_TENANT, NodeConfig
+from kvnet.node.fetching import expected_blocks
+from kvnet.node.publishing import BlockSource, dtype_name, encode_blocks
+from kvnet.node.relay_peer import RelayPeer
+from kvnet.node.reports import NodeCounters, PublishReport, RequestReport
+from kvnet.security.tenancy import NodeSecret
 
 logger = logging.getLogger(__name__)
-
-KNOWN_RENDITIONS = QUALITY_ORDER
-# Chosen by measurement (docs/nodes.md, "Block size"): 64-token blocks fetched a 2k-token prefix of the
-# bench preset 1.5x faster than 16-token blocks (fewer, larger objects and requests; better compression),
-# at the cost of recomputing up to 63 shared tokens past the last full block.
-DEFAULT_BLOCK_SIZE = 64
-DEFAULT_TENANT = "default"
-
-
-@dataclass(frozen=True)
-class NodeConfig:
-    """Everything a node needs: model, cache, relay, signing/trust and ABR knobs."""
-
-    relay_url: str | None = None
-    """``moqt://HOST:PORT`` of the relay; None runs the node without a network (local cache only)."""
-    ca_file: Path | None = None
-    """CA certificate that the relay's certificate must chain to."""
-    cert_file: Path | None = None
-    """Our client certificate (mTLS), optional."""
-    key_file: Path | None = None
-    """Private key of ``cert_file``."""
-    token_file: Path | None = None
-    """File holding the authorization token (``kvnet token issue``) presented in SETUP's AUTHORIZATION TOKEN
-    option; read at every connect, so a renewed token is picked up by the next session."""
-    model: str = "small"
-    """Built-in model preset (``tiny``, ``small``, ``bench``). ``small`` by default: on ``tiny`` a CPU
-    prefills faster than any network fetch, so the ABR would (rightly) never reuse a remote prefix."""
-    checkpoint: Path | None = None
-    """A local Llama-layout checkpoint directory used instead of the preset."""
-    seed: int = 0
-    """Seed of the built-in deterministic weights (part of the fingerprint through the weights digest)."""
-    dtype: str = "float32"
-    """Model and KV dtype."""
-    device: str = "cpu"
-    """torch device."""
-    block_size: int = DEFAULT_BLOCK_SIZE
-    """Tokens per KV block (part of the fingerprint)."""
-    cache_blocks: int = 2048
-    """Physical blocks in the paged KV cache."""
-    node_secret: Path | None = None
-    """Operator's node secret file (``kvnet.security.tenancy``, mode 0600). With it the chain root is salted
-    with ``derive_tenant_salt(secret, tenant)`` and the namespace carries
-    ``tenant_namespace_id(secret, tenant)``; without it the salt is empty and the namespace carries the
-    tenant id as given (single tenant only)."""
-    publish_renditions: tuple[str, ...] = ("lossless",)
-    """Renditions a publisher encodes and serves for every block."""
-    acceptable_renditions: tuple[str, ...] = ("lossless",)
-    """Renditions a subscriber accepts (quality floor); lossless only by default."""
-    store_bytes: int = 512 << 20
-    """Byte budget of the publisher-side block store."""
-    signing_key: Path | None = None
-    """Ed25519 private key used to sign manifests; None generates an ephemeral key."""
-    trust: tuple[Path, ...] = ()
-    """Public key files (or directories of ``*.pub``) whose signatures a subscriber accepts."""
-    trust_any: bool = False
-    """Accept any correctly signed manifest whatever its key (development only; logged loudly)."""
-    push: bool = True
-    """Publisher: also PUBLISH blocks into the relay's cache (survives the publisher leaving)."""
-    fetch_window_bytes: int = DEFAULT_WINDOW_BYTES
-    """Raw block bytes requested ahead during a fetch (``kvnet.node.fetching``: a few MB keeps loopback and
-    LAN links busy without interleaving every block's delivery)."""
-    request_timeout: float = 10.0
-    """Seconds to wait for one locate or fetch before giving up (and recomputing)."""
-    prior_throughput_bps: float = 100e6
-    """ABR throughput prior (bytes/s) before anything was measured."""
-    abr_mode: str = "auto"
-    """``auto`` (fetch or recompute by estimate), ``fetch`` (always fetch located blocks), ``recompute``."""
-    max_new_tokens: int = 16
-    """Default generation length."""
-    tenant: str = DEFAULT_TENANT
-    """Tenant this node computes for (set by the operator; never taken from a client)."""
-    quic_stack: str = DEFAULT_STACK
-    """QUIC implementation of the relay session (this node is its client). qh3 fetches ~30% faster on
-    loopback but locates in 1-2 more round trips through an aioquic relay, so aioquic is the default
-    (docs/performance.md, "Node fetch path")."""
-    max_datagram_size: int | None = None
-    """Largest UDP payload of the relay session; None takes the stack's loopback size. Give 1452
-    (``--ethernet``) on a 1500-byte path and 8952 on jumbo frames."""
-    torch_threads: int = 1
-    """Intra-op threads of torch. One by default: a node shares its cores with the relay and its own event
-    loop, and OpenMP workers spin-waiting on a contended 2-core machine made a 5 ms prefill take 300 ms."""
-
-    def __post_init__(self) -> None:
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.cache_blocks <= 0:
-            raise ValueError(f"cache_blocks must be positive, got {self.cache_blocks}")
-        for name in ("publish_renditions", "acceptable_renditions"):
-            values = getattr(self, name)
-            if not values:
-                raise ValueError(f"{name}: at least one rendition is required")
-            unknown = [r for r in values if r not in KNOWN_RENDITIONS]
-            if unknown:
-                raise ValueError(f"{name}: unknown rendition(s) {unknown}; known: {list(KNOWN_RENDITIONS)}")
-        if self.store_bytes <= 0:
-            raise ValueError(f"store_bytes must be positive, got {self.store_bytes}")
-        if self.fetch_window_bytes <= 0:
-            raise ValueError(f"fetch_window_bytes must be positive, got {self.fetch_window_bytes}")
-        if self.request_timeout <= 0:
-            raise ValueError(f"request_timeout must be positive, got {self.request_timeout}")
-        if self.abr_mode not in ("auto", "fetch", "recompute"):
-            raise ValueError(f"abr_mode must be auto, fetch or recompute, got {self.abr_mode!r}")
-        if self.torch_threads <= 0:
-            raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        self.transport_settings  # noqa: B018 (validates stack and datagram size, naming the field)
-        if self.tenant != DEFAULT_TENANT and self.node_secret is None:
-            # Different tenants must never share a chain root: that takes a salt, hence a node secret.
-            raise ValueError("tenant: a tenant other than the default needs --node-secret (salted hashes)")
-        if self.relay_url is not None and self.ca_file is None:
-            raise ValueError("ca_file: a relay connection needs --ca to verify the relay (TLS is always on)")
-
-
-    @property
-    def transport_settings(self) -> TransportSettings:
-        """QUIC settings of the relay session (``TransportSettings.for_ethernet`` on 1500-byte paths)."""
-        if self.max_datagram_size == DATAGRAM_SIZE_ETHERNET:
-            return TransportSettings.for_ethernet(self.quic_stack)
-        return TransportSettings(max_datagram_size=self.max_datagram_size, stack=self.quic_stack)
-
-
-def _renditions(text: str) -> tuple[str, ...]:
-    return tuple(r.strip() for r in text.split(",") if r.strip())
-
-
-def _size(text: str) -> int:
-    """``512M``, ``2G``, ``1000000`` -> bytes."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
-
-
-def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool) -> None:
-    """Flags shared by the node commands."""
-    g = parser.add_argument_group("relay")
-    g.add_argument("--relay", required=relay_required, help="relay URL, moqt://HOST:PORT")
-    g.add_argument("--ca", type=Path, help="CA certificate (PEM) the relay's certificate must chain to")
-    g.add_argument("--cert", type=Path, help="client certificate (PEM) for mTLS")
-    g.add_argument("--key", type=Path, help="private key of --cert")
-    g.add_argument("--token", type=Path, help="authorization token file presented to the relay in SETUP")
-    g.add_argument(
-        "--quic-stack", choices=["qh3", "aioquic"], default=DEFAULT_STACK,
-        help=f"QUIC implementation of the relay session (default {DEFAULT_STACK}; qh3 fetches faster, "
-        "locates in more round trips)",
-    )
-    size = g.add_mutually_exclusive_group()
-    size.add_argument(
-        "--max-datagram-size", type=int,
-        help="largest UDP payload (default: the stack's loopback size; 1452 for a 1500-byte MTU path, "
-        "8952 for 9000-byte jumbo frames)",
-    )
-    size.add_argument(
-        "--ethernet", action="store_true",
-        help="size datagrams for a 1500-byte Ethernet path (same as --max-datagram-size 1452)",
-    )
-    m = parser.add_argument_group("model and cache")
-    m.add_argument(
-        "--model", default="small", help="built-in model preset: tiny, small, bench (default small)"
-    )
-    m.add_argument("--checkpoint", type=Path, help="local checkpoint directory instead of the preset")
-    m.add_argument("--seed", type=int, default=0, help="seed of the built-in weights")
-    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    m.add_argument("--device", default="cpu")
-    m.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    m.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
-    m.add_argument("--cache-blocks", type=int, default=2048, help="blocks in the paged KV cache")
-    m.add_argument(
-        "--node-secret", type=Path,
-        help="node secret file (mode 0600) from which the tenant's hash salt and namespace id derive",
-    )
-    m.add_argument(
-        "--tenant", default=DEFAULT_TENANT,
-        help="tenant this node computes for (needs --node-secret unless it is the default)",
-    )
-    k = parser.add_argument_group("blocks, signing, ABR")
-    k.add_argument(
-        "--renditions", type=_renditions, default=("lossless",),
-        help="publisher: renditions to publish, comma-separated (lossless,int8,int4)",
-    )
-    k.add_argument(
-        "--accept", type=_renditions, default=("lossless",),
-        help="subscriber: acceptable renditions, comma-separated (default lossless only)",
-    )
-    k.add_argument("--store-bytes", type=_size, default=512 << 20, help="publisher block store budget")
-    k.add_argument("--signing-key", type=Path, help="Ed25519 private key (PEM) to sign manifests")
-    k.add_argument(
-        "--trust", type=Path, action="append", default=[],
-        help="trusted publisher public key (PEM) or directory of *.pub (repeatable)",
-    )
-    k.add_argument(
-        "--trust-any", action="store_true",
-        help="accept blocks signed by any key (development only: anyone could poison the cache)",
-    )
-    k.add_argument("--no-push", action="store_true", help="publisher: do not PUBLISH into the relay cache")
-    k.add_argument(
-        "--fetch-window", type=_size, default=DEFAULT_WINDOW_BYTES,
-        help="raw block bytes requested ahead while fetching (default 4M)",
-    )
-    k.add_argument("--timeout", type=float, default=10.0, help="seconds per locate/fetch before recompute")
-    k.add_argument("--abr", default="auto", choices=["auto", "fetch", "recompute"], help="fetch policy")
-    k.add_argument("--assume-throughput", type=float, default=100e6, help="ABR prior in bytes/s")
-    k.add_argument(
-        "--key-dir", type=Path,
-        help="publisher keys directory: signs with KEY_DIR/publisher.key (created if missing) and, without "
-        "--trust, trusts KEY_DIR/*.pub",
-    )
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-
-
-def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
-    return NodeConfig(
-        relay_url=args.relay,
-        ca_file=args.ca,
-        cert_file=args.cert,
-        key_file=args.key,
-        token_file=args.token,
-        model=args.model,
-        checkpoint=args.checkpoint,
-        seed=args.seed,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        cache_blocks=args.cache_blocks,
-        node_secret=args.node_secret,
-        publish_renditions=tuple(args.renditions),
-        acceptable_renditions=tuple(args.accept),
-        store_bytes=args.store_bytes,
-        signing_key=args.signing_key,
-        trust=tuple(args.trust),
-        trust_any=args.trust_any,
-        push=not args.no_push,
-        fetch_window_bytes=args.fetch_window,
-        request_timeout=args.timeout,
-        prior_throughput_bps=args.assume_throughput,
-        abr_mode=args.abr,
-        max_new_tokens=args.max_tokens,
-        tenant=args.tenant,
-        torch_threads=args.threads,
-        quic_stack=args.quic_stack,
-        max_datagram_size=DATAGRAM_SIZE_ETHERNET if args.ethernet else args.max_datagram_size,
-    )
-
-
-def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--prompt`` / ``--prompt-file`` of the one-shot commands."""
-    parser.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
-    parser.add_argument("--prompt-file", type=Path, action="append", default=[], help="prompt from a file")
-
-
-def prompts_from_args(args: argparse.Namespace) -> list[str]:
-    """The prompts given with ``add_prompt_arguments``, texts first, then files in order."""
-    return list(args.prompt) + [f.read_text(encoding="utf-8") for f in args.prompt_file]
-
-
-def node_config_from_cli(args: argparse.Namespace, kvnet_home: str | None) -> NodeConfig:
-    """``node_config_from_args`` with keys resolved from ``--key-dir`` or ``$KVNET_HOME/keys`` (the caller's
-    ``main`` reads the environment). Raises ValueError or OSError with a message for the user."""
-    return resolve_keys(node_config_from_args(args), args.key_dir or default_key_dir(kvnet_home))
-
-
-def resolve_keys(config: NodeConfig, key_dir: Path | None) -> NodeConfig:
-    """Check the node's secret files and fill in the default signing key and trust store from ``key_dir``
-    (created on first use). Raises ``ValueError``/``OSError`` naming an unusable file.
-
-    So that two shells on one machine reproduce a remote hit with no key flags: the publisher signs with
-    ``key_dir/publisher.key`` and the subscriber trusts every ``key_dir/*.pub``.
-    """
-    if config.node_secret is not None:
-        try:  # refuse an unsafe or malformed secret file before anything starts
-            NodeSecret.load(config.node_secret)
-        except TenancyError as exc:
-            raise ValueError(str(exc)) from None
-    if config.token_file is not None:
-        read_token(config.token_file)
-    if key_dir is None:
-        return config
-    signing_key = config.signing_key
-    if signing_key is None:
-        signing_key = key_dir / "publisher.key"
-        if not signing_key.exists():
-            generate_keypair(key_dir, "publisher")
-            logger.info("created publisher signing key %s", signing_key)
-    trust = config.trust or (key_dir,)
-    return dataclasses.replace(config, signing_key=signing_key, trust=trust)
-
-
-def read_token(path: Path) -> bytes:
-    """The authorization token in ``path`` (as ``kvnet token issue`` writes it); ValueError if unusable."""
-    with path.open("rb") as f:
-        value = f.read(DEFAULT_MAX_TOKEN_SIZE + 1)
-    if not value or len(value) > DEFAULT_MAX_TOKEN_SIZE:
-        raise ValueError(f"{path}: a token has 1..{DEFAULT_MAX_TOKEN_SIZE} bytes")
-    return value
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -378,105 +58,19 @@ def build_model(config: NodeConfig) -> Transformer:
     return Transformer.from_name(config.model, device=device, dtype=dtype, seed=config.seed)
 
 
-@dataclass
-class Timings:
-    """Seconds spent in each phase of one request."""
-
-    hash_s: float = 0.0
-    locate_s: float = 0.0
-    fetch_s: float = 0.0
-    load_s: float = 0.0
-    prefill_s: float = 0.0
-    ttft_s: float = 0.0
-    decode_s: float = 0.0
-    total_s: float = 0.0
-
-    def to_json(self) -> dict[str, float]:
-        return {k: round(v, 6) for k, v in self.__dict__.items()}
-
-
-@dataclass
-class RequestReport:
-    """Everything one completion did; ``to_json`` is the subscriber's ``--json`` output."""
-
-    prompt_tokens: int = 0
-    local_hit_tokens: int = 0
-    remote_hit_tokens: int = 0
-    computed_tokens: int = 0
-    located_blocks: int = 0
-    bytes_fetched: int = 0
-    renditions: dict[str, int] = field(default_factory=dict)
-    timings: Timings = field(default_factory=Timings)
-    output_token_ids: list[int] = field(default_factory=list)
-    output_text: str = ""
-    finish_reason: str = "length"
-    abr: dict[str, Any] = field(default_factory=dict)
-    locate: dict[str, int] = field(default_factory=dict)
-    """What the locate searched and cost: ``blocks, located, probes, rounds, fan_out``."""
-    fallback: list[str] = field(default_factory=list)
-    security_events: list[dict[str, str]] = field(default_factory=list)
-    """Blocks refused by verification: ``{"kind": "signature" | "content", "detail": ...}``."""
-    published_blocks: int = 0
-    verified: bool | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "prompt_tokens": self.prompt_tokens,
-            "local_hit_tokens": self.local_hit_tokens,
-            "remote_hit_tokens": self.remote_hit_tokens,
-            "computed_tokens": self.computed_tokens,
-            "located_blocks": self.located_blocks,
-            "bytes_fetched": self.bytes_fetched,
-            "renditions": dict(self.renditions),
-            "timings": self.timings.to_json(),
-            "output_token_ids": list(self.output_token_ids),
-            "output_text": self.output_text,
-            "finish_reason": self.finish_reason,
-            "abr": self.abr,
-            "locate": dict(self.locate),
-            "fallback": list(self.fallback),
-            "security_events": [dict(e) for e in self.security_events],
-            "published_blocks": self.published_blocks,
-        }
-        if self.verified is not None:
-            out["verified"] = self.verified
-        return out
-
-
-@dataclass
-class PublishReport:
-    """What ``publish_prompt`` did."""
-
-    prompt_tokens: int
-    computed_tokens: int
-    blocks: int
-    objects_bytes: int
-    pushed: int
-    prefill_s: float
-    encode_s: float
-    push_s: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
-
-
-@dataclass
-class NodeCounters:
-    """Monotonic counters exported on /metrics."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    local_hit_tokens: int = 0
-    remote_hit_tokens: int = 0
-    computed_tokens: int = 0
-    bytes_fetched: int = 0
-    blocks_rejected: int = 0
-    security_signature_failures: int = 0
-    """Blocks refused because they were unsigned or not signed by a trusted key."""
-    security_content_failures: int = 0
-    """Signed blocks whose manifest or payload disagreed with our prompt (poisoning or corruption)."""
-    fetch_fallbacks: int = 0
-    published_blocks: int = 0
+async def start_node(config: NodeConfig, *, calibrate: bool = True) -> Node:
+    """Build the node (model load and fingerprint in a thread) and connect it to its relay, if any."""
+    logger.info("loading model %s ...", config.checkpoint or config.model)
+    torch.set_num_threads(config.torch_threads)
+    node = await asyncio.to_thread(Node.from_config, config)
+    if calibrate:
+        per_token = await asyncio.to_thread(node.calibrate)
+        logger.info("model ready: fingerprint %s, prefill %.3f ms/token", node.fingerprint.hex()[:16],
+                    per_token * 1e3)
+    freeze_startup_objects()
+    if config.relay_url is not None:
+        await node.connect()
+    return node
 
 
 class Node:
@@ -844,143 +438,3 @@ class Node:
         if self.peer is not None:
             out.update(self.peer.metrics())
         return out
-
-
-def setup_logging(verbose: bool) -> None:
-    """Progress and warnings on stderr, so ``--json`` output on stdout stays machine-readable."""
-    import sys
-
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
-    # The transport's per-packet debug output drowns everything else.
-    logging.getLogger("quic").setLevel(logging.WARNING)
-
-
-def default_key_dir(kvnet_home: str | None) -> Path:
-    """``$KVNET_HOME/keys`` or ``~/.kvnet/keys`` (the caller reads the environment)."""
-    base = Path(kvnet_home) if kvnet_home else Path.home() / ".kvnet"
-    return base / "keys"
-
-
-async def start_node(config: NodeConfig, *, calibrate: bool = True) -> Node:
-    """Build the node (model load and fingerprint in a thread) and connect it to its relay, if any."""
-    logger.info("loading model %s ...", config.checkpoint or config.model)
-    torch.set_num_threads(config.torch_threads)
-    node = await asyncio.to_thread(Node.from_config, config)
-    if calibrate:
-        per_token = await asyncio.to_thread(node.calibrate)
-        logger.info("model ready: fingerprint %s, prefill %.3f ms/token", node.fingerprint.hex()[:16],
-                    per_token * 1e3)
-    freeze_startup_objects()
-    if config.relay_url is not None:
-        await node.connect()
-    return node
-
-
-class RelayPeer:
-    """The node's one MoQT session to its relay (``kvnet.net.connection``), with the block server and fetcher.
-
-    The server answers the relay's TRACK_STATUS/FETCH/SUBSCRIBE for our store in its own task for as long
-    as the session lives; the fetcher sends our TRACK_STATUS/FETCH through the connection's helpers.
-    """
-
-    def __init__(self, conn: MoqtConnection, server: BlockServer, fetcher: BlockFetcher, url: str) -> None:
-        self.conn = conn
-        self.server = server
-        self.fetcher = fetcher
-        self.url = url
-        self._tasks: list[asyncio.Task[None]] = []
-        self._closing = False
-
-    @classmethod
-    async def open(cls, node: Node) -> RelayPeer:
-        cfg = node.config
-        assert cfg.relay_url is not None
-        url = parse_moqt_url(cfg.relay_url)
-        tokens = (
-            (AuthToken(AliasType.USE_VALUE, token_type=KVNET_TOKEN_TYPE, value=read_token(cfg.token_file)),)
-            if cfg.token_file is not None else ()
-        )
-        session_config = SessionConfig(
-            is_client=True, path=url.path or None, authority=f"{url.host}:{url.port}",
-            authorization_tokens=tokens,
-            # The relay forwards many requests to us at once when it serves blocks from our store.
-            max_requests_in_flight=16384,
-        )
-        tls = TlsSettings(ca_file=cfg.ca_file, cert_file=cfg.cert_file, key_file=cfg.key_file)
-        settings = cfg.transport_settings
-        conn = await asyncio.wait_for(
-            connect(cfg.relay_url, settings, tls, session_config), cfg.request_timeout
-        )
-        spec = node.cache.spec
-        server = BlockServer(conn, node.store, node.fingerprint, node.tenant_namespace, spec.num_layers)
-        fetcher = BlockFetcher(
-            conn, node.fingerprint, node.tenant_namespace, spec.block_shape, node.dtype_name, node.trust,
-            node.abr,
-            trust_any=cfg.trust_any, timeout=cfg.request_timeout, window_bytes=cfg.fetch_window_bytes,
-            device=node.device,
-        )
-        peer = cls(conn, server, fetcher, cfg.relay_url)
-        try:
-            await asyncio.wait_for(server.announce(), cfg.request_timeout)
-        except RequestRejected as exc:
-            # Still useful as a subscriber; a publisher then serves only what it pushed.
-            logger.warning("relay refused PUBLISH_NAMESPACE (%s): not serving blocks on request", exc)
-        except BaseException:
-            await conn.close_session()
-            raise
-        loop = asyncio.get_running_loop()
-        peer._tasks = [loop.create_task(server.serve()), loop.create_task(peer._watch())]
-        logger.info("connected to relay %s; namespace tenant field %s", cfg.relay_url, node.tenant_namespace)
-        return peer
-
-    async def _watch(self) -> None:
-        code, reason = await self.conn.wait_session_closed()
-        if self._closing:
-            return
-        logger.warning("relay session ended (code %#x): %s", code, reason or "no reason given")
-
-    @property
-    def connected(self) -> bool:
-        return not self.conn.is_closed
-
-    async def locate(self, hashes: list[bytes], renditions: list[str]) -> Located:
-        if not self.connected:
-            raise ConnectionError("relay session is not up")
-        return await self.fetcher.locate(hashes, renditions)
-
-    async def fetch(
-        self, expected: list[ExpectedBlock], renditions: list[str], sink: BlockSink
-    ) -> FetchOutcome:
-        return await self.fetcher.fetch(expected, renditions, sink)
-
-    async def push(self, blocks: list[StoredBlock]) -> int:
-        if not self.connected or not blocks:
-            return 0
-        try:
-            return await self.server.push(blocks)
-        except (MoqtConnectionError, UsageError) as exc:
-            logger.warning("pushing blocks to the relay failed: %s", exc)
-            return 0
-
-    async def drain(self, timeout: float = 30.0) -> None:
-        """Wait until the relay acknowledged everything we sent (before a one-shot publisher exits)."""
-        deadline = time.monotonic() + timeout
-        while self.connected and self.conn.send_buffered() > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-
-    def metrics(self) -> dict[str, float]:
-        return {f"publisher_{k}_total": float(v) for k, v in self.server.stats.__dict__.items()}
-
-    async def close(self) -> None:
-        # Blocks pushed just before exiting must reach the relay's cache first.
-        await self.drain(timeout=10.0)
-        self._closing = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.conn.close_session(), 5)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)

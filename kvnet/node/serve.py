@@ -20,15 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvnet.node.config import NodeConfig, add_node_arguments, node_config_from_cli, setup_logging
 from kvnet.node.httpapi import HttpApi, start_http
-from kvnet.node.node import (
-    Node,
-    NodeConfig,
-    add_node_arguments,
-    node_config_from_cli,
-    setup_logging,
-    start_node,
-)
+from kvnet.node.node import Node, start_node
 
 logger = logging.getLogger("kvnet-node")
 

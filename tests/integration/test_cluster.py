@@ -25,7 +25,7 @@ import pytest
 
 from kvnet.model.transformer import ModelArgs
 from kvnet.node.abr import AbrConfig, KvAbr
-from kvnet.node.node import DEFAULT_BLOCK_SIZE
+from kvnet.node.config import DEFAULT_BLOCK_SIZE
 from kvnet.tools.cluster import (
     NetnsCluster,
     load_compose,

@@ -30,7 +30,8 @@ from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.errors import ConnectionClosed, MoqtConnectionError, RequestRejected
 from kvnet.net.quic import TlsSettings
-from kvnet.node.node import Node, NodeConfig
+from kvnet.node.config import NodeConfig
+from kvnet.node.node import Node
 from kvnet.security.tenancy import NodeSecret
 from kvnet.security.tokens import IssuerKey, issue_token, make_claims
 from proto.errors import RequestErrorCode, SessionErrorCode

@@ -34,7 +34,8 @@ from kvnet.net.errors import RequestRejected
 from kvnet.net.handles import IncomingFetch, IncomingPublishNamespace, IncomingRequest, IncomingTrackStatus
 from kvnet.net.quic import TlsSettings, TransportSettings
 from kvnet.node.blockstore import BlockStore, StoredBlock
-from kvnet.node.node import Node, NodeConfig
+from kvnet.node.config import NodeConfig
+from kvnet.node.node import Node
 from kvnet.node.publishing import BlockServer, dtype_name
 from proto.errors import RequestErrorCode
 from proto.kvobject import MANIFEST_OBJECT_ID, BlockManifest

@@ -1,4 +1,4 @@
-"""Probe planning of the bounded fan-out locate (``kvnet.node.fetching.PrefixSearch``), over random
+"""Probe planning of the bounded fan-out locate (``kvnet.node.locate.PrefixSearch``), over random
 patterns."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvnet.node.fetching import PrefixSearch, round_decided, spread_probes
+from kvnet.node.locate import PrefixSearch, round_decided, spread_probes
 
 
 def _search(blocks: int, fan_out: int, present: set[int] | range) -> tuple[PrefixSearch, dict[int, bool]]:

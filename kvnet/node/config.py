@@ -1,0 +1,340 @@
+"""A node's configuration: ``NodeConfig`` and the command-line flags every node command shares.
+
+Owns: ``NodeConfig`` (model, cache, relay, signing/trust and ABR knobs), ``add_node_arguments`` /
+``node_config_from_cli`` (the flags of ``kvnet-publisher``, ``kvnet-subscriber`` and ``kvnet-node``), the
+key-directory defaults (``resolve_keys``), the token-file reader and the CLI logging set-up. Nothing here
+builds a model or opens a connection; ``main()`` functions read the environment and pass it in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvnet.blocks.signing import generate_keypair
+from kvnet.net.quic import DATAGRAM_SIZE_ETHERNET, DEFAULT_STACK, TransportSettings
+from kvnet.node.abr import QUALITY_ORDER
+from kvnet.node.fetching import DEFAULT_WINDOW_BYTES
+from kvnet.security.tenancy import NodeSecret, TenancyError
+from kvnet.security.tokens import DEFAULT_MAX_TOKEN_SIZE
+
+logger = logging.getLogger(__name__)
+
+KNOWN_RENDITIONS = QUALITY_ORDER
+# Chosen by measurement (docs/nodes.md, "Block size"): 64-token blocks fetched a 2k-token prefix of the
+# bench preset 1.5x faster than 16-token blocks (fewer, larger objects and requests; better compression),
+# at the cost of recomputing up to 63 shared tokens past the last full block.
+DEFAULT_BLOCK_SIZE = 64
+DEFAULT_TENANT = "default"
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Everything a node needs: model, cache, relay, signing/trust and ABR knobs."""
+
+    relay_url: str | None = None
+    """``moqt://HOST:PORT`` of the relay; None runs the node without a network (local cache only)."""
+    ca_file: Path | None = None
+    """CA certificate that the relay's certificate must chain to."""
+    cert_file: Path | None = None
+    """Our client certificate (mTLS), optional."""
+    key_file: Path | None = None
+    """Private key of ``cert_file``."""
+    token_file: Path | None = None
+    """File holding the authorization token (``kvnet token issue``) presented in SETUP's AUTHORIZATION TOKEN
+    option; read at every connect, so a renewed token is picked up by the next session."""
+    model: str = "small"
+    """Built-in model preset (``tiny``, ``small``, ``bench``). ``small`` by default: on ``tiny`` a CPU
+    prefills faster than any network fetch, so the ABR would (rightly) never reuse a remote prefix."""
+    checkpoint: Path | None = None
+    """A local Llama-layout checkpoint directory used instead of the preset."""
+    seed: int = 0
+    """Seed of the built-in deterministic weights (part of the fingerprint through the weights digest)."""
+    dtype: str = "float32"
+    """Model and KV dtype."""
+    device: str = "cpu"
+    """torch device."""
+    block_size: int = DEFAULT_BLOCK_SIZE
+    """Tokens per KV block (part of the fingerprint)."""
+    cache_blocks: int = 2048
+    """Physical blocks in the paged KV cache."""
+    node_secret: Path | None = None
+    """Operator's node secret file (``kvnet.security.tenancy``, mode 0600). With it the chain root is salted
+    with ``derive_tenant_salt(secret, tenant)`` and the namespace carries
+    ``tenant_namespace_id(secret, tenant)``; without it the salt is empty and the namespace carries the
+    tenant id as given (single tenant only)."""
+    publish_renditions: tuple[str, ...] = ("lossless",)
+    """Renditions a publisher encodes and serves for every block."""
+    acceptable_renditions: tuple[str, ...] = ("lossless",)
+    """Renditions a subscriber accepts (quality floor); lossless only by default."""
+    store_bytes: int = 512 << 20
+    """Byte budget of the publisher-side block store."""
+    signing_key: Path | None = None
+    """Ed25519 private key used to sign manifests; None generates an ephemeral key."""
+    trust: tuple[Path, ...] = ()
+    """Public key files (or directories of ``*.pub``) whose signatures a subscriber accepts."""
+    trust_any: bool = False
+    """Accept any correctly signed manifest whatever its key (development only; logged loudly)."""
+    push: bool = True
+    """Publisher: also PUBLISH blocks into the relay's cache (survives the publisher leaving)."""
+    fetch_window_bytes: int = DEFAULT_WINDOW_BYTES
+    """Raw block bytes requested ahead during a fetch (``kvnet.node.fetching``: a few MB keeps loopback and
+    LAN links busy without interleaving every block's delivery)."""
+    request_timeout: float = 10.0
+    """Seconds to wait for one locate or fetch before giving up (and recomputing)."""
+    prior_throughput_bps: float = 100e6
+    """ABR throughput prior (bytes/s) before anything was measured."""
+    abr_mode: str = "auto"
+    """``auto`` (fetch or recompute by estimate), ``fetch`` (always fetch located blocks), ``recompute``."""
+    max_new_tokens: int = 16
+    """Default generation length."""
+    tenant: str = DEFAULT_TENANT
+    """Tenant this node computes for (set by the operator; never taken from a client)."""
+    quic_stack: str = DEFAULT_STACK
+    """QUIC implementation of the relay session (this node is its client). qh3 fetches ~30% faster on
+    loopback but locates in 1-2 more round trips through an aioquic relay, so aioquic is the default
+    (docs/performance.md, "Node fetch path")."""
+    max_datagram_size: int | None = None
+    """Largest UDP payload of the relay session; None takes the stack's loopback size. Give 1452
+    (``--ethernet``) on a 1500-byte path and 8952 on jumbo frames."""
+    torch_threads: int = 1
+    """Intra-op threads of torch. One by default: a node shares its cores with the relay and its own event
+    loop, and OpenMP workers spin-waiting on a contended 2-core machine made a 5 ms prefill take 300 ms."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.cache_blocks <= 0:
+            raise ValueError(f"cache_blocks must be positive, got {self.cache_blocks}")
+        for name in ("publish_renditions", "acceptable_renditions"):
+            values = getattr(self, name)
+            if not values:
+                raise ValueError(f"{name}: at least one rendition is required")
+            unknown = [r for r in values if r not in KNOWN_RENDITIONS]
+            if unknown:
+                raise ValueError(f"{name}: unknown rendition(s) {unknown}; known: {list(KNOWN_RENDITIONS)}")
+        if self.store_bytes <= 0:
+            raise ValueError(f"store_bytes must be positive, got {self.store_bytes}")
+        if self.fetch_window_bytes <= 0:
+            raise ValueError(f"fetch_window_bytes must be positive, got {self.fetch_window_bytes}")
+        if self.request_timeout <= 0:
+            raise ValueError(f"request_timeout must be positive, got {self.request_timeout}")
+        if self.abr_mode not in ("auto", "fetch", "recompute"):
+            raise ValueError(f"abr_mode must be auto, fetch or recompute, got {self.abr_mode!r}")
+        if self.torch_threads <= 0:
+            raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        self.transport_settings  # noqa: B018 (validates stack and datagram size, naming the field)
+        if self.tenant != DEFAULT_TENANT and self.node_secret is None:
+            # Different tenants must never share a chain root: that takes a salt, hence a node secret.
+            raise ValueError("tenant: a tenant other than the default needs --node-secret (salted hashes)")
+        if self.relay_url is not None and self.ca_file is None:
+            raise ValueError("ca_file: a relay connection needs --ca to verify the relay (TLS is always on)")
+
+
+    @property
+    def transport_settings(self) -> TransportSettings:
+        """QUIC settings of the relay session (``TransportSettings.for_ethernet`` on 1500-byte paths)."""
+        if self.max_datagram_size == DATAGRAM_SIZE_ETHERNET:
+            return TransportSettings.for_ethernet(self.quic_stack)
+        return TransportSettings(max_datagram_size=self.max_datagram_size, stack=self.quic_stack)
+
+
+def _renditions(text: str) -> tuple[str, ...]:
+    return tuple(r.strip() for r in text.split(",") if r.strip())
+
+
+def _size(text: str) -> int:
+    """``512M``, ``2G``, ``1000000`` -> bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool) -> None:
+    """Flags shared by the node commands."""
+    g = parser.add_argument_group("relay")
+    g.add_argument("--relay", required=relay_required, help="relay URL, moqt://HOST:PORT")
+    g.add_argument("--ca", type=Path, help="CA certificate (PEM) the relay's certificate must chain to")
+    g.add_argument("--cert", type=Path, help="client certificate (PEM) for mTLS")
+    g.add_argument("--key", type=Path, help="private key of --cert")
+    g.add_argument("--token", type=Path, help="authorization token file presented to the relay in SETUP")
+    g.add_argument(
+        "--quic-stack", choices=["qh3", "aioquic"], default=DEFAULT_STACK,
+        help=f"QUIC implementation of the relay session (default {DEFAULT_STACK}; qh3 fetches faster, "
+        "locates in more round trips)",
+    )
+    size = g.add_mutually_exclusive_group()
+    size.add_argument(
+        "--max-datagram-size", type=int,
+        help="largest UDP payload (default: the stack's loopback size; 1452 for a 1500-byte MTU path, "
+        "8952 for 9000-byte jumbo frames)",
+    )
+    size.add_argument(
+        "--ethernet", action="store_true",
+        help="size datagrams for a 1500-byte Ethernet path (same as --max-datagram-size 1452)",
+    )
+    m = parser.add_argument_group("model and cache")
+    m.add_argument(
+        "--model", default="small", help="built-in model preset: tiny, small, bench (default small)"
+    )
+    m.add_argument("--checkpoint", type=Path, help="local checkpoint directory instead of the preset")
+    m.add_argument("--seed", type=int, default=0, help="seed of the built-in weights")
+    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    m.add_argument("--device", default="cpu")
+    m.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    m.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
+    m.add_argument("--cache-blocks", type=int, default=2048, help="blocks in the paged KV cache")
+    m.add_argument(
+        "--node-secret", type=Path,
+        help="node secret file (mode 0600) from which the tenant's hash salt and namespace id derive",
+    )
+    m.add_argument(
+        "--tenant", default=DEFAULT_TENANT,
+        help="tenant this node computes for (needs --node-secret unless it is the default)",
+    )
+    k = parser.add_argument_group("blocks, signing, ABR")
+    k.add_argument(
+        "--renditions", type=_renditions, default=("lossless",),
+        help="publisher: renditions to publish, comma-separated (lossless,int8,int4)",
+    )
+    k.add_argument(
+        "--accept", type=_renditions, default=("lossless",),
+        help="subscriber: acceptable renditions, comma-separated (default lossless only)",
+    )
+    k.add_argument("--store-bytes", type=_size, default=512 << 20, help="publisher block store budget")
+    k.add_argument("--signing-key", type=Path, help="Ed25519 private key (PEM) to sign manifests")
+    k.add_argument(
+        "--trust", type=Path, action="append", default=[],
+        help="trusted publisher public key (PEM) or directory of *.pub (repeatable)",
+    )
+    k.add_argument(
+        "--trust-any", action="store_true",
+        help="accept blocks signed by any key (development only: anyone could poison the cache)",
+    )
+    k.add_argument("--no-push", action="store_true", help="publisher: do not PUBLISH into the relay cache")
+    k.add_argument(
+        "--fetch-window", type=_size, default=DEFAULT_WINDOW_BYTES,
+        help="raw block bytes requested ahead while fetching (default 4M)",
+    )
+    k.add_argument("--timeout", type=float, default=10.0, help="seconds per locate/fetch before recompute")
+    k.add_argument("--abr", default="auto", choices=["auto", "fetch", "recompute"], help="fetch policy")
+    k.add_argument("--assume-throughput", type=float, default=100e6, help="ABR prior in bytes/s")
+    k.add_argument(
+        "--key-dir", type=Path,
+        help="publisher keys directory: signs with KEY_DIR/publisher.key (created if missing) and, without "
+        "--trust, trusts KEY_DIR/*.pub",
+    )
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
+    return NodeConfig(
+        relay_url=args.relay,
+        ca_file=args.ca,
+        cert_file=args.cert,
+        key_file=args.key,
+        token_file=args.token,
+        model=args.model,
+        checkpoint=args.checkpoint,
+        seed=args.seed,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        cache_blocks=args.cache_blocks,
+        node_secret=args.node_secret,
+        publish_renditions=tuple(args.renditions),
+        acceptable_renditions=tuple(args.accept),
+        store_bytes=args.store_bytes,
+        signing_key=args.signing_key,
+        trust=tuple(args.trust),
+        trust_any=args.trust_any,
+        push=not args.no_push,
+        fetch_window_bytes=args.fetch_window,
+        request_timeout=args.timeout,
+        prior_throughput_bps=args.assume_throughput,
+        abr_mode=args.abr,
+        max_new_tokens=args.max_tokens,
+        tenant=args.tenant,
+        torch_threads=args.threads,
+        quic_stack=args.quic_stack,
+        max_datagram_size=DATAGRAM_SIZE_ETHERNET if args.ethernet else args.max_datagram_size,
+    )
+
+
+def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--prompt`` / ``--prompt-file`` of the one-shot commands."""
+    parser.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    parser.add_argument("--prompt-file", type=Path, action="append", default=[], help="prompt from a file")
+
+
+def prompts_from_args(args: argparse.Namespace) -> list[str]:
+    """The prompts given with ``add_prompt_arguments``, texts first, then files in order."""
+    return list(args.prompt) + [f.read_text(encoding="utf-8") for f in args.prompt_file]
+
+
+def node_config_from_cli(args: argparse.Namespace, kvnet_home: str | None) -> NodeConfig:
+    """``node_config_from_args`` with keys resolved from ``--key-dir`` or ``$KVNET_HOME/keys`` (the caller's
+    ``main`` reads the environment). Raises ValueError or OSError with a message for the user."""
+    return resolve_keys(node_config_from_args(args), args.key_dir or default_key_dir(kvnet_home))
+
+
+def resolve_keys(config: NodeConfig, key_dir: Path | None) -> NodeConfig:
+    """Check the node's secret files and fill in the default signing key and trust store from ``key_dir``
+    (created on first use). Raises ``ValueError``/``OSError`` naming an unusable file.
+
+    So that two shells on one machine reproduce a remote hit with no key flags: the publisher signs with
+    ``key_dir/publisher.key`` and the subscriber trusts every ``key_dir/*.pub``.
+    """
+    if config.node_secret is not None:
+        try:  # refuse an unsafe or malformed secret file before anything starts
+            NodeSecret.load(config.node_secret)
+        except TenancyError as exc:
+            raise ValueError(str(exc)) from None
+    if config.token_file is not None:
+        read_token(config.token_file)
+    if key_dir is None:
+        return config
+    signing_key = config.signing_key
+    if signing_key is None:
+        signing_key = key_dir / "publisher.key"
+        if not signing_key.exists():
+            generate_keypair(key_dir, "publisher")
+            logger.info("created publisher signing key %s", signing_key)
+    trust = config.trust or (key_dir,)
+    return dataclasses.replace(config, signing_key=signing_key, trust=trust)
+
+
+def read_token(path: Path) -> bytes:
+    """The authorization token in ``path`` (as ``kvnet token issue`` writes it); ValueError if unusable."""
+    with path.open("rb") as f:
+        value = f.read(DEFAULT_MAX_TOKEN_SIZE + 1)
+    if not value or len(value) > DEFAULT_MAX_TOKEN_SIZE:
+        raise ValueError(f"{path}: a token has 1..{DEFAULT_MAX_TOKEN_SIZE} bytes")
+    return value
+
+
+def setup_logging(verbose: bool) -> None:
+    """Progress and warnings on stderr, so ``--json`` output on stdout stays machine-readable."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    # The transport's per-packet debug output drowns everything else.
+    logging.getLogger("quic").setLevel(logging.WARNING)
+
+
+def default_key_dir(kvnet_home: str | None) -> Path:
+    """``$KVNET_HOME/keys`` or ``~/.kvnet/keys`` (the caller reads the environment)."""
+    base = Path(kvnet_home) if kvnet_home else Path.home() / ".kvnet"
+    return base / "keys"
+

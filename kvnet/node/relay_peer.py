@@ -1,0 +1,139 @@
+"""The node's one MoQT session to its relay: connect, announce, serve our blocks, locate and fetch.
+
+Owns ``RelayPeer``: it opens the session (TLS settings, authorization token, SETUP limits), wires a
+``BlockServer`` (answers the relay's requests for our store in its own task) and a ``BlockFetcher`` (our
+locates and fetches) to it, pushes new blocks, and drains and closes it on shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from kvnet.net.connection import MoqtConnection
+from kvnet.net.endpoint import connect
+from kvnet.net.errors import MoqtConnectionError, RequestRejected
+from kvnet.net.quic import TlsSettings, parse_moqt_url
+from kvnet.node.blockstore import StoredBlock
+from kvnet.node.config import read_token
+from kvnet.node.fetching import BlockFetcher, BlockSink, ExpectedBlock, FetchOutcome
+from kvnet.node.locate import Located
+from kvnet.node.publishing import BlockServer
+from kvnet.security.tokens import KVNET_TOKEN_TYPE
+from proto.errors import UsageError
+from proto.messages import AliasType, AuthToken
+from proto.session import SessionConfig
+
+if TYPE_CHECKING:
+    from kvnet.node.node import Node
+
+logger = logging.getLogger(__name__)
+
+
+class RelayPeer:
+    """The node's one MoQT session to its relay (``kvnet.net.connection``), with the block server and fetcher.
+
+    The server answers the relay's TRACK_STATUS/FETCH/SUBSCRIBE for our store in its own task for as long
+    as the session lives; the fetcher sends our TRACK_STATUS/FETCH through the connection's helpers.
+    """
+
+    def __init__(self, conn: MoqtConnection, server: BlockServer, fetcher: BlockFetcher, url: str) -> None:
+        self.conn = conn
+        self.server = server
+        self.fetcher = fetcher
+        self.url = url
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
+
+    @classmethod
+    async def open(cls, node: Node) -> RelayPeer:
+        cfg = node.config
+        assert cfg.relay_url is not None
+        url = parse_moqt_url(cfg.relay_url)
+        tokens = (
+            (AuthToken(AliasType.USE_VALUE, token_type=KVNET_TOKEN_TYPE, value=read_token(cfg.token_file)),)
+            if cfg.token_file is not None else ()
+        )
+        session_config = SessionConfig(
+            is_client=True, path=url.path or None, authority=f"{url.host}:{url.port}",
+            authorization_tokens=tokens,
+            # The relay forwards many requests to us at once when it serves blocks from our store.
+            max_requests_in_flight=16384,
+        )
+        tls = TlsSettings(ca_file=cfg.ca_file, cert_file=cfg.cert_file, key_file=cfg.key_file)
+        settings = cfg.transport_settings
+        conn = await asyncio.wait_for(
+            connect(cfg.relay_url, settings, tls, session_config), cfg.request_timeout
+        )
+        spec = node.cache.spec
+        server = BlockServer(conn, node.store, node.fingerprint, node.tenant_namespace, spec.num_layers)
+        fetcher = BlockFetcher(
+            conn, node.fingerprint, node.tenant_namespace, spec.block_shape, node.dtype_name, node.trust,
+            node.abr,
+            trust_any=cfg.trust_any, timeout=cfg.request_timeout, window_bytes=cfg.fetch_window_bytes,
+            device=node.device,
+        )
+        peer = cls(conn, server, fetcher, cfg.relay_url)
+        try:
+            await asyncio.wait_for(server.announce(), cfg.request_timeout)
+        except RequestRejected as exc:
+            # Still useful as a subscriber; a publisher then serves only what it pushed.
+            logger.warning("relay refused PUBLISH_NAMESPACE (%s): not serving blocks on request", exc)
+        except BaseException:
+            await conn.close_session()
+            raise
+        loop = asyncio.get_running_loop()
+        peer._tasks = [loop.create_task(server.serve()), loop.create_task(peer._watch())]
+        logger.info("connected to relay %s; namespace tenant field %s", cfg.relay_url, node.tenant_namespace)
+        return peer
+
+    async def _watch(self) -> None:
+        code, reason = await self.conn.wait_session_closed()
+        if self._closing:
+            return
+        logger.warning("relay session ended (code %#x): %s", code, reason or "no reason given")
+
+    @property
+    def connected(self) -> bool:
+        return not self.conn.is_closed
+
+    async def locate(self, hashes: list[bytes], renditions: list[str]) -> Located:
+        if not self.connected:
+            raise ConnectionError("relay session is not up")
+        return await self.fetcher.locate(hashes, renditions)
+
+    async def fetch(
+        self, expected: list[ExpectedBlock], renditions: list[str], sink: BlockSink
+    ) -> FetchOutcome:
+        return await self.fetcher.fetch(expected, renditions, sink)
+
+    async def push(self, blocks: list[StoredBlock]) -> int:
+        if not self.connected or not blocks:
+            return 0
+        try:
+            return await self.server.push(blocks)
+        except (MoqtConnectionError, UsageError) as exc:
+            logger.warning("pushing blocks to the relay failed: %s", exc)
+            return 0
+
+    async def drain(self, timeout: float = 30.0) -> None:
+        """Wait until the relay acknowledged everything we sent (before a one-shot publisher exits)."""
+        deadline = time.monotonic() + timeout
+        while self.connected and self.conn.send_buffered() > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    def metrics(self) -> dict[str, float]:
+        return {f"publisher_{k}_total": float(v) for k, v in self.server.stats.__dict__.items()}
+
+    async def close(self) -> None:
+        # Blocks pushed just before exiting must reach the relay's cache first.
+        await self.drain(timeout=10.0)
+        self._closing = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.conn.close_session(), 5)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

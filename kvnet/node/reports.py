@@ -1,0 +1,110 @@
+"""What a node reports: per-request reports (the subscriber's ``--json`` output) and the /metrics counters.
+
+Plain data with ``to_json``; filled in by ``kvnet.node.node.Node``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Timings:
+    """Seconds spent in each phase of one request."""
+
+    hash_s: float = 0.0
+    locate_s: float = 0.0
+    fetch_s: float = 0.0
+    load_s: float = 0.0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    total_s: float = 0.0
+
+    def to_json(self) -> dict[str, float]:
+        return {k: round(v, 6) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class RequestReport:
+    """Everything one completion did; ``to_json`` is the subscriber's ``--json`` output."""
+
+    prompt_tokens: int = 0
+    local_hit_tokens: int = 0
+    remote_hit_tokens: int = 0
+    computed_tokens: int = 0
+    located_blocks: int = 0
+    bytes_fetched: int = 0
+    renditions: dict[str, int] = field(default_factory=dict)
+    timings: Timings = field(default_factory=Timings)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
+    finish_reason: str = "length"
+    abr: dict[str, Any] = field(default_factory=dict)
+    locate: dict[str, int] = field(default_factory=dict)
+    """What the locate searched and cost: ``blocks, located, probes, rounds, fan_out``."""
+    fallback: list[str] = field(default_factory=list)
+    security_events: list[dict[str, str]] = field(default_factory=list)
+    """Blocks refused by verification: ``{"kind": "signature" | "content", "detail": ...}``."""
+    published_blocks: int = 0
+    verified: bool | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens,
+            "local_hit_tokens": self.local_hit_tokens,
+            "remote_hit_tokens": self.remote_hit_tokens,
+            "computed_tokens": self.computed_tokens,
+            "located_blocks": self.located_blocks,
+            "bytes_fetched": self.bytes_fetched,
+            "renditions": dict(self.renditions),
+            "timings": self.timings.to_json(),
+            "output_token_ids": list(self.output_token_ids),
+            "output_text": self.output_text,
+            "finish_reason": self.finish_reason,
+            "abr": self.abr,
+            "locate": dict(self.locate),
+            "fallback": list(self.fallback),
+            "security_events": [dict(e) for e in self.security_events],
+            "published_blocks": self.published_blocks,
+        }
+        if self.verified is not None:
+            out["verified"] = self.verified
+        return out
+
+
+@dataclass
+class PublishReport:
+    """What ``publish_prompt`` did."""
+
+    prompt_tokens: int
+    computed_tokens: int
+    blocks: int
+    objects_bytes: int
+    pushed: int
+    prefill_s: float
+    encode_s: float
+    push_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class NodeCounters:
+    """Monotonic counters exported on /metrics."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    local_hit_tokens: int = 0
+    remote_hit_tokens: int = 0
+    computed_tokens: int = 0
+    bytes_fetched: int = 0
+    blocks_rejected: int = 0
+    security_signature_failures: int = 0
+    """Blocks refused because they were unsigned or not signed by a trusted key."""
+    security_content_failures: int = 0
+    """Signed blocks whose manifest or payload disagreed with our prompt (poisoning or corruption)."""
+    fetch_fallbacks: int = 0
+    published_blocks: int = 0
