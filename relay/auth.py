@@ -64,9 +64,9 @@ def request_target(ev: me.MoqtEvent) -> tuple[Action, tuple[bytes, ...]] | None:
     if isinstance(ev, me.SubscribeReceived | me.TrackStatusReceived):
         return Action.SUBSCRIBE, ev.track_namespace
     if isinstance(ev, me.FetchReceived):
-        # A joining FETCH names no track; the relay answers it NOT_SUPPORTED.
+        # A joining FETCH names no track: it rides on a SUBSCRIBE of the same session, already checked.
         return None if ev.track_namespace is None else (Action.SUBSCRIBE, ev.track_namespace)
-    if isinstance(ev, me.SubscribeNamespaceReceived):
+    if isinstance(ev, me.SubscribeNamespaceReceived | me.SubscribeTracksReceived):
         return Action.SUBSCRIBE, ev.track_namespace_prefix
     return None
 

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 from kvnet.net.errors import ConnectionClosed, LimitError, RequestRejected, StreamResetError
 from kvnet.net.handles import (
-    IncomingSubscribe,
     Subscription,
 )
 from proto.data import ObjectStatus
@@ -28,16 +27,21 @@ if TYPE_CHECKING:
 
 @dataclass
 class DownstreamSubscriber:
-    """One downstream subscriber of a fan-out."""
+    """One downstream subscriber of a fan-out: a SUBSCRIBE it sent us, or a PUBLISH we sent it (after its
+    SUBSCRIBE_TRACKS); either way ``request_id`` is the request the objects belong to."""
 
     peer: Peer
-    req: IncomingSubscribe
+    request_id: int
     alias: int
     streams: dict[tuple[int, int | None], int] = field(default_factory=dict)
     """(group, subgroup) -> our stream id toward this subscriber."""
     dropped: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when the relay ended this subscription (upstream done, or the subscriber was cut off)."""
+
+    def cancel(self, code: StreamResetCode) -> None:
+        """Reset the subscription's request and data streams with ``code``."""
+        self.peer.conn.cancel_request(self.request_id, code)
 
 
 class Fanout:
@@ -61,7 +65,7 @@ class Fanout:
         """An END_OF_TRACK object arrived from the source."""
 
     def add(self, sub: DownstreamSubscriber) -> None:
-        self.subs[(sub.peer.id, sub.req.request_id)] = sub
+        self.subs[(sub.peer.id, sub.request_id)] = sub
 
     def remove(self, peer: Peer, request_id: int) -> None:
         self.subs.pop((peer.id, request_id), None)
@@ -123,7 +127,7 @@ class Fanout:
         self.relay.metrics.inc("limit_rejections_total", labels={"limit": limit})
         sub.peer.log.warning("subscriber over a limit; ending subscription", extra={"limit": limit})
         with contextlib.suppress(Exception):
-            sub.req.cancel(code)
+            sub.cancel(code)
 
     def finish(self, status: int, reason: str) -> None:
         """Upstream ended: FIN every subscriber's streams and send PUBLISH_DONE with the same status.
@@ -142,7 +146,7 @@ class Fanout:
                 for sid in sub.streams.values():
                     conn.close_subgroup(sid)
                 sub.streams.clear()
-                conn.publish_done(sub.req.request_id, status, reason)
+                conn.publish_done(sub.request_id, status, reason)
         for sub in self.subs.values():
             sub.ended.set()
         self.subs.clear()

@@ -203,7 +203,7 @@ class Peer:
         ev = req.event
         target = request_target(ev)
         if target is None:
-            return True  # refused below as not supported
+            return True  # refused below as not supported, or a joining FETCH (its SUBSCRIBE was checked)
         assert self.auth is not None
         tokens: tuple[AuthToken, ...] = ev.parameters.authorization_tokens  # type: ignore[attr-defined]
         try:
@@ -247,6 +247,8 @@ class Peer:
             self._spawn(req, "publish_namespace", lambda: relay.serve_publish_namespace(self, req))
         elif isinstance(ev, me.SubscribeNamespaceReceived):
             self._spawn(req, "subscribe_namespace", lambda: relay.serve_subscribe_namespace(self, req))
+        elif isinstance(ev, me.SubscribeTracksReceived):
+            self._spawn(req, "subscribe_tracks", lambda: relay.serve_subscribe_tracks(self, req))
         elif isinstance(req, IncomingPublish):
             self._spawn(req, "publish", lambda: relay.serve_publish(self, req))
         else:

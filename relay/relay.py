@@ -20,7 +20,7 @@ from collections.abc import Callable, Coroutine
 
 from kvnet.net.connection import ConnectionLimits, MoqtConnection
 from kvnet.net.endpoint import serve as serve_moqt
-from kvnet.net.errors import ConnectionClosed, StreamResetError
+from kvnet.net.errors import ConnectionClosed, RequestRejected, StreamResetError
 from kvnet.net.handles import (
     IncomingFetch,
     IncomingPublish,
@@ -70,6 +70,8 @@ class Relay:
         self._swept = asyncio.Event()
         self.fanouts: dict[TrackKey, Fanout] = {}
         self.ns_watchers: dict[tuple[int, int], tuple[Peer, IncomingRequest, tuple[bytes, ...]]] = {}
+        self.track_watchers: dict[tuple[int, int], tuple[Peer, tuple[bytes, ...]]] = {}
+        """SUBSCRIBE_TRACKS by (session id, request id): (session, namespace prefix)."""
         self._routes_changed = asyncio.Event()
         """Set (and replaced) whenever a namespace or track gets a publisher (``routes_changed``)."""
         self.going_away = False
@@ -305,6 +307,8 @@ class Relay:
         removed = self.router.remove_route(peer)
         for k in [k for k in self.ns_watchers if k[0] == peer.id]:
             del self.ns_watchers[k]
+        for k in [k for k in self.track_watchers if k[0] == peer.id]:
+            del self.track_watchers[k]
         for fan in list(self.fanouts.values()):
             for key in [k for k in fan.subs if k[0] == peer.id]:
                 fan.remove(peer, key[1])
@@ -526,6 +530,46 @@ class Relay:
         finally:
             self.ns_watchers.pop((peer.id, req.request_id), None)
 
+    async def serve_subscribe_tracks(self, peer: Peer, req: IncomingRequest) -> None:
+        """SUBSCRIBE_TRACKS: every track under the prefix that reached us by PUBLISH, now or later, is
+        offered to the subscriber with a PUBLISH of our own (draft "Publisher Interactions")."""
+        ev = req.event
+        assert isinstance(ev, me.SubscribeTracksReceived)
+        prefix = ev.track_namespace_prefix
+        req.accept()
+        self.count("subscribe_tracks", "ok")
+        self.track_watchers[(peer.id, req.request_id)] = (peer, prefix)
+        for key, fan in list(self.fanouts.items()):
+            if fan.source_peer not in (None, peer) and key[0][: len(prefix)] == prefix:
+                self.offer_track(fan, peer)
+        try:
+            await req.cancelled.wait()
+        finally:
+            self.track_watchers.pop((peer.id, req.request_id), None)
+
+    def offer_track(self, fan: Fanout, peer: Peer) -> None:
+        """Send PUBLISH for ``fan``'s track to ``peer`` and, once it answers PUBLISH_OK, forward the
+        track's objects to it like to any subscriber. Runs as one of the peer's tasks."""
+
+        async def run() -> None:
+            alias = peer.next_alias()
+            params = NO_PARAMETERS if fan.largest is None else MessageParameters(largest_object=fan.largest)
+            try:
+                ok = await peer.conn.publish(fan.key[0], fan.key[1], alias, params, fan.properties)
+            except RequestRejected as exc:
+                peer.log.info("PUBLISH refused by subscriber", extra={"code": exc.code})
+                return
+            if fan.ended or ok.parameters.forward == 0:
+                return  # nothing left to forward, or the subscriber only wanted to know the track exists
+            sub = DownstreamSubscriber(peer, ok.request_id, alias)
+            fan.add(sub)
+            try:
+                await sub.ended.wait()
+            finally:
+                fan.remove(peer, sub.request_id)
+
+        spawn(run(), peer.tasks, "PUBLISH to a SUBSCRIBE_TRACKS subscriber")
+
     # -- SUBSCRIBE / PUBLISH -------------------------------------------------------------------------------
     async def serve_subscribe(self, peer: Peer, req: IncomingSubscribe) -> None:
         ev = req.event
@@ -565,7 +609,7 @@ class Relay:
         alias = peer.next_alias()
         params = NO_PARAMETERS if fan.largest is None else MessageParameters(largest_object=fan.largest)
         req.accept_subscribe(alias, params, fan.properties)
-        sub = DownstreamSubscriber(peer, req, alias)
+        sub = DownstreamSubscriber(peer, req.request_id, alias)
         fan.add(sub)
         self.count("subscribe", outcome)
         waits = {asyncio.ensure_future(req.cancelled.wait()), asyncio.ensure_future(sub.ended.wait())}
@@ -652,6 +696,9 @@ class Relay:
         self.cache.invalidate_negative(key[0])
         self.routes_changed()
         self.count("publish", "ok")
+        for watcher, prefix in list(self.track_watchers.values()):
+            if key[0][: len(prefix)] == prefix and watcher is not peer and not watcher.conn.is_closed:
+                self.offer_track(fan, watcher)
         fan.task = spawn(fan.pump(source), what="published track fan-out")
         cancelled = asyncio.ensure_future(req.cancelled.wait())
         try:

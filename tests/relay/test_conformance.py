@@ -9,7 +9,9 @@ import time
 import pytest
 
 from kvnet.net.errors import RequestRejected
-from proto.errors import RequestErrorCode
+from kvnet.net.handles import IncomingPublish
+from proto.data import ObjectStatus
+from proto.errors import PublishDoneCode, RequestErrorCode
 from proto.messages import MessageParameters
 from tests.relay.conftest import CertDir, RelayProcess
 from tests.relay.peers import NS, Publisher, connect_client, track_objects
@@ -58,4 +60,30 @@ async def test_rendezvous_routes_to_a_publisher_that_comes_later(
     finally:
         if pub is not None:
             await pub.stop()
+        await sub.close_session()
+
+
+async def test_subscribe_tracks_gets_publish(cert_dir: CertDir, relay: RelayProcess) -> None:
+    sub = await connect_client(relay.url, str(cert_dir.ca))
+    pub = await connect_client(relay.url, str(cert_dir.ca))
+    try:
+        sub._do(sub.session.subscribe_tracks, NS[:2])
+        await wait_metric(relay, 'kvnet_relay_requests_total{outcome="ok",type="subscribe_tracks"}', 1)
+        objs = track_objects(b"pushed", 5)
+        ok = asyncio.ensure_future(pub.publish(NS, b"pushed", 7))
+        # The relay offers the track to the SUBSCRIBE_TRACKS subscriber with a PUBLISH of its own.
+        offered = await asyncio.wait_for(sub.next_request(), 10)
+        assert isinstance(offered, IncomingPublish)
+        assert (offered.event.track_namespace, offered.event.track_name) == (NS, b"pushed")
+        objects = offered.accept_publish(MessageParameters(forward=1))
+        await wait_metric(relay, 'kvnet_relay_requests_total{outcome="ok",type="publish"}', 1)
+        sid = pub.open_subgroup(7, 0, 0)
+        for i, payload in enumerate(objs):
+            pub.send_subgroup_object(sid, i, payload)
+        pub.send_subgroup_object(sid, len(objs), b"", status=ObjectStatus.END_OF_TRACK, end_stream=True)
+        pub.publish_done((await ok).request_id, PublishDoneCode.TRACK_ENDED, "pushed")
+        got = [ev.payload async for ev in objects if ev.payload]
+        assert got == objs
+    finally:
+        await pub.close_session()
         await sub.close_session()
