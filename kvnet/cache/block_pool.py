@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from kvnet.errors import BlockStateError, PoolExhaustedError
+from kvnet.errors import BlockStateError, CacheUsageError, PoolExhaustedError
 
 BLOCK_HASH_SIZE = 32
 """Length in bytes of a block hash (SHA-256)."""
@@ -158,9 +158,13 @@ class BlockPool:
     ``allocate`` hands out blocks with ``ref_cnt == 1``; ``touch`` adds a reference (reviving a cached
     free block); ``free`` drops one, queueing the block when it reaches zero. A full block is published
     to the index with ``cache_full_block`` and stays findable by ``lookup`` until ``allocate`` evicts it.
+
+    ``BlockStored`` / ``BlockRemoved`` events are queued only with ``record_events=True``, for a consumer
+    that drains them with ``take_events``: a queue nobody drains grows with every store and eviction and
+    keeps every evicted hash alive for the life of the process.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, *, record_events: bool = False) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self.num_blocks = num_blocks
@@ -169,6 +173,8 @@ class BlockPool:
         """All blocks, indexed by block id."""
         self._free_queue = FreeBlockQueue(self.blocks)
         self._hash_to_block: dict[bytes, KVCacheBlock] = {}
+        self.record_events = record_events
+        """Whether stores and evictions queue events for ``take_events``."""
         self._events: list[BlockEvent] = []
 
     @property
@@ -188,8 +194,9 @@ class BlockPool:
     def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` blocks from the head of the free queue, each returned with ``ref_cnt == 1``.
 
-        Cached blocks taken this way are evicted: their hash leaves the index and a ``BlockRemoved``
-        event is queued. Raises ``PoolExhaustedError`` (pool unchanged) when too few blocks are free.
+        Cached blocks taken this way are evicted: their hash leaves the index (and a ``BlockRemoved``
+        event is queued when events are recorded). Raises ``PoolExhaustedError`` (pool unchanged) when
+        too few blocks are free.
         """
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
@@ -210,7 +217,8 @@ class BlockPool:
         if self._hash_to_block.get(block_hash) is block:
             del self._hash_to_block[block_hash]
         block.reset_hash()
-        self._events.append(BlockRemoved(block_hash=block_hash, block_id=block.block_id))
+        if self.record_events:
+            self._events.append(BlockRemoved(block_hash=block_hash, block_id=block.block_id))
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add one reference to each block, taking it out of the free queue if it was there."""
@@ -244,7 +252,8 @@ class BlockPool:
     def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
         """Publish a full, referenced block in the index under ``block_hash``.
 
-        Returns True when the block became cached (a ``BlockStored`` event is queued), False when the
+        Returns True when the block became cached (queueing a ``BlockStored`` event when events are
+        recorded), False when the
         hash is already indexed to another block (the duplicate stays unhashed and is reused first once
         freed). Raises ``BlockStateError`` if the block is unreferenced or already has a different hash.
         """
@@ -260,7 +269,8 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self._hash_to_block[block_hash] = block
-        self._events.append(BlockStored(block_hash=block_hash, block_id=block.block_id))
+        if self.record_events:
+            self._events.append(BlockStored(block_hash=block_hash, block_id=block.block_id))
         return True
 
     def lookup(self, block_hash: bytes) -> KVCacheBlock | None:
@@ -268,6 +278,12 @@ class BlockPool:
         return self._hash_to_block.get(block_hash)
 
     def take_events(self) -> list[BlockEvent]:
-        """Return and clear the events queued since the last call, oldest first."""
+        """Return and clear the events queued since the last call, oldest first.
+
+        Raises ``CacheUsageError`` on a pool built without ``record_events``: an empty answer there would
+        read as "nothing happened".
+        """
+        if not self.record_events:
+            raise CacheUsageError("this pool does not record events: build it with record_events=True")
         events, self._events = self._events, []
         return events

@@ -142,7 +142,9 @@ class PagedKVCache:
     allocated per token afterwards.
     """
 
-    def __init__(self, spec: CacheSpec, num_blocks: int, device: torch.device) -> None:
+    def __init__(
+        self, spec: CacheSpec, num_blocks: int, device: torch.device, *, record_events: bool = False
+    ) -> None:
         if not isinstance(spec, CacheSpec):
             raise TypeError(f"spec must be a CacheSpec, got {type(spec).__name__}")
         if not _is_positive_int(num_blocks):
@@ -153,8 +155,8 @@ class PagedKVCache:
         """Where the K/V tensors live."""
         self.num_blocks = num_blocks
         """Physical blocks in the cache."""
-        self.pool = BlockPool(num_blocks)
-        """Block metadata (reference counts, free queue, hash index)."""
+        self.pool = BlockPool(num_blocks, record_events=record_events)
+        """Block metadata (reference counts, free queue, hash index); events only with ``record_events``."""
         shape = (spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         # One tensor per K and V, so a block's data over all layers is one strided slice (export,
         # import and copy-on-write are single tensor ops); layer views stay contiguous.
@@ -499,7 +501,7 @@ class PagedKVCache:
         )
 
     def take_events(self) -> list[BlockEvent]:
-        """Block stored/removed events since the last call (see ``BlockPool.take_events``)."""
+        """Stored/removed events since the last call (``BlockPool.take_events``; needs ``record_events``)."""
         return self.pool.take_events()
 
     # ----------------------------------------------------------------------------------------------

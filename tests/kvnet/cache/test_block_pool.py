@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import tracemalloc
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvnet.cache.block_pool import BlockPool, BlockRemoved, BlockStored, FreeBlockQueue, KVCacheBlock
-from kvnet.errors import BlockStateError, PoolExhaustedError
+from kvnet.errors import BlockStateError, CacheUsageError, PoolExhaustedError
 
 
 def _hash(label: int) -> bytes:
@@ -73,7 +74,7 @@ def test_allocate_and_free_reference_counts() -> None:
 
 
 def test_exhaustion_raises_with_counts_and_leaves_state_unchanged() -> None:
-    pool = BlockPool(4)
+    pool = BlockPool(4, record_events=True)
     held = pool.allocate(2)
     cached = pool.allocate(1)[0]
     pool.cache_full_block(cached, _hash(1))
@@ -89,7 +90,7 @@ def test_exhaustion_raises_with_counts_and_leaves_state_unchanged() -> None:
 
 
 def test_cached_blocks_stay_reusable_until_evicted_in_lru_order() -> None:
-    pool = BlockPool(4)
+    pool = BlockPool(4, record_events=True)
     blocks = pool.allocate(4)
     for label, block in enumerate(blocks):
         assert pool.cache_full_block(block, _hash(label))
@@ -198,3 +199,41 @@ def test_random_operations_keep_pool_invariants(ops: list[tuple[str, int, int]])
     pool.free(held)
     assert pool.num_free_blocks == pool.num_blocks
     assert all(block.ref_cnt == 0 for block in pool.blocks)
+
+
+def _store_evict_cycles(pool: BlockPool, first: int, count: int) -> None:
+    """``count`` cycles of: allocate (evicting the block cached a cycle ago), cache under a new hash, free."""
+    for label in range(first, first + count):
+        (block,) = pool.allocate(1)
+        pool.cache_full_block(block, _hash(label))
+        pool.free([block])
+
+
+def test_memory_stays_flat_over_store_evict_cycles_when_nobody_takes_events() -> None:
+    # A long-running node caches and evicts forever; a pool whose events nobody drains must not keep
+    # every evicted hash alive.
+    pool = BlockPool(2)
+    _store_evict_cycles(pool, 0, 1_000)  # warm up: both blocks have held hashes
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        _store_evict_cycles(pool, 1_000, 10_000)
+        after, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # 10k cycles queueing two events each would hold megabytes; a flat pool holds at most a few objects.
+    assert after - before < 16 * 1024, f"pool grew by {after - before} bytes over 10k cycles"
+    assert pool.num_cached_blocks == 2
+
+
+def test_events_are_recorded_only_when_asked_for() -> None:
+    quiet = BlockPool(2)
+    _store_evict_cycles(quiet, 0, 3)
+    with pytest.raises(CacheUsageError, match="record_events"):
+        quiet.take_events()
+    recording = BlockPool(2, record_events=True)
+    _store_evict_cycles(recording, 0, 3)
+    events = recording.take_events()
+    assert [type(e) for e in events] == [BlockStored, BlockStored, BlockRemoved, BlockStored]
+    assert [e.block_hash for e in events] == [_hash(0), _hash(1), _hash(0), _hash(2)]
+    assert recording.take_events() == []

@@ -230,7 +230,7 @@ def test_fragmentation_stays_below_one_block_per_sequence() -> None:
 
 
 def test_eviction_under_small_pool_never_takes_referenced_blocks() -> None:
-    cache = PagedKVCache(SPEC, num_blocks=6, device=CPU)
+    cache = PagedKVCache(SPEC, num_blocks=6, device=CPU, record_events=True)
     pinned = list(range(900, 908))  # 2 full blocks held for the whole test
     _prefill(cache, 0, pinned)
     for seq_id in range(1, 30):
@@ -368,7 +368,7 @@ def test_abort_import_returns_block() -> None:
 
 
 def test_events_report_stored_blocks() -> None:
-    cache = PagedKVCache(SPEC, num_blocks=4, device=CPU)
+    cache = PagedKVCache(SPEC, num_blocks=4, device=CPU, record_events=True)
     tokens = list(range(9))
     _prefill(cache, 1, tokens)
     stored = [e.block_hash for e in cache.take_events()]
