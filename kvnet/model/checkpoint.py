@@ -13,9 +13,7 @@ layout, so a saved model loads back bit-exactly.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from kvnet.model.tokenizer import tokenizer_files_identity
 from kvnet.model.transformer import ModelArgs, Transformer
 
 CONFIG_FILE = "config.json"
@@ -32,8 +31,6 @@ WEIGHTS_FILE = "model.safetensors"
 """File `save_checkpoint` writes (loading reads every ``*.safetensors`` in the directory)."""
 TOKENIZER_IDENTITY_KEY = "kvnet_tokenizer_identity"
 """Extra ``config.json`` key carrying `Tokenizer.identity()` (written by `save_checkpoint`)."""
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
-"""Files whose bytes define a Hugging Face tokenizer; their digest names it when no identity is given."""
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 """Derived buffers some older exports include; RoPE is recomputed from the config."""
 
@@ -188,18 +185,6 @@ def model_args_from_hf_config(config: Mapping[str, Any], tokenizer_identity: str
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{CONFIG_FILE}: invalid or incomplete value: {exc!r}") from exc
-
-
-def tokenizer_files_identity(directory: Path) -> str | None:
-    """``"hf-files-sha256:<hex>"`` over the tokenizer files in `directory`; None if there are none."""
-    present = [name for name in TOKENIZER_FILES if (directory / name).is_file()]
-    if not present:
-        return None
-    digest = hashlib.sha256()
-    for name in present:
-        data = (directory / name).read_bytes()
-        digest.update(struct.pack(">I", len(name)) + name.encode() + struct.pack(">Q", len(data)) + data)
-    return f"hf-files-sha256:{digest.hexdigest()}"
 
 
 def _read_config(directory: Path) -> dict[str, Any]:
