@@ -1,4 +1,4 @@
-"""The ``kvnet`` command: development certificates, authorization tokens and the link emulator.
+"""The ``kvnet`` command: certificates, authorization tokens, the link emulator and model conversion.
 
 Each subcommand registers itself with ``_add_<name>(subparsers)`` and sets ``func`` on its parser; ``main``
 parses argv and dispatches. Only this module reads the command line; everything below gets plain arguments.
@@ -188,6 +188,61 @@ def _add_linkemu(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.set_defaults(func=_cmd_linkemu)
 
 
+def _cmd_model_convert(args: argparse.Namespace) -> int:
+    from kvnet.model.gguf import convert_gguf
+
+    result = convert_gguf(
+        args.gguf_file, args.dir, expected_sha256=args.sha256, run_dtype=args.dtype, overwrite=args.force,
+        progress=lambda message: print(message, file=sys.stderr),
+    )
+    print(f"checkpoint: {result.directory} ({result.num_tensors} tensors, input sha256 {result.sha256})")
+    return 0
+
+
+def _cmd_model_path(args: argparse.Namespace) -> int:
+    from kvnet.model.registry import default_models_dir, resolve_model
+
+    directory = resolve_model(
+        args.name, default_models_dir(os.environ), progress=lambda message: print(message, file=sys.stderr)
+    )
+    print(directory)
+    return 0
+
+
+def _cmd_model_list(args: argparse.Namespace) -> int:
+    from kvnet.model.registry import MODELS
+
+    for model in MODELS.values():
+        print(f"{model.name}: {model.description} (package: {model.install})")
+    return 0
+
+
+def _add_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("model", help="trained models: convert GGUF files, resolve model names")
+    msub = p.add_subparsers(dest="model_cmd", required=True)
+    convert = msub.add_parser(
+        "convert", help="convert a Llama-architecture GGUF file into a checkpoint directory",
+        description="Writes config.json, model.safetensors (float32, dequantized), tokenizer.json and "
+        "tokenizer_config.json (with the chat template) into DIR.",
+    )
+    convert.add_argument("gguf_file", type=Path, metavar="GGUF_FILE")
+    convert.add_argument("dir", type=Path, metavar="DIR", help="checkpoint directory to create")
+    convert.add_argument("--sha256", help="expected SHA-256 (hex) of GGUF_FILE; refuse to convert otherwise")
+    convert.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+        help="dtype config.json names, which nodes run the model and keep KV in (default bfloat16)",
+    )
+    convert.add_argument("--force", action="store_true", help="replace DIR if it exists")
+    convert.set_defaults(func=_cmd_model_convert)
+    path = msub.add_parser(
+        "path", help="print the checkpoint directory of a named model (converted on first use)"
+    )
+    path.add_argument("name", help="model name, e.g. smollm2")
+    path.set_defaults(func=_cmd_model_path)
+    listing = msub.add_parser("list", help="list the named models")
+    listing.set_defaults(func=_cmd_model_list)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvnet", description="kvnet tools")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -195,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_certs(sub)
     _add_token(sub)
     _add_linkemu(sub)
+    _add_model(sub)
     return parser
 
 
