@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvnet.blocks.signing import generate_keypair
+from kvnet.blocks.signing import Signer, TrustStore, generate_keypair, load_signer
 from kvnet.net.quic import DATAGRAM_SIZE_ETHERNET, DEFAULT_STACK, TransportSettings
 from kvnet.node.abr import QUALITY_ORDER
 from kvnet.node.fetching import DEFAULT_WINDOW_BYTES
@@ -311,6 +311,29 @@ def resolve_keys(config: NodeConfig, key_dir: Path | None) -> NodeConfig:
             logger.info("created publisher signing key %s", signing_key)
     trust = config.trust or (key_dir,)
     return dataclasses.replace(config, signing_key=signing_key, trust=trust)
+
+
+def load_signer_and_trust(config: NodeConfig) -> tuple[Signer | None, TrustStore]:
+    """The configured signing key (None: none configured) and the trust store of accepted publisher keys,
+    which always includes our own key. Raises ``SigningError`` naming an unreadable key file."""
+    signer = load_signer(config.signing_key) if config.signing_key is not None else None
+    trust = TrustStore.from_paths(config.trust)
+    if signer is not None:
+        trust.add(signer.public_key)  # a node always trusts what it signed itself
+    if config.trust_any:
+        logger.warning("--trust-any: accepting blocks signed by ANY key; the cache can be poisoned")
+    elif not trust:
+        logger.warning("no trusted publisher keys: every fetched block will be rejected (give --trust)")
+    return signer, trust
+
+
+def tenant_salt_and_namespace(tenant: str, node_secret: NodeSecret | None) -> tuple[bytes, str]:
+    """The chain-root salt and the namespace tenant field of ``tenant`` (``NodeConfig.node_secret``)."""
+    if node_secret is not None:
+        return node_secret.tenant_salt(tenant), node_secret.namespace_id(tenant)
+    if tenant != DEFAULT_TENANT:
+        raise ValueError("a tenant other than the default needs a node secret")
+    return b"", tenant
 
 
 def read_token(path: Path) -> bytes:

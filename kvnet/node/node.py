@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kvnet.blocks.signing import Signer, TrustStore, load_signer
+from kvnet.blocks.signing import Signer, TrustStore
 from kvnet.cache.hashing import block_hashes, root_hash
 from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.model.generate import cache_spec_for, generate
@@ -34,7 +34,7 @@ from kvnet.model.transformer import Transformer
 from kvnet.net.endpoint import freeze_startup_objects
 from kvnet.node.abr import QUALITY_ORDER, AbrConfig, AbrPlan, KvAbr
 from kvnet.node.blockstore import BlockStore
-from kvnet.node.config import DEFAULT_TENANT, NodeConfig
+from kvnet.node.config import NodeConfig, load_signer_and_trust, tenant_salt_and_namespace
 from kvnet.node.fetching import expected_blocks
 from kvnet.node.publishing import BlockSource, dtype_name, encode_blocks
 from kvnet.node.relay_peer import RelayPeer
@@ -95,13 +95,7 @@ class Node:
         self.cache = PagedKVCache(spec, config.cache_blocks, self.device)
         # The fingerprint hashes every weight: once per process.
         self.fingerprint = model.fingerprint(config.block_size)
-        if node_secret is not None:
-            salt = node_secret.tenant_salt(config.tenant)
-            self.tenant_namespace = node_secret.namespace_id(config.tenant)
-        elif config.tenant != DEFAULT_TENANT:
-            raise ValueError("a tenant other than the default needs a node secret")
-        else:
-            salt, self.tenant_namespace = b"", config.tenant
+        salt, self.tenant_namespace = tenant_salt_and_namespace(config.tenant, node_secret)
         self.root = root_hash(self.fingerprint, salt)
         self.store = BlockStore(config.store_bytes)
         self.signer = signer or Signer.generate()
@@ -129,14 +123,7 @@ class Node:
     @classmethod
     def from_config(cls, config: NodeConfig) -> Node:
         model = build_model(config)
-        signer = load_signer(config.signing_key) if config.signing_key is not None else None
-        trust = TrustStore.from_paths(config.trust)
-        if signer is not None:
-            trust.add(signer.public_key)  # a node always trusts what it signed itself
-        if config.trust_any:
-            logger.warning("--trust-any: accepting blocks signed by ANY key; the cache can be poisoned")
-        elif not trust:
-            logger.warning("no trusted publisher keys: every fetched block will be rejected (give --trust)")
+        signer, trust = load_signer_and_trust(config)
         secret = NodeSecret.load(config.node_secret) if config.node_secret is not None else None
         return cls(config, model, signer=signer, trust=trust, node_secret=secret)
 

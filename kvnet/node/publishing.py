@@ -72,40 +72,53 @@ def encode_blocks(
     Object payloads: object 0 is the manifest, object ``l + 1`` the codec payload of layer ``l``.
     Blocks that are no longer cached (evicted meanwhile) are skipped.
     """
-    spec = cache.spec
-    shape = spec.block_shape
-    dtype = dtype_name(spec.dtype)
-    codecs = [get_codec(r) for r in renditions]
-    now_ms = int(time.time() * 1000)
     out: list[StoredBlock] = []
     for src in sources:
         if not cache.contains_block(src.block_hash):
             continue
-        kv = cache.export_block(src.block_hash)  # k, v: [L, B, H, D]
-        for codec in codecs:
-            payloads = [codec.encode(kv.k[layer], kv.v[layer]) for layer in range(spec.num_layers)]
-            manifest = BlockManifest.for_payloads(
-                fingerprint=fingerprint,
+        kv = cache.export_block(src.block_hash)
+        out += encode_block(kv.k, kv.v, src, fingerprint=fingerprint, renditions=renditions, signer=signer)
+    return out
+
+
+def encode_block(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    src: BlockSource,
+    *,
+    fingerprint: bytes,
+    renditions: Sequence[str],
+    signer: Signer,
+) -> list[StoredBlock]:
+    """Encoded, signed objects of one block whose K and V over all layers are ``k, v: [L, B, H_kv, D]``,
+    one entry per rendition (``encode_blocks`` for blocks held by another engine's cache)."""
+    shape = (int(k.shape[0]), int(k.shape[1]), int(k.shape[2]), int(k.shape[3]))
+    now_ms = int(time.time() * 1000)
+    out: list[StoredBlock] = []
+    for codec in (get_codec(r) for r in renditions):
+        payloads = [codec.encode(k[layer], v[layer]) for layer in range(shape[0])]
+        manifest = BlockManifest.for_payloads(
+            fingerprint=fingerprint,
+            block_hash=src.block_hash,
+            parent_hash=src.parent_hash,
+            token_ids=src.token_ids,
+            block_index=src.block_index,
+            codec=codec.name,
+            dtype=dtype_name(k.dtype),
+            shape=shape,
+            payloads=payloads,
+            key_id=signer.key_id,
+            created_at_ms=now_ms,
+        )
+        manifest = manifest.with_signature(signer.sign_manifest(manifest))
+        out.append(
+            StoredBlock(
                 block_hash=src.block_hash,
-                parent_hash=src.parent_hash,
-                token_ids=src.token_ids,
-                block_index=src.block_index,
-                codec=codec.name,
-                dtype=dtype,
-                shape=shape,
-                payloads=payloads,
-                key_id=signer.key_id,
-                created_at_ms=now_ms,
+                rendition=codec.name,
+                objects=(manifest.encode(), *payloads),
+                manifest=manifest,
             )
-            manifest = manifest.with_signature(signer.sign_manifest(manifest))
-            out.append(
-                StoredBlock(
-                    block_hash=src.block_hash,
-                    rendition=codec.name,
-                    objects=(manifest.encode(), *payloads),
-                    manifest=manifest,
-                )
-            )
+        )
     return out
 
 

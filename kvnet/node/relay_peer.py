@@ -13,12 +13,16 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import torch
+
+from kvnet.blocks.signing import TrustStore
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.errors import MoqtConnectionError, RequestRejected
 from kvnet.net.quic import TlsSettings, parse_moqt_url
-from kvnet.node.blockstore import StoredBlock
-from kvnet.node.config import read_token
+from kvnet.node.abr import KvAbr
+from kvnet.node.blockstore import BlockStore, StoredBlock
+from kvnet.node.config import NodeConfig, read_token
 from kvnet.node.fetching import BlockFetcher, BlockSink, ExpectedBlock, FetchOutcome
 from kvnet.node.locate import Located
 from kvnet.node.publishing import BlockServer
@@ -50,7 +54,20 @@ class RelayPeer:
 
     @classmethod
     async def open(cls, node: Node) -> RelayPeer:
-        cfg = node.config
+        spec = node.cache.spec
+        return await cls.connect(
+            node.config, node.store, node.fingerprint, node.tenant_namespace, spec.block_shape,
+            node.dtype_name, node.trust, node.abr, node.device,
+        )
+
+    @classmethod
+    async def connect(
+        cls, cfg: NodeConfig, store: BlockStore, fingerprint: bytes, tenant_namespace: str,
+        block_shape: tuple[int, int, int, int], dtype: str, trust: TrustStore, abr: KvAbr,
+        device: torch.device,
+    ) -> RelayPeer:
+        """Open the session to ``cfg.relay_url``, announce our namespace and serve ``store`` on it (what
+        ``open`` does for a ``Node``; engines that keep their own KV cache call this directly)."""
         assert cfg.relay_url is not None
         url = parse_moqt_url(cfg.relay_url)
         tokens = (
@@ -68,13 +85,11 @@ class RelayPeer:
         conn = await asyncio.wait_for(
             connect(cfg.relay_url, settings, tls, session_config), cfg.request_timeout
         )
-        spec = node.cache.spec
-        server = BlockServer(conn, node.store, node.fingerprint, node.tenant_namespace, spec.num_layers)
+        server = BlockServer(conn, store, fingerprint, tenant_namespace, block_shape[0])
         fetcher = BlockFetcher(
-            conn, node.fingerprint, node.tenant_namespace, spec.block_shape, node.dtype_name, node.trust,
-            node.abr,
+            conn, fingerprint, tenant_namespace, block_shape, dtype, trust, abr,
             trust_any=cfg.trust_any, timeout=cfg.request_timeout, window_bytes=cfg.fetch_window_bytes,
-            device=node.device,
+            device=device,
         )
         peer = cls(conn, server, fetcher, cfg.relay_url)
         try:
@@ -87,7 +102,7 @@ class RelayPeer:
             raise
         loop = asyncio.get_running_loop()
         peer._tasks = [loop.create_task(server.serve()), loop.create_task(peer._watch())]
-        logger.info("connected to relay %s; namespace tenant field %s", cfg.relay_url, node.tenant_namespace)
+        logger.info("connected to relay %s; namespace tenant field %s", cfg.relay_url, tenant_namespace)
         return peer
 
     async def _watch(self) -> None:
