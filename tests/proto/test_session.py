@@ -1,4 +1,4 @@
-"""MoqtSession end to end: two sessions wired back to back in memory (tests/helpers.SessionPair)."""
+"""MoqtSession end to end: two sessions wired back to back in memory (tests/helpers/sessions.SessionPair)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from proto.session import (
     SessionConfig,
     StopSending,
 )
-from tests.helpers import InMemoryStreams, SessionPair, make_pair
+from tests.helpers.sessions import InMemoryStreams, SessionPair, make_pair
 
 NS = (b"kvnet", b"model-1")
 

@@ -35,7 +35,7 @@ from proto.messages import (
     encode_message,
 )
 from proto.session import CloseConnection, MoqtSession, SessionConfig, StopSending
-from tests.helpers import InMemoryStreams, SessionPair, make_pair
+from tests.helpers.sessions import InMemoryStreams, SessionPair, make_pair
 
 NS = (b"kvnet",)
 PV = SessionErrorCode.PROTOCOL_VIOLATION

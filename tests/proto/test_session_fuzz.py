@@ -44,7 +44,7 @@ from proto.messages import (
     encode_message,
 )
 from proto.session import MoqtSession, SessionConfig
-from tests.helpers import InMemoryStreams, make_pair
+from tests.helpers.sessions import InMemoryStreams, make_pair
 
 NS = (b"kvnet", b"m")
 
