@@ -18,13 +18,11 @@ import asyncio
 import importlib.util
 import itertools
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +36,11 @@ from kvnet.net.quic import TlsSettings, TransportSettings  # noqa: E402
 from kvnet.security import certs  # noqa: E402
 from proto.data import ObjectStatus  # noqa: E402
 from proto.messages import Location  # noqa: E402
+from tests.helpers.processes import CertDir  # noqa: E402
+from tests.helpers.processes import start_relay as start_relay_process  # noqa: E402
 
 NS = (b"kvnet", b"bench")
 OBJECT_BYTES = 1 << 20
-
-
-def _free_port(kind: int) -> int:
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _load_transport_bench() -> Any:
@@ -60,38 +54,15 @@ def _load_transport_bench() -> Any:
 
 
 def start_relay(certdir: Path, cache_bytes: int) -> tuple[subprocess.Popen[bytes], int]:
-    port, mport = _free_port(socket.SOCK_DGRAM), _free_port(socket.SOCK_STREAM)
-    cmd = [
-        sys.executable,
-        "-m",
-        "relay",
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--metrics",
-        f"127.0.0.1:{mport}",
-        "--cert",
-        str(certdir / "server.pem"),
-        "--key",
-        str(certdir / "server-key.pem"),
-        "--ca",
-        str(certdir / "ca.pem"),
-        "--log-level",
-        "warning",
-        "--cache-bytes",
-        str(cache_bytes),
-        "--cache-track-bytes",
-        str(cache_bytes),
-    ]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=1).read()
-            return proc, port
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("relay did not start")
+    """A relay with ``certdir``'s ``server`` certificate (``common.test_certificates``) and a cache of
+    ``cache_bytes``; its log goes into ``certdir``. Returns the process and its QUIC port once it serves."""
+    cert_dir = CertDir(certdir, certdir / "ca.pem", certdir / "server.pem", certdir / "server-key.pem")
+    bytes_flag = str(cache_bytes)
+    rp = start_relay_process(
+        cert_dir, certdir, "--cache-bytes", bytes_flag, "--cache-track-bytes", bytes_flag,
+        log_level="warning", ready_marker=None,
+    )
+    return rp.proc, rp.port
 
 
 class BenchPublisher:

@@ -26,22 +26,19 @@ import io
 import json
 import os
 import pstats
-import socket
 import ssl
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common import free_port, test_certificates
+
 from kvnet.net import quic
-from kvnet.security import certs
 
 CHUNK = 1 << 20
 # Bytes the client keeps queued in the QUIC stack (aioquic: unacknowledged, qh3: unsent): enough to keep
@@ -58,13 +55,6 @@ MODES: dict[str, quic.TransportSettings | None] = {
     "qh3-1452": quic.TransportSettings(stack="qh3", max_datagram_size=1452),
 }
 DEFAULT_MODES = ("aioquic-tuned", "aioquic-default", "qh3-tuned", "tcp-tls")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _settings_to_json(settings: quic.TransportSettings | None) -> str:
@@ -246,21 +236,11 @@ def _print_profile(prof: cProfile.Profile, title: str) -> None:
 # ---------------------------------------------------------------- reusable API
 
 
-@contextmanager
-def test_certificates() -> Iterator[Path]:
-    """A temporary directory with a development CA and a ``server`` certificate for localhost."""
-    with tempfile.TemporaryDirectory() as tmp:
-        certdir = Path(tmp)
-        certs.create_ca(certdir)
-        certs.issue_cert(certdir, "server", ["localhost", "127.0.0.1"])
-        yield certdir
-
-
 def run_once(mode: str, settings: quic.TransportSettings | None, certdir: Path, size: int,
              profile: bool = False) -> float:
     """One transfer of ``size`` bytes; returns seconds. ``mode`` is "tcp-tls" or anything else for QUIC
     with ``settings`` (None: aioquic's own defaults)."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, __file__, "--serve", mode, "--settings", _settings_to_json(settings),
            "--port", str(port), "--certdir", str(certdir), "--size", str(size)]
     if profile:

@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,9 @@ REPO = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO / "benchmarks"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+# Ports, certificates and the relay launcher are the test suite's, so both start processes one way.
+from tests.helpers.processes import free_port, make_certificates  # noqa: E402
 
 
 def load_average() -> str:
@@ -70,24 +72,12 @@ def timed(fn: Callable[[], object], runs: int, warmup: int = 1) -> list[float]:
     return out
 
 
-def free_port(kind: int = socket.SOCK_DGRAM) -> int:
-    """A port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def test_certificates() -> Iterator[Path]:
     """A temporary directory with a development CA (``ca.pem``) and a ``server`` certificate for
     localhost / 127.0.0.1."""
-    from kvnet.security import certs
-
     with tempfile.TemporaryDirectory() as tmp:
-        certdir = Path(tmp)
-        certs.create_ca(certdir)
-        certs.issue_cert(certdir, "server", ["localhost", "127.0.0.1"])
-        yield certdir
+        yield make_certificates(Path(tmp), "server").dir
 
 
 def load_bench(name: str) -> ModuleType | None:

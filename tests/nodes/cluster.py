@@ -15,17 +15,22 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvnet.blocks.signing import generate_keypair
-from kvnet.security import certs
+from tests.helpers.processes import (
+    REPO,
+    START_TIMEOUT,
+    RelayProcess,
+    free_port,
+    make_certificates,
+    start_relay,
+    wait_for_output,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-START_TIMEOUT = 60.0
 TEST_BLOCK_SIZE = 16
 
 
@@ -38,21 +43,14 @@ def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60.
     return json.loads(raw) if raw.startswith((b"{", b"[")) else raw.decode()
 
 
-def free_port(kind: int = socket.SOCK_DGRAM) -> int:
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 class Cluster:
     """Processes of one test; ``close()`` kills whatever is still running."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.certs = tmp / "certs"
-        certs.create_ca(self.certs)
-        certs.issue_cert(self.certs, "relay", ["127.0.0.1", "localhost"])
+        self.certs.mkdir()
+        self.cert_dir = make_certificates(self.certs)
         self.home = tmp / "home"
         generate_keypair(self.home / "keys", "publisher")
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -65,10 +63,11 @@ class Cluster:
         self.relay_port = 0
         self.metrics_port = 0
         self.relay: subprocess.Popen[bytes] | None = None
+        self._relay_process: RelayProcess | None = None
 
     @property
     def ca(self) -> Path:
-        return self.certs / "ca.pem"
+        return self.cert_dir.ca
 
     def url(self, port: int | None = None) -> str:
         return f"moqt://127.0.0.1:{port or self.relay_port}"
@@ -86,39 +85,25 @@ class Cluster:
         return Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
 
     def start_relay(self, *extra: str) -> subprocess.Popen[bytes]:
+        """Start the cluster's relay; a restarted relay keeps the ports of the first one."""
         self.relay_port = self.relay_port or free_port()
         self.metrics_port = self.metrics_port or free_port(socket.SOCK_STREAM)
-        proc = self._spawn(
-            [
-                "-m", "relay", "--listen", f"127.0.0.1:{self.relay_port}",
-                "--cert", str(self.certs / "relay.pem"), "--key", str(self.certs / "relay-key.pem"),
-                "--metrics", f"127.0.0.1:{self.metrics_port}", *extra,
-            ],
-            "relay",
+        rp = start_relay(
+            self.cert_dir, self.tmp, *extra, port=self.relay_port, metrics_port=self.metrics_port,
+            log_level=None, env=self.env, name=f"relay-{len(self.procs)}",
         )
-        # The relay logs msg=listening once its QUIC socket and metrics endpoint are up.
-        self._wait_for(proc, "msg=listening", "relay")
-        self.relay = proc
-        return proc
+        rp.proc.log_path = str(rp.log_path)  # type: ignore[attr-defined]
+        self.procs.append(rp.proc)
+        self._relay_process = rp
+        self.relay = rp.proc
+        return rp.proc
 
     def _wait_for(self, proc: subprocess.Popen[bytes], marker: str, name: str) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while marker not in self.log_of(proc):
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited {proc.returncode}: {self.log_of(proc)[-3000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} not ready: {self.log_of(proc)[-3000:]}")
-            time.sleep(0.05)
+        wait_for_output(proc, lambda: self.log_of(proc), marker, name)
 
     def relay_metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        assert self._relay_process is not None, "start_relay first"
+        return self._relay_process.metrics()
 
     def node_args(self, prompts: Sequence[str], extra: Sequence[str], relay_port: int | None) -> list[str]:
         args = ["--relay", self.url(relay_port), "--ca", str(self.ca), *self._block_size(extra)]

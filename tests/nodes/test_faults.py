@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import time
 
-from tests.nodes.cluster import SHARED_PREFIX, Cluster, free_port
+from tests.helpers.processes import free_port
+from tests.nodes.cluster import SHARED_PREFIX, Cluster
 
 
 def test_relay_killed_mid_fetch_falls_back_to_recompute(kv_cluster: Cluster) -> None:

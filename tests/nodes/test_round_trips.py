@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tests.nodes.cluster import Cluster, free_port
+from tests.helpers.processes import free_port
+from tests.nodes.cluster import Cluster
 
 RTTS_S = (0.020, 0.120)
 

@@ -16,7 +16,8 @@ from kvnet.net.errors import ConnectionClosed, RequestRejected, StreamResetError
 from proto.data import SubgroupHeader, encode_subgroup_header, subgroup_object_prefix
 from proto.errors import SessionErrorCode, StreamResetCode
 from proto.messages import Location, Publish, Setup, TrackStatus, encode_message
-from tests.relay.conftest import CertDir, RelayFactory, RelayProcess
+from tests.helpers.processes import CertDir, RelayProcess
+from tests.relay.conftest import RelayFactory
 from tests.relay.peers import (
     NS,
     Publisher,

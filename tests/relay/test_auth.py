@@ -18,7 +18,8 @@ from kvnet.security.tokens import Action, IssuerKey, issue_token, make_claims
 from proto.errors import RequestErrorCode, SessionErrorCode
 from proto.messages import AliasType, AuthToken, Location, MessageParameters
 from proto.session import SessionConfig
-from tests.relay.conftest import CertDir, RelayFactory, RelayProcess
+from tests.helpers.processes import CertDir, RelayProcess
+from tests.relay.conftest import RelayFactory
 from tests.relay.peers import Publisher, fetch_track, track_objects
 
 NS_A = (b"kvnet", b"v1", b"fp", b"tenant-a")

@@ -9,7 +9,7 @@ import pytest
 from relay.__main__ import build_parser, config_from_args
 from relay.config import load_config, parse_hostport
 from relay.metrics import Metrics, parse_prometheus
-from tests.relay.conftest import CertDir
+from tests.helpers.processes import CertDir
 
 
 def test_file_then_flags(cert_dir: CertDir, tmp_path: Path) -> None:

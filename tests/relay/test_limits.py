@@ -11,7 +11,8 @@ from kvnet.net.errors import ConnectionClosed, RequestRejected, StreamResetError
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode, SessionErrorCode, StreamResetCode
 from proto.messages import Fetch, FetchType, Location, StandaloneFetch, TrackStatus, encode_message
-from tests.relay.conftest import CertDir, RelayFactory, RelayProcess
+from tests.helpers.processes import CertDir, RelayProcess
+from tests.relay.conftest import RelayFactory
 from tests.relay.peers import (
     NS,
     Publisher,

@@ -14,7 +14,8 @@ from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode, SessionErrorCode
 from proto.events import NamespaceReceived
 from proto.messages import Location, TrackStatus, encode_message
-from tests.relay.conftest import CertDir, RelayFactory, RelayProcess
+from tests.helpers.processes import CertDir, RelayProcess
+from tests.relay.conftest import RelayFactory
 from tests.relay.peers import (
     NS,
     Publisher,

@@ -10,7 +10,8 @@ import pytest
 from kvnet.net.errors import RequestRejected
 from proto.errors import RequestErrorCode
 from proto.messages import Location
-from tests.relay.conftest import CertDir, RelayFactory, RelayProcess, sigterm
+from tests.helpers.processes import CertDir, RelayProcess, sigterm
+from tests.relay.conftest import RelayFactory
 from tests.relay.peers import NS, Publisher, connect_client, fetch_track, track_objects
 
 

@@ -10,7 +10,8 @@ import time
 
 from kvnet.net.errors import RequestRejected
 from proto.messages import Location
-from tests.relay.conftest import CertDir, RelayFactory, RelayProcess
+from tests.helpers.processes import CertDir, RelayProcess
+from tests.relay.conftest import RelayFactory
 from tests.relay.peers import NS, Publisher, connect_client, track_objects
 
 _BAD = ("request handler failed", "never retrieved", "level=error", "Traceback")

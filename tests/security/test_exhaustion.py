@@ -19,8 +19,9 @@ from kvnet.net.quic import TlsSettings
 from proto.data import SubgroupHeader, encode_subgroup_header, subgroup_object_prefix
 from proto.errors import RequestErrorCode, SessionErrorCode, StreamResetCode
 from proto.messages import Location, Publish, TrackStatus, encode_message
+from tests.helpers.processes import CertDir, RelayProcess
 from tests.nodes.cluster import SHARED_PREFIX, Cluster
-from tests.relay.conftest import CertDir, RelayFactory, RelayProcess
+from tests.relay.conftest import RelayFactory
 from tests.relay.peers import (
     NS,
     Publisher,

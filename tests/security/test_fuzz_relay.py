@@ -10,7 +10,7 @@ import re
 import subprocess
 import sys
 
-from tests.relay.conftest import REPO
+from tests.helpers.processes import REPO
 
 
 def test_fuzz_relay_short_pass() -> None:

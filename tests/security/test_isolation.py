@@ -38,8 +38,9 @@ from proto.errors import RequestErrorCode, SessionErrorCode
 from proto.kvobject import block_namespace
 from proto.messages import AliasType, AuthToken, Location
 from proto.session import SessionConfig
+from tests.helpers.processes import CertDir, RelayProcess
 from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster
-from tests.relay.conftest import CertDir, RelayFactory, RelayProcess
+from tests.relay.conftest import RelayFactory
 from tests.relay.peers import Publisher, fetch_track, track_objects
 
 PROMPT = SHARED_PREFIX + "Question: which tenant asked this?"

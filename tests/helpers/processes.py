@@ -1,0 +1,186 @@
+"""Real processes on loopback: free ports, development certificates and the relay launcher.
+
+Every relay a test or benchmark starts is ``python -m relay`` with certificates made by
+``kvnet.security.certs``; ``start_relay`` returns once the relay logs ``listening`` and its metrics
+endpoint answers, and raises with the relay's log if it exits or never gets there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvnet.security import certs
+from relay.metrics import parse_prometheus
+from tests.helpers.waiting import wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT = 60.0
+
+__all__ = [
+    "REPO",
+    "START_TIMEOUT",
+    "CertDir",
+    "RelayProcess",
+    "free_port",
+    "make_certificates",
+    "sigterm",
+    "start_relay",
+    "wait_for_output",
+]
+
+
+def free_port(kind: int = socket.SOCK_DGRAM) -> int:
+    """A loopback port that is free for both UDP and TCP right now."""
+    while True:
+        with socket.socket(socket.AF_INET, kind) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        other = socket.SOCK_STREAM if kind == socket.SOCK_DGRAM else socket.SOCK_DGRAM
+        with socket.socket(socket.AF_INET, other) as s2:
+            try:
+                s2.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+
+
+@dataclass
+class CertDir:
+    """A development CA and one server certificate for localhost / 127.0.0.1."""
+
+    dir: Path
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def make_certificates(directory: Path, name: str = "relay") -> CertDir:
+    """Create a CA in ``directory`` and issue ``<name>.pem`` / ``<name>-key.pem`` for loopback."""
+    certs.create_ca(directory)
+    issued = certs.issue_cert(directory, name, ["localhost", "127.0.0.1"])
+    return CertDir(directory, issued.ca, issued.cert, issued.key)
+
+
+def wait_for_output(
+    proc: subprocess.Popen[bytes], read_log: Callable[[], str], marker: str, name: str,
+    timeout: float = START_TIMEOUT,
+) -> None:
+    """Return once ``marker`` appears in the process's log; raise with the log's tail if the process
+    exits first or ``timeout`` passes."""
+
+    def appeared() -> bool:
+        if marker in read_log():
+            return True
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{read_log()[-3000:]}")
+        return False
+
+    try:
+        wait_until(appeared, f"{name} printing {marker!r}", timeout=timeout)
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}\n{read_log()[-3000:]}") from None
+
+
+@dataclass
+class RelayProcess:
+    proc: subprocess.Popen[bytes]
+    port: int
+    metrics_port: int
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"moqt://127.0.0.1:{self.port}"
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return parse_prometheus(r.read().decode())
+
+    async def ametrics(self) -> dict[str, float]:
+        return await asyncio.to_thread(self.metrics)
+
+    def metric(self, name: str) -> float:
+        return self.metrics().get(name, 0.0)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def rss_bytes(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+def start_relay(
+    cert_dir: CertDir,
+    log_dir: Path,
+    *extra: str,
+    name: str = "relay",
+    port: int = 0,
+    metrics_port: int = 0,
+    log_level: str | None = "debug",
+    env: Mapping[str, str] | None = None,
+    ready_marker: str | None = "listening",
+    timeout: float = START_TIMEOUT,
+) -> RelayProcess:
+    """Start ``python -m relay`` on loopback (free ports unless given) with ``cert_dir``'s certificate;
+    the log goes to ``log_dir/<name>-<port>.log``. Returns once the metrics endpoint answers (the relay
+    starts it after its QUIC socket) and, unless ``ready_marker`` is None (a log level that hides it),
+    once the relay has logged ``ready_marker`` (after its signal handlers are in place)."""
+    port = port or free_port()
+    metrics_port = metrics_port or free_port(socket.SOCK_STREAM)
+    log_path = log_dir / f"{name}-{port}.log"
+    args = [
+        sys.executable, "-m", "relay",
+        "--listen", f"127.0.0.1:{port}",
+        "--metrics", f"127.0.0.1:{metrics_port}",
+        "--cert", str(cert_dir.cert), "--key", str(cert_dir.key), "--ca", str(cert_dir.ca),
+        *(["--log-level", log_level] if log_level else []),
+        *extra,
+    ]
+    env = dict(env if env is not None else os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    rp = RelayProcess(proc, port, metrics_port, log_path, args)
+
+    def serving() -> bool:
+        try:
+            rp.metrics()
+        except OSError:
+            return False
+        return True
+
+    def exited() -> None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{rp.log()[-3000:]}")
+
+    try:
+        wait_until(lambda: exited() or serving(), f"{name} metrics endpoint answering", timeout=timeout)
+        if ready_marker is not None:
+            wait_for_output(proc, rp.log, ready_marker, name, timeout=timeout)
+    except BaseException:
+        rp.stop()
+        raise
+    return rp
+
+
+def sigterm(rp: RelayProcess) -> None:
+    rp.proc.send_signal(signal.SIGTERM)
