@@ -13,7 +13,7 @@ from kvnet.net.handles import IncomingPublish
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode
 from proto.messages import MessageParameters
-from tests.relay.conftest import CertDir, RelayProcess
+from tests.helpers.processes import CertDir, RelayProcess
 from tests.relay.peers import NS, Publisher, connect_client, track_objects
 
 
