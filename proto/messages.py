@@ -1325,6 +1325,17 @@ class ControlMessageReader:
             self._pos = 0
         self._buf += data
 
+    def has_message(self) -> bool:
+        """A whole message is buffered: its type, its length and that many payload bytes (framing only,
+        nothing is decoded or consumed)."""
+        header = vi64_decode(self._buf, self._pos)
+        if header is None:
+            return False
+        pos = header[1]
+        if pos + 2 > len(self._buf):
+            return False
+        return pos + 2 + int.from_bytes(self._buf[pos : pos + 2], "big") <= len(self._buf)
+
     def next_message(self) -> ControlMessage | None:
         """Decode and return the next complete message, or None if more bytes are needed."""
         header = vi64_decode(self._buf, self._pos)

@@ -2,9 +2,10 @@
 
 ``MoqtSession`` sees QUIC only as stream ids, bytes, resets and datagrams. The glue feeds what QUIC
 delivered (``receive_stream_data``, ``receive_stream_reset``, ``receive_stop_sending``,
-``receive_datagram``, ``connection_lost``), pulls events (``next_event``) and writes what
-``transmit`` returns. Application actions are method calls that validate the local state and raise
-``UsageError`` on misuse; they never touch the wire directly.
+``receive_datagram``, ``connection_lost``), pulls events (``next_event``), writes what
+``transmit`` returns and keeps one timer at ``get_timer()`` that calls ``handle_timer(now)`` (time is
+always a parameter; the session has no clock). Application actions are method calls that validate the
+local state and raise ``UsageError`` on misuse; they never touch the wire directly.
 
 Contract (h11's): peer bytes make no exception escape this class. A ``ProtocolError`` raised anywhere
 below a ``receive_*`` method is caught once there and turned into ``close(code, reason)`` plus a
@@ -14,7 +15,8 @@ REQUEST_ERROR or a stream reset and the session stays up.
 What lives here and nowhere else: the setup handshake, request ID rules (section "Request ID"), the
 request/response state of every bidirectional request stream (``_TRANSITIONS``, one table for what
 each side of each request kind may send, used both to reject peer messages and local misuse), track
-alias bookkeeping, the mapping of data streams and datagrams back to requests, GOAWAY, and limits.
+alias bookkeeping, the mapping of data streams and datagrams back to requests, GOAWAY, and limits
+(including the deadline for a request stream's first message, which needs the wire framing).
 The role (client/server, publisher/subscriber) is a parameter, never a separate code path.
 """
 
@@ -180,6 +182,13 @@ class SessionConfig:
     """Ended subscriptions remembered so late objects for them are dropped quietly."""
     max_out_of_order_request_ids: int = 4096
     """Peer Request IDs remembered above the lowest unseen one (for duplicate detection)."""
+    request_header_timeout: float | None = None
+    """Seconds a peer has, from the first byte on a new request stream, to complete the stream's first
+    control message (slowloris defence). Late: the stream is reset and stopped with DELIVERY_TIMEOUT.
+    None: no deadline. When set, ``receive_stream_data`` needs ``now`` and the glue runs ``get_timer``."""
+    max_request_header_timeouts: int = 3
+    """Request streams of one session that may hit ``request_header_timeout``; the next one closes the
+    session with CONTROL_MESSAGE_TIMEOUT."""
 
     def __post_init__(self) -> None:
         if not self.is_client and (self.path is not None or self.authority is not None):
@@ -201,6 +210,10 @@ class SessionConfig:
             raise ValueError("excessive_load_retry_interval must not be negative")
         if self.max_auth_token_cache_size is not None and self.max_auth_token_cache_size < 0:
             raise ValueError("max_auth_token_cache_size must not be negative")
+        if self.request_header_timeout is not None and not self.request_header_timeout > 0:
+            raise ValueError("request_header_timeout must be positive (or None)")
+        if self.max_request_header_timeouts < 0:
+            raise ValueError("max_request_header_timeouts must not be negative")
 
 
 class StreamIdAllocator(Protocol):
@@ -611,6 +624,11 @@ class MoqtSession:
         self._goaway_floor: int | None = None
         """Peer Request IDs at or above this are refused with GOING_AWAY (we sent GOAWAY)."""
         self._goaway_received = False
+        self._header_deadlines: dict[int, float] = {}
+        """Peer request stream id -> when its first control message must be complete. Deadlines are
+        added in arrival order with one timeout, so the first entry is always the earliest."""
+        self.request_header_timeouts = 0
+        """Peer request streams reset because their first control message came too late."""
         self._log = logging.LoggerAdapter(logger, {"role": "client" if config.is_client else "server"})
         self._handlers: dict[int, _Handler] = {
             Setup.TYPE: self._handle_setup,
@@ -696,15 +714,18 @@ class MoqtSession:
         except ProtocolError as exc:
             self._close_on_error(exc)
 
-    def receive_stream_data(self, stream_id: int, data: bytes, end_stream: bool) -> None:
-        """Bytes QUIC delivered on ``stream_id``, in order; ``end_stream`` is the FIN."""
+    def receive_stream_data(
+        self, stream_id: int, data: bytes, end_stream: bool, now: float | None = None
+    ) -> None:
+        """Bytes QUIC delivered on ``stream_id``, in order; ``end_stream`` is the FIN. ``now`` (the
+        clock ``handle_timer`` is given) is needed when ``request_header_timeout`` is set."""
         if self.closed is not None:
             return
         try:
             if _is_uni(stream_id):
                 self._receive_uni(stream_id, data, end_stream)
             else:
-                self._receive_bidi(stream_id, data, end_stream)
+                self._receive_bidi(stream_id, data, end_stream, now)
         except ProtocolError as exc:
             self._close_on_error(exc)
 
@@ -742,6 +763,39 @@ class MoqtSession:
         self.closed = (error_code, reason)
         self._events.append(SessionTerminated(error_code, reason, by_peer=True))
         self._forget_everything()
+
+    # -- time ------------------------------------------------------------------------------------
+
+    def get_timer(self) -> float | None:
+        """When ``handle_timer`` must next be called (the clock of ``now``), or None for never."""
+        if self.closed is not None or not self._header_deadlines:
+            return None
+        return next(iter(self._header_deadlines.values()))
+
+    def handle_timer(self, now: float) -> None:
+        """Run what is due at ``now``: request streams whose first control message is late are reset
+        and stopped with DELIVERY_TIMEOUT; one more than ``max_request_header_timeouts`` closes the
+        session with CONTROL_MESSAGE_TIMEOUT."""
+        deadlines = self._header_deadlines
+        while self.closed is None and deadlines:
+            stream_id, deadline = next(iter(deadlines.items()))
+            if deadline > now:
+                return
+            del deadlines[stream_id]
+            req = self._bidi.get(stream_id)
+            if req is None or req.kind is not None or req.framer.has_message():
+                continue  # the stream ended or its first message is complete
+            self.request_header_timeouts += 1
+            if self.request_header_timeouts > self.config.max_request_header_timeouts:
+                self._log.warning("closing session: %d request streams without a timely message",
+                                  self.request_header_timeouts)
+                self.close(
+                    SessionErrorCode.CONTROL_MESSAGE_TIMEOUT,
+                    "request streams without a complete control message in time",
+                )
+                return
+            self._log.info("request stream %d: no complete control message in time; resetting", stream_id)
+            self._refuse_stream(req, StreamResetCode.DELIVERY_TIMEOUT)
 
     # -- session actions ---------------------------------------------------------------------------
 
@@ -1217,6 +1271,7 @@ class MoqtSession:
         self.close(exc.error_code, exc.reason)
 
     def _forget_everything(self) -> None:
+        self._header_deadlines.clear()
         self._requests.clear()
         self._bidi.clear()
         self._updates.clear()
@@ -1296,11 +1351,16 @@ class MoqtSession:
         else:
             self._updates.pop(pending.popleft(), None)
 
-    def _receive_bidi(self, stream_id: int, data: bytes, end_stream: bool) -> None:
+    def _receive_bidi(self, stream_id: int, data: bytes, end_stream: bool, now: float | None) -> None:
         req = self._bidi.get(stream_id)
         if req is None:
             if _is_local(stream_id, self.is_client) or stream_id in self._seen_bidi:
                 return  # a request stream we already finished with; late bytes are harmless
+            timeout = self.config.request_header_timeout
+            if timeout is not None:
+                if now is None:
+                    raise UsageError("request_header_timeout is set: receive_stream_data needs now")
+                self._header_deadlines[stream_id] = now + timeout
             self._seen_bidi.add(stream_id)
             req = _Request(stream_id, local=False, framer=_control_reader(self.config))
             self._bidi[stream_id] = req
@@ -1309,6 +1369,10 @@ class MoqtSession:
         req.framer.feed(data)
         req.fin_received = end_stream
         self._pump_request(req)
+        if stream_id in self._header_deadlines and (
+            req.kind is not None or req.framer.has_message() or self._bidi.get(stream_id) is not req
+        ):
+            del self._header_deadlines[stream_id]
 
     def _pump_request(self, req: _Request) -> None:
         """Process what is buffered on a request stream, unless SETUP has not completed yet."""

@@ -87,6 +87,8 @@ class Relay:
             authorization_tokens=upstream_tokens,
             max_requests_in_flight=config.limits.max_requests_per_session,
             max_object_size=config.limits.max_object_bytes,
+            request_header_timeout=config.limits.request_header_timeout or None,
+            max_request_header_timeouts=config.limits.max_request_header_timeouts,
         )
         self.upstreams = [
             UpstreamRelay(
@@ -110,8 +112,6 @@ class Relay:
             max_send_buffer=min(lim.max_buffered_bytes_per_session, 16 << 20),
             max_receive_buffer=lim.max_buffered_bytes_per_session,
             setup_timeout=lim.setup_timeout,
-            request_header_timeout=lim.request_header_timeout or None,
-            max_request_header_timeouts=lim.max_request_header_timeouts,
         )
 
     # -- relay-wide limits and timeouts ---------------------------------------------------------------
@@ -729,6 +729,8 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> None:
         max_auth_token_cache_size=AUTH_TOKEN_CACHE_SIZE if config.auth_issuer_keys else None,
         max_requests_in_flight=config.limits.max_requests_per_session,
         max_object_size=config.limits.max_object_bytes,
+        request_header_timeout=config.limits.request_header_timeout or None,
+        max_request_header_timeouts=config.limits.max_request_header_timeouts,
     )
     server = await serve_moqt(
         config.host,

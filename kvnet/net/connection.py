@@ -90,13 +90,6 @@ class ConnectionLimits:
     publish_done_timeout: float = 5.0
     """Seconds a subscription stays open after PUBLISH_DONE waiting for the subgroup streams its Stream
     Count announces (draft "PUBLISH_DONE": data may still be in flight) before it ends anyway."""
-    request_header_timeout: float | None = None
-    """Seconds a peer has, from the first byte on a new request stream, to complete the stream's first
-    control message (slowloris defence). Late: the stream is reset and stopped with DELIVERY_TIMEOUT.
-    None: no deadline."""
-    max_request_header_timeouts: int = 3
-    """Request streams of one session that may hit ``request_header_timeout``; the next one closes the
-    session with CONTROL_MESSAGE_TIMEOUT."""
 
     def __post_init__(self) -> None:
         names = ("max_outstanding_requests", "max_send_buffer", "max_receive_buffer", "max_incoming_queue")
@@ -107,10 +100,6 @@ class ConnectionLimits:
             raise ValueError("setup_timeout must be positive")
         if self.publish_done_timeout < 0:
             raise ValueError("publish_done_timeout must not be negative")
-        if self.request_header_timeout is not None and self.request_header_timeout <= 0:
-            raise ValueError("request_header_timeout must be positive (or None)")
-        if self.max_request_header_timeouts < 0:
-            raise ValueError("max_request_header_timeouts must not be negative")
 
 
 # -------------------------------------------------------------------------------- the protocol
@@ -177,9 +166,10 @@ class MoqtConnection(_ProtocolBase):
         ``requests_in_flight`` (the session's ``max_requests_in_flight``) and ``incoming_queue``
         (``ConnectionLimits.max_incoming_queue``)."""
         self._log = logging.LoggerAdapter(logger, {"cid": quic.host_cid.hex()[:8]})
-        self._headers = _RequestHeaderWatch(self) if self.limits.request_header_timeout else None
         self._last_receive = loop.time()
         self._keepalive: asyncio.TimerHandle | None = None
+        self._session_timer: asyncio.TimerHandle | None = None
+        self._session_timer_at: float | None = None
 
     # ---- QUIC callbacks (never await)
 
@@ -187,9 +177,7 @@ class MoqtConnection(_ProtocolBase):
         s = self.session
         qe = self._events
         if isinstance(event, qe.StreamDataReceived):
-            if self._headers is not None and not event.stream_id & 2:
-                self._headers.data(event.stream_id, event.data)
-            s.receive_stream_data(event.stream_id, event.data, event.end_stream)
+            s.receive_stream_data(event.stream_id, event.data, event.end_stream, self._loop.time())
         elif isinstance(event, qe.StreamReset):
             s.receive_stream_reset(event.stream_id, event.error_code)
         elif isinstance(event, qe.StopSendingReceived):
@@ -241,6 +229,7 @@ class MoqtConnection(_ProtocolBase):
         if self._keepalive is not None:
             self._keepalive.cancel()
             self._keepalive = None
+        self._cancel_session_timer()
         super().connection_lost(exc)
         if self.session.closed is None:
             self.session.connection_lost(SessionErrorCode.NO_ERROR, "transport lost")
@@ -299,6 +288,30 @@ class MoqtConnection(_ProtocolBase):
                 q.close(error_code=t.error_code, reason_phrase=t.reason)
         while (ev := self.session.next_event()) is not None:
             self._route(ev)
+        if self.session.get_timer() != self._session_timer_at:
+            self._arm_session_timer()
+
+    # ---- the session's timer (one, re-armed whenever the session's next deadline moves)
+
+    def _arm_session_timer(self) -> None:
+        self._cancel_session_timer()
+        at = self.session.get_timer()
+        if at is not None:
+            self._session_timer = self._loop.call_at(at, self._session_timer_fired)
+            self._session_timer_at = at
+
+    def _cancel_session_timer(self) -> None:
+        if self._session_timer is not None:
+            self._session_timer.cancel()
+            self._session_timer = None
+        self._session_timer_at = None
+
+    def _session_timer_fired(self) -> None:
+        self._session_timer = None
+        self._session_timer_at = None
+        self.session.handle_timer(self._loop.time())
+        self._pump()
+        self.transmit()
 
     def _do(self, action: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run a session action from application code, then send what it produced."""
@@ -473,8 +486,7 @@ class MoqtConnection(_ProtocolBase):
             inc.cancelled.set()
         self._incoming.put_nowait(None)
         self._writable.set()  # wake writers; their next action fails on the closed session
-        if self._headers is not None:
-            self._headers.clear()
+        self._cancel_session_timer()
         if not self._closed_future.done():
             self._closed_future.set_result((ev.error_code, ev.reason))
 
@@ -498,7 +510,7 @@ class MoqtConnection(_ProtocolBase):
     @property
     def request_header_timeouts(self) -> int:
         """Request streams of this session reset because their first message came too slowly."""
-        return 0 if self._headers is None else self._headers.timeouts
+        return self.session.request_header_timeouts
 
     def send_buffered(self) -> int:
         """Bytes written to QUIC streams and not yet acknowledged."""
@@ -581,14 +593,32 @@ class MoqtConnection(_ProtocolBase):
         self, namespace: TrackNamespace, parameters: MessageParameters = NO_PARAMETERS
     ) -> int:
         """PUBLISH_NAMESPACE; returns its Request ID once the peer answered REQUEST_OK."""
+        return await self._standing_request(self.session.publish_namespace, namespace, parameters)
+
+    async def subscribe_namespace(
+        self, prefix: TrackNamespace, parameters: MessageParameters = NO_PARAMETERS
+    ) -> int:
+        """SUBSCRIBE_NAMESPACE; returns its Request ID once the peer answered REQUEST_OK. The NAMESPACE
+        and NAMESPACE_DONE that follow arrive in ``other_events``."""
+        return await self._standing_request(self.session.subscribe_namespace, prefix, parameters)
+
+    async def subscribe_tracks(
+        self, prefix: TrackNamespace, parameters: MessageParameters = NO_PARAMETERS
+    ) -> int:
+        """SUBSCRIBE_TRACKS; returns its Request ID once the peer answered REQUEST_OK. The peer's
+        PUBLISH requests for matching tracks arrive as ``IncomingPublish``."""
+        return await self._standing_request(self.session.subscribe_tracks, prefix, parameters)
+
+    async def _standing_request(self, action: Callable[..., int], *args: Any) -> int:
+        """A request that stays open after REQUEST_OK until cancelled; returns its Request ID then."""
         await self._acquire()
-        rid: int = self._do(self.session.publish_namespace, namespace, parameters)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut
         try:
+            rid: int = self._do(action, *args)
+            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self._pending[rid] = fut
             await fut
         finally:
-            # The namespace stays announced, but it does not hold a request slot.
+            # The request stays open, but it does not hold a request slot.
             self._slots.release()
         return rid
 
@@ -743,92 +773,6 @@ class MoqtConnection(_ProtocolBase):
     async def wait_session_closed(self) -> tuple[int, str]:
         """Wait for the session to end; returns (error code, reason)."""
         return await asyncio.shield(self._closed_future)
-
-
-class _RequestHeaderWatch:
-    """``ConnectionLimits.request_header_timeout``: every request stream the peer opens must carry one
-    complete control message (Type (i), Length (16), payload) within the deadline of its first byte.
-
-    Only the framing is read here (a varint and two bytes); the session parses the message itself."""
-
-    def __init__(self, conn: MoqtConnection) -> None:
-        self._conn = conn
-        self._peer_bit = 1 if conn.session.is_client else 0
-        self._pending: dict[int, tuple[bytearray, int, asyncio.TimerHandle]] = {}
-        """Stream id -> (header bytes so far, bytes received, deadline timer)."""
-        self._low = self._peer_bit
-        """Lowest peer bidirectional stream id not seen yet; ``_above`` holds seen ids above it."""
-        self._above: set[int] = set()
-        self.timeouts = 0
-
-    def data(self, stream_id: int, data: bytes) -> None:
-        entry = self._pending.get(stream_id)
-        if entry is None:
-            if stream_id & 1 != self._peer_bit or not self._first_sight(stream_id):
-                return
-            timer = asyncio.get_running_loop().call_later(
-                self._conn.limits.request_header_timeout or 0.0, self._expired, stream_id
-            )
-            entry = (bytearray(), 0, timer)
-        head, received, timer = entry
-        received += len(data)
-        if len(head) < 11:
-            head += data[: 11 - len(head)]
-        need = _first_message_size(head)
-        if need is not None and received >= need:
-            timer.cancel()
-            self._pending.pop(stream_id, None)
-        else:
-            self._pending[stream_id] = (head, received, timer)
-
-    def _first_sight(self, stream_id: int) -> bool:
-        if stream_id < self._low or stream_id in self._above:
-            return False
-        self._above.add(stream_id)
-        while self._low in self._above:
-            self._above.discard(self._low)
-            self._low += 4
-        return True
-
-    def _expired(self, stream_id: int) -> None:
-        self._pending.pop(stream_id, None)
-        conn = self._conn
-        if conn.session.closed is not None:
-            return
-        self.timeouts += 1
-        limit = conn.limits.max_request_header_timeouts
-        if self.timeouts > limit:
-            conn._log.warning("closing session: %d request streams without a timely message", self.timeouts)
-            conn._do(
-                conn.session.close,
-                SessionErrorCode.CONTROL_MESSAGE_TIMEOUT,
-                "request streams without a complete control message in time",
-            )
-            return
-        conn._log.info("request stream %d: no complete control message in time; resetting", stream_id)
-        code = StreamResetCode.DELIVERY_TIMEOUT
-        with contextlib.suppress(Exception):  # the stream may have ended meanwhile
-            conn._quic.reset_stream(stream_id, code)
-        with contextlib.suppress(Exception):
-            conn._quic.stop_stream(stream_id, code)
-        # The session forgets the half-received request as if the peer had reset it (after our
-        # STOP_SENDING it must); the session's own reset of the stream is then a no-op.
-        conn._do(conn.session.receive_stream_reset, stream_id, code)
-
-    def clear(self) -> None:
-        for _, _, timer in self._pending.values():
-            timer.cancel()
-        self._pending.clear()
-
-
-def _first_message_size(head: bytes | bytearray) -> int | None:
-    """Bytes of a control message (Type varint, 16-bit Length, payload) given its first bytes."""
-    if not head:
-        return None
-    n = 1 << (head[0] >> 6)
-    if len(head) < n + 2:
-        return None
-    return n + 2 + int.from_bytes(head[n : n + 2], "big")
 
 
 @functools.cache

@@ -76,6 +76,8 @@ class SessionPair:
         self._server = _Side(MoqtSession(server_config, sstreams), sstreams)
         self.fragment = fragment
         self.rng = rng or random.Random(0)
+        self.now = 0.0
+        """The clock both sessions are given with stream data (``request_header_timeout``)."""
 
     @property
     def client(self) -> MoqtSession:
@@ -154,14 +156,14 @@ class SessionPair:
     def _deliver(self, dst: MoqtSession, item: SendStreamData) -> None:
         data = bytes(item.data)
         if self.fragment <= 0 or len(data) <= 1:
-            dst.receive_stream_data(item.stream_id, data, item.end_stream)
+            dst.receive_stream_data(item.stream_id, data, item.end_stream, self.now)
             return
         pos = 0
         while pos < len(data):
             step = int(self.rng.random() * self.fragment) + 1
             chunk = data[pos : pos + step]
             pos += step
-            dst.receive_stream_data(item.stream_id, chunk, item.end_stream and pos >= len(data))
+            dst.receive_stream_data(item.stream_id, chunk, item.end_stream and pos >= len(data), self.now)
 
     def terminated(self, events: list[MoqtEvent]) -> SessionTerminated | None:
         """The SessionTerminated among ``events``, if any."""

@@ -248,6 +248,21 @@ def test_reader_one_byte_at_a_time() -> None:
     assert got == [msg, msg]
 
 
+def test_has_message_reads_vi64_framing() -> None:
+    # SUBSCRIBE_NAMESPACE (0x50) and SUBSCRIBE_TRACKS (0x51): a one-byte vi64 type that a QUIC varint
+    # would read as two bytes (and so take the Length from the wrong place).
+    for msg in (SubscribeNamespace(2, (b"kvnet",)), SubscribeTracks(4, (b"kvnet",))):
+        data = encode_message(msg)
+        assert data[0] >= 0x40 and len(data) < 64
+        reader = ControlMessageReader()
+        for i in range(len(data)):
+            assert not reader.has_message()
+            reader.feed(data[i : i + 1])
+        assert reader.has_message()
+        assert reader.buffered == len(data)  # nothing consumed
+        assert reader.next_message() == msg and not reader.has_message()
+
+
 # -- framing errors ----------------------------------------------------------------------------
 
 

@@ -32,10 +32,18 @@ from proto.events import (
     SubscribeNamespaceReceived,
     SubscribeOkReceived,
     SubscribeReceived,
+    SubscribeTracksReceived,
     TrackStatusOkReceived,
     TrackStatusReceived,
 )
-from proto.messages import FetchType, KeyValuePair, Location, MessageParameters
+from proto.messages import (
+    FetchType,
+    KeyValuePair,
+    Location,
+    MessageParameters,
+    SubscribeNamespace,
+    encode_message,
+)
 from proto.session import (
     CloseConnection,
     MoqtSession,
@@ -601,3 +609,80 @@ def test_ended_pushes_are_remembered_up_to_the_limit_oldest_first() -> None:
     assert len(of_type(pair.client_events, PublishDoneReceived)) == 40
     assert sorted(pair.client._sub_tracks) == [37, 38, 39, 40]
     assert pair.client.closed is None and pair.server.closed is None
+
+
+# -- request-header deadline (SessionConfig.request_header_timeout) ------------------------------------
+
+
+def _header_timeout_pair(timeout: float = 5.0, max_timeouts: int = 3, fragment: int = 0) -> SessionPair:
+    server = SessionConfig(is_client=False, request_header_timeout=timeout,
+                           max_request_header_timeouts=max_timeouts)
+    pair = SessionPair(SessionConfig(is_client=True), server, fragment=fragment)
+    pair.setup()
+    pair.take_server_events()
+    return pair
+
+
+@pytest.mark.parametrize("fragment", [0, 1])
+def test_subscribe_namespace_and_tracks_meet_the_header_deadline(fragment: int) -> None:
+    pair = _header_timeout_pair(fragment=fragment)
+    pair.now = 100.0
+    pair.client.subscribe_namespace(NS)
+    pair.client.subscribe_tracks(NS)
+    pair.run()
+    kinds = [type(ev) for ev in pair.take_server_events()]
+    assert kinds == [SubscribeNamespaceReceived, SubscribeTracksReceived]
+    assert pair.server.get_timer() is None
+    pair.server.handle_timer(1000.0)
+    pair.run()
+    assert pair.server.request_header_timeouts == 0
+    assert not any(isinstance(t, ResetStream | StopSending) for t in pair.server_transmits)
+
+
+def test_a_request_buffered_before_setup_meets_the_header_deadline() -> None:
+    # Before SETUP completes the session only buffers request streams; a whole first message is on time.
+    server = MoqtSession(SessionConfig(is_client=False, request_header_timeout=5.0), InMemoryStreams(False))
+    server.receive_stream_data(0, encode_message(SubscribeNamespace(0, NS))[:3], False, now=1.0)
+    assert server.get_timer() == 6.0
+    server.receive_stream_data(0, encode_message(SubscribeNamespace(0, NS))[3:], False, now=2.0)
+    assert server.get_timer() is None
+
+
+def test_a_late_first_message_resets_the_stream_then_closes_the_session() -> None:
+    pair = _header_timeout_pair(timeout=5.0, max_timeouts=1)
+    server = pair.server
+    partial = encode_message(SubscribeNamespace(0, NS))[:4]
+    server.receive_stream_data(0, partial, False, now=10.0)
+    server.receive_stream_data(4, partial[:1], False, now=11.0)
+    assert server.get_timer() == 15.0
+    server.handle_timer(14.9)
+    assert server.transmit() == [] and server.request_header_timeouts == 0
+    server.handle_timer(15.0)
+    code = StreamResetCode.DELIVERY_TIMEOUT
+    assert server.transmit() == [ResetStream(0, code), StopSending(0, code)]
+    assert server.request_header_timeouts == 1 and server.get_timer() == 16.0
+    server.receive_stream_data(0, encode_message(SubscribeNamespace(0, NS))[4:], False, now=15.5)
+    assert server.next_event() is None  # the reset stream's late bytes are ignored
+    server.handle_timer(16.0)  # one more than max_request_header_timeouts
+    assert server.closed is not None and server.closed[0] == SessionErrorCode.CONTROL_MESSAGE_TIMEOUT
+    assert server.get_timer() is None
+
+
+def test_header_deadline_ends_with_the_stream() -> None:
+    pair = _header_timeout_pair()
+    pair.server.receive_stream_data(0, b"\x50", False, now=1.0)
+    pair.server.receive_stream_reset(0, StreamResetCode.CANCELLED)
+    pair.server.handle_timer(10.0)  # the deadline of a stream that is gone does nothing
+    assert pair.server.request_header_timeouts == 0 and pair.server.get_timer() is None
+    pair.server.receive_stream_data(4, b"\x50", True, now=1.0)  # FIN inside the first message
+    assert pair.server.closed is not None and pair.server.get_timer() is None
+
+
+def test_header_timeout_needs_a_clock() -> None:
+    with pytest.raises(ValueError, match="request_header_timeout"):
+        SessionConfig(is_client=False, request_header_timeout=0)
+    server = MoqtSession(SessionConfig(is_client=False, request_header_timeout=1.0), InMemoryStreams(False))
+    with pytest.raises(UsageError, match="now"):
+        server.receive_stream_data(0, b"\x50", False)
+    server.receive_stream_data(0, b"\x50", False, now=0.0)  # the refused call changed nothing
+    assert server.get_timer() == 1.0

@@ -16,6 +16,7 @@ from kvnet.net.handles import (
     IncomingFetch,
     IncomingPublish,
     IncomingPublishNamespace,
+    IncomingRequest,
     IncomingSubscribe,
     IncomingTrackStatus,
 )
@@ -23,7 +24,9 @@ from kvnet.security import certs
 from kvnet.tools.linkemu import EmulatorConfig, LinkEmulator
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode
+from proto.events import SubscribeNamespaceReceived, SubscribeTracksReceived
 from proto.messages import Location, MessageParameters
+from proto.session import SessionConfig
 
 NS = (b"kvnet", b"test")
 
@@ -448,4 +451,55 @@ async def test_answered_incoming_requests_are_forgotten(pki: Path) -> None:
             (peer,) = served
             assert 0 < peer.open_incoming_requests <= 400, peer.open_incoming_requests
     finally:
+        await server.close()
+
+
+async def test_subscribe_namespace_and_tracks_streams_outlive_the_header_timeout(
+    pki: Path, settings: quic.TransportSettings
+) -> None:
+    # SUBSCRIBE_NAMESPACE (0x50) and SUBSCRIBE_TRACKS (0x51): a one-byte vi64 type that a QUIC varint
+    # reads as two bytes, whose framing then promises thousands of bytes that never come; a valid
+    # request stream must not be reset as a slowloris.
+    held: list[IncomingRequest] = []
+    both_held = asyncio.Event()
+    served: list[MoqtConnection] = []
+    pending: list[asyncio.Task[int]] = []
+
+    async def hold(conn: MoqtConnection) -> None:
+        served.append(conn)
+        async for req in conn.incoming_requests():
+            held.append(req)
+            if len(held) == 2:
+                both_held.set()
+
+    session_config = SessionConfig(is_client=False, request_header_timeout=0.3)
+    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), hold,
+                         session_config=session_config)
+    try:
+        async with connect(f"moqt://127.0.0.1:{server.address[1]}", settings,
+                           quic.TlsSettings.from_dir(pki, None)) as conn:
+            namespaces = asyncio.create_task(conn.subscribe_namespace(NS))
+            tracks = asyncio.create_task(conn.subscribe_tracks(NS))
+            pending.extend((namespaces, tracks))
+            await asyncio.wait_for(both_held.wait(), 10)
+            # A third request stream, opened after both, that never completes its first message: once
+            # it has been reset, the header deadlines of the two before it have passed too.
+            slow = conn._quic.get_next_available_stream_id()
+            conn._quic.send_stream_data(slow, b"\x0d\x00", False)
+            conn.transmit()
+            (peer,) = served
+            deadline = asyncio.get_running_loop().time() + 10
+            while peer.request_header_timeouts == 0:
+                assert asyncio.get_running_loop().time() < deadline, "the slow stream was never reset"
+                await asyncio.sleep(0.02)
+            assert [req.gone for req in held] == [False, False]
+            assert peer.request_header_timeouts == 1
+            assert {type(req.event) for req in held} == {SubscribeNamespaceReceived, SubscribeTracksReceived}
+            for req in held:
+                req.accept()
+            assert len(set(await asyncio.wait_for(asyncio.gather(namespaces, tracks), 10))) == 2
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
         await server.close()
