@@ -27,6 +27,7 @@ from proto.errors import PublishDoneCode, RequestErrorCode
 from proto.events import SubscribeNamespaceReceived, SubscribeTracksReceived
 from proto.messages import Location, MessageParameters
 from proto.session import SessionConfig
+from tests.helpers.waiting import async_wait_until
 
 NS = (b"kvnet", b"test")
 
@@ -488,10 +489,7 @@ async def test_subscribe_namespace_and_tracks_streams_outlive_the_header_timeout
             conn._quic.send_stream_data(slow, b"\x0d\x00", False)
             conn.transmit()
             (peer,) = served
-            deadline = asyncio.get_running_loop().time() + 10
-            while peer.request_header_timeouts == 0:
-                assert asyncio.get_running_loop().time() < deadline, "the slow stream was never reset"
-                await asyncio.sleep(0.02)
+            await async_wait_until(lambda: peer.request_header_timeouts, "a header timeout on the server")
             assert [req.gone for req in held] == [False, False]
             assert peer.request_header_timeouts == 1
             assert {type(req.event) for req in held} == {SubscribeNamespaceReceived, SubscribeTracksReceived}
