@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -56,8 +57,10 @@ class Fanout:
         self.properties: Properties = ()
         self.upstream: Subscription | None = None
         self.source_peer: Peer | None = None
-        self.publish_objects: list[CachedObject] | None = None
-        """PUBLISH-fed tracks: objects collected to store the track in the cache once it is complete."""
+        self.publish_objects: deque[CachedObject] | None = None
+        """PUBLISH-fed tracks: the latest objects, at most ``cache.max_track_bytes`` of them. They serve
+        FETCHes of the live track (nobody else has them) and are stored in the cache once the track is
+        complete."""
         self.publish_bytes = 0
         self.task: asyncio.Task[None] | None = None
         self.ended = False
@@ -185,14 +188,18 @@ class Fanout:
                 self.relay.cache.put_track(
                     self.key, list(objs), FetchInfo((0, len(objs)), True, self.properties)
                 )
-            self.publish_objects = []
-            self.publish_bytes = 0
             return
-        if self.publish_bytes + obj.size > budget:
-            # Too big to cache as one track: stop collecting (objects are still forwarded live).
-            objs.clear()
-            self.publish_bytes = 0
+        # Over the budget the oldest objects go; a track that lost its start is never cached whole.
+        while objs and self.publish_bytes + obj.size > budget:
+            self.publish_bytes -= objs.popleft().size
+        if obj.size > budget:
             return
         objs.append(obj)
         self.publish_bytes += obj.size
+
+    def live_objects(self, start: tuple[int, int], end: tuple[int, int]) -> list[CachedObject]:
+        """Objects of a PUBLISH-fed track the relay still holds in ``[start, end)``."""
+        if self.publish_objects is None:
+            return []
+        return [o for o in self.publish_objects if start <= o.location < end]
 

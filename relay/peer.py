@@ -27,8 +27,9 @@ from kvnet.net.handles import (
 from kvnet.security.tokens import AuthError
 from proto import events as me
 from proto.errors import ProtocolError, RequestErrorCode, SessionErrorCode, StreamResetCode
-from proto.messages import AuthToken
+from proto.messages import AuthToken, Location
 from relay.auth import SessionAuth, request_target
+from relay.cache import TrackKey
 from relay.limits import LimitExceeded, Slots, acquire_request
 from relay.tasks import spawn
 from relay.upstream import UpstreamRelay
@@ -82,6 +83,9 @@ class Peer:
         now = relay.clock()
         self.last_active = now
         """When a request of this session last started or ended (idle timeout)."""
+        self.subscriptions: dict[int, asyncio.Future[tuple[TrackKey, Location | None]]] = {}
+        """This session's SUBSCRIBEs being served, by request id: resolved with the track and the Largest
+        Location it started after once accepted (what a joining FETCH needs); cancelled if refused."""
         self.fetches: dict[int, IncomingFetch] = {}
         """FETCHes streaming to this peer; one that is cut off is removed and its loop stops."""
         self.written = 0

@@ -16,7 +16,8 @@ import itertools
 import logging
 import signal
 import time
-from collections.abc import Callable, Coroutine
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Coroutine
 
 from kvnet.net.connection import ConnectionLimits, MoqtConnection
 from kvnet.net.endpoint import serve as serve_moqt
@@ -35,7 +36,15 @@ from proto.errors import ProtocolError, RequestErrorCode, SessionErrorCode, Stre
 from proto.messages import NO_PARAMETERS, AliasType, AuthToken, FetchType, Location, MessageParameters
 from proto.session import SessionConfig
 from relay.auth import AUTH_TOKEN_CACHE_SIZE, RelayAuth, SessionAuth, load_token
-from relay.cache import ObjectCache, RequestFailed, TrackKey, exclusive_to_wire_end, wire_end_to_exclusive
+from relay.cache import (
+    CachedObject,
+    ObjectCache,
+    RequestFailed,
+    TrackKey,
+    exclusive_to_wire_end,
+    wire_end_to_exclusive,
+)
+from relay.cache import Location as Position
 from relay.config import RelayConfig
 from relay.fanout import DownstreamSubscriber, Fanout
 from relay.limits import LimitExceeded, Slots
@@ -359,33 +368,42 @@ class Relay:
 
     # -- FETCH -----------------------------------------------------------------------------------------
     async def serve_fetch(self, peer: Peer, req: IncomingFetch) -> None:
-        ev = req.event
-        if ev.fetch_type != FetchType.STANDALONE or ev.track_namespace is None or ev.track_name is None:
-            # Joining fetches refer to a subscription; the relay serves those objects live instead.
-            self.reject(req, "fetch", RequestErrorCode.NOT_SUPPORTED, "joining FETCH is not supported")
-            return
-        assert ev.start is not None and ev.end is not None
-        key: TrackKey = (ev.track_namespace, ev.track_name)
-        start = (ev.start.group, ev.start.object)
-        end = wire_end_to_exclusive((ev.end.group, ev.end.object))
-        handle = self.cache.fetch(key, start, end, self.upstream_for(key, peer))
-        outcome = "cache_hit" if handle.from_cache else ("coalesced" if handle.coalesced else "miss")
         try:
-            info = await handle.info()
+            key, start, end = await self._fetch_range(peer, req.event)
         except RequestFailed as exc:
             self.reject(req, "fetch", exc.code, exc.reason, exc.retry_interval)
             return
-        except (ConnectionClosed, StreamResetError) as exc:
-            self.reject(req, "fetch", RequestErrorCode.INTERNAL_ERROR, f"upstream failed: {exc}")
-            return
+        objects: AsyncIterator[CachedObject]
+        fan = self.fanouts.get(key)
+        cached = self.cache.cached_status(key) is not None
+        live = [] if fan is None or cached else fan.live_objects(start, end)
+        if fan is not None and live:
+            # A live track that reached us by PUBLISH: nobody upstream has it, so serve what we hold.
+            outcome = "live"
+            end_of_track = fan.track_ended and live[-1].location == max(o.location for o in live)
+            served_end = (live[-1].group, live[-1].object_id + 1)
+            objects = _iterate(live)
+        else:
+            handle = self.cache.fetch(key, start, end, self.upstream_for(key, peer))
+            outcome = "cache_hit" if handle.from_cache else ("coalesced" if handle.coalesced else "miss")
+            try:
+                info = await handle.info()
+            except RequestFailed as exc:
+                self.reject(req, "fetch", exc.code, exc.reason, exc.retry_interval)
+                return
+            except (ConnectionClosed, StreamResetError) as exc:
+                self.reject(req, "fetch", RequestErrorCode.INTERNAL_ERROR, f"upstream failed: {exc}")
+                return
+            end_of_track, served_end = info.end_of_track, info.end
+            objects = handle.objects()
         if req.gone:
             self.cancelled(peer, req, "fetch")
             return
-        req.accept_fetch(info.end_of_track, Location(*exclusive_to_wire_end(info.end)))
+        req.accept_fetch(end_of_track, Location(*exclusive_to_wire_end(served_end)))
         stall = self.config.limits.slow_peer_timeout
         peer.fetches[req.request_id] = req
         try:
-            async for obj in handle.objects():
+            async for obj in objects:
                 if req.gone:
                     self.cancelled(peer, req, "fetch")
                     return
@@ -432,6 +450,36 @@ class Relay:
             return
         req.finish()
         self.count("fetch", outcome)
+
+    async def _fetch_range(self, peer: Peer, ev: me.FetchReceived) -> tuple[TrackKey, Position, Position]:
+        """Track and ``[start, end)`` of a FETCH. A joining FETCH (draft "Joining Fetches") covers the
+        groups before its SUBSCRIBE of the same session: from ``Joining Start`` groups back (relative) or
+        from group ``Joining Start`` (absolute), up to the Largest Location the SUBSCRIBE started after."""
+        if ev.fetch_type == FetchType.STANDALONE:
+            assert ev.track_namespace is not None and ev.track_name is not None
+            assert ev.start is not None and ev.end is not None
+            end = wire_end_to_exclusive((ev.end.group, ev.end.object))
+            return (ev.track_namespace, ev.track_name), (ev.start.group, ev.start.object), end
+        assert ev.joining_request_id is not None and ev.joining_start is not None
+        joined = peer.subscriptions.get(ev.joining_request_id)
+        if joined is None:
+            raise RequestFailed(
+                RequestErrorCode.INVALID_JOINING_REQUEST_ID, "no SUBSCRIBE of this session has that id"
+            )
+        # The SUBSCRIBE may still be on its way upstream: the FETCH joins it once it is answered.
+        await asyncio.wait({joined})
+        if joined.cancelled():
+            raise RequestFailed(RequestErrorCode.INVALID_JOINING_REQUEST_ID, "the joined SUBSCRIBE failed")
+        key, largest = joined.result()
+        if largest is None:
+            raise RequestFailed(RequestErrorCode.INVALID_RANGE, "the joined track had no objects yet")
+        if ev.fetch_type == FetchType.RELATIVE_JOINING:
+            start_group = max(0, largest.group - ev.joining_start)
+        else:
+            start_group = ev.joining_start
+        if start_group > largest.group:
+            raise RequestFailed(RequestErrorCode.INVALID_RANGE, "Joining Start is past the subscription")
+        return key, (start_group, 0), (largest.group, largest.object + 1)
 
     # -- TRACK_STATUS ------------------------------------------------------------------------------------
     async def serve_track_status(self, peer: Peer, req: IncomingTrackStatus) -> None:
@@ -517,6 +565,14 @@ class Relay:
         ev = req.event
         assert isinstance(ev, me.SubscribeNamespaceReceived)
         prefix = ev.track_namespace_prefix
+        for wpeer, _, other in self.ns_watchers.values():
+            if wpeer is peer and (other[: len(prefix)] == prefix or prefix[: len(other)] == other):
+                # Draft "SUBSCRIBE_NAMESPACE": one session's namespace subscriptions must not overlap.
+                self.reject(
+                    req, "subscribe_namespace", RequestErrorCode.PREFIX_OVERLAP,
+                    "overlaps a SUBSCRIBE_NAMESPACE of this session",
+                )
+                return
         req.accept()
         self.count("subscribe_namespace", "ok")
         seen: set[tuple[bytes, ...]] = set()
@@ -572,6 +628,18 @@ class Relay:
 
     # -- SUBSCRIBE / PUBLISH -------------------------------------------------------------------------------
     async def serve_subscribe(self, peer: Peer, req: IncomingSubscribe) -> None:
+        # Joining FETCHes of this session wait on it: the track and where the subscription starts.
+        started: asyncio.Future[tuple[TrackKey, Location | None]] = asyncio.get_running_loop().create_future()
+        peer.subscriptions[req.request_id] = started
+        try:
+            await self._serve_subscribe(peer, req, started)
+        finally:
+            del peer.subscriptions[req.request_id]
+            started.cancel()  # a no-op once it has its result
+
+    async def _serve_subscribe(
+        self, peer: Peer, req: IncomingSubscribe, started: asyncio.Future[tuple[TrackKey, Location | None]]
+    ) -> None:
         ev = req.event
         key: TrackKey = (ev.track_namespace, ev.track_name)
         # RENDEZVOUS TIMEOUT: a SUBSCRIBE for a track nobody publishes yet is held that long (capped by
@@ -609,6 +677,7 @@ class Relay:
         alias = peer.next_alias()
         params = NO_PARAMETERS if fan.largest is None else MessageParameters(largest_object=fan.largest)
         req.accept_subscribe(alias, params, fan.properties)
+        started.set_result((key, fan.largest))
         sub = DownstreamSubscriber(peer, req.request_id, alias)
         fan.add(sub)
         self.count("subscribe", outcome)
@@ -688,7 +757,7 @@ class Relay:
         fan.source_peer = peer
         fan.properties = ev.track_properties
         fan.largest = ev.parameters.largest_object
-        fan.publish_objects = []
+        fan.publish_objects = deque()
         fan.ready.set_result(None)
         self.fanouts[key] = fan
         # Objects that followed the PUBLISH before this answer are buffered by the glue, not lost.
@@ -714,6 +783,11 @@ class Relay:
     async def close(self) -> None:
         for up in self.upstreams:
             await up.close()
+
+
+async def _iterate(objects: list[CachedObject]) -> AsyncIterator[CachedObject]:
+    for obj in objects:
+        yield obj
 
 
 def _ns_text(ns: tuple[bytes, ...]) -> str:

@@ -4,7 +4,6 @@ PREFIX_OVERLAP and FETCH of a PUBLISH-fed track, against the real relay process 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -12,17 +11,20 @@ from kvnet.net.errors import RequestRejected
 from kvnet.net.handles import IncomingPublish
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode
-from proto.messages import MessageParameters
+from proto.events import RequestOkReceived
+from proto.messages import Location, MessageParameters
 from tests.helpers.processes import CertDir, RelayProcess
+from tests.helpers.waiting import async_wait_until
 from tests.relay.peers import NS, Publisher, connect_client, track_objects
 
 
-async def wait_metric(rp: RelayProcess, name: str, at_least: float, timeout: float = 10.0) -> None:
-    """Poll the relay's metrics until ``name`` reaches ``at_least`` (fails after ``timeout``)."""
-    deadline = time.monotonic() + timeout
-    while (await rp.ametrics()).get(name, 0.0) < at_least:
-        assert time.monotonic() < deadline, f"{name} never reached {at_least}"
-        await asyncio.sleep(0.02)
+async def wait_metric(rp: RelayProcess, name: str, at_least: float) -> None:
+    """Poll the relay's metrics until ``name`` reaches ``at_least``."""
+
+    async def reached() -> bool:
+        return (await rp.ametrics()).get(name, 0.0) >= at_least
+
+    await async_wait_until(reached, f"{name} >= {at_least}")
 
 
 async def test_rendezvous_timeout_answers_timeout(cert_dir: CertDir, relay: RelayProcess) -> None:
@@ -87,3 +89,50 @@ async def test_subscribe_tracks_gets_publish(cert_dir: CertDir, relay: RelayProc
     finally:
         await pub.close_session()
         await sub.close_session()
+
+
+async def test_overlapping_subscribe_namespace_gets_prefix_overlap(
+    cert_dir: CertDir, relay: RelayProcess
+) -> None:
+    watcher = await connect_client(relay.url, str(cert_dir.ca))
+    try:
+        answers = []
+        for prefix in (NS[:2], NS[:3], (b"other",)):
+            rid = watcher._do(watcher.session.subscribe_namespace, prefix)
+            answer: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+            watcher._pending[rid] = answer  # the glue resolves it with REQUEST_OK or REQUEST_ERROR
+            answers.append(answer)
+        first, overlapping, disjoint = await asyncio.wait_for(
+            asyncio.gather(*answers, return_exceptions=True), 10
+        )
+        assert isinstance(first, RequestOkReceived) and isinstance(disjoint, RequestOkReceived)
+        assert isinstance(overlapping, RequestRejected)
+        assert overlapping.code == RequestErrorCode.PREFIX_OVERLAP
+    finally:
+        await watcher.close_session()
+
+
+async def test_fetch_of_a_live_published_track_is_served_by_the_relay(
+    cert_dir: CertDir, relay: RelayProcess
+) -> None:
+    # The publisher PUBLISHes without announcing a namespace: the relay is the only one that can answer.
+    pub = await connect_client(relay.url, str(cert_dir.ca))
+    fetcher = await connect_client(relay.url, str(cert_dir.ca))
+    try:
+        groups = [track_objects(b"live-g0", 3, 700), track_objects(b"live-g1", 3, 700)]
+        ok = await pub.publish(NS, b"live", 3)
+        for group, objs in enumerate(groups):
+            sid = pub.open_subgroup(3, group, 0)
+            for i, payload in enumerate(objs):
+                pub.send_subgroup_object(sid, i, payload)
+            pub.close_subgroup(sid)
+        await wait_metric(relay, "kvnet_relay_bytes_in_total", sum(map(len, groups[0] + groups[1])))
+        handle = await fetcher.fetch(NS, b"live", Location(0, 0), Location(1, 0))
+        fetched = await handle.read_all()
+        assert [(o.group_id, o.object_id) for o in fetched] == [(g, i) for g in range(2) for i in range(3)]
+        assert [o.payload for o in fetched] == groups[0] + groups[1]
+        assert not (await handle.ok()).end_of_track  # the track is still live
+        pub.publish_done(ok.request_id, PublishDoneCode.TRACK_ENDED, "done")
+    finally:
+        await fetcher.close_session()
+        await pub.close_session()
