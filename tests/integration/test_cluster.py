@@ -26,15 +26,11 @@ import pytest
 from kvnet.model.transformer import ModelArgs
 from kvnet.node.abr import AbrConfig, KvAbr
 from kvnet.node.config import DEFAULT_BLOCK_SIZE
-from kvnet.tools.cluster import (
-    NetnsCluster,
-    load_compose,
-    netns_available,
-    parse_prometheus,
-    stop_process,
-    subscriber_argv,
-    upstream_links,
-)
+from kvnet.tools.cluster.compose import load_compose
+from kvnet.tools.cluster.plan import upstream_links
+from kvnet.tools.cluster.runner import NetnsCluster, netns_available, stop_process
+from kvnet.tools.cluster.smoke import subscriber_argv
+from relay.metrics import parse_prometheus
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
 

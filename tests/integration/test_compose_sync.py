@@ -16,15 +16,12 @@ from typing import Any
 
 import pytest
 
-from kvnet.tools.cluster import (
-    ComposeError,
-    ComposeProject,
+from kvnet.tools.cluster.compose import ComposeError, ComposeProject, load_compose, parse_yaml_subset
+from kvnet.tools.cluster.plan import (
     LinkShape,
     launch_spec,
-    load_compose,
     map_paths,
     mount_map,
-    parse_yaml_subset,
     plan_cluster,
     upstream_links,
 )
@@ -214,7 +211,7 @@ def test_netns_cluster_starts_the_same_services_with_the_same_commands(
 def test_netns_script_reads_the_compose_file() -> None:
     script = (ROOT / "scripts" / "netns-cluster").read_text()
     assert "-m kvnet.tools.cluster" in script
-    from kvnet.tools.cluster import _build_parser
+    from kvnet.tools.cluster.__main__ import _build_parser
 
     args = _build_parser().parse_args(["up"])
     assert args.compose == Path("docker-compose.yml")
