@@ -1,8 +1,8 @@
 """Relay authorization: which session may do what, from the draft's AUTHORIZATION TOKEN (kvnet tokens).
 
 Owns: ``RelayAuth`` (the trusted issuer keys and the verified-token cache shared by all sessions),
-``SessionAuth`` (one peer's SETUP credential and its token aliases) and ``load_token`` (the token file a
-relay presents upstream). The token format, scope rules and error codes are ``kvnet.security.tokens``'s.
+``SessionAuth`` (one peer's SETUP credential and its token aliases). The token format, the token-file
+reader, scope rules and error codes are ``kvnet.security.tokens``'s.
 
 Rules (docs/relay.md "Authorization"):
 
@@ -19,14 +19,11 @@ Rules (docs/relay.md "Authorization"):
 
 from __future__ import annotations
 
-import base64
-import binascii
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvnet.security.tokens import (
     KVNET_TOKEN_TYPE,
-    MAGIC,
     Action,
     Authorizer,
     Claims,
@@ -40,21 +37,6 @@ from proto.messages import AuthToken
 
 AUTH_TOKEN_CACHE_SIZE = 16 * 1024
 """MAX_AUTH_TOKEN_CACHE_SIZE the relay announces when it requires authorization (bytes per session)."""
-
-
-def load_token(path: Path) -> bytes:
-    """A kvnet Token Value from a file: the raw bytes, or their base64url text (padding optional)."""
-    data = path.read_bytes()
-    if data.startswith(MAGIC):
-        return data
-    text = b"".join(data.split())
-    try:
-        token = base64.urlsafe_b64decode(text + b"=" * (-len(text) % 4))
-    except (binascii.Error, ValueError):
-        raise ValueError(f"{path}: not a kvnet token (raw or base64url)") from None
-    if not token.startswith(MAGIC):
-        raise ValueError(f"{path}: not a kvnet token (raw or base64url)")
-    return token
 
 
 def request_target(ev: me.MoqtEvent) -> tuple[Action, tuple[bytes, ...]] | None:

@@ -30,12 +30,12 @@ from kvnet.net.handles import (
     IncomingSubscribe,
     IncomingTrackStatus,
 )
-from kvnet.security.tokens import KVNET_TOKEN_TYPE, AuthError
+from kvnet.security.tokens import KVNET_TOKEN_TYPE, AuthError, read_token_file
 from proto import events as me
 from proto.errors import ProtocolError, RequestErrorCode, SessionErrorCode, StreamResetCode
 from proto.messages import NO_PARAMETERS, AliasType, AuthToken, FetchType, Location, MessageParameters
 from proto.session import SessionConfig
-from relay.auth import AUTH_TOKEN_CACHE_SIZE, RelayAuth, SessionAuth, load_token
+from relay.auth import AUTH_TOKEN_CACHE_SIZE, RelayAuth, SessionAuth
 from relay.cache import (
     CachedObject,
     ObjectCache,
@@ -89,7 +89,7 @@ class Relay:
         self.auth = RelayAuth(config.auth_issuer_keys, time.time) if config.auth_issuer_keys else None
         upstream_tokens: tuple[AuthToken, ...] = ()
         if config.upstream_token is not None:
-            value = load_token(config.upstream_token)
+            value = read_token_file(config.upstream_token)
             upstream_tokens = (AuthToken(AliasType.USE_VALUE, token_type=KVNET_TOKEN_TYPE, value=value),)
         session_cfg = SessionConfig(
             is_client=True,

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from kvnet.dtypes import DTYPE_BY_NAME
 from kvnet.model.tokenizer import tokenizer_files_identity
 from kvnet.model.transformer import ModelArgs, Transformer
 
@@ -34,7 +35,6 @@ TOKENIZER_IDENTITY_KEY = "kvnet_tokenizer_identity"
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 """Derived buffers some older exports include; RoPE is recomputed from the config."""
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 # Hugging Face Llama name -> kvnet module name; "{i}" is the layer index.
 _LAYER_NAMES = {
@@ -146,9 +146,9 @@ def config_dtype(config: Mapping[str, Any]) -> torch.dtype:
             f"{CONFIG_FILE}: dtype {named['dtype']!r} and torch_dtype {named['torch_dtype']!r} disagree"
         )
     for key, name in named.items():
-        if name not in _DTYPES:
-            raise CheckpointError(f"{CONFIG_FILE}: {key} {name!r} not in {sorted(_DTYPES)}")
-        return _DTYPES[name]
+        if name not in DTYPE_BY_NAME:
+            raise CheckpointError(f"{CONFIG_FILE}: {key} {name!r} not in {sorted(DTYPE_BY_NAME)}")
+        return DTYPE_BY_NAME[name]
     return torch.float32
 
 

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvnet.blocks.signing import Signer, TrustStore, generate_keypair, load_signer
+from kvnet.dtypes import DTYPE_BY_NAME
 from kvnet.net.quic import DATAGRAM_SIZE_ETHERNET, DEFAULT_STACK, TransportSettings
 from kvnet.node.abr import QUALITY_ORDER
 from kvnet.node.fetching import DEFAULT_WINDOW_BYTES
 from kvnet.security.tenancy import NodeSecret, TenancyError
-from kvnet.security.tokens import DEFAULT_MAX_TOKEN_SIZE
+from kvnet.security.tokens import read_token_file
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
     )
     m.add_argument("--checkpoint", type=Path, help="local checkpoint directory instead of the preset")
     m.add_argument("--seed", type=int, default=0, help="seed of the built-in weights")
-    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    m.add_argument("--dtype", default="float32", choices=list(DTYPE_BY_NAME))
     m.add_argument("--device", default="cpu")
     m.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     m.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
@@ -300,7 +301,7 @@ def resolve_keys(config: NodeConfig, key_dir: Path | None) -> NodeConfig:
         except TenancyError as exc:
             raise ValueError(str(exc)) from None
     if config.token_file is not None:
-        read_token(config.token_file)
+        read_token_file(config.token_file)
     if key_dir is None:
         return config
     signing_key = config.signing_key
@@ -334,15 +335,6 @@ def tenant_salt_and_namespace(tenant: str, node_secret: NodeSecret | None) -> tu
     if tenant != DEFAULT_TENANT:
         raise ValueError("a tenant other than the default needs a node secret")
     return b"", tenant
-
-
-def read_token(path: Path) -> bytes:
-    """The authorization token in ``path`` (as ``kvnet token issue`` writes it); ValueError if unusable."""
-    with path.open("rb") as f:
-        value = f.read(DEFAULT_MAX_TOKEN_SIZE + 1)
-    if not value or len(value) > DEFAULT_MAX_TOKEN_SIZE:
-        raise ValueError(f"{path}: a token has 1..{DEFAULT_MAX_TOKEN_SIZE} bytes")
-    return value
 
 
 def setup_logging(verbose: bool) -> None:

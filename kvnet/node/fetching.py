@@ -40,13 +40,15 @@ from typing import Any, Protocol
 import torch
 
 from kvnet.blocks.codecs import CodecError, get_codec
+from kvnet.blocks.identity import BlockIdentity
 from kvnet.blocks.signing import TrustStore
 from kvnet.cache.hashing import hash_block
+from kvnet.dtypes import dtype_from_name
 from kvnet.errors import KVCacheError
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.errors import LimitError, MoqtConnectionError, RequestRejected, StreamResetError
 from kvnet.net.handles import FetchHandle
-from kvnet.node.abr import KvAbr
+from kvnet.node.abr import AbrConfig, KvAbr
 from kvnet.node.locate import DEFAULT_LOCATE_FAN_OUT, DEFAULT_STRAGGLER_GRACE, Located, locate_prefix
 from proto.kvobject import BLOCK_GROUP_ID, MANIFEST_OBJECT_ID, BlockManifest, KVObjectError, block_track
 from proto.messages import Location
@@ -72,19 +74,9 @@ class BlockRejected(Exception):
         self.kind = kind
 
 
-@dataclass(frozen=True, slots=True)
-class ExpectedBlock:
-    """What the subscriber knows a block must be, from its own prompt."""
-
-    block_hash: bytes
-    parent_hash: bytes
-    token_ids: tuple[int, ...]
-    block_index: int
-
-
 def verify_manifest(
     data: bytes,
-    expected: ExpectedBlock,
+    expected: BlockIdentity,
     *,
     fingerprint: bytes,
     rendition: str,
@@ -125,18 +117,6 @@ def verify_manifest(
     return m
 
 
-def expected_blocks(
-    token_ids: Sequence[int], block_size: int, hashes: Sequence[bytes], root: bytes, start: int, stop: int
-) -> list[ExpectedBlock]:
-    """``ExpectedBlock`` for blocks ``start..stop-1`` of a prompt whose chained hashes are ``hashes``."""
-    out = []
-    for i in range(start, stop):
-        parent = root if i == 0 else hashes[i - 1]
-        toks = tuple(token_ids[i * block_size : (i + 1) * block_size])
-        out.append(ExpectedBlock(block_hash=hashes[i], parent_hash=parent, token_ids=toks, block_index=i))
-    return out
-
-
 @dataclass
 class FetchOutcome:
     """What ``BlockFetcher.fetch`` achieved."""
@@ -153,35 +133,44 @@ class FetchOutcome:
     rejected_kind: str | None = None
 
 
-class BlockSink(Protocol):
-    """Where verified layers go: the node's paged cache (``begin/import/finish/abort`` import protocol).
+class CacheWriter(Protocol):
+    """Where verified layers go: a paged KV cache (``PagedKVCache`` is one) with its import protocol.
 
-    All four are called on the event loop, one block at a time: ``begin_import``, its layers in order,
-    then ``finish_import`` or (on any failure) ``abort_import``.
+    All four are called on the event loop, one block at a time: ``begin_import`` (False when the block is
+    already cached or being imported: nothing to load), its layers in order, then ``finish_import`` or
+    (on any failure) ``abort_import``.
     """
 
     def begin_import(self, block_hash: bytes) -> bool: ...
 
     def import_layer(self, block_hash: bytes, layer: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
-    def finish_import(self, block_hash: bytes) -> None: ...
+    def finish_import(self, block_hash: bytes) -> object: ...
 
     def abort_import(self, block_hash: bytes) -> None: ...
 
 
 class BlockFetcher:
-    """Locate and fetch block tracks over one ``MoqtConnection`` (its request helpers do the I/O)."""
+    """Locate and fetch block tracks over one ``MoqtConnection`` (its request helpers do the I/O), writing
+    verified layers straight into ``cache``.
+
+    ``namespace_id`` is the namespace's tenant field (``NodeSecret.namespace_id`` of the tenant, or the
+    tenant id itself without a node secret); ``shape`` and ``dtype`` are the cache's block shape
+    ``[L, block_size, H_kv, D]`` and dtype name, which every manifest must match. ``abr`` receives the
+    throughput, RTT and rendition measurements (a fresh ``KvAbr`` when none is given).
+    """
 
     def __init__(
         self,
         conn: MoqtConnection,
+        cache: CacheWriter,
+        trust: TrustStore,
+        *,
         fingerprint: bytes,
-        tenant: str,
+        namespace_id: str,
         shape: tuple[int, int, int, int],
         dtype: str,
-        trust: TrustStore,
-        abr: KvAbr,
-        *,
+        abr: KvAbr | None = None,
         trust_any: bool = False,
         timeout: float = 10.0,
         window_bytes: int = DEFAULT_WINDOW_BYTES,
@@ -192,13 +181,14 @@ class BlockFetcher:
         if window_bytes <= 0:
             raise ValueError(f"window_bytes must be positive, got {window_bytes}")
         self.conn = conn
+        self.cache = cache
         self.fingerprint = fingerprint
-        self.tenant = tenant
+        self.namespace_id = namespace_id
         self.shape = shape
         self.dtype = dtype
         self.trust = trust
         self.trust_any = trust_any
-        self.abr = abr
+        self.abr = abr if abr is not None else KvAbr(AbrConfig())
         self.timeout = timeout
         self.window_bytes = window_bytes
         self.straggler_grace = straggler_grace
@@ -226,7 +216,7 @@ class BlockFetcher:
         all arrives within ``timeout``."""
 
         def probe(i: int, rendition: str) -> Coroutine[Any, Any, Any]:
-            ns, name = block_track(self.fingerprint, self.tenant, hashes[i], rendition)
+            ns, name = block_track(self.fingerprint, self.namespace_id, hashes[i], rendition)
             return self.conn.track_status(ns, name)
 
         return await locate_prefix(
@@ -237,7 +227,7 @@ class BlockFetcher:
     # -- fetch ------------------------------------------------------------------------------------
 
     async def fetch(
-        self, expected: Sequence[ExpectedBlock], renditions: Sequence[str], sink: BlockSink
+        self, expected: Sequence[BlockIdentity], renditions: Sequence[str]
     ) -> FetchOutcome:
         """Fetch, verify and import blocks in chain order with ``window_blocks`` FETCHes in flight.
 
@@ -257,23 +247,23 @@ class BlockFetcher:
                 try:
                     while next_issue < len(expected) and next_issue < index + window:
                         e, r = expected[next_issue], renditions[next_issue]
-                        ns, name = block_track(self.fingerprint, self.tenant, e.block_hash, r)
+                        ns, name = block_track(self.fingerprint, self.namespace_id, e.block_hash, r)
                         start = Location(BLOCK_GROUP_ID, 0)
                         handles[next_issue] = await self.conn.fetch(ns, name, start, end)
                         next_issue += 1
                     handle = handles.pop(index)
                     try:
-                        await self._receive_block(handle, block, sink, out)
+                        await self._receive_block(handle, block, out)
                     finally:
                         handle.cancel()
-                    self._finish_block(block, sink, out)
+                    self._finish_block(block, out)
                 except _FETCH_ERRORS as exc:
                     self._describe_failure(out, exp, exc)
                     break
                 finally:
                     if block.importing:  # failed or interrupted: give the reserved block back
                         block.importing = False
-                        sink.abort_import(exp.block_hash)
+                        self.cache.abort_import(exp.block_hash)
         finally:
             for h in handles.values():
                 h.cancel()
@@ -282,7 +272,7 @@ class BlockFetcher:
             self.abr.throughput.add(out.bytes, elapsed)
         return out
 
-    def _describe_failure(self, out: FetchOutcome, exp: ExpectedBlock, exc: BaseException) -> None:
+    def _describe_failure(self, out: FetchOutcome, exp: BlockIdentity, exc: BaseException) -> None:
         if isinstance(exc, BlockRejected):
             out.error = f"block {exp.block_index} rejected: {exc}"
             out.rejected, out.rejected_kind = True, exc.kind
@@ -292,7 +282,7 @@ class BlockFetcher:
             out.error = f"block {exp.block_index}: {exc}"
 
     async def _receive_block(
-        self, handle: FetchHandle, block: _LoadingBlock, sink: BlockSink, out: FetchOutcome
+        self, handle: FetchHandle, block: _LoadingBlock, out: FetchOutcome
     ) -> None:
         """Consume one FETCH: check the manifest, then verify, decode and import each layer as it arrives."""
         num_layers = self.shape[0]
@@ -319,22 +309,22 @@ class BlockFetcher:
                     payload, exp, fingerprint=self.fingerprint, rendition=rendition, shape=self.shape,
                     dtype=self.dtype, trust=self.trust, trust_any=self.trust_any,
                 )
-                block.importing = sink.begin_import(exp.block_hash)
+                block.importing = self.cache.begin_import(exp.block_hash)
                 out.load_s += time.perf_counter() - t
                 if not block.importing:
                     return  # already cached (imported meanwhile by another request): nothing to load
             else:
                 assert block.manifest is not None
                 _load_layer(
-                    sink, block.manifest, exp.block_hash, rendition, obj.object_id, payload, self.device
+                    self.cache, block.manifest, exp.block_hash, rendition, obj.object_id, payload, self.device
                 )
                 out.load_s += time.perf_counter() - t
             next_object += 1
 
-    def _finish_block(self, block: _LoadingBlock, sink: BlockSink, out: FetchOutcome) -> None:
+    def _finish_block(self, block: _LoadingBlock, out: FetchOutcome) -> None:
         """Make a block whose layers are all in visible in the cache and account for it."""
         if block.importing:
-            sink.finish_import(block.exp.block_hash)
+            self.cache.finish_import(block.exp.block_hash)
             block.importing = False
         out.loaded = block.index + 1
         out.renditions[block.rendition] = out.renditions.get(block.rendition, 0) + 1
@@ -348,7 +338,7 @@ class _LoadingBlock:
     """A block whose FETCH is being consumed."""
 
     index: int
-    exp: ExpectedBlock
+    exp: BlockIdentity
     rendition: str
     manifest: BlockManifest | None = None
     importing: bool = False
@@ -357,14 +347,14 @@ class _LoadingBlock:
 
 
 def _load_layer(
-    sink: BlockSink, manifest: BlockManifest, block_hash: bytes, rendition: str, object_id: int,
+    cache: CacheWriter, manifest: BlockManifest, block_hash: bytes, rendition: str, object_id: int,
     payload: bytes, device: torch.device,
 ) -> None:
     """Check one layer's digest, decode it and write it into the cache."""
     if not manifest.verify_payload(object_id, payload):
         raise BlockRejected(f"payload digest of layer {object_id - 1} differs")
-    k, v = get_codec(rendition).decode(payload, manifest.layer_shape, DTYPE_BY_NAME[manifest.dtype], device)
-    sink.import_layer(block_hash, object_id - 1, k, v)
+    k, v = get_codec(rendition).decode(payload, manifest.layer_shape, dtype_from_name(manifest.dtype), device)
+    cache.import_layer(block_hash, object_id - 1, k, v)
 
 
 _FETCH_ERRORS = (
@@ -374,12 +364,9 @@ _FETCH_ERRORS = (
 """What ends the usable prefix at a block (anything else is a bug and propagates)."""
 
 
-DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                 "float64": torch.float64}
-
-
 def raw_bytes(shape: tuple[int, int, int, int], dtype: str) -> int:
+    """Uncompressed bytes of one block's K and V: ``shape`` is ``[L, block_size, H_kv, D]``."""
     n = 2
     for d in shape:
         n *= d
-    return n * torch.empty((), dtype=DTYPE_BY_NAME[dtype]).element_size()
+    return n * torch.empty((), dtype=dtype_from_name(dtype)).element_size()

@@ -25,9 +25,11 @@ from typing import Any
 
 import torch
 
+from kvnet.blocks.identity import prompt_blocks
 from kvnet.blocks.signing import Signer, TrustStore
 from kvnet.cache.hashing import block_hashes, root_hash
 from kvnet.cache.paged_cache import PagedKVCache
+from kvnet.dtypes import dtype_from_name
 from kvnet.model.generate import cache_spec_for, generate
 from kvnet.model.tokenizer import ByteTokenizer, Tokenizer
 from kvnet.model.transformer import Transformer
@@ -35,8 +37,7 @@ from kvnet.net.endpoint import freeze_startup_objects
 from kvnet.node.abr import QUALITY_ORDER, AbrConfig, AbrPlan, KvAbr
 from kvnet.node.blockstore import BlockStore
 from kvnet.node.config import NodeConfig, load_signer_and_trust, tenant_salt_and_namespace
-from kvnet.node.fetching import expected_blocks
-from kvnet.node.publishing import BlockSource, dtype_name, encode_blocks
+from kvnet.node.publishing import encode_blocks
 from kvnet.node.relay_peer import RelayPeer
 from kvnet.node.reports import NodeCounters, PublishReport, RequestReport
 from kvnet.security.tenancy import NodeSecret
@@ -44,13 +45,10 @@ from kvnet.security.tenancy import NodeSecret
 logger = logging.getLogger(__name__)
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def build_model(config: NodeConfig) -> Transformer:
     """The built-in preset (deterministic weights) or a local checkpoint directory."""
     device = torch.device(config.device)
-    dtype = _DTYPES[config.dtype]
+    dtype = dtype_from_name(config.dtype)
     if config.checkpoint is not None:
         from kvnet.model.checkpoint import load_checkpoint
 
@@ -86,7 +84,8 @@ class Node:
         trust: TrustStore | None = None,
         node_secret: NodeSecret | None = None,
     ) -> None:
-        """``node_secret`` derives the tenant's salt and namespace id (``NodeConfig.node_secret``)."""
+        """``node_secret`` derives the tenant's salt and ``namespace_id``, the tenant field of our block
+        namespace (``NodeConfig.node_secret``); without it that field is the tenant id itself."""
         self.config = config
         self.model = model.eval()
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
@@ -95,7 +94,7 @@ class Node:
         self.cache = PagedKVCache(spec, config.cache_blocks, self.device)
         # The fingerprint hashes every weight: once per process.
         self.fingerprint = model.fingerprint(config.block_size)
-        salt, self.tenant_namespace = tenant_salt_and_namespace(config.tenant, node_secret)
+        salt, self.namespace_id = tenant_salt_and_namespace(config.tenant, node_secret)
         self.root = root_hash(self.fingerprint, salt)
         self.store = BlockStore(config.store_bytes)
         self.signer = signer or Signer.generate()
@@ -118,7 +117,6 @@ class Node:
         self.peer: RelayPeer | None = None
         self._next_seq = 0
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.dtype_name = dtype_name(spec.dtype)
 
     @classmethod
     def from_config(cls, config: NodeConfig) -> Node:
@@ -164,23 +162,11 @@ class Node:
             warm = True
         return self.abr.prefill.per_token_s
 
-    def _block_sources(self, ids: list[int], hashes: list[bytes], start: int, stop: int) -> list[BlockSource]:
-        b = self.block_size
-        return [
-            BlockSource(
-                block_hash=hashes[i],
-                parent_hash=self.root if i == 0 else hashes[i - 1],
-                token_ids=tuple(ids[i * b : (i + 1) * b]),
-                block_index=i,
-            )
-            for i in range(start, stop)
-        ]
-
     async def _encode_and_store(self, ids: list[int], hashes: list[bytes]) -> tuple[list[Any], float]:
         """Encode and store the blocks of ``hashes`` that the store does not hold yet (lock held)."""
         started = time.perf_counter()
         first = self.config.publish_renditions[0]
-        all_sources = self._block_sources(ids, hashes, 0, len(hashes))
+        all_sources = prompt_blocks(ids, self.block_size, hashes, self.root, 0, len(hashes))
         sources = [s for s in all_sources if self.store.peek(s.block_hash, first) is None]
         if not sources:
             # Still refresh the chain so a hot prefix stays in the store.
@@ -336,14 +322,14 @@ class Node:
         report.abr = plan.to_json()
         if plan.fetch_blocks == 0:
             return
-        expected = expected_blocks(ids, self.block_size, hashes, self.root, start, start + plan.fetch_blocks)
+        expected = prompt_blocks(ids, self.block_size, hashes, self.root, start, start + plan.fetch_blocks)
         chosen = [plan.rendition_of(i) for i in range(plan.fetch_blocks)]
         logger.info(
             "located %d of %d missing blocks; fetching %d (%s)", len(located), usable - start,
             plan.fetch_blocks, ",".join(sorted(set(chosen))),
         )
         t = time.perf_counter()
-        outcome = await peer.fetch(expected, chosen, self)
+        outcome = await peer.fetch(expected, chosen)
         report.timings.fetch_s = time.perf_counter() - t
         report.timings.load_s = outcome.load_s
         report.bytes_fetched = outcome.bytes
@@ -379,20 +365,6 @@ class Node:
         if self.peer is not None:
             await self.peer.close()
             self.peer = None
-
-    # -- block sink used by the fetcher (called with the lock held) ----------------------------------
-
-    def begin_import(self, block_hash: bytes) -> bool:
-        return self.cache.begin_import(block_hash)
-
-    def import_layer(self, block_hash: bytes, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.cache.import_layer(block_hash, layer, k, v)
-
-    def finish_import(self, block_hash: bytes) -> None:
-        self.cache.finish_import(block_hash)
-
-    def abort_import(self, block_hash: bytes) -> None:
-        self.cache.abort_import(block_hash)
 
     # -- introspection ----------------------------------------------------------------------------
 

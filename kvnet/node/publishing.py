@@ -24,8 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from kvnet.blocks.codecs import get_codec
+from kvnet.blocks.identity import BlockIdentity
 from kvnet.blocks.signing import Signer
 from kvnet.cache.paged_cache import PagedKVCache
+from kvnet.dtypes import dtype_name
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.errors import ConnectionClosed, RequestRejected
 from kvnet.net.handles import IncomingFetch, IncomingRequest, IncomingSubscribe, IncomingTrackStatus
@@ -45,23 +47,9 @@ from proto.messages import Location, MessageParameters, TrackNamespace
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class BlockSource:
-    """What the publisher knows about one full block of a prompt it computed."""
-
-    block_hash: bytes
-    parent_hash: bytes
-    token_ids: tuple[int, ...]
-    block_index: int
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def encode_blocks(
     cache: PagedKVCache,
-    sources: Sequence[BlockSource],
+    sources: Sequence[BlockIdentity],
     *,
     fingerprint: bytes,
     renditions: Sequence[str],
@@ -84,7 +72,7 @@ def encode_blocks(
 def encode_block(
     k: torch.Tensor,
     v: torch.Tensor,
-    src: BlockSource,
+    src: BlockIdentity,
     *,
     fingerprint: bytes,
     renditions: Sequence[str],
@@ -145,19 +133,21 @@ class BlockServer:
     """
 
     def __init__(
-        self, conn: MoqtConnection, store: BlockStore, fingerprint: bytes, tenant: str, num_layers: int
+        self, conn: MoqtConnection, store: BlockStore, fingerprint: bytes, namespace_id: str, num_layers: int
     ) -> None:
+        """``namespace_id`` is the tenant field of our block namespace (``NodeSecret.namespace_id`` of the
+        tenant, or the tenant id itself without a node secret)."""
         self.conn = conn
         self.store = store
         self.fingerprint = fingerprint
-        self.tenant = tenant
+        self.namespace_id = namespace_id
         self.num_layers = num_layers
         self.stats = ServerStats()
         self._next_alias = 1
 
     @property
     def namespace(self) -> TrackNamespace:
-        return block_namespace(self.fingerprint, self.tenant)
+        return block_namespace(self.fingerprint, self.namespace_id)
 
     async def announce(self) -> None:
         """PUBLISH_NAMESPACE for our block namespace, so the relay routes requests for it to us."""
@@ -168,7 +158,7 @@ class BlockServer:
             track = parse_block_track(namespace, name)
         except KVObjectError:
             return None
-        if track.fingerprint != self.fingerprint or track.tenant != self.tenant:
+        if track.fingerprint != self.fingerprint or track.tenant != self.namespace_id:
             return None
         return self.store.get(track.block_hash, track.rendition)
 
@@ -278,7 +268,7 @@ class BlockServer:
             async with slots:
                 if self.conn.is_closed:
                     return False
-                ns, name = block_track(self.fingerprint, self.tenant, block.block_hash, block.rendition)
+                ns, name = block_track(self.fingerprint, self.namespace_id, block.block_hash, block.rendition)
                 alias = self._alias()
                 try:
                     params = MessageParameters(largest_object=self._largest())

@@ -15,18 +15,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvnet.blocks.identity import BlockIdentity
 from kvnet.blocks.signing import TrustStore
+from kvnet.dtypes import dtype_name
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.errors import MoqtConnectionError, RequestRejected
 from kvnet.net.quic import TlsSettings, parse_moqt_url
 from kvnet.node.abr import KvAbr
 from kvnet.node.blockstore import BlockStore, StoredBlock
-from kvnet.node.config import NodeConfig, read_token
-from kvnet.node.fetching import BlockFetcher, BlockSink, ExpectedBlock, FetchOutcome
+from kvnet.node.config import NodeConfig
+from kvnet.node.fetching import BlockFetcher, CacheWriter, FetchOutcome
 from kvnet.node.locate import Located
 from kvnet.node.publishing import BlockServer
-from kvnet.security.tokens import KVNET_TOKEN_TYPE
+from kvnet.security.tokens import KVNET_TOKEN_TYPE, read_token_file
 from proto.errors import UsageError
 from proto.messages import AliasType, AuthToken
 from proto.session import SessionConfig
@@ -56,24 +58,26 @@ class RelayPeer:
     async def open(cls, node: Node) -> RelayPeer:
         spec = node.cache.spec
         return await cls.connect(
-            node.config, node.store, node.fingerprint, node.tenant_namespace, spec.block_shape,
-            node.dtype_name, node.trust, node.abr, node.device,
+            node.config, node.store, node.cache, node.trust, node.abr, fingerprint=node.fingerprint,
+            namespace_id=node.namespace_id, block_shape=spec.block_shape, dtype=dtype_name(spec.dtype),
+            device=node.device,
         )
 
     @classmethod
     async def connect(
-        cls, cfg: NodeConfig, store: BlockStore, fingerprint: bytes, tenant_namespace: str,
-        block_shape: tuple[int, int, int, int], dtype: str, trust: TrustStore, abr: KvAbr,
+        cls, cfg: NodeConfig, store: BlockStore, cache: CacheWriter, trust: TrustStore, abr: KvAbr, *,
+        fingerprint: bytes, namespace_id: str, block_shape: tuple[int, int, int, int], dtype: str,
         device: torch.device,
     ) -> RelayPeer:
-        """Open the session to ``cfg.relay_url``, announce our namespace and serve ``store`` on it (what
-        ``open`` does for a ``Node``; engines that keep their own KV cache call this directly)."""
+        """Open the session to ``cfg.relay_url``, announce our namespace and serve ``store`` on it; fetched
+        blocks are written into ``cache`` (what ``open`` does for a ``Node``; engines that keep their own KV
+        cache call this directly). ``namespace_id`` is the tenant field of the block namespace."""
         assert cfg.relay_url is not None
         url = parse_moqt_url(cfg.relay_url)
-        tokens = (
-            (AuthToken(AliasType.USE_VALUE, token_type=KVNET_TOKEN_TYPE, value=read_token(cfg.token_file)),)
-            if cfg.token_file is not None else ()
-        )
+        tokens: tuple[AuthToken, ...] = ()
+        if cfg.token_file is not None:
+            value = read_token_file(cfg.token_file)
+            tokens = (AuthToken(AliasType.USE_VALUE, token_type=KVNET_TOKEN_TYPE, value=value),)
         session_config = SessionConfig(
             is_client=True, path=url.path or None, authority=f"{url.host}:{url.port}",
             authorization_tokens=tokens,
@@ -85,11 +89,11 @@ class RelayPeer:
         conn = await asyncio.wait_for(
             connect(cfg.relay_url, settings, tls, session_config), cfg.request_timeout
         )
-        server = BlockServer(conn, store, fingerprint, tenant_namespace, block_shape[0])
+        server = BlockServer(conn, store, fingerprint, namespace_id, block_shape[0])
         fetcher = BlockFetcher(
-            conn, fingerprint, tenant_namespace, block_shape, dtype, trust, abr,
-            trust_any=cfg.trust_any, timeout=cfg.request_timeout, window_bytes=cfg.fetch_window_bytes,
-            device=device,
+            conn, cache, trust, fingerprint=fingerprint, namespace_id=namespace_id, shape=block_shape,
+            dtype=dtype, abr=abr, trust_any=cfg.trust_any, timeout=cfg.request_timeout,
+            window_bytes=cfg.fetch_window_bytes, device=device,
         )
         peer = cls(conn, server, fetcher, cfg.relay_url)
         try:
@@ -102,7 +106,7 @@ class RelayPeer:
             raise
         loop = asyncio.get_running_loop()
         peer._tasks = [loop.create_task(server.serve()), loop.create_task(peer._watch())]
-        logger.info("connected to relay %s; namespace tenant field %s", cfg.relay_url, tenant_namespace)
+        logger.info("connected to relay %s; namespace tenant field %s", cfg.relay_url, namespace_id)
         return peer
 
     async def _watch(self) -> None:
@@ -120,10 +124,9 @@ class RelayPeer:
             raise ConnectionError("relay session is not up")
         return await self.fetcher.locate(hashes, renditions)
 
-    async def fetch(
-        self, expected: list[ExpectedBlock], renditions: list[str], sink: BlockSink
-    ) -> FetchOutcome:
-        return await self.fetcher.fetch(expected, renditions, sink)
+    async def fetch(self, expected: list[BlockIdentity], renditions: list[str]) -> FetchOutcome:
+        """Fetch, verify and load ``expected`` into the cache (``BlockFetcher.fetch``)."""
+        return await self.fetcher.fetch(expected, renditions)
 
     async def push(self, blocks: list[StoredBlock]) -> int:
         if not self.connected or not blocks:

@@ -46,6 +46,8 @@ of it (the draft's namespace prefix matching), never a byte-string prefix of a f
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import hashlib
 import secrets
@@ -855,3 +857,29 @@ def _present(value: T | None) -> T:
     if value is None:
         raise UsageError("missing token field")
     return value
+
+
+_MAX_TOKEN_FILE_SIZE: Final = 2 * DEFAULT_MAX_TOKEN_SIZE
+"""Largest token file read: a base64url token of ``DEFAULT_MAX_TOKEN_SIZE`` bytes plus line breaks."""
+
+
+def read_token_file(path: Path) -> bytes:
+    """The kvnet Token Value in ``path`` (``kvnet token issue`` writes one): the raw bytes, or their
+    base64url text (padding and line breaks optional). ``ValueError`` naming the file when it is too large
+    or holds no kvnet token; ``OSError`` when it cannot be read. Nodes and relays read tokens only here."""
+    with Path(path).open("rb") as f:
+        data = f.read(_MAX_TOKEN_FILE_SIZE + 1)
+    if len(data) > _MAX_TOKEN_FILE_SIZE:
+        raise ValueError(f"{path}: larger than any token file ({_MAX_TOKEN_FILE_SIZE} bytes)")
+    token = data
+    if not data.startswith(MAGIC):
+        text = b"".join(data.split())
+        try:
+            token = base64.urlsafe_b64decode(text + b"=" * (-len(text) % 4))
+        except (binascii.Error, ValueError):
+            raise ValueError(f"{path}: not a kvnet token (raw or base64url)") from None
+    if not token.startswith(MAGIC):
+        raise ValueError(f"{path}: not a kvnet token (raw or base64url)")
+    if len(token) > DEFAULT_MAX_TOKEN_SIZE:
+        raise ValueError(f"{path}: a token has at most {DEFAULT_MAX_TOKEN_SIZE} bytes, this one {len(token)}")
+    return token

@@ -27,6 +27,7 @@ import torch
 
 from kvnet.blocks.codecs import get_codec
 from kvnet.blocks.signing import Signer
+from kvnet.dtypes import dtype_name
 from kvnet.model.generate import generate
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import MoqtServer, connect, serve
@@ -36,7 +37,7 @@ from kvnet.net.quic import TlsSettings, TransportSettings
 from kvnet.node.blockstore import BlockStore, StoredBlock
 from kvnet.node.config import NodeConfig
 from kvnet.node.node import Node
-from kvnet.node.publishing import BlockServer, dtype_name
+from kvnet.node.publishing import BlockServer
 from proto.errors import RequestErrorCode
 from proto.kvobject import MANIFEST_OBJECT_ID, BlockManifest
 from proto.session import SessionConfig

@@ -3,6 +3,7 @@ aliases."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import stat
@@ -37,6 +38,7 @@ from kvnet.security.tokens import (
     load_issuer_public_key,
     make_claims,
     parse_namespace,
+    read_token_file,
 )
 from proto.errors import (
     AuthTokenCacheOverflow,
@@ -484,3 +486,41 @@ def test_namespace_rendering() -> None:
 def test_namespace_rendering_round_trip(fields: list[bytes]) -> None:
     ns = tuple(fields)
     assert parse_namespace(format_namespace(ns)) == ns
+
+
+# -- token files ----------------------------------------------------------------------------------
+
+
+def test_token_file_raw_or_base64url(tmp_path: Path, issuer: IssuerKey) -> None:
+    token = issue_token(issuer, claims_for({Action.SUBSCRIBE}))
+    raw = tmp_path / "raw.tok"
+    raw.write_bytes(token)
+    assert read_token_file(raw) == token
+    text = base64.urlsafe_b64encode(token).rstrip(b"=")
+    wrapped = tmp_path / "b64.tok"
+    wrapped.write_bytes(b"\n".join(text[i : i + 64] for i in range(0, len(text), 64)) + b"\n")
+    assert read_token_file(wrapped) == token
+    padded = tmp_path / "padded.tok"
+    padded.write_bytes(base64.urlsafe_b64encode(token))
+    assert read_token_file(padded) == token
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "not a kvnet token"),
+        (b"hello, relay", "not a kvnet token"),
+        (b"!!!not base64!!!", "not a kvnet token"),
+        (base64.urlsafe_b64encode(b"JWT." + bytes(40)), "not a kvnet token"),
+        (MAGIC + bytes(9000), "at most 8192 bytes"),
+        (MAGIC + bytes(20000), "larger than any token file"),
+        (base64.urlsafe_b64encode(MAGIC + bytes(9000)), "at most 8192 bytes"),
+    ],
+)
+def test_token_file_refuses_what_is_no_token(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "bad.tok"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=message) as info:
+        read_token_file(path)
+    assert str(path) in str(info.value)
+
