@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kvnet.security import certs
 from relay.metrics import parse_prometheus
-from tests.helpers.waiting import wait_until
+from tests.helpers.waiting import DEFAULT_TIMEOUT, async_wait_until, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 60.0
@@ -111,6 +111,30 @@ class RelayProcess:
 
     def metric(self, name: str) -> float:
         return self.metrics().get(name, 0.0)
+
+    async def wait_metrics(
+        self, condition: Callable[[dict[str, float]], bool], what: str, timeout: float = DEFAULT_TIMEOUT
+    ) -> dict[str, float]:
+        """Poll the metrics until ``condition`` holds for them; those metrics (TimeoutError if never)."""
+
+        async def holds() -> dict[str, float] | None:
+            metrics = await self.ametrics()
+            return metrics if condition(metrics) else None
+
+        return await async_wait_until(holds, what, timeout)
+
+    async def wait_metric(self, name: str, at_least: float, timeout: float = DEFAULT_TIMEOUT) -> float:
+        """Poll the metrics until ``name`` reaches ``at_least``; its value then."""
+        metrics = await self.wait_metrics(
+            lambda m: m.get(name, 0.0) >= at_least, f"relay metric {name} reaching {at_least:g}", timeout
+        )
+        return metrics.get(name, 0.0)
+
+    async def wait_namespaces(self, count: int, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Poll until the relay routes exactly ``count`` announced namespaces."""
+        await self.wait_metrics(
+            lambda m: m.get("kvnet_relay_namespaces", 0) == count, f"{count} namespaces routed", timeout
+        )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -26,6 +26,7 @@ from kvnet.net.quic import TlsSettings
 from proto.data import ObjectStatus
 from proto.errors import RequestErrorCode
 from proto.messages import Location, MessageParameters, Setup, encode_message
+from tests.helpers.waiting import async_wait_until
 
 NS = (b"kvnet", b"v1", b"fp-test", b"tenant")
 
@@ -50,6 +51,8 @@ class Publisher:
     objects_sent: int = 0
     fetch_delay: float = 0.0
     """Seconds to wait before answering a FETCH (lets concurrent requests pile up at the relay)."""
+    fetch_gate: asyncio.Event | None = None
+    """When set to an event, FETCHes are held until the test sets it (they keep the relay's slots)."""
     live: asyncio.Event = field(default_factory=asyncio.Event)
     """Set to make accepted SUBSCRIBEs send their track."""
     status_delay: float = 0.0
@@ -78,7 +81,7 @@ class Publisher:
         if isinstance(req, IncomingTrackStatus):
             self.counts["track_status"] += 1
             objs = self.tracks.get(ev.track_name)  # type: ignore[attr-defined]
-            if self.status_delay:
+            if self.status_delay:  # a deliberately slow publisher: the delay is the behaviour under test
                 await asyncio.sleep(self.status_delay)
             if objs is None:
                 req.reject(RequestErrorCode.DOES_NOT_EXIST, "unknown track")
@@ -87,8 +90,10 @@ class Publisher:
         elif isinstance(req, IncomingFetch):
             self.counts["fetch"] += 1
             objs = self.tracks.get(name) if name is not None else None
-            if self.fetch_delay:
+            if self.fetch_delay:  # a deliberately slow publisher: the delay is the behaviour under test
                 await asyncio.sleep(self.fetch_delay)
+            if self.fetch_gate is not None:
+                await self.fetch_gate.wait()
             if objs is None:
                 req.reject(RequestErrorCode.DOES_NOT_EXIST, "unknown track")
                 return
@@ -100,7 +105,7 @@ class Publisher:
                 req.send_object(0, 0, i, payload)
                 self.objects_sent += 1
                 await req.drain()
-            if self.finish_delay:
+            if self.finish_delay:  # a deliberately slow publisher: the delay is the behaviour under test
                 await asyncio.sleep(self.finish_delay)
             req.finish()
         elif isinstance(req, IncomingSubscribe):
@@ -171,6 +176,11 @@ class RawPeer(QuicConnectionProtocol):
 
     def setup(self) -> None:
         self.send(self.new_stream(True), encode_message(Setup()))
+
+    async def setup_done(self) -> None:
+        """Send SETUP and return once the relay's own SETUP has arrived (on a server-opened uni stream)."""
+        self.setup()
+        await async_wait_until(lambda: any(sid % 4 == 3 for sid in self.data), "the relay's SETUP")
 
 
 def raw_config(ca: Path) -> QuicConfiguration:

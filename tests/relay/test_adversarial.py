@@ -17,6 +17,7 @@ from proto.data import SubgroupHeader, encode_subgroup_header, subgroup_object_p
 from proto.errors import SessionErrorCode, StreamResetCode
 from proto.messages import Location, Publish, Setup, TrackStatus, encode_message
 from tests.helpers.processes import CertDir, RelayProcess
+from tests.helpers.waiting import async_wait_until
 from tests.relay.conftest import RelayFactory
 from tests.relay.peers import (
     NS,
@@ -118,9 +119,7 @@ async def test_oversized_object_is_refused(
         peer.send(sid, encode_subgroup_header(header) + subgroup_object_prefix(header, 0, None, 1_000_000))
         for _ in range(20):
             peer.send(sid, os.urandom(50_000))
-            await asyncio.sleep(0.01)
-            if sid in peer.stop_sending:
-                break
+        await async_wait_until(lambda: sid in peer.stop_sending, "STOP_SENDING on the oversized object")
         assert peer.stop_sending.get(sid) == StreamResetCode.EXCESSIVE_LOAD
     await still_serves(rp, cert_dir, pub, b"t", 4)
     await pub.stop()
@@ -134,8 +133,7 @@ async def test_peer_that_never_reads(
     pub = await start_pub(rp, cert_dir, {b"big": big, b"small": track_objects(b"small")})
     await still_serves(rp, cert_dir, pub, b"big", 8)  # now cached
     async with raw_peer(rp.port, cert_dir.ca) as peer:
-        peer.setup()
-        await asyncio.sleep(0.2)
+        await peer.setup_done()
         # Ten fetches of 4 MB each, then we stop reading (and acknowledging) anything.
         from proto.messages import Fetch, FetchType, StandaloneFetch
 
@@ -144,13 +142,12 @@ async def test_peer_that_never_reads(
                 2 * i, FetchType.STANDALONE, StandaloneFetch(NS, b"big", Location(0, 0), Location(0, 8))
             )
             peer.send(peer.new_stream(False), encode_message(fetch))
-        await asyncio.sleep(0.3)
+        # The relay has answered a fetch on its request stream before we stop reading.
+        await async_wait_until(lambda: any(sid % 4 == 0 for sid in peer.data), "the relay answering a fetch")
         peer._transport.pause_reading()  # type: ignore[union-attr]
         # Meanwhile another session is served normally.
         await still_serves(rp, cert_dir, pub, b"small", 4)
-        await asyncio.sleep(3)
-        m = await rp.ametrics()
-        assert m.get('kvnet_relay_limit_rejections_total{limit="slow_peer"}', 0) >= 1
+        assert await rp.wait_metric('kvnet_relay_limit_rejections_total{limit="slow_peer"}', 1) >= 1
         assert rp.rss_bytes() < RSS_LIMIT
         peer._transport.resume_reading()  # type: ignore[union-attr]
     await still_serves(rp, cert_dir, pub, b"small", 4)

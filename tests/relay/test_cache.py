@@ -21,6 +21,7 @@ from relay.cache import (
     exclusive_to_wire_end,
     wire_end_to_exclusive,
 )
+from tests.helpers.waiting import async_wait_until
 
 NS = (b"kvnet", b"v1")
 END: Location = (1, 0)  # whole group 0
@@ -110,7 +111,8 @@ async def test_concurrent_fetches_coalesce_into_one_upstream_request() -> None:
     up.gate = asyncio.Event()
     cache = ObjectCache(CacheConfig())
     tasks = [asyncio.create_task(collect(cache, key(b"a"), up)) for _ in range(8)]
-    await asyncio.sleep(0.01)
+    stats = cache.stats
+    await async_wait_until(lambda: stats.hits + stats.misses + stats.coalesced == 8, "8 fetches at the cache")
     up.gate.set()
     results = await asyncio.gather(*tasks)
     assert up.fetches == 1

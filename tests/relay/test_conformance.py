@@ -14,17 +14,7 @@ from proto.errors import PublishDoneCode, RequestErrorCode
 from proto.events import RequestOkReceived
 from proto.messages import Location, MessageParameters
 from tests.helpers.processes import CertDir, RelayProcess
-from tests.helpers.waiting import async_wait_until
 from tests.relay.peers import NS, Publisher, connect_client, track_objects
-
-
-async def wait_metric(rp: RelayProcess, name: str, at_least: float) -> None:
-    """Poll the relay's metrics until ``name`` reaches ``at_least``."""
-
-    async def reached() -> bool:
-        return (await rp.ametrics()).get(name, 0.0) >= at_least
-
-    await async_wait_until(reached, f"{name} >= {at_least}")
 
 
 async def test_rendezvous_timeout_answers_timeout(cert_dir: CertDir, relay: RelayProcess) -> None:
@@ -51,7 +41,7 @@ async def test_rendezvous_routes_to_a_publisher_that_comes_later(
             sub.subscribe(NS, b"late", MessageParameters(rendezvous_timeout=30_000))
         )
         # The SUBSCRIBE is held at the relay (an open request) before any publisher exists.
-        await wait_metric(relay, "kvnet_relay_requests_inflight", 1)
+        await relay.wait_metric("kvnet_relay_requests_inflight", 1)
         assert not pending.done()
         pub_conn = await connect_client(relay.url, str(cert_dir.ca))
         pub = await Publisher(pub_conn, {b"late": track_objects(b"late")}).start()
@@ -70,7 +60,7 @@ async def test_subscribe_tracks_gets_publish(cert_dir: CertDir, relay: RelayProc
     pub = await connect_client(relay.url, str(cert_dir.ca))
     try:
         sub._do(sub.session.subscribe_tracks, NS[:2])
-        await wait_metric(relay, 'kvnet_relay_requests_total{outcome="ok",type="subscribe_tracks"}', 1)
+        await relay.wait_metric('kvnet_relay_requests_total{outcome="ok",type="subscribe_tracks"}', 1)
         objs = track_objects(b"pushed", 5)
         ok = asyncio.ensure_future(pub.publish(NS, b"pushed", 7))
         # The relay offers the track to the SUBSCRIBE_TRACKS subscriber with a PUBLISH of its own.
@@ -78,7 +68,7 @@ async def test_subscribe_tracks_gets_publish(cert_dir: CertDir, relay: RelayProc
         assert isinstance(offered, IncomingPublish)
         assert (offered.event.track_namespace, offered.event.track_name) == (NS, b"pushed")
         objects = offered.accept_publish(MessageParameters(forward=1))
-        await wait_metric(relay, 'kvnet_relay_requests_total{outcome="ok",type="publish"}', 1)
+        await relay.wait_metric('kvnet_relay_requests_total{outcome="ok",type="publish"}', 1)
         sid = pub.open_subgroup(7, 0, 0)
         for i, payload in enumerate(objs):
             pub.send_subgroup_object(sid, i, payload)
@@ -126,7 +116,7 @@ async def test_fetch_of_a_live_published_track_is_served_by_the_relay(
             for i, payload in enumerate(objs):
                 pub.send_subgroup_object(sid, i, payload)
             pub.close_subgroup(sid)
-        await wait_metric(relay, "kvnet_relay_bytes_in_total", sum(map(len, groups[0] + groups[1])))
+        await relay.wait_metric("kvnet_relay_bytes_in_total", sum(map(len, groups[0] + groups[1])))
         handle = await fetcher.fetch(NS, b"live", Location(0, 0), Location(1, 0))
         fetched = await handle.read_all()
         assert [(o.group_id, o.object_id) for o in fetched] == [(g, i) for g in range(2) for i in range(3)]

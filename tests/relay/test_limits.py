@@ -11,7 +11,8 @@ from kvnet.net.errors import ConnectionClosed, RequestRejected, StreamResetError
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode, SessionErrorCode, StreamResetCode
 from proto.messages import Fetch, FetchType, Location, StandaloneFetch, TrackStatus, encode_message
-from tests.helpers.processes import CertDir, RelayProcess
+from tests.helpers.processes import CertDir
+from tests.helpers.waiting import DEFAULT_TIMEOUT, async_wait_until
 from tests.relay.conftest import RelayFactory
 from tests.relay.peers import (
     NS,
@@ -21,15 +22,6 @@ from tests.relay.peers import (
     raw_peer,
     track_objects,
 )
-
-
-async def wait_metric(rp: RelayProcess, name: str, at_least: float, timeout: float) -> float:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = (await rp.ametrics()).get(name, 0.0)
-        if value >= at_least or time.monotonic() > deadline:
-            return value
-        await asyncio.sleep(0.1)
 
 
 async def test_global_request_cap_refuses_floods_but_serves_a_light_session(
@@ -43,15 +35,23 @@ async def test_global_request_cap_refuses_floods_but_serves_a_light_session(
     hogs = [await connect_client(rp.url, str(cert_dir.ca)) for _ in range(3)]
     try:
         assert await fetch_track(good, b"good", 4) == tracks[b"good"]  # now cached
-        pub.fetch_delay = 3.0  # the flood's fetches hold their slots for 3 s
+        pub.fetch_gate = asyncio.Event()  # the flood's fetches hold their slots until the gate opens
         # Three sessions, each well within its own limit (8192), together far beyond the relay's 6.
         flood = [
             asyncio.ensure_future(fetch_track(h, name, 4)) for h in hogs for name in tracks if name != b"good"
         ]
-        await asyncio.sleep(0.7)
-        started = time.monotonic()
+
+        async def flood_settled() -> bool:
+            # Every flood request is refused or holds a slot (the publisher's namespace holds one more).
+            m = await rp.ametrics()
+            held = m["kvnet_relay_requests_inflight"] - 1
+            refused = m.get('kvnet_relay_limit_rejections_total{limit="requests_global"}', 0)
+            return held + refused == len(flood)
+
+        await async_wait_until(flood_settled, "every flood request refused or holding a slot")
+        # Served while the flood holds the relay's slots: held fetches cannot finish before the gate opens.
         assert await fetch_track(good, b"good", 4) == tracks[b"good"]
-        assert time.monotonic() - started < 2.0  # served while the flood holds the relay's slots
+        pub.fetch_gate.set()
         results = await asyncio.gather(*flood, return_exceptions=True)
         refused = [r for r in results if isinstance(r, RequestRejected)]
         served = [r for r in results if isinstance(r, list)]
@@ -83,7 +83,7 @@ async def test_session_request_limit_refusals_are_counted(
         assert refused and all(r.code == RequestErrorCode.EXCESSIVE_LOAD for r in refused), results
         assert any(isinstance(r, list) for r in results), results
         name = 'kvnet_relay_limit_rejections_total{limit="session_requests_in_flight"}'
-        assert await wait_metric(rp, name, len(refused), 5) == len(refused)
+        assert await rp.wait_metric(name, len(refused)) == len(refused)
     finally:
         await pub.stop()
         await client.close_session()
@@ -100,27 +100,25 @@ async def test_global_buffered_bytes_cap_cuts_the_biggest_holder(
     try:
         assert await fetch_track(good, b"big", 8) == big  # cached, and read by a peer that reads
         async with raw_peer(rp.port, cert_dir.ca) as hog:
-            hog.setup()
-            await asyncio.sleep(0.2)
+            await hog.setup_done()
             fetch = Fetch(
                 0, FetchType.STANDALONE, StandaloneFetch(NS, b"big", Location(0, 0), Location(0, 8))
             )
             hog._transport.pause_reading()  # type: ignore[union-attr]
             hog.send(hog.new_stream(False), encode_message(fetch))
-            cut = await wait_metric(
-                rp, 'kvnet_relay_limit_rejections_total{limit="buffered_bytes_global"}', 1, 8
-            )
+            cut = await rp.wait_metric('kvnet_relay_limit_rejections_total{limit="buffered_bytes_global"}', 1)
             assert cut >= 1
-            # Once the holder is cut off (and, still holding, closed), others are served again.
-            deadline = time.monotonic() + 10
-            while True:
+
+            async def served_again() -> bool:
                 try:
                     assert await fetch_track(good, b"s", 4) == pub.tracks[b"s"]
-                    break
                 except RequestRejected as exc:
                     assert exc.code == RequestErrorCode.EXCESSIVE_LOAD
-                    assert time.monotonic() < deadline, "relay never recovered from the buffer cap"
-                    await asyncio.sleep(0.2)
+                    return False
+                return True
+
+            # Once the holder is cut off (and, still holding, closed), others are served again.
+            await async_wait_until(served_again, "relay recovering from the buffer cap")
             hog._transport.resume_reading()  # type: ignore[union-attr]
     finally:
         await pub.stop()
@@ -165,9 +163,10 @@ async def test_idle_session_is_closed_busy_one_is_not(
     pub = await Publisher(await connect_client(rp.url, str(cert_dir.ca)), {b"t": track_objects(b"t")}).start()
     idle = await connect_client(rp.url, str(cert_dir.ca))
     started = time.monotonic()
-    code, reason = await asyncio.wait_for(idle.wait_session_closed(), 5)
+    code, reason = await asyncio.wait_for(idle.wait_session_closed(), DEFAULT_TIMEOUT)
     assert code == SessionErrorCode.NO_ERROR and "idle" in reason
-    assert 0.9 < time.monotonic() - started < 3.0
+    # Not before the timeout; how much later depends on the machine's load, so no upper bound.
+    assert time.monotonic() - started > 0.9
     # The publisher holds an open request (its namespace): never idle.
     assert not pub.conn.is_closed
     c = await connect_client(rp.url, str(cert_dir.ca))
@@ -193,11 +192,10 @@ async def test_slowloris_request_stream_reset_then_session_closed(
         whole = peer.new_stream(False)
         peer.send(whole, encode_message(TrackStatus(2, NS, b"t")))
         started = time.monotonic()
-        while slow not in peer.resets and time.monotonic() - started < 3:
-            await asyncio.sleep(0.05)
+        await async_wait_until(lambda: slow in peer.resets, "the unfinished request stream reset")
         assert peer.resets.get(slow) == StreamResetCode.DELIVERY_TIMEOUT
         assert peer.stop_sending.get(slow) == StreamResetCode.DELIVERY_TIMEOUT
-        assert 0.4 < time.monotonic() - started < 1.5
+        assert time.monotonic() - started > 0.4  # not before the header timeout (no upper bound: load)
         assert whole not in peer.resets and peer.data.get(whole)  # the complete request was answered
         assert not peer.terminated.done()
         # Doing it again and again: after two timeouts the next one closes the session.
@@ -243,7 +241,7 @@ async def test_slow_reader_is_cut_off_other_subscriber_gets_everything(
 
         await asyncio.wait_for(read_good(), 10)
         assert got == objs
-        cut = await wait_metric(rp, 'kvnet_relay_limit_rejections_total{limit="slow_peer"}', 1, 5)
+        cut = await rp.wait_metric('kvnet_relay_limit_rejections_total{limit="slow_peer"}', 1)
         assert cut == 1
         slow._transport.resume_reading()  # type: ignore[union-attr]
         # The track goes on for the good subscriber after the slow one was cut off.
@@ -274,5 +272,6 @@ async def test_setup_must_complete_within_the_deadline(
     rp = relay_factory("--setup-timeout", "1")
     async with raw_peer(rp.port, cert_dir.ca) as peer:
         started = time.monotonic()  # QUIC handshake done; no SETUP from us
-        await asyncio.wait_for(peer.terminated, 5)
-        assert time.monotonic() - started < 2.5
+        await asyncio.wait_for(peer.terminated, DEFAULT_TIMEOUT)
+        # Closed for the missing SETUP, not before the deadline (no upper bound: it moves with the load).
+        assert time.monotonic() - started > 0.9

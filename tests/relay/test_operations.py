@@ -15,6 +15,7 @@ from proto.errors import PublishDoneCode, RequestErrorCode, SessionErrorCode
 from proto.events import NamespaceReceived
 from proto.messages import Location, TrackStatus, encode_message
 from tests.helpers.processes import CertDir, RelayProcess
+from tests.helpers.waiting import async_wait_until
 from tests.relay.conftest import RelayFactory
 from tests.relay.peers import (
     NS,
@@ -84,11 +85,7 @@ async def test_publish_pushes_track_into_cache(relay: RelayProcess, cert_dir: Ce
     c.publish_done((await ok).request_id, PublishDoneCode.TRACK_ENDED, "pushed")
     sub = await connect_client(relay.url, str(cert_dir.ca))
     try:
-        for _ in range(100):
-            m = await relay.ametrics()
-            if m["kvnet_relay_cache_objects"] == len(objs):
-                break
-            await asyncio.sleep(0.05)
+        await relay.wait_metric("kvnet_relay_cache_objects", len(objs))
         st = await sub.track_status(NS, b"pushed")
         assert st.parameters.largest_object == Location(0, 4)
         assert await fetch_track(sub, b"pushed", 5) == objs
@@ -109,17 +106,16 @@ async def test_subscribe_namespace_lists_and_follows_announcements(
         other_ns = (b"kvnet", b"v1", b"fp-other", b"tenant")
         second = Publisher(await connect_client(relay.url, str(cert_dir.ca)), {}, namespace=other_ns)
         await second.start()
-        seen: set[tuple[bytes, ...]] = set()
-        for _ in range(100):
-            seen = {
+
+        def seen() -> set[tuple[bytes, ...]]:
+            return {
                 ev.track_namespace_suffix
                 for ev in watcher.other_events
                 if isinstance(ev, NamespaceReceived) and ev.request_id == rid
             }
-            if len(seen) == 2:
-                break
-            await asyncio.sleep(0.05)
-        assert seen == {NS[2:], other_ns[2:]}
+
+        await async_wait_until(lambda: len(seen()) == 2, "both namespaces announced to the watcher")
+        assert seen() == {NS[2:], other_ns[2:]}
         await second.stop()
     finally:
         await first.stop()
@@ -133,16 +129,12 @@ async def test_going_away_requests_refused_after_sigterm(
     client = await connect_client(rp.url, str(cert_dir.ca))
     # A raw peer ignores the GOAWAY and keeps sending requests, which the relay must refuse.
     async with raw_peer(rp.port, cert_dir.ca) as raw:
-        raw.setup()
-        await asyncio.sleep(0.3)
+        await raw.setup_done()
         rp.proc.send_signal(15)
         await asyncio.wait_for(client.goaway_event.wait(), 5)
         sid = raw.new_stream(False)
         raw.send(sid, encode_message(TrackStatus(0, NS, b"anything")))
-        for _ in range(100):
-            if raw.data.get(sid):
-                break
-            await asyncio.sleep(0.02)
+        await async_wait_until(lambda: raw.data.get(sid), "the relay's answer to a request after GOAWAY")
         # REQUEST_ERROR (0x05), 16-bit length, then Error Code GOING_AWAY (0x06).
         answer = raw.data.get(sid, b"")
         assert answer[:1] == b"\x05" and answer[3:4] == bytes([RequestErrorCode.GOING_AWAY]), answer
