@@ -13,10 +13,10 @@ below a ``receive_*`` method is caught once there and turned into ``close(code, 
 REQUEST_ERROR or a stream reset and the session stays up.
 
 What lives here and nowhere else: the setup handshake, request ID rules (section "Request ID"), the
-request/response state of every bidirectional request stream (``_TRANSITIONS``, one table for what
-each side of each request kind may send, used both to reject peer messages and local misuse), track
-alias bookkeeping, the mapping of data streams and datagrams back to requests, GOAWAY, and limits
-(including the deadline for a request stream's first message, which needs the wire framing).
+request streams (each with a ``proto.request_state.RequestStateMachine``, whose one table of what each
+side of each request kind may send rejects both peer messages and local misuse), track alias
+bookkeeping, the mapping of data streams and datagrams back to requests, GOAWAY, and limits (including
+the deadline for a request stream's first message, which needs the wire framing).
 The role (client/server, publisher/subscriber) is a parameter, never a separate code path.
 """
 
@@ -28,7 +28,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Final, Protocol, TypeAlias
+from typing import Protocol, TypeAlias
 
 from .data import (
     ControlStreamHeader,
@@ -131,6 +131,14 @@ from .messages import (
     TrackNamespace,
     TrackStatus,
     encode_message,
+)
+from .request_state import (
+    KIND_NAMES,
+    REQUEST_CLASSES,
+    RequestState,
+    RequestStateMachine,
+    RequestTransitionError,
+    Side,
 )
 
 __all__ = [
@@ -265,126 +273,13 @@ class CloseConnection:
 Transmit: TypeAlias = SendStreamData | ResetStream | StopSending | SendDatagram | CloseConnection
 
 
-# -- request state machine ----------------------------------------------------------------------
+# -- request state machine (proto/request_state.py) ---------------------------------------------
 
-
-class Side(Enum):
-    """Which end of a request stream sends a message."""
-
-    REQUESTER = "requester"
-    RESPONDER = "responder"
-
-
-class RequestState(Enum):
-    """State of one side of a request stream: what it has sent so far."""
-
-    IDLE = "idle"
-    """Nothing sent yet."""
-    OPEN = "open"
-    """Requester: the request is out."""
-    ACCEPTED = "accepted"
-    """Responder: the positive first reply is out."""
-    DONE = "done"
-    """This side has nothing more to send (the stream is FIN'd after it)."""
-
-
-_IDLE, _OPEN, _ACCEPTED, _DONE = (
-    RequestState.IDLE,
-    RequestState.OPEN,
-    RequestState.ACCEPTED,
-    RequestState.DONE,
-)
+_IDLE, _ACCEPTED, _DONE = RequestState.IDLE, RequestState.ACCEPTED, RequestState.DONE
 _REQ, _RESP = Side.REQUESTER, Side.RESPONDER
 
 _SUB, _PUB, _FETCH, _TS = Subscribe.TYPE, Publish.TYPE, Fetch.TYPE, TrackStatus.TYPE
 _PNS, _SNS, _STR = PublishNamespace.TYPE, SubscribeNamespace.TYPE, SubscribeTracks.TYPE
-_OK, _ERR, _UPD = RequestOk.TYPE, RequestError.TYPE, RequestUpdate.TYPE
-
-# Messages that may begin a request stream (section "Session initialization").
-REQUEST_TYPES: Final = frozenset({_SUB, _PUB, _FETCH, _TS, _PNS, _SNS, _STR})
-_REQUEST_CLASSES: Final = (
-    Subscribe,
-    Publish,
-    Fetch,
-    TrackStatus,
-    PublishNamespace,
-    SubscribeNamespace,
-    SubscribeTracks,
-)
-
-# (request kind, sending side) -> state -> {message type: next state}. Anything not listed is a
-# PROTOCOL_VIOLATION from the peer and a UsageError locally. Sources: sections "Subscriptions",
-# "Fetch State Management", "REQUEST_OK", "REQUEST_UPDATE", "TRACK_STATUS", "PUBLISH_NAMESPACE",
-# "SUBSCRIBE_NAMESPACE", "SUBSCRIBE_TRACKS". REQUEST_OK/REQUEST_ERROR after the first reply answer
-# a REQUEST_UPDATE of the other side (checked separately: one reply per outstanding update).
-_TRANSITIONS: Final[dict[tuple[int, Side], dict[RequestState, dict[int, RequestState]]]] = {
-    (_SUB, _REQ): {_IDLE: {_SUB: _OPEN}, _OPEN: {_UPD: _OPEN}},
-    (_SUB, _RESP): {
-        _IDLE: {SubscribeOk.TYPE: _ACCEPTED, _ERR: _DONE},
-        _ACCEPTED: {_OK: _ACCEPTED, _ERR: _ACCEPTED, PublishDone.TYPE: _DONE},
-    },
-    # PUBLISH: the requester is the publisher; the subscriber may REQUEST_UPDATE once accepted.
-    (_PUB, _REQ): {_IDLE: {_PUB: _OPEN}, _OPEN: {_OK: _OPEN, _ERR: _OPEN, PublishDone.TYPE: _DONE}},
-    (_PUB, _RESP): {
-        _IDLE: {_OK: _ACCEPTED, PublishOk.TYPE: _ACCEPTED, _ERR: _DONE},
-        _ACCEPTED: {_UPD: _ACCEPTED},
-    },
-    (_FETCH, _REQ): {_IDLE: {_FETCH: _OPEN}, _OPEN: {_UPD: _OPEN}},
-    (_FETCH, _RESP): {
-        _IDLE: {FetchOk.TYPE: _ACCEPTED, _ERR: _DONE},
-        _ACCEPTED: {_OK: _ACCEPTED, _ERR: _ACCEPTED},
-    },
-    # TRACK_STATUS is "the first and only message" and is answered once.
-    (_TS, _REQ): {_IDLE: {_TS: _OPEN}},
-    (_TS, _RESP): {_IDLE: {_OK: _DONE, _ERR: _DONE}},
-    (_PNS, _REQ): {_IDLE: {_PNS: _OPEN}, _OPEN: {_UPD: _OPEN}},
-    (_PNS, _RESP): {_IDLE: {_OK: _ACCEPTED, _ERR: _DONE}, _ACCEPTED: {_OK: _ACCEPTED, _ERR: _ACCEPTED}},
-    (_SNS, _REQ): {_IDLE: {_SNS: _OPEN}, _OPEN: {_UPD: _OPEN}},
-    (_SNS, _RESP): {
-        _IDLE: {_OK: _ACCEPTED, _ERR: _DONE},
-        _ACCEPTED: {
-            Namespace.TYPE: _ACCEPTED,
-            NamespaceDone.TYPE: _ACCEPTED,
-            _OK: _ACCEPTED,
-            _ERR: _ACCEPTED,
-        },
-    },
-    (_STR, _REQ): {_IDLE: {_STR: _OPEN}, _OPEN: {_UPD: _OPEN}},
-    (_STR, _RESP): {
-        _IDLE: {_OK: _ACCEPTED, _ERR: _DONE},
-        _ACCEPTED: {PublishBlocked.TYPE: _ACCEPTED, _OK: _ACCEPTED, _ERR: _ACCEPTED},
-    },
-}
-
-# A FIN from this side ends the request (rather than only half-closing it) while the side is not DONE:
-# namespace requests are "cancelled by closing the stream", and a publisher closing an accepted
-# SUBSCRIBE without PUBLISH_DONE ends the subscription.
-_FIN_ENDS_REQUEST: Final = frozenset(
-    {(_SUB, _RESP), (_PNS, _REQ), (_PNS, _RESP), (_SNS, _REQ), (_SNS, _RESP), (_STR, _REQ), (_STR, _RESP)}
-)
-
-_KIND_NAMES: Final = {
-    _SUB: "SUBSCRIBE",
-    _PUB: "PUBLISH",
-    _FETCH: "FETCH",
-    _TS: "TRACK_STATUS",
-    _PNS: "PUBLISH_NAMESPACE",
-    _SNS: "SUBSCRIBE_NAMESPACE",
-    _STR: "SUBSCRIBE_TRACKS",
-}
-
-
-def _other(side: Side) -> Side:
-    return _RESP if side is _REQ else _REQ
-
-
-def next_request_state(kind: int, side: Side, state: RequestState, msg_type: int) -> RequestState | None:
-    """The state after ``side`` sends ``msg_type`` on a ``kind`` request stream, None if not allowed."""
-    return _TRANSITIONS[(kind, side)].get(state, {}).get(msg_type)
-
-
-def _can_send_more(kind: int, side: Side, state: RequestState) -> bool:
-    return bool(_TRANSITIONS[(kind, side)].get(state))
 
 
 # -- per-stream bookkeeping ---------------------------------------------------------------------
@@ -404,11 +299,9 @@ class _Request:
     local: bool
     """True when we sent the request (we are the requester)."""
     framer: ControlMessageReader
-    kind: int | None = None
     request_id: int = -1
-    states: dict[Side, RequestState] = field(default_factory=lambda: {_REQ: _IDLE, _RESP: _IDLE})
-    pending_updates: dict[Side, deque[int]] = field(default_factory=lambda: {_REQ: deque(), _RESP: deque()})
-    """Request IDs of REQUEST_UPDATEs sent by each side and not answered yet."""
+    state: RequestStateMachine = field(default_factory=RequestStateMachine)
+    """Both sides' states and outstanding REQUEST_UPDATEs; its ``kind`` is the request's type."""
     send_closed: bool = False
     """Our sending side is finished (FIN or reset)."""
     recv_closed: bool = False
@@ -433,6 +326,11 @@ class _Request:
     """SUBSCRIBE_NAMESPACE: suffixes announced by NAMESPACE and not withdrawn yet."""
 
     @property
+    def kind(self) -> int | None:
+        """Type of the request's first message (None until it arrived)."""
+        return self.state.kind
+
+    @property
     def our_side(self) -> Side:
         return _REQ if self.local else _RESP
 
@@ -442,7 +340,7 @@ class _Request:
 
     @property
     def name(self) -> str:
-        return _KIND_NAMES.get(self.kind or -1, "request")
+        return self.state.name
 
 
 @dataclass(eq=False)
@@ -957,7 +855,7 @@ class MoqtSession:
         update_id = self._next_request_id
         self._send_on_request(req, RequestUpdate(update_id, parameters))
         self._next_request_id += 2
-        req.pending_updates[req.our_side].append(update_id)
+        req.state.pending_updates[req.our_side].append(update_id)
         return update_id
 
     # -- replies -----------------------------------------------------------------------------------
@@ -1212,7 +1110,7 @@ class MoqtSession:
         self._send(req.fetch_data_stream, b"", end_stream=True)
         req.fetch_data_done = True
         req.data_streams.discard(req.fetch_data_stream)
-        if req.states[_RESP] is _ACCEPTED:
+        if req.state.states[_RESP] is _ACCEPTED:
             # "It can destroy all FETCH state after closing the data stream with a FIN."
             self._fin_our_side(req)
         self._maybe_forget(req)
@@ -1291,15 +1189,15 @@ class MoqtSession:
         data = encode_message(msg)  # UsageError for unencodable values, before any state changes
         stream_id = self._allocate_stream(unidirectional=False)
         req = _Request(stream_id, local=True, framer=_control_reader(self.config))
-        req.kind, req.request_id = msg.TYPE, request_id
-        req.states[_REQ] = _OPEN
+        req.state.open(msg.TYPE)
+        req.request_id = request_id
         if isinstance(msg, Fetch):
             req.fetch = msg
         self._next_request_id += 2
         self._requests[request_id] = req
         self._bidi[stream_id] = req
-        self._send(stream_id, data, end_stream=not _can_send_more(msg.TYPE, _REQ, _OPEN))
-        req.send_closed = not _can_send_more(msg.TYPE, _REQ, _OPEN)
+        req.send_closed = not req.state.can_send_more(_REQ)
+        self._send(stream_id, data, end_stream=req.send_closed)
         return req
 
     def _request(self, request_id: int) -> _Request:
@@ -1312,44 +1210,30 @@ class MoqtSession:
     def _peer_request(self, request_id: int, kind: int) -> _Request:
         req = self._request(request_id)
         if req.local or req.kind != kind:
-            raise UsageError(f"request {request_id} is not a {_KIND_NAMES[kind]} from the peer")
+            raise UsageError(f"request {request_id} is not a {KIND_NAMES[kind]} from the peer")
         return req
 
-    def _send_on_request(self, req: _Request, msg: ControlMessage) -> None:
-        """Send ``msg`` on the request's stream as our side, following the transition table."""
-        assert req.kind is not None
-        side = req.our_side
-        state = req.states[side]
-        new_state = next_request_state(req.kind, side, state, msg.TYPE)
-        if new_state is None:
-            raise UsageError(
-                f"cannot send {type(msg).__name__} on a {req.name} stream in state {state.value}"
-            )
+    def _send_on_request(self, req: _Request, msg: ControlMessage) -> tuple[int, ...]:
+        """Send ``msg`` on the request's stream as our side, following the transition table (a
+        ``RequestTransitionError``, which is a ``UsageError``, if it does not allow it). Returns the
+        Request IDs of the peer's REQUEST_UPDATEs it answered."""
+        transition = req.state.check(req.our_side, msg.TYPE)
         if req.send_closed:
             raise UsageError(f"the {req.name} stream is closed")
-        is_reply = msg.TYPE in (_OK, _ERR) and not (side is _RESP and state is _IDLE)
-        if is_reply and not req.pending_updates[_other(side)]:
-            raise UsageError("REQUEST_OK/REQUEST_ERROR here answers a REQUEST_UPDATE, and none is pending")
         data = encode_message(msg)
-        req.states[side] = new_state
-        fin = not _can_send_more(req.kind, side, new_state)
-        self._send(req.stream_id, data, end_stream=fin)
-        if fin:
+        answered = req.state.apply(transition)
+        self._send(req.stream_id, data, end_stream=transition.fin)
+        if transition.fin:
             req.send_closed = True
             self._maybe_forget(req)
+        return answered
 
     def _answer_update(self, req: _Request, update_id: int, msg: RequestOk | RequestError) -> None:
-        pending = req.pending_updates[req.peer_side]
+        pending = req.state.pending_updates[req.peer_side]
         if not pending or pending[0] != update_id:
             raise UsageError("answer REQUEST_UPDATEs in the order they arrived")
-        self._send_on_request(req, msg)
-        if isinstance(msg, RequestError):
-            # One REQUEST_ERROR answers every coalesced update (section "REQUEST_UPDATE").
-            for rid in pending:
-                self._updates.pop(rid, None)
-            pending.clear()
-        else:
-            self._updates.pop(pending.popleft(), None)
+        for rid in self._send_on_request(req, msg):
+            self._updates.pop(rid, None)
 
     def _receive_bidi(self, stream_id: int, data: bytes, end_stream: bool, now: float | None) -> None:
         req = self._bidi.get(stream_id)
@@ -1404,39 +1288,25 @@ class MoqtSession:
         if isinstance(msg, Goaway):
             self._on_request_goaway(req, msg)
             return
-        side = req.peer_side
-        state = req.states[side]
-        new_state = next_request_state(req.kind, side, state, msg.TYPE)
-        if new_state is None:
-            raise ProtocolViolation(
-                f"{type(msg).__name__} not allowed from the {side.value} of a {req.name} "
-                f"in state {state.value}"
-            )
-        initial = side is _RESP and state is _IDLE
-        answers: int | None = None
-        if msg.TYPE in (_OK, _ERR) and not initial:
-            pending = req.pending_updates[req.our_side]
-            if not pending:
-                raise ProtocolViolation(f"{type(msg).__name__} answers no outstanding REQUEST_UPDATE")
-            answers = pending[0]
-            if msg.TYPE == _ERR:
-                pending.clear()  # one REQUEST_ERROR answers all coalesced updates
-            else:
-                pending.popleft()
-        req.states[side] = new_state
-        self._handlers[msg.TYPE](_Context(req, initial, answers), msg)
-        if new_state is _DONE and not req.send_closed and self.closed is None:
+        try:
+            transition = req.state.check(req.peer_side, msg.TYPE)
+        except RequestTransitionError as exc:
+            raise ProtocolViolation(str(exc)) from None  # the same table, broken by the peer
+        answered = req.state.apply(transition)
+        answers = answered[0] if answered else None
+        self._handlers[msg.TYPE](_Context(req, transition.first_reply, answers), msg)
+        if transition.new_state is _DONE and not req.send_closed and self.closed is None:
             # The peer's side is finished (REQUEST_ERROR, PUBLISH_DONE, TRACK_STATUS reply): FIN ours.
             self._send(req.stream_id, b"", end_stream=True)
             req.send_closed = True
         self._maybe_forget(req)
 
     def _open_peer_request(self, req: _Request, msg: ControlMessage) -> None:
-        if not isinstance(msg, _REQUEST_CLASSES):
+        if not isinstance(msg, REQUEST_CLASSES):
             raise ProtocolViolation(f"request stream begins with {type(msg).__name__}, not a request")
         self._peer_ids.check(msg.request_id)
-        req.kind, req.request_id = msg.TYPE, msg.request_id
-        req.states[_REQ] = _OPEN
+        req.state.open(msg.TYPE)
+        req.request_id = msg.request_id
         if isinstance(msg, Fetch):
             req.fetch = msg
         self._requests[msg.request_id] = req
@@ -1479,10 +1349,10 @@ class MoqtSession:
             self._refuse_stream(req, StreamResetCode.CANCELLED)  # FIN before any message
             return
         side = req.peer_side
-        if req.states[side] is not _DONE and not req.ended:
-            if side is _RESP and req.states[side] is _IDLE:
+        if req.state.states[side] is not _DONE and not req.ended:
+            if side is _RESP and req.state.states[side] is _IDLE:
                 raise ProtocolViolation(f"{req.name} stream closed without a reply")
-            if (req.kind, side) in _FIN_ENDS_REQUEST:
+            if req.state.fin_ends_request(side):
                 self._events.append(RequestCancelled(req.request_id, None))
                 self._stop_data_of(req, StreamResetCode.CANCELLED)
                 if not req.send_closed:
@@ -1512,9 +1382,9 @@ class MoqtSession:
         if req.counted:
             req.counted = False
             self._peer_requests_open -= 1
-        for rid in req.pending_updates[req.peer_side]:
+        for rid in req.state.pending_updates[req.peer_side]:
             self._updates.pop(rid, None)
-        req.pending_updates[req.peer_side].clear()
+        req.state.pending_updates[req.peer_side].clear()
         if req.track_alias is not None:
             track = self._sub_tracks.get(req.track_alias)
             if track is not None and track.request_id == req.request_id:
@@ -1735,7 +1605,7 @@ class MoqtSession:
         self._peer_ids.check(msg.request_id)
         if req.ended or req.send_closed:
             return  # we already ended the request (rejected or cancelled): nothing can answer it
-        req.pending_updates[req.peer_side].append(msg.request_id)
+        req.state.pending_updates[req.peer_side].append(msg.request_id)
         self._updates[msg.request_id] = req
         self._events.append(RequestUpdateReceived(msg.request_id, req.request_id, msg.parameters))
 
@@ -2176,7 +2046,7 @@ class MoqtSession:
         req = self._requests.get(request_id)
         if req is None or req.local or req.kind != _FETCH:
             raise UsageError(f"{request_id} is not a FETCH we are serving")
-        if req.states[_RESP] is _DONE:
+        if req.state.states[_RESP] is _DONE:
             raise UsageError(f"FETCH {request_id} was rejected")
         return req
 
