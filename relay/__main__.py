@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         help="trusted token issuer public key (PEM, repeatable); given: authorization is required",
     )
+    p.add_argument(
+        "--auth-clock-skew",
+        type=float,
+        help="seconds a token stays accepted past its expiry, for issuer/relay clock skew (default 5)",
+    )
     p.add_argument("--upstream-token", help="file with the token presented to upstream relays in SETUP")
     p.add_argument("--metrics", help='Prometheus endpoint host:port (default 127.0.0.1:9464; "" disables)')
     p.add_argument("--log-format", choices=LOG_FORMATS)
@@ -155,6 +160,7 @@ def config_from_args(args: argparse.Namespace) -> RelayConfig:
         "log_level": args.log_level,
         "drain_timeout": args.drain_timeout,
         "auth_issuer_keys": args.auth_issuer_key,
+        "auth_clock_skew": args.auth_clock_skew,
         "upstream_token": args.upstream_token,
         "cache.max_bytes": args.cache_bytes,
         "cache.max_track_bytes": args.cache_track_bytes,

@@ -56,8 +56,10 @@ def request_target(ev: me.MoqtEvent) -> tuple[Action, tuple[bytes, ...]] | None:
 class RelayAuth:
     """Trusted issuers and the verified-token cache of one relay process."""
 
-    def __init__(self, issuer_keys: Sequence[Path], clock: Callable[[], float]) -> None:
-        verifier = TokenVerifier([load_issuer_public_key(p) for p in issuer_keys], clock)
+    def __init__(self, issuer_keys: Sequence[Path], clock: Callable[[], float], clock_skew_s: float) -> None:
+        verifier = TokenVerifier(
+            [load_issuer_public_key(p) for p in issuer_keys], clock, clock_skew_s=clock_skew_s
+        )
         self.authorizer = Authorizer(verifier)
 
     def session(self, setup: me.SetupCompleted | None) -> SessionAuth:

@@ -16,6 +16,7 @@ File format (every key optional; flags given on the command line win)::
     log_level = "info"
     drain_timeout = 5.0                # seconds between GOAWAY and close on SIGTERM
     auth_issuer_keys = ["issuer.pub"]  # trusted token issuers (PEM); when set, authorization is required
+    auth_clock_skew = 5.0              # seconds a token stays accepted past its expiry (issuer clock skew)
     upstream_token = "edge.token"      # token presented to upstream relays in SETUP (raw or base64url)
 
     [cache]                            # relay.cache.CacheConfig fields
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from kvnet.net.quic import TlsSettings, TransportSettings, parse_moqt_url
+from kvnet.security.tokens import DEFAULT_CLOCK_SKEW_S
 from relay.cache import CacheConfig
 from relay.limits import LimitsConfig
 
@@ -53,6 +55,7 @@ _TOP_KEYS = {
     "log_level",
     "drain_timeout",
     "auth_issuer_keys",
+    "auth_clock_skew",
     "upstream_token",
     "cache",
     "limits",
@@ -98,6 +101,9 @@ class RelayConfig:
     """Seconds between GOAWAY and closing the remaining sessions at shutdown."""
     auth_issuer_keys: tuple[Path, ...] = ()
     """Ed25519 public keys (PEM) of trusted token issuers. Non-empty: every request must be authorized."""
+    auth_clock_skew: float = DEFAULT_CLOCK_SKEW_S
+    """Seconds of clock skew tolerated between token issuer and relay: a token is refused from
+    ``expires + auth_clock_skew`` on, rechecked on every request (the SETUP credential included)."""
     upstream_token: Path | None = None
     """File with the token this relay presents to its upstream relays in SETUP."""
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -119,6 +125,8 @@ class RelayConfig:
             raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if not 0 <= self.auth_clock_skew <= 300:
+            raise ValueError(f"auth_clock_skew must be in 0..300 s, got {self.auth_clock_skew}")
         if not 0 <= self.drain_timeout <= 3600:
             raise ValueError(f"drain_timeout must be in 0..3600 s, got {self.drain_timeout}")
 
@@ -181,6 +189,7 @@ def load_config(file_data: Mapping[str, Any], overrides: Mapping[str, Any]) -> R
         log_level=str(top.get("log_level", "info")),
         drain_timeout=float(top.get("drain_timeout", 5.0)),
         auth_issuer_keys=tuple(Path(k) for k in issuer_keys),
+        auth_clock_skew=float(top.get("auth_clock_skew", DEFAULT_CLOCK_SKEW_S)),
         upstream_token=Path(upstream_token) if upstream_token else None,
         cache=_section(CacheConfig, sections["cache"], "cache"),
         limits=_section(LimitsConfig, sections["limits"], "limits"),

@@ -86,7 +86,11 @@ class Relay:
         self.going_away = False
         self._ids = itertools.count(1)
         self._jobs: set[asyncio.Task[None]] = set()
-        self.auth = RelayAuth(config.auth_issuer_keys, time.time) if config.auth_issuer_keys else None
+        self.auth = (
+            RelayAuth(config.auth_issuer_keys, time.time, config.auth_clock_skew)
+            if config.auth_issuer_keys
+            else None
+        )
         upstream_tokens: tuple[AuthToken, ...] = ()
         if config.upstream_token is not None:
             value = read_token_file(config.upstream_token)
@@ -850,4 +854,3 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> None:
     if metrics_server is not None:
         await metrics_server.close()
     logger.info("stopped", extra={"drain_seconds": round(time.monotonic() - started, 3)})
-

@@ -81,7 +81,7 @@ from proto.messages import AliasType, AuthToken
 
 __all__ = [
     "CLAIMS_VERSION",
-    "DEFAULT_LEEWAY_S",
+    "DEFAULT_CLOCK_SKEW_S",
     "DEFAULT_MAX_TOKEN_SIZE",
     "KVNET_TOKEN_TYPE",
     "MAGIC",
@@ -131,8 +131,10 @@ _HEADER_LEN: Final = len(MAGIC) + KEY_ID_LEN
 
 DEFAULT_MAX_TOKEN_SIZE: Final = 8192
 """Largest Token Value a verifier reads; 32 prefixes of a full kvnet block namespace fit in ~5 KiB."""
-DEFAULT_LEEWAY_S: Final = 30.0
-"""Clock skew tolerated between issuer and verifier on both ends of the validity window."""
+DEFAULT_CLOCK_SKEW_S: Final = 5.0
+"""Clock skew tolerated between issuer and verifier on both ends of the validity window: a token is
+refused from ``expires + clock_skew_s`` on. Small, because every second of it extends a leaked token's life;
+NTP-synchronised hosts differ by milliseconds (SECURITY.md "Authorization tokens")."""
 TOKEN_ALIAS_OVERHEAD: Final = 16
 """Bytes each registered alias costs on top of its Token Value (section "MAX_AUTH_TOKEN_CACHE_SIZE")."""
 
@@ -210,7 +212,7 @@ class UnknownIssuer(AuthError):
 
 
 class ExpiredToken(AuthError):
-    """The token's expiry (plus leeway) has passed."""
+    """The token's expiry (plus the clock skew allowance) has passed."""
 
     request_error_code = RequestErrorCode.EXPIRED_AUTH_TOKEN
     session_error_code = SessionErrorCode.EXPIRED_AUTH_TOKEN
@@ -218,7 +220,7 @@ class ExpiredToken(AuthError):
 
 
 class NotYetValid(AuthError):
-    """The token's not-before time (minus leeway) is still in the future.
+    """The token's not-before time (minus the clock skew allowance) is still in the future.
 
     The draft's UNAUTHORIZED "might be retryable if the authorization token is not yet valid", so this
     carries ``retry_after_s``.
@@ -594,20 +596,20 @@ class TokenVerifier:
         trusted_issuer_public_keys: Iterable[Ed25519PublicKey | bytes],
         clock: Callable[[], float],
         max_token_size: int = DEFAULT_MAX_TOKEN_SIZE,
-        leeway_s: float = DEFAULT_LEEWAY_S,
+        clock_skew_s: float = DEFAULT_CLOCK_SKEW_S,
     ) -> None:
         """``trusted_issuer_public_keys``: keys, or raw 32-byte public keys; ``clock``: Unix seconds."""
         if max_token_size < _HEADER_LEN + SIGNATURE_LEN + 1:
             raise ValueError(f"max_token_size {max_token_size} cannot hold a token")
-        if leeway_s < 0:
-            raise ValueError("leeway_s must not be negative")
+        if clock_skew_s < 0:
+            raise ValueError("clock_skew_s must not be negative")
         self._keys: dict[bytes, Ed25519PublicKey] = {}
         for key in trusted_issuer_public_keys:
             pub = Ed25519PublicKey.from_public_bytes(key) if isinstance(key, bytes) else key
             self._keys[issuer_key_id(pub)] = pub
         self.clock = clock
         self.max_token_size = max_token_size
-        self.leeway_s = leeway_s
+        self.clock_skew_s = clock_skew_s
 
     @property
     def trusted_key_ids(self) -> frozenset[bytes]:
@@ -644,10 +646,10 @@ class TokenVerifier:
     def check_validity(self, claims: Claims) -> None:
         """Raise ``NotYetValid`` or ``ExpiredToken`` unless ``claims`` are within their window now."""
         now = self.clock()
-        if now + self.leeway_s < claims.not_before:
-            wait = claims.not_before - self.leeway_s - now
+        if now + self.clock_skew_s < claims.not_before:
+            wait = claims.not_before - self.clock_skew_s - now
             raise NotYetValid(f"token not valid for another {wait:.0f} s", retry_after_s=wait)
-        if now - self.leeway_s >= claims.expires:
+        if now - self.clock_skew_s >= claims.expires:
             raise ExpiredToken(f"token expired {now - claims.expires:.0f} s ago")
 
 

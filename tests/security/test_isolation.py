@@ -39,6 +39,7 @@ from proto.kvobject import block_namespace
 from proto.messages import AliasType, AuthToken, Location
 from proto.session import SessionConfig
 from tests.helpers.processes import CertDir, RelayProcess
+from tests.helpers.waiting import async_wait_until
 from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster
 from tests.relay.conftest import RelayFactory
 from tests.relay.peers import Publisher, fetch_track, track_objects
@@ -296,3 +297,46 @@ async def test_bad_tokens_are_refused(
             await ok.close_session()
     finally:
         await pub.stop()
+
+
+async def test_token_is_refused_after_expiry_plus_the_clock_skew(
+    cert_dir: CertDir, relay_factory: RelayFactory, issuer: tuple[IssuerKey, Path]
+) -> None:
+    """A token issued for 2 s works until ``expires + --auth-clock-skew`` and is refused from then on, both
+    as the SETUP credential of a live session (rechecked on every request) and in a new SETUP."""
+    key, pub_path = issuer
+    skew = 1.0
+    rp = relay_factory(AUTH_FLAG, str(pub_path), "--auth-clock-skew", str(skew), "--log-level", "info")
+    pub = await start_tenant_a(rp, cert_dir.ca, key)
+    claims = make_claims("a-client", "a", ["subscribe"], [NS_A], now=time.time(), lifetime_s=2)
+    assert claims.expires - claims.not_before == 2
+    refused_from = claims.expires + skew
+    value = issue_token(key, claims)
+    conn = await connect_with(rp, cert_dir.ca, value)
+    try:
+        last_served = 0.0
+
+        async def refused() -> int | None:
+            nonlocal last_served
+            asked_at = time.time()
+            try:
+                await asyncio.wait_for(conn.track_status(NS_A, b"cached"), 10)
+            except RequestRejected as exc:
+                # The relay refused no later than now: refusing before ``refused_from`` would show here.
+                answered_at = time.time()
+                assert answered_at >= refused_from, f"refused {answered_at - claims.expires:.2f}s past expiry"
+                return exc.code
+            # Served: the relay checked the token no earlier than we asked, so it was still valid then.
+            assert asked_at < refused_from, f"served {asked_at - claims.expires:.2f} s after expiry"
+            last_served = asked_at
+            return None
+
+        code = await async_wait_until(refused, "expired SETUP credential refused", timeout=30, interval=0.1)
+        assert code == RequestErrorCode.EXPIRED_AUTH_TOKEN
+        assert last_served > 0, "the token was never accepted while valid"
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(conn.close_session(), 5)
+    # A new session presenting the same token in SETUP is closed with the session code.
+    assert await refusal(rp, cert_dir.ca, value) == SessionErrorCode.EXPIRED_AUTH_TOKEN
+    await pub.stop()

@@ -76,7 +76,7 @@ def claims_for(
 
 
 def verifier_for(issuer: IssuerKey, clock: Clock | None = None) -> TokenVerifier:
-    return TokenVerifier([issuer.public_key], clock or Clock(), max_token_size=8192, leeway_s=30)
+    return TokenVerifier([issuer.public_key], clock or Clock(), max_token_size=8192, clock_skew_s=30)
 
 
 # -- round trip and wire format --------------------------------------------------------------------
@@ -133,7 +133,7 @@ def test_expired_and_not_yet_valid(issuer: IssuerKey) -> None:
     clock = Clock()
     verifier = verifier_for(issuer, clock)
     token = issue_token(issuer, claims_for({Action.SUBSCRIBE}, lifetime=60))
-    clock.now = NOW + 60 + 29  # inside the leeway
+    clock.now = NOW + 60 + 29  # inside the clock skew allowance
     verifier.verify(token)
     clock.now = NOW + 60 + 30
     with pytest.raises(ExpiredToken) as exc:
