@@ -1,11 +1,12 @@
-"""Greedy generation over the paged KV cache, and the cache-free reference it must match.
+"""Generation over the paged KV cache (greedy or seeded sampling) and the cache-free reference.
 
 This module owns the inference loop: input validation, prefill of the uncached part of a prompt (chunked),
-one-token decode steps, and registering a prompt's full blocks so they can be shared and exported. It drives
-`kvnet.model.transformer.Transformer` and `kvnet.cache.paged_cache.PagedKVCache` through their public APIs
-only and knows
-nothing about codecs or the network. Block hashes are chained from a caller-supplied ``root``
-(`prefix_root`), computed once per process because the fingerprint hashes all weights.
+one-token decode steps, choosing each next token (`SamplingParams`: argmax at temperature 0, else seeded
+temperature / top-p sampling), and registering a prompt's full blocks so they can be shared and exported.
+It drives `kvnet.model.transformer.Transformer` and `kvnet.cache.paged_cache.PagedKVCache` through their
+public APIs only and knows nothing about codecs or the network. Block hashes are chained from a
+caller-supplied ``root`` (`prefix_root`), computed once per process because the fingerprint hashes all
+weights.
 
 Every public function validates its inputs before it touches the cache, and a failure after a sequence was
 added frees that sequence again, so a bad request never leaves the cache in a half-written state.
@@ -14,7 +15,7 @@ added frees that sequence again, so a bad request never leaves the cache in a ha
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,70 @@ class GenerationResult:
         """Generated tokens after the first, per second of decoding (0.0 when there were none)."""
         steps = max(len(self.token_ids) - 1, 0)
         return steps / self.decode_seconds if steps and self.decode_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen from the logits.
+
+    Temperature 0 is greedy (argmax, bit-exact with `generate_reference`); above 0 the logits are divided
+    by the temperature, the smallest set of tokens whose probabilities reach `top_p` is kept, and one is
+    drawn with a generator seeded from `seed` (so a seeded request repeats exactly).
+    """
+
+    temperature: float = 0.0
+    """0 for greedy; otherwise > 0."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]."""
+    seed: int | None = None
+    """Seed of the sampling generator; None draws a fresh one."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+GREEDY = SamplingParams()
+
+
+class TokenSampler:
+    """Chooses next tokens for one sequence under `SamplingParams` (owns its seeded generator)."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self._generator: torch.Generator | None = None
+        if not params.greedy:
+            self._generator = torch.Generator(device="cpu")
+            if params.seed is None:
+                self._generator.seed()
+            else:
+                self._generator.manual_seed(params.seed)
+
+    def __call__(self, logits: Tensor) -> int:
+        """The next token id from ``[vocab]`` logits."""
+        if self._generator is None:
+            return int(logits.argmax())
+        # Sample on the CPU in float32 so a seed gives the same draw whatever the model's device/dtype.
+        scaled = logits.detach().to(device="cpu", dtype=torch.float32) / self.params.temperature
+        probs = torch.softmax(scaled, dim=-1)  # [vocab]
+        if self.params.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # Keep every token whose preceding mass is below top_p (the first one always).
+            keep = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) < self.params.top_p
+            kept = torch.zeros_like(probs)
+            kept[order[keep]] = sorted_probs[keep]
+            probs = kept
+        return int(torch.multinomial(probs, 1, generator=self._generator))
+
+
+TokenCallback = Callable[[int], bool]
+"""Called with each generated id as soon as it is chosen; returning False ends generation there."""
 
 
 def cache_spec_for(model: Transformer, block_size: int) -> CacheSpec:
@@ -216,29 +281,33 @@ def generate(
     chunk_size: int = DEFAULT_PREFILL_CHUNK,
     commit_prompt: bool = True,
     keep_sequence: bool = False,
+    sampling: SamplingParams = GREEDY,
+    on_token: TokenCallback | None = None,
 ) -> GenerationResult:
-    """Greedy generation of up to `max_new_tokens` ids after `prompt_ids`, through the paged cache.
+    """Up to `max_new_tokens` ids after `prompt_ids` chosen by `sampling`, through the paged cache.
 
     Prefills only the uncached part of the prompt, commits its full blocks (`commit_prompt`) so later
     prompts and peers can reuse them, then decodes one token at a time, stopping early after a token in
-    `stop_token_ids`. The sequence is freed at the end unless `keep_sequence`. Raises `InvalidTokenError`
-    and `ContextLengthError` before the cache is touched.
+    `stop_token_ids` or when `on_token` returns False. The sequence is freed at the end unless
+    `keep_sequence`. Raises `InvalidTokenError` and `ContextLengthError` before the cache is touched.
     """
     ids = validate_token_ids(model, prompt_ids)
     check_context_length(model, ids.shape[0], max_new_tokens)
     started = time.perf_counter()
+    sample = TokenSampler(sampling)
     result = prefill(model, cache, seq_id, ids, root=root, chunk_size=chunk_size)
     generated: list[int] = []
     try:
         if commit_prompt:
             commit_prompt_blocks(cache, seq_id, result.block_hashes)
-        next_token = int(result.logits.argmax())
+        next_token = sample(result.logits)
         prefill_done = time.perf_counter()
         while len(generated) < max_new_tokens:
             generated.append(next_token)
-            if next_token in stop_token_ids or len(generated) == max_new_tokens:
+            wanted = on_token is None or on_token(next_token)
+            if not wanted or next_token in stop_token_ids or len(generated) == max_new_tokens:
                 break  # the last token's K/V is never needed
-            next_token = int(decode_one_token(model, cache, seq_id, next_token).argmax())
+            next_token = sample(decode_one_token(model, cache, seq_id, next_token))
         finished = time.perf_counter()
     finally:
         if not keep_sequence:

@@ -8,6 +8,8 @@ import torch
 from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.errors import CacheUsageError, ContextLengthError, InvalidTokenError, PoolExhaustedError
 from kvnet.model.generate import (
+    SamplingParams,
+    TokenSampler,
     cache_spec_for,
     commit_prompt_blocks,
     decode_one_token,
@@ -141,6 +143,53 @@ def test_stop_token_ends_generation(model: Transformer, root: bytes, expected: d
     result = generate(model, new_cache(model), PROMPT_A, NUM_NEW_TOKENS, root=root, stop_token_ids={stop})
     assert result.token_ids == expected["a"][: expected["a"].index(stop) + 1]
     assert generate_reference(model, PROMPT_A, NUM_NEW_TOKENS, stop_token_ids={stop}) == result.token_ids
+
+
+def test_temperature_zero_is_bit_exact_greedy(
+    model: Transformer, root: bytes, expected: dict[str, list[int]]
+) -> None:
+    params = SamplingParams(temperature=0.0, top_p=0.5, seed=7)
+    result = generate(model, new_cache(model), PROMPT_A, NUM_NEW_TOKENS, root=root, sampling=params)
+    assert result.token_ids == expected["a"]
+
+
+def test_seeded_sampling_repeats_and_seeds_differ(model: Transformer, root: bytes) -> None:
+    def run(seed: int) -> list[int]:
+        params = SamplingParams(temperature=1.5, seed=seed)
+        return generate(model, new_cache(model), PROMPT_A, 24, root=root, sampling=params).token_ids
+
+    first = run(1)
+    assert first == run(1)
+    assert first != run(2)
+
+
+def test_top_p_keeps_only_the_nucleus() -> None:
+    # Probabilities 0.5, 0.3, 0.2 (after softmax of log-probs): top_p 0.6 keeps the first two only.
+    logits = torch.log(torch.tensor([0.2, 0.5, 0.3]))
+    sampler = TokenSampler(SamplingParams(temperature=1.0, top_p=0.6, seed=0))
+    drawn = {sampler(logits) for _ in range(200)}
+    assert drawn == {1, 2}
+    tiny = TokenSampler(SamplingParams(temperature=1.0, top_p=1e-6, seed=0))
+    assert {tiny(logits) for _ in range(20)} == {1}
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(-0.1, 1.0), (1.0, 0.0), (1.0, 1.5), (101.0, 1.0)])
+def test_sampling_params_refuse_out_of_range(temperature: float, top_p: float) -> None:
+    with pytest.raises(ValueError, match="must be in"):
+        SamplingParams(temperature=temperature, top_p=top_p)
+
+
+def test_on_token_false_ends_generation(
+    model: Transformer, root: bytes, expected: dict[str, list[int]]
+) -> None:
+    seen: list[int] = []
+
+    def on_token(token: int) -> bool:
+        seen.append(token)
+        return len(seen) < 3
+
+    result = generate(model, new_cache(model), PROMPT_A, NUM_NEW_TOKENS, root=root, on_token=on_token)
+    assert result.token_ids == seen == expected["a"][:3]
 
 
 @pytest.mark.parametrize(
