@@ -1,262 +1,632 @@
-"""Minimal asyncio HTTP/1.1 front end of a kvnet node.
+"""OpenAI-compatible HTTP API of a kvnet node, on FastAPI (served by uvicorn, see ``serve_http``).
 
-Owns: parsing requests (request line, headers, a Content-Length body; keep-alive), routing, and the
-OpenAI-style JSON shapes:
+Owns: request validation and limits, the OpenAI JSON and SSE shapes, stop strings, API-key checks and the
+probe routes. Routes:
 
-- ``POST /v1/completions`` ``{"prompt": str, "max_tokens": int}`` -> ``{"id", "object": "text_completion",
-  "created", "model", "choices": [{"index", "text", "token_ids", "finish_reason"}], "usage":
-  {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details": {"cached_tokens",
-  "local_cached_tokens", "remote_cached_tokens"}}, "kvnet": {...per-request report...}}``
-- ``GET /health`` -> ``{"status": "ok", ...}``
-- ``GET /metrics`` -> Prometheus text exposition.
+- ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream``, ``max_tokens``, ``temperature``,
+  ``top_p``, ``seed``, ``stop``, ``n``; text or token-id prompts; any other parameter is a 400). Besides
+  the OpenAI fields, ``usage.prompt_tokens_details`` carries ``cached_tokens`` split into
+  ``local_cached_tokens`` and ``remote_cached_tokens``, and ``kvnet`` holds each choice's request report.
+- ``GET /v1/models``; ``GET /health`` (liveness: the process answers); ``GET /ready`` (readiness: 503 while
+  a configured relay has no session); ``GET /metrics`` (Prometheus text exposition).
 
-It knows nothing about the model or the network beyond the ``CompletionBackend`` protocol, and has hard
-limits (header and body size, header count) so one client cannot exhaust the node's memory.
+It knows nothing about the model or the network beyond the ``CompletionBackend`` protocol. Every bad request
+is a 4xx with a one-line message, never a 500: bodies are size-capped and their JSON nesting depth is
+checked before parsing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
+import socket
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvnet.model.generate import SamplingParams, TokenCallback
 
 logger = logging.getLogger(__name__)
 
-MAX_HEADER_BYTES = 16 * 1024
-MAX_HEADERS = 64
 MAX_BODY_BYTES = 1 << 20
-MAX_PROMPT_CHARS = 1 << 20
-KEEPALIVE_TIMEOUT_S = 30.0
-
-_REASONS = {
-    200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
-    411: "Length Required", 413: "Payload Too Large", 431: "Request Header Fields Too Large",
-    500: "Internal Server Error", 503: "Service Unavailable",
-}
-
-
-class CompletionBackend(Protocol):
-    """What the HTTP front end needs from a node."""
-
-    model_name: str
-
-    async def complete(self, prompt: str, max_tokens: int) -> dict[str, Any]:
-        """Run one request; returns ``{"text", "token_ids", "finish_reason", "prompt_tokens",
-        "local_hit_tokens", "remote_hit_tokens", "report"}``."""
-        ...
-
-    def health(self) -> dict[str, Any]: ...
-
-    def metrics(self) -> dict[str, float]: ...
+MAX_JSON_DEPTH = 16
+MAX_TOKENS_LIMIT = 4096
+MAX_CHOICES = 16
+"""Cap on prompts x n of one request (each choice is a full generation)."""
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_CONNECTIONS = 64
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
-    method: str
-    path: str
-    headers: dict[str, str]
-    body: bytes
+class ApiError(Exception):
+    """A request the API refuses; becomes ``{"error": {...}}`` with ``status``."""
 
-
-@dataclass(frozen=True, slots=True)
-class Response:
-    status: int
-    body: bytes
-    content_type: str = "application/json"
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.param = param
 
 
-def json_response(status: int, obj: Any) -> Response:
-    return Response(status, json.dumps(obj, separators=(",", ":")).encode("utf-8"))
+class ChatUnsupportedError(ValueError):
+    """The model's tokenizer has no chat template."""
 
 
-def _error(status: int, message: str) -> Response:
-    return json_response(status, {"error": {"message": message, "code": status}})
+@dataclass
+class GenerationOutcome:
+    """What the backend did for one choice."""
+
+    token_ids: list[int]
+    prompt_tokens: int
+    local_hit_tokens: int
+    remote_hit_tokens: int
+    finish_reason: str
+    """``stop`` (EOS) or ``length``; the API turns a matched stop string into ``stop`` itself."""
+    report: dict[str, Any] = field(default_factory=dict)
 
 
-async def read_request(reader: asyncio.StreamReader) -> Request | None:
-    """Parse one request; None on a clean EOF before any byte. Raises HttpError on malformed input."""
-    try:
-        head = await reader.readuntil(b"\r\n\r\n")
-    except asyncio.IncompleteReadError as exc:
-        if not exc.partial:
-            return None
-        raise HttpError(400, "truncated request head") from exc
-    except asyncio.LimitOverrunError as exc:
-        raise HttpError(431, "request head too large") from exc
-    if len(head) > MAX_HEADER_BYTES:
-        raise HttpError(431, "request head too large")
-    lines = head[:-4].decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-        raise HttpError(400, "malformed request line")
-    method, target, _ = parts
-    if len(lines) - 1 > MAX_HEADERS:
-        raise HttpError(431, "too many headers")
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip():
-            raise HttpError(400, "malformed header")
-        headers[name.lower()] = value.strip()
-    if "transfer-encoding" in headers:
-        raise HttpError(411, "chunked bodies are not supported; send Content-Length")
-    body = b""
-    if "content-length" in headers:
-        try:
-            length = int(headers["content-length"])
-        except ValueError as exc:
-            raise HttpError(400, "bad Content-Length") from exc
-        if length < 0:
-            raise HttpError(400, "bad Content-Length")
-        if length > MAX_BODY_BYTES:
-            raise HttpError(413, f"body larger than {MAX_BODY_BYTES} bytes")
-        try:
-            body = await reader.readexactly(length)
-        except asyncio.IncompleteReadError as exc:
-            raise HttpError(400, "truncated body") from exc
-    return Request(method=method, path=target.split("?", 1)[0], headers=headers, body=body)
+class CompletionBackend(Protocol):
+    """What the HTTP API needs from a node."""
+
+    model_name: str
+    max_context_tokens: int
+
+    def encode_text(self, text: str) -> list[int]: ...
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat rendered with the model's template; ``ChatUnsupportedError`` without one."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def validate_token_ids(self, token_ids: Sequence[int]) -> None:
+        """``ValueError`` naming the first id outside the vocabulary."""
+        ...
+
+    async def generate(
+        self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, on_token: TokenCallback
+    ) -> GenerationOutcome: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, why not)."""
+        ...
+
+    def metrics_exposition(self) -> bytes: ...
 
 
-def _render(response: Response, keep_alive: bool) -> bytes:
-    reason = _REASONS.get(response.status, "Unknown")
-    head = (
-        f"HTTP/1.1 {response.status} {reason}\r\n"
-        f"Content-Type: {response.content_type}\r\n"
-        f"Content-Length: {len(response.body)}\r\n"
-        f"Connection: {'keep-alive' if keep_alive else 'close'}\r\n\r\n"
+@dataclass(frozen=True)
+class ApiSettings:
+    """Limits and identity of the HTTP API."""
+
+    served_model_name: str | None = None
+    """Name clients use in ``model``; the backend's model name when None."""
+    api_key: str | None = None
+    """When set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``."""
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_json_depth: int = MAX_JSON_DEPTH
+    max_tokens_limit: int = MAX_TOKENS_LIMIT
+
+
+# -- request bodies ---------------------------------------------------------------------------------
+
+
+_BodyT = TypeVar("_BodyT", bound=BaseModel)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | int = Field(default=1.0, ge=0, le=2)
+    top_p: float | int = Field(default=1.0, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class CompletionBody(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageBody(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class ChatBody(_SamplingFields):
+    messages: list[ChatMessageBody] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+
+
+def json_depth_exceeds(raw: bytes, limit: int) -> bool:
+    """True when arrays/objects in ``raw`` nest deeper than ``limit`` (checked before parsing, so a
+    deeply nested body costs a linear scan, never a recursion)."""
+    depth = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > limit:
+                return True
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return False
+
+
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "list[", "str", "int")))
+    param = str(err["loc"][0]) if err["loc"] else None
+    if err["type"] == "extra_forbidden":
+        return f"unsupported parameter {loc!r}", param
+    if err["type"] == "missing":
+        return f"missing required parameter {loc!r}", param
+    return f"invalid {loc or 'body'}: {err['msg']}", param
+
+
+def _sampling(body: _SamplingFields, choice: int) -> SamplingParams:
+    seed = None if body.seed is None else body.seed + choice
+    return SamplingParams(temperature=float(body.temperature), top_p=float(body.top_p), seed=seed)
+
+
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} strings", "stop")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(400, f"stop: each string needs 1..{MAX_STOP_CHARS} characters", "stop")
+    return stops
+
+
+class TextStream:
+    """The text of one choice as tokens arrive: detects stop strings and says what is safe to emit.
+
+    Text is held back while it could still be the start of a stop string, or while it ends in an
+    incomplete UTF-8 sequence (decoded as U+FFFD), so a streamed delta never has to be taken back.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str]) -> None:
+        self._decode = decode
+        self._stop = list(stop)
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.stopped = False
+        self._emitted = 0
+
+    def push(self, token_id: int) -> bool:
+        """Add a token; False once a stop string appeared (the text then ends before it)."""
+        self.token_ids.append(token_id)
+        text = self._decode(self.token_ids)
+        if self._stop:
+            start = max(self._emitted - self._hold, 0)
+            hits = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
+            if hits:
+                text, self.stopped = text[: min(hits)], True
+        self.text = text
+        return not self.stopped
+
+    def take_delta(self, final: bool = False) -> str:
+        """New text that can be sent now (everything left when ``final``)."""
+        end = len(self.text)
+        if not final and not self.stopped:
+            end -= self._hold
+            while end > self._emitted and self.text[end - 1] == "\ufffd":
+                end -= 1
+        if end <= self._emitted:
+            return ""
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta
+
+
+# -- the application ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    """One choice to generate: its prompt, sampling and place in the response."""
+
+    index: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+
+
+def _usage(outcomes: Sequence[GenerationOutcome], prompt_tokens: int) -> dict[str, Any]:
+    local = sum(o.local_hit_tokens for o in outcomes)
+    remote = sum(o.remote_hit_tokens for o in outcomes)
+    completion = sum(len(o.token_ids) for o in outcomes)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {
+            "cached_tokens": local + remote,
+            "local_cached_tokens": local,
+            "remote_cached_tokens": remote,
+        },
+    }
+
+
+def _error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status
     )
-    return head.encode("latin-1") + response.body
 
 
-def prometheus_text(metrics: dict[str, float], prefix: str = "kvnet_") -> str:
-    lines = []
-    for name in sorted(metrics):
-        value = metrics[name]
-        lines.append(f"{prefix}{name} {value:.9g}" if isinstance(value, float) else f"{prefix}{name} {value}")
-    return "\n".join(lines) + "\n"
+class OpenAiApi:
+    """Routes of the node's HTTP API over a ``CompletionBackend``; ``app`` is the ASGI application."""
 
-
-class HttpApi:
-    """Routes of the node's HTTP API over a ``CompletionBackend``."""
-
-    def __init__(self, backend: CompletionBackend) -> None:
+    def __init__(self, backend: CompletionBackend, settings: ApiSettings | None = None) -> None:
         self.backend = backend
-        self._routes: dict[tuple[str, str], Callable[[Request], Awaitable[Response]]] = {
-            ("POST", "/v1/completions"): self._completions,
-            ("GET", "/health"): self._health,
-            ("GET", "/metrics"): self._metrics,
-        }
-        self._next_id = 0
+        self.settings = settings or ApiSettings()
+        self.model_name = self.settings.served_model_name or backend.model_name
+        self.created = int(time.time())
+        app = FastAPI(title="kvnet node", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_exception_handler(ApiError, self._on_api_error)  # type: ignore[arg-type]
+        app.add_exception_handler(StarletteHTTPException, self._on_http_error)  # type: ignore[arg-type]
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/ready", self.ready, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        self.app = app
 
-    async def handle(self, request: Request) -> Response:
-        handler = self._routes.get((request.method, request.path))
-        if handler is None:
-            if any(path == request.path for _, path in self._routes):
-                return _error(405, f"{request.method} not allowed on {request.path}")
-            return _error(404, f"no route {request.path}")
-        try:
-            return await handler(request)
-        except HttpError as exc:
-            return _error(exc.status, exc.message)
+    @staticmethod
+    async def _on_api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error_response(exc.status, exc.message, exc.param)
 
-    async def _completions(self, request: Request) -> Response:
-        try:
-            payload = json.loads(request.body or b"null")
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise HttpError(400, f"body is not JSON: {exc}") from exc
-        if not isinstance(payload, dict):
-            raise HttpError(400, "body must be a JSON object")
-        prompt = payload.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]  # OpenAI accepts a batch; one prompt per request here
-        if not isinstance(prompt, str) or not prompt:
-            raise HttpError(400, "prompt must be a non-empty string")
-        if len(prompt) > MAX_PROMPT_CHARS:
-            raise HttpError(413, "prompt too long")
-        max_tokens = payload.get("max_tokens", 16)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 0 <= max_tokens <= 4096:
-            raise HttpError(400, "max_tokens must be an integer in 0..4096")
-        try:
-            result = await self.backend.complete(prompt, max_tokens)
-        except ValueError as exc:  # e.g. the prompt does not fit the model's context
-            raise HttpError(400, str(exc)) from exc
-        self._next_id += 1
-        completion_tokens = len(result["token_ids"])
-        local, remote = int(result["local_hit_tokens"]), int(result["remote_hit_tokens"])
-        return json_response(200, {
-            "id": f"cmpl-{self._next_id}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.backend.model_name,
-            "choices": [{
-                "index": 0,
-                "text": result["text"],
-                "token_ids": result["token_ids"],
-                "logprobs": None,
-                "finish_reason": result["finish_reason"],
-            }],
-            "usage": {
-                "prompt_tokens": result["prompt_tokens"],
-                "completion_tokens": completion_tokens,
-                "total_tokens": result["prompt_tokens"] + completion_tokens,
-                "prompt_tokens_details": {
-                    "cached_tokens": local + remote,
-                    "local_cached_tokens": local,
-                    "remote_cached_tokens": remote,
-                },
-            },
-            "kvnet": result.get("report", {}),
-        })
+    @staticmethod
+    async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_response(exc.status_code, str(exc.detail))
 
-    async def _health(self, request: Request) -> Response:
-        return json_response(200, {"status": "ok", **self.backend.health()})
+    # -- probes ---------------------------------------------------------------------------------------
 
-    async def _metrics(self, request: Request) -> Response:
-        return Response(200, prometheus_text(self.backend.metrics()).encode(), "text/plain; version=0.0.4")
+    async def health(self) -> dict[str, Any]:
+        return {"status": "ok", **self.backend.health()}
 
-    async def serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                try:
-                    request = await asyncio.wait_for(read_request(reader), KEEPALIVE_TIMEOUT_S)
-                except HttpError as exc:
-                    writer.write(_render(_error(exc.status, exc.message), keep_alive=False))
-                    await writer.drain()
-                    return
-                except (TimeoutError, ConnectionError):
-                    return
-                if request is None:
-                    return
-                try:
-                    response = await self.handle(request)
-                except Exception:  # one failing request must not take the node down
-                    logger.exception("request %s %s failed", request.method, request.path)
-                    response = _error(500, "internal error")
-                keep_alive = request.headers.get("connection", "").lower() != "close"
-                writer.write(_render(response, keep_alive))
-                await writer.drain()
-                if not keep_alive:
-                    return
-        except ConnectionError:
+    async def ready(self) -> JSONResponse:
+        ok, why = self.backend.readiness()
+        if ok:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "not ready", "reason": why}, status_code=503)
+
+    async def metrics(self) -> Response:
+        return Response(self.backend.metrics_exposition(), media_type=METRICS_CONTENT_TYPE)
+
+    async def models(self, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvnet",
+            "max_model_len": self.backend.max_context_tokens,
+        }]}
+
+    # -- request handling ----------------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
             return
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)")
+
+    async def _read_json(self, request: Request) -> Any:
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise ApiError(413, f"request body larger than {limit} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body larger than {limit} bytes")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        if json_depth_exceeds(raw, self.settings.max_json_depth):
+            raise ApiError(400, f"JSON nested deeper than {self.settings.max_json_depth} levels")
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"body is not JSON: {exc}") from None
+
+    def _parse(self, model: type[_BodyT], payload: Any) -> _BodyT:
+        if not isinstance(payload, dict):
+            raise ApiError(400, "body must be a JSON object")
+        try:
+            body = model.model_validate(payload)
+        except ValidationError as exc:
+            message, param = _validation_message(exc)
+            raise ApiError(400, message, param) from None
+        requested = getattr(body, "model", None)
+        if requested is not None and requested != self.model_name:
+            raise ApiError(
+                404, f"model {requested!r} is not served here (serving {self.model_name!r})", "model"
+            )
+        return body
+
+    def _max_tokens(self, value: int | None) -> int:
+        max_tokens = DEFAULT_MAX_TOKENS if value is None else value
+        if max_tokens > self.settings.max_tokens_limit:
+            raise ApiError(400, f"max_tokens must be <= {self.settings.max_tokens_limit}", "max_tokens")
+        return max_tokens
+
+    def _check_prompt(self, ids: list[int], max_tokens: int) -> list[int]:
+        if not ids:
+            raise ApiError(400, "prompt must not be empty", "prompt")
+        try:
+            self.backend.validate_token_ids(ids)
+        except ValueError as exc:
+            raise ApiError(400, f"prompt: {exc}", "prompt") from None
+        limit = self.backend.max_context_tokens
+        if len(ids) + max_tokens > limit:
+            raise ApiError(
+                400, f"prompt of {len(ids)} tokens plus max_tokens {max_tokens} exceeds the model's context "
+                f"of {limit} tokens", "prompt",
+            )
+        return ids
+
+    def _prompts(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self.backend.encode_text(prompt)]
+        if not prompt:
+            raise ApiError(400, "prompt must not be empty", "prompt")
+        out: list[list[int]] = []
+        if all(isinstance(p, int) for p in prompt):
+            return [[p for p in prompt if isinstance(p, int)]]
+        for p in prompt:
+            if isinstance(p, str):
+                out.append(self.backend.encode_text(p))
+            elif isinstance(p, list):
+                out.append(list(p))
+        return out
+
+    async def completions(self, request: Request) -> Response:
+        self._authorize(request)
+        body = self._parse(CompletionBody, await self._read_json(request))
+        max_tokens = self._max_tokens(body.max_tokens)
+        prompts = [self._check_prompt(ids, max_tokens) for ids in self._prompts(body.prompt)]
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise ApiError(400, f"prompts x n must be <= {MAX_CHOICES}", "n")
+        jobs = [
+            _Job(p * body.n + i, ids, _sampling(body, i))
+            for p, ids in enumerate(prompts)
+            for i in range(body.n)
+        ]
+        return await self._respond(body, jobs, max_tokens, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        self._authorize(request)
+        body = self._parse(ChatBody, await self._read_json(request))
+        if body.max_tokens is not None and body.max_completion_tokens is not None:
+            raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
+        max_tokens = self._max_tokens(
+            body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        )
+        messages = [
+            {"role": m.role, "content": m.content if isinstance(m.content, str)
+             else "".join(part.text for part in m.content)}
+            for m in body.messages
+        ]
+        try:
+            ids = self.backend.encode_chat(messages)
+        except ChatUnsupportedError as exc:
+            raise ApiError(
+                400, f"chat is not available for model {self.model_name!r}: {exc}", "messages"
+            ) from None
+        except ValueError as exc:  # the template refused these messages
+            raise ApiError(400, str(exc), "messages") from None
+        ids = self._check_prompt(ids, max_tokens)
+        jobs = [_Job(i, ids, _sampling(body, i)) for i in range(body.n)]
+        return await self._respond(body, jobs, max_tokens, chat=True)
+
+    async def _run(
+        self, job: _Job, max_tokens: int, stop: list[str], on_delta: Callable[[str], None] | None = None
+    ) -> tuple[GenerationOutcome, TextStream]:
+        """Generate one choice; ``on_delta`` gets text as it becomes final (called on the event loop)."""
+        stream = TextStream(self.backend.decode, stop)
+        loop = asyncio.get_running_loop()
+
+        def on_token(token_id: int) -> bool:  # runs in the model's worker thread
+            more = stream.push(token_id)
+            if on_delta is not None:
+                delta = stream.take_delta()
+                if delta:
+                    loop.call_soon_threadsafe(on_delta, delta)
+            return more
+
+        try:
+            outcome = await self.backend.generate(job.prompt_ids, max_tokens, job.sampling, on_token)
+        except ValueError as exc:  # e.g. the prompt does not fit the model's context
+            raise ApiError(400, str(exc)) from None
+        if stream.stopped:
+            outcome.finish_reason = "stop"
+            outcome.token_ids = list(stream.token_ids)
+        return outcome, stream
+
+    async def _respond(
+        self, body: _SamplingFields, jobs: list[_Job], max_tokens: int, *, chat: bool
+    ) -> Response:
+        stop = _stop_strings(body.stop)
+        prefix = "chatcmpl" if chat else "cmpl"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            events = self._stream(request_id, created, jobs, max_tokens, stop, chat=chat, usage=include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        if body.stream_options is not None:
+            raise ApiError(400, "stream_options needs stream: true", "stream_options")
+        results = [await self._run(job, max_tokens, stop) for job in jobs]
+        choices: list[dict[str, Any]] = []
+        for job, (outcome, text) in zip(jobs, results, strict=True):
+            if chat:
+                choices.append({
+                    "index": job.index, "message": {"role": "assistant", "content": text.text},
+                    "logprobs": None, "finish_reason": outcome.finish_reason,
+                })
+            else:
+                choices.append({
+                    "index": job.index, "text": text.text, "token_ids": outcome.token_ids, "logprobs": None,
+                    "finish_reason": outcome.finish_reason,
+                })
+        outcomes = [o for o, _ in results]
+        prompt_tokens = sum(len(j.prompt_ids) for j in jobs[:: body.n])
+        out: dict[str, Any] = {
+            "id": request_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": self.model_name,
+            "choices": choices,
+            "usage": _usage(outcomes, prompt_tokens),
+            # The first choice's report (the one that could reuse remote blocks) as ``kvnet``; all of them
+            # under ``kvnet_choices`` when there are several.
+            "kvnet": outcomes[0].report,
+        }
+        if len(outcomes) > 1:
+            out["kvnet_choices"] = [o.report for o in outcomes]
+        return JSONResponse(out)
+
+    async def _stream(
+        self, request_id: str, created: int, jobs: list[_Job], max_tokens: int, stop: list[str], *,
+        chat: bool, usage: bool,
+    ) -> AsyncIterator[str]:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            obj = {"id": request_id, "object": kind, "created": created, "model": self.model_name,
+                   "choices": choices, **extra}
+            return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+        def choice(index: int, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+            if chat:
+                delta: dict[str, str] = {"role": "assistant"} if first else {}
+                if text is not None:
+                    delta["content"] = text
+                return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+        outcomes: list[GenerationOutcome] = []
+        try:
+            for job in jobs:
+                queue: asyncio.Queue[str] = asyncio.Queue()
+                if chat:
+                    yield chunk([choice(job.index, "", None, first=True)])
+                task = asyncio.ensure_future(self._run(job, max_tokens, stop, queue.put_nowait))
+                while not task.done() or not queue.empty():
+                    getter = asyncio.ensure_future(queue.get())
+                    await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                    if getter.done():
+                        yield chunk([choice(job.index, getter.result(), None)])
+                    else:
+                        getter.cancel()
+                outcome, text = task.result()
+                # Deltas queued by the worker thread after the task finished are already in ``text``.
+                while not queue.empty():
+                    yield chunk([choice(job.index, queue.get_nowait(), None)])
+                rest = text.take_delta(final=True)
+                yield chunk([choice(job.index, rest if rest or not chat else None, outcome.finish_reason)])
+                outcomes.append(outcome)
+        except ApiError as exc:
+            # Headers are gone: report in-band as OpenAI does, then end the stream.
+            yield f"data: {json.dumps({'error': {'message': exc.message, 'code': exc.status}})}\n\n"
+        else:
+            if usage:
+                prompt_tokens = sum(len(j.prompt_ids) for j in jobs if j.index % max(len(jobs), 1) == 0)
+                yield chunk([], usage=_usage(outcomes, prompt_tokens))
+        yield "data: [DONE]\n\n"
 
 
-async def start_http(api: HttpApi, host: str, port: int) -> asyncio.Server:
-    """Listen on ``host:port`` (port 0 picks a free one; see ``server.sockets``)."""
-    return await asyncio.start_server(api.serve_connection, host, port, limit=MAX_HEADER_BYTES)
+def bind_http(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0 picks one); ``OSError`` (e.g. port busy) is the
+    caller's to report."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class HttpServer:
+    """uvicorn serving an ASGI app on a bound socket inside the running event loop."""
+
+    def __init__(self, server: uvicorn.Server, task: asyncio.Task[None], sock: socket.socket) -> None:
+        self._server = server
+        self._task = task
+        self.host, self.port = sock.getsockname()[:2]
+
+    @classmethod
+    async def start(
+        cls, app: Any, sock: socket.socket, *, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        access_log: bool = True,
+    ) -> HttpServer:
+        """Serve ``app`` on ``sock``; returns once it listens. ``max_connections`` caps concurrent
+        connections and requests (uvicorn answers 503 past it)."""
+        config = uvicorn.Config(
+            app, log_config=None, access_log=access_log, limit_concurrency=max_connections,
+            timeout_keep_alive=30, h11_max_incomplete_event_size=16 * 1024, lifespan="off",
+        )
+        server = uvicorn.Server(config)
+        task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+        while not server.started:  # uvicorn offers no start event; it sets this flag once listening
+            if task.done():
+                task.result()
+                raise OSError("HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        return cls(server, task, sock)
+
+    async def stop(self) -> None:
+        """Stop accepting, let requests in flight finish (uvicorn's graceful shutdown), then return."""
+        self._server.should_exit = True
+        with contextlib.suppress(Exception):
+            await self._task

@@ -30,7 +30,7 @@ from kvnet.blocks.signing import Signer, TrustStore
 from kvnet.cache.hashing import block_hashes, root_hash
 from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.dtypes import dtype_from_name
-from kvnet.model.generate import cache_spec_for, generate
+from kvnet.model.generate import GREEDY, SamplingParams, TokenCallback, cache_spec_for, generate
 from kvnet.model.tokenizer import ByteTokenizer, Tokenizer
 from kvnet.model.transformer import Transformer
 from kvnet.net.endpoint import freeze_startup_objects
@@ -221,12 +221,18 @@ class Node:
         publish: bool = False,
         verify: bool = False,
         use_remote: bool = True,
+        prompt_ids: list[int] | None = None,
+        sampling: SamplingParams = GREEDY,
+        on_token: TokenCallback | None = None,
     ) -> RequestReport:
-        """Answer one prompt reusing every prefix block it can find; see the module docstring."""
+        """Answer one prompt reusing every prefix block it can find; see the module docstring.
+
+        ``prompt_ids`` (token ids) replaces ``text`` when given; ``sampling`` and ``on_token`` are passed to
+        ``generate`` (``on_token`` runs in the model's worker thread)."""
         max_new = self.config.max_new_tokens if max_tokens is None else max_tokens
         report = RequestReport()
         t0 = time.perf_counter()
-        ids = self.encode_prompt(text)
+        ids = self.encode_prompt(text) if prompt_ids is None else list(prompt_ids)
         report.prompt_tokens = len(ids)
         b = self.block_size
         hashes = block_hashes(ids, b, self.root)
@@ -250,6 +256,8 @@ class Node:
                 seq_id=self._seq_id(),
                 stop_token_ids=(self.tokenizer.eos_id,),
                 commit_prompt=True,
+                sampling=sampling,
+                on_token=on_token,
             )
             gen_done = time.perf_counter()
             if result.computed_tokens > 0:

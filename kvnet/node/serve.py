@@ -3,8 +3,9 @@
     kvnet-node --relay moqt://HOST:PORT --ca CA_PEM [--http 127.0.0.1:8000] [--no-publish]
 
 Every prompt it computes is published (its new full blocks are encoded, signed, stored and pushed), and
-every prompt reuses the longest prefix it can find: its own cache first, then the relay. Endpoints:
-``POST /v1/completions``, ``GET /health``, ``GET /metrics``.
+every prompt reuses the longest prefix it can find: its own cache first, then the relay. The HTTP API is
+OpenAI-compatible (``kvnet.node.httpapi``): ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+plus ``/health``, ``/ready`` and ``/metrics``.
 """
 
 from __future__ import annotations
@@ -17,11 +18,20 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from kvnet.model.generate import SamplingParams, TokenCallback
 from kvnet.node.config import NodeConfig, add_node_arguments, node_config_from_cli, setup_logging
-from kvnet.node.httpapi import HttpApi, start_http
+from kvnet.node.httpapi import (
+    DEFAULT_MAX_CONNECTIONS,
+    ApiSettings,
+    ChatUnsupportedError,
+    GenerationOutcome,
+    HttpServer,
+    OpenAiApi,
+    bind_http,
+)
 from kvnet.node.node import Node, start_node
 
 logger = logging.getLogger("kvnet-node")
@@ -35,6 +45,13 @@ class ServeConfig:
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     publish: bool = True
+    api: ApiSettings = field(default_factory=ApiSettings)
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    """Concurrent HTTP connections and requests; past it the server answers 503."""
+
+
+class ConfigError(Exception):
+    """A bad setting found while starting (reported as one line, exit status 2)."""
 
 
 class NodeBackend:
@@ -44,38 +61,75 @@ class NodeBackend:
         self.node = node
         self.publish = publish
         self.model_name = node.model_name
+        self.max_context_tokens = node.model.args.max_seq_len
 
-    async def complete(self, prompt: str, max_tokens: int) -> dict[str, Any]:
-        ids_len = len(self.node.encode_prompt(prompt))
-        if ids_len + max_tokens > self.node.model.args.max_seq_len:
-            raise ValueError(
-                f"prompt of {ids_len} tokens plus max_tokens {max_tokens} exceeds the model context "
-                f"({self.node.model.args.max_seq_len})"
-            )
-        report = await self.node.complete(prompt, max_tokens, publish=self.publish)
-        return {
-            "text": report.output_text,
-            "token_ids": report.output_token_ids,
-            "finish_reason": report.finish_reason,
-            "prompt_tokens": report.prompt_tokens,
-            "local_hit_tokens": report.local_hit_tokens,
-            "remote_hit_tokens": report.remote_hit_tokens,
-            "report": report.to_json(),
-        }
+    def encode_text(self, text: str) -> list[int]:
+        return self.node.encode_prompt(text)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        encode_chat = getattr(self.node.tokenizer, "encode_chat", None)
+        if encode_chat is None or getattr(self.node.tokenizer, "chat_template", None) is None:
+            raise ChatUnsupportedError("its tokenizer has no chat template; use /v1/completions")
+        ids: list[int] = encode_chat(messages)
+        return ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.node.tokenizer.decode(token_ids)
+
+    def validate_token_ids(self, token_ids: Sequence[int]) -> None:
+        vocab = self.node.model.args.vocab_size
+        for index, token_id in enumerate(token_ids):
+            if not 0 <= token_id < vocab:
+                raise ValueError(f"token {index} has id {token_id}, outside the vocabulary [0, {vocab})")
+
+    async def generate(
+        self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, on_token: TokenCallback
+    ) -> GenerationOutcome:
+        report = await self.node.complete(
+            "", max_tokens, prompt_ids=prompt_ids, sampling=sampling, on_token=on_token, publish=self.publish
+        )
+        return GenerationOutcome(
+            token_ids=report.output_token_ids,
+            prompt_tokens=report.prompt_tokens,
+            local_hit_tokens=report.local_hit_tokens,
+            remote_hit_tokens=report.remote_hit_tokens,
+            finish_reason=report.finish_reason,
+            report=report.to_json(),
+        )
 
     def health(self) -> dict[str, Any]:
         return self.node.health()
 
-    def metrics(self) -> dict[str, float]:
-        return self.node.metrics()
+    def readiness(self) -> tuple[bool, str]:
+        if self.node.config.relay_url is None:
+            return True, ""
+        if self.node.peer is None or not self.node.peer.connected:
+            return False, f"no session with relay {self.node.config.relay_url}"
+        return True, ""
+
+    def metrics_exposition(self) -> bytes:
+        return prometheus_text(self.node.metrics()).encode()
+
+
+def prometheus_text(metrics: dict[str, float], prefix: str = "kvnet_") -> str:
+    lines = []
+    for name in sorted(metrics):
+        value = metrics[name]
+        lines.append(f"{prefix}{name} {value:.9g}" if isinstance(value, float) else f"{prefix}{name} {value}")
+    return "\n".join(lines) + "\n"
 
 
 async def serve(config: ServeConfig) -> int:
+    try:
+        sock = bind_http(config.http_host, config.http_port)
+    except OSError as exc:
+        where = f"{config.http_host}:{config.http_port}"
+        raise ConfigError(f"cannot listen on {where}: {exc.strerror or exc}") from None
     node = await start_node(config.node)
-    server = await start_http(HttpApi(NodeBackend(node, config.publish)), config.http_host, config.http_port)
-    host, port = server.sockets[0].getsockname()[:2]
-    logger.info("serving http://%s:%d (POST /v1/completions, GET /health, GET /metrics)", host, port)
-    print(f"READY http://{host}:{port}", file=sys.stderr, flush=True)
+    api = OpenAiApi(NodeBackend(node, config.publish), config.api)
+    server = await HttpServer.start(api.app, sock, max_connections=config.max_connections)
+    logger.info("serving http://%s:%d (model %s)", server.host, server.port, api.model_name)
+    print(f"READY http://{server.host}:{server.port}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -84,8 +138,7 @@ async def serve(config: ServeConfig) -> int:
     try:
         await stop.wait()
     finally:
-        server.close()
-        await server.wait_closed()
+        await server.stop()
         await node.close()
     return 0
 
@@ -101,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvnet-node", description=__doc__.split("\n\n")[0])
     p.add_argument("--http", type=_hostport, default=("127.0.0.1", 8000), help="HTTP listen HOST:PORT")
     p.add_argument("--no-publish", action="store_true", help="reuse prefixes but do not publish blocks")
+    p.add_argument("--served-model-name", help="model name clients give in requests (default: the model's)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="concurrent HTTP connections before answering 503")
     add_node_arguments(p, relay_required=False)
     return p
 
@@ -115,8 +172,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     host, port = args.http
     try:
+        api = ApiSettings(served_model_name=args.served_model_name, api_key=args.api_key)
         return asyncio.run(serve(ServeConfig(node=node_cfg, http_host=host, http_port=port,
-                                             publish=not args.no_publish)))
+                                             publish=not args.no_publish, api=api,
+                                             max_connections=args.max_connections)))
+    except ConfigError as exc:
+        print(f"kvnet-node: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

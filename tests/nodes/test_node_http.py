@@ -27,7 +27,8 @@ def test_second_node_reuses_first_nodes_prefix_over_http(kv_cluster: Cluster) ->
     kv_cluster.wait_http_node(node_b)
     shared = (len(SHARED_PREFIX) + 1) // B * B
 
-    first = http_json(f"{url_a}/v1/completions", {"prompt": SHARED_PREFIX + "Q1: what?", "max_tokens": 6})
+    greedy = {"max_tokens": 6, "temperature": 0}  # outputs are compared across nodes
+    first = http_json(f"{url_a}/v1/completions", {"prompt": SHARED_PREFIX + "Q1: what?", **greedy})
     assert first["object"] == "text_completion"
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert len(first["choices"][0]["token_ids"]) == 6
@@ -42,13 +43,13 @@ def test_second_node_reuses_first_nodes_prefix_over_http(kv_cluster: Cluster) ->
         time.sleep(0.05)
 
     prompt = SHARED_PREFIX + "Q2: and how?"
-    remote = http_json(f"{url_b}/v1/completions", {"prompt": prompt, "max_tokens": 6})
+    remote = http_json(f"{url_b}/v1/completions", {"prompt": prompt, **greedy})
     details = remote["usage"]["prompt_tokens_details"]
     assert details["remote_cached_tokens"] == shared, str(remote["kvnet"])  # str: printed whole
     assert details["local_cached_tokens"] == 0
     assert remote["kvnet"]["renditions"] == {"lossless": shared // B}
     # Node A answers the same prompt from its own cache: same tokens as B's answer built on A's blocks.
-    local = http_json(f"{url_a}/v1/completions", {"prompt": prompt, "max_tokens": 6})
+    local = http_json(f"{url_a}/v1/completions", {"prompt": prompt, **greedy})
     assert local["usage"]["prompt_tokens_details"]["local_cached_tokens"] == shared
     assert local["choices"][0]["token_ids"] == remote["choices"][0]["token_ids"]
 

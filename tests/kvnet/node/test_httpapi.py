@@ -1,0 +1,201 @@
+"""The OpenAI-compatible API (``kvnet.node.httpapi``) over a real node (tiny model, no relay), served by
+uvicorn on loopback and driven by the official ``openai`` client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator
+from typing import Any
+
+import openai
+import pytest
+import torch
+
+from kvnet.model.generate import generate_reference
+from kvnet.model.transformer import Transformer
+from kvnet.node.httpapi import ApiSettings, HttpServer, OpenAiApi, TextStream, bind_http, json_depth_exceeds
+from kvnet.node.node import Node, NodeConfig
+from kvnet.node.serve import NodeBackend
+
+MODEL = "tiny-served"
+API_KEY = "test-key"
+
+
+@pytest.fixture
+async def node_url() -> AsyncIterator[tuple[str, Node]]:
+    config = NodeConfig(model="tiny", block_size=16, cache_blocks=256)
+    node = Node(config, Transformer.from_name("tiny", device=torch.device("cpu")))
+    api = OpenAiApi(NodeBackend(node, publish=False), ApiSettings(served_model_name=MODEL, api_key=API_KEY))
+    server = await HttpServer.start(api.app, bind_http("127.0.0.1", 0), access_log=False)
+    try:
+        yield f"http://127.0.0.1:{server.port}", node
+    finally:
+        await server.stop()
+
+
+def _client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def _http(url: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    """(status, parsed JSON body) of one request; errors are returned, not raised."""
+    request = urllib.request.Request(url, data=body, headers={"Authorization": f"Bearer {API_KEY}",
+                                                              "Content-Type": "application/json",
+                                                              **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+async def test_completions_match_greedy_reference_streaming_or_not(node_url: tuple[str, Node]) -> None:
+    url, node = node_url
+    client = _client(url)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 2
+    ids = node.encode_prompt(prompt)
+    expected = generate_reference(node.model, ids, 8, stop_token_ids=(node.tokenizer.eos_id,))
+
+    done = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert done.choices[0].text == node.tokenizer.decode(expected)
+    assert done.usage is not None and done.usage.prompt_tokens == len(ids)
+    assert done.usage.completion_tokens == len(expected)
+
+    # The same prompt again: its full blocks come from the local cache, the answer is unchanged.
+    chunks = [c async for c in await client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )]
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == done.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == (len(ids) - 1) // 16 * 16
+
+    # Token-id prompts give the same answer as the text they encode.
+    by_ids = await client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == done.choices[0].text
+
+
+async def test_sampling_seed_n_and_stop(node_url: tuple[str, Node]) -> None:
+    url, _ = node_url
+    client = _client(url)
+    args: dict[str, Any] = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12,
+                            "temperature": 1.5, "top_p": 0.9}
+    first = await client.completions.create(seed=5, n=2, **args)
+    again = await client.completions.create(seed=5, n=2, **args)
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert [c.index for c in first.choices] == [0, 1]
+    other = await client.completions.create(seed=6, n=1, **args)
+    assert other.choices[0].text != first.choices[0].text or first.choices[0].text == ""
+
+    greedy = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12,
+                                             temperature=0)
+    text = greedy.choices[0].text
+    stop = text[3:5]
+    assert stop, text
+    stopped = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12,
+                                              temperature=0, stop=[stop])
+    assert stopped.choices[0].text == text[: text.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+    streamed = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12,
+                                               temperature=0, stop=stop, stream=True)
+    assert "".join([c.choices[0].text async for c in streamed]) == stopped.choices[0].text
+
+
+async def test_unsupported_parameter_and_chat_without_template_are_400(node_url: tuple[str, Node]) -> None:
+    url, _ = node_url
+    client = _client(url)
+    with pytest.raises(openai.BadRequestError, match="unsupported parameter 'logprobs'"):
+        await client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="unsupported parameter 'tools'"):
+        await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}],
+            tools=[{"type": "function", "function": {"name": "f"}}],
+        )
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        await client.completions.create(model="other", prompt="hi", max_tokens=2)
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, 400, "nested deeper than"),
+        (b'{"prompt": "x", "max_tokens": ' + b"[" * 20 + b"]" * 20 + b"}", 400, "nested deeper than"),
+        (b"not json", 400, "not JSON"),
+        (b'"a string"', 400, "JSON object"),
+        (b'{"prompt": "x", "max_tokens": 99999}', 400, "max_tokens must be <="),
+        (b'{"prompt": "x", "max_tokens": "5"}', 400, "invalid max_tokens"),
+        (b'{"prompt": [1, 2, 99999]}', 400, "outside the vocabulary"),
+        (b'{"prompt": "x", "temperature": 3}', 400, "invalid temperature"),
+        (b'{"prompt": "x", "n": 2, "stop": ["a", "b", "c", "d", "e"]}', 400, "at most 4"),
+        (b'{"prompt": "' + b"x" * 5000 + b'", "max_tokens": 10}', 400, "exceeds the model's context"),
+        (b'{"max_tokens": 1}', 400, "missing required parameter 'prompt'"),
+    ],
+)
+async def test_bad_bodies_are_clear_4xx(
+    node_url: tuple[str, Node], body: bytes, status: int, message: str
+) -> None:
+    url, _ = node_url
+    got, answer = await asyncio.to_thread(_http, f"{url}/v1/completions", body)
+    assert got == status, answer
+    assert message in answer["error"]["message"]
+
+
+async def test_api_key_probes_and_metrics(node_url: tuple[str, Node]) -> None:
+    url, _ = node_url
+    status, answer = await asyncio.to_thread(
+        _http, f"{url}/v1/completions", b'{"prompt": "x"}', {"Authorization": "Bearer wrong"}
+    )
+    assert status == 401 and "API key" in answer["error"]["message"]
+    assert (await asyncio.to_thread(_http, f"{url}/health"))[0] == 200
+    assert await asyncio.to_thread(_http, f"{url}/ready") == (200, {"status": "ready"})
+    status, answer = await asyncio.to_thread(_http, f"{url}/nowhere")
+    assert status == 404 and answer["error"]["message"]
+
+
+async def test_oversized_body_is_413_before_it_is_read(node_url: tuple[str, Node]) -> None:
+    url, _ = node_url
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer test-key\r\nContent-Length: 2097152\r\n\r\n")
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 413"), head
+
+
+def test_text_stream_holds_back_a_possible_stop_and_cuts_at_it() -> None:
+    def decode(ids: Any) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    stream = TextStream(decode, ["END"])
+    for ch in b"abcE":
+        assert stream.push(ch)
+    assert stream.take_delta() == "ab"  # "cE" could still start "END"
+    assert stream.push(ord("N")) and not stream.push(ord("D"))
+    assert stream.stopped and stream.text == "abc"
+    assert stream.take_delta(final=True) == "c"
+
+    multibyte = TextStream(decode, [])
+    euro = "€".encode()
+    multibyte.push(euro[0])
+    assert multibyte.take_delta() == ""  # an incomplete UTF-8 sequence is not sent yet
+    multibyte.push(euro[1])
+    multibyte.push(euro[2])
+    assert multibyte.take_delta() == "€"
+
+
+def test_json_depth_ignores_brackets_in_strings() -> None:
+    assert not json_depth_exceeds(b'{"a": "[[[[[[[[[[\\"[[["}', 2)
+    assert json_depth_exceeds(b'{"a": [[1]]}', 2)
+    assert not json_depth_exceeds(b'{"a": [1]}', 2)
