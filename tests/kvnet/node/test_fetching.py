@@ -1,0 +1,179 @@
+"""The fetcher (``kvnet.node.fetching.BlockFetcher``) against a real block server over a real MoQT
+connection in memory: it loads exactly the verified prefix into the cache it was given, and every
+failure (missing block, untrusted key, wrong tokens, corrupted layer, silent peer) ends the prefix there
+with the cache left consistent."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import torch
+
+from kvnet.blocks.signing import Signer, TrustStore
+from kvnet.cache.paged_cache import PagedKVCache
+from kvnet.node.blockstore import StoredBlock
+from kvnet.node.fetching import BlockFetcher, FetchOutcome
+from tests.helpers.connections import ConnectionPair
+from tests.kvnet.node.conftest import (
+    FINGERPRINT,
+    HASHES,
+    NAMESPACE_ID,
+    SPEC,
+    Published,
+    block_server,
+    fill_cache,
+    serving_store,
+    trusting,
+)
+
+LOSSLESS = ["lossless"] * len(HASHES)
+
+Serve = Callable[[list[StoredBlock]], None]
+
+
+@pytest.fixture
+async def serve(pair: ConnectionPair) -> AsyncIterator[Serve]:
+    """Start a block server on the pair's server side holding the given blocks."""
+    tasks: list[asyncio.Task[None]] = []
+
+    def start(blocks: list[StoredBlock]) -> None:
+        tasks.append(asyncio.create_task(block_server(pair, serving_store(blocks)).serve()))
+
+    yield start
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def empty_cache() -> PagedKVCache:
+    return PagedKVCache(SPEC, num_blocks=16, device=torch.device("cpu"))
+
+
+def fetcher(pair: ConnectionPair, cache: PagedKVCache, trust: TrustStore, **options: object) -> BlockFetcher:
+    return BlockFetcher(
+        pair.client, cache, trust, fingerprint=FINGERPRINT, namespace_id=NAMESPACE_ID, shape=SPEC.block_shape,
+        dtype="float32", **options,  # type: ignore[arg-type]
+    )
+
+
+def assert_consistent(cache: PagedKVCache, loaded: int) -> None:
+    """Exactly the first ``loaded`` blocks are cached, and no import holds a block."""
+    assert cache.match_prefix(HASHES) == loaded
+    assert not any(cache.contains_block(h) for h in HASHES[loaded:])
+    stats = cache.stats()
+    assert stats.pending_imports == 0 and stats.free_blocks == stats.num_blocks
+
+
+def assert_same_kv(cache: PagedKVCache, source: PagedKVCache, hashes: list[bytes]) -> None:
+    for block_hash in hashes:
+        got, want = cache.export_block(block_hash), source.export_block(block_hash)
+        assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+
+
+async def test_locate_then_fetch_loads_the_served_prefix(
+    pair: ConnectionPair, serve: Serve, published: Published
+) -> None:
+    serve(published.blocks[:4])
+    cache = empty_cache()
+    f = fetcher(pair, cache, trusting(published.signer))
+    located = await f.locate(HASHES, ["lossless"])
+    assert located.available == [["lossless"]] * 4
+    outcome = await f.fetch(published.identities[:4], LOSSLESS[:4])
+    assert (outcome.loaded, outcome.error, outcome.renditions) == (4, None, {"lossless": 4})
+    assert outcome.bytes == sum(b.nbytes for b in published.blocks[:4])
+    assert_consistent(cache, 4)
+    assert_same_kv(cache, published.cache, HASHES[:4])
+
+
+async def test_fetch_stops_at_the_first_block_the_peer_lacks(
+    pair: ConnectionPair, serve: Serve, published: Published
+) -> None:
+    serve(published.blocks[:4])
+    cache = empty_cache()
+    outcome = await fetcher(pair, cache, trusting(published.signer)).fetch(published.identities, LOSSLESS)
+    assert outcome.loaded == 4 and not outcome.rejected
+    assert outcome.error is not None and outcome.error.startswith("block 4:")
+    assert_consistent(cache, 4)
+
+
+async def test_untrusted_signatures_are_rejected_before_the_cache_is_touched(
+    pair: ConnectionPair, serve: Serve, published: Published
+) -> None:
+    serve(published.blocks)
+    cache = empty_cache()
+    outcome = await fetcher(pair, cache, trusting(Signer.generate())).fetch(published.identities, LOSSLESS)
+    assert (outcome.loaded, outcome.rejected, outcome.rejected_kind) == (0, True, "signature")
+    assert outcome.error is not None and "not from a trusted key" in outcome.error
+    assert_consistent(cache, 0)
+
+
+async def test_trust_any_accepts_a_correctly_signed_unknown_key(
+    pair: ConnectionPair, serve: Serve, published: Published
+) -> None:
+    serve(published.blocks[:2])
+    cache = empty_cache()
+    outcome = await fetcher(pair, cache, TrustStore(), trust_any=True).fetch(
+        published.identities[:2], LOSSLESS[:2]
+    )
+    assert (outcome.loaded, outcome.error) == (2, None)
+    assert_same_kv(cache, published.cache, HASHES[:2])
+
+
+async def test_a_manifest_for_other_tokens_is_rejected_as_content(
+    pair: ConnectionPair, serve: Serve, published: Published
+) -> None:
+    serve(published.blocks)
+    # The subscriber's prompt differs in block 2, yet the peer's signed block claims the same hash.
+    expected = list(published.identities)
+    expected[2] = dataclasses.replace(expected[2], token_ids=(0,) * SPEC.block_size)
+    cache = empty_cache()
+    outcome = await fetcher(pair, cache, trusting(published.signer)).fetch(expected, LOSSLESS)
+    assert (outcome.loaded, outcome.rejected_kind) == (2, "content")
+    assert outcome.error == "block 2 rejected: token ids differ from the prompt"
+    assert_consistent(cache, 2)
+
+
+async def test_a_corrupted_layer_is_rejected_and_its_reserved_block_released(
+    pair: ConnectionPair, serve: Serve, published: Published
+) -> None:
+    good = published.blocks[1]
+    layer_1 = bytearray(good.objects[2])
+    layer_1[-1] ^= 0xFF
+    bad = dataclasses.replace(good, objects=(*good.objects[:2], bytes(layer_1), *good.objects[3:]))
+    serve([published.blocks[0], bad, *published.blocks[2:]])
+    cache = empty_cache()
+    outcome = await fetcher(pair, cache, trusting(published.signer)).fetch(published.identities, LOSSLESS)
+    assert (outcome.loaded, outcome.rejected_kind) == (1, "content")
+    assert outcome.error == "block 1 rejected: payload digest of layer 1 differs"
+    assert_consistent(cache, 1)
+
+
+async def test_blocks_already_cached_are_kept_not_imported_again(
+    pair: ConnectionPair, serve: Serve, published: Published
+) -> None:
+    serve(published.blocks[:3])
+    cache = empty_cache()
+    fill_cache(cache, HASHES[:1], seed=99)  # block 0 is already here (other data: not overwritten)
+    before = cache.export_block(HASHES[0])
+    f = fetcher(pair, cache, trusting(published.signer))
+    outcome = await f.fetch(published.identities[:3], LOSSLESS[:3])
+    assert (outcome.loaded, outcome.error) == (3, None)
+    assert torch.equal(cache.export_block(HASHES[0]).k, before.k)
+    assert_same_kv(cache, published.cache, HASHES[1:3])
+
+
+async def test_a_silent_peer_times_out_and_leaves_the_cache_alone(
+    pair: ConnectionPair, published: Published
+) -> None:
+    # Nothing answers on the server side: every request waits in its incoming queue.
+    cache = empty_cache()
+    f = fetcher(pair, cache, trusting(published.signer), timeout=0.2, straggler_grace=0.1)
+    with pytest.raises(TimeoutError):
+        await f.locate(HASHES, ["lossless"])
+    outcome: FetchOutcome = await f.fetch(published.identities[:2], LOSSLESS[:2])
+    assert outcome.loaded == 0
+    assert outcome.error == "timed out after 0.2s waiting for block 0"
+    assert_consistent(cache, 0)
