@@ -387,21 +387,3 @@ class Node:
             "cached_blocks": st.cached_blocks,
             "store_entries": len(self.store),
         }
-
-    def metrics(self) -> dict[str, float]:
-        st = self.cache.stats()
-        out: dict[str, float] = {f"{k}_total": v for k, v in self.counters.__dict__.items()}
-        out.update(
-            cache_blocks=st.num_blocks,
-            cache_used_blocks=st.used_blocks,
-            cache_cached_blocks=st.cached_blocks,
-            store_bytes=self.store.nbytes,
-            store_entries=len(self.store),
-            store_evicted_total=self.store.stats.evicted,
-            abr_throughput_bps=self.abr.throughput.estimate(),
-            abr_rtt_seconds=self.abr.rtt.estimate(),
-            abr_prefill_seconds_per_token=self.abr.prefill.per_token_s,
-        )
-        if self.peer is not None:
-            out.update(self.peer.metrics())
-        return out

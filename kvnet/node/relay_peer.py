@@ -143,9 +143,6 @@ class RelayPeer:
         while self.connected and self.conn.send_buffered() > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
-    def metrics(self) -> dict[str, float]:
-        return {f"publisher_{k}_total": float(v) for k, v in self.server.stats.__dict__.items()}
-
     async def close(self) -> None:
         # Blocks pushed just before exiting must reach the relay's cache first.
         await self.drain(timeout=10.0)

@@ -93,7 +93,7 @@ class PublishReport:
 
 @dataclass
 class NodeCounters:
-    """Monotonic counters exported on /metrics."""
+    """Monotonic counters exported on /metrics (``kvnet.node.metrics``)."""
 
     requests: int = 0
     prompt_tokens: int = 0

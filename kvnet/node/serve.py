@@ -32,6 +32,7 @@ from kvnet.node.httpapi import (
     OpenAiApi,
     bind_http,
 )
+from kvnet.node.metrics import NodeMetrics
 from kvnet.node.node import Node, start_node
 
 logger = logging.getLogger("kvnet-node")
@@ -62,6 +63,7 @@ class NodeBackend:
         self.publish = publish
         self.model_name = node.model_name
         self.max_context_tokens = node.model.args.max_seq_len
+        self.metrics = NodeMetrics(node)
 
     def encode_text(self, text: str) -> list[int]:
         return self.node.encode_prompt(text)
@@ -88,6 +90,7 @@ class NodeBackend:
         report = await self.node.complete(
             "", max_tokens, prompt_ids=prompt_ids, sampling=sampling, on_token=on_token, publish=self.publish
         )
+        self.metrics.observe(report)
         return GenerationOutcome(
             token_ids=report.output_token_ids,
             prompt_tokens=report.prompt_tokens,
@@ -108,15 +111,7 @@ class NodeBackend:
         return True, ""
 
     def metrics_exposition(self) -> bytes:
-        return prometheus_text(self.node.metrics()).encode()
-
-
-def prometheus_text(metrics: dict[str, float], prefix: str = "kvnet_") -> str:
-    lines = []
-    for name in sorted(metrics):
-        value = metrics[name]
-        lines.append(f"{prefix}{name} {value:.9g}" if isinstance(value, float) else f"{prefix}{name} {value}")
-    return "\n".join(lines) + "\n"
+        return self.metrics.exposition()
 
 
 async def serve(config: ServeConfig) -> int:

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import time
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster, http_json
 
 B = TEST_BLOCK_SIZE
 
 
 def _metric(url: str, name: str) -> float:
+    """The sample ``name`` (one model and tenant per node, so one series)."""
     text: str = http_json(f"{url}/metrics")
-    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-    return float(values[name])
+    (value,) = [s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+    return float(value)
 
 
 def test_second_node_reuses_first_nodes_prefix_over_http(kv_cluster: Cluster) -> None:

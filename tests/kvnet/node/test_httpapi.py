@@ -13,6 +13,7 @@ from typing import Any
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvnet.model.generate import generate_reference
 from kvnet.model.transformer import Transformer
@@ -160,6 +161,27 @@ async def test_api_key_probes_and_metrics(node_url: tuple[str, Node]) -> None:
     assert await asyncio.to_thread(_http, f"{url}/ready") == (200, {"status": "ready"})
     status, answer = await asyncio.to_thread(_http, f"{url}/nowhere")
     assert status == 404 and answer["error"]["message"]
+
+
+async def test_metrics_parse_and_every_family_has_help_and_type(node_url: tuple[str, Node]) -> None:
+    url, node = node_url
+    await _client(url).completions.create(model=MODEL, prompt="metrics " * 8, max_tokens=2, temperature=0)
+    with await asyncio.to_thread(urllib.request.urlopen, f"{url}/metrics", timeout=60) as resp:
+        text = resp.read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    helped = {line.split()[2] for line in text.splitlines() if line.startswith("# HELP ")}
+    typed = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+    for family in families.values():
+        assert family.documentation and family.type != "unknown", family.name
+        assert {family.name, f"{family.name}_total"} & helped & typed, family.name
+    for phase in ("ttft", "prefill"):
+        histogram = families[f"kvnet_{phase}_seconds"]
+        assert histogram.type == "histogram"
+        count = [s for s in histogram.samples if s.name.endswith("_count")]
+        assert count[0].labels == {"model": node.model_name, "tenant": "default"} and count[0].value == 1
+    requests = families["kvnet_requests"]
+    assert requests.type == "counter" and requests.samples[0].value == 1
+    assert families["kvnet_relay_connected"].samples[0].value == 0
 
 
 async def test_oversized_body_is_413_before_it_is_read(node_url: tuple[str, Node]) -> None:

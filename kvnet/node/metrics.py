@@ -1,0 +1,129 @@
+"""A node's Prometheus metrics (``prometheus_client``), served on the HTTP API's ``GET /metrics``.
+
+Owns: the metric families, their HELP text, units (seconds, bytes) and labels (``model``, ``tenant``).
+Latency histograms are observed from each request's report; counters and gauges that other objects own
+(the node's counters, the cache, the block store, the ABR estimates, the publisher's stats) are read at
+scrape time by a collector, so they can never drift from their source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvnet.node.node import Node
+from kvnet.node.reports import RequestReport
+
+LABELS = ("model", "tenant")
+
+# Seconds: a locate is a round trip or two, a fetch and a prefill up to seconds on a CPU.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+_COUNTER_HELP = {
+    "requests": ("requests", "Completions answered."),
+    "prompt_tokens": ("prompt_tokens", "Prompt tokens received."),
+    "local_hit_tokens": ("local_hit_tokens", "Prompt tokens reused from the node's own KV cache."),
+    "remote_hit_tokens": ("remote_hit_tokens", "Prompt tokens reused from blocks fetched through the relay."),
+    "computed_tokens": ("computed_tokens", "Prompt tokens prefilled by the model."),
+    "bytes_fetched": ("fetched_bytes", "Encoded block bytes fetched from the relay."),
+    "blocks_rejected": ("blocks_rejected", "Fetches stopped because a block failed verification."),
+    "security_signature_failures": (
+        "security_signature_failures", "Blocks refused: unsigned or signed by an untrusted key."),
+    "security_content_failures": (
+        "security_content_failures", "Signed blocks whose manifest or payload disagreed with the prompt."),
+    "fetch_fallbacks": ("fetch_fallbacks", "Fetches that stopped early; the rest was recomputed."),
+    "published_blocks": ("published_blocks", "Blocks encoded, signed and stored for publishing."),
+}
+
+_PUBLISHER_HELP = {
+    "track_status_ok": "TRACK_STATUS requests answered with a block.",
+    "track_status_missing": "TRACK_STATUS requests for blocks this node does not hold.",
+    "fetches_served": "FETCH requests served from the block store.",
+    "subscribes_served": "SUBSCRIBE requests served from the block store.",
+    "objects_sent": "Objects sent to the relay.",
+    "bytes_sent": "Object payload bytes sent to the relay.",
+    "pushed_tracks": "Block tracks pushed into the relay's cache (PUBLISH).",
+    "requests_refused": "Block requests refused (wrong namespace or malformed).",
+}
+
+
+class _NodeCollector(Collector):
+    """Counters and gauges read from the node at scrape time."""
+
+    def __init__(self, node: Node, label_values: list[str]) -> None:
+        self._node = node
+        self._labels = label_values
+
+    def _counter(self, name: str, help_text: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, help_text, labels=LABELS)
+        family.add_metric(self._labels, value)
+        return family
+
+    def _gauge(self, name: str, help_text: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, help_text, labels=LABELS)
+        family.add_metric(self._labels, value)
+        return family
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        node = self._node
+        for field_name, (name, help_text) in _COUNTER_HELP.items():
+            yield self._counter(f"kvnet_{name}", help_text, float(getattr(node.counters, field_name)))
+        stats = node.cache.stats()
+        yield self._gauge("kvnet_cache_blocks", "Physical blocks in the paged KV cache.", stats.num_blocks)
+        yield self._gauge("kvnet_cache_used_blocks", "Cache blocks held by running sequences.",
+                          stats.used_blocks)
+        yield self._gauge("kvnet_cache_cached_blocks", "Cache blocks registered under a block hash.",
+                          stats.cached_blocks)
+        yield self._gauge("kvnet_store_bytes", "Encoded bytes in the publisher block store.",
+                          node.store.nbytes)
+        yield self._gauge("kvnet_store_entries", "Block renditions in the publisher block store.",
+                          len(node.store))
+        yield self._counter("kvnet_store_evicted", "Block renditions evicted from the block store.",
+                            node.store.stats.evicted)
+        yield self._gauge("kvnet_abr_throughput_bytes_per_second", "ABR estimate of the fetch throughput.",
+                          node.abr.throughput.estimate())
+        yield self._gauge("kvnet_abr_rtt_seconds", "ABR estimate of the relay round-trip time.",
+                          node.abr.rtt.estimate())
+        yield self._gauge("kvnet_abr_prefill_seconds_per_token", "ABR estimate of prefill time per token.",
+                          node.abr.prefill.per_token_s)
+        peer = node.peer
+        connected = peer is not None and peer.connected
+        yield self._gauge("kvnet_relay_connected", "1 while the node has a session with its relay.",
+                          1.0 if connected else 0.0)
+        stats_now = peer.server.stats.__dict__ if peer is not None else {}
+        for key, help_text in _PUBLISHER_HELP.items():
+            yield self._counter(f"kvnet_publisher_{key}", help_text, float(stats_now.get(key, 0)))
+
+
+class NodeMetrics:
+    """The node's metric registry: request latency histograms plus the scrape-time collector."""
+
+    def __init__(self, node: Node) -> None:
+        self.registry = CollectorRegistry()
+        self._labels = [node.model_name, node.config.tenant]
+
+        def histogram(name: str, help_text: str) -> Histogram:
+            return Histogram(name, help_text, LABELS, buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+        self.ttft = histogram("kvnet_ttft_seconds", "Time to first token: request start to first token.")
+        self.locate = histogram("kvnet_locate_seconds", "Locating a prompt's prefix blocks at the relay.")
+        self.fetch = histogram("kvnet_fetch_seconds", "Fetching, verifying and loading located blocks.")
+        self.prefill = histogram("kvnet_prefill_seconds", "Prefilling the prompt tokens not reused.")
+        self.registry.register(_NodeCollector(node, self._labels))
+
+    def observe(self, report: RequestReport) -> None:
+        """Record one answered request's phase times (locate and fetch only when they happened)."""
+        t = report.timings
+        self.ttft.labels(*self._labels).observe(t.ttft_s)
+        self.prefill.labels(*self._labels).observe(t.prefill_s)
+        if report.locate or t.locate_s > 0:
+            self.locate.labels(*self._labels).observe(t.locate_s)
+        if report.bytes_fetched > 0 or t.fetch_s > 0:
+            self.fetch.labels(*self._labels).observe(t.fetch_s)
+
+    def exposition(self) -> bytes:
+        """The Prometheus text exposition of every family (HELP and TYPE included)."""
+        return generate_latest(self.registry)
