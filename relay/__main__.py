@@ -111,6 +111,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache-share-fraction", type=float, help="share of the cache one group may hold (1.0)")
     g = p.add_argument_group("limits")
     g.add_argument("--max-sessions", type=int)
+    g.add_argument("--max-sessions-per-address", type=int, help="sessions from one source IP (0 = no quota)")
+    g.add_argument(
+        "--max-sessions-per-identity", type=int, help="sessions of one token subject (0 = no quota)"
+    )
+    g.add_argument(
+        "--max-requests-per-address", type=int, help="open requests of one source IP (0 = no quota)"
+    )
+    g.add_argument(
+        "--max-requests-per-identity", type=int, help="open requests of one token subject (0 = no quota)"
+    )
+    g.add_argument(
+        "--max-buffered-bytes-per-address", type=int, help="bytes queued toward one source IP (0 = no quota)"
+    )
+    g.add_argument(
+        "--pressure-idle-timeout",
+        type=float,
+        help="idle seconds after which a session is closed when the session table is 90%% full (0 = off)",
+    )
     g.add_argument("--max-requests-per-session", type=int)
     g.add_argument("--max-requests", type=int, help="requests open on all sessions together")
     g.add_argument(
@@ -170,6 +188,12 @@ def config_from_args(args: argparse.Namespace) -> RelayConfig:
         "cache.share_bytes": args.cache_share_bytes,
         "cache.share_fraction": args.cache_share_fraction,
         "limits.max_sessions": args.max_sessions,
+        "limits.max_sessions_per_address": args.max_sessions_per_address,
+        "limits.max_sessions_per_identity": args.max_sessions_per_identity,
+        "limits.max_requests_per_address": args.max_requests_per_address,
+        "limits.max_requests_per_identity": args.max_requests_per_identity,
+        "limits.max_buffered_bytes_per_address": args.max_buffered_bytes_per_address,
+        "limits.pressure_idle_timeout": args.pressure_idle_timeout,
         "limits.max_requests_per_session": args.max_requests_per_session,
         "limits.max_requests": args.max_requests,
         "limits.reserved_requests_per_session": args.reserved_requests_per_session,

@@ -85,6 +85,11 @@ class SessionAuth:
         self.claims = claims
         """Claims of the SETUP token, or None when the session has no default credential."""
 
+    @property
+    def identity(self) -> str | None:
+        """Who the SETUP token names (tenant and subject), for per-identity quotas; None without one."""
+        return None if self.claims is None else f"{self.claims.tenant}/{self.claims.subject}"
+
     def check(self, tokens: Sequence[AuthToken], action: Action, namespace: Sequence[bytes]) -> Claims:
         """Authorize one request; raises ``AuthError`` (answer REQUEST_ERROR with its code) or
         ``ProtocolError`` (alias misuse: close the session)."""

@@ -202,4 +202,3 @@ class Fanout:
         if self.publish_objects is None:
             return []
         return [o for o in self.publish_objects if start <= o.location < end]
-

@@ -19,6 +19,23 @@ class LimitsConfig:
 
     max_sessions: int = 1024
     """Concurrent sessions; the next one is closed with INTERNAL_ERROR ("limit reached: sessions")."""
+    max_sessions_per_address: int = 64
+    """Concurrent sessions from one source IP address (0 = no quota), so that one host cannot take every
+    session slot; the next one is closed with INTERNAL_ERROR ("limit reached: sessions per address")."""
+    max_sessions_per_identity: int = 256
+    """Concurrent sessions whose SETUP token names one subject (0 = no quota; needs authorization)."""
+    max_requests_per_address: int = 16384
+    """Concurrent requests of all sessions from one source IP address together (0 = no quota)."""
+    max_requests_per_identity: int = 16384
+    """Concurrent requests of all sessions of one token subject together (0 = no quota)."""
+    max_buffered_bytes_per_address: int = 256 * 1024 * 1024
+    """Bytes queued toward all sessions of one source address (0 = no quota); beyond it that address's
+    sessions holding the most have their data requests reset (EXCESSIVE_LOAD)."""
+    pressure_idle_timeout: float = 5.0
+    """Under pressure (the session table at least 90 % full) sessions without an open request are closed
+    after this many idle seconds instead of ``session_idle_timeout``; a session refused for the session
+    limit first closes the longest-idle such session, from the address holding the most, and takes its
+    slot. 0 disables both."""
     max_requests_per_session: int = 8192
     """Concurrent requests a peer may have open (FETCH, SUBSCRIBE, TRACK_STATUS, ...)."""
     max_requests: int = 65536
@@ -89,10 +106,23 @@ class LimitsConfig:
                 f"route_timeout must be in [0, upstream_timeout ({self.upstream_timeout})] s (0 = off), "
                 f"got {self.route_timeout}"
             )
-        for name in ("session_idle_timeout", "request_header_timeout", "max_rendezvous_timeout"):
+        for name in (
+            "session_idle_timeout",
+            "request_header_timeout",
+            "max_rendezvous_timeout",
+            "pressure_idle_timeout",
+        ):
             if not 0 <= getattr(self, name) <= 86400:
                 raise ValueError(f"{name} must be in [0, 86400] seconds (0 = off), got {getattr(self, name)}")
-        for name in ("reserved_requests_per_session", "max_request_header_timeouts"):
+        for name in (
+            "reserved_requests_per_session",
+            "max_request_header_timeouts",
+            "max_sessions_per_address",
+            "max_sessions_per_identity",
+            "max_requests_per_address",
+            "max_requests_per_identity",
+            "max_buffered_bytes_per_address",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.retry_interval_ms <= 3_600_000:
@@ -140,3 +170,35 @@ def acquire_request(session: Slots, total: Slots, reserved: int) -> None:
         session.release()
         raise LimitExceeded(total.what, total.limit)
     total.used += 1
+
+
+class Quota:
+    """One limit applied separately to each key (a source address, a token subject); 0 = no quota."""
+
+    def __init__(self, what: str, limit: int) -> None:
+        self.what = what
+        self.limit = limit
+        self.used: dict[str, int] = {}
+
+    def acquire(self, key: str | None) -> None:
+        """Count one more for ``key`` (None: not subject to this quota)."""
+        if key is None or not self.limit:
+            return
+        n = self.used.get(key, 0)
+        if n >= self.limit:
+            raise LimitExceeded(self.what, self.limit)
+        self.used[key] = n + 1
+
+    def release(self, key: str | None) -> None:
+        if key is None or not self.limit:
+            return
+        n = self.used.get(key, 0) - 1
+        if n > 0:
+            self.used[key] = n
+        else:
+            self.used.pop(key, None)  # keys do not accumulate: an address with nothing open is forgotten
+
+
+def source_host(peer_address: str) -> str:
+    """The IP address of ``host:port`` (IPv6 hosts contain colons; the port is after the last one)."""
+    return peer_address.rpartition(":")[0] or peer_address

@@ -47,7 +47,6 @@ def code_name(code: int) -> str:
         return f"code_{code:#x}"
 
 
-
 def request_kind(ev: me.MoqtEvent) -> str:
     return {
         me.FetchReceived: "fetch",
@@ -59,7 +58,6 @@ def request_kind(ev: me.MoqtEvent) -> str:
         me.SubscribeTracksReceived: "subscribe_tracks",
         me.RequestUpdateReceived: "request_update",
     }.get(type(ev), "other")
-
 
 
 class Peer:
@@ -75,6 +73,10 @@ class Peer:
         """Set when this is our session to an upstream relay: its requests are never sent back upstream."""
         self.addr = conn.peer_address
         self.name = f"session:{peer_id}" if upstream is None else upstream.name
+        self.host: str | None = None
+        """Source IP address the per-address quotas count this session under (None: upstream session)."""
+        self.identity: str | None = None
+        """Token identity the per-identity quotas count this session under (None: no SETUP token)."""
         self.auth: SessionAuth | None = None
         """This session's credential when the relay requires authorization (never for upstream sessions)."""
         self.requests = Slots("requests per session", relay.config.limits.max_requests_per_session)
@@ -123,10 +125,23 @@ class Peer:
     def _spawn(self, req: IncomingRequest, kind: str, coro_fn: Callable[[], Awaitable[None]]) -> None:
         relay = self.relay
         try:
-            acquire_request(self.requests, relay.requests, relay.config.limits.reserved_requests_per_session)
+            relay.address_requests.acquire(self.host)
+            try:
+                relay.identity_requests.acquire(self.identity)
+            except LimitExceeded:
+                relay.address_requests.release(self.host)
+                raise
+            try:
+                acquire_request(
+                    self.requests, relay.requests, relay.config.limits.reserved_requests_per_session
+                )
+            except LimitExceeded:
+                relay.address_requests.release(self.host)
+                relay.identity_requests.release(self.identity)
+                raise
         except LimitExceeded as exc:
             relay.reject(req, kind, exc.code, str(exc), relay.config.limits.retry_interval_ms + 1)
-            label = "requests_per_session" if exc.what == self.requests.what else "requests_global"
+            label = "requests_global" if exc.what == relay.requests.what else exc.what.replace(" ", "_")
             relay.metrics.inc("limit_rejections_total", labels={"limit": label})
             return
         self.last_active = relay.clock()
@@ -153,6 +168,8 @@ class Peer:
             finally:
                 self.requests.release()
                 relay.requests.release()
+                relay.address_requests.release(self.host)
+                relay.identity_requests.release(self.identity)
                 self.last_active = relay.clock()
 
         spawn(runner(), self.tasks, f"{kind} request")
@@ -190,6 +207,12 @@ class Peer:
         if n:
             self.log.warning("peer over a limit; data requests reset", extra={"limit": limit, "requests": n})
         return n
+
+    def reapable(self, idle: float) -> bool:
+        """May be closed to make room when the relay is under pressure: no open request, no announced
+        namespace (an idle publisher is waiting for requests, not wasting a slot), idle long enough."""
+        timeout = self.relay.config.limits.pressure_idle_timeout
+        return bool(timeout) and self.requests.used == 0 and not self.namespaces and idle >= timeout
 
     def close_for(self, reason: str, text: str) -> None:
         """Close this session because of a limit (counted once, in ``sessions_closed_total``)."""
@@ -257,4 +280,3 @@ class Peer:
             self._spawn(req, "publish", lambda: relay.serve_publish(self, req))
         else:
             relay.reject(req, request_kind(ev), RequestErrorCode.NOT_SUPPORTED, "not supported by this relay")
-

@@ -47,7 +47,7 @@ from relay.cache import (
 from relay.cache import Location as Position
 from relay.config import RelayConfig
 from relay.fanout import DownstreamSubscriber, Fanout
-from relay.limits import LimitExceeded, Slots
+from relay.limits import LimitExceeded, Quota, Slots, source_host
 from relay.metrics import Metrics, MetricsServer
 from relay.peer import Peer, code_name
 from relay.router import NamespaceRouter, RouteLimitError
@@ -72,6 +72,11 @@ class Relay:
         self.sessions = Slots("sessions", config.limits.max_sessions)
         self.requests = Slots("requests", config.limits.max_requests)
         """Requests of all sessions (``LimitsConfig.max_requests``)."""
+        lim = config.limits
+        self.address_sessions = Quota("sessions per address", lim.max_sessions_per_address)
+        self.identity_sessions = Quota("sessions per identity", lim.max_sessions_per_identity)
+        self.address_requests = Quota("requests per address", lim.max_requests_per_address)
+        self.identity_requests = Quota("requests per identity", lim.max_requests_per_identity)
         self.buffered_sample = 0
         """Bytes buffered for all sessions at the last sweep (send + receive side)."""
         self.buffered_since = 0
@@ -151,7 +156,9 @@ class Relay:
 
     def sweep_interval(self) -> float:
         lim = self.config.limits
-        timeouts = [t for t in (lim.session_idle_timeout, lim.slow_peer_timeout) if t > 0]
+        timeouts = [
+            t for t in (lim.session_idle_timeout, lim.slow_peer_timeout, lim.pressure_idle_timeout) if t > 0
+        ]
         return min(1.0, max(0.05, min(timeouts) / 4))
 
     async def watch(self) -> None:
@@ -171,6 +178,8 @@ class Relay:
         lim = self.config.limits
         total = 0
         held: list[tuple[int, Peer]] = []
+        by_host: dict[str, list[tuple[int, Peer]]] = {}
+        pressured = self.under_pressure()
         for peer in list(self.peers.values()):
             conn = peer.conn
             if conn.is_closed:
@@ -180,21 +189,65 @@ class Relay:
             if lim.session_idle_timeout and peer.requests.used == 0 and idle >= lim.session_idle_timeout:
                 peer.close_for("idle_timeout", "idle timeout")
                 continue
+            if pressured and peer.reapable(idle):
+                peer.close_for("pressure_idle", "idle timeout (relay under pressure)")
+                continue
             sent = conn.send_buffered()
             total += sent + conn.receive_buffered
             held.append((sent, peer))
+            if peer.host is not None:
+                by_host.setdefault(peer.host, []).append((sent, peer))
             peer.check_progress(now, sent)
-        if total > lim.max_buffered_bytes:
-            for sent, peer in sorted(held, key=lambda h: h[0], reverse=True):
-                if total <= lim.max_buffered_bytes or sent == 0:
-                    break
-                if not peer.cut(StreamResetCode.EXCESSIVE_LOAD, "buffered_bytes_global"):
-                    peer.close_for("buffered_bytes_global", "relay limit reached: buffered bytes")
-                total -= sent
+        if lim.max_buffered_bytes_per_address:
+            for host_held in by_host.values():
+                self._cut_biggest(host_held, lim.max_buffered_bytes_per_address, "buffered_bytes_per_address")
+        self._cut_biggest(held, lim.max_buffered_bytes, "buffered_bytes_global", total)
         self.buffered_sample = total
         self.buffered_since = 0
         self._swept.set()
         self._swept = asyncio.Event()
+
+    def _cut_biggest(
+        self, held: list[tuple[int, Peer]], limit: int, label: str, total: int | None = None
+    ) -> None:
+        """Over ``limit`` bytes (``total``, or the sum of ``held``), cut off the sessions holding the most
+        until back under it: their data requests reset, or the session closed if it has none."""
+        total = sum(sent for sent, _ in held) if total is None else total
+        if total <= limit:
+            return
+        for sent, peer in sorted(held, key=lambda h: h[0], reverse=True):
+            if total <= limit or sent == 0:
+                break
+            if not peer.cut(StreamResetCode.EXCESSIVE_LOAD, label):
+                peer.close_for(label, f"relay limit reached: {label.replace('_', ' ')}")
+            total -= sent
+
+    def under_pressure(self) -> bool:
+        """The session table is at least 90 % full (and pressure reaping is on)."""
+        lim = self.config.limits
+        return lim.pressure_idle_timeout > 0 and self.sessions.used * 10 >= lim.max_sessions * 9
+
+    def admit_session(self) -> None:
+        """Take a session slot; when none is left, close the longest-idle session of the address holding
+        the most sessions (idle at least ``pressure_idle_timeout``) and take its slot instead."""
+        try:
+            self.sessions.acquire()
+            return
+        except LimitExceeded:
+            if not self.config.limits.pressure_idle_timeout:
+                raise
+            now = self.clock()
+            idle = [
+                p for p in self.peers.values() if not p.conn.is_closed and p.reapable(now - p.last_active)
+            ]
+            if not idle:
+                raise
+            victim = max(
+                idle, key=lambda p: (self.address_sessions.used.get(p.host or "", 0), now - p.last_active)
+            )
+            victim.close_for("pressure_idle", "idle timeout (relay under pressure)")
+            # The victim's slot is released when its session ends; until then the table is one over.
+            self.sessions.used += 1
 
     def _count_session_refusals(self, peer: Peer) -> None:
         """Add to the metrics what the session's connection refused or reset on its own since the last
@@ -317,6 +370,8 @@ class Relay:
         if peer.upstream is None:
             self.peers.pop(peer.id, None)
             self.sessions.release()
+            self.address_sessions.release(peer.host)
+            self.identity_sessions.release(peer.identity)
         removed = self.router.remove_route(peer)
         for k in [k for k in self.ns_watchers if k[0] == peer.id]:
             del self.ns_watchers[k]
@@ -346,15 +401,24 @@ class Relay:
                 )
                 await conn.close_session(code, str(exc))
                 return
+        host = source_host(conn.peer_address)
+        identity = session_auth.identity if session_auth is not None else None
+        taken: list[tuple[Quota, str | None]] = []
         try:
-            self.sessions.acquire()
+            for quota, key in ((self.address_sessions, host), (self.identity_sessions, identity)):
+                quota.acquire(key)
+                taken.append((quota, key))
+            self.admit_session()
         except LimitExceeded as exc:
-            self.metrics.inc("limit_rejections_total", labels={"limit": "sessions"})
-            logger.warning("refusing session", extra={"reason": str(exc)})
+            for quota, key in taken:
+                quota.release(key)
+            self.metrics.inc("limit_rejections_total", labels={"limit": exc.what.replace(" ", "_")})
+            logger.warning("refusing session", extra={"peer": conn.peer_address, "reason": str(exc)})
             # The session registry has no load code; INTERNAL_ERROR with a clear reason is the closest.
             await conn.close_session(SessionErrorCode.INTERNAL_ERROR, f"relay {exc}")
             return
         peer = Peer(self, conn, next(self._ids))
+        peer.host, peer.identity = host, identity
         peer.auth = session_auth
         self.peers[peer.id] = peer
         self.metrics.inc("sessions_total")
@@ -573,7 +637,9 @@ class Relay:
             if wpeer is peer and (other[: len(prefix)] == prefix or prefix[: len(other)] == other):
                 # Draft "SUBSCRIBE_NAMESPACE": one session's namespace subscriptions must not overlap.
                 self.reject(
-                    req, "subscribe_namespace", RequestErrorCode.PREFIX_OVERLAP,
+                    req,
+                    "subscribe_namespace",
+                    RequestErrorCode.PREFIX_OVERLAP,
                     "overlaps a SUBSCRIBE_NAMESPACE of this session",
                 )
                 return

@@ -65,8 +65,11 @@ def connect(
     tls: quic.TlsSettings | None = None,
     session_config: SessionConfig | None = None,
     limits: ConnectionLimits | None = None,
+    local_host: str | None = None,
 ) -> _Connector:
-    """Connect to ``moqt://host:port[/path]``, complete QUIC+TLS and the MoQT SETUP exchange."""
+    """Connect to ``moqt://host:port[/path]``, complete QUIC+TLS and the MoQT SETUP exchange.
+
+    ``local_host`` binds the client socket to that source address (the wildcard address by default)."""
     settings = settings or quic.TransportSettings()
     tls = tls or quic.TlsSettings()
     limits = limits or ConnectionLimits()
@@ -85,12 +88,18 @@ def connect(
         )
         sock = socket.socket(family, socket.SOCK_DGRAM)
         try:
-            sock.bind(("::", 0) if family == socket.AF_INET6 else ("0.0.0.0", 0))
+            wildcard = "::" if family == socket.AF_INET6 else "0.0.0.0"
+            sock.bind((local_host or wildcard, 0))
             quic.apply_socket_buffers(sock, settings)
             udp, protocol = await quic.open_client_endpoint(
-                settings, sock,
-                lambda: protocol_class(settings.stack)(stack.QuicConnection(configuration=config),
-                                                       session_config=scfg, settings=settings, limits=limits),
+                settings,
+                sock,
+                lambda: protocol_class(settings.stack)(
+                    stack.QuicConnection(configuration=config),
+                    session_config=scfg,
+                    settings=settings,
+                    limits=limits,
+                ),
             )
         except BaseException:
             sock.close()
@@ -123,8 +132,9 @@ def connect(
 class MoqtServer:
     """A listening endpoint; each connection gets its own task running ``on_connection``."""
 
-    def __init__(self, quic_server: Any, tasks: set[asyncio.Task[None]],
-                 connections: set[MoqtConnection]) -> None:
+    def __init__(
+        self, quic_server: Any, tasks: set[asyncio.Task[None]], connections: set[MoqtConnection]
+    ) -> None:
         self._server = quic_server
         self._tasks = tasks
         self.connections = connections
@@ -203,8 +213,14 @@ async def serve(
                     await asyncio.wait_for(conn.close_session(), 2)
 
     def create_protocol(quic_connection: Any, stream_handler: Any = None) -> MoqtConnection:
-        conn = cls(quic_connection, stream_handler, session_config=scfg, settings=settings, limits=limits,
-                   client_ca_file=ca)
+        conn = cls(
+            quic_connection,
+            stream_handler,
+            session_config=scfg,
+            settings=settings,
+            limits=limits,
+            client_ca_file=ca,
+        )
         task = asyncio.get_running_loop().create_task(run(conn))
         tasks.add(task)
         task.add_done_callback(tasks.discard)

@@ -28,7 +28,7 @@ from tests.relay.peers import (
 
 
 async def test_session_limit(cert_dir: CertDir, relay_factory: RelayFactory) -> None:
-    rp = relay_factory("--max-sessions", "2")
+    rp = relay_factory("--max-sessions", "2", "--pressure-idle-timeout", "0")
     pub = await Publisher(await connect_client(rp.url, str(cert_dir.ca)), {b"t": track_objects(b"t")}).start()
     sub = await connect_client(rp.url, str(cert_dir.ca))
     try:

@@ -14,12 +14,13 @@ import pytest
 
 from kvnet.net.connection import ConnectionLimits, MoqtConnection
 from kvnet.net.endpoint import connect
-from kvnet.net.errors import RequestRejected
+from kvnet.net.errors import MoqtConnectionError, RequestRejected
 from kvnet.net.quic import TlsSettings
 from proto.data import SubgroupHeader, encode_subgroup_header, subgroup_object_prefix
 from proto.errors import RequestErrorCode, SessionErrorCode, StreamResetCode
 from proto.messages import Location, Publish, TrackStatus, encode_message
 from tests.helpers.processes import CertDir, RelayProcess
+from tests.helpers.waiting import async_wait_until
 from tests.nodes.cluster import SHARED_PREFIX, Cluster
 from tests.relay.conftest import RelayFactory
 from tests.relay.peers import (
@@ -69,10 +70,18 @@ async def stop_good(pub: Publisher, client: MoqtConnection) -> None:
 
 
 @pytest.mark.slow
-async def test_thousand_concurrent_sessions(
-    cert_dir: CertDir, relay_factory: RelayFactory
-) -> None:
-    rp = relay_factory("--max-sessions", "1100", "--log-level", "info")
+async def test_thousand_concurrent_sessions(cert_dir: CertDir, relay_factory: RelayFactory) -> None:
+    # One address holds them all: the per-address quota and pressure reaping are off for this load test.
+    rp = relay_factory(
+        "--max-sessions",
+        "1100",
+        "--max-sessions-per-address",
+        "0",
+        "--pressure-idle-timeout",
+        "0",
+        "--log-level",
+        "info",
+    )
     pub, client = await start_good(rp, cert_dir.ca)
     base_rss = rp.rss_bytes()
     n = 1000
@@ -113,10 +122,8 @@ async def test_thousand_concurrent_sessions(
     assert rp.proc.poll() is None
 
 
-async def test_session_limit_refuses_extra_sessions(
-    cert_dir: CertDir, relay_factory: RelayFactory
-) -> None:
-    rp = relay_factory("--max-sessions", "12", "--log-level", "info")
+async def test_session_limit_refuses_extra_sessions(cert_dir: CertDir, relay_factory: RelayFactory) -> None:
+    rp = relay_factory("--max-sessions", "12", "--pressure-idle-timeout", "0", "--log-level", "info")
     pub, client = await start_good(rp, cert_dir.ca)
     async with contextlib.AsyncExitStack() as stack:
         peers = []
@@ -135,9 +142,7 @@ async def test_session_limit_refuses_extra_sessions(
     await stop_good(pub, client)
 
 
-async def test_request_floods_per_session_and_global(
-    cert_dir: CertDir, relay_factory: RelayFactory
-) -> None:
+async def test_request_floods_per_session_and_global(cert_dir: CertDir, relay_factory: RelayFactory) -> None:
     """Two sessions flood 2,000 FETCHes each: the per-session cap (100) and the relay-wide cap (150)."""
     rp = relay_factory("--max-requests-per-session", "100", "--max-requests", "150", "--log-level", "info")
     pub, client = await start_good(rp, cert_dir.ca)
@@ -192,12 +197,16 @@ async def test_request_floods_per_session_and_global(
         await stop_good(pub, client)
 
 
-async def test_slowloris_streams_and_sessions(
-    cert_dir: CertDir, relay_factory: RelayFactory
-) -> None:
+async def test_slowloris_streams_and_sessions(cert_dir: CertDir, relay_factory: RelayFactory) -> None:
     rp = relay_factory(
-        "--request-header-timeout", "1", "--max-request-header-timeouts", "3", "--setup-timeout", "2",
-        "--log-level", "info",
+        "--request-header-timeout",
+        "1",
+        "--max-request-header-timeouts",
+        "3",
+        "--setup-timeout",
+        "2",
+        "--log-level",
+        "info",
     )
     pub, client = await start_good(rp, cert_dir.ca)
     base_rss = rp.rss_bytes()
@@ -260,9 +269,7 @@ async def test_slowloris_streams_and_sessions(
     await stop_good(pub, client)
 
 
-async def test_oversized_object_declared_huge(
-    cert_dir: CertDir, relay_factory: RelayFactory
-) -> None:
+async def test_oversized_object_declared_huge(cert_dir: CertDir, relay_factory: RelayFactory) -> None:
     rp = relay_factory("--max-object-bytes", "1048576", "--log-level", "info")
     pub, client = await start_good(rp, cert_dir.ca)
     base = rp.rss_bytes()
@@ -306,3 +313,82 @@ def test_idle_publisher_outlives_the_quic_idle_timeout(kv_cluster: Cluster) -> N
     assert pub.poll() is None
     log = c.log_of(pub).lower()
     assert "lost" not in log and "closed" not in log, log[-2000:]
+
+
+async def connect_from(rp: RelayProcess, ca: Path, host: str) -> MoqtConnection:
+    """A session from source address ``host`` (any 127.0.0.x is a distinct local address on loopback)."""
+    return await connect(rp.url, tls=TlsSettings(ca_file=ca), local_host=host)
+
+
+def refusal_reason(conn: MoqtConnection | str) -> str | None:
+    """Why the relay closed a session (it refuses over-quota sessions right after SETUP), or None while
+    it is open; a string is the reason a connect attempt already failed with."""
+    if isinstance(conn, str):
+        return conn
+    closed = conn.session.closed
+    return None if closed is None else closed[1]
+
+
+async def attempt(rp: RelayProcess, ca: Path, host: str) -> MoqtConnection | str:
+    """``connect_from``, or the error text when the relay closed the session before SETUP finished here."""
+    try:
+        return await connect_from(rp, ca, host)
+    except MoqtConnectionError as exc:
+        return str(exc)
+
+
+async def close_all(conns: list[MoqtConnection | str]) -> None:
+    for conn in conns:
+        if not isinstance(conn, str):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.close_session(), 5)
+
+
+async def test_one_address_over_its_session_quota_cannot_lock_out_others(
+    cert_dir: CertDir, relay_factory: RelayFactory
+) -> None:
+    """One source address opens 10 sessions against a quota of 4: 6 are refused, and a client from
+    another address is served at once. Then the session table is filled with idle sessions from other
+    addresses: under pressure they are reaped after 2 idle seconds, the announcing publisher is kept,
+    and a newcomer is admitted and served."""
+    rp = relay_factory(
+        "--max-sessions",
+        "10",
+        "--max-sessions-per-address",
+        "4",
+        "--pressure-idle-timeout",
+        "2",
+        "--log-level",
+        "info",
+    )
+    pub, client = await start_good(rp, cert_dir.ca)  # both from 127.0.0.1; pub announced a namespace
+    await asyncio.wait_for(client.close_session(), 5)
+    conns: list[MoqtConnection | str] = []
+    try:
+        conns += [await attempt(rp, cert_dir.ca, "127.0.0.2") for _ in range(10)]
+
+        def refused() -> list[str]:
+            return [r for r in map(refusal_reason, conns) if r is not None]
+
+        await async_wait_until(lambda: len(refused()) >= 6, "6 of 10 sessions refused")
+        reasons = refused()
+        assert len(reasons) == 6 and all("limit reached: sessions per address" in r for r in reasons), reasons
+        assert metric_sum(rp, 'kvnet_relay_limit_rejections_total{limit="sessions_per_address"') == 6
+        honest = await connect_from(rp, cert_dir.ca, "127.0.0.3")
+        await served_promptly(honest, pub)
+        await asyncio.wait_for(honest.close_session(), 5)
+
+        # 1 publisher + 4 sessions of 127.0.0.2 + 5 more from two other addresses: the table is full.
+        conns += [await attempt(rp, cert_dir.ca, f"127.0.0.{4 + i // 4}") for i in range(5)]
+        await async_wait_until(
+            lambda: metric_sum(rp, 'kvnet_relay_sessions_closed_total{reason="pressure_idle"') >= 1,
+            "idle sessions reaped under pressure",
+        )
+        newcomer = await connect_from(rp, cert_dir.ca, "127.0.0.9")
+        await served_promptly(newcomer, pub)
+        await asyncio.wait_for(newcomer.close_session(), 5)
+        assert not pub.conn.is_closed  # an idle publisher with an announced namespace is never reaped
+        assert metric_sum(rp, 'kvnet_relay_limit_rejections_total{limit="sessions"') == 0
+    finally:
+        await close_all(conns)
+        await pub.stop()
