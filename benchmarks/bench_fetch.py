@@ -12,6 +12,7 @@ the *decoded* bytes (what lands in the KV cache), so compression can give more t
     python benchmarks/bench_fetch.py --objects 64 --object-kib 1024 --runs 3 --stack aioquic
     python benchmarks/bench_fetch.py --stack qh3 --codec lossless
     python benchmarks/bench_fetch.py --stack qh3 --profile      # cProfile both sides, one run
+    python benchmarks/bench_fetch.py --datagram-size 16384 --datagram-size 1452   # loopback vs Ethernet
 
 ``fetch_goodput(settings, objects, object_bytes, runs, codec)`` is the reusable API (``benchmarks/run.py``).
 """
@@ -334,6 +335,9 @@ def main() -> int:
     ap.add_argument("--stack", default=quic.DEFAULT_STACK, choices=quic.STACKS)
     ap.add_argument("--codec", default=None, help="encode payloads with this rendition (lossless, int8, ...)")
     ap.add_argument("--no-raw", action="store_true", help="skip the raw QUIC baseline")
+    ap.add_argument("--datagram-size", type=int, action="append",
+                    help="QUIC datagram size of both sides (repeatable: one block per size, same run; "
+                         "default the stack's loopback size)")
     ap.add_argument("--profile", action="store_true", help="cProfile both sides (one run)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
@@ -345,16 +349,23 @@ def main() -> int:
     if args.serve:
         _serve_child(args)
         return 0
-    settings = quic.TransportSettings(stack=args.stack)
     object_bytes = args.object_kib << 10
     runs = 1 if args.profile else args.runs
     print(f"FETCH {args.objects} x {args.object_kib} KiB, stack {args.stack}, codec {args.codec or 'none'}, "
           f"median of {runs}, cores={os.cpu_count()}, load {common.load_average()}", flush=True)
-    with common.test_certificates() as certdir:
-        res = fetch_goodput(settings, args.objects, object_bytes, runs, args.codec, certdir, args.profile,
-                            raw=not (args.no_raw or args.profile))
+    for size in args.datagram_size or [None]:
+        settings = quic.TransportSettings(stack=args.stack, max_datagram_size=size)
+        with common.test_certificates() as certdir:
+            res = fetch_goodput(settings, args.objects, object_bytes, runs, args.codec, certdir, args.profile,
+                                raw=not (args.no_raw or args.profile))
+        _report(res, settings.datagram_size)
+    return 0
+
+
+def _report(res: dict[str, Any], datagram_size: int) -> None:
     load = common.load_average()
     good = common.median(res["fetch"])
+    print(f"-- datagram size {datagram_size} bytes")
 
     def line(name: str, rates: list[float]) -> None:
         print(f"{name:<28} {common.median(rates):8.1f} MB/s  (runs {' '.join(f'{r:.0f}' for r in rates)})  "
@@ -367,8 +378,8 @@ def main() -> int:
         line("raw QUIC client -> server", res["raw_c2s"])
         print(f"fetch / raw (same direction) = {good / common.median(res['raw_s2c']):.2f}x, "
               f"fetch / raw (bench_transport direction) = {good / common.median(res['raw_c2s']):.2f}x")
-    print(f"{res['wire_bytes'] / 1e6:.1f} MB on the wire, compression ratio {res['ratio']:.2f}, load {load}")
-    return 0
+    print(f"{res['wire_bytes'] / 1e6:.1f} MB on the wire, compression ratio {res['ratio']:.2f}, load {load}",
+          flush=True)
 
 
 if __name__ == "__main__":

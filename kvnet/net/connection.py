@@ -37,6 +37,7 @@ from kvnet.net.quic import (
     TransportSettings,
     arm_timer,
     get_stack,
+    limit_datagram_size,
     raise_stream_limits,
     request_client_certificate,
     unsent_bytes,
@@ -132,6 +133,7 @@ class MoqtConnection(_ProtocolBase):
         self._events = get_stack(settings.stack).events
         self._client_ca_file = client_ca_file
         raise_stream_limits(quic, settings)
+        limit_datagram_size(quic, settings)
         if client_ca_file is not None:
             request_client_certificate(quic)
         loop = asyncio.get_running_loop()

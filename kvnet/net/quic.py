@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import logging
 import socket
 import ssl
@@ -87,9 +88,11 @@ class TransportSettings:
     """QUIC transport knobs shared by every kvnet endpoint. Defaults are tuned for loopback and LANs."""
 
     max_datagram_size: int | None = None
-    """Largest UDP payload we send; None picks the stack's loopback size (``datagram_size``). aioquic
-    sends this size from the first packet and does no path-MTU discovery, so on a 1500-MTU path give
-    ``DATAGRAM_SIZE_ETHERNET`` (1452); qh3 treats it as the upper bound of its path-MTU probing."""
+    """Largest UDP payload we send, and (when set) the ``max_udp_payload_size`` we advertise. None: the
+    stack's loopback size (``datagram_size``) to peers on this machine, ``DATAGRAM_SIZE_ETHERNET`` (1452)
+    to any other (aioquic does no path-MTU discovery). Set it only where the path is known to carry it
+    (jumbo frames); either way a peer advertising less gets no more (``choose_datagram_size``). qh3
+    treats it as the upper bound of its path-MTU probing."""
     stack: str = DEFAULT_STACK
     """QUIC implementation: "aioquic" (pure Python; the only one whose servers can require client
     certificates) or "qh3" (Rust core, ~4x the bulk throughput). See the module docstring."""
@@ -474,6 +477,89 @@ def arm_timer(protocol: Any) -> None:
 
 def _set(module: Any, name: str, value: Any) -> None:
     setattr(module, name, value)
+
+
+def path_is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address as the socket reports it) is this machine: the path carries 64 KiB."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+def choose_datagram_size(settings: TransportSettings, peer_limit: int | None, loopback: bool) -> int:
+    """The UDP payload size one connection sends (RFC 9000 section 18.2 and the path).
+
+    Never above ``peer_limit``, the peer's ``max_udp_payload_size``. Under that: the configured
+    ``max_datagram_size`` (an operator who sets it knows the path, e.g. jumbo frames), else the
+    stack's loopback size when the peer is this machine, else ``DATAGRAM_SIZE_ETHERNET``, which every
+    path carries; aioquic does no path-MTU discovery, so guessing larger would lose every big packet.
+    """
+    if settings.max_datagram_size is not None:
+        size = settings.max_datagram_size
+    else:
+        size = settings.datagram_size if loopback else DATAGRAM_SIZE_ETHERNET
+    if peer_limit is not None:
+        size = min(size, peer_limit)
+    return max(MIN_DATAGRAM_SIZE, size)
+
+
+def limit_datagram_size(quic: Any, settings: TransportSettings) -> None:
+    """Make an aioquic connection follow ``choose_datagram_size``, and advertise a configured
+    ``max_datagram_size`` to the peer as our ``max_udp_payload_size``; the choice is logged once.
+
+    aioquic sends its configured size from the first packet and ignores the peer's parameter. Until the
+    peer's transport parameters arrive (handshake packets only) it sends at most
+    ``DATAGRAM_SIZE_ETHERNET``; when they arrive (before a server sends its handshake flight) the size
+    is fixed for the connection. qh3 applies the peer's parameter and probes the path itself.
+    """
+    if not hasattr(quic, "_parse_transport_parameters"):
+        return  # qh3
+    from aioquic.buffer import Buffer
+    from aioquic.quic.packet import pull_quic_transport_parameters, push_quic_transport_parameters
+
+    _set_datagram_size(quic, min(quic._max_datagram_size, DATAGRAM_SIZE_ETHERNET))
+    original_parse = quic._parse_transport_parameters
+    original_serialize = quic._serialize_transport_parameters
+
+    def parse(data: bytes, from_session_ticket: bool = False) -> None:
+        original_parse(data, from_session_ticket)
+        if from_session_ticket:
+            return
+        peer_max = pull_quic_transport_parameters(Buffer(data=data)).max_udp_payload_size
+        host = quic._network_paths[0].addr[0] if quic._network_paths else ""
+        loopback = path_is_loopback(host)
+        size = choose_datagram_size(settings, peer_max, loopback)
+        _set_datagram_size(quic, size)
+        logger.info(
+            "QUIC datagram size",
+            extra={"datagram_size": size, "configured": settings.max_datagram_size,
+                   "peer_max_udp_payload_size": peer_max, "loopback": loopback},
+        )
+
+    def serialize() -> bytes:
+        data: bytes = original_serialize()
+        if settings.max_datagram_size is None:
+            return data
+        params = pull_quic_transport_parameters(Buffer(data=data))
+        params.max_udp_payload_size = settings.max_datagram_size
+        buf = Buffer(capacity=len(data) + 16)
+        push_quic_transport_parameters(buf, params)
+        return buf.data
+
+    quic._parse_transport_parameters = parse
+    quic._serialize_transport_parameters = serialize
+
+
+def _set_datagram_size(quic: Any, size: int) -> None:
+    # aioquic keeps the size in the connection (packet building) and copies it into loss recovery's
+    # pacer and congestion controller (window arithmetic): all three follow.
+    quic._max_datagram_size = size
+    quic._loss._pacer._max_datagram_size = size
+    quic._loss._cc._max_datagram_size = size
 
 
 def raise_stream_limits(quic: Any, settings: TransportSettings) -> None:

@@ -110,6 +110,8 @@ class DirectionStats:
     dropped_queue: int = 0
     dropped_send: int = 0
     bytes_forwarded: int = 0
+    largest: int = 0
+    """Largest datagram received (bytes of UDP payload)."""
 
 
 def parse_hostport(text: str) -> tuple[str, int]:
@@ -158,6 +160,7 @@ class _Direction:
 
     def submit(self, data: bytes, now: float, send: Callable[[bytes], bool]) -> None:
         self.stats.received += 1
+        self.stats.largest = max(self.stats.largest, len(data))
         if self._lost():
             self.stats.dropped_loss += 1
             return
