@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from kvnet.blocks.codecs import get_codec
+from kvnet.blocks.identity import prompt_blocks
 from kvnet.blocks.signing import Signer
 from kvnet.dtypes import dtype_name
 from kvnet.model.generate import generate
@@ -72,8 +73,8 @@ def forge_blocks(prompt: str, signer: Signer) -> tuple[Node, list[StoredBlock]]:
     codec = get_codec("lossless")
     gen = torch.Generator().manual_seed(7)
     blocks = []
-    for i, block_hash in enumerate(hashes):
-        kv = node.cache.export_block(block_hash)  # k, v: [L, B, H, D]
+    for block in prompt_blocks(ids, BLOCK, hashes, node.root, 0, len(hashes)):
+        kv = node.cache.export_block(block.block_hash)  # k, v: [L, B, H, D]
         k = kv.k + 3.0 * torch.randn(kv.k.shape, generator=gen, dtype=kv.k.dtype)
         v = -kv.v + torch.randn(kv.v.shape, generator=gen, dtype=kv.v.dtype)
         payloads = [
@@ -81,10 +82,10 @@ def forge_blocks(prompt: str, signer: Signer) -> tuple[Node, list[StoredBlock]]:
         ]
         manifest = BlockManifest.for_payloads(
             fingerprint=node.fingerprint,
-            block_hash=block_hash,
-            parent_hash=node.root if i == 0 else hashes[i - 1],
-            token_ids=tuple(ids[i * BLOCK : (i + 1) * BLOCK]),
-            block_index=i,
+            block_hash=block.block_hash,
+            parent_hash=block.parent_hash,
+            token_ids=block.token_ids,
+            block_index=block.block_index,
             codec=codec.name,
             dtype=dtype_name(spec.dtype),
             shape=spec.block_shape,
@@ -92,7 +93,7 @@ def forge_blocks(prompt: str, signer: Signer) -> tuple[Node, list[StoredBlock]]:
             key_id=signer.key_id,
         )
         manifest = manifest.with_signature(signer.sign_manifest(manifest))
-        blocks.append(StoredBlock(block_hash, codec.name, (manifest.encode(), *payloads), manifest))
+        blocks.append(StoredBlock(block.block_hash, codec.name, (manifest.encode(), *payloads), manifest))
     return node, blocks
 
 
