@@ -111,6 +111,8 @@ class NodeConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.cache_blocks <= 0:
             raise ValueError(f"cache_blocks must be positive, got {self.cache_blocks}")
+        if self.dtype not in DTYPE_BY_NAME:
+            raise ValueError(f"dtype must be one of {list(DTYPE_BY_NAME)}, got {self.dtype!r}")
         for name in ("publish_renditions", "acceptable_renditions"):
             values = getattr(self, name)
             if not values:

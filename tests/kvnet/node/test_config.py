@@ -1,0 +1,50 @@
+"""Tests for kvnet/node/config.py: NodeConfig refuses bad values naming the field; flags map onto it."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from kvnet.net.quic import DATAGRAM_SIZE_ETHERNET
+from kvnet.node.config import NodeConfig, add_node_arguments, node_config_from_args
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("dtype", "int8", "dtype must be one of"),
+        ("block_size", 0, "block_size must be positive"),
+        ("publish_renditions", ("lossless", "fp4"), "unknown rendition"),
+        ("abr_mode", "sometimes", "abr_mode must be"),
+        ("tenant", "acme", "tenant: a tenant other than the default needs --node-secret"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_field(field: str, value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        NodeConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_flags_map_onto_the_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_node_arguments(parser, relay_required=False)
+    args = parser.parse_args([
+        "--relay", "moqt://127.0.0.1:4443", "--ca", "ca.pem", "--dtype", "bfloat16", "--block-size", "16",
+        "--renditions", "lossless,int8", "--store-bytes", "64M", "--token", "node.tok", "--ethernet",
+    ])
+    config = node_config_from_args(args)
+    assert (config.relay_url, config.ca_file, config.token_file) == (
+        "moqt://127.0.0.1:4443", Path("ca.pem"), Path("node.tok")
+    )
+    assert (config.dtype, config.block_size, config.store_bytes) == ("bfloat16", 16, 64 << 20)
+    assert config.publish_renditions == ("lossless", "int8")
+    assert config.max_datagram_size == DATAGRAM_SIZE_ETHERNET
+
+
+def test_unknown_dtype_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_node_arguments(parser, relay_required=False)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dtype", "int8"])
+    assert "invalid choice: 'int8'" in capsys.readouterr().err
