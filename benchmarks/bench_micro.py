@@ -8,9 +8,11 @@
   bytes into a preallocated tensor;
 - session: the sans-I/O MoQT data path alone (``proto.session.MoqtSession``): a publisher session
   serialising FETCH objects and a subscriber session parsing them from QUIC-sized chunks, in MB/s of
-  payload, next to a plain ``bytes`` join/copy of the same data.
+  payload, next to a plain ``bytes`` join/copy of the same data;
+- requests: the sans-I/O request path alone: CPU microseconds per TRACK_STATUS round trip (request,
+  reply, both sessions' parsing and request state machines), requests issued in batches as a locate does.
 
-    python benchmarks/bench_micro.py [--quick] [--only hashing,codecs,import,session]
+    python benchmarks/bench_micro.py [--quick] [--only hashing,codecs,import,session,requests]
 
 Every figure is the median of several runs, 1 torch thread, with the load average.
 """
@@ -29,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
 
-PARTS = ("hashing", "codecs", "import", "session")
+PARTS = ("hashing", "codecs", "import", "session", "requests")
 
 
 # ---------------------------------------------------------------- hashing
@@ -250,6 +252,33 @@ def session_datapath(res: common.SuiteResult, objects: int = 64, object_bytes: i
     res.add("memcpy of the same chunks", [total / t / 1e6 for t in copy_t], "MB/s", "baseline")
 
 
+def session_requests(res: common.SuiteResult, requests: int = 3000, batch: int = 100, runs: int = 5) -> None:
+    """CPU time (``process_time``, so a loaded machine's waiting is not counted) per TRACK_STATUS round
+    trip between two sessions: ``batch`` requests out, answered, replies read, ``requests`` in all."""
+    from proto.events import TrackStatusOkReceived, TrackStatusReceived
+
+    per_request = []
+    for _ in range(runs + 1):
+        client, server, run = _pair()
+        answered = 0
+        t0 = time.process_time()
+        for _ in range(requests // batch):
+            for _ in range(batch):
+                client.track_status((b"kvnet", b"bench"), b"t")
+            run()
+            while (ev := server.next_event()) is not None:
+                if isinstance(ev, TrackStatusReceived):
+                    server.respond_track_status(ev.request_id)
+            run()
+            while (ev := client.next_event()) is not None:
+                answered += isinstance(ev, TrackStatusOkReceived)
+        per_request.append((time.process_time() - t0) / requests * 1e6)
+        if answered != requests // batch * batch:
+            raise RuntimeError(f"{answered} of {requests} TRACK_STATUS requests answered")
+    res.add("session TRACK_STATUS round trip", per_request[1:], "us CPU",
+            f"{requests} requests in batches of {batch}, both sessions")
+
+
 def run(quick: bool = False, only: tuple[str, ...] = PARTS) -> common.SuiteResult:
     res = common.SuiteResult("micro", "python benchmarks/bench_micro.py" + (" --quick" if quick else ""))
     runs = 3 if quick else 5
@@ -261,6 +290,8 @@ def run(quick: bool = False, only: tuple[str, ...] = PARTS) -> common.SuiteResul
         import_bandwidth(res, blocks=64 if quick else 256, runs=runs)
     if "session" in only:
         session_datapath(res, objects=16 if quick else 64, runs=runs)
+    if "requests" in only:
+        session_requests(res, requests=1000 if quick else 3000, runs=runs)
     return res
 
 

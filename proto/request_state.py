@@ -11,9 +11,8 @@ as ``UsageError`` for our own calls and as a PROTOCOL_VIOLATION for the peer's m
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from enum import Enum
-from typing import Final
+from typing import Final, NamedTuple
 
 from .errors import UsageError
 from .messages import (
@@ -60,6 +59,10 @@ class Side(Enum):
     REQUESTER = "requester"
     RESPONDER = "responder"
 
+    # Members are singletons compared by identity; the identity hash keeps the table lookups done for
+    # every message in C (Enum's own __hash__ is a Python call).
+    __hash__ = object.__hash__
+
 
 class RequestState(Enum):
     """State of one side of a request stream: what it has sent so far."""
@@ -72,6 +75,8 @@ class RequestState(Enum):
     """Responder: the positive first reply is out."""
     DONE = "done"
     """This side has nothing more to send (the stream is FIN'd after it)."""
+
+    __hash__ = object.__hash__  # as Side's
 
 
 _IDLE, _OPEN, _ACCEPTED, _DONE = (
@@ -199,9 +204,9 @@ def can_send_more(kind: int, side: Side, state: RequestState) -> bool:
     return bool(TRANSITIONS[(kind, side)].get(state))
 
 
-@dataclass(frozen=True, slots=True)
-class Transition:
-    """One message checked against the table, not applied yet (``RequestStateMachine.apply``)."""
+class Transition(NamedTuple):
+    """One message checked against the table, not applied yet (``RequestStateMachine.apply``). A named
+    tuple: one is built for every message on every request stream."""
 
     side: Side
     """Who sends the message."""
@@ -239,23 +244,26 @@ class RequestStateMachine:
         if self.kind is not None or kind not in REQUEST_TYPES:
             raise RequestTransitionError(self.kind, _REQ, self.states[_REQ], kind)
         self.kind = kind
-        self.states[_REQ] = next_request_state(kind, _REQ, _IDLE, kind)
+        self.states[_REQ] = TRANSITIONS[(kind, _REQ)][_IDLE][kind]
 
     def check(self, side: Side, msg_type: int) -> Transition:
         """``side`` sending ``msg_type`` now, checked against the table without changing anything."""
+        kind = self.kind
         state = self.states[side]
-        if self.kind is None:
+        if kind is None:
             raise RequestTransitionError(None, side, state, msg_type, "the request has not been sent yet")
-        new_state = next_request_state(self.kind, side, state, msg_type)
+        table = TRANSITIONS[(kind, side)]
+        new_state = table.get(state, {}).get(msg_type)
+        if new_state is None:
+            raise RequestTransitionError(kind, side, state, msg_type)
         first_reply = side is _RESP and state is _IDLE
-        answers_update = msg_type in (_OK, _ERR) and not first_reply
-        if answers_update and not self.pending_updates[other_side(side)]:
+        answers_update = not first_reply and (msg_type in (_OK, _ERR))
+        if answers_update and not self.pending_updates[_REQ if side is _RESP else _RESP]:
             raise RequestTransitionError(
-                self.kind, side, state, msg_type,
+                kind, side, state, msg_type,
                 f"{_message_name(msg_type)} after the first reply answers a REQUEST_UPDATE; none is pending",
             )
-        fin = not can_send_more(self.kind, side, new_state)
-        return Transition(side, msg_type, new_state, first_reply, answers_update, fin)
+        return Transition(side, msg_type, new_state, first_reply, answers_update, not table.get(new_state))
 
     def apply(self, transition: Transition) -> tuple[int, ...]:
         """Make a checked ``transition`` happen; returns the Request IDs of the updates it answered."""

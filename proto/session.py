@@ -301,7 +301,8 @@ class _Request:
     framer: ControlMessageReader
     request_id: int = -1
     state: RequestStateMachine = field(default_factory=RequestStateMachine)
-    """Both sides' states and outstanding REQUEST_UPDATEs; its ``kind`` is the request's type."""
+    """Both sides' states and outstanding REQUEST_UPDATEs; its ``kind`` is the request's type (None until
+    the first message)."""
     send_closed: bool = False
     """Our sending side is finished (FIN or reset)."""
     recv_closed: bool = False
@@ -324,11 +325,6 @@ class _Request:
     streams_opened: int = 0
     namespaces: set[TrackNamespace] = field(default_factory=set)
     """SUBSCRIBE_NAMESPACE: suffixes announced by NAMESPACE and not withdrawn yet."""
-
-    @property
-    def kind(self) -> int | None:
-        """Type of the request's first message (None until it arrived)."""
-        return self.state.kind
 
     @property
     def our_side(self) -> Side:
@@ -681,7 +677,7 @@ class MoqtSession:
                 return
             del deadlines[stream_id]
             req = self._bidi.get(stream_id)
-            if req is None or req.kind is not None or req.framer.has_message():
+            if req is None or req.state.kind is not None or req.framer.has_message():
                 continue  # the stream ended or its first message is complete
             self.request_header_timeouts += 1
             if self.request_header_timeouts > self.config.max_request_header_timeouts:
@@ -776,7 +772,7 @@ class MoqtSession:
     ) -> int:
         """Send a relative (or absolute) Joining FETCH for our subscription ``joining_request_id``."""
         sub = self._requests.get(joining_request_id)
-        if sub is None or not sub.local or sub.kind != _SUB:
+        if sub is None or not sub.local or sub.state.kind != _SUB:
             raise UsageError(f"{joining_request_id} is not one of our subscriptions")
         fetch_type = FetchType.RELATIVE_JOINING if relative else FetchType.ABSOLUTE_JOINING
         joining = JoiningFetch(joining_request_id, joining_start)
@@ -908,7 +904,7 @@ class MoqtSession:
         req = self._request(request_id)
         if req.local:
             raise UsageError(f"request {request_id} is ours; the peer answers it")
-        if req.kind in (_SUB, _FETCH, _TS):
+        if req.state.kind in (_SUB, _FETCH, _TS):
             raise UsageError(f"{req.name} is answered with its own reply method, not accept_request")
         self._send_on_request(req, RequestOk(parameters))
 
@@ -1209,7 +1205,7 @@ class MoqtSession:
 
     def _peer_request(self, request_id: int, kind: int) -> _Request:
         req = self._request(request_id)
-        if req.local or req.kind != kind:
+        if req.local or req.state.kind != kind:
             raise UsageError(f"request {request_id} is not a {KIND_NAMES[kind]} from the peer")
         return req
 
@@ -1254,7 +1250,7 @@ class MoqtSession:
         req.fin_received = end_stream
         self._pump_request(req)
         if stream_id in self._header_deadlines and (
-            req.kind is not None or req.framer.has_message() or self._bidi.get(stream_id) is not req
+            req.state.kind is not None or req.framer.has_message() or self._bidi.get(stream_id) is not req
         ):
             del self._header_deadlines[stream_id]
 
@@ -1282,7 +1278,7 @@ class MoqtSession:
         self._bidi.pop(req.stream_id, None)
 
     def _on_request_message(self, req: _Request, msg: ControlMessage) -> None:
-        if req.kind is None:
+        if req.state.kind is None:
             self._open_peer_request(req, msg)
             return
         if isinstance(msg, Goaway):
@@ -1345,7 +1341,7 @@ class MoqtSession:
         if req.framer.buffered:
             raise ProtocolViolation(f"{req.name} stream ended inside a control message")
         req.recv_closed = True
-        if req.kind is None:
+        if req.state.kind is None:
             self._refuse_stream(req, StreamResetCode.CANCELLED)  # FIN before any message
             return
         side = req.peer_side
@@ -1368,7 +1364,7 @@ class MoqtSession:
             self._bidi.pop(req.stream_id, None)
         if not (closed or req.ended) or req.data_streams:
             return  # a publisher keeps the request while its data streams are open
-        if req.local and req.kind == _FETCH and not req.ended and not req.fetch_data_done:
+        if req.local and req.state.kind == _FETCH and not req.ended and not req.fetch_data_done:
             return  # the FETCH response stream may still come
         self._end_request(req)
         if self._requests.get(req.request_id) is req:
@@ -1399,7 +1395,7 @@ class MoqtSession:
 
     def _peer_cancelled(self, req: _Request, error_code: int) -> None:
         """The peer reset or stopped a request stream: the request is cancelled."""
-        if req.kind is not None and not req.ended:
+        if req.state.kind is not None and not req.ended:
             self._events.append(RequestCancelled(req.request_id, error_code))
         self._stop_data_of(req, StreamResetCode.CANCELLED)
         self._refuse_stream(req, StreamResetCode.CANCELLED)
@@ -1417,7 +1413,7 @@ class MoqtSession:
             req.fetch_data_done = True
         self._release_pub_alias(req)
         # Subscriber: stop the streams that deliver to it and drop its late objects.
-        if req.kind in (_SUB, _FETCH, _PUB) and req.request_id >= 0:
+        if req.state.kind in (_SUB, _FETCH, _PUB) and req.request_id >= 0:
             for stream in list(self._incoming.values()):
                 if stream.request_id == req.request_id and stream.kind in (
                     _DataKind.SUBGROUP,
@@ -1429,7 +1425,7 @@ class MoqtSession:
                 if track is not None and track.request_id == req.request_id:
                     track.active = False
                     self._retire_sub_track(req.track_alias, track)
-        if req.local and req.kind == _FETCH:
+        if req.local and req.state.kind == _FETCH:
             req.fetch_data_done = True
 
     def _release_pub_alias(self, req: _Request) -> None:
@@ -1440,7 +1436,7 @@ class MoqtSession:
     @staticmethod
     def _publishes(req: _Request) -> bool:
         """We are the publisher of this subscription (we accepted its SUBSCRIBE, or sent its PUBLISH)."""
-        return (req.kind == _SUB and not req.local) or (req.kind == _PUB and req.local)
+        return (req.state.kind == _SUB and not req.local) or (req.state.kind == _PUB and req.local)
 
     def _check_alias_free(self, track_alias: int) -> None:
         if not 0 <= track_alias < 1 << 64:
@@ -1612,7 +1608,7 @@ class MoqtSession:
     def _handle_request_ok(self, ctx: _Context, msg: ControlMessage) -> None:
         assert isinstance(msg, RequestOk) and ctx.request is not None
         req = ctx.request
-        if msg.track_properties and not (ctx.initial_reply and req.kind == _TS):
+        if msg.track_properties and not (ctx.initial_reply and req.state.kind == _TS):
             # Section "REQUEST_OK": Track Properties only in TRACK_STATUS_OK.
             raise ProtocolViolation("REQUEST_OK with Track Properties outside TRACK_STATUS_OK")
         if req.ended:
@@ -1620,14 +1616,14 @@ class MoqtSession:
         event: MoqtEvent
         if ctx.answers is not None:
             event = RequestOkReceived(ctx.answers, msg.parameters)
-        elif req.kind == _TS:
+        elif req.state.kind == _TS:
             event = TrackStatusOkReceived(req.request_id, msg.parameters, msg.track_properties)
-        elif req.kind == _PUB:
+        elif req.state.kind == _PUB:
             event = PublishOkReceived(req.request_id, msg.parameters)
         else:
             event = RequestOkReceived(req.request_id, msg.parameters)
         self._events.append(event)
-        if req.kind == _TS:
+        if req.state.kind == _TS:
             self._end_request(req)
 
     def _handle_request_error(self, ctx: _Context, msg: ControlMessage) -> None:
@@ -1636,7 +1632,7 @@ class MoqtSession:
         if msg.redirect is not None:
             if msg.redirect.connect_uri and not self.is_client:
                 raise ProtocolViolation("Redirect with a Connect URI sent to a server")
-            if req.kind in (_SNS, _PNS) and msg.redirect.track_name:
+            if req.state.kind in (_SNS, _PNS) and msg.redirect.track_name:
                 raise ProtocolViolation("Redirect with a Track Name for a namespace request")
         if req.ended:
             return
@@ -1647,7 +1643,7 @@ class MoqtSession:
         if ctx.answers is None:
             # "A REQUEST_ERROR indicates no objects will be delivered": the request is over.
             self._end_request(req)
-            if req.kind == _FETCH:
+            if req.state.kind == _FETCH:
                 req.fetch_data_done = True
 
     # =============================================================================================
@@ -1807,7 +1803,7 @@ class MoqtSession:
         rid = stream.request_id
         assert rid is not None
         req = self._requests.get(rid)
-        if req is not None and req.local and req.kind == _FETCH:
+        if req is not None and req.local and req.state.kind == _FETCH:
             if req.fetch_data_stream == stream.stream_id:
                 return True
             if req.fetch_data_stream is not None:
@@ -1820,7 +1816,7 @@ class MoqtSession:
             stream.reader.group_order = group_order or GroupOrder.ASCENDING
             return True
         ours = rid & 1 == (0 if self.is_client else 1) and rid < self._next_request_id
-        if not ours or (req is not None and req.kind != _FETCH):
+        if not ours or (req is not None and req.state.kind != _FETCH):
             raise ProtocolViolation(f"FETCH_HEADER for Request ID {rid}, which is no FETCH of ours")
         self._abandon_incoming(stream, StreamResetCode.CANCELLED)  # a fetch we already ended
         return False
@@ -1868,7 +1864,7 @@ class MoqtSession:
 
     def _fetch_stream_over(self, request_id: int) -> None:
         req = self._requests.get(request_id)
-        if req is not None and req.local and req.kind == _FETCH:
+        if req is not None and req.local and req.state.kind == _FETCH:
             req.fetch_data_done = True
             # The subscriber keeps FETCH state until the data stream ends; FETCH_OK may still come.
             self._fin_our_side(req)
@@ -2044,7 +2040,7 @@ class MoqtSession:
     def _fetch_to_serve(self, request_id: int) -> _Request:
         self._check_open()
         req = self._requests.get(request_id)
-        if req is None or req.local or req.kind != _FETCH:
+        if req is None or req.local or req.state.kind != _FETCH:
             raise UsageError(f"{request_id} is not a FETCH we are serving")
         if req.state.states[_RESP] is _DONE:
             raise UsageError(f"FETCH {request_id} was rejected")
