@@ -14,6 +14,11 @@ cut ``k`` minimises::
 with ``prefill(n) = overhead + n * per_token`` measured on this machine. This is an exact argmin over every
 cut, O(n), so uneven block sizes are handled. While a fetch runs the caller re-plans the blocks not yet
 received with fresh measurements (``should_abandon``), which is what video ABR does per segment.
+
+Whatever the estimates said, a fetch also has one deadline (``FetchDeadline``): it may take at most
+``deadline_margin_s`` plus the estimated recompute time of the blocks it has already delivered. Past that,
+finishing it can only be slower than recomputing the rest, so it is abandoned, however the relay paces its
+objects (a relay trickling one object just inside the per-object timeout cannot hold a request).
 """
 
 from __future__ import annotations
@@ -56,6 +61,10 @@ class AbrConfig:
     """False forces fetching every located block (tests and benchmarks of the fetch path)."""
     force_recompute: bool = False
     """True never fetches (cold baseline)."""
+    deadline_margin_s: float = 1.0
+    """Seconds a fetch may cost beyond the recompute time of the blocks it delivered before it is abandoned
+    (``FetchDeadline``); bounds TTFT by recompute time plus this. Generous enough that a loaded machine's
+    scheduling noise does not throw away a healthy fetch."""
 
     def __post_init__(self) -> None:
         if not self.acceptable:
@@ -66,6 +75,8 @@ class AbrConfig:
             raise ValueError("prior_rtt_s must be >= 0")
         if not 0 < self.safety <= 1:
             raise ValueError("safety must be in (0, 1]")
+        if not 0 < self.deadline_margin_s <= 3600:
+            raise ValueError("deadline_margin_s must be in (0, 3600] seconds")
 
 
 class Ewma:
@@ -249,6 +260,31 @@ class AbrPlan:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class FetchDeadline:
+    """When a fetch must have delivered each block: block ``i`` (0-based) is due at
+    ``started + margin_s + i * block_recompute_s``, so the time spent never exceeds what the delivered
+    blocks save by more than the margin."""
+
+    started: float
+    """Clock reading (the event loop's) when the fetch began."""
+    margin_s: float
+    block_recompute_s: float
+    """Estimated prefill time of one block's tokens on this node."""
+
+    def due(self, loaded_blocks: int) -> float:
+        """Clock reading by which block ``loaded_blocks`` must be in (with ``loaded_blocks`` before it)."""
+        return self.started + self.margin_s + loaded_blocks * self.block_recompute_s
+
+    def describe(self, loaded_blocks: int, now: float) -> str:
+        """Why the fetch was abandoned at block ``loaded_blocks`` at time ``now``."""
+        return (
+            f"deadline: {now - self.started:.3f}s spent with {loaded_blocks} block(s) delivered, past the "
+            f"{loaded_blocks * self.block_recompute_s:.3f}s recomputing them would take plus the "
+            f"{self.margin_s:.3f}s margin; recomputing is faster than waiting"
+        )
+
+
 @dataclass
 class KvAbr:
     """Estimators plus the decision; one per node, so measurements carry over between requests."""
@@ -321,6 +357,13 @@ class KvAbr:
             est_total_s=best_t,
             est_recompute_all_s=recompute_all,
         )
+
+    def deadline(self, started: float, block_size: int) -> FetchDeadline | None:
+        """The deadline of a fetch starting at ``started``; None when the fetch must not be abandoned
+        (``allow_recompute`` off: every located block is fetched)."""
+        if not self.config.allow_recompute:
+            return None
+        return FetchDeadline(started, self.config.deadline_margin_s, block_size * self.prefill.per_token_s)
 
     def should_abandon(self, remaining_raw_bytes: int, rendition: str, remaining_tokens: int) -> bool:
         """Mid-fetch re-plan: True when recomputing what is not yet received beats waiting for it."""

@@ -87,6 +87,9 @@ class NodeConfig:
     LAN links busy without interleaving every block's delivery)."""
     request_timeout: float = 10.0
     """Seconds to wait for one locate or fetch before giving up (and recomputing)."""
+    fetch_margin: float = 1.0
+    """Seconds a fetch may cost beyond the recompute time of the blocks it delivered; past that it is
+    abandoned and the rest recomputed (``kvnet.node.abr.FetchDeadline``)."""
     prior_throughput_bps: float = 100e6
     """ABR throughput prior (bytes/s) before anything was measured."""
     abr_mode: str = "auto"
@@ -126,6 +129,8 @@ class NodeConfig:
             raise ValueError(f"fetch_window_bytes must be positive, got {self.fetch_window_bytes}")
         if self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be positive, got {self.request_timeout}")
+        if not 0 < self.fetch_margin <= 3600:
+            raise ValueError(f"fetch_margin must be in (0, 3600] seconds, got {self.fetch_margin}")
         if self.abr_mode not in ("auto", "fetch", "recompute"):
             raise ValueError(f"abr_mode must be auto, fetch or recompute, got {self.abr_mode!r}")
         if self.torch_threads <= 0:
@@ -228,6 +233,10 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
         help="raw block bytes requested ahead while fetching (default 4M)",
     )
     k.add_argument("--timeout", type=float, default=10.0, help="seconds per locate/fetch before recompute")
+    k.add_argument(
+        "--fetch-margin", type=float, default=1.0,
+        help="seconds a fetch may cost beyond recomputing what it delivered before it is abandoned",
+    )
     k.add_argument("--abr", default="auto", choices=["auto", "fetch", "recompute"], help="fetch policy")
     k.add_argument("--assume-throughput", type=float, default=100e6, help="ABR prior in bytes/s")
     k.add_argument(
@@ -263,6 +272,7 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         push=not args.no_push,
         fetch_window_bytes=args.fetch_window,
         request_timeout=args.timeout,
+        fetch_margin=args.fetch_margin,
         prior_throughput_bps=args.assume_throughput,
         abr_mode=args.abr,
         max_new_tokens=args.max_tokens,

@@ -48,7 +48,7 @@ from kvnet.errors import KVCacheError
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.errors import LimitError, MoqtConnectionError, RequestRejected, StreamResetError
 from kvnet.net.handles import FetchHandle
-from kvnet.node.abr import AbrConfig, KvAbr
+from kvnet.node.abr import AbrConfig, FetchDeadline, KvAbr
 from kvnet.node.locate import DEFAULT_LOCATE_FAN_OUT, DEFAULT_STRAGGLER_GRACE, Located, locate_prefix
 from proto.kvobject import BLOCK_GROUP_ID, MANIFEST_OBJECT_ID, BlockManifest, KVObjectError, block_track
 from proto.messages import Location
@@ -131,6 +131,8 @@ class FetchOutcome:
     rejected: bool = False
     """The fetch stopped because a block failed verification (``rejected_kind`` says which check)."""
     rejected_kind: str | None = None
+    abandoned: str | None = None
+    """Why the fetch was abandoned at its deadline (``FetchDeadline.describe``); None if it was not."""
 
 
 class CacheWriter(Protocol):
@@ -227,15 +229,21 @@ class BlockFetcher:
     # -- fetch ------------------------------------------------------------------------------------
 
     async def fetch(
-        self, expected: Sequence[BlockIdentity], renditions: Sequence[str]
+        self,
+        expected: Sequence[BlockIdentity],
+        renditions: Sequence[str],
+        deadline: FetchDeadline | None = None,
     ) -> FetchOutcome:
         """Fetch, verify and import blocks in chain order with ``window_blocks`` FETCHes in flight.
 
         Each object is handled as it arrives: the manifest is checked before anything of its block is
         touched, each layer is verified, decoded and written into the block reserved for it, and the block
         becomes visible in the cache once all its layers are in, while the next FETCHes keep arriving.
+        Each block must be in by ``deadline.due(index)`` (clock: the event loop's) besides the per-object
+        ``timeout``; the first block past it ends the fetch (``FetchOutcome.abandoned`` says why).
         """
         out = FetchOutcome()
+        loop = asyncio.get_running_loop()
         end = Location(BLOCK_GROUP_ID, self.shape[0] + 1)
         handles: dict[int, FetchHandle] = {}
         window = self.window_blocks
@@ -244,21 +252,28 @@ class BlockFetcher:
         try:
             for index, exp in enumerate(expected):
                 block = _LoadingBlock(index, exp, renditions[index])
+                due = None if deadline is None else deadline.due(index)
                 try:
-                    while next_issue < len(expected) and next_issue < index + window:
-                        e, r = expected[next_issue], renditions[next_issue]
-                        ns, name = block_track(self.fingerprint, self.namespace_id, e.block_hash, r)
-                        start = Location(BLOCK_GROUP_ID, 0)
-                        handles[next_issue] = await self.conn.fetch(ns, name, start, end)
-                        next_issue += 1
-                    handle = handles.pop(index)
-                    try:
-                        await self._receive_block(handle, block, out)
-                    finally:
-                        handle.cancel()
+                    async with asyncio.timeout_at(due):
+                        while next_issue < len(expected) and next_issue < index + window:
+                            e, r = expected[next_issue], renditions[next_issue]
+                            ns, name = block_track(self.fingerprint, self.namespace_id, e.block_hash, r)
+                            start = Location(BLOCK_GROUP_ID, 0)
+                            handles[next_issue] = await self.conn.fetch(ns, name, start, end)
+                            next_issue += 1
+                        handle = handles.pop(index)
+                        try:
+                            await self._receive_block(handle, block, out)
+                        finally:
+                            handle.cancel()
                     self._finish_block(block, out)
                 except _FETCH_ERRORS as exc:
-                    self._describe_failure(out, exp, exc)
+                    now = loop.time()
+                    if deadline is not None and isinstance(exc, TimeoutError) and now >= deadline.due(index):
+                        out.abandoned = deadline.describe(index, now)
+                        out.error = f"abandoned at block {exp.block_index}: {out.abandoned}"
+                    else:
+                        self._describe_failure(out, exp, exc)
                     break
                 finally:
                     if block.importing:  # failed or interrupted: give the reserved block back

@@ -110,6 +110,7 @@ class Node:
                 prior_throughput_bps=config.prior_throughput_bps,
                 allow_recompute=config.abr_mode != "fetch",
                 force_recompute=config.abr_mode == "recompute",
+                deadline_margin_s=config.fetch_margin,
             )
         )
         self.counters = NodeCounters()
@@ -337,7 +338,9 @@ class Node:
             plan.fetch_blocks, ",".join(sorted(set(chosen))),
         )
         t = time.perf_counter()
-        outcome = await peer.fetch(expected, chosen)
+        deadline = self.abr.deadline(asyncio.get_running_loop().time(), self.block_size)
+        outcome = await peer.fetch(expected, chosen, deadline)
+        report.abandoned = outcome.abandoned
         report.timings.fetch_s = time.perf_counter() - t
         report.timings.load_s = outcome.load_s
         report.bytes_fetched = outcome.bytes

@@ -22,7 +22,7 @@ from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.errors import MoqtConnectionError, RequestRejected
 from kvnet.net.quic import TlsSettings, parse_moqt_url
-from kvnet.node.abr import KvAbr
+from kvnet.node.abr import FetchDeadline, KvAbr
 from kvnet.node.blockstore import BlockStore, StoredBlock
 from kvnet.node.config import NodeConfig
 from kvnet.node.fetching import BlockFetcher, CacheWriter, FetchOutcome
@@ -124,9 +124,11 @@ class RelayPeer:
             raise ConnectionError("relay session is not up")
         return await self.fetcher.locate(hashes, renditions)
 
-    async def fetch(self, expected: list[BlockIdentity], renditions: list[str]) -> FetchOutcome:
+    async def fetch(
+        self, expected: list[BlockIdentity], renditions: list[str], deadline: FetchDeadline | None = None
+    ) -> FetchOutcome:
         """Fetch, verify and load ``expected`` into the cache (``BlockFetcher.fetch``)."""
-        return await self.fetcher.fetch(expected, renditions)
+        return await self.fetcher.fetch(expected, renditions, deadline)
 
     async def push(self, blocks: list[StoredBlock]) -> int:
         if not self.connected or not blocks:

@@ -45,6 +45,8 @@ class RequestReport:
     locate: dict[str, int] = field(default_factory=dict)
     """What the locate searched and cost: ``blocks, located, probes, rounds, fan_out``."""
     fallback: list[str] = field(default_factory=list)
+    abandoned: str | None = None
+    """Why the fetch was abandoned at its deadline and the rest recomputed (``FetchDeadline.describe``)."""
     security_events: list[dict[str, str]] = field(default_factory=list)
     """Blocks refused by verification: ``{"kind": "signature" | "content", "detail": ...}``."""
     published_blocks: int = 0
@@ -66,6 +68,7 @@ class RequestReport:
             "abr": self.abr,
             "locate": dict(self.locate),
             "fallback": list(self.fallback),
+            "abandoned": self.abandoned,
             "security_events": [dict(e) for e in self.security_events],
             "published_blocks": self.published_blocks,
         }

@@ -1,0 +1,54 @@
+"""A fetch has one deadline from the ABR's own estimate, whatever pace the relay sets.
+
+A link emulator in front of the relay trickles the relay's answers at 20 kB/s: every object still arrives
+well within the per-object ``--timeout``, so only the deadline can stop the fetch (finishing it would take
+about two minutes; recomputing takes a fraction of a second).
+"""
+
+from __future__ import annotations
+
+import json
+
+from tests.helpers.processes import free_port
+from tests.nodes.cluster import SHARED_PREFIX, Cluster
+
+MARGIN_S = 0.5
+SLACK_S = 2.0
+"""Scheduling allowance on a loaded 2-core machine on top of the deadline itself (timers fire late)."""
+
+
+def test_trickling_relay_cannot_hold_a_fetch_past_its_deadline(kv_cluster: Cluster) -> None:
+    c = kv_cluster
+    c.start_relay()
+    prompt = (SHARED_PREFIX * 8)[:1900]  # ~2k tokens, ~2 MB of lossless KV on the tiny model
+    c.publish_and_exit([prompt])
+    emu_port = free_port()
+    emu = c._spawn(
+        [
+            "-m", "kvnet.cli", "linkemu", "--listen", f"127.0.0.1:{emu_port}",
+            "--target", f"127.0.0.1:{c.relay_port}", "--down-rate", "20000",
+        ],
+        "linkemu",
+    )
+    assert emu.stdout is not None
+    assert b"forwarding" in emu.stdout.readline(), c.log_of(emu)  # listening before the subscriber starts
+    # The throughput prior makes the plan fetch (the tiny model's prefill is fast); the per-object timeout
+    # is longer than any one trickled object takes.
+    args = ("--verify", "--abr", "auto", "--assume-throughput", "1e12", "--timeout", "5")
+    proc = c.start_subscriber([prompt + "?"], *args, "--fetch-margin", str(MARGIN_S), relay_port=emu_port)
+    out, _ = proc.communicate(timeout=120)
+    log = c.log_of(proc)
+    assert proc.returncode == 0, log[-3000:]
+    report = json.loads(out.decode().strip().splitlines()[-1])
+    assert report["verified"] is True, report
+    assert report["abr"]["fetch_blocks"] > 0, report["abr"]  # the plan chose to fetch
+    abandoned = report["abandoned"]
+    assert abandoned is not None and abandoned.startswith("deadline:"), report
+    assert any("abandoned at block" in f for f in report["fallback"]), report["fallback"]
+    assert report["computed_tokens"] == report["prompt_tokens"] - report["remote_hit_tokens"]
+    assert report["remote_hit_tokens"] < report["abr"]["fetch_blocks"] * 16
+    # The fetch stopped when it stopped paying off: within the recompute time of what it delivered plus
+    # the margin (and scheduling slack), far below what the relay's pace would have cost.
+    per_token = report["abr"]["inputs"]["prefill_per_token_s"]
+    budget = MARGIN_S + report["remote_hit_tokens"] * per_token + SLACK_S
+    assert report["timings"]["fetch_s"] <= budget, (report["timings"], budget)
