@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="seconds a token stays accepted past its expiry, for issuer/relay clock skew (default 5)",
     )
+    p.add_argument(
+        "--trust",
+        action="append",
+        help="publisher public key (PEM file or directory of *.pub, repeatable): cache only blocks it signed",
+    )
     p.add_argument("--upstream-token", help="file with the token presented to upstream relays in SETUP")
     p.add_argument("--metrics", help='Prometheus endpoint host:port (default 127.0.0.1:9464; "" disables)')
     p.add_argument("--log-format", choices=LOG_FORMATS)
@@ -180,6 +185,7 @@ def config_from_args(args: argparse.Namespace) -> RelayConfig:
         "auth_issuer_keys": args.auth_issuer_key,
         "auth_clock_skew": args.auth_clock_skew,
         "upstream_token": args.upstream_token,
+        "trust": args.trust,
         "cache.max_bytes": args.cache_bytes,
         "cache.max_track_bytes": args.cache_track_bytes,
         "cache.max_inflight_bytes": args.cache_inflight_bytes,

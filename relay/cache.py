@@ -198,6 +198,8 @@ class CacheStats:
     negative_hits: int = 0
     share_evictions: int = 0
     """Tracks evicted because their group was over its share (included in ``evictions``)."""
+    refused: int = 0
+    """Complete fills not cached because the admission check refused them."""
 
 
 @dataclass
@@ -368,8 +370,16 @@ class Coalescer(Generic[K, V]):
 class ObjectCache:
     """Tracks keyed by Full Track Name, LRU-evicted under ``config.max_bytes``."""
 
-    def __init__(self, config: CacheConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: CacheConfig,
+        clock: Callable[[], float] = time.monotonic,
+        refusal: Callable[[TrackKey, list[CachedObject]], str | None] | None = None,
+    ) -> None:
         self.config = config
+        self.refusal = refusal
+        """Checked before a fill is stored: a reason means the objects are served to the requesters that
+        asked for them but never cached (``relay.admission``)."""
         self._clock = clock
         self._entries: OrderedDict[TrackKey, _Entry] = OrderedDict()
         self._bytes = 0
@@ -520,6 +530,9 @@ class ObjectCache:
         assert info is not None
         if fill.bytes > min(self.config.max_bytes, self.config.share_limit):
             return  # would evict everything else (of its group) and still not fit
+        if self.refusal is not None and self.refusal(fill.key, fill.objects) is not None:
+            self.stats.refused += 1
+            return
         entry = self._entries.get(fill.key)
         group = self.group_of(fill.key)
         if entry is None:

@@ -17,6 +17,7 @@ File format (every key optional; flags given on the command line win)::
     drain_timeout = 5.0                # seconds between GOAWAY and close on SIGTERM
     auth_issuer_keys = ["issuer.pub"]  # trusted token issuers (PEM); when set, authorization is required
     auth_clock_skew = 5.0              # seconds a token stays accepted past its expiry (issuer clock skew)
+    trust = ["keys/publisher.pub"]     # publisher keys (files, dirs of *.pub): cache only blocks they signed
     upstream_token = "edge.token"      # token presented to upstream relays in SETUP (raw or base64url)
 
     [cache]                            # relay.cache.CacheConfig fields
@@ -57,6 +58,7 @@ _TOP_KEYS = {
     "auth_issuer_keys",
     "auth_clock_skew",
     "upstream_token",
+    "trust",
     "cache",
     "limits",
     "transport",
@@ -104,6 +106,10 @@ class RelayConfig:
     auth_clock_skew: float = DEFAULT_CLOCK_SKEW_S
     """Seconds of clock skew tolerated between token issuer and relay: a token is refused from
     ``expires + auth_clock_skew`` on, rechecked on every request (the SETUP credential included)."""
+    trust: tuple[Path, ...] = ()
+    """Publisher public keys (files, or directories of ``*.pub``). Given: kvnet block tracks are cached
+    only when complete and signed by one of them, and a later PUBLISH of a block someone else is
+    publishing is collected instead of refused (``relay.admission``)."""
     upstream_token: Path | None = None
     """File with the token this relay presents to its upstream relays in SETUP."""
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -178,6 +184,9 @@ def load_config(file_data: Mapping[str, Any], overrides: Mapping[str, Any]) -> R
     if isinstance(issuer_keys, str):
         issuer_keys = (issuer_keys,)
     upstream_token = top.get("upstream_token")
+    trust = top.get("trust", ())
+    if isinstance(trust, str):
+        trust = (trust,)
     return RelayConfig(
         tls=tls,
         host=host,
@@ -191,6 +200,7 @@ def load_config(file_data: Mapping[str, Any], overrides: Mapping[str, Any]) -> R
         auth_issuer_keys=tuple(Path(k) for k in issuer_keys),
         auth_clock_skew=float(top.get("auth_clock_skew", DEFAULT_CLOCK_SKEW_S)),
         upstream_token=Path(upstream_token) if upstream_token else None,
+        trust=tuple(Path(t) for t in trust),
         cache=_section(CacheConfig, sections["cache"], "cache"),
         limits=_section(LimitsConfig, sections["limits"], "limits"),
         transport=_section(TransportSettings, sections["transport"], "transport"),

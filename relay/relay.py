@@ -19,9 +19,10 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
 
+from kvnet.blocks.signing import TrustStore
 from kvnet.net.connection import ConnectionLimits, MoqtConnection
 from kvnet.net.endpoint import serve as serve_moqt
-from kvnet.net.errors import ConnectionClosed, RequestRejected, StreamResetError
+from kvnet.net.errors import ConnectionClosed, LimitError, RequestRejected, StreamResetError
 from kvnet.net.handles import (
     IncomingFetch,
     IncomingPublish,
@@ -32,12 +33,15 @@ from kvnet.net.handles import (
 )
 from kvnet.security.tokens import KVNET_TOKEN_TYPE, AuthError, read_token_file
 from proto import events as me
+from proto.data import ObjectStatus
 from proto.errors import ProtocolError, RequestErrorCode, SessionErrorCode, StreamResetCode
 from proto.messages import NO_PARAMETERS, AliasType, AuthToken, FetchType, Location, MessageParameters
 from proto.session import SessionConfig
+from relay.admission import BlockAdmission
 from relay.auth import AUTH_TOKEN_CACHE_SIZE, RelayAuth, SessionAuth
 from relay.cache import (
     CachedObject,
+    FetchInfo,
     ObjectCache,
     RequestFailed,
     TrackKey,
@@ -52,7 +56,7 @@ from relay.metrics import Metrics, MetricsServer
 from relay.peer import Peer, code_name
 from relay.router import NamespaceRouter, RouteLimitError
 from relay.tasks import spawn
-from relay.upstream import RoutedUpstream, Source, UpstreamRelay
+from relay.upstream import RoutedUpstream, Source, UpstreamRelay, cached_object
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +70,9 @@ class Relay:
         self.config = config
         self.metrics = metrics
         self.clock = clock
-        self.cache = ObjectCache(config.cache, clock)
+        self.admission = BlockAdmission(TrustStore.from_paths(config.trust)) if config.trust else None
+        """With a trust set: block tracks are cached only when complete and signed by a trusted key."""
+        self.cache = ObjectCache(config.cache, clock, self.admission_refusal if self.admission else None)
         self.router: NamespaceRouter[Peer] = NamespaceRouter()
         self.peers: dict[int, Peer] = {}
         self.sessions = Slots("sessions", config.limits.max_sessions)
@@ -345,6 +351,23 @@ class Relay:
                 reason,
                 retry_interval,
             )
+
+    def admission_refusal(self, key: TrackKey, objects: list[CachedObject]) -> str | None:
+        """``BlockAdmission.refusal``, counted and logged: a refused block is an attack or a fault."""
+        assert self.admission is not None
+        reason = self.admission.refusal(key, objects)
+        if reason is not None:
+            kind = reason.split(":")[0].split(" ")[0]  # "signature", "incomplete", "payload", ...
+            self.metrics.inc("blocks_refused_total", labels={"reason": kind})
+            logger.warning(
+                "SECURITY: block not admitted to the cache",
+                extra={
+                    "namespace": _ns_text(key[0]),
+                    "track": key[1].decode(errors="replace"),
+                    "reason": reason,
+                },
+            )
+        return reason
 
     def candidates(self, key: TrackKey, exclude: Peer | None) -> list[Source]:
         """Longest-prefix publishers, then the upstream relays. A request that came from an upstream relay
@@ -819,6 +842,11 @@ class Relay:
         ev = req.event
         key: TrackKey = (ev.track_namespace, ev.track_name)
         if key in self.fanouts:
+            if self.admission is not None and self.admission.is_block_track(key):
+                # The first PUBLISH of a block proves nothing (it may be empty or forged): with a trust set
+                # every copy is collected and the first that passes admission is cached.
+                await self._collect_contender(peer, req, key)
+                return
             self.reject(
                 req, "publish", RequestErrorCode.DUPLICATE_SUBSCRIPTION, "track already has a publisher"
             )
@@ -848,6 +876,32 @@ class Relay:
                 fan.task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await fan.task
+
+    async def _collect_contender(self, peer: Peer, req: IncomingPublish, key: TrackKey) -> None:
+        """Accept a PUBLISH of a block track another session is already publishing, collect its objects
+        (at most ``cache.max_track_bytes``) and offer the complete track to the cache, where admission
+        decides. Subscribers are not fanned this copy live; they get it from the cache."""
+        source = req.accept_publish(MessageParameters(forward=1))
+        self.count("publish", "contender")
+        objects: list[CachedObject] = []
+        size = 0
+        budget = self.config.cache.max_track_bytes
+        try:
+            async for ev in source:
+                obj = cached_object(ev)
+                self.metrics.inc("bytes_in_total", len(ev.payload))
+                if obj.status == ObjectStatus.END_OF_TRACK:
+                    if self.cache.cached_status(key) is None:
+                        end = (obj.group, obj.object_id)
+                        self.cache.put_track(key, objects, FetchInfo(end, True, req.event.track_properties))
+                    break
+                size += obj.size
+                if size > budget:
+                    peer.log.info("contending PUBLISH over the track budget; dropped", extra={"bytes": size})
+                    break
+                objects.append(obj)
+        except (ConnectionClosed, RequestRejected, StreamResetError, LimitError):
+            pass  # the contender went away: nothing complete to offer
 
     # -- shutdown ------------------------------------------------------------------------------------------
     async def close(self) -> None:

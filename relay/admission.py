@@ -1,0 +1,78 @@
+"""Which kvnet block tracks a relay admits to its cache: only complete ones signed by a trusted publisher.
+
+Owns: ``BlockAdmission``, a sans-I/O check over a track's objects, used when the relay is given a trust set
+(``--trust``: publisher public keys). A block track (``proto.kvobject`` naming) is admitted only when its
+manifest is signed by a trusted key, names the track's fingerprint, block hash and rendition, and every
+layer object is present with the digest the manifest lists. Anything else (an empty or incomplete track, a
+forgery, an untrusted key) never enters the cache, so it can neither be served from it nor keep a trusted
+copy out (SECURITY.md "Sharing an attacker cannot squat"). Tracks that are not kvnet block tracks are not
+this check's business and are admitted as before.
+
+The relay does not recompute the chain hash from the token ids (it has no tokenizer or model and needs
+none): a trusted signature over the manifest already binds hash, parent and token ids, and subscribers
+recheck all of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvnet.blocks.signing import TrustStore
+from proto.data import ObjectStatus
+from proto.kvobject import BLOCK_GROUP_ID, MANIFEST_OBJECT_ID, BlockManifest, KVObjectError, parse_block_track
+from relay.cache import CachedObject, TrackKey
+
+
+class BlockAdmission:
+    """Checks complete block tracks against the relay's trust set before they are cached."""
+
+    def __init__(self, trust: TrustStore) -> None:
+        if not len(trust):
+            raise ValueError("a trust set needs at least one publisher key")
+        self.trust = trust
+
+    @staticmethod
+    def is_block_track(key: TrackKey) -> bool:
+        try:
+            parse_block_track(key[0], key[1])
+        except KVObjectError:
+            return False
+        return True
+
+    def refusal(self, key: TrackKey, objects: Sequence[CachedObject]) -> str | None:
+        """Why the track's ``objects`` must not be cached, or None to admit them."""
+        try:
+            track = parse_block_track(key[0], key[1])
+        except KVObjectError:
+            return None  # not a kvnet block track
+        payloads: dict[int, bytes] = {}
+        for obj in objects:
+            if obj.status != ObjectStatus.NORMAL:
+                continue  # END_OF_TRACK and other markers carry nothing
+            if obj.group != BLOCK_GROUP_ID or obj.object_id in payloads:
+                return f"unexpected object {obj.group}/{obj.object_id}"
+            payloads[obj.object_id] = obj.payload
+        data = payloads.get(MANIFEST_OBJECT_ID)
+        if data is None:
+            return "incomplete: no manifest"
+        try:
+            manifest = BlockManifest.decode(data)
+        except KVObjectError as exc:
+            return f"malformed manifest: {exc}"
+        if not manifest.signature or not self.trust.verify_manifest(
+            manifest, manifest.key_id, manifest.signature
+        ):
+            return f"signature not from a trusted key (key id {manifest.key_id.hex()[:16]})"
+        if manifest.fingerprint != track.fingerprint:
+            return "model fingerprint differs from the track's namespace"
+        if manifest.block_hash != track.block_hash:
+            return "block hash differs from the track name"
+        if manifest.codec != track.rendition:
+            return f"codec {manifest.codec} differs from the track's rendition {track.rendition}"
+        layers = manifest.num_layers
+        if sorted(payloads) != list(range(layers + 1)):
+            return f"incomplete: {len(payloads) - 1} of {layers} layer objects"
+        for object_id in range(1, layers + 1):
+            if not manifest.verify_payload(object_id, payloads[object_id]):
+                return f"payload digest of layer {object_id - 1} differs"
+        return None
