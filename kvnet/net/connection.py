@@ -399,6 +399,9 @@ class MoqtConnection(_ProtocolBase):
             st = self._streams.get(ev.request_id)
             if isinstance(st, FetchHandle) and not st._ok.done():
                 st._ok.set_result(ev)
+                if st.data_complete:
+                    del self._streams[ev.request_id]
+                    st._finish(None)
         elif isinstance(ev, me.PublishDoneReceived):
             st = self._streams.get(ev.request_id)
             if isinstance(st, Subscription):
@@ -422,8 +425,13 @@ class MoqtConnection(_ProtocolBase):
             else:
                 self.other_events.append(ev)
         elif isinstance(ev, me.FetchCompleted):
-            st = self._streams.pop(ev.request_id, None)
-            if st is not None:
+            st = self._streams.get(ev.request_id)
+            if isinstance(st, FetchHandle) and not st._ok.done():
+                # The fetch stream and FETCH_OK travel on different QUIC streams: the data can all
+                # arrive first. The fetch completes once FETCH_OK is in too.
+                st.data_complete = True
+            elif st is not None:
+                del self._streams[ev.request_id]
                 st._finish(None)
         elif isinstance(ev, me.FetchStreamReset):
             if (st := self._streams.pop(ev.request_id, None)) is not None:

@@ -90,6 +90,8 @@ class FetchHandle(_ObjectStream):
     def __init__(self, conn: MoqtConnection, request_id: int) -> None:
         super().__init__(conn, request_id)
         self._ok: asyncio.Future[me.FetchOkReceived] = asyncio.get_running_loop().create_future()
+        self.data_complete = False
+        """The fetch stream ended before FETCH_OK arrived; the fetch completes with FETCH_OK."""
 
     async def ok(self) -> me.FetchOkReceived:
         return await asyncio.shield(self._ok)
