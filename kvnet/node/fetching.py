@@ -31,9 +31,10 @@ recomputes the rest. A fetch problem costs time, never correctness. Verification
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -152,6 +153,10 @@ class CacheWriter(Protocol):
     def abort_import(self, block_hash: bytes) -> None: ...
 
 
+BlockProbe = Callable[[Sequence[bytes], int, str], Coroutine[Any, Any, Any]]
+"""Ask whether block ``i`` of a chain of hashes exists in a rendition: returns if so, raises if not."""
+
+
 class BlockFetcher:
     """Locate and fetch block tracks over one ``MoqtConnection`` (its request helpers do the I/O), writing
     verified layers straight into ``cache``.
@@ -198,6 +203,9 @@ class BlockFetcher:
         if locate_fan_out < 2:
             raise ValueError(f"locate_fan_out must be at least 2, got {locate_fan_out}")
         self.locate_fan_out = locate_fan_out
+        self.locate_probe: str | None = None
+        """How this session's locates probe: "track_status", "fetch" (of the manifest object, for relays
+        that do not forward TRACK_STATUS), or None while undecided (see ``locate``)."""
         self.device = device or torch.device("cpu")
         if trust_any:
             logger.warning("trust-any: blocks signed by ANY key are accepted; anyone who can publish to the "
@@ -213,18 +221,71 @@ class BlockFetcher:
 
     async def locate(self, hashes: Sequence[bytes], renditions: Sequence[str]) -> Located:
         """Renditions available for each block of the longest leading run that has any, found with
-        ``locate_prefix`` (one TRACK_STATUS per probe; at most ``fan_out`` blocks per rendition and round
-        trip, two round trips up to ``fan_out ** 2`` blocks). Raises ``TimeoutError`` when no answer at
-        all arrives within ``timeout``."""
+        ``locate_prefix`` (at most ``fan_out`` probes per rendition and round trip, two round trips up to
+        ``fan_out ** 2`` blocks). Raises ``TimeoutError`` when no answer at all arrives within ``timeout``.
 
-        def probe(i: int, rendition: str) -> Coroutine[Any, Any, Any]:
-            ns, name = block_track(self.fingerprint, self.namespace_id, hashes[i], rendition)
-            return self.conn.track_status(ns, name)
-
-        return await locate_prefix(
-            len(hashes), renditions, probe, fan_out=self.locate_fan_out, timeout=self.timeout,
-            straggler_grace=self.straggler_grace, on_first_answer=self.abr.rtt.add,
+        A probe is a TRACK_STATUS, which moves no payload. Relays need not forward TRACK_STATUS to the
+        publisher (some answer DOES_NOT_EXIST for anything they do not hold as a whole track), so until
+        this session has seen TRACK_STATUS find a block, a locate that finds nothing also FETCHes block
+        0's manifest, in the same round trip as its first round. If that FETCH finds the block, the
+        session's relay is one that does not forward TRACK_STATUS, and this locate and every later one
+        on the session probe with FETCHes of the manifest object instead, which every relay routes or
+        serves from its cache. Either way nothing past the manifests of the probed blocks is pulled.
+        """
+        if self.locate_probe == "fetch":
+            return await self._locate_with(hashes, renditions, self._probe_manifest)
+        check = None
+        if self.locate_probe is None and hashes:
+            check = asyncio.ensure_future(self._probe_manifest(hashes, 0, renditions[0]))
+        try:
+            located = await self._locate_with(hashes, renditions, self._probe_track_status)
+        except BaseException:
+            if check is not None:
+                check.cancel()
+            raise
+        if check is None:
+            return located
+        if located.available:
+            check.cancel()
+            self.locate_probe = "track_status"
+            return located
+        try:
+            await asyncio.wait_for(check, self.timeout)
+        except (TimeoutError, MoqtConnectionError, RequestRejected, StreamResetError, LimitError):
+            return located  # nothing anywhere as far as either probe can tell: still undecided
+        logger.warning(
+            "the relay does not answer TRACK_STATUS for blocks it can serve; locating with FETCH of "
+            "manifests on this session"
         )
+        self.locate_probe = "fetch"
+        again = await self._locate_with(hashes, renditions, self._probe_manifest)
+        return dataclasses.replace(again, probes=again.probes + located.probes + 1,
+                                   rounds=again.rounds + located.rounds)
+
+    async def _locate_with(
+        self, hashes: Sequence[bytes], renditions: Sequence[str], probe: BlockProbe
+    ) -> Located:
+        return await locate_prefix(
+            len(hashes), renditions, lambda i, r: probe(hashes, i, r), fan_out=self.locate_fan_out,
+            timeout=self.timeout, straggler_grace=self.straggler_grace, on_first_answer=self.abr.rtt.add,
+        )
+
+    def _probe_track_status(
+        self, hashes: Sequence[bytes], i: int, rendition: str
+    ) -> Coroutine[Any, Any, Any]:
+        ns, name = block_track(self.fingerprint, self.namespace_id, hashes[i], rendition)
+        return self.conn.track_status(ns, name)
+
+    async def _probe_manifest(self, hashes: Sequence[bytes], i: int, rendition: str) -> None:
+        """Returns when block ``i`` exists in ``rendition``: FETCH_OK for its manifest object (object 0
+        only; the stream is cancelled at once, so at most the manifest travels). Raises otherwise."""
+        ns, name = block_track(self.fingerprint, self.namespace_id, hashes[i], rendition)
+        start = Location(BLOCK_GROUP_ID, MANIFEST_OBJECT_ID)
+        handle = await self.conn.fetch(ns, name, start, Location(BLOCK_GROUP_ID, MANIFEST_OBJECT_ID + 1))
+        try:
+            await handle.ok()
+        finally:
+            handle.cancel()
 
     # -- fetch ------------------------------------------------------------------------------------
 

@@ -14,8 +14,11 @@ import torch
 
 from kvnet.blocks.signing import Signer, TrustStore
 from kvnet.cache.paged_cache import PagedKVCache
+from kvnet.net.handles import IncomingTrackStatus
 from kvnet.node.blockstore import StoredBlock
 from kvnet.node.fetching import BlockFetcher, FetchOutcome
+from kvnet.node.publishing import BlockServer
+from proto.errors import RequestErrorCode
 from tests.helpers.connections import ConnectionPair
 from tests.kvnet.node.conftest import (
     FINGERPRINT,
@@ -177,3 +180,53 @@ async def test_a_silent_peer_times_out_and_leaves_the_cache_alone(
     assert outcome.loaded == 0
     assert outcome.error == "timed out after 0.2s waiting for block 0"
     assert_consistent(cache, 0)
+
+
+class TrackStatusRefusingServer(BlockServer):
+    """Serves FETCH but answers every TRACK_STATUS DOES_NOT_EXIST, as relays that do not forward
+    TRACK_STATUS (and do not hold the track whole) do."""
+
+    def _answer_track_status(self, req: IncomingTrackStatus) -> None:
+        req.reject(RequestErrorCode.DOES_NOT_EXIST, "not forwarded")
+
+
+async def test_locate_falls_back_to_manifest_fetches_when_track_status_is_not_forwarded(
+    pair: ConnectionPair, published: Published
+) -> None:
+    server = TrackStatusRefusingServer(pair.server, serving_store(published.blocks[:4]), FINGERPRINT,
+                                       NAMESPACE_ID, SPEC.num_layers)
+    task = asyncio.create_task(server.serve())
+    try:
+        cache = empty_cache()
+        f = fetcher(pair, cache, trusting(published.signer))
+        located = await f.locate(HASHES, ["lossless"])
+        assert located.available == [["lossless"]] * 4 and f.locate_probe == "fetch"
+        # The first round (TRACK_STATUS) and the manifest check share a round trip; the fallback search of
+        # len(HASHES) <= fan_out blocks takes one more.
+        assert located.rounds == 2
+        again = await f.locate(HASHES, ["lossless"])  # the session keeps probing with FETCH
+        assert again.available == located.available and again.rounds == 1
+        outcome = await f.fetch(published.identities[:4], LOSSLESS[:4])
+        assert outcome.loaded == 4 and outcome.error is None
+        assert_consistent(cache, 4)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_locate_keeps_track_status_when_it_finds_blocks(
+    pair: ConnectionPair, serve: Serve, published: Published
+) -> None:
+    f = fetcher(pair, empty_cache(), trusting(published.signer))
+    serve(published.blocks[:2])
+    assert len((await f.locate(HASHES, ["lossless"])).available) == 2
+    assert f.locate_probe == "track_status"
+
+
+async def test_locate_stays_undecided_when_nothing_exists(
+    pair: ConnectionPair, serve: Serve, published: Published
+) -> None:
+    f = fetcher(pair, empty_cache(), trusting(published.signer))
+    serve([])
+    assert (await f.locate(HASHES, ["lossless"])).available == []
+    assert f.locate_probe is None  # no evidence against TRACK_STATUS: the next locate checks again
