@@ -30,6 +30,7 @@ from kvnet.node.config import (
     setup_logging,
 )
 from kvnet.node.node import start_node
+from kvnet.settings import parse_settings, settings_parser
 
 logger = logging.getLogger("publisher")
 
@@ -45,7 +46,7 @@ class PublisherConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvnet-publisher", description=__doc__.split("\n\n")[0])
+    p = settings_parser("kvnet-publisher", __doc__.split("\n\n")[0])
     add_prompt_arguments(p)
     p.add_argument(
         "--exit-after-publish", action="store_true",
@@ -96,7 +97,7 @@ async def run(config: PublisherConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_settings(build_parser(), argv)
     setup_logging(args.verbose)
     try:
         prompts = prompts_from_args(args)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvnet.settings import parse_settings, settings_parser, size_arg
 from relay.config import LOG_FORMATS, LOG_LEVELS, RelayConfig, load_config, read_toml
 
 # LogRecord attributes that are not user-supplied ``extra`` fields.
@@ -72,8 +73,8 @@ def setup_logging(log_format: str, level: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvnet-relay", description="MoQT draft-18 caching relay (native QUIC, ALPN moqt-18)"
+    p = settings_parser(
+        "kvnet-relay", "MoQT draft-18 caching relay (native QUIC, ALPN moqt-18)", config_file=False
     )
     p.add_argument("--config", type=Path, help="TOML config file; flags override its values")
     p.add_argument("--listen", help="UDP host:port to listen on (default 127.0.0.1:4443; port 0 = any)")
@@ -107,12 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", choices=LOG_LEVELS)
     p.add_argument("--drain-timeout", type=float, help="seconds between GOAWAY and close on SIGTERM")
     g = p.add_argument_group("cache")
-    g.add_argument("--cache-bytes", type=int, help="cache byte budget")
-    g.add_argument("--cache-track-bytes", type=int, help="largest single upstream response held")
-    g.add_argument("--cache-inflight-bytes", type=int, help="bytes of all upstream responses in flight")
+    g.add_argument("--cache-bytes", type=size_arg, help="cache byte budget")
+    g.add_argument("--cache-track-bytes", type=size_arg, help="largest single upstream response held")
+    g.add_argument("--cache-inflight-bytes", type=size_arg, help="bytes of all upstream responses in flight")
     g.add_argument("--negative-ttl", type=float, help="seconds a DOES_NOT_EXIST TRACK_STATUS is reused")
     g.add_argument("--cache-share-depth", type=int, help="namespace fields naming a cache share group (4)")
-    g.add_argument("--cache-share-bytes", type=int, help="most bytes one share group may hold (0: fraction)")
+    g.add_argument(
+        "--cache-share-bytes", type=size_arg, help="most bytes one share group may hold (0: fraction)"
+    )
     g.add_argument("--cache-share-fraction", type=float, help="share of the cache one group may hold (1.0)")
     g = p.add_argument_group("limits")
     g.add_argument("--max-sessions", type=int)
@@ -139,9 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--reserved-requests-per-session", type=int, help="requests a session may open past --max-requests"
     )
-    g.add_argument("--max-object-bytes", type=int)
-    g.add_argument("--max-buffered-bytes", type=int, help="per-session bytes queued toward a slow peer")
-    g.add_argument("--max-buffered-bytes-total", type=int, help="bytes buffered for all sessions together")
+    g.add_argument("--max-object-bytes", type=size_arg)
+    g.add_argument("--max-buffered-bytes", type=size_arg, help="per-session bytes queued toward a slow peer")
+    g.add_argument(
+        "--max-buffered-bytes-total", type=size_arg, help="bytes buffered for all sessions together"
+    )
     g.add_argument("--upstream-timeout", type=float)
     g.add_argument(
         "--route-timeout",
@@ -160,9 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("transport")
     g.add_argument("--quic-stack", choices=("aioquic", "qh3"), help="QUIC implementation")
     g.add_argument("--max-datagram-size", type=int, help="QUIC datagram size (16384 loopback, 1452 ethernet)")
-    g.add_argument("--socket-buffer", type=int, help="UDP SO_RCVBUF/SO_SNDBUF bytes")
-    g.add_argument("--max-data", type=int, help="connection flow-control window")
-    g.add_argument("--max-stream-data", type=int, help="per-stream flow-control window")
+    g.add_argument("--socket-buffer", type=size_arg, help="UDP SO_RCVBUF/SO_SNDBUF bytes")
+    g.add_argument("--max-data", type=size_arg, help="connection flow-control window")
+    g.add_argument("--max-stream-data", type=size_arg, help="per-stream flow-control window")
     g.add_argument("--congestion-control", choices=("reno", "cubic"))
     g.add_argument("--idle-timeout", type=float, help="seconds without packets before a peer counts as dead")
     g.add_argument("--keepalive-interval", type=float, help="PING after S idle seconds (0 = off)")
@@ -228,7 +233,7 @@ def config_from_args(args: argparse.Namespace) -> RelayConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_settings(parser, argv, env_prefix="KVNET_RELAY_", yaml_config=False)
     try:
         config = config_from_args(args)
     except (ValueError, OSError) as exc:

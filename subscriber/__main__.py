@@ -29,6 +29,7 @@ from kvnet.node.config import (
     setup_logging,
 )
 from kvnet.node.node import start_node
+from kvnet.settings import parse_settings, settings_parser
 
 logger = logging.getLogger("subscriber")
 
@@ -45,7 +46,7 @@ class SubscriberConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvnet-subscriber", description=__doc__.split("\n\n")[0])
+    p = settings_parser("kvnet-subscriber", __doc__.split("\n\n")[0])
     add_prompt_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt on stdout")
     p.add_argument("--verify", action="store_true", help="check the output against a full local recompute")
@@ -90,7 +91,7 @@ async def run(config: SubscriberConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_settings(build_parser(), argv)
     setup_logging(args.verbose)
     try:
         prompts = prompts_from_args(args)

@@ -11,17 +11,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import ssl
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvnet.blocks.signing import Signer, TrustStore, generate_keypair, load_signer
+import torch
+
+from kvnet.blocks.signing import Signer, SigningError, TrustStore, generate_keypair, load_signer
 from kvnet.dtypes import DTYPE_BY_NAME
-from kvnet.net.quic import DATAGRAM_SIZE_ETHERNET, DEFAULT_STACK, TransportSettings
+from kvnet.model.transformer import transformer_configs
+from kvnet.net.quic import DATAGRAM_SIZE_ETHERNET, DEFAULT_STACK, TransportSettings, parse_moqt_url
 from kvnet.node.abr import QUALITY_ORDER
 from kvnet.node.fetching import DEFAULT_WINDOW_BYTES
 from kvnet.security.tenancy import NodeSecret, TenancyError
 from kvnet.security.tokens import read_token_file
+from kvnet.settings import size_arg
 
 logger = logging.getLogger(__name__)
 
@@ -157,15 +162,6 @@ def _renditions(text: str) -> tuple[str, ...]:
     return tuple(r.strip() for r in text.split(",") if r.strip())
 
 
-def _size(text: str) -> int:
-    """``512M``, ``2G``, ``1000000`` -> bytes."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
-
-
 def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool) -> None:
     """Flags shared by the node commands."""
     g = parser.add_argument_group("relay")
@@ -176,8 +172,7 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
     g.add_argument("--token", type=Path, help="authorization token file presented to the relay in SETUP")
     g.add_argument(
         "--quic-stack", choices=["qh3", "aioquic"], default=DEFAULT_STACK,
-        help=f"QUIC implementation of the relay session (default {DEFAULT_STACK}; qh3 fetches faster, "
-        "locates in more round trips)",
+        help="QUIC implementation of the relay session (qh3 fetches faster, locates in more round trips)",
     )
     size = g.add_mutually_exclusive_group()
     size.add_argument(
@@ -191,13 +186,13 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
     )
     m = parser.add_argument_group("model and cache")
     m.add_argument(
-        "--model", default="small", help="built-in model preset: tiny, small, bench (default small)"
+        "--model", default="small", help="built-in model preset: tiny, small, bench"
     )
     m.add_argument("--checkpoint", type=Path, help="local checkpoint directory instead of the preset")
     m.add_argument("--seed", type=int, default=0, help="seed of the built-in weights")
-    m.add_argument("--dtype", default="float32", choices=list(DTYPE_BY_NAME))
-    m.add_argument("--device", default="cpu")
-    m.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    m.add_argument("--dtype", default="float32", choices=list(DTYPE_BY_NAME), help="model and KV dtype")
+    m.add_argument("--device", default="cpu", help="torch device")
+    m.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     m.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
     m.add_argument("--cache-blocks", type=int, default=2048, help="blocks in the paged KV cache")
     m.add_argument(
@@ -217,7 +212,7 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
         "--accept", type=_renditions, default=("lossless",),
         help="subscriber: acceptable renditions, comma-separated (default lossless only)",
     )
-    k.add_argument("--store-bytes", type=_size, default=512 << 20, help="publisher block store budget")
+    k.add_argument("--store-bytes", type=size_arg, default="512M", help="publisher block store budget")
     k.add_argument("--signing-key", type=Path, help="Ed25519 private key (PEM) to sign manifests")
     k.add_argument(
         "--trust", type=Path, action="append", default=[],
@@ -229,8 +224,8 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
     )
     k.add_argument("--no-push", action="store_true", help="publisher: do not PUBLISH into the relay cache")
     k.add_argument(
-        "--fetch-window", type=_size, default=DEFAULT_WINDOW_BYTES,
-        help="raw block bytes requested ahead while fetching (default 4M)",
+        "--fetch-window", type=size_arg, default=DEFAULT_WINDOW_BYTES,
+        help="raw block bytes requested ahead while fetching",
     )
     k.add_argument("--timeout", type=float, default=10.0, help="seconds per locate/fetch before recompute")
     k.add_argument(
@@ -307,13 +302,17 @@ def resolve_keys(config: NodeConfig, key_dir: Path | None) -> NodeConfig:
     So that two shells on one machine reproduce a remote hit with no key flags: the publisher signs with
     ``key_dir/publisher.key`` and the subscriber trusts every ``key_dir/*.pub``.
     """
+    check_startup_inputs(config)
     if config.node_secret is not None:
         try:  # refuse an unsafe or malformed secret file before anything starts
             NodeSecret.load(config.node_secret)
         except TenancyError as exc:
             raise ValueError(str(exc)) from None
     if config.token_file is not None:
-        read_token_file(config.token_file)
+        try:
+            read_token_file(config.token_file)
+        except OSError as exc:
+            raise ValueError(f"--token {config.token_file}: {exc.strerror or exc}") from None
     if key_dir is None:
         return config
     signing_key = config.signing_key
@@ -324,6 +323,54 @@ def resolve_keys(config: NodeConfig, key_dir: Path | None) -> NodeConfig:
             logger.info("created publisher signing key %s", signing_key)
     trust = config.trust or (key_dir,)
     return dataclasses.replace(config, signing_key=signing_key, trust=trust)
+
+
+def _tls_reason(exc: Exception) -> str:
+    if isinstance(exc, ssl.SSLError):
+        return exc.reason or exc.strerror or str(exc)  # e.g. NO_CERTIFICATE_OR_CRL_FOUND for a non-PEM file
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    return str(exc)
+
+
+def check_startup_inputs(config: NodeConfig) -> None:
+    """Refuse, before anything starts, what would only fail later: a bad relay URL, unreadable or non-PEM
+    TLS files, an unknown preset or device, a missing checkpoint, unreadable keys. ``ValueError`` naming
+    the flag, the file and the reason."""
+    if config.relay_url is not None:
+        parse_moqt_url(config.relay_url)
+    context = ssl.create_default_context()
+    if config.ca_file is not None:
+        try:
+            context.load_verify_locations(cafile=str(config.ca_file))
+        except (ssl.SSLError, OSError) as exc:
+            reason = _tls_reason(exc)
+            raise ValueError(f"--ca {config.ca_file}: not a usable PEM CA certificate: {reason}") from None
+    if (config.cert_file is None) != (config.key_file is None):
+        raise ValueError("--cert and --key go together (a client certificate and its private key)")
+    if config.cert_file is not None and config.key_file is not None:
+        try:
+            context.load_cert_chain(str(config.cert_file), str(config.key_file))
+        except (ssl.SSLError, OSError) as exc:
+            raise ValueError(
+                f"--cert {config.cert_file} / --key {config.key_file}: unusable: {_tls_reason(exc)}"
+            ) from None
+    if config.checkpoint is not None:
+        if not config.checkpoint.is_dir():
+            raise ValueError(f"--checkpoint {config.checkpoint}: not a directory")
+    elif config.model not in transformer_configs:
+        known = ", ".join(sorted(transformer_configs))
+        raise ValueError(f"--model {config.model!r}: unknown preset; known: {known}")
+    try:
+        torch.device(config.device)
+    except RuntimeError:
+        raise ValueError(f"--device {config.device!r}: not a torch device (cpu, cuda, cuda:1, ...)") from None
+    try:
+        if config.signing_key is not None:
+            load_signer(config.signing_key)
+        TrustStore.from_paths(config.trust)
+    except SigningError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def load_signer_and_trust(config: NodeConfig) -> tuple[Signer | None, TrustStore]:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvnet.blocks.signing import SigningError
 from kvnet.model.generate import SamplingParams, TokenCallback
 from kvnet.node.config import NodeConfig, add_node_arguments, node_config_from_cli, setup_logging
 from kvnet.node.httpapi import (
@@ -34,6 +35,7 @@ from kvnet.node.httpapi import (
 )
 from kvnet.node.metrics import NodeMetrics
 from kvnet.node.node import Node, start_node
+from kvnet.settings import parse_settings, settings_parser
 
 logger = logging.getLogger("kvnet-node")
 
@@ -117,10 +119,15 @@ class NodeBackend:
 async def serve(config: ServeConfig) -> int:
     try:
         sock = bind_http(config.http_host, config.http_port)
-    except OSError as exc:
+    except (OSError, OverflowError) as exc:
         where = f"{config.http_host}:{config.http_port}"
-        raise ConfigError(f"cannot listen on {where}: {exc.strerror or exc}") from None
-    node = await start_node(config.node)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"--http {where}: cannot listen: {reason}") from None
+    try:
+        node = await start_node(config.node)
+    except (ValueError, OSError, SigningError) as exc:  # e.g. a checkpoint whose files are unusable
+        sock.close()
+        raise ConfigError(str(exc)) from None
     api = OpenAiApi(NodeBackend(node, config.publish), config.api)
     server = await HttpServer.start(api.app, sock, max_connections=config.max_connections)
     logger.info("serving http://%s:%d (model %s)", server.host, server.port, api.model_name)
@@ -140,17 +147,17 @@ async def serve(config: ServeConfig) -> int:
 
 def _hostport(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvnet-node", description=__doc__.split("\n\n")[0])
-    p.add_argument("--http", type=_hostport, default=("127.0.0.1", 8000), help="HTTP listen HOST:PORT")
+    p = settings_parser("kvnet-node", __doc__.split("\n\n")[0])
+    p.add_argument("--http", type=_hostport, default="127.0.0.1:8000", help="HTTP listen HOST:PORT")
     p.add_argument("--no-publish", action="store_true", help="reuse prefixes but do not publish blocks")
-    p.add_argument("--served-model-name", help="model name clients give in requests (default: the model's)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+    p.add_argument("--served-model-name", help="model name clients give in requests (None: the model's)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (None: no key)")
     p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                    help="concurrent HTTP connections before answering 503")
     add_node_arguments(p, relay_required=False)
@@ -158,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_settings(build_parser(), argv)
     setup_logging(args.verbose)
     try:
         node_cfg = node_config_from_cli(args, os.environ.get("KVNET_HOME"))
