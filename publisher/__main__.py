@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvnet.model.registry import default_models_dir
 from kvnet.node.config import (
     NodeConfig,
     add_node_arguments,
@@ -104,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not prompts:
             print("kvnet-publisher: error: give at least one --prompt or --prompt-file", file=sys.stderr)
             return 2
-        node_cfg = node_config_from_cli(args, os.environ.get("KVNET_HOME"))
+        node_cfg = node_config_from_cli(args, os.environ.get("KVNET_HOME"), default_models_dir(os.environ))
     except (ValueError, OSError) as exc:
         print(f"kvnet-publisher: error: {exc}", file=sys.stderr)
         return 2

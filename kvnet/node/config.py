@@ -31,6 +31,9 @@ from kvnet.settings import size_arg
 logger = logging.getLogger(__name__)
 
 KNOWN_RENDITIONS = QUALITY_ORDER
+DEFAULT_CACHE_BYTES = 512 << 20
+"""KV bytes of the paged cache when ``--cache-blocks`` is not given."""
+MAX_DEFAULT_CACHE_BLOCKS = 2048
 # Chosen by measurement (docs/nodes.md, "Block size"): 64-token blocks fetched a 2k-token prefix of the
 # bench preset 1.5x faster than 16-token blocks (fewer, larger objects and requests; better compression),
 # at the cost of recomputing up to 63 shared tokens past the last full block.
@@ -54,20 +57,26 @@ class NodeConfig:
     """File holding the authorization token (``kvnet token issue``) presented in SETUP's AUTHORIZATION TOKEN
     option; read at every connect, so a renewed token is picked up by the next session."""
     model: str = "small"
-    """Built-in model preset (``tiny``, ``small``, ``bench``). ``small`` by default: on ``tiny`` a CPU
-    prefills faster than any network fetch, so the ABR would (rightly) never reuse a remote prefix."""
+    """A trained model's name (``smollm2``, `kvnet.model.registry`: converted on first use) or a built-in
+    preset of random weights of a given shape (``tiny``, ``small``, ``bench``). ``small`` by default: on
+    ``tiny`` a CPU prefills faster than any network fetch, so the ABR would (rightly) never reuse a remote
+    prefix."""
     checkpoint: Path | None = None
-    """A local Llama-layout checkpoint directory used instead of the preset."""
+    """A local Llama-layout checkpoint directory used instead of ``model``."""
+    models_dir: Path | None = None
+    """Where named models are converted and kept; None: `kvnet.model.registry.default_models_dir`."""
     seed: int = 0
     """Seed of the built-in deterministic weights (part of the fingerprint through the weights digest)."""
-    dtype: str = "float32"
-    """Model and KV dtype."""
+    dtype: str | None = None
+    """Model and KV dtype; None follows the model (a checkpoint's ``dtype``, bfloat16 for SmolLM2;
+    float32 for the presets)."""
     device: str = "cpu"
     """torch device."""
     block_size: int = DEFAULT_BLOCK_SIZE
     """Tokens per KV block (part of the fingerprint)."""
-    cache_blocks: int = 2048
-    """Physical blocks in the paged KV cache."""
+    cache_blocks: int | None = None
+    """Physical blocks in the paged KV cache; None: as many as fit ``DEFAULT_CACHE_BYTES``, at most
+    ``MAX_DEFAULT_CACHE_BLOCKS`` (a fixed count would take GBs for a real model's wider KV)."""
     node_secret: Path | None = None
     """Operator's node secret file (``kvnet.security.tenancy``, mode 0600). With it the chain root is salted
     with ``derive_tenant_salt(secret, tenant)`` and the namespace carries
@@ -117,9 +126,9 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.cache_blocks <= 0:
+        if self.cache_blocks is not None and self.cache_blocks <= 0:
             raise ValueError(f"cache_blocks must be positive, got {self.cache_blocks}")
-        if self.dtype not in DTYPE_BY_NAME:
+        if self.dtype is not None and self.dtype not in DTYPE_BY_NAME:
             raise ValueError(f"dtype must be one of {list(DTYPE_BY_NAME)}, got {self.dtype!r}")
         for name in ("publish_renditions", "acceptable_renditions"):
             values = getattr(self, name)
@@ -186,15 +195,22 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
     )
     m = parser.add_argument_group("model and cache")
     m.add_argument(
-        "--model", default="small", help="built-in model preset: tiny, small, bench"
+        "--model", default="small",
+        help="trained model name (smollm2) or built-in preset of random weights: tiny, small, bench",
     )
-    m.add_argument("--checkpoint", type=Path, help="local checkpoint directory instead of the preset")
+    m.add_argument("--checkpoint", type=Path, help="local checkpoint directory instead of --model")
     m.add_argument("--seed", type=int, default=0, help="seed of the built-in weights")
-    m.add_argument("--dtype", default="float32", choices=list(DTYPE_BY_NAME), help="model and KV dtype")
+    m.add_argument(
+        "--dtype", choices=list(DTYPE_BY_NAME),
+        help="model and KV dtype (none given: the model's own, bfloat16 for smollm2; float32 for presets)",
+    )
     m.add_argument("--device", default="cpu", help="torch device")
     m.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     m.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
-    m.add_argument("--cache-blocks", type=int, default=2048, help="blocks in the paged KV cache")
+    m.add_argument(
+        "--cache-blocks", type=int,
+        help="blocks in the paged KV cache (none given: what fits 512 MiB of KV, at most 2048)",
+    )
     m.add_argument(
         "--node-secret", type=Path,
         help="node secret file (mode 0600) from which the tenant's hash salt and namespace id derive",
@@ -289,10 +305,14 @@ def prompts_from_args(args: argparse.Namespace) -> list[str]:
     return list(args.prompt) + [f.read_text(encoding="utf-8") for f in args.prompt_file]
 
 
-def node_config_from_cli(args: argparse.Namespace, kvnet_home: str | None) -> NodeConfig:
-    """``node_config_from_args`` with keys resolved from ``--key-dir`` or ``$KVNET_HOME/keys`` (the caller's
-    ``main`` reads the environment). Raises ValueError or OSError with a message for the user."""
-    return resolve_keys(node_config_from_args(args), args.key_dir or default_key_dir(kvnet_home))
+def node_config_from_cli(
+    args: argparse.Namespace, kvnet_home: str | None, models_dir: Path | None = None
+) -> NodeConfig:
+    """``node_config_from_args`` with keys resolved from ``--key-dir`` or ``$KVNET_HOME/keys`` and named
+    models kept in `models_dir` (the caller's ``main`` reads the environment: ``default_models_dir``).
+    Raises ValueError or OSError with a message for the user."""
+    config = dataclasses.replace(node_config_from_args(args), models_dir=models_dir)
+    return resolve_keys(config, args.key_dir or default_key_dir(kvnet_home))
 
 
 def resolve_keys(config: NodeConfig, key_dir: Path | None) -> NodeConfig:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,13 +31,21 @@ from kvnet.blocks.signing import Signer, TrustStore
 from kvnet.cache.hashing import block_hashes, root_hash
 from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.dtypes import dtype_from_name
+from kvnet.model.checkpoint import load_checkpoint
 from kvnet.model.generate import GREEDY, SamplingParams, TokenCallback, cache_spec_for, generate
-from kvnet.model.tokenizer import ByteTokenizer, Tokenizer
+from kvnet.model.registry import default_models_dir, is_registered, resolve_model
+from kvnet.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvnet.model.transformer import Transformer
 from kvnet.net.endpoint import freeze_startup_objects
 from kvnet.node.abr import QUALITY_ORDER, AbrConfig, AbrPlan, KvAbr
 from kvnet.node.blockstore import BlockStore
-from kvnet.node.config import NodeConfig, load_signer_and_trust, tenant_salt_and_namespace
+from kvnet.node.config import (
+    DEFAULT_CACHE_BYTES,
+    MAX_DEFAULT_CACHE_BLOCKS,
+    NodeConfig,
+    load_signer_and_trust,
+    tenant_salt_and_namespace,
+)
 from kvnet.node.publishing import encode_blocks
 from kvnet.node.relay_peer import RelayPeer
 from kvnet.node.reports import NodeCounters, PublishReport, RequestReport
@@ -45,15 +54,20 @@ from kvnet.security.tenancy import NodeSecret
 logger = logging.getLogger(__name__)
 
 
-def build_model(config: NodeConfig) -> Transformer:
-    """The built-in preset (deterministic weights) or a local checkpoint directory."""
+def build_model(config: NodeConfig, models_dir: Path) -> tuple[Transformer, Tokenizer]:
+    """The model and the tokenizer it reads: a checkpoint directory (``--checkpoint``, or a named trained
+    model resolved in `models_dir`) with its own tokenizer, else a built-in preset with the byte tokenizer."""
     device = torch.device(config.device)
-    dtype = dtype_from_name(config.dtype)
-    if config.checkpoint is not None:
-        from kvnet.model.checkpoint import load_checkpoint
-
-        return load_checkpoint(config.checkpoint, device=device, dtype=dtype)
-    return Transformer.from_name(config.model, device=device, dtype=dtype, seed=config.seed)
+    dtype = None if config.dtype is None else dtype_from_name(config.dtype)
+    checkpoint = config.checkpoint
+    if checkpoint is None and is_registered(config.model):
+        checkpoint = resolve_model(config.model, models_dir, progress=logger.info)
+    if checkpoint is not None:
+        tokenizer = load_tokenizer(checkpoint)
+        identity = tokenizer.identity()
+        return load_checkpoint(checkpoint, device=device, dtype=dtype, tokenizer_identity=identity), tokenizer
+    dtype = dtype or torch.float32
+    return Transformer.from_name(config.model, device=device, dtype=dtype, seed=config.seed), ByteTokenizer()
 
 
 async def start_node(config: NodeConfig, *, calibrate: bool = True) -> Node:
@@ -91,7 +105,10 @@ class Node:
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
         self.device = torch.device(config.device)
         spec = cache_spec_for(model, config.block_size)
-        self.cache = PagedKVCache(spec, config.cache_blocks, self.device)
+        block_bytes = model.args.kv_bytes_per_token(spec.dtype) * config.block_size
+        fitting = min(MAX_DEFAULT_CACHE_BLOCKS, max(1, DEFAULT_CACHE_BYTES // block_bytes))
+        num_blocks = config.cache_blocks or fitting
+        self.cache = PagedKVCache(spec, num_blocks, self.device)
         # The fingerprint hashes every weight: once per process.
         self.fingerprint = model.fingerprint(config.block_size)
         salt, self.namespace_id = tenant_salt_and_namespace(config.tenant, node_secret)
@@ -121,10 +138,10 @@ class Node:
 
     @classmethod
     def from_config(cls, config: NodeConfig) -> Node:
-        model = build_model(config)
+        model, tokenizer = build_model(config, config.models_dir or default_models_dir({}))
         signer, trust = load_signer_and_trust(config)
         secret = NodeSecret.load(config.node_secret) if config.node_secret is not None else None
-        return cls(config, model, signer=signer, trust=trust, node_secret=secret)
+        return cls(config, model, tokenizer=tokenizer, signer=signer, trust=trust, node_secret=secret)
 
     # -- helpers ----------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from kvnet.blocks.signing import SigningError
 from kvnet.model.generate import SamplingParams, TokenCallback
+from kvnet.model.registry import default_models_dir
 from kvnet.node.config import NodeConfig, add_node_arguments, node_config_from_cli, setup_logging
 from kvnet.node.httpapi import (
     DEFAULT_MAX_CONNECTIONS,
@@ -168,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_settings(build_parser(), argv)
     setup_logging(args.verbose)
     try:
-        node_cfg = node_config_from_cli(args, os.environ.get("KVNET_HOME"))
+        node_cfg = node_config_from_cli(args, os.environ.get("KVNET_HOME"), default_models_dir(os.environ))
     except (ValueError, OSError) as exc:
         print(f"kvnet-node: error: {exc}", file=sys.stderr)
         return 2
