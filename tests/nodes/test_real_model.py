@@ -15,6 +15,7 @@ DOCUMENT = Path(__file__).resolve().parents[2] / "benchmarks" / "documents" / "s
 REAL_MODEL_START_TIMEOUT = 600.0
 
 
+@pytest.mark.slow
 def test_remote_hit_on_smollm2_equals_recompute(
     smollm2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -65,7 +65,7 @@ def test_chat_prompt_is_about_2k_tokens(prompts: dict[str, list[int]]) -> None:
     assert 1800 <= len(prompts["chat-2k"]) <= 2600
 
 
-@pytest.mark.parametrize("name", ["france", "code", "chat-2k"])
+@pytest.mark.parametrize("name", ["france", "code", pytest.param("chat-2k", marks=pytest.mark.slow)])
 def test_fp32_greedy_tokens_and_logits_equal_transformers(
     fp32_model: Transformer, reference: Any, tokenizer: HFTokenizer, prompts: dict[str, list[int]], name: str
 ) -> None:
@@ -74,27 +74,26 @@ def test_fp32_greedy_tokens_and_logits_equal_transformers(
     root = prefix_root(fp32_model, 64)
     ours = generate(fp32_model, cache, ids, NEW_TOKENS, root=root, keep_sequence=True)
     with torch.no_grad():
-        theirs = reference.generate(
-            torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS,
-            pad_token_id=2,
-        )[0, len(ids):].tolist()
-        # Teacher-forced logits over the prompt plus what both generated.
+        # Teacher-forced logits over the prompt plus what kvnet generated: transformers' greedy choice at
+        # every step equals kvnet's token exactly when its argmax there does (one pass, not a generate loop).
         full = torch.tensor(ids + ours.token_ids)
         their_logits = reference(full[None]).logits[0]
         our_logits = fp32_model.forward_full(full)
+    theirs = their_logits[len(ids) - 1 : -1].argmax(-1).tolist()
     assert ours.token_ids == theirs
     if name == "france":
         assert tokenizer.decode(ours.token_ids).startswith(" Paris")
     torch.testing.assert_close(our_logits, their_logits, rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_bf16_kv_through_lossless_codec_equals_recompute_bit_for_bit(
     smollm2_dir: Path, tokenizer: HFTokenizer, prompts: dict[str, list[int]]
 ) -> None:
     model = load_checkpoint(smollm2_dir, device=CPU, tokenizer_identity=tokenizer.identity())
     assert model.dtype == torch.bfloat16  # the model's own dtype: KV is kept as engines keep it
     block = 16
-    shared = prompts["chat-2k"][:96]
+    shared = prompts["chat-2k"][:64]
     question = tokenizer.encode("\nWhat is this about?", bos=False)
     spec = cache_spec_for(model, block)
     root = prefix_root(model, block)
@@ -111,10 +110,10 @@ def test_bf16_kv_through_lossless_codec_equals_recompute_bit_for_bit(
         subscriber.import_block(
             block_hash, BlockKV(torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers]))
         )
-    remote = generate(model, subscriber, shared + question, NEW_TOKENS, root=root, keep_sequence=True)
+    remote = generate(model, subscriber, shared + question, 4, root=root, keep_sequence=True)
     assert remote.cached_tokens == len(shared) // block * block
     recompute_cache = PagedKVCache(spec, 32, CPU)
-    recompute = generate(model, recompute_cache, shared + question, NEW_TOKENS, root=root, keep_sequence=True)
+    recompute = generate(model, recompute_cache, shared + question, 4, root=root, keep_sequence=True)
     assert remote.token_ids == recompute.token_ids
     for block_hash in published.block_hashes:
         fetched, own = subscriber.export_block(block_hash), recompute_cache.export_block(block_hash)
