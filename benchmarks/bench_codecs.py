@@ -13,24 +13,34 @@ renditions, the quality after loading the decoded prefix into a fresh cache in p
 It also compares int8 scale layouts (per channel vs per (token, head), for keys and values) by relative
 error per stored byte, which is how the default layout of the ``int8`` codec was chosen.
 
-The built-in model has deterministic random weights; a trained model's K/V has different statistics
-(outlier channels, smoother values), so ratios and quality here are indicative, not final.
-Run: ``python benchmarks/bench_codecs.py [--model bench] [--prefix 256] [--block-size 16]``.
+With a trained model (``--model smollm2``) it measures quality on real KV instead: for each plain-text
+document in ``benchmarks/documents`` (512-2048 tokens with the model's tokenizer) the prompt's KV goes
+through each rendition and the last ``--held-out`` tokens are scored teacher-forced, giving per rendition
+the size vs raw, the mean KL divergence from the lossless output, the change in log-loss (nats/token) on
+the held-out tokens and the top-1 agreement with lossless. The random presets' ratios and quality are
+only indicative: a trained model's K/V has different statistics (outlier channels, smoother values).
+Run: ``python benchmarks/bench_codecs.py [--model bench|smollm2] [--prefix 256] [--block-size 16]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from kvnet.blocks.codecs import CODECS, Codec, Int8Codec
 from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
-from kvnet.model.tokenizer import ByteTokenizer
+from kvnet.model.checkpoint import load_checkpoint
+from kvnet.model.registry import default_models_dir, is_registered, resolve_model
+from kvnet.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvnet.model.transformer import ModelArgs, Transformer
+
+DOCUMENTS = Path(__file__).resolve().parent / "documents"
 
 TEXT = (
     "Media over QUIC carries named, immutable objects through caching relays. A KV cache block is such "
@@ -174,9 +184,75 @@ def int8_layouts(blocks: Blocks) -> None:
             print(f"  {label}  K {k_err:.5f}  V {v_err:.5f}  ratio {raw / sum(map(len, payloads)):.3f}")
 
 
+@torch.no_grad()
+def held_out_logits(model: Transformer, blocks: Blocks, block_size: int, held_out: list[int]) -> torch.Tensor:
+    """Logits ``[len(held_out), vocab]`` (float32) of the held-out tokens after the given prefix K/V."""
+    cache, _ = load_prefix(model, blocks, block_size, len(blocks) * block_size + len(held_out))
+    return run(model, cache, 0, held_out).float()
+
+
+def real_kv_quality(
+    model: Transformer, tokenizer: Tokenizer, block_size: int, held_out: int, runs: int
+) -> list[tuple[str, float, float, float, float, int]]:
+    """Per rendition over all documents: (name, size vs raw, mean KL vs lossless, delta log-loss, top-1
+    agreement, positions scored). Log-loss is the mean NLL of each held-out token's successor."""
+    totals: dict[str, list[float]] = {name: [0.0, 0.0, 0.0, 0.0, 0.0] for name in CODECS}
+    positions = 0
+    for path in sorted(DOCUMENTS.glob("*.txt")):
+        ids = tokenizer.encode(path.read_text(encoding="utf-8"))
+        num_prefix = (len(ids) - held_out) // block_size * block_size
+        prefix, scored = ids[:num_prefix], ids[num_prefix:num_prefix + held_out]
+        print(f"  {path.name}: {len(ids)} tokens, prefix {num_prefix}, scoring {len(scored) - 1}", flush=True)
+        blocks = prefill_blocks(model, prefix, block_size)
+        targets = torch.tensor(scored[1:])
+        reference: torch.Tensor | None = None
+        for name, codec in CODECS.items():  # lossless first: the others are compared with it
+            ratio, _, _, payloads = measure_codec(codec, blocks, runs)
+            log_probs = torch.log_softmax(held_out_logits(
+                model, decoded_blocks(codec, payloads, blocks), block_size, scored)[:-1], dim=-1)
+            if reference is None:
+                reference = log_probs
+            kl = (reference.exp() * (reference - log_probs)).sum(-1)
+            nll = -log_probs.gather(1, targets[:, None])[:, 0]
+            ref_nll = -reference.gather(1, targets[:, None])[:, 0]
+            agree = (log_probs.argmax(-1) == reference.argmax(-1)).float()
+            n = len(targets)
+            for index, value in enumerate((ratio * n, float(kl.sum()), float((nll - ref_nll).sum()),
+                                           float(agree.sum()), float(nll.sum()))):
+                totals[name][index] += value
+        positions += len(targets)
+    return [
+        (name, t[0] / positions, t[1] / positions, t[2] / positions, t[3] / positions, positions)
+        for name, t in totals.items()
+    ]
+
+
+def main_real(args: argparse.Namespace) -> None:
+    directory = resolve_model(args.model, default_models_dir(os.environ), progress=print)
+    tokenizer = load_tokenizer(directory)
+    print(f"model {args.model} ({directory.name}); block size {args.block_size}; {args.held_out} held-out "
+          f"tokens per document scored after its prompt KV went through each rendition; load average "
+          f"{os.getloadavg()[0]:.1f}")
+    rows = []
+    for dtype_name in args.dtypes.split(","):
+        model = load_checkpoint(directory, device=torch.device("cpu"), dtype=getattr(torch, dtype_name),
+                                tokenizer_identity=tokenizer.identity()).eval()
+        print(f"== {dtype_name}", flush=True)
+        rows += [(dtype_name, *row) for row in real_kv_quality(model, tokenizer, args.block_size,
+                                                               args.held_out, args.runs)]
+    print("\n| model dtype | rendition | size vs raw | mean KL vs lossless | Δ log-loss (nats/token) "
+          "| top-1 agreement |")
+    print("|---|---|---|---|---|---|")
+    for dtype_name, name, ratio, kl, delta, agree, _ in rows:
+        print(f"| {dtype_name} | {name} | {ratio:.2f}x | {kl:.1e} | {delta:+.4f} | {agree:.3f} |")
+    print(f"\n(positions scored per dtype: {rows[0][-1]}; load average {os.getloadavg()[0]:.1f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="bench", help="model preset (ModelArgs.from_name)")
+    parser.add_argument(
+        "--model", default="bench", help="model preset (ModelArgs.from_name) or trained model name (smollm2)"
+    )
     parser.add_argument("--prefix", type=int, default=256, help="prefix tokens (rounded down to blocks)")
     parser.add_argument("--suffix", type=int, default=16, help="tokens prefilled after the prefix")
     parser.add_argument("--steps", type=int, default=32, help="greedy decode steps for the quality check")
@@ -184,8 +260,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5, help="timed runs per measurement (median)")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--no-quality", action="store_true", help="skip the model quality check")
+    parser.add_argument("--held-out", type=int, default=256, help="trained model: tokens scored per document")
     args = parser.parse_args()
     torch.set_num_threads(1)  # per-core figures
+    if is_registered(args.model):
+        main_real(args)
+        return
 
     margs = ModelArgs.from_name(args.model)
     num_prefix = args.prefix // args.block_size * args.block_size
