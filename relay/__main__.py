@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache-bytes", type=size_arg, help="cache byte budget")
     g.add_argument("--cache-track-bytes", type=size_arg, help="largest single upstream response held")
     g.add_argument("--cache-inflight-bytes", type=size_arg, help="bytes of all upstream responses in flight")
+    g.add_argument("--cache-dir", help="directory of the persistent cache tier (default: memory only)")
+    g.add_argument("--cache-dir-bytes", type=size_arg, help="most bytes of files kept in --cache-dir (1 GiB)")
     g.add_argument("--negative-ttl", type=float, help="seconds a DOES_NOT_EXIST TRACK_STATUS is reused")
     g.add_argument("--cache-share-depth", type=int, help="namespace fields naming a cache share group (4)")
     g.add_argument(
@@ -195,6 +197,8 @@ def config_from_args(args: argparse.Namespace) -> RelayConfig:
         "cache.max_track_bytes": args.cache_track_bytes,
         "cache.max_inflight_bytes": args.cache_inflight_bytes,
         "cache.negative_ttl": args.negative_ttl,
+        "cache.dir": args.cache_dir,
+        "cache.dir_bytes": args.cache_dir_bytes,
         "cache.share_depth": args.cache_share_depth,
         "cache.share_bytes": args.cache_share_bytes,
         "cache.share_fraction": args.cache_share_fraction,

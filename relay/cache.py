@@ -21,6 +21,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Hashable
@@ -29,6 +30,7 @@ from typing import Generic, Protocol, TypeVar
 
 from proto.errors import RequestErrorCode
 from proto.messages import Properties
+from relay.disk import DiskTier, StoredTrack
 
 Location = tuple[int, int]
 """(group id, object id); tuples compare in draft order."""
@@ -38,6 +40,7 @@ TrackKey = tuple[tuple[bytes, ...], bytes]
 # Per-object bookkeeping (dict slot, record, list slot) counted against the budget so that a flood of
 # empty objects cannot grow memory for free.
 OBJECT_OVERHEAD = 128
+logger = logging.getLogger(__name__)
 START: Location = (0, 0)
 
 
@@ -159,6 +162,11 @@ class CacheConfig:
     share_fraction: float = 1.0
     """Share of ``max_bytes`` one group may hold when ``share_bytes`` is 0 (1.0: no cap of its own; the
     equal-share rule still makes a flooding group evict its own tracks once the cache is full)."""
+    dir: str = ""
+    """Directory of the persistent tier (``relay.disk``): complete tracks are also kept there and served
+    after a restart. Empty: memory only."""
+    dir_bytes: int = 1024 * 1024 * 1024
+    """Most bytes of files the persistent tier keeps (least recently used evicted first)."""
 
     @property
     def share_limit(self) -> int:
@@ -182,6 +190,8 @@ class CacheConfig:
             raise ValueError("share_bytes must be >= 0")
         if not 0 < self.share_fraction <= 1:
             raise ValueError(f"share_fraction must be in (0, 1], got {self.share_fraction}")
+        if self.dir_bytes <= 0:
+            raise ValueError(f"dir_bytes must be positive, got {self.dir_bytes}")
 
 
 @dataclass
@@ -200,6 +210,8 @@ class CacheStats:
     """Tracks evicted because their group was over its share (included in ``evictions``)."""
     refused: int = 0
     """Complete fills not cached because the admission check refused them."""
+    disk_loads: int = 0
+    """Tracks loaded from the persistent tier on a memory miss."""
 
 
 @dataclass
@@ -375,8 +387,11 @@ class ObjectCache:
         config: CacheConfig,
         clock: Callable[[], float] = time.monotonic,
         refusal: Callable[[TrackKey, list[CachedObject]], str | None] | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
         self.config = config
+        self.disk = disk
+        """The persistent tier: complete final tracks are written there and loaded from it on a miss."""
         self.refusal = refusal
         """Checked before a fill is stored: a reason means the objects are served to the requesters that
         asked for them but never cached (``relay.admission``)."""
@@ -448,11 +463,30 @@ class ObjectCache:
             return entry.final_end
         return end
 
+    def _from_disk(self, key: TrackKey) -> _Entry | None:
+        """The memory entry of ``key``, loaded from the persistent tier when memory has none."""
+        entry = self._entries.get(key)
+        if entry is not None or self.disk is None or key not in self.disk:
+            return entry
+        track = self.disk.read(key[0], key[1])
+        if track is None:
+            return None  # damaged (dropped and counted by the tier) or gone
+        fill = Fill(key, START, track.end, self.config.max_track_bytes)
+        fill.info = FetchInfo(track.end, True, track.properties)
+        try:
+            for obj in track.objects:
+                fill.add(CachedObject(*obj))
+        except RequestFailed:
+            return None  # bigger than this run's max_track_bytes: left on disk, not served
+        self.stats.disk_loads += 1
+        self._store_fill(fill, persist=False)
+        return self._entries.get(key)
+
     def lookup(
         self, key: TrackKey, start: Location, end: Location
     ) -> tuple[FetchInfo, list[CachedObject]] | None:
         """The cached objects of ``[start, end)`` if that whole range is known, else None. Counts a hit."""
-        entry = self._entries.get(key)
+        entry = self._from_disk(key)
         if entry is None:
             return None
         clipped = self._clip(entry, end)
@@ -473,6 +507,7 @@ class ObjectCache:
 
     def cached_status(self, key: TrackKey) -> TrackStatus | None:
         """A TRACK_STATUS answer when the whole track is cached and known to be final."""
+        self._from_disk(key)
         entry = self._entries.get(key)
         if entry is None or entry.final_end is None or not entry.covers(START, entry.final_end):
             return None
@@ -525,7 +560,7 @@ class ObjectCache:
             self._store_fill(fill)
         fill.finish(error)
 
-    def _store_fill(self, fill: Fill) -> None:
+    def _store_fill(self, fill: Fill, persist: bool = True) -> None:
         info = fill.info
         assert info is not None
         if fill.bytes > min(self.config.max_bytes, self.config.share_limit):
@@ -556,7 +591,42 @@ class ObjectCache:
             entry.final_end = info.end
         entry.properties = info.properties
         self._negative.pop(fill.key, None)
+        if (
+            persist
+            and self.disk is not None
+            and entry.final_end is not None
+            and entry.covers(START, entry.final_end)
+        ):
+            self._persist(fill.key, entry)
         self._evict(keep=fill.key)
+
+    def _persist(self, key: TrackKey, entry: _Entry) -> None:
+        """Write a complete final track to the persistent tier in a worker thread (fsync is slow); the
+        index is updated on the loop once the file is in place."""
+        assert self.disk is not None and entry.final_end is not None
+        disk = self.disk
+        track = StoredTrack(
+            key[0],
+            key[1],
+            entry.final_end,
+            entry.properties,
+            [
+                (o.group, o.subgroup, o.object_id, o.priority, o.status, o.properties, o.payload)
+                for _, o in sorted(entry.objects.items())
+            ],
+        )
+
+        async def write() -> None:
+            try:
+                name, size = await asyncio.to_thread(disk.write_file, track)
+            except OSError as exc:
+                logger.warning("cannot write cache file", extra={"reason": str(exc)})
+                return
+            disk.record(name, size)
+
+        task = asyncio.get_running_loop().create_task(write())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _touch(self, key: TrackKey) -> None:
         """Mark a track most recently used, in the whole cache and in its group."""

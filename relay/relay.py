@@ -18,6 +18,7 @@ import signal
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
 
 from kvnet.blocks.signing import TrustStore
 from kvnet.net.connection import ConnectionLimits, MoqtConnection
@@ -50,6 +51,7 @@ from relay.cache import (
 )
 from relay.cache import Location as Position
 from relay.config import RelayConfig
+from relay.disk import DiskTier
 from relay.fanout import DownstreamSubscriber, Fanout
 from relay.limits import LimitExceeded, Quota, Slots, source_host
 from relay.metrics import Metrics, MetricsServer
@@ -72,7 +74,10 @@ class Relay:
         self.clock = clock
         self.admission = BlockAdmission(TrustStore.from_paths(config.trust)) if config.trust else None
         """With a trust set: block tracks are cached only when complete and signed by a trusted key."""
-        self.cache = ObjectCache(config.cache, clock, self.admission_refusal if self.admission else None)
+        disk = DiskTier(Path(config.cache.dir), config.cache.dir_bytes) if config.cache.dir else None
+        self.cache = ObjectCache(
+            config.cache, clock, self.admission_refusal if self.admission else None, disk
+        )
         self.router: NamespaceRouter[Peer] = NamespaceRouter()
         self.peers: dict[int, Peer] = {}
         self.sessions = Slots("sessions", config.limits.max_sessions)
@@ -272,6 +277,14 @@ class Relay:
         m = self.metrics
         c = self.cache
         m.gauge_fn("sessions", "open sessions", lambda: len(self.peers))
+        if c.disk is not None:
+            disk = c.disk
+            m.gauge_fn("cache_disk_bytes", "bytes of track files in the persistent tier", lambda: disk.bytes)
+            m.gauge_fn("cache_disk_tracks", "tracks in the persistent tier", lambda: len(disk))
+            m.gauge_fn("cache_disk_dropped", "damaged track files found and deleted", lambda: disk.dropped)
+            m.gauge_fn(
+                "cache_disk_loads", "tracks loaded from the persistent tier", lambda: c.stats.disk_loads
+            )
         m.counter("sessions_total", "sessions accepted")
         m.gauge_fn("cache_bytes", "bytes held by the cache", lambda: c.size_bytes)
         m.gauge_fn("cache_objects", "objects held by the cache", lambda: c.objects)
