@@ -167,7 +167,7 @@ class NodeConfig:
         return TransportSettings(max_datagram_size=self.max_datagram_size, stack=self.quic_stack)
 
 
-def _renditions(text: str) -> tuple[str, ...]:
+def parse_renditions(text: str) -> tuple[str, ...]:
     return tuple(r.strip() for r in text.split(",") if r.strip())
 
 
@@ -221,11 +221,11 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
     )
     k = parser.add_argument_group("blocks, signing, ABR")
     k.add_argument(
-        "--renditions", type=_renditions, default=("lossless",),
+        "--renditions", type=parse_renditions, default=("lossless",),
         help="publisher: renditions to publish, comma-separated (lossless,int8,int4)",
     )
     k.add_argument(
-        "--accept", type=_renditions, default=("lossless",),
+        "--accept", type=parse_renditions, default=("lossless",),
         help="subscriber: acceptable renditions, comma-separated (default lossless only)",
     )
     k.add_argument("--store-bytes", type=size_arg, default="512M", help="publisher block store budget")

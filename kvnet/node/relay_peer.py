@@ -67,11 +67,13 @@ class RelayPeer:
     async def connect(
         cls, cfg: NodeConfig, store: BlockStore, cache: CacheWriter, trust: TrustStore, abr: KvAbr, *,
         fingerprint: bytes, namespace_id: str, block_shape: tuple[int, int, int, int], dtype: str,
-        device: torch.device,
+        device: torch.device, announce: bool = True,
     ) -> RelayPeer:
         """Open the session to ``cfg.relay_url``, announce our namespace and serve ``store`` on it; fetched
         blocks are written into ``cache`` (what ``open`` does for a ``Node``; engines that keep their own KV
-        cache call this directly). ``namespace_id`` is the tenant field of the block namespace."""
+        cache call this directly). ``namespace_id`` is the tenant field of the block namespace. A session
+        that only locates passes ``announce=False``: it holds no blocks, so the relay must not route
+        requests for the namespace to it."""
         assert cfg.relay_url is not None
         url = parse_moqt_url(cfg.relay_url)
         tokens: tuple[AuthToken, ...] = ()
@@ -97,7 +99,8 @@ class RelayPeer:
         )
         peer = cls(conn, server, fetcher, cfg.relay_url)
         try:
-            await asyncio.wait_for(server.announce(), cfg.request_timeout)
+            if announce:
+                await asyncio.wait_for(server.announce(), cfg.request_timeout)
         except RequestRejected as exc:
             # Still useful as a subscriber; a publisher then serves only what it pushed.
             logger.warning("relay refused PUBLISH_NAMESPACE (%s): not serving blocks on request", exc)

@@ -1,0 +1,198 @@
+"""An engine's session to its kvnet relay that comes and goes with the relay.
+
+Owns ``RelayLink``: a ``RelayPeer`` (kvnet's relay session: block server + verified fetcher) opened on
+first use and reopened after the relay went away, never more often than every ``retry_interval``
+seconds, so a dead relay costs a request one failed attempt, not a connect timeout each. It also owns
+the engine's publisher-side ``BlockStore`` (what the relay may ask us for) and ``ConnectorCounters``.
+Everything runs on one event loop (``BackgroundLoop``); nothing here knows the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from kvnet.blocks.identity import BlockIdentity
+from kvnet.blocks.signing import TrustStore
+from kvnet.integrations.settings import ConnectorSettings
+from kvnet.node.abr import AbrConfig, KvAbr, quality_rank
+from kvnet.node.blockstore import BlockStore, StoredBlock
+from kvnet.node.fetching import CacheWriter, FetchOutcome
+from kvnet.node.locate import Located
+from kvnet.node.relay_peer import RelayPeer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RETRY_INTERVAL = 1.0
+
+
+class RelayUnavailable(ConnectionError):
+    """No session to the relay right now (it refused, timed out, or failed within the retry interval)."""
+
+
+@dataclass
+class ConnectorCounters:
+    """What the connector did, cumulative (``to_json`` for files and logs, deltas for the engine's stats)."""
+
+    locates: int = 0
+    locate_failures: int = 0
+    """Locates that got no answer (relay down, session lost, timeout)."""
+    locate_deadline_misses: int = 0
+    """Requests that went ahead with what was local because their locate was still pending."""
+    locate_seconds: float = 0.0
+    blocks_located: int = 0
+    tokens_located: int = 0
+    loads: int = 0
+    blocks_loaded: int = 0
+    tokens_loaded: int = 0
+    bytes_fetched: int = 0
+    fetch_seconds: float = 0.0
+    blocks_load_failed: int = 0
+    load_failures_signature: int = 0
+    """Blocks refused because no trusted key signed them."""
+    load_failures_content: int = 0
+    """Signed blocks whose manifest or payload disagreed with the prompt (poisoning or corruption)."""
+    load_failures_transfer: int = 0
+    """Fetches that failed for the network (relay down, timeout, block gone)."""
+    blocks_published: int = 0
+    tokens_published: int = 0
+    blocks_pushed: int = 0
+    publish_failures: int = 0
+
+    def to_json(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def count_load_failure(self, outcome: FetchOutcome) -> str:
+        """Count a fetch that stopped early; returns the reason counted."""
+        if outcome.rejected:
+            reason = "signature" if outcome.rejected_kind == "signature" else "content"
+        else:
+            reason = "transfer"
+        setattr(self, f"load_failures_{reason}", getattr(self, f"load_failures_{reason}") + 1)
+        return reason
+
+
+@dataclass
+class RelayLink:
+    """The engine's relay session, its block store and its counters (used on one event loop only)."""
+
+    settings: ConnectorSettings
+    fingerprint: bytes
+    namespace_id: str
+    block_shape: tuple[int, int, int, int]
+    """``(num_layers, block_size, num_kv_heads, head_size)`` of one block."""
+    dtype: str
+    trust: TrustStore
+    cache: CacheWriter
+    """Where fetched blocks go (the engine's paged KV)."""
+    announce: bool
+    """Serve our store to the relay (the worker does; a scheduler that only locates does not)."""
+    retry_interval: float = DEFAULT_RETRY_INTERVAL
+    counters: ConnectorCounters = field(default_factory=ConnectorCounters)
+    store: BlockStore = field(init=False)
+    abr: KvAbr = field(init=False)
+    _peer: RelayPeer | None = field(default=None, init=False)
+    _retry_at: float = field(default=0.0, init=False)
+    _connecting: asyncio.Lock | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        node = self.settings.node
+        self.store = BlockStore(node.store_bytes)
+        acceptable = tuple(sorted(node.acceptable_renditions, key=quality_rank))
+        self.abr = KvAbr(AbrConfig(acceptable=acceptable, allow_recompute=False))
+
+    @property
+    def acceptable(self) -> tuple[str, ...]:
+        return self.abr.config.acceptable
+
+    async def peer(self) -> RelayPeer:
+        """The open session, opening it when there is none; ``RelayUnavailable`` when that fails."""
+        if self._peer is not None and self._peer.connected:
+            return self._peer
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._peer is not None and self._peer.connected:
+                return self._peer
+            if self._peer is not None:
+                await self._peer.close()
+                self._peer = None
+            if time.monotonic() < self._retry_at:
+                raise RelayUnavailable(f"relay {self.settings.node.relay_url} is unreachable")
+            node = self.settings.node
+            try:
+                self._peer = await RelayPeer.connect(
+                    node, self.store, self.cache, self.trust, self.abr, fingerprint=self.fingerprint,
+                    namespace_id=self.namespace_id, block_shape=self.block_shape, dtype=self.dtype,
+                    device=torch.device("cpu"), announce=self.announce,
+                )
+            except Exception as exc:  # any failure to connect means: no relay for now
+                self._retry_at = time.monotonic() + self.retry_interval
+                logger.warning("kvnet: cannot reach relay %s (%s)", node.relay_url, exc)
+                raise RelayUnavailable(f"relay {node.relay_url} is unreachable: {exc}") from None
+            return self._peer
+
+    async def locate(self, hashes: Sequence[bytes]) -> Located:
+        """The leading run of ``hashes`` available in an acceptable rendition (counted)."""
+        started = time.perf_counter()
+        self.counters.locates += 1
+        try:
+            peer = await self.peer()
+            found = await peer.locate(list(hashes), list(self.acceptable))
+        except Exception:
+            self.counters.locate_failures += 1
+            raise
+        finally:
+            self.counters.locate_seconds += time.perf_counter() - started
+        self.counters.blocks_located += len(found.available)
+        self.counters.tokens_located += len(found.available) * self.block_shape[1]
+        return found
+
+    def best_rendition(self, available: Sequence[str]) -> str:
+        """The most faithful of ``available`` that we accept."""
+        return min((r for r in available if r in self.acceptable), key=quality_rank)
+
+    async def fetch(self, expected: Sequence[BlockIdentity], renditions: Sequence[str]) -> FetchOutcome:
+        """Fetch, verify and load ``expected`` in chain order into ``cache`` (counted)."""
+        started = time.perf_counter()
+        self.counters.loads += 1
+        try:
+            peer = await self.peer()
+            outcome = await peer.fetch(list(expected), list(renditions))
+        except RelayUnavailable as exc:
+            outcome = FetchOutcome(error=str(exc))
+        self.counters.fetch_seconds += time.perf_counter() - started
+        self.counters.blocks_loaded += outcome.loaded
+        self.counters.tokens_loaded += outcome.loaded * self.block_shape[1]
+        self.counters.bytes_fetched += outcome.bytes
+        if outcome.error is not None:
+            reason = self.counters.count_load_failure(outcome)
+            self.counters.blocks_load_failed += len(expected) - outcome.loaded
+            logger.warning("kvnet: %s load failure: %s; recomputing from there", reason, outcome.error)
+        return outcome
+
+    async def publish(self, blocks: Sequence[StoredBlock], tokens: int) -> None:
+        """Keep ``blocks`` in the store (served on request) and push them into the relay's cache."""
+        self.store.put_chain(list(blocks))
+        self.counters.blocks_published += len({b.block_hash for b in blocks})
+        self.counters.tokens_published += tokens
+        if not self.settings.node.push or not blocks:
+            return
+        try:
+            peer = await self.peer()
+        except RelayUnavailable:
+            self.counters.publish_failures += 1
+            return
+        self.counters.blocks_pushed += await peer.push(list(blocks))
+
+    async def close(self) -> None:
+        """Wait for what was sent to be acknowledged (bounded by the caller), then end the session."""
+        if self._peer is not None:
+            await self._peer.close()
+            self._peer = None
+
