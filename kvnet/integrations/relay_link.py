@@ -98,7 +98,7 @@ class RelayLink:
     abr: KvAbr = field(init=False)
     _peer: RelayPeer | None = field(default=None, init=False)
     _retry_at: float = field(default=0.0, init=False)
-    _connecting: asyncio.Lock | None = field(default=None, init=False)
+    _connecting: asyncio.Task[RelayPeer] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         node = self.settings.node
@@ -111,31 +111,35 @@ class RelayLink:
         return self.abr.config.acceptable
 
     async def peer(self) -> RelayPeer:
-        """The open session, opening it when there is none; ``RelayUnavailable`` when that fails."""
+        """The open session, opening it when there is none; ``RelayUnavailable`` when that fails.
+
+        The attempt runs as its own task: a caller that gives up (a request past its locate deadline) does
+        not cancel it, and every caller meanwhile waits for the same attempt.
+        """
         if self._peer is not None and self._peer.connected:
             return self._peer
-        if self._connecting is None:
-            self._connecting = asyncio.Lock()
-        async with self._connecting:
-            if self._peer is not None and self._peer.connected:
-                return self._peer
-            if self._peer is not None:
-                await self._peer.close()
-                self._peer = None
+        if self._connecting is None or self._connecting.done():
             if time.monotonic() < self._retry_at:
                 raise RelayUnavailable(f"relay {self.settings.node.relay_url} is unreachable")
-            node = self.settings.node
-            try:
-                self._peer = await RelayPeer.connect(
-                    node, self.store, self.cache, self.trust, self.abr, fingerprint=self.fingerprint,
-                    namespace_id=self.namespace_id, block_shape=self.block_shape, dtype=self.dtype,
-                    device=torch.device("cpu"), announce=self.announce,
-                )
-            except Exception as exc:  # any failure to connect means: no relay for now
-                self._retry_at = time.monotonic() + self.retry_interval
-                logger.warning("kvnet: cannot reach relay %s (%s)", node.relay_url, exc)
-                raise RelayUnavailable(f"relay {node.relay_url} is unreachable: {exc}") from None
-            return self._peer
+            self._connecting = asyncio.get_running_loop().create_task(self._connect())
+        return await asyncio.shield(self._connecting)
+
+    async def _connect(self) -> RelayPeer:
+        if self._peer is not None:
+            await self._peer.close()  # a session the relay ended
+            self._peer = None
+        node = self.settings.node
+        try:
+            self._peer = await RelayPeer.connect(
+                node, self.store, self.cache, self.trust, self.abr, fingerprint=self.fingerprint,
+                namespace_id=self.namespace_id, block_shape=self.block_shape, dtype=self.dtype,
+                device=torch.device("cpu"), announce=self.announce,
+            )
+        except Exception as exc:  # any failure to connect means: no relay for now
+            self._retry_at = time.monotonic() + self.retry_interval
+            logger.warning("kvnet: cannot reach relay %s (%s)", node.relay_url, exc)
+            raise RelayUnavailable(f"relay {node.relay_url} is unreachable: {exc}") from None
+        return self._peer
 
     async def locate(self, hashes: Sequence[bytes]) -> Located:
         """The leading run of ``hashes`` available in an acceptable rendition (counted)."""

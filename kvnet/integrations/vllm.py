@@ -218,12 +218,17 @@ class KvnetConnectorStats(KVConnectorStats):
 
 
 class _CounterReport:
-    """Deltas of a ``ConnectorCounters`` for vLLM's stats, and its totals in ``metrics_dir``."""
+    """Deltas of a ``ConnectorCounters`` for vLLM's stats, and its totals in ``metrics_dir`` (with what
+    names this engine's blocks: fingerprint, namespace id, block shape and dtype)."""
 
-    def __init__(self, counters: ConnectorCounters, path: Path | None) -> None:
+    def __init__(self, counters: ConnectorCounters, path: Path | None, identity: EngineIdentity) -> None:
         self.counters = counters
         self.path = path
         self._last = counters.to_json()
+        self._identity = {
+            "fingerprint": identity.fingerprint.hex(), "namespace_id": identity.namespace_id,
+            "block_shape": list(identity.block_shape), "dtype": identity.dtype,
+        }
 
     def delta(self) -> KvnetConnectorStats | None:
         now = self.counters.to_json()
@@ -235,7 +240,7 @@ class _CounterReport:
         if self.path is None:
             return
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.counters.to_json(), sort_keys=True))
+        tmp.write_text(json.dumps({**self._identity, **self.counters.to_json()}, sort_keys=True))
         tmp.replace(self.path)
 
 
@@ -273,7 +278,7 @@ class _SchedulerSide:
             TrustStore(), _NoCache(), announce=False,
         )
         path = metrics_dir / "scheduler.json" if metrics_dir else None
-        self.report = _CounterReport(self.link.counters, path)
+        self.report = _CounterReport(self.link.counters, path, identity)
         self.hashes: dict[str, list[bytes]] = {}
         self.locates: dict[str, _Locate] = {}
         self.planned: dict[str, tuple[int, list[str]]] = {}
@@ -503,7 +508,7 @@ class _WorkerSide:
             self.trust, self.cache, announce=True,
         )
         path = metrics_dir / "worker.json" if metrics_dir else None
-        self.report = _CounterReport(self.link.counters, path)
+        self.report = _CounterReport(self.link.counters, path, identity)
         self.layers: list[torch.Tensor] = []
         self.layout: CpuBlockLayout | None = None
         self.loads: dict[str, concurrent.futures.Future[set[int]]] = {}

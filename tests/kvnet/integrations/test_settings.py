@@ -1,0 +1,65 @@
+"""An engine connector's configuration dict (``kvnet.integrations.settings``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvnet.integrations.settings import ConnectorSettings, SettingsError
+
+BASE = {"relay": "moqt://127.0.0.1:4443", "ca": "ca.pem"}
+
+
+def test_keys_default_to_kvnet_home_like_the_node_commands(tmp_path: Path) -> None:
+    settings = ConnectorSettings.from_extra_config(BASE, str(tmp_path))
+    keys = tmp_path / "keys"
+    assert settings.node.signing_key == keys / "publisher.key"
+    assert (keys / "publisher.key").exists() and (keys / "publisher.pub").exists()
+    assert settings.node.trust == (keys,)
+    assert settings.node.relay_url == BASE["relay"] and settings.node.ca_file == Path("ca.pem")
+
+
+def test_a_side_that_neither_signs_nor_verifies_touches_no_key_file(tmp_path: Path) -> None:
+    ConnectorSettings.from_extra_config(BASE, str(tmp_path), resolve_key_files=False)
+    assert not (tmp_path / "keys").exists()
+
+
+def test_values_map_to_the_node_config(tmp_path: Path) -> None:
+    settings = ConnectorSettings.from_extra_config(
+        {**BASE, "renditions": "lossless,int8", "accept": ["lossless", "int8"], "push": False,
+         "store_bytes": "64M", "timeout": 3, "trust": [str(tmp_path)], "key_dir": str(tmp_path / "k"),
+         "locate_deadline": 0.5, "drain_timeout": 4, "metrics_dir": str(tmp_path / "m")},
+        None,
+    )
+    node = settings.node
+    assert node.publish_renditions == ("lossless", "int8")
+    assert node.acceptable_renditions == ("lossless", "int8")
+    assert node.push is False and node.store_bytes == 64 << 20 and node.request_timeout == 3.0
+    assert node.trust == (tmp_path,) and node.signing_key == tmp_path / "k" / "publisher.key"
+    assert settings.locate_deadline == 0.5 and settings.drain_timeout == 4.0
+    assert settings.metrics_dir == tmp_path / "m"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"relay_url": "x"}, "unknown kvnet setting"),
+        ({"push": "yes"}, "'push'"),
+        ({"timeout": "10"}, "'timeout'"),
+        ({"locate_deadline": 0}, "'locate_deadline'"),
+        ({"renditions": "lossless,fancy"}, "unknown rendition"),
+        ({"trust": 3}, "'trust'"),
+        ({"tenant": "other"}, "node-secret"),
+    ],
+)
+def test_bad_settings_name_the_key(tmp_path: Path, extra: dict[str, object], message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        ConnectorSettings.from_extra_config({**BASE, **extra}, str(tmp_path))
+
+
+def test_relay_and_ca_are_required(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="'relay' is required"):
+        ConnectorSettings.from_extra_config({"ca": "ca.pem"}, str(tmp_path))
+    with pytest.raises(SettingsError, match="ca"):
+        ConnectorSettings.from_extra_config({"relay": BASE["relay"]}, str(tmp_path))
