@@ -413,7 +413,8 @@ class _SchedulerSide:
         self.loading.difference_update(finished_recving)
 
     def request_finished(self, req_id: str) -> bool:
-        """Whether vLLM must keep the request's blocks until the worker says its load ended."""
+        """Whether vLLM must keep the request's blocks until the worker says its load ended (an abort
+        while loading: vLLM frees them when the load is reported finished)."""
         self.hashes.pop(req_id, None)
         self.eligible_reqs.discard(req_id)
         self.planned.pop(req_id, None)
@@ -512,9 +513,6 @@ class _WorkerSide:
         self.layers: list[torch.Tensor] = []
         self.layout: CpuBlockLayout | None = None
         self.loads: dict[str, concurrent.futures.Future[set[int]]] = {}
-        self.finished_while_loading: set[str] = set()
-        self.loaded: set[str] = set()
-        """Requests whose load was reported done and that have not finished yet."""
         self.load_errors: set[int] = set()
         self.publishing: set[concurrent.futures.Future[None]] = set()
 
@@ -554,27 +552,16 @@ class _WorkerSide:
             self.cache.unregister(job)
             self.report.write()
 
-    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending: set[str] = set()
+    def finished(self) -> set[str] | None:
+        """Requests whose load ended (loaded or not): vLLM schedules them, or frees the blocks of those
+        that finished meanwhile (the scheduler kept them allocated for the load)."""
         recving: set[str] = set()
-        for req_id in finished_req_ids:
-            if req_id in self.loads:
-                self.finished_while_loading.add(req_id)  # its blocks stay allocated until the load ends
-            elif req_id in self.loaded:
-                self.loaded.discard(req_id)
-                sending.add(req_id)
         for req_id, future in list(self.loads.items()):
-            if not future.done():
-                continue
-            del self.loads[req_id]
-            self.load_errors |= future.result()
-            recving.add(req_id)
-            if req_id in self.finished_while_loading:
-                self.finished_while_loading.discard(req_id)
-                sending.add(req_id)
-            else:
-                self.loaded.add(req_id)
-        return sending or None, recving or None
+            if future.done():
+                del self.loads[req_id]
+                self.load_errors |= future.result()
+                recving.add(req_id)
+        return recving or None
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
@@ -694,7 +681,7 @@ class KvnetConnector(KVConnectorBase_V1):
             self._worker_side().save(meta.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker_side().finished(finished_req_ids)
+        return None, self._worker_side().finished()  # saves copy out synchronously: nothing to send
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_load_errors()
