@@ -9,6 +9,8 @@ The set-up (module scope, so every assertion shares the same engine runs):
   suffix: vLLM's own local prefix-cache hit, the reference for the remote hit, and cold references for
   the fault prompts.
 * Engine B, a new process on R1, runs prefix 1 plus its suffix: the prefix must come through the relay.
+* An OpenAI server (``vllm.entrypoints.openai.api_server --kv-transfer-config``) on R1 answers the
+  shared prompt: its usage shows the prefix as cached tokens, loaded through kvnet.
 * Engine C starts while its relay R2 is down (a request then computes locally), waits until the test has
   started R2 and pushed forged blocks into it (one prompt's blocks signed by A's key with a payload
   altered after signing, another's signed by a key nobody trusts), then runs those prompts: each must be
@@ -22,7 +24,10 @@ import dataclasses
 import json
 import os
 import random
+import signal
+import socket
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -117,6 +122,45 @@ def start_engine(
     )
     log.close()
     return proc
+
+
+def start_server(setup: Setup, name: str, relay_url: str, port: int) -> subprocess.Popen[bytes]:
+    config = connector_config(relay_url, setup, name)
+    args = [
+        setup.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(setup.model),
+        "--dtype", "bfloat16", "--enforce-eager", "--block-size", "128", "--max-model-len", "4096",
+        "--seed", "0", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+        "--host", "127.0.0.1", "--port", str(port), "--kv-transfer-config", json.dumps(config),
+    ]
+    env = dict(
+        os.environ, PYTHONPATH=str(REPO), KVNET_HOME=str(setup.home),
+        VLLM_CPU_NUM_OF_RESERVED_CPU="1", VLLM_CPU_KVCACHE_SPACE="1",
+    )
+    with open(setup.tmp / f"{name}.log", "wb") as log:
+        return subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def http_json(url: str, body: dict[str, Any] | None = None) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
+
+
+def server_completion(setup: Setup, proc: subprocess.Popen[bytes], port: int, prompt: list[int]) -> Any:
+    def ready() -> bool:
+        if proc.poll() is not None:
+            log = (setup.tmp / "S.log").read_text(errors="replace")
+            raise AssertionError(f"the server exited with {proc.returncode}:\n{log[-3000:]}")
+        try:
+            http_json(f"http://127.0.0.1:{port}/v1/models")
+        except OSError:
+            return False
+        return True
+
+    wait_until(ready, "the OpenAI server answering", timeout=ENGINE_TIMEOUT, interval=0.5)
+    body = {"model": str(setup.model), "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
+    return http_json(f"http://127.0.0.1:{port}/v1/completions", body)
 
 
 def engine_result(setup: Setup, name: str) -> dict[str, Any]:
@@ -225,6 +269,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             step("untrusted", full("untrusted")),
         ]
         procs.append(c := start_engine(setup, "C", f"moqt://127.0.0.1:{r2_port}", c_steps))
+        server_port = free_port(socket.SOCK_STREAM)
+        procs.append(server := start_server(setup, "S", r1.url, server_port))
         wait_until(
             lambda: "relay_down" in engine_result(setup, "C").get("steps", {}) or c.poll() is not None,
             "engine C computing with its relay down", timeout=ENGINE_TIMEOUT,
@@ -237,7 +283,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         stranger = Signer.generate()
         pushed += asyncio.run(push_forged(setup, r2, identity, PROMPTS["untrusted"][0], stranger, False))
         go.touch()
+        completion = server_completion(setup, server, server_port, full("shared"))
+        server.send_signal(signal.SIGTERM)  # a clean shutdown
+        server.wait(ENGINE_TIMEOUT)
         yield {
+            "server": completion,
             "setup": setup, "A": result_a, "B": wait_engine(setup, "B", b), "C": wait_engine(setup, "C", c),
             "forged_pushed": pushed,
         }
@@ -287,3 +337,11 @@ def test_a_dead_relay_costs_a_locate_not_the_request(runs: dict[str, Any]) -> No
     c_scheduler = counters(runs["setup"], "C", "scheduler")
     # Counted as a failed locate, or as a request that went ahead while the connect attempt was pending.
     assert c_scheduler["locate_failures"] + c_scheduler["locate_deadline_misses"] >= 1
+
+
+def test_openai_server_reports_the_kvnet_prefix_as_cached_tokens(runs: dict[str, Any]) -> None:
+    usage = runs["server"]["usage"]
+    assert usage["prompt_tokens"] == PREFIX + SUFFIX
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 4 * BLOCK
+    s_worker = counters(runs["setup"], "S", "worker")
+    assert s_worker["tokens_loaded"] == 4 * BLOCK and s_worker["blocks_load_failed"] == 0

@@ -3,7 +3,7 @@
 Runs in the vLLM environment with the checkout on ``PYTHONPATH``. SPEC::
 
     {"model": DIR, "kv_transfer_config": {...} | null, "out": RESULT.json,
-     "max_tokens": 4, "logprobs": 5,
+     "max_tokens": 4, "logprobs": 5, "max_model_len": 4096,
      "steps": [{"name": "a", "prompt_token_ids": [...]}, {"wait_for_file": PATH}, ...]}
 
 Each generation step records the generated token ids, the top-k logprobs of every generated position (as
@@ -34,8 +34,9 @@ def run(spec: dict[str, Any]) -> None:
         tmp.replace(out)
 
     llm = LLM(
-        model=spec["model"], dtype="bfloat16", enforce_eager=True, block_size=128, max_model_len=4096,
-        seed=0, kv_transfer_config=spec.get("kv_transfer_config"), disable_log_stats=False,
+        model=spec["model"], dtype="bfloat16", enforce_eager=True, block_size=128,
+        max_model_len=spec.get("max_model_len", 4096), seed=0,
+        kv_transfer_config=spec.get("kv_transfer_config"), disable_log_stats=False,
         enable_prefix_caching=True,
     )
     params = SamplingParams(

@@ -1,4 +1,5 @@
-"""Make a small Llama checkpoint that vLLM can load, with no download: ``python vllm_model.py OUT_DIR``.
+"""Make a small Llama checkpoint that vLLM can load, with no download: ``python vllm_model.py OUT_DIR``
+(``--hidden``, ``--layers``, ``--max-positions`` make a larger one for benchmarks).
 
 Runs in the vLLM environment (``scripts/setup-vllm``): ``tokenizers`` trains a byte-level BPE on the
 repository's own documents and ``transformers`` writes a randomly initialised (seeded) Llama in bf16.
@@ -7,14 +8,14 @@ Deterministic for a given checkout, so every process fingerprints the same weigh
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 1024
 
 
-def make_model(out: Path) -> None:
+def make_model(out: Path, hidden: int = 256, layers: int = 4, max_positions: int = 4096) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -34,8 +35,9 @@ def make_model(out: Path) -> None:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=-(-len(fast) // 64) * 64, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+        vocab_size=-(-len(fast) // 64) * 64, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=max(hidden // 128, 1),
+        head_dim=64, max_position_embeddings=max_positions,
         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
@@ -43,4 +45,10 @@ def make_model(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    make_model(Path(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--max-positions", type=int, default=4096)
+    args = parser.parse_args()
+    make_model(args.out, args.hidden, args.layers, args.max_positions)

