@@ -288,6 +288,9 @@ class _SchedulerSide:
         self.published: OrderedDict[bytes, None] = OrderedDict()
         self.eligible_reqs: set[str] = set()
         """Requests kvnet serves (checked in ``matched_tokens``); only their blocks are published."""
+        self.loaded_reqs: set[str] = set()
+        """Requests that had their one load. vLLM asks again after a failed load (its computed tokens
+        went back to 0): offering the same blocks again would fetch and reject them forever."""
 
     @staticmethod
     def eligible(request: Any) -> bool:
@@ -310,7 +313,7 @@ class _SchedulerSide:
             return 0, False
         req_id, prompt = request.request_id, request.prompt_token_ids
         self.eligible_reqs.add(req_id)
-        if getattr(request, "skip_reading_prefix_cache", False):
+        if getattr(request, "skip_reading_prefix_cache", False) or req_id in self.loaded_reqs:
             return 0, False
         b = self.block_size
         usable = (len(prompt) - 1) // b  # the last prompt token is always computed (its logits)
@@ -365,6 +368,7 @@ class _SchedulerSide:
         meta = KvnetConnectorMetadata(loads=self.pending_loads)
         self.pending_loads = []
         self.loading.update(job.req_id for job in meta.loads)
+        self.loaded_reqs.update(job.req_id for job in meta.loads)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in self.eligible_reqs and new.prompt_token_ids is not None:
@@ -417,6 +421,7 @@ class _SchedulerSide:
         while loading: vLLM frees them when the load is reported finished)."""
         self.hashes.pop(req_id, None)
         self.eligible_reqs.discard(req_id)
+        self.loaded_reqs.discard(req_id)
         self.planned.pop(req_id, None)
         self.tracked.pop(req_id, None)
         locate = self.locates.pop(req_id, None)

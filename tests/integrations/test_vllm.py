@@ -96,7 +96,9 @@ def connector_config(relay_url: str, setup: Setup, name: str, **extra: Any) -> d
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
             "relay": relay_url, "ca": str(setup.certs.ca),
-            "metrics_dir": str(setup.tmp / f"metrics-{name}"), "locate_deadline": 5.0, **extra,
+            # Generous: on a loaded machine a first connect plus locate can take seconds, and each fault
+            # test needs its locate answered (a request past its deadline computes locally, uncounted).
+            "metrics_dir": str(setup.tmp / f"metrics-{name}"), "locate_deadline": 60.0, **extra,
         },
     }
 
