@@ -628,11 +628,25 @@ class _WorkerSide:
 # -- the connector ---------------------------------------------------------------------------------------
 
 
+def _log_like_vllm() -> None:
+    """Send kvnet's records to vLLM's log handlers (vLLM configures only its own loggers), so an engine's
+    log shows kvnet's connects, load failures and shutdown drain."""
+    kvnet_logger = logging.getLogger("kvnet")
+    vllm_handlers = logging.getLogger("vllm").handlers
+    if kvnet_logger.handlers or not vllm_handlers:
+        return
+    for handler in vllm_handlers:
+        kvnet_logger.addHandler(handler)
+    kvnet_logger.setLevel(logging.INFO)
+    kvnet_logger.propagate = False
+
+
 class KvnetConnector(KVConnectorBase_V1):
     """vLLM KV connector sharing prompt-prefix KV blocks through kvnet relays (see the module docstring)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_like_vllm()
         transfer = vllm_config.kv_transfer_config
         extra = dict(transfer.kv_connector_extra_config or {})
         kvnet_home = os.environ.get("KVNET_HOME")
