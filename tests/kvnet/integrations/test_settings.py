@@ -7,27 +7,38 @@ from pathlib import Path
 import pytest
 
 from kvnet.integrations.settings import ConnectorSettings, SettingsError
+from kvnet.security import certs
 
-BASE = {"relay": "moqt://127.0.0.1:4443", "ca": "ca.pem"}
+RELAY = "moqt://127.0.0.1:4443"
 
 
-def test_keys_default_to_kvnet_home_like_the_node_commands(tmp_path: Path) -> None:
-    settings = ConnectorSettings.from_extra_config(BASE, str(tmp_path))
+@pytest.fixture
+def base(tmp_path: Path) -> dict[str, object]:
+    ca_dir = tmp_path / "ca"
+    ca_dir.mkdir()
+    certs.create_ca(ca_dir)
+    return {"relay": RELAY, "ca": str(ca_dir / "ca.pem")}
+
+
+def test_keys_default_to_kvnet_home_like_the_node_commands(tmp_path: Path, base: dict[str, object]) -> None:
+    settings = ConnectorSettings.from_extra_config(base, str(tmp_path))
     keys = tmp_path / "keys"
     assert settings.node.signing_key == keys / "publisher.key"
     assert (keys / "publisher.key").exists() and (keys / "publisher.pub").exists()
     assert settings.node.trust == (keys,)
-    assert settings.node.relay_url == BASE["relay"] and settings.node.ca_file == Path("ca.pem")
+    assert settings.node.relay_url == RELAY and settings.node.ca_file == Path(str(base["ca"]))
 
 
-def test_a_side_that_neither_signs_nor_verifies_touches_no_key_file(tmp_path: Path) -> None:
-    ConnectorSettings.from_extra_config(BASE, str(tmp_path), resolve_key_files=False)
+def test_a_side_that_neither_signs_nor_verifies_touches_no_key_file(
+    tmp_path: Path, base: dict[str, object]
+) -> None:
+    ConnectorSettings.from_extra_config(base, str(tmp_path), resolve_key_files=False)
     assert not (tmp_path / "keys").exists()
 
 
-def test_values_map_to_the_node_config(tmp_path: Path) -> None:
+def test_values_map_to_the_node_config(tmp_path: Path, base: dict[str, object]) -> None:
     settings = ConnectorSettings.from_extra_config(
-        {**BASE, "renditions": "lossless,int8", "accept": ["lossless", "int8"], "push": False,
+        {**base, "renditions": "lossless,int8", "accept": ["lossless", "int8"], "push": False,
          "store_bytes": "64M", "timeout": 3, "trust": [str(tmp_path)], "key_dir": str(tmp_path / "k"),
          "locate_deadline": 0.5, "drain_timeout": 4, "metrics_dir": str(tmp_path / "m")},
         None,
@@ -53,13 +64,17 @@ def test_values_map_to_the_node_config(tmp_path: Path) -> None:
         ({"tenant": "other"}, "node-secret"),
     ],
 )
-def test_bad_settings_name_the_key(tmp_path: Path, extra: dict[str, object], message: str) -> None:
+def test_bad_settings_name_the_key(
+    tmp_path: Path, base: dict[str, object], extra: dict[str, object], message: str
+) -> None:
     with pytest.raises(SettingsError, match=message):
-        ConnectorSettings.from_extra_config({**BASE, **extra}, str(tmp_path))
+        ConnectorSettings.from_extra_config({**base, **extra}, str(tmp_path))
 
 
-def test_relay_and_ca_are_required(tmp_path: Path) -> None:
+def test_relay_and_a_usable_ca_are_required(tmp_path: Path, base: dict[str, object]) -> None:
     with pytest.raises(SettingsError, match="'relay' is required"):
-        ConnectorSettings.from_extra_config({"ca": "ca.pem"}, str(tmp_path))
+        ConnectorSettings.from_extra_config({"ca": base["ca"]}, str(tmp_path))
     with pytest.raises(SettingsError, match="ca"):
-        ConnectorSettings.from_extra_config({"relay": BASE["relay"]}, str(tmp_path))
+        ConnectorSettings.from_extra_config({"relay": RELAY}, str(tmp_path))
+    with pytest.raises(SettingsError, match="not a usable PEM CA"):
+        ConnectorSettings.from_extra_config({"relay": RELAY, "ca": str(tmp_path / "missing.pem")}, None)
