@@ -151,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--upstream-timeout", type=float)
     g.add_argument(
+        "--upstream-idle-timeout",
+        type=float,
+        help="seconds of silence before an upstream relay counts as dead (3)",
+    )
+    g.add_argument(
         "--route-timeout",
         type=float,
         help="seconds before a silent route is passed over for the next (0 = off)",
@@ -216,6 +221,7 @@ def config_from_args(args: argparse.Namespace) -> RelayConfig:
         "limits.max_buffered_bytes_per_session": args.max_buffered_bytes,
         "limits.max_buffered_bytes": args.max_buffered_bytes_total,
         "limits.upstream_timeout": args.upstream_timeout,
+        "limits.upstream_idle_timeout": args.upstream_idle_timeout,
         "limits.route_timeout": args.route_timeout,
         "limits.setup_timeout": args.setup_timeout,
         "limits.session_idle_timeout": args.session_idle_timeout,

@@ -59,6 +59,11 @@ class LimitsConfig:
     """Downstream subscriptions fanned out from one upstream track."""
     upstream_timeout: float = 10.0
     """Seconds to wait for an upstream answer (FETCH_OK, SUBSCRIBE_OK, TRACK_STATUS_OK) before TIMEOUT."""
+    upstream_idle_timeout: float = 3.0
+    """Seconds without a packet from an upstream relay before its session counts as dead (the QUIC idle
+    timeout of our sessions to upstream relays, which send keep-alive PINGs every third of it): a killed or
+    restarted upstream is noticed this fast and the next request reconnects or takes another route. The
+    sessions peers open to us keep ``transport.idle_timeout``."""
     route_timeout: float = 1.5
     """Seconds one route (an announcing session or an upstream relay) has to answer a forwarded request
     while other routes for it exist; after that the next route is asked too (the first answer wins) and
@@ -98,6 +103,10 @@ class LimitsConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.3 <= self.upstream_idle_timeout <= 3600:
+            raise ValueError(
+                f"upstream_idle_timeout must be in [0.3, 3600] seconds, got {self.upstream_idle_timeout}"
+            )
         for name in ("upstream_timeout", "setup_timeout", "slow_peer_timeout"):
             if not 0 < getattr(self, name) <= 3600:
                 raise ValueError(f"{name} must be in (0, 3600] seconds, got {getattr(self, name)}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import signal
@@ -122,7 +123,11 @@ class Relay:
         self.upstreams = [
             UpstreamRelay(
                 url,
-                config.transport,
+                dataclasses.replace(
+                    config.transport,
+                    idle_timeout=config.limits.upstream_idle_timeout,
+                    keepalive_interval=config.limits.upstream_idle_timeout / 3,
+                ),
                 config.tls,
                 session_cfg,
                 self.connection_limits(),

@@ -210,6 +210,11 @@ class UpstreamRelay:
                 await self._on_session(self, conn)
             await conn.wait_session_closed()
         finally:
+            if not self._closing:
+                # The next request reconnects (a restarted upstream) or goes to another route.
+                logger.warning(
+                    "upstream session ended", extra={"upstream": self.url, "closed": conn.session.closed}
+                )
             if not self._closing and self._wanted:
                 logger.warning("upstream session ended; re-announcing", extra={"upstream": self.url})
                 await asyncio.sleep(_RECONNECT_BACKOFF)

@@ -18,11 +18,13 @@ from kvnet.node.config import NodeConfig
 from kvnet.node.node import Node
 from proto.kvobject import block_track
 from relay.disk import track_file_name
+from tests.helpers.processes import start_relay
 from tests.helpers.waiting import wait_until
 from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster
 
 PROMPT = SHARED_PREFIX + "Question: what survives a relay restart?"
 OTHER = SHARED_PREFIX * 4 + "Question: and what was in flight?"
+UNRELATED = "Nothing in common with the other prompts: " * 4
 
 
 def metric(c: Cluster, name: str) -> float:
@@ -89,3 +91,51 @@ def test_relay_killed_mid_traffic_serves_its_disk_cache_after_restart(
     assert report["security_events"] == [], report  # never served: the subscriber saw no bad block
     assert metric(c, "kvnet_relay_cache_disk_dropped") == 1
     assert not damaged.exists()
+
+
+def test_edge_notices_a_killed_origin_within_seconds_and_uses_the_restarted_one(
+    kv_cluster: Cluster, tmp_path: Path
+) -> None:
+    """An edge relay in front of an origin with ``--cache-dir``: the origin is killed with SIGKILL and
+    restarted on its directory. The edge notices the dead upstream session within a few seconds (its
+    upstream sessions time out after ``--upstream-idle-timeout``, not the 15 s QUIC default) and the next
+    miss reaches the restarted origin, which serves the blocks from disk: no publisher is left."""
+    c = kv_cluster
+    c.start_relay("--cache-dir", str(tmp_path / "origin-cache"))
+    edge = start_relay(
+        c.cert_dir,
+        c.tmp,
+        "--upstream",
+        c.url(),
+        "--upstream-idle-timeout",
+        "2",
+        name="edge",
+        log_level="info",
+        env=c.env,
+    )
+    try:
+        c.publish_and_exit([PROMPT])
+        wait_until(
+            lambda: metric(c, "kvnet_relay_cache_disk_tracks") >= metric(c, "kvnet_relay_cache_tracks") > 0,
+            "origin wrote its blocks to disk",
+        )
+        # A miss through the edge opens its upstream session (this prompt shares no block with PROMPT).
+        proc = c.start_subscriber([UNRELATED], "--timeout", "5", relay_port=edge.port)
+        proc.communicate(timeout=120)
+        assert proc.returncode == 0, c.log_of(proc)[-3000:]
+        assert "connected to upstream relay" in edge.log()
+
+        assert c.relay is not None
+        c.kill(c.relay, signal.SIGKILL)
+        # Generous for a loaded machine, yet below the 15 s a QUIC idle timeout alone would take.
+        wait_until(lambda: "upstream session ended" in edge.log(), "edge noticed the dead origin", timeout=10)
+        c.start_relay("--cache-dir", str(tmp_path / "origin-cache"))
+        proc = c.start_subscriber([PROMPT], "--verify", "--timeout", "5", relay_port=edge.port)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, c.log_of(proc)[-3000:]
+        report = json.loads(out.decode().strip().splitlines()[-1])
+        usable = (report["prompt_tokens"] - 1) // TEST_BLOCK_SIZE
+        assert report["verified"] is True and report["remote_hit_tokens"] == usable * TEST_BLOCK_SIZE, report
+        assert metric(c, "kvnet_relay_cache_disk_loads") >= usable
+    finally:
+        edge.stop()
