@@ -54,7 +54,7 @@ from proto.kvobject import block_track
 
 BLOCKS = (16, 64, 256, 1024, 4096)
 FINGERPRINT = bytes(range(32))
-TENANT = "bench"
+NAMESPACE_ID = "bench"
 RENDITION = "lossless"
 
 
@@ -64,7 +64,7 @@ def block_hash(i: int) -> bytes:
 
 def track(i: int) -> tuple[tuple[bytes, ...], bytes]:
     """Full Track Name of block ``i``, as a node names it."""
-    return block_track(FINGERPRINT, TENANT, block_hash(i), RENDITION)
+    return block_track(FINGERPRINT, NAMESPACE_ID, block_hash(i), RENDITION)
 
 
 # ---------------------------------------------------------------- publisher (child process)
@@ -81,7 +81,7 @@ def _block_server(conn: MoqtConnection, blocks: list[StoredBlock]) -> BlockServe
     store = BlockStore(max_bytes=1 << 30)
     for block in blocks:
         store.put(block)
-    return BlockServer(conn, store, FINGERPRINT, TENANT, num_layers=1)
+    return BlockServer(conn, store, FINGERPRINT, NAMESPACE_ID, num_layers=1)
 
 
 async def _publisher_main(settings: quic.TransportSettings, certdir: Path, cached: int, port: int,

@@ -73,7 +73,7 @@ MAX_TOTAL_PAYLOAD: Final = 2**48 - 1
 MAX_CREATED_AT_MS: Final = 2**63 - 1
 MAX_KEY_ID_LEN: Final = 64
 MAX_SIGNATURE_LEN: Final = 256
-MAX_TENANT_LEN: Final = 64
+MAX_NAMESPACE_ID_LEN: Final = 64
 MAX_RENDITION_LEN: Final = 32
 MAX_MANIFEST_BYTES: Final = 256 * 1024
 """Upper bound of an encoded manifest; checked before unpacking anything."""
@@ -82,7 +82,7 @@ DTYPES: Final = frozenset({"bfloat16", "float16", "float32", "float64"})
 """Element dtype names a manifest may carry (torch names without the ``torch.`` prefix)."""
 
 _RENDITION_RE = re.compile(rb"[a-z0-9_]{1,%d}" % MAX_RENDITION_LEN)
-_TENANT_RE = re.compile(rb"[A-Za-z0-9_.\-]{1,%d}" % MAX_TENANT_LEN)
+_NAMESPACE_ID_RE = re.compile(rb"[A-Za-z0-9_.\-]{1,%d}" % MAX_NAMESPACE_ID_LEN)
 _HASH_HEX_RE = re.compile(rb"[0-9a-f]{%d}" % (2 * HASH_LEN))
 """A fingerprint or block hash in a name: lowercase hex, so one byte string per hash."""
 
@@ -127,8 +127,8 @@ class BlockTrack:
 
     fingerprint: bytes
     """32-byte model fingerprint."""
-    tenant: str
-    """Tenant / namespace id (ASCII ``[A-Za-z0-9_.-]``, 1..64 characters)."""
+    namespace_id: str
+    """Namespace id: the tenant's name or pseudonym (ASCII ``[A-Za-z0-9_.-]``, 1..64 characters)."""
     block_hash: bytes
     """32-byte chained block hash."""
     rendition: str
@@ -159,26 +159,26 @@ def _describe(value: object) -> str:
     return type(value).__name__
 
 
-def block_namespace(fingerprint: bytes, tenant: str) -> tuple[bytes, ...]:
-    """Track Namespace of every block of ``tenant`` under model ``fingerprint``.
+def block_namespace(fingerprint: bytes, namespace_id: str) -> tuple[bytes, ...]:
+    """Track Namespace of every block of ``namespace_id`` under model ``fingerprint``.
 
-    ``("kvnet", "v2", <fingerprint as 64 lowercase hex digits>, <tenant>)``; a publisher announces
+    ``("kvnet", "v2", <fingerprint as 64 lowercase hex digits>, <namespace id>)``; a publisher announces
     exactly this tuple with PUBLISH_NAMESPACE.
     """
     fp = _check_hash("fingerprint", fingerprint)
-    return (NAMESPACE_ROOT, NAMESPACE_VERSION, fp.hex().encode("ascii"), _check_ascii("tenant", tenant,
-                                                                                      _TENANT_RE))
+    return (NAMESPACE_ROOT, NAMESPACE_VERSION, fp.hex().encode("ascii"),
+            _check_ascii("namespace_id", namespace_id, _NAMESPACE_ID_RE))
 
 
 def block_track(
-    fingerprint: bytes, tenant: str, block_hash: bytes, rendition: str
+    fingerprint: bytes, namespace_id: str, block_hash: bytes, rendition: str
 ) -> tuple[tuple[bytes, ...], bytes]:
     """``(track_namespace, track_name)`` of one block in one rendition.
 
     Track Name = block hash as 64 lowercase hex digits + ``b"."`` + ASCII rendition name: text only, so
     relays that insist on UTF-8 names carry it.
     """
-    namespace = block_namespace(fingerprint, tenant)
+    namespace = block_namespace(fingerprint, namespace_id)
     name = _check_hash("block_hash", block_hash).hex().encode("ascii") + TRACK_NAME_SEPARATOR + _check_ascii(
         "rendition", rendition, _RENDITION_RE
     )
@@ -190,15 +190,17 @@ def parse_block_track(namespace: Sequence[bytes], track_name: bytes) -> BlockTra
     fields = tuple(namespace)
     if len(fields) != 4 or not all(isinstance(f, bytes) for f in fields):
         raise KVObjectError(f"block namespace must be 4 byte fields, got {len(fields)} field(s)")
-    root, version, fp_hex, tenant_raw = fields
+    root, version, fp_hex, namespace_id_raw = fields
     if root != NAMESPACE_ROOT:
         raise KVObjectError(f"namespace root {root!r} is not {NAMESPACE_ROOT!r}")
     if version != NAMESPACE_VERSION:
         raise KVObjectError(f"unsupported namespace version {version!r}")
     if not _HASH_HEX_RE.fullmatch(fp_hex):
         raise KVObjectError("fingerprint field must be 64 lowercase hex digits")
-    if not _TENANT_RE.fullmatch(tenant_raw):
-        raise KVObjectError(f"tenant field {tenant_raw!r} is not 1..{MAX_TENANT_LEN} of [A-Za-z0-9_.-]")
+    if not _NAMESPACE_ID_RE.fullmatch(namespace_id_raw):
+        raise KVObjectError(
+            f"namespace id field {namespace_id_raw!r} is not 1..{MAX_NAMESPACE_ID_LEN} of [A-Za-z0-9_.-]"
+        )
     if not isinstance(track_name, bytes):
         raise KVObjectError(f"track name must be bytes, got {type(track_name).__name__}")
     hex_len = 2 * HASH_LEN
@@ -209,7 +211,7 @@ def parse_block_track(namespace: Sequence[bytes], track_name: bytes) -> BlockTra
         raise KVObjectError("track name must be a block hash in 64 lowercase hex digits, '.', a rendition")
     if not _RENDITION_RE.fullmatch(rendition):
         raise KVObjectError(f"rendition {rendition!r} is not 1..{MAX_RENDITION_LEN} of [a-z0-9_]")
-    return BlockTrack(bytes.fromhex(fp_hex.decode("ascii")), tenant_raw.decode("ascii"),
+    return BlockTrack(bytes.fromhex(fp_hex.decode("ascii")), namespace_id_raw.decode("ascii"),
                       bytes.fromhex(hash_hex.decode("ascii")), rendition.decode("ascii"))
 
 

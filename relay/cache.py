@@ -12,10 +12,10 @@ Rules:
    fill stores nothing, so a partial track is never served as complete.
 3. Payloads are opaque bytes; the cache never looks inside them (the relay is content-agnostic).
 4. Shares: tracks are grouped by the first ``share_depth`` namespace fields (for kvnet namespaces
-   ("kvnet", "v2", fingerprint, tenant): one group per tenant). A group holds at most ``share_limit``
-   bytes; storing beyond it evicts that group's own least recently used tracks first. When the whole
-   cache is over budget, the victim is the least recently used track of a group above an equal share of
-   the budget, so a group that floods the cache evicts itself, not the others.
+   ("kvnet", "v2", fingerprint, namespace id): one group per namespace id). A group holds at most
+   ``share_limit`` bytes; storing beyond it evicts that group's own least recently used tracks first.
+   When the whole cache is over budget, the victim is the least recently used track of a group above an
+   equal share of the budget, so a group that floods the cache evicts itself, not the others.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class CacheConfig:
     max_negative_entries: int = 65536
     """Bound on remembered negative answers (oldest dropped first)."""
     share_depth: int = 4
-    """Namespace fields that name a cache share group (4: ("kvnet", "v2", fingerprint, tenant));
+    """Namespace fields that name a cache share group (4: ("kvnet", "v2", fingerprint, namespace id));
     0 puts every track in one group."""
     share_bytes: int = 0
     """Most bytes one group may hold; 0 means ``share_fraction`` of ``max_bytes``."""

@@ -408,7 +408,7 @@ def load_signer_and_trust(config: NodeConfig) -> tuple[Signer | None, TrustStore
 
 
 def tenant_salt_and_namespace(tenant: str, node_secret: NodeSecret | None) -> tuple[bytes, str]:
-    """The chain-root salt and the namespace tenant field of ``tenant`` (``NodeConfig.node_secret``)."""
+    """The chain-root salt and the namespace-id field of ``tenant`` (``NodeConfig.node_secret``)."""
     if node_secret is not None:
         return node_secret.tenant_salt(tenant), node_secret.namespace_id(tenant)
     if tenant != DEFAULT_TENANT:

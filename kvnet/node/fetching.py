@@ -161,7 +161,7 @@ class BlockFetcher:
     """Locate and fetch block tracks over one ``MoqtConnection`` (its request helpers do the I/O), writing
     verified layers straight into ``cache``.
 
-    ``namespace_id`` is the namespace's tenant field (``NodeSecret.namespace_id`` of the tenant, or the
+    ``namespace_id`` is the namespace's namespace-id field (``NodeSecret.namespace_id`` of the tenant, or the
     tenant id itself without a node secret); ``shape`` and ``dtype`` are the cache's block shape
     ``[L, block_size, H_kv, D]`` and dtype name, which every manifest must match. ``abr`` receives the
     throughput, RTT and rendition measurements (a fresh ``KvAbr`` when none is given).

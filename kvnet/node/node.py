@@ -98,7 +98,7 @@ class Node:
         trust: TrustStore | None = None,
         node_secret: NodeSecret | None = None,
     ) -> None:
-        """``node_secret`` derives the tenant's salt and ``namespace_id``, the tenant field of our block
+        """``node_secret`` derives the tenant's salt and ``namespace_id``, the namespace-id field of our block
         namespace (``NodeConfig.node_secret``); without it that field is the tenant id itself."""
         self.config = config
         self.model = model.eval()

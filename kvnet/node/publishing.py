@@ -135,8 +135,8 @@ class BlockServer:
     def __init__(
         self, conn: MoqtConnection, store: BlockStore, fingerprint: bytes, namespace_id: str, num_layers: int
     ) -> None:
-        """``namespace_id`` is the tenant field of our block namespace (``NodeSecret.namespace_id`` of the
-        tenant, or the tenant id itself without a node secret)."""
+        """``namespace_id`` is the namespace-id field of our block namespace (``NodeSecret.namespace_id``
+        of the tenant, or the tenant id itself without a node secret)."""
         self.conn = conn
         self.store = store
         self.fingerprint = fingerprint
@@ -158,7 +158,7 @@ class BlockServer:
             track = parse_block_track(namespace, name)
         except KVObjectError:
             return None
-        if track.fingerprint != self.fingerprint or track.tenant != self.namespace_id:
+        if track.fingerprint != self.fingerprint or track.namespace_id != self.namespace_id:
             return None
         return self.store.get(track.block_hash, track.rendition)
 

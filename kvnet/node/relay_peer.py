@@ -71,9 +71,9 @@ class RelayPeer:
     ) -> RelayPeer:
         """Open the session to ``cfg.relay_url``, announce our namespace and serve ``store`` on it; fetched
         blocks are written into ``cache`` (what ``open`` does for a ``Node``; engines that keep their own KV
-        cache call this directly). ``namespace_id`` is the tenant field of the block namespace. A session
-        that only locates passes ``announce=False``: it holds no blocks, so the relay must not route
-        requests for the namespace to it."""
+        cache call this directly). ``namespace_id`` is the namespace-id field of the block namespace. A
+        session that only locates passes ``announce=False``: it holds no blocks, so the relay must not
+        route requests for the namespace to it."""
         assert cfg.relay_url is not None
         url = parse_moqt_url(cfg.relay_url)
         tokens: tuple[AuthToken, ...] = ()
@@ -109,7 +109,7 @@ class RelayPeer:
             raise
         loop = asyncio.get_running_loop()
         peer._tasks = [loop.create_task(server.serve()), loop.create_task(peer._watch())]
-        logger.info("connected to relay %s; namespace tenant field %s", cfg.relay_url, namespace_id)
+        logger.info("connected to relay %s; namespace id %s", cfg.relay_url, namespace_id)
         return peer
 
     async def _watch(self) -> None:

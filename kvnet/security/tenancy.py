@@ -55,7 +55,7 @@ MAX_SECRET_LEN: Final = 64
 MAX_TENANT_ID_BYTES: Final = 256
 """Longest tenant id in UTF-8 bytes (the same bound as a token's tenant claim)."""
 NAMESPACE_ID_LEN: Final = 33
-"""Characters of a tenant namespace id: "t" + 32 lowercase hex digits (fits the 64-char tenant field)."""
+"""Characters of a tenant namespace id: "t" + 32 lowercase hex digits (fits the 64-char field)."""
 
 _SALT_LABEL: Final = b"kvnet/tenant-salt/v1\x00"
 _NAMESPACE_LABEL: Final = b"kvnet/tenant-ns/v1\x00"
@@ -93,7 +93,7 @@ def derive_tenant_salt(node_secret: bytes, tenant_id: str) -> bytes:
 
 
 def tenant_namespace_id(node_secret: bytes, tenant_id: str) -> str:
-    """The tenant field of block namespaces: a pseudonym that is stable across nodes sharing the secret.
+    """The namespace-id field of block namespaces: a pseudonym that is stable across nodes sharing the secret.
 
     128 bits of an HMAC under a different label than the salt, so it reveals neither the salt, the
     secret nor the tenant's name, and two tenants collide with probability about 2^-128.

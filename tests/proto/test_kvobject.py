@@ -47,37 +47,37 @@ def _manifest(**overrides: object) -> BlockManifest:
 
 
 def test_block_track_layout() -> None:
-    namespace, name = block_track(FP, "tenant-a", H1, "int8")
-    assert namespace == (b"kvnet", b"v2", FP.hex().encode(), b"tenant-a")
-    assert namespace == block_namespace(FP, "tenant-a")
+    namespace, name = block_track(FP, "ns-a", H1, "int8")
+    assert namespace == (b"kvnet", b"v2", FP.hex().encode(), b"ns-a")
+    assert namespace == block_namespace(FP, "ns-a")
     assert name == H1.hex().encode() + b".int8"
     assert sum(len(f) for f in namespace) + len(name) <= 4096
-    assert parse_block_track(namespace, name) == BlockTrack(FP, "tenant-a", H1, "int8")
+    assert parse_block_track(namespace, name) == BlockTrack(FP, "ns-a", H1, "int8")
 
 
 @given(
     fp=st.binary(min_size=32, max_size=32),
     block_hash=st.binary(min_size=32, max_size=32),
-    tenant=st.text(alphabet="abcXYZ019_.-", min_size=1, max_size=64),
+    namespace_id=st.text(alphabet="abcXYZ019_.-", min_size=1, max_size=64),
     rendition=st.text(alphabet="abcz09_", min_size=1, max_size=32),
 )
-def test_track_round_trip(fp: bytes, block_hash: bytes, tenant: str, rendition: str) -> None:
-    namespace, name = block_track(fp, tenant, block_hash, rendition)
+def test_track_round_trip(fp: bytes, block_hash: bytes, namespace_id: str, rendition: str) -> None:
+    namespace, name = block_track(fp, namespace_id, block_hash, rendition)
     assert len(namespace) == 4 and all(namespace)
     # Every field and the name are UTF-8 text (relays in the field refuse other names).
     for text in (*namespace, name):
         text.decode("utf-8")
-    assert parse_block_track(list(namespace), name) == BlockTrack(fp, tenant, block_hash, rendition)
+    assert parse_block_track(list(namespace), name) == BlockTrack(fp, namespace_id, block_hash, rendition)
 
 
 @pytest.mark.parametrize(
-    ("fp", "tenant", "block_hash", "rendition"),
+    ("fp", "namespace_id", "block_hash", "rendition"),
     [
         (FP[:31], "t", H1, "int8"),
         (FP, "", H1, "int8"),
         (FP, "a" * 65, H1, "int8"),
-        (FP, "tenant/x", H1, "int8"),
-        (FP, "tenänt", H1, "int8"),
+        (FP, "ns/x", H1, "int8"),
+        (FP, "näme", H1, "int8"),
         (FP, "t", H1 + b"x", "int8"),
         (FP, "t", H1, ""),
         (FP, "t", H1, "Int8"),
@@ -85,9 +85,11 @@ def test_track_round_trip(fp: bytes, block_hash: bytes, tenant: str, rendition: 
         (FP, "t", H1, "x" * 33),
     ],
 )
-def test_block_track_rejects_bad_parts(fp: bytes, tenant: str, block_hash: bytes, rendition: str) -> None:
+def test_block_track_rejects_bad_parts(
+    fp: bytes, namespace_id: str, block_hash: bytes, rendition: str
+) -> None:
     with pytest.raises(KVObjectError):
-        block_track(fp, tenant, block_hash, rendition)
+        block_track(fp, namespace_id, block_hash, rendition)
 
 
 def test_parse_block_track_rejects_bad_names() -> None:
@@ -99,7 +101,7 @@ def test_parse_block_track_rejects_bad_names() -> None:
         ((ns[0], b"v1", *ns[2:]), name),
         ((ns[0], ns[1], FP.hex().upper().encode(), ns[3]), name),
         ((ns[0], ns[1], FP.hex().encode()[:-2], ns[3]), name),
-        ((*ns[:3], b"bad tenant"), name),
+        ((*ns[:3], b"bad namespace id"), name),
         ((*ns[:3], b""), name),
         (ns, H1.hex().encode() + b"int4"),
         (ns, H1.hex().encode() + b"."),

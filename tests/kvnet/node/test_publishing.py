@@ -47,7 +47,7 @@ async def test_track_status_answers_for_stored_blocks_only(pair: ConnectionPair,
     for track in (
         block_track(FINGERPRINT, NAMESPACE_ID, HASHES[4], "lossless"),  # not in the store
         block_track(FINGERPRINT, NAMESPACE_ID, HASHES[0], "int8"),  # a rendition it does not hold
-        block_track(FINGERPRINT, "other-ns", HASHES[0], "lossless"),  # another tenant's namespace
+        block_track(FINGERPRINT, "other-ns", HASHES[0], "lossless"),  # another namespace id
         block_track(bytes(32), NAMESPACE_ID, HASHES[0], "lossless"),  # another model
         (block_namespace(FINGERPRINT, NAMESPACE_ID), b"not a block track"),
     ):
