@@ -229,8 +229,10 @@ def _add_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     convert.add_argument("dir", type=Path, metavar="DIR", help="checkpoint directory to create")
     convert.add_argument("--sha256", help="expected SHA-256 (hex) of GGUF_FILE; refuse to convert otherwise")
     convert.add_argument(
-        "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-        help="dtype config.json names, which nodes run the model and keep KV in (default bfloat16)",
+        # Checked against kvnet.dtypes by convert_gguf: no torch import just to build the parser.
+        "--dtype", default="bfloat16",
+        help="dtype config.json names, which nodes run the model and keep KV in (a torch dtype name "
+        "such as float16; default bfloat16)",
     )
     convert.add_argument("--force", action="store_true", help="replace DIR if it exists")
     convert.set_defaults(func=_cmd_model_convert)

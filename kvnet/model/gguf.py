@@ -31,14 +31,13 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from kvnet.dtypes import DTYPE_BY_NAME
 from kvnet.model.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 
 CONVERTER = "kvnet-gguf-v1"
 """Names this conversion (recorded in ``config.json``); bump it when the output for a given input changes."""
 SOURCE_KEY = "kvnet_source"
 """``config.json`` key recording the input file's name and SHA-256 and the converter."""
-RUN_DTYPES = ("bfloat16", "float16", "float32")
-"""Values of the ``dtype`` the converted ``config.json`` may name."""
 
 # GGUF tensor name -> Hugging Face Llama name; "{i}" is the layer index.
 _LAYER_TENSORS = {
@@ -238,8 +237,9 @@ def convert_gguf(
     The directory appears complete or not at all (written next to it, then renamed into place).
     """
     gguf_file, directory = Path(gguf_file), Path(directory)
-    if run_dtype not in RUN_DTYPES:
-        raise GGUFError(f"dtype {run_dtype!r} not in {list(RUN_DTYPES)}")
+    # The converted config names its dtype for load_checkpoint, which accepts the one dtype table's names.
+    if run_dtype not in DTYPE_BY_NAME:
+        raise GGUFError(f"dtype {run_dtype!r} not in {sorted(DTYPE_BY_NAME)}")
     if not gguf_file.is_file():
         raise GGUFError(f"no GGUF file at {gguf_file}")
     if directory.exists() and not overwrite:
