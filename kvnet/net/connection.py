@@ -158,6 +158,8 @@ class MoqtConnection(_ProtocolBase):
         self._received_untransmitted = 0
         self._writable = asyncio.Event()
         self._writable.set()
+        self._send_buffer_empty = asyncio.Event()
+        self._send_buffer_empty.set()
         self.goaway: me.GoawayReceived | None = None
         """The peer's control-stream GOAWAY, once received."""
         self.goaway_event = asyncio.Event()
@@ -213,18 +215,21 @@ class MoqtConnection(_ProtocolBase):
                 arm_timer(self)
         else:
             super().datagram_received(data, addr)
-        if not self._writable.is_set():
+        if self._send_waiters():
             self._check_writable()
 
     def transmit(self) -> None:
         self._received_untransmitted = 0  # whatever the reason, this one carries the pending ACKs
         super().transmit()
+        # qh3 counts unsent bytes, which only a transmit drains (aioquic's unacknowledged ones drain on ACKs).
+        if not self._send_buffer_empty.is_set():
+            self._check_writable()
 
     def datagrams_received(self, data: list[bytes], addr: Any) -> None:
         """Batched receive (qh3's client transport calls only this, never ``datagram_received``)."""
         self._last_receive = self._loop.time()
         super().datagrams_received(data, addr)  # type: ignore[misc]
-        if not self._writable.is_set():
+        if self._send_waiters():
             self._check_writable()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -496,6 +501,7 @@ class MoqtConnection(_ProtocolBase):
             inc.cancelled.set()
         self._incoming.put_nowait(None)
         self._writable.set()  # wake writers; their next action fails on the closed session
+        self._send_buffer_empty.set()
         self._cancel_session_timer()
         if not self._closed_future.done():
             self._closed_future.set_result((ev.error_code, ev.reason))
@@ -532,9 +538,18 @@ class MoqtConnection(_ProtocolBase):
             total += n
         return total
 
+    def _send_waiters(self) -> bool:
+        """Someone waits in ``wait_writable`` or ``wait_send_buffer_empty`` (only then is it worth
+        counting the send buffer)."""
+        return not (self._writable.is_set() and self._send_buffer_empty.is_set())
+
     def _check_writable(self) -> None:
-        if self.send_buffered() < self.limits.max_send_buffer or self.session.closed is not None:
+        buffered = self.send_buffered()
+        closed = self.session.closed is not None
+        if buffered < self.limits.max_send_buffer or closed:
             self._writable.set()
+        if buffered == 0 or closed:
+            self._send_buffer_empty.set()
 
     async def wait_writable(self) -> None:
         """Wait until unacknowledged bytes drop below ``limits.max_send_buffer``."""
@@ -542,6 +557,14 @@ class MoqtConnection(_ProtocolBase):
             return
         self._writable.clear()
         await self._writable.wait()
+
+    async def wait_send_buffer_empty(self) -> None:
+        """Wait until every byte written to QUIC streams is acknowledged (or, with qh3, sent), or the
+        session is over."""
+        if self.send_buffered() == 0 or self.session.closed is not None:
+            return
+        self._send_buffer_empty.clear()
+        await self._send_buffer_empty.wait()
 
     # ---- requests we send
 

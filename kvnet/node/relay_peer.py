@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -143,10 +142,10 @@ class RelayPeer:
             return 0
 
     async def drain(self, timeout: float = 30.0) -> None:
-        """Wait until the relay acknowledged everything we sent (before a one-shot publisher exits)."""
-        deadline = time.monotonic() + timeout
-        while self.connected and self.conn.send_buffered() > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        """Wait until the relay acknowledged everything we sent (before a one-shot publisher exits), at
+        most ``timeout`` seconds."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.conn.wait_send_buffer_empty(), timeout)
 
     async def close(self) -> None:
         # Blocks pushed just before exiting must reach the relay's cache first.

@@ -249,6 +249,38 @@ async def test_bulk_fetch_with_back_pressure(pki: Path, settings: quic.Transport
         await server.close()
 
 
+async def test_wait_send_buffer_empty_wakes_once_the_peer_has_everything(
+    pki: Path, settings: quic.TransportSettings
+) -> None:
+    # 8 MiB written without waiting: QUIC still holds most of it, and only the receive/transmit path can
+    # tell the waiter when it is gone (what RelayPeer.drain relies on before a publisher exits).
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    count = 8
+    buffered: dict[str, int] = {}
+
+    async def bulk(conn: MoqtConnection) -> None:
+        async for req in conn.incoming_requests():
+            assert isinstance(req, IncomingFetch)
+            req.accept_fetch(end_of_track=True, end_location=Location(0, count))
+            for i in range(count):
+                req.send_object(0, 0, i, payload)
+            req.finish()
+            buffered["before"] = conn.send_buffered()
+            await conn.wait_send_buffer_empty()
+            buffered["after"] = conn.send_buffered()
+
+    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), bulk)
+    try:
+        async with connect(f"moqt://127.0.0.1:{server.address[1]}", settings,
+                           quic.TlsSettings.from_dir(pki, None)) as conn:
+            handle = await conn.fetch(NS, b"bulk", Location(0, 0), Location(0, count))
+            assert len(await handle.read_all()) == count
+            await async_wait_until(lambda: "after" in buffered, "the publisher's wait for an empty buffer")
+        assert buffered["before"] > 0 and buffered["after"] == 0
+    finally:
+        await server.close()
+
+
 async def test_stacks_interoperate(pki: Path) -> None:
     server = await serve("127.0.0.1", 0, quic.TransportSettings(stack="qh3"),
                          quic.TlsSettings.from_dir(pki, "server"), _publisher)
