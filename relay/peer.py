@@ -221,7 +221,7 @@ class Peer:
         self.relay.metrics.inc("sessions_closed_total", labels={"reason": reason})
         self.log.warning("closing session", extra={"reason": reason})
         code = SessionErrorCode.NO_ERROR if reason == "idle_timeout" else SessionErrorCode.INTERNAL_ERROR
-        self.conn._do(self.conn.session.close, code, text)
+        self.conn.run_action(self.conn.session.close, code, text)
 
     def authorized(self, req: IncomingRequest) -> bool:
         """The authorization check, before anything looks at caches or routes (see relay.auth)."""

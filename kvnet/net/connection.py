@@ -320,8 +320,9 @@ class MoqtConnection(_ProtocolBase):
         self._pump()
         self.transmit()
 
-    def _do(self, action: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run a session action from application code, then send what it produced."""
+    def run_action(self, action: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a session action (a ``self.session`` method) from application code, then send what it
+        produced."""
         result = action(*args, **kwargs)
         self._pump()
         self._transmit_soon()
@@ -516,6 +517,24 @@ class MoqtConnection(_ProtocolBase):
             return False
         return True
 
+    # ---- what the request handles (kvnet.net.handles) use, besides ``run_action`` and ``cancel_request``
+
+    def deliver_objects(self, request_id: int, objects: _ObjectStream) -> None:
+        """Route the objects and the end of request ``request_id`` to ``objects``."""
+        self._streams[request_id] = objects
+
+    def stop_delivering(self, request_id: int) -> None:
+        """Route nothing more to the handle of ``request_id`` (its objects are dropped from now on)."""
+        self._streams.pop(request_id, None)
+
+    def objects_queued(self, nbytes: int) -> None:
+        """A handle queued ``nbytes`` of object payload for the application (``receive_buffered``)."""
+        self._received_bytes += nbytes
+
+    def objects_consumed(self, nbytes: int) -> None:
+        """The application took (or a handle dropped) ``nbytes`` of queued object payload."""
+        self._received_bytes -= nbytes
+
     # ---- back-pressure
 
     @property
@@ -579,7 +598,8 @@ class MoqtConnection(_ProtocolBase):
     def _register_slot(self, request_id: int) -> None:
         self._slot_held.add(request_id)
 
-    def _release_slot(self, request_id: int) -> None:
+    def release_request_slot(self, request_id: int) -> None:
+        """Give back the ``max_outstanding_requests`` slot a request of ours held (once it has ended)."""
         if request_id in self._slot_held:
             self._slot_held.discard(request_id)
             self._slots.release()
@@ -588,12 +608,12 @@ class MoqtConnection(_ProtocolBase):
         self._streams.pop(request_id, None)
         if self.session.closed is None:
             with contextlib.suppress(Exception):  # the request may have ended meanwhile
-                self._do(self.session.cancel_request, request_id, code)
+                self.run_action(self.session.cancel_request, request_id, code)
 
     async def _request(self, action: Callable[..., int], *args: Any) -> Any:
         await self._acquire()
         try:
-            rid: int = self._do(action, *args)
+            rid: int = self.run_action(action, *args)
         except BaseException:
             self._slots.release()
             raise
@@ -606,7 +626,7 @@ class MoqtConnection(_ProtocolBase):
             self._abandon(rid)
             raise
         finally:
-            self._release_slot(rid)
+            self.release_request_slot(rid)
 
     def _abandon(self, request_id: int) -> None:
         """The caller stopped waiting for an answer: cancel the request so the peer stops working on it
@@ -646,7 +666,7 @@ class MoqtConnection(_ProtocolBase):
         """A request that stays open after REQUEST_OK until cancelled; returns its Request ID then."""
         await self._acquire()
         try:
-            rid: int = self._do(action, *args)
+            rid: int = self.run_action(action, *args)
             fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             self._pending[rid] = fut
             await fut
@@ -668,7 +688,7 @@ class MoqtConnection(_ProtocolBase):
             raise
         self._register_slot(rid)
         handle = FetchHandle(self, rid)
-        self._streams[rid] = handle
+        self.deliver_objects(rid, handle)
         self._pump()
         self._transmit_soon()
         return handle
@@ -685,7 +705,7 @@ class MoqtConnection(_ProtocolBase):
             raise
         self._register_slot(rid)
         sub = Subscription(self, rid)
-        self._streams[rid] = sub
+        self.deliver_objects(rid, sub)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         self._pump()
@@ -694,7 +714,7 @@ class MoqtConnection(_ProtocolBase):
             await fut
         except asyncio.CancelledError:
             self._abandon(rid)
-            self._release_slot(rid)
+            self.release_request_slot(rid)
             raise
         return sub
 
@@ -724,8 +744,8 @@ class MoqtConnection(_ProtocolBase):
         *, has_properties: bool = False,
     ) -> int:
         """Open a subgroup stream; returns its stream id."""
-        sid: int = self._do(self.session.open_subgroup, track_alias, group_id, subgroup_id,
-                            publisher_priority, has_properties=has_properties)
+        sid: int = self.run_action(self.session.open_subgroup, track_alias, group_id, subgroup_id,
+                                   publisher_priority, has_properties=has_properties)
         return sid
 
     def send_subgroup_object(
@@ -733,24 +753,24 @@ class MoqtConnection(_ProtocolBase):
         status: ObjectStatus = ObjectStatus.NORMAL, end_stream: bool = False,
     ) -> None:
         """One object (or a status object such as END_OF_TRACK) on a subgroup stream; ``end_stream`` FINs."""
-        self._do(self.session.send_subgroup_object, stream_id, object_id, payload, properties, status,
-                 end_stream)
+        self.run_action(self.session.send_subgroup_object, stream_id, object_id, payload, properties, status,
+                        end_stream)
 
     def close_subgroup(self, stream_id: int) -> None:
         """FIN a subgroup stream."""
-        self._do(self.session.close_subgroup, stream_id)
+        self.run_action(self.session.close_subgroup, stream_id)
 
     def publish_done(self, request_id: int, status_code: int, reason: str = "") -> None:
         """PUBLISH_DONE for a subscription we publish (its subgroup streams must be closed first)."""
-        self._do(self.session.publish_done, request_id, status_code, reason)
+        self.run_action(self.session.publish_done, request_id, status_code, reason)
 
     def namespace(self, request_id: int, suffix: TrackNamespace) -> None:
         """NAMESPACE on an accepted SUBSCRIBE_NAMESPACE."""
-        self._do(self.session.namespace, request_id, suffix)
+        self.run_action(self.session.namespace, request_id, suffix)
 
     def namespace_done(self, request_id: int, suffix: TrackNamespace) -> None:
         """NAMESPACE_DONE for a suffix sent earlier with ``namespace``."""
-        self._do(self.session.namespace_done, request_id, suffix)
+        self.run_action(self.session.namespace_done, request_id, suffix)
 
     # ---- incoming
 
@@ -792,14 +812,14 @@ class MoqtConnection(_ProtocolBase):
 
     async def goaway_peer(self, new_session_uri: str = "", timeout_ms: int = 0) -> None:
         """Send GOAWAY on the control stream (servers may name a new session URI)."""
-        self._do(self.session.goaway, new_session_uri.encode(), timeout_ms)
+        self.run_action(self.session.goaway, new_session_uri.encode(), timeout_ms)
 
     async def close_session(
         self, code: SessionErrorCode = SessionErrorCode.NO_ERROR, reason: str = ""
     ) -> None:
         """Close the MoQT session and the QUIC connection, and wait until it is gone."""
         if self.session.closed is None:
-            self._do(self.session.close, code, reason)
+            self.run_action(self.session.close, code, reason)
         self.close()
         await self.wait_closed()
 

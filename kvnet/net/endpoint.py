@@ -205,7 +205,7 @@ async def serve(
         except Exception:
             logger.exception("connection handler failed")
             if not conn.is_closed:
-                conn._do(conn.session.close, SessionErrorCode.INTERNAL_ERROR, "internal error")
+                conn.run_action(conn.session.close, SessionErrorCode.INTERNAL_ERROR, "internal error")
         finally:
             live.discard(conn)
             if not conn.is_closed:

@@ -3,8 +3,10 @@
 Owns: the requester's side (``FetchHandle``, ``Subscription``: objects queued for the application with a
 terminal state) and the responder's side (``IncomingRequest`` and one subclass per request type, with the
 reply methods the peer's request allows; ``INCOMING_REQUEST_TYPES`` maps each proto event to its class).
-The handles only turn calls into session actions on their ``MoqtConnection``; the connection routes the
-session's events to them.
+The handles only turn calls into session actions on their ``MoqtConnection``, through its named methods
+for them (``run_action``, ``cancel_request``, ``deliver_objects``/``stop_delivering``,
+``objects_queued``/``objects_consumed``, ``release_request_slot``), never its private state; the
+connection routes the session's events to them.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class _ObjectStream:
 
     def _push(self, obj: me.ObjectReceived) -> None:
         self._objects.append(obj)
-        self._conn._received_bytes += len(obj.payload)
+        self._conn.objects_queued(len(obj.payload))
         self._wakeup.set()
 
     def _finish(self, error: BaseException | None = None) -> None:
@@ -48,7 +50,7 @@ class _ObjectStream:
         self._finished = True
         self._error = error
         self._wakeup.set()
-        self._conn._release_slot(self.request_id)
+        self._conn.release_request_slot(self.request_id)
 
     @property
     def finished(self) -> bool:
@@ -61,7 +63,7 @@ class _ObjectStream:
         while True:
             while self._objects:
                 obj = self._objects.popleft()
-                self._conn._received_bytes -= len(obj.payload)
+                self._conn.objects_consumed(len(obj.payload))
                 yield obj
             if self._finished:
                 if self._error is not None:
@@ -73,14 +75,14 @@ class _ObjectStream:
     def cancel(self) -> None:
         """Abandon the request (resets its streams); iteration ends and unread objects are dropped."""
         if not self._finished:
-            self._conn._cancel(self.request_id)
+            self._conn.cancel_request(self.request_id)
             self._finish(None)
         self._discard()
 
     def _discard(self) -> None:
         """Drop unread objects, giving their bytes back to the connection's receive budget."""
         while self._objects:
-            self._conn._received_bytes -= len(self._objects.popleft().payload)
+            self._conn.objects_consumed(len(self._objects.popleft().payload))
 
 
 class FetchHandle(_ObjectStream):
@@ -148,11 +150,11 @@ class IncomingRequest:
         return self.cancelled.is_set() or self.conn.is_closed
 
     def reject(self, code: RequestErrorCode, reason: str = "", retry_interval: int = 0) -> None:
-        self.conn._do(self.conn.session.reject_request, self.request_id, code, reason, retry_interval)
+        self.conn.run_action(self.conn.session.reject_request, self.request_id, code, reason, retry_interval)
 
     def accept(self, parameters: MessageParameters = NO_PARAMETERS) -> None:
         """REQUEST_OK (PUBLISH_NAMESPACE, SUBSCRIBE_NAMESPACE, SUBSCRIBE_TRACKS, PUBLISH, REQUEST_UPDATE)."""
-        self.conn._do(self.conn.session.accept_request, self.request_id, parameters)
+        self.conn.run_action(self.conn.session.accept_request, self.request_id, parameters)
 
     async def drain(self) -> None:
         """Wait until QUIC's send buffer is below the connection's bound (back-pressure)."""
@@ -169,7 +171,9 @@ class IncomingTrackStatus(IncomingRequest):
     def respond(
         self, parameters: MessageParameters = NO_PARAMETERS, track_properties: Properties = ()
     ) -> None:
-        self.conn._do(self.conn.session.respond_track_status, self.request_id, parameters, track_properties)
+        self.conn.run_action(
+            self.conn.session.respond_track_status, self.request_id, parameters, track_properties
+        )
 
 
 class IncomingFetch(IncomingRequest):
@@ -178,19 +182,21 @@ class IncomingFetch(IncomingRequest):
     def accept_fetch(
         self, end_of_track: bool, end_location: Location, parameters: MessageParameters = NO_PARAMETERS
     ) -> None:
-        self.conn._do(self.conn.session.accept_fetch, self.request_id, end_of_track, end_location, parameters)
+        self.conn.run_action(
+            self.conn.session.accept_fetch, self.request_id, end_of_track, end_location, parameters
+        )
 
     def send_object(
         self, group_id: int, subgroup_id: int | None, object_id: int, payload: bytes,
         publisher_priority: int = 128, properties: Properties = (),
     ) -> None:
-        self.conn._do(
+        self.conn.run_action(
             self.conn.session.send_fetch_object, self.request_id, group_id, subgroup_id, object_id, payload,
             publisher_priority, properties,
         )
 
     def finish(self) -> None:
-        self.conn._do(self.conn.session.finish_fetch, self.request_id)
+        self.conn.run_action(self.conn.session.finish_fetch, self.request_id)
 
 
 class IncomingSubscribe(IncomingRequest):
@@ -203,27 +209,32 @@ class IncomingSubscribe(IncomingRequest):
         track_properties: Properties = (),
     ) -> None:
         self.track_alias = track_alias
-        self.conn._do(self.conn.session.accept_subscribe, self.request_id, track_alias, parameters,
-                      track_properties)
+        self.conn.run_action(
+            self.conn.session.accept_subscribe, self.request_id, track_alias, parameters, track_properties
+        )
 
     def open_subgroup(self, group_id: int, subgroup_id: int, publisher_priority: int | None = None,
                       **kwargs: bool) -> int:
-        sid: int = self.conn._do(self.conn.session.open_subgroup, self.track_alias, group_id, subgroup_id,
-                                 publisher_priority, **kwargs)
+        sid: int = self.conn.run_action(
+            self.conn.session.open_subgroup, self.track_alias, group_id, subgroup_id, publisher_priority,
+            **kwargs,
+        )
         return sid
 
     def send_object(
         self, stream_id: int, object_id: int, payload: bytes, end_stream: bool = False,
         properties: Properties = (), status: ObjectStatus = ObjectStatus.NORMAL,
     ) -> None:
-        self.conn._do(self.conn.session.send_subgroup_object, stream_id, object_id, payload, properties,
-                      status, end_stream)
+        self.conn.run_action(
+            self.conn.session.send_subgroup_object, stream_id, object_id, payload, properties, status,
+            end_stream,
+        )
 
     def close_subgroup(self, stream_id: int) -> None:
-        self.conn._do(self.conn.session.close_subgroup, stream_id)
+        self.conn.run_action(self.conn.session.close_subgroup, stream_id)
 
     def publish_done(self, status_code: int, reason: str = "") -> None:
-        self.conn._do(self.conn.session.publish_done, self.request_id, status_code, reason)
+        self.conn.run_action(self.conn.session.publish_done, self.request_id, status_code, reason)
 
 
 class IncomingPublishNamespace(IncomingRequest):
@@ -241,7 +252,7 @@ class IncomingPublish(IncomingRequest):
         super().__init__(conn, event)
         self.objects = Subscription(conn, self.request_id)
         """The track's objects; iteration ends after PUBLISH_DONE (see ``Subscription``)."""
-        conn._streams[self.request_id] = self.objects
+        conn.deliver_objects(self.request_id, self.objects)
 
     def accept_publish(self, parameters: MessageParameters = NO_PARAMETERS) -> Subscription:
         """PUBLISH_OK; returns the objects (those that arrived before it first)."""
@@ -249,7 +260,7 @@ class IncomingPublish(IncomingRequest):
         return self.objects
 
     def reject(self, code: RequestErrorCode, reason: str = "", retry_interval: int = 0) -> None:
-        self.conn._streams.pop(self.request_id, None)
+        self.conn.stop_delivering(self.request_id)
         self.objects._finish(RequestRejected(code, "PUBLISH refused"))
         self.objects._discard()
         super().reject(code, reason, retry_interval)

@@ -59,7 +59,7 @@ async def test_subscribe_tracks_gets_publish(cert_dir: CertDir, relay: RelayProc
     sub = await connect_client(relay.url, str(cert_dir.ca))
     pub = await connect_client(relay.url, str(cert_dir.ca))
     try:
-        sub._do(sub.session.subscribe_tracks, NS[:2])
+        sub.run_action(sub.session.subscribe_tracks, NS[:2])
         await relay.wait_metric('kvnet_relay_requests_total{outcome="ok",type="subscribe_tracks"}', 1)
         objs = track_objects(b"pushed", 5)
         ok = asyncio.ensure_future(pub.publish(NS, b"pushed", 7))
@@ -88,7 +88,7 @@ async def test_overlapping_subscribe_namespace_gets_prefix_overlap(
     try:
         answers = []
         for prefix in (NS[:2], NS[:3], (b"other",)):
-            rid = watcher._do(watcher.session.subscribe_namespace, prefix)
+            rid = watcher.run_action(watcher.session.subscribe_namespace, prefix)
             answer: asyncio.Future[object] = asyncio.get_running_loop().create_future()
             watcher._pending[rid] = answer  # the glue resolves it with REQUEST_OK or REQUEST_ERROR
             answers.append(answer)

@@ -102,7 +102,7 @@ async def test_subscribe_namespace_lists_and_follows_announcements(
     first = await Publisher(await connect_client(relay.url, str(cert_dir.ca)), {}).start()
     watcher = await connect_client(relay.url, str(cert_dir.ca))
     try:
-        rid = watcher._do(watcher.session.subscribe_namespace, (b"kvnet", b"v1"))
+        rid = watcher.run_action(watcher.session.subscribe_namespace, (b"kvnet", b"v1"))
         other_ns = (b"kvnet", b"v1", b"fp-other", b"tenant")
         second = Publisher(await connect_client(relay.url, str(cert_dir.ca)), {}, namespace=other_ns)
         await second.start()
