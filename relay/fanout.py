@@ -198,7 +198,9 @@ class Fanout:
         self.publish_bytes += obj.size
 
     def live_objects(self, start: tuple[int, int], end: tuple[int, int]) -> list[CachedObject]:
-        """Objects of a PUBLISH-fed track the relay still holds in ``[start, end)``."""
+        """Objects of a PUBLISH-fed track the relay still holds in ``[start, end)``, in Location order
+        (subgroups of one group may arrive interleaved)."""
         if self.publish_objects is None:
             return []
-        return [o for o in self.publish_objects if start <= o.location < end]
+        held = [o for o in self.publish_objects if start <= o.location < end]
+        return sorted(held, key=lambda o: o.location)

@@ -489,8 +489,9 @@ class Relay:
         if fan is not None and live:
             # A live track that reached us by PUBLISH: nobody upstream has it, so serve what we hold.
             outcome = "live"
-            end_of_track = fan.track_ended and live[-1].location == max(o.location for o in live)
             served_end = (live[-1].group, live[-1].object_id + 1)
+            # The answer reaches the end of the track only if the track ended and we hold nothing later.
+            end_of_track = fan.track_ended and not fan.live_objects(served_end, (1 << 62, 0))
             objects = _iterate(live)
         else:
             handle = self.cache.fetch(key, start, end, self.upstream_for(key, peer))

@@ -14,6 +14,7 @@ from proto.errors import PublishDoneCode, RequestErrorCode
 from proto.events import RequestOkReceived
 from proto.messages import Location, MessageParameters
 from tests.helpers.processes import CertDir, RelayProcess
+from tests.helpers.waiting import async_wait_until
 from tests.relay.peers import NS, Publisher, connect_client, track_objects
 
 
@@ -122,6 +123,18 @@ async def test_fetch_of_a_live_published_track_is_served_by_the_relay(
         assert [(o.group_id, o.object_id) for o in fetched] == [(g, i) for g in range(2) for i in range(3)]
         assert [o.payload for o in fetched] == groups[0] + groups[1]
         assert not (await handle.ok()).end_of_track  # the track is still live
+        sid = pub.open_subgroup(3, 2, 0)
+        pub.send_subgroup_object(sid, 0, b"last")
+        pub.send_subgroup_object(sid, 1, b"", status=ObjectStatus.END_OF_TRACK, end_stream=True)
+        await relay.wait_metric("kvnet_relay_bytes_in_total", sum(map(len, groups[0] + groups[1])) + 4)
+
+        async def ended_answer() -> bool:
+            # The END_OF_TRACK status object follows the last payload; poll until the relay has it.
+            whole = await fetcher.fetch(NS, b"live", Location(0, 0), Location(3, 0))
+            await whole.read_all()
+            return (await whole.ok()).end_of_track
+
+        await async_wait_until(ended_answer, "a FETCH of the ended track reporting End Of Track")
         pub.publish_done(ok.request_id, PublishDoneCode.TRACK_ENDED, "done")
     finally:
         await fetcher.close_session()
