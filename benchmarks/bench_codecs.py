@@ -227,16 +227,21 @@ def real_kv_quality(
     ]
 
 
-def main_real(args: argparse.Namespace) -> None:
-    directory = resolve_model(args.model, default_models_dir(os.environ), progress=print)
+def load_trained(name: str, dtype_name: str) -> tuple[Transformer, Tokenizer]:
+    """A named trained model (converted on first use) in `dtype_name`, and its tokenizer."""
+    directory = resolve_model(name, default_models_dir(os.environ), progress=print)
     tokenizer = load_tokenizer(directory)
-    print(f"model {args.model} ({directory.name}); block size {args.block_size}; {args.held_out} held-out "
-          f"tokens per document scored after its prompt KV went through each rendition; load average "
-          f"{os.getloadavg()[0]:.1f}")
+    model = load_checkpoint(directory, device=torch.device("cpu"), dtype=getattr(torch, dtype_name),
+                            tokenizer_identity=tokenizer.identity())
+    return model.eval(), tokenizer
+
+
+def main_real(args: argparse.Namespace) -> None:
+    print(f"model {args.model}; block size {args.block_size}; {args.held_out} held-out tokens per document "
+          f"scored after its prompt KV went through each rendition; load average {os.getloadavg()[0]:.1f}")
     rows = []
     for dtype_name in args.dtypes.split(","):
-        model = load_checkpoint(directory, device=torch.device("cpu"), dtype=getattr(torch, dtype_name),
-                                tokenizer_identity=tokenizer.identity()).eval()
+        model, tokenizer = load_trained(args.model, dtype_name)
         print(f"== {dtype_name}", flush=True)
         rows += [(dtype_name, *row) for row in real_kv_quality(model, tokenizer, args.block_size,
                                                                args.held_out, args.runs)]

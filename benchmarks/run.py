@@ -23,6 +23,9 @@ missing, or that fails, is recorded as skipped with the reason and the others st
   micro    hashing ns/token, codec MB/s and ratio, paged-cache import vs torch copy, sans-I/O session
            data path (bench_micro.run)
   scale    relay memory and CPU per 1k idle sessions and per 100k cached objects (bench_scale)
+  quality  codec quality on real KV: SmolLM2 over the documents in benchmarks/documents, per rendition
+           size vs raw, mean KL to lossless, delta log-loss and top-1 agreement on held-out tokens
+           (bench_codecs.real_kv_quality; float32, and bfloat16 unless --quick)
 
 No plots: plotting would need a library kvnet does not depend on; results.json has every run.
 """
@@ -196,6 +199,19 @@ def suite_scale(res: common.SuiteResult, quick: bool) -> None:
     res.add("relay overhead per cached object", [o["overhead_bytes_per_object"]], "B", note)
 
 
+def suite_quality(res: common.SuiteResult, quick: bool) -> None:
+    bc = _need("bench_codecs")
+    held_out = 128 if quick else 256
+    for dtype_name in ("float32",) if quick else ("float32", "bfloat16"):
+        model, tokenizer = bc.load_trained("smollm2", dtype_name)
+        for name, ratio, kl, delta, agree, n in bc.real_kv_quality(model, tokenizer, 64, held_out, 1):
+            note = f"smollm2 {dtype_name}, 64-token blocks, {n} held-out positions over 3 documents"
+            res.add(f"{name} {dtype_name} real KV: size vs raw", [ratio], "x", note)
+            res.add(f"{name} {dtype_name} real KV: mean KL vs lossless", [kl], "nats", note)
+            res.add(f"{name} {dtype_name} real KV: delta log-loss", [delta], "nats/token", note)
+            res.add(f"{name} {dtype_name} real KV: top-1 agreement", [agree], "", note)
+
+
 SUITES: dict[str, Callable[[common.SuiteResult, bool], None]] = {
     "raw": suite_raw,
     "fetch": suite_fetch,
@@ -204,6 +220,7 @@ SUITES: dict[str, Callable[[common.SuiteResult, bool], None]] = {
     "locate": suite_locate,
     "micro": suite_micro,
     "scale": suite_scale,
+    "quality": suite_quality,
 }
 
 

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from kvnet.dtypes import DTYPE_BY_NAME
-from kvnet.model.tokenizer import tokenizer_files_identity
+from kvnet.model.tokenizer import read_json_object, tokenizer_files_identity
 from kvnet.model.transformer import ModelArgs, Transformer
 
 CONFIG_FILE = "config.json"
@@ -191,13 +191,7 @@ def _read_config(directory: Path) -> dict[str, Any]:
     path = directory / CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(f"no {CONFIG_FILE} in {directory}")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path} must hold a JSON object")
-    return config
+    return read_json_object(path, CheckpointError)
 
 
 def _read_tensors(directory: Path) -> dict[str, Tensor]:

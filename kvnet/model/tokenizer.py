@@ -108,15 +108,16 @@ def tokenizer_files_identity(directory: Path) -> str | None:
     return f"hf-files-sha256:{digest.hexdigest()}"
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path, error: type[ValueError] = TokenizerError) -> dict[str, Any]:
+    """The JSON object in `path`, ``{}`` when there is no such file; `error` naming the file otherwise."""
     if not path.is_file():
         return {}
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TokenizerError(f"cannot read {path}: {exc}") from exc
+        raise error(f"cannot read {path}: {exc}") from exc
     if not isinstance(value, dict):
-        raise TokenizerError(f"{path} must hold a JSON object")
+        raise error(f"{path} must hold a JSON object")
     return value
 
 
@@ -148,8 +149,8 @@ class HFTokenizer:
             self._tokenizer = RustTokenizer.from_file(str(path))
         except Exception as exc:  # the library raises a bare Exception for any bad file
             raise TokenizerError(f"cannot load {path}: {exc}") from exc
-        tokenizer_config = _read_json(directory / "tokenizer_config.json")
-        model_config = _read_json(directory / "config.json")
+        tokenizer_config = read_json_object(directory / "tokenizer_config.json")
+        model_config = read_json_object(directory / "config.json")
         self.vocab_size: int = max(
             self._tokenizer.get_vocab_size(with_added_tokens=True), int(model_config.get("vocab_size") or 0)
         )
@@ -251,7 +252,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     directory = Path(directory)
     if (directory / "tokenizer.json").is_file():
         return HFTokenizer(directory)
-    named = _read_json(directory / "config.json").get("kvnet_tokenizer_identity")
+    named = read_json_object(directory / "config.json").get("kvnet_tokenizer_identity")
     if named == ByteTokenizer().identity():
         return ByteTokenizer()
     raise TokenizerError(f"{directory} has no tokenizer.json and does not name kvnet's byte tokenizer")
