@@ -28,9 +28,9 @@ from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+from kvnet.blocks.disk import DiskTier, StoredTrack
 from proto.errors import RequestErrorCode
 from proto.messages import Properties
-from relay.disk import DiskTier, StoredTrack
 
 Location = tuple[int, int]
 """(group id, object id); tuples compare in draft order."""
@@ -163,8 +163,8 @@ class CacheConfig:
     """Share of ``max_bytes`` one group may hold when ``share_bytes`` is 0 (1.0: no cap of its own; the
     equal-share rule still makes a flooding group evict its own tracks once the cache is full)."""
     dir: str = ""
-    """Directory of the persistent tier (``relay.disk``): complete tracks are also kept there and served
-    after a restart. Empty: memory only."""
+    """Directory of the persistent tier (``kvnet.blocks.disk``): complete tracks are also kept there and
+    served after a restart. Empty: memory only."""
     dir_bytes: int = 1024 * 1024 * 1024
     """Most bytes of files the persistent tier keeps (least recently used evicted first)."""
 

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 
+from kvnet.blocks.disk import DiskTier
 from kvnet.blocks.signing import TrustStore
 from kvnet.net.connection import ConnectionLimits, MoqtConnection
 from kvnet.net.endpoint import serve as serve_moqt
@@ -52,7 +53,6 @@ from relay.cache import (
 )
 from relay.cache import Location as Position
 from relay.config import RelayConfig
-from relay.disk import DiskTier
 from relay.fanout import DownstreamSubscriber, Fanout
 from relay.limits import LimitExceeded, Quota, Slots, source_host
 from relay.metrics import Metrics, MetricsServer

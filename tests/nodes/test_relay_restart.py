@@ -13,11 +13,11 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from kvnet.blocks.disk import track_file_name
 from kvnet.cache.hashing import block_hashes
 from kvnet.node.config import NodeConfig
 from kvnet.node.node import Node
 from proto.kvobject import block_track
-from relay.disk import track_file_name
 from tests.helpers.processes import start_relay
 from tests.helpers.waiting import wait_until
 from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster

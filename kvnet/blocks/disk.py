@@ -1,9 +1,10 @@
-"""The relay cache's persistent tier: complete tracks kept as files in one directory (``--cache-dir``).
+"""The persistent tier of relay caches and publisher block stores: complete tracks kept as files in one
+directory (``--cache-dir``).
 
-Owns: ``DiskTier`` (file format, crash-safe writes, byte-bounded eviction, digest-checked reads). The
-memory cache (``relay.cache.ObjectCache``) stays the serving path; it writes every complete, final track
-here and, on a miss, loads a track from here before asking upstream, so a relay restarted on the same
-directory serves what it cached before.
+Owns: ``DiskTier`` (file format, crash-safe writes, byte-bounded eviction, digest-checked reads). Memory
+stays the serving path: the relay cache (``relay.cache.ObjectCache``) and a publisher's block store
+(``kvnet.node.blockstore.BlockStore``) write what they hold here and, on a miss, load it back, so a process
+restarted on the same directory serves what it had before. Knows nothing about the network or torch.
 
 File format (one track per file, named by the SHA-256 of its Full Track Name)::
 

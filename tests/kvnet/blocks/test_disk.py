@@ -1,12 +1,12 @@
-"""relay/disk.py: crash-safe track files, digest-checked reads, byte-bounded eviction."""
+"""kvnet/blocks/disk.py: crash-safe track files, digest-checked reads, byte-bounded eviction."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from kvnet.blocks.disk import DiskTier, StoredTrack, track_file_name
 from proto.messages import KeyValuePair
-from relay.disk import DiskTier, StoredTrack, track_file_name
 
 NS = (b"kvnet", b"v2", b"f" * 64, b"default")
 
