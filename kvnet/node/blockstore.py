@@ -9,6 +9,10 @@ Eviction is LRU over entries, with one twist that matters for prefix chains: a b
 block before it is gone (locating stops at the first miss). So ``put_chain`` inserts a prompt's blocks
 tail-first and ``touch_chain`` refreshes them tail-first, leaving the chain's head most recently used:
 the budget then trims chains from their tails, never cutting a head off a long, still-useful chain.
+
+With a persistent tier (``disk``, the node's ``--cache-dir``) every stored block is also written to disk
+(``kvnet.blocks.disk``: crash-safe, digest-checked, its own byte budget) and a memory miss is looked up
+there, so a publisher restarted on the same directory still serves what it published before.
 """
 
 from __future__ import annotations
@@ -17,6 +21,12 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvnet.blocks.disk import DiskTier, StoredObject, StoredTrack
+from proto.kvobject import BlockManifest, KVObjectError
+
+DISK_NAMESPACE = (b"kvnet-block-store",)
+"""Namespace of the store's files in its ``DiskTier`` (the track name is ``<block hash hex>.<rendition>``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +55,8 @@ class StoreStats:
     evicted: int = 0
     hits: int = 0
     misses: int = 0
+    disk_loads: int = 0
+    """Blocks loaded back from the persistent tier on a memory miss."""
 
 
 @dataclass
@@ -52,6 +64,8 @@ class BlockStore:
     """LRU store of ``StoredBlock`` keyed by ``(block_hash, rendition)``, at most ``max_bytes``."""
 
     max_bytes: int
+    disk: DiskTier | None = None
+    """Persistent tier: every stored block is written there and memory misses are looked up there."""
     _entries: OrderedDict[tuple[bytes, str], StoredBlock] = field(default_factory=OrderedDict)
     stats: StoreStats = field(default_factory=StoreStats)
 
@@ -71,6 +85,14 @@ class BlockStore:
 
     def put(self, block: StoredBlock) -> bool:
         """Insert (or refresh) one entry; False when it alone exceeds the budget and was not stored."""
+        if self.disk is not None:
+            name = _disk_name(block.block_hash, block.rendition)
+            if (DISK_NAMESPACE, name) not in self.disk:
+                objects: list[StoredObject] = [(0, 0, i, 0, 0, (), p) for i, p in enumerate(block.objects)]
+                self.disk.write(StoredTrack(DISK_NAMESPACE, name, (0, len(objects)), (), objects))
+        return self._put_in_memory(block)
+
+    def _put_in_memory(self, block: StoredBlock) -> bool:
         if block.nbytes > self.max_bytes:
             return False
         key = (block.block_hash, block.rendition)
@@ -95,7 +117,7 @@ class BlockStore:
     def get(self, block_hash: bytes, rendition: str) -> StoredBlock | None:
         """The entry, refreshed as most recently used, or None."""
         key = (block_hash, rendition)
-        block = self._entries.get(key)
+        block = self._entries.get(key) or self._from_disk(block_hash, rendition)
         if block is None:
             self.stats.misses += 1
             return None
@@ -105,7 +127,25 @@ class BlockStore:
 
     def peek(self, block_hash: bytes, rendition: str) -> StoredBlock | None:
         """The entry without refreshing it (status queries must not keep junk alive)."""
-        return self._entries.get((block_hash, rendition))
+        return self._entries.get((block_hash, rendition)) or self._from_disk(block_hash, rendition)
+
+    def _from_disk(self, block_hash: bytes, rendition: str) -> StoredBlock | None:
+        """A block from the persistent tier, kept in memory again; None when absent or damaged (the tier
+        deletes and counts damaged files)."""
+        if self.disk is None:
+            return None
+        track = self.disk.read(DISK_NAMESPACE, _disk_name(block_hash, rendition))
+        if track is None or not track.objects:
+            return None
+        objects = tuple(o[6] for o in track.objects)
+        try:
+            manifest = BlockManifest.decode(objects[0])
+        except KVObjectError:
+            return None
+        block = StoredBlock(block_hash, rendition, objects, manifest)
+        self.stats.disk_loads += 1
+        self._put_in_memory(block)
+        return block
 
     def renditions(self, block_hash: bytes) -> list[str]:
         return [r for (h, r) in self._entries if h == block_hash]
@@ -121,3 +161,7 @@ class BlockStore:
             _, victim = self._entries.popitem(last=False)
             self.stats.bytes -= victim.nbytes
             self.stats.evicted += 1
+
+
+def _disk_name(block_hash: bytes, rendition: str) -> bytes:
+    return block_hash.hex().encode("ascii") + b"." + rendition.encode("ascii")

@@ -88,6 +88,11 @@ class NodeConfig:
     """Renditions a subscriber accepts (quality floor); lossless only by default."""
     store_bytes: int = 512 << 20
     """Byte budget of the publisher-side block store."""
+    cache_dir: Path | None = None
+    """Persistent tier of the block store (``kvnet.blocks.disk``): blocks are also kept here and served
+    after a restart. None: memory only."""
+    cache_dir_bytes: int = 1 << 30
+    """Most bytes of block files kept in ``cache_dir``."""
     signing_key: Path | None = None
     """Ed25519 private key used to sign manifests; None generates an ephemeral key."""
     trust: tuple[Path, ...] = ()
@@ -139,6 +144,8 @@ class NodeConfig:
                 raise ValueError(f"{name}: unknown rendition(s) {unknown}; known: {list(KNOWN_RENDITIONS)}")
         if self.store_bytes <= 0:
             raise ValueError(f"store_bytes must be positive, got {self.store_bytes}")
+        if self.cache_dir_bytes <= 0:
+            raise ValueError(f"cache_dir_bytes must be positive, got {self.cache_dir_bytes}")
         if self.fetch_window_bytes <= 0:
             raise ValueError(f"fetch_window_bytes must be positive, got {self.fetch_window_bytes}")
         if self.request_timeout <= 0:
@@ -229,6 +236,8 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
         help="subscriber: acceptable renditions, comma-separated (default lossless only)",
     )
     k.add_argument("--store-bytes", type=size_arg, default="512M", help="publisher block store budget")
+    k.add_argument("--cache-dir", type=Path, help="also keep published blocks on disk here (default: memory)")
+    k.add_argument("--cache-dir-bytes", type=size_arg, default="1G", help="most bytes kept in --cache-dir")
     k.add_argument("--signing-key", type=Path, help="Ed25519 private key (PEM) to sign manifests")
     k.add_argument(
         "--trust", type=Path, action="append", default=[],
@@ -277,6 +286,8 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         publish_renditions=tuple(args.renditions),
         acceptable_renditions=tuple(args.accept),
         store_bytes=args.store_bytes,
+        cache_dir=args.cache_dir,
+        cache_dir_bytes=args.cache_dir_bytes,
         signing_key=args.signing_key,
         trust=tuple(args.trust),
         trust_any=args.trust_any,

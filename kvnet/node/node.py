@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kvnet.blocks.disk import DiskTier
 from kvnet.blocks.identity import prompt_blocks
 from kvnet.blocks.signing import Signer, TrustStore
 from kvnet.cache.hashing import block_hashes, root_hash
@@ -113,7 +114,8 @@ class Node:
         self.fingerprint = model.fingerprint(config.block_size)
         salt, self.namespace_id = tenant_salt_and_namespace(config.tenant, node_secret)
         self.root = root_hash(self.fingerprint, salt)
-        self.store = BlockStore(config.store_bytes)
+        disk = DiskTier(config.cache_dir, config.cache_dir_bytes) if config.cache_dir is not None else None
+        self.store = BlockStore(config.store_bytes, disk)
         self.signer = signer or Signer.generate()
         # Never "accept anything": without a trust store a node trusts only its own key, and accepting
         # other keys takes the explicit config.trust_any (logged loudly by the fetcher).

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvnet.blocks.disk import track_file_name
 from kvnet.cache.hashing import block_hashes
+from kvnet.node.blockstore import DISK_NAMESPACE
 from kvnet.node.config import NodeConfig
 from kvnet.node.node import Node
 from proto.kvobject import block_track
@@ -139,3 +140,41 @@ def test_edge_notices_a_killed_origin_within_seconds_and_uses_the_restarted_one(
         assert metric(c, "kvnet_relay_cache_disk_loads") >= usable
     finally:
         edge.stop()
+
+
+def test_publisher_restarted_on_its_cache_dir_serves_what_it_published(
+    kv_cluster: Cluster, tmp_path: Path
+) -> None:
+    """A publisher with ``--cache-dir`` publishes and is killed (nothing pushed into the relay's cache); a new
+    publisher process on the same directory, started for another prompt, serves the first prompt's
+    blocks from disk; a block file truncated on disk is dropped and never served."""
+    c = kv_cluster
+    store_dir = tmp_path / "publisher-cache"
+    c.start_relay()
+    node_args = ("--no-push", "--cache-dir", str(store_dir))
+    first = c.start_publisher([PROMPT], *node_args)  # READY once every block is stored
+    c.kill(first, signal.SIGKILL)
+    server = c.start_publisher([UNRELATED], *node_args)  # computes nothing of PROMPT
+    report = subscribe(c)
+    usable = (report["prompt_tokens"] - 1) // TEST_BLOCK_SIZE
+    assert report["remote_hit_tokens"] == usable * TEST_BLOCK_SIZE, report
+
+    c.kill(server)
+    assert c.relay is not None
+    c.kill(c.relay)  # the relay cached what it fetched: a fresh one must ask the publisher again
+    c.start_relay()
+    damaged = store_file(store_dir, 2)
+    assert damaged.exists()
+    os.truncate(damaged, damaged.stat().st_size - 7)
+    c.start_publisher([UNRELATED], *node_args)
+    report = subscribe(c)
+    assert report["remote_hit_tokens"] == 2 * TEST_BLOCK_SIZE, report
+    assert report["security_events"] == [], report  # dropped by the store, never sent
+    assert not damaged.exists()
+
+
+def store_file(store_dir: Path, index: int) -> Path:
+    """The block store's file of block ``index`` of PROMPT (lossless)."""
+    node = Node.from_config(NodeConfig(model="tiny", block_size=TEST_BLOCK_SIZE))
+    hashes = block_hashes(node.encode_prompt(PROMPT), TEST_BLOCK_SIZE, node.root)
+    return store_dir / track_file_name(DISK_NAMESPACE, hashes[index].hex().encode() + b".lossless")
