@@ -10,12 +10,15 @@ Rules:
 2. Only whole objects enter the cache, and a range is served from cache only when an upstream response
    covering it finished cleanly (FETCH_OK seen and the data stream ended with FIN). A failed or cut-off
    fill stores nothing, so a partial track is never served as complete.
-3. Payloads are opaque bytes; the cache never looks inside them (the relay is content-agnostic).
+3. Payloads are opaque bytes; the cache never looks inside them. The one exception is injected: a
+   ``refusal`` check (``relay.admission`` with a trust set) may keep a complete fill out of the cache.
 4. Shares: tracks are grouped by the first ``share_depth`` namespace fields (for kvnet namespaces
    ("kvnet", "v2", fingerprint, namespace id): one group per namespace id). A group holds at most
    ``share_limit`` bytes; storing beyond it evicts that group's own least recently used tracks first.
    When the whole cache is over budget, the victim is the least recently used track of a group above an
    equal share of the budget, so a group that floods the cache evicts itself, not the others.
+5. Persistent tier (``disk``, optional): every complete, final track is also written to disk in a worker
+   thread; a memory miss looks there before going upstream. What comes back passes ``refusal`` again.
 """
 
 from __future__ import annotations
