@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from kvnet.tools.cluster.plan import upstream_links
 from kvnet.tools.cluster.runner import NetnsCluster, netns_available, stop_process
 from kvnet.tools.cluster.smoke import subscriber_argv
 from relay.metrics import parse_prometheus
+from tests.helpers.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
 
@@ -194,11 +194,15 @@ def test_bandwidth_limited_subscriber_recomputes_as_the_abr_rule_predicts(ready:
     )
     try:
         log = cluster.run_dir / "logs" / "abr-publisher.log"
-        deadline = time.monotonic() + 120
-        while "READY" not in log.read_text(errors="replace"):
+
+        def ready() -> bool:
             assert pub.poll() is None, logs(cluster, "abr-publisher", "edge-b")
-            assert time.monotonic() < deadline, "bench publisher not ready" + logs(cluster, "abr-publisher")
-            time.sleep(0.5)
+            return "READY" in log.read_text(errors="replace")
+
+        try:
+            wait_until(ready, "bench publisher READY", timeout=120)
+        except TimeoutError as exc:
+            raise AssertionError(str(exc) + logs(cluster, "abr-publisher")) from None
         cluster.limit_rate("sub-b", "site-b", 16_000_000)  # 2 MB/s on sub-b's access link
         try:
             # One node, two prompts: the first fetch measures the link, the second plan uses it.

@@ -72,11 +72,10 @@ class Cluster:
     def url(self, port: int | None = None) -> str:
         return f"moqt://127.0.0.1:{port or self.relay_port}"
 
-    def _spawn(self, args: Sequence[str], name: str) -> subprocess.Popen[bytes]:
+    def _spawn(self, args: Sequence[str], name: str, stdout_to_log: bool = False) -> subprocess.Popen[bytes]:
         log = open(self.tmp / f"{name}-{len(self.procs)}.log", "wb")  # noqa: SIM115 (owned by the process)
-        proc = subprocess.Popen(
-            [sys.executable, *args], cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=log
-        )
+        stdout = log if stdout_to_log else subprocess.PIPE
+        proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=self.env, stdout=stdout, stderr=log)
         proc.log_path = log.name  # type: ignore[attr-defined]
         self.procs.append(proc)
         return proc
@@ -100,6 +99,15 @@ class Cluster:
 
     def _wait_for(self, proc: subprocess.Popen[bytes], marker: str, name: str) -> None:
         wait_for_output(proc, lambda: self.log_of(proc), marker, name)
+
+    def start_linkemu(self, *shape: str) -> int:
+        """Start ``kvnet linkemu`` in front of the relay with ``shape`` flags (``--delay-ms 10``...);
+        returns the emulator's port once it forwards."""
+        port = free_port()
+        args = ["-m", "kvnet.cli", "linkemu", "--listen", f"127.0.0.1:{port}"]
+        proc = self._spawn([*args, "--target", f"127.0.0.1:{self.relay_port}", *shape], "linkemu", True)
+        self._wait_for(proc, "forwarding", "linkemu")
+        return port
 
     def relay_metrics(self) -> dict[str, float]:
         assert self._relay_process is not None, "start_relay first"

@@ -8,25 +8,15 @@ a 120 ms link. A per-block (sequential) probe would cost one RTT per block, a bi
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from tests.helpers.processes import free_port
 from tests.nodes.cluster import Cluster
 
 RTTS_S = (0.020, 0.120)
 
 
 def _locate_through_link(cluster: Cluster, text: str, rtt_s: float, *extra: str) -> dict[str, Any]:
-    emu_port = free_port()
-    cluster._spawn(
-        [
-            "-m", "kvnet.cli", "linkemu", "--listen", f"127.0.0.1:{emu_port}",
-            "--target", f"127.0.0.1:{cluster.relay_port}", "--delay-ms", str(rtt_s * 1e3 / 2),
-        ],
-        "linkemu",
-    )
-    time.sleep(0.3)
+    emu_port = cluster.start_linkemu("--delay-ms", str(rtt_s * 1e3 / 2))
     (report,) = cluster.subscribe([text], "--max-tokens", "1", *extra, relay_port=emu_port, timeout=300)
     return report
 

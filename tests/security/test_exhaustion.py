@@ -20,7 +20,7 @@ from proto.data import SubgroupHeader, encode_subgroup_header, subgroup_object_p
 from proto.errors import RequestErrorCode, SessionErrorCode, StreamResetCode
 from proto.messages import Location, Publish, TrackStatus, encode_message
 from tests.helpers.processes import CertDir, RelayProcess
-from tests.helpers.waiting import async_wait_until
+from tests.helpers.waiting import DEFAULT_TIMEOUT, async_wait_until
 from tests.nodes.cluster import SHARED_PREFIX, Cluster
 from tests.relay.conftest import RelayFactory
 from tests.relay.peers import (
@@ -36,8 +36,9 @@ from tests.relay.peers import (
 PROMPT = SHARED_PREFIX + "Question: is anyone still there?"
 RSS_LIMIT = 400 * 1024 * 1024
 """Python + aioquic + the relay at rest is ~45 MB; this bounds what any of the loads below may add."""
-SERVED_WITHIN = 3.0
-"""Seconds a well-behaved FETCH of a cached track may take while the relay is under load (2 busy cores)."""
+SERVED_WITHIN = 30.0
+"""Bound on a well-behaved FETCH of a cached track while the relay is under attack: only a starved client
+reaches it (a test asserts no speed; how long it takes moves with the machine's load)."""
 
 
 def metric_sum(rp: RelayProcess, prefix: str) -> float:
@@ -52,15 +53,12 @@ async def start_good(rp: RelayProcess, ca: Path) -> tuple[Publisher, MoqtConnect
     return pub, client
 
 
-async def served_promptly(client: MoqtConnection, pub: Publisher) -> float:
-    started = time.perf_counter()
-    got = await asyncio.wait_for(fetch_track(client, b"good", 4), 15)
-    st = await asyncio.wait_for(client.track_status(NS, b"good"), 15)
-    elapsed = time.perf_counter() - started
+async def still_served(client: MoqtConnection, pub: Publisher) -> None:
+    """The well-behaved client gets the cached track and its status (not starved by the attack)."""
+    got = await asyncio.wait_for(fetch_track(client, b"good", 4), SERVED_WITHIN)
+    st = await asyncio.wait_for(client.track_status(NS, b"good"), SERVED_WITHIN)
     assert got == pub.tracks[b"good"]
     assert st.parameters.largest_object == Location(0, 3)
-    assert elapsed < SERVED_WITHIN, elapsed
-    return elapsed
 
 
 async def stop_good(pub: Publisher, client: MoqtConnection) -> None:
@@ -95,15 +93,13 @@ async def test_thousand_concurrent_sessions(cert_dir: CertDir, relay_factory: Re
 
         for _ in range(n // 50):  # bounded: 20 batches of 50 handshakes
             await asyncio.gather(*(open_one() for _ in range(50)))
-        deadline = time.monotonic() + 60
-        while (await rp.ametrics()).get("kvnet_relay_sessions", 0) < n + 2 and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
+        await rp.wait_metric("kvnet_relay_sessions", n + 2, timeout=120)
         m = await rp.ametrics()
         held_rss = rp.rss_bytes()
         # Metrics report the load: every raw session plus the publisher and the client.
         assert m["kvnet_relay_sessions"] == n + 2, m.get("kvnet_relay_sessions")
         assert not any(p.terminated.done() for p in peers)
-        await served_promptly(client, pub)
+        await still_served(client, pub)
         assert held_rss < RSS_LIMIT, (base_rss, held_rss)
         print(
             f"1000 sessions: RSS {base_rss >> 20} -> {held_rss >> 20} MiB "
@@ -112,12 +108,11 @@ async def test_thousand_concurrent_sessions(cert_dir: CertDir, relay_factory: Re
         for p in peers:  # close all at once (leaving the stack closes them one by one)
             p.close()
         await asyncio.wait_for(asyncio.gather(*(p.wait_closed() for p in peers)), 30)
-    deadline = time.monotonic() + 30
-    while (await rp.ametrics()).get("kvnet_relay_sessions", 0) > 2 and time.monotonic() < deadline:
-        await asyncio.sleep(0.2)
+    with contextlib.suppress(TimeoutError):  # the assertion below says what is left
+        await rp.wait_metrics(lambda m: m.get("kvnet_relay_sessions", 0) <= 2, "raw sessions gone", 60)
     state = (pub.conn.session.closed, client.session.closed)
     assert (await rp.ametrics())["kvnet_relay_sessions"] == 2, state
-    await served_promptly(client, pub)
+    await still_served(client, pub)
     await stop_good(pub, client)
     assert rp.proc.poll() is None
 
@@ -131,14 +126,14 @@ async def test_session_limit_refuses_extra_sessions(cert_dir: CertDir, relay_fac
             peer = await stack.enter_async_context(raw_peer(rp.port, cert_dir.ca))
             peer.setup()
             peers.append(peer)
-        await asyncio.sleep(1.0)
+        await async_wait_until(lambda: sum(p.terminated.done() for p in peers) >= 10, "10 sessions refused")
         refused = [p for p in peers if p.terminated.done()]
         assert len(refused) == 10  # 12 = publisher + client + 10 raw sessions
         for p in refused:
             code, reason = p.terminated.result()
             assert code == SessionErrorCode.INTERNAL_ERROR and "limit reached: sessions" in reason
         assert metric_sum(rp, 'kvnet_relay_limit_rejections_total{limit="sessions"') == 10
-        await served_promptly(client, pub)
+        await still_served(client, pub)
     await stop_good(pub, client)
 
 
@@ -146,7 +141,7 @@ async def test_request_floods_per_session_and_global(cert_dir: CertDir, relay_fa
     """Two sessions flood 2,000 FETCHes each: the per-session cap (100) and the relay-wide cap (150)."""
     rp = relay_factory("--max-requests-per-session", "100", "--max-requests", "150", "--log-level", "info")
     pub, client = await start_good(rp, cert_dir.ca)
-    pub.fetch_delay = 2.0  # every flooded FETCH holds a request slot at the relay for 2 s
+    pub.fetch_gate = asyncio.Event()  # every flooded FETCH holds a request slot until the gate opens
     tls = TlsSettings(ca_file=cert_dir.ca)
     limits = ConnectionLimits(max_outstanding_requests=4000)
     flooders = [await connect(rp.url, tls=tls, limits=limits) for _ in range(2)]
@@ -160,11 +155,19 @@ async def test_request_floods_per_session_and_global(cert_dir: CertDir, relay_fa
             codes[f][exc.code] = codes[f].get(exc.code, 0) + 1
 
     try:
+        before = pub.counts["fetch"]
         flood = [asyncio.create_task(one(0, i)) for i in range(2000)]
-        await asyncio.sleep(0.5)  # the first flooder now holds its 100 requests
+        await async_wait_until(
+            lambda: pub.counts["fetch"] - before == 100 and sum(codes[0].values()) == 2000 - 100,
+            "the first flooder holding its 100 requests, the rest refused",
+        )
         flood += [asyncio.create_task(one(1, i)) for i in range(2000)]
-        await asyncio.sleep(0.5)
-        await served_promptly(client, pub)  # during the flood: the client's requests are reserved ones
+        await async_wait_until(
+            lambda: sum(codes[1].values()) + pub.counts["fetch"] - before - 100 == 2000,
+            "every request of the second flooder refused or held at the publisher",
+        )
+        await still_served(client, pub)  # during the flood: the client's requests are reserved ones
+        pub.fetch_gate.set()
         await asyncio.wait_for(asyncio.gather(*flood), 60)
         excessive = [c.get(RequestErrorCode.EXCESSIVE_LOAD, 0) for c in codes]
         global_refused = metric_sum(rp, 'kvnet_relay_limit_rejections_total{limit="requests_global"')
@@ -175,7 +178,7 @@ async def test_request_floods_per_session_and_global(cert_dir: CertDir, relay_fa
         admitted = 2000 - excessive[1]
         assert 40 <= admitted <= 50, codes
         assert global_refused == excessive[1], (codes, global_refused)
-        # The admitted ones end upstream (the publisher answers DOES_NOT_EXIST after its delay, or the
+        # The admitted ones end upstream (the publisher answers DOES_NOT_EXIST once the gate opens, or the
         # relay gives up with TIMEOUT).
         for c in codes:
             assert set(c) <= {
@@ -188,8 +191,7 @@ async def test_request_floods_per_session_and_global(cert_dir: CertDir, relay_fa
         assert held == 100 + admitted, held
         assert pub.counts["fetch"] <= 100 + admitted + 1
         assert rp.rss_bytes() < RSS_LIMIT
-        pub.fetch_delay = 0.0
-        await served_promptly(client, pub)  # after
+        await still_served(client, pub)  # after
     finally:
         for flooder in flooders:
             with contextlib.suppress(Exception):
@@ -236,9 +238,10 @@ async def test_slowloris_streams_and_sessions(cert_dir: CertDir, relay_factory: 
         silent = [await open_raw() for _ in range(n_silent)]  # complete QUIC, never send SETUP
         started = time.monotonic()
         # Dribble one more byte per stream every 100 ms, never completing a message, until the relay has
-        # closed every dribbling session (bounded: 8 s).
+        # closed every dribbling session (bounded, for a relay that never does). The pause between bytes
+        # is the attack under test, not a wait for a condition.
         step = 0
-        while not all(p.terminated.done() for p, _ in dribblers) and time.monotonic() - started < 8:
+        while not all(p.terminated.done() for p, _ in dribblers) and time.monotonic() - started < 60:
             step += 1
             for peer, msgs in dribblers:
                 if peer.terminated.done():
@@ -248,24 +251,22 @@ async def test_slowloris_streams_and_sessions(cert_dir: CertDir, relay_factory: 
                         with contextlib.suppress(ValueError, AssertionError):  # closed meanwhile
                             peer.send(sid, msg[step : step + 1])
             if step % 10 == 0:
-                await served_promptly(client, pub)  # during the attack
-            await asyncio.sleep(0.1)
+                await still_served(client, pub)  # during the attack
+            await asyncio.sleep(0.1)  # the dribbling pace (the attack), not a wait
         # Each dribbling session got its late request streams reset (DELIVERY_TIMEOUT) and, past three
         # of them, was closed with CONTROL_MESSAGE_TIMEOUT, about one header timeout after it started.
         closed = [p.terminated.result()[0] for p, _ in dribblers if p.terminated.done()]
         assert closed == [SessionErrorCode.CONTROL_MESSAGE_TIMEOUT] * n_dribblers, closed
-        assert time.monotonic() - started < 6
         # A session without SETUP is closed after the setup timeout (2 s here).
-        await asyncio.wait_for(asyncio.gather(*(p.terminated for p in silent)), 10)
+        await asyncio.wait_for(asyncio.gather(*(p.terminated for p in silent)), DEFAULT_TIMEOUT)
         assert rp.rss_bytes() < base_rss + 64 * 1024 * 1024
         m = await rp.ametrics()
         assert m['kvnet_relay_sessions_closed_total{reason="request_header_timeout"}'] == n_dribblers, m
         assert m["kvnet_relay_request_header_timeouts_total"] >= 3 * n_dribblers, m
-        deadline = time.monotonic() + 10
-        while (await rp.ametrics())["kvnet_relay_sessions"] > 2 and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
+        with contextlib.suppress(TimeoutError):  # the assertion below says what is left
+            await rp.wait_metrics(lambda m: m["kvnet_relay_sessions"] <= 2, "attacking sessions gone")
         assert (await rp.ametrics())["kvnet_relay_sessions"] == 2  # only the publisher and the client left
-        await served_promptly(client, pub)
+        await still_served(client, pub)
     await stop_good(pub, client)
 
 
@@ -283,19 +284,15 @@ async def test_oversized_object_declared_huge(cert_dir: CertDir, relay_factory: 
             header = SubgroupHeader(alias, 0)
             sid = peer.new_stream(True)
             peer.send(sid, encode_subgroup_header(header) + subgroup_object_prefix(header, 0, None, size))
-            for _ in range(40):  # up to 4 MB of it, unless the relay stops it first
-                if sid in peer.stop_sending or peer.terminated.done():
-                    break
+            for _ in range(40):  # up to 4 MB of it
                 with contextlib.suppress(ValueError):  # aioquic: the stream was stopped meanwhile
                     peer.send(sid, b"\xab" * 100_000)
-                await asyncio.sleep(0.01)
-            deadline = time.monotonic() + 5
-            while sid not in peer.stop_sending and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
+            with contextlib.suppress(TimeoutError):  # the assertion below says what the relay did
+                await async_wait_until(lambda s=sid: s in peer.stop_sending, "STOP_SENDING on the object")
             # The relay refuses the object by stopping its stream; the session stays up.
             assert peer.stop_sending.get(sid) == StreamResetCode.EXCESSIVE_LOAD, (size, peer.stop_sending)
             assert not peer.terminated.done(), peer.terminated
-    await served_promptly(client, pub)
+    await still_served(client, pub)
     assert rp.rss_bytes() < base + 64 * 1024 * 1024
     await stop_good(pub, client)
 
@@ -306,7 +303,8 @@ def test_idle_publisher_outlives_the_quic_idle_timeout(kv_cluster: Cluster) -> N
     c = kv_cluster
     c.start_relay("--idle-timeout", "2", "--keepalive-interval", "0.5")
     pub = c.start_publisher([PROMPT], "--no-push")
-    time.sleep(5)  # more than twice the idle timeout without a single request
+    # More than twice the idle timeout without a single request: the idle time is the behaviour under test.
+    time.sleep(5)
     (report,) = c.subscribe([PROMPT], "--verify", "--timeout", "5")
     assert report["verified"] is True
     assert report["remote_hit_tokens"] > 0, report
@@ -375,7 +373,7 @@ async def test_one_address_over_its_session_quota_cannot_lock_out_others(
         assert len(reasons) == 6 and all("limit reached: sessions per address" in r for r in reasons), reasons
         assert metric_sum(rp, 'kvnet_relay_limit_rejections_total{limit="sessions_per_address"') == 6
         honest = await connect_from(rp, cert_dir.ca, "127.0.0.3")
-        await served_promptly(honest, pub)
+        await still_served(honest, pub)
         await asyncio.wait_for(honest.close_session(), 5)
 
         # 1 publisher + 4 sessions of 127.0.0.2 + 5 more from two other addresses: the table is full.
@@ -385,7 +383,7 @@ async def test_one_address_over_its_session_quota_cannot_lock_out_others(
             "idle sessions reaped under pressure",
         )
         newcomer = await connect_from(rp, cert_dir.ca, "127.0.0.9")
-        await served_promptly(newcomer, pub)
+        await still_served(newcomer, pub)
         await asyncio.wait_for(newcomer.close_session(), 5)
         assert not pub.conn.is_closed  # an idle publisher with an announced namespace is never reaped
         assert metric_sum(rp, 'kvnet_relay_limit_rejections_total{limit="sessions"') == 0
