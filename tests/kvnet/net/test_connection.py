@@ -307,7 +307,8 @@ async def test_incoming_publish_buffers_early_objects_and_honours_stream_count(
             assert isinstance(req, IncomingPublish)
             name = req.event.track_name
             if name == b"late-accept":
-                await asyncio.sleep(0.3)  # the objects are already here
+                # A deliberately late accept (the behaviour under test): the objects arrive before it.
+                await asyncio.sleep(0.3)
             objects = req.accept_publish(MessageParameters(forward=1))
             got[name] = [(o.object_id, o.status, o.payload) async for o in objects]
             assert objects.done is not None
@@ -322,8 +323,9 @@ async def test_incoming_publish_buffers_early_objects_and_honours_stream_count(
                            quic.TlsSettings.from_dir(pki, None)) as conn:
             # 1: objects sent right behind the PUBLISH, without waiting for PUBLISH_OK.
             pending = asyncio.ensure_future(conn.publish(NS, b"late-accept", 11))
-            while not conn.session.established or 11 not in conn.session._pub_aliases:
-                await asyncio.sleep(0.001)
+            await async_wait_until(
+                lambda: conn.session.established and 11 in conn.session._pub_aliases, "the PUBLISH sent"
+            )
             sid = conn.open_subgroup(11, 0, 0)
             conn.send_subgroup_object(sid, 0, b"early")
             conn.send_subgroup_object(sid, 1, b"", status=ObjectStatus.END_OF_TRACK, end_stream=True)
@@ -363,18 +365,17 @@ async def test_keepalive_holds_an_idle_session_and_a_dead_peer_is_noticed(
     tls = quic.TlsSettings.from_dir(pki, None)
     try:
         conn = await connect(url, live, tls)
-        await asyncio.sleep(3.0)  # three idle timeouts without a single request
+        # Three idle timeouts without a single request: the idle time is the behaviour under test.
+        await asyncio.sleep(3.0)
         assert not conn.is_closed and not closed_at
         assert (await conn.track_status(NS, b"blocks")).request_id >= 0
         # The client dies without a word (its socket just closes): the server notices within the idle
         # timeout (+ a few PTOs), not never.
         died = asyncio.get_running_loop().time()
         conn._transport.close()
-        for _ in range(60):
-            if closed_at:
-                break
-            await asyncio.sleep(0.1)
-        assert closed_at and closed_at[0] - died < 3.0
+        # The deadline is generous for load yet far below "never" (or an idle timeout left at its default).
+        await async_wait_until(lambda: closed_at, "the server noticing the dead client", timeout=12)
+        assert closed_at[0] > died
     finally:
         await server.close()
     # Control: with keep-alive off on both sides the same idle session is dropped by the idle timeout
@@ -402,17 +403,23 @@ async def test_keepalive_is_the_clients_job_and_the_server_covers_a_silent_clien
             LinkEmulator(config) as emu,
             connect(f"moqt://127.0.0.1:{emu.listen_address[1]}", live, tls) as conn,
         ):
-            await asyncio.sleep(0.5)  # past the handshake's own packets
+            # The behaviour under test is an idle session over time: let the handshake's trailing packets
+            # pass, then count what crosses the link during about 8 keep-alive intervals.
+            await asyncio.sleep(0.5)
             stats = emu.stats()
             before = stats["upstream"].forwarded + stats["downstream"].forwarded
-            await asyncio.sleep(2.0)  # 8 intervals
+            started = asyncio.get_running_loop().time()
+            await asyncio.sleep(2.0)
+            intervals = (asyncio.get_running_loop().time() - started) / live.keepalive_interval
             idle_datagrams = stats["upstream"].forwarded + stats["downstream"].forwarded - before
             assert not conn.is_closed
-        assert 8 <= idle_datagrams <= 24  # ~16 (PING + ACK per interval); both sides pinging made ~32
+        # ~2 per interval (PING + ACK); both sides pinging would make ~4. Per measured interval, so a loaded
+        # machine (late timers, a longer pause) only lowers the rate.
+        assert idle_datagrams >= 2 and idle_datagrams / intervals <= 3, (idle_datagrams, intervals)
         # A client without keep-alive (another implementation, say) is kept alive by the server's PINGs.
         quiet = quic.TransportSettings(stack=settings.stack, idle_timeout=1.0, keepalive_interval=0)
         async with connect(f"moqt://127.0.0.1:{server.address[1]}", quiet, tls) as conn:
-            await asyncio.sleep(3.0)  # three idle timeouts
+            await asyncio.sleep(3.0)  # three idle timeouts: the idle time is the behaviour under test
             assert not conn.is_closed
             assert (await conn.track_status(NS, b"blocks")).request_id >= 0
     finally:

