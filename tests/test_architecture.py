@@ -248,3 +248,29 @@ def test_entry_points_do_not_load_forbidden_modules_at_run_time(entry: str, abse
         [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "", f"importing {entry} loads {out.stdout.strip()}"
+
+
+def test_every_module_is_named_in_the_architecture_doc() -> None:
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    missing = [
+        path.relative_to(REPO).as_posix()
+        for path in source_files(REPO)
+        if path.name != "__init__.py" and f"`{path.relative_to(REPO).as_posix()}`" not in doc
+    ]
+    assert not missing, "modules without a line in docs/architecture.md (module: its one job):\n" + "\n".join(
+        missing
+    )
+
+
+def test_readme_layout_names_every_package() -> None:
+    readme = (REPO / "README.md").read_text()
+    layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    # The first word of each line: top-level packages as "relay/", kvnet's rooms indented as "node/".
+    entries = {line.split()[0] for line in layout.splitlines() if line.strip() and not line.startswith("`")}
+    packages = [
+        path.parent.relative_to(REPO).as_posix() + "/"
+        for path in source_files(REPO)
+        if path.name == "__init__.py" and path.parent.parent in (REPO, REPO / "kvnet")
+    ]
+    missing = [name for name in packages if not {name, name.removeprefix("kvnet/")} & entries]
+    assert not missing, f"README's Layout section does not name {missing}"
