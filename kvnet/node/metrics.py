@@ -36,6 +36,7 @@ _COUNTER_HELP = {
         "security_content_failures", "Signed blocks whose manifest or payload disagreed with the prompt."),
     "fetch_fallbacks": ("fetch_fallbacks", "Fetches that stopped early; the rest was recomputed."),
     "published_blocks": ("published_blocks", "Blocks encoded, signed and stored for publishing."),
+    "relay_sessions": ("relay_sessions", "Relay sessions established (the first and every reconnect)."),
 }
 
 _PUBLISHER_HELP = {

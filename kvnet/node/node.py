@@ -19,6 +19,7 @@ serialises every touch of the paged cache. Nothing here reads the command line o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -48,6 +49,7 @@ from kvnet.node.config import (
     tenant_salt_and_namespace,
 )
 from kvnet.node.publishing import encode_blocks
+from kvnet.node.reconnect import STABLE_SESSION_S, Backoff
 from kvnet.node.relay_peer import RelayPeer
 from kvnet.node.reports import NodeCounters, PublishReport, RequestReport
 from kvnet.security.tenancy import NodeSecret
@@ -135,6 +137,9 @@ class Node:
         self.counters = NodeCounters()
         self.lock = asyncio.Lock()
         self.peer: RelayPeer | None = None
+        """The relay session while it is up (None while disconnected or without a relay)."""
+        self._supervisor: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()
         self._next_seq = 0
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -263,6 +268,10 @@ class Node:
             report.local_hit_tokens = local_blocks * b
             # A node told to always recompute has no use for a locate round trip.
             remote = use_remote and self.config.abr_mode != "recompute"
+            if self.config.relay_url is not None:
+                report.relay_connected = self.peer is not None and self.peer.connected
+                if not report.relay_connected:
+                    report.fallback.append("relay not connected: no remote prefix lookup")
             if remote and self.peer is not None and local_blocks < usable:
                 await self._remote_prefix(ids, hashes, local_blocks, usable, report)
             gen_started = time.perf_counter()
@@ -298,9 +307,13 @@ class Node:
             if publish:
                 blocks, _ = await self._encode_and_store(ids, list(result.block_hashes))
                 report.published_blocks = len({x.block_hash for x in blocks})
-                if blocks and self.peer is not None and self.config.push:
+                # Blocks this request fetched came from the relay: pushing them back would only double
+                # its ingress.
+                fetched = set(hashes[local_blocks : local_blocks + report.remote_hit_tokens // b])
+                to_push = [x for x in blocks if x.block_hash not in fetched]
+                if to_push and self.peer is not None and self.config.push:
                     # Pushing is an optimisation: it must not delay this request's answer.
-                    self._background(self.peer.push(blocks))
+                    self._background(self.peer.push(to_push))
         report.timings.total_s = gen_done - t0
         if verify:
             output = report.output_token_ids
@@ -383,13 +396,54 @@ class Node:
             report.fallback.append(msg)
 
     async def connect(self) -> None:
-        """Open the relay session; on failure the node still works, recomputing everything."""
-        try:
-            self.peer = await RelayPeer.open(self)
-        except Exception as exc:
-            logger.warning("cannot reach relay %s (%s); continuing without it", self.config.relay_url, exc)
+        """Keep a session with the relay: returns after the first attempt, successful or not, and reconnects
+        in the background (``kvnet.node.reconnect.Backoff``) whenever the session is lost or the relay
+        sends GOAWAY. The node answers meanwhile, recomputing what it cannot find locally."""
+        first_attempt = asyncio.Event()
+        self._supervisor = asyncio.get_running_loop().create_task(self._keep_connected(first_attempt))
+        await first_attempt.wait()
+
+    async def _keep_connected(self, first_attempt: asyncio.Event) -> None:
+        backoff = Backoff()
+        url = self.config.relay_url
+        while not self._closing.is_set():
+            try:
+                peer = await RelayPeer.open(self)
+            except Exception as exc:
+                first_attempt.set()
+                delay = backoff.next_delay()
+                logger.warning("cannot reach relay %s (%s); next attempt in %.2f s", url,
+                               str(exc) or type(exc).__name__, delay)
+                await self._wait_closing(delay)
+                continue
+            self.peer = peer
+            self.counters.relay_sessions += 1
+            first_attempt.set()
+            started = time.monotonic()
+            why = await peer.wait_ended()
+            if self._closing.is_set():
+                return
+            # Requests see the node as disconnected at once; the old session is let go in the background.
+            self.peer = None
+            self._background(peer.abandon())
+            # Only a session that lasted resets the backoff: a relay that accepts and at once sends GOAWAY
+            # (it is draining) must not be retried in a tight loop.
+            if time.monotonic() - started >= STABLE_SESSION_S:
+                backoff.reset()
+            delay = backoff.next_delay()
+            logger.warning("relay %s: %s; reconnecting in %.2f s", url, why, delay)
+            await self._wait_closing(delay)
+
+    async def _wait_closing(self, seconds: float) -> None:
+        """Sleep ``seconds``, or less if the node is closing."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._closing.wait(), seconds)
 
     async def close(self) -> None:
+        self._closing.set()
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
         for task in list(self._tasks):
             await asyncio.gather(task, return_exceptions=True)
         if self.peer is not None:

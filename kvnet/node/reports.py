@@ -51,6 +51,9 @@ class RequestReport:
     """Blocks refused by verification: ``{"kind": "signature" | "content", "detail": ...}``."""
     published_blocks: int = 0
     verified: bool | None = None
+    relay_connected: bool | None = None
+    """False when a relay is configured but had no session while this request was served (so no remote
+    prefix could be looked up); None without a relay."""
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -74,6 +77,8 @@ class RequestReport:
         }
         if self.verified is not None:
             out["verified"] = self.verified
+        if self.relay_connected is not None:
+            out["relay_connected"] = self.relay_connected
         return out
 
 
@@ -111,3 +116,5 @@ class NodeCounters:
     """Signed blocks whose manifest or payload disagreed with our prompt (poisoning or corruption)."""
     fetch_fallbacks: int = 0
     published_blocks: int = 0
+    relay_sessions: int = 0
+    """Relay sessions established (the first one and every reconnect)."""

@@ -50,6 +50,12 @@ def test_second_node_reuses_first_nodes_prefix_over_http(kv_cluster: Cluster) ->
     assert details["remote_cached_tokens"] == shared, str(remote["kvnet"])  # str: printed whole
     assert details["local_cached_tokens"] == 0
     assert remote["kvnet"]["renditions"] == {"lossless": shared // B}
+    # B pushes the blocks it computed, never the ones it just fetched from the relay.
+    own_blocks = remote["kvnet"]["published_blocks"] - shared // B
+    assert own_blocks > 0, remote["kvnet"]
+    pushed = "kvnet_publisher_pushed_tracks_total"
+    wait_until(lambda: _metric(url_b, pushed) >= own_blocks, "B pushed its own blocks")
+    assert _metric(url_b, pushed) == own_blocks  # one push call: nothing more is coming from it
     # Node A answers the same prompt from its own cache: same tokens as B's answer built on A's blocks.
     local = http_json(f"{url_a}/v1/completions", {"prompt": prompt, **greedy})
     assert local["usage"]["prompt_tokens_details"]["local_cached_tokens"] == shared
