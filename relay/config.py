@@ -37,13 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvnet.logs import LOG_FORMATS, LOG_LEVELS
 from kvnet.net.quic import TlsSettings, TransportSettings, parse_moqt_url
 from kvnet.security.tokens import DEFAULT_CLOCK_SKEW_S
 from relay.cache import CacheConfig
 from relay.limits import LimitsConfig
 
-LOG_FORMATS = ("kv", "json")
-LOG_LEVELS = ("debug", "info", "warning", "error")
 _TOP_KEYS = {
     "listen",
     "cert",

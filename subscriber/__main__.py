@@ -27,7 +27,7 @@ from kvnet.node.config import (
     add_prompt_arguments,
     node_config_from_cli,
     prompts_from_args,
-    setup_logging,
+    setup_node_logging,
 )
 from kvnet.node.node import start_node
 from kvnet.settings import parse_settings, settings_parser
@@ -93,7 +93,7 @@ async def run(config: SubscriberConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_settings(build_parser(), argv)
-    setup_logging(args.verbose)
+    setup_node_logging(args)
     try:
         prompts = prompts_from_args(args)
         if not prompts:

@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import logging
 import ssl
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 
 from kvnet.blocks.signing import Signer, SigningError, TrustStore, generate_keypair, load_signer
 from kvnet.dtypes import DTYPE_BY_NAME
+from kvnet.logs import LOG_FORMATS, LOG_LEVELS, setup_logging
 from kvnet.model.transformer import transformer_configs
 from kvnet.net.quic import DATAGRAM_SIZE_ETHERNET, DEFAULT_STACK, TransportSettings, parse_moqt_url
 from kvnet.node.abr import QUALITY_ORDER
@@ -265,7 +265,9 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
         "--trust, trusts KEY_DIR/*.pub",
     )
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="kv", help="log lines: logfmt or JSON")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="least severe level logged")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (--log-level debug)")
 
 
 def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
@@ -427,15 +429,10 @@ def tenant_salt_and_namespace(tenant: str, node_secret: NodeSecret | None) -> tu
     return b"", tenant
 
 
-def setup_logging(verbose: bool) -> None:
-    """Progress and warnings on stderr, so ``--json`` output on stdout stays machine-readable."""
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
-    # The transport's per-packet debug output drowns everything else.
-    logging.getLogger("quic").setLevel(logging.WARNING)
+def setup_node_logging(args: argparse.Namespace) -> None:
+    """Logs on stderr (so ``--json`` output on stdout stays machine-readable) in the format every kvnet
+    process shares (``kvnet.logs``); ``-v`` is ``--log-level debug``."""
+    setup_logging(args.log_format, "debug" if args.verbose else args.log_level)
 
 
 def default_key_dir(kvnet_home: str | None) -> Path:

@@ -1,0 +1,70 @@
+"""One log format for every kvnet process: logfmt-style ``key=value`` lines or JSON, on stderr.
+
+Owns the two formatters and ``setup_logging``; the relay and the node commands (and the node's HTTP access
+log, which uvicorn writes through the same root handler) all log through it, chosen by ``--log-format``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+LOG_FORMATS = ("kv", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+# LogRecord attributes that are not user-supplied ``extra`` fields.
+_RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+
+def _kv_value(v: object) -> str:
+    s = str(v)
+    if s == "" or any(c in s for c in ' "=\n'):
+        return json.dumps(s)
+    return s
+
+
+class KeyValueFormatter(logging.Formatter):
+    """logfmt-style lines: ``ts=... level=info logger=relay.relay msg="..." key=value``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        fields.update({k: v for k, v in record.__dict__.items() if k not in _RESERVED})
+        if record.exc_info:
+            fields["exc"] = self.formatException(record.exc_info)
+        return " ".join(f"{k}={_kv_value(v)}" for k, v in fields.items())
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line with the same fields as ``KeyValueFormatter``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields: dict[str, Any] = {
+            "ts": record.created,
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        fields.update({k: v for k, v in record.__dict__.items() if k not in _RESERVED})
+        if record.exc_info:
+            fields["exc"] = self.formatException(record.exc_info)
+        return json.dumps(fields, default=str)
+
+
+def setup_logging(log_format: str, level: str) -> None:
+    """Route every logger to stderr in ``log_format`` (``kv`` or ``json``) at ``level``."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else KeyValueFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # The QUIC stacks log packet-level events and every peer close; keep them quiet unless asked for.
+    logging.getLogger("quic").setLevel(logging.ERROR if level != "debug" else logging.DEBUG)
