@@ -20,6 +20,7 @@ import torch
 from kvnet.blocks.signing import Signer, SigningError, TrustStore, generate_keypair, load_signer
 from kvnet.dtypes import DTYPE_BY_NAME
 from kvnet.logs import LOG_FORMATS, LOG_LEVELS, setup_logging
+from kvnet.model.registry import MODELS, is_registered
 from kvnet.model.transformer import transformer_configs
 from kvnet.net.quic import DATAGRAM_SIZE_ETHERNET, DEFAULT_STACK, TransportSettings, parse_moqt_url
 from kvnet.node.abr import QUALITY_ORDER
@@ -391,8 +392,8 @@ def check_startup_inputs(config: NodeConfig) -> None:
     if config.checkpoint is not None:
         if not config.checkpoint.is_dir():
             raise ValueError(f"--checkpoint {config.checkpoint}: not a directory")
-    elif config.model not in transformer_configs:
-        known = ", ".join(sorted(transformer_configs))
+    elif config.model not in transformer_configs and not is_registered(config.model):
+        known = ", ".join(sorted([*transformer_configs, *MODELS]))
         raise ValueError(f"--model {config.model!r}: unknown preset; known: {known}")
     try:
         torch.device(config.device)
