@@ -8,6 +8,7 @@ import json
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -221,3 +222,33 @@ def test_json_depth_ignores_brackets_in_strings() -> None:
     assert not json_depth_exceeds(b'{"a": "[[[[[[[[[[\\"[[["}', 2)
     assert json_depth_exceeds(b'{"a": [[1]]}', 2)
     assert not json_depth_exceeds(b'{"a": [1]}', 2)
+
+
+@pytest.fixture
+async def chat_node_url(smollm2_dir: Path) -> AsyncIterator[str]:
+    """A node serving SmolLM2 (a model with a chat template); skipped where it is not installed."""
+    config = NodeConfig(model="smollm2", block_size=16, cache_blocks=64)
+    node = await asyncio.to_thread(Node.from_config, config)
+    api = OpenAiApi(NodeBackend(node, publish=False), ApiSettings(served_model_name=MODEL, api_key=API_KEY))
+    server = await HttpServer.start(api.app, bind_http("127.0.0.1", 0), access_log=False)
+    try:
+        yield f"http://127.0.0.1:{server.port}"
+    finally:
+        await server.stop()
+
+
+async def test_chat_completions_with_the_models_template_streaming_or_not(chat_node_url: str) -> None:
+    client = _client(chat_node_url)
+    messages: list[Any] = [{"role": "system", "content": "You are brief."},
+                           {"role": "user", "content": "Name a colour."}]
+    done = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    choice = done.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("length", "stop")
+    assert done.usage is not None and done.usage.completion_tokens <= 4
+    chunks = [c async for c in await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, temperature=0, stream=True,
+    )]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
