@@ -205,10 +205,11 @@ def test_bandwidth_limited_subscriber_recomputes_as_the_abr_rule_predicts(ready:
             raise AssertionError(str(exc) + logs(cluster, "abr-publisher")) from None
         cluster.limit_rate("sub-b", "site-b", 16_000_000)  # 2 MB/s on sub-b's access link
         try:
-            # One node, two prompts: the first fetch measures the link, the second plan uses it.
+            # One node, two prompts: the first fetch measures the link, the second plan uses it. The first
+            # must run to its end to measure it, so its deadline (slower than recomputing) is moved away.
             first, second = subscribe(
                 cluster, "sub-b", "edge-b", warm, *model, "--abr", "auto", "--trust", "/keys/pub-b",
-                "--prompt", probe,
+                "--fetch-margin", "600", "--prompt", probe,
             )
         finally:
             cluster.clear_rate("sub-b", "site-b")
