@@ -258,6 +258,10 @@ def test_dockerfile_pins_cpu_torch_and_installs_everything_at_build_time() -> No
     assert '--index-url "$TORCH_INDEX_URL" torch==2.13.0' in text
     lock = (ROOT / "requirements-lock.txt").read_text()
     assert "torch==2.13.0" in lock.split()
+    # The image carries no test tools: they are pinned in their own file, which the image never sees.
+    assert "requirements-test-lock.txt" not in text
+    for tool in ("pytest", "ruff", "mypy", "hypothesis"):
+        assert not re.search(rf"^{tool}==", lock, re.M), f"{tool} belongs in requirements-test-lock.txt"
     with open(ROOT / "pyproject.toml", "rb") as f:
         packages = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
     for pkg in packages:
