@@ -579,9 +579,9 @@ def test_subscriber_updates_a_publish() -> None:
 
 
 def test_handled_peer_streams_stay_bounded_and_forget_the_smallest_ids() -> None:
-    from proto.session import _HandledPeerStreams
+    from proto.session_limits import HandledPeerStreams
 
-    seen = _HandledPeerStreams(limit=4)
+    seen = HandledPeerStreams(limit=4)
     ids = [16, 4, 12, 0, 8, 20, 4]  # out of order, one repeat
     for i in ids:
         seen.add(i)
