@@ -33,10 +33,9 @@ from kvnet.net.connection import MoqtConnection  # noqa: E402
 from kvnet.net.endpoint import connect  # noqa: E402
 from kvnet.net.handles import IncomingFetch, IncomingSubscribe  # noqa: E402
 from kvnet.net.quic import TlsSettings, TransportSettings  # noqa: E402
-from kvnet.security import certs  # noqa: E402
 from proto.data import ObjectStatus  # noqa: E402
 from proto.messages import Location  # noqa: E402
-from tests.helpers.processes import CertDir  # noqa: E402
+from tests.helpers.processes import CertDir, make_certificates  # noqa: E402
 from tests.helpers.processes import start_relay as start_relay_process  # noqa: E402
 
 NS = (b"kvnet", b"bench")
@@ -172,9 +171,7 @@ def main() -> int:
     ns = [int(x) for x in args.subscribers.split(",")]
     bt = _load_transport_bench()
     with tempfile.TemporaryDirectory() as tmp:
-        certdir = Path(tmp)
-        certs.create_ca(certdir)
-        certs.issue_cert(certdir, "server", ["localhost", "127.0.0.1"])
+        certdir = make_certificates(Path(tmp), "server").dir
         print(
             f"{args.size_mib} MiB track, 1 MiB objects, loopback, "
             f"median of {args.runs}, cores={os.cpu_count()}"

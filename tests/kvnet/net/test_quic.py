@@ -68,8 +68,7 @@ def test_tls_rules(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
 
 
 async def test_handshake_with_project_certs(tmp_path: Path) -> None:
-    certs.create_ca(tmp_path)
-    certs.issue_cert(tmp_path, "server", ["localhost", "127.0.0.1"])
+    make_certificates(tmp_path, "server")
     settings = quic.TransportSettings()
     server = await serve(
         "127.0.0.1", 0,

@@ -12,8 +12,8 @@ import pytest
 from aioquic.asyncio import QuicConnectionProtocol, connect, serve
 
 from kvnet.net import quic
-from kvnet.security import certs
 from kvnet.tools.linkemu import EmulatorConfig, LinkEmulator, LinkParams, parse_hostport
+from tests.helpers.processes import make_certificates
 from tests.helpers.waiting import async_wait_until
 
 
@@ -168,8 +168,7 @@ def test_params_validation() -> None:
 
 
 async def test_quic_handshake_through_lossy_delayed_link(tmp_path: Path) -> None:
-    certs.create_ca(tmp_path)
-    issued = certs.issue_cert(tmp_path, "server", ["localhost", "127.0.0.1"])
+    issued = make_certificates(tmp_path, "server")
     settings = quic.TransportSettings(max_datagram_size=quic.DATAGRAM_SIZE_ETHERNET)
     server_tls = quic.TlsSettings(cert_file=issued.cert, key_file=issued.key)
     server = await serve("127.0.0.1", 0, configuration=quic.server_configuration(settings, server_tls))
