@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvnet.logs import LOG_FORMATS, LOG_LEVELS, setup_logging
+from kvnet.net.quic import LINK_PRESETS
 from kvnet.settings import parse_settings, settings_parser, size_arg
 from relay.config import RelayConfig, load_config, read_toml
 
@@ -116,7 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--slow-peer-timeout", type=float, help="seconds a peer may read nothing while data waits")
     g = p.add_argument_group("transport")
     g.add_argument("--quic-stack", choices=("aioquic", "qh3"), help="QUIC implementation")
-    g.add_argument("--max-datagram-size", type=int, help="QUIC datagram size (16384 loopback, 1452 ethernet)")
+    size = g.add_mutually_exclusive_group()
+    size.add_argument(
+        "--max-datagram-size", type=int, help="QUIC datagram size (16384 loopback, 1452 ethernet)"
+    )
+    size.add_argument(
+        "--link", choices=list(LINK_PRESETS),
+        help="datagram size preset: ethernet (1452), jumbo (8952), loopback (the stack's loopback size, 1452 "
+        "to peers off this host); never above what a peer advertises",
+    )
     g.add_argument("--socket-buffer", type=size_arg, help="UDP SO_RCVBUF/SO_SNDBUF bytes")
     g.add_argument("--max-data", type=size_arg, help="connection flow-control window")
     g.add_argument("--max-stream-data", type=size_arg, help="per-stream flow-control window")
@@ -174,7 +184,9 @@ def config_from_args(args: argparse.Namespace) -> RelayConfig:
         "limits.max_request_header_timeouts": args.max_request_header_timeouts,
         "limits.slow_peer_timeout": args.slow_peer_timeout,
         "transport.stack": args.quic_stack,
-        "transport.max_datagram_size": args.max_datagram_size,
+        "transport.max_datagram_size": (
+            args.max_datagram_size if args.link is None else LINK_PRESETS[args.link]
+        ),
         "transport.socket_receive_buffer": args.socket_buffer,
         "transport.socket_send_buffer": args.socket_buffer,
         "transport.max_data": args.max_data,
@@ -183,7 +195,11 @@ def config_from_args(args: argparse.Namespace) -> RelayConfig:
         "transport.idle_timeout": args.idle_timeout,
         "transport.keepalive_interval": args.keepalive_interval,
     }
-    return load_config(file_data, overrides)
+    config = load_config(file_data, overrides)
+    if args.link == "loopback":  # its size is None, which the overrides read as "not given"
+        transport = dataclasses.replace(config.transport, max_datagram_size=None)
+        config = dataclasses.replace(config, transport=transport)
+    return config
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -75,6 +75,14 @@ DATAGRAM_SIZE_QH3_LOOPBACK = 65507
 # unless every hop is known to carry jumbo frames (then 8952 for a 9000-byte MTU).
 DATAGRAM_SIZE_ETHERNET = 1452
 DATAGRAM_SIZE_JUMBO = 8952
+# Link presets (``--link``): the datagram size for the kind of path a deployment runs on. "loopback" is
+# the stack's loopback size to peers on this machine and 1452 to any other (``choose_datagram_size``);
+# every preset is capped by what the peer advertises.
+LINK_PRESETS: dict[str, int | None] = {
+    "ethernet": DATAGRAM_SIZE_ETHERNET,
+    "jumbo": DATAGRAM_SIZE_JUMBO,
+    "loopback": None,
+}
 
 CONGESTION_CONTROLLERS = ("reno", "cubic")
 # Ceilings on what a settings object may request, so a typo cannot ask for terabytes of window.
@@ -173,7 +181,14 @@ class TransportSettings:
     @classmethod
     def for_ethernet(cls, stack: str = DEFAULT_STACK) -> TransportSettings:
         """Settings for paths with a 1500-byte MTU (anything off-host without known jumbo frames)."""
-        return cls(max_datagram_size=DATAGRAM_SIZE_ETHERNET, stack=stack)
+        return cls.for_link("ethernet", stack)
+
+    @classmethod
+    def for_link(cls, link: str, stack: str = DEFAULT_STACK) -> TransportSettings:
+        """Settings for a ``LINK_PRESETS`` path: "ethernet" (1452), "jumbo" (8952) or "loopback"."""
+        if link not in LINK_PRESETS:
+            raise ValueError(f"link must be one of {list(LINK_PRESETS)}, got {link!r}")
+        return cls(max_datagram_size=LINK_PRESETS[link], stack=stack)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,13 @@ from kvnet.dtypes import DTYPE_BY_NAME
 from kvnet.logs import LOG_FORMATS, LOG_LEVELS, setup_logging
 from kvnet.model.registry import MODELS, is_registered
 from kvnet.model.transformer import transformer_configs
-from kvnet.net.quic import DATAGRAM_SIZE_ETHERNET, DEFAULT_STACK, TransportSettings, parse_moqt_url
+from kvnet.net.quic import (
+    DATAGRAM_SIZE_ETHERNET,
+    DEFAULT_STACK,
+    LINK_PRESETS,
+    TransportSettings,
+    parse_moqt_url,
+)
 from kvnet.node.abr import QUALITY_ORDER
 from kvnet.node.fetching import DEFAULT_WINDOW_BYTES
 from kvnet.security.tenancy import NodeSecret, TenancyError
@@ -124,7 +130,7 @@ class NodeConfig:
     (docs/performance.md, "Node fetch path")."""
     max_datagram_size: int | None = None
     """Largest UDP payload of the relay session; None takes the stack's loopback size. Give 1452
-    (``--ethernet``) on a 1500-byte path and 8952 on jumbo frames."""
+    (``--link ethernet``) on a 1500-byte path and 8952 (``--link jumbo``) on jumbo frames."""
     torch_threads: int = 1
     """Intra-op threads of torch. One by default: a node shares its cores with the relay and its own event
     loop, and OpenMP workers spin-waiting on a contended 2-core machine made a 5 ms prefill take 300 ms."""
@@ -175,6 +181,12 @@ class NodeConfig:
         return TransportSettings(max_datagram_size=self.max_datagram_size, stack=self.quic_stack)
 
 
+def _datagram_size(args: argparse.Namespace) -> int | None:
+    """``--max-datagram-size``, or the ``--link`` preset's size (``--ethernet`` is ``--link ethernet``)."""
+    link = "ethernet" if args.ethernet else args.link
+    return args.max_datagram_size if link is None else LINK_PRESETS[link]
+
+
 def parse_renditions(text: str) -> tuple[str, ...]:
     return tuple(r.strip() for r in text.split(",") if r.strip())
 
@@ -198,9 +210,12 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
         "8952 for 9000-byte jumbo frames)",
     )
     size.add_argument(
-        "--ethernet", action="store_true",
-        help="size datagrams for a 1500-byte Ethernet path (same as --max-datagram-size 1452)",
+        "--link", choices=list(LINK_PRESETS),
+        help="datagram size for the path to the relay: ethernet (1452, a 1500-byte MTU), jumbo (8952, "
+        "9000-byte frames) or loopback (the stack's loopback size; 1452 off-host); never above what the "
+        "relay advertises",
     )
+    size.add_argument("--ethernet", action="store_true", help="same as --link ethernet")
     m = parser.add_argument_group("model and cache")
     m.add_argument(
         "--model", default="small",
@@ -304,7 +319,7 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         tenant=args.tenant,
         torch_threads=args.threads,
         quic_stack=args.quic_stack,
-        max_datagram_size=DATAGRAM_SIZE_ETHERNET if args.ethernet else args.max_datagram_size,
+        max_datagram_size=_datagram_size(args),
     )
 
 

@@ -31,6 +31,14 @@ def test_file_then_flags(cert_dir: CertDir, tmp_path: Path) -> None:
     assert cfg.upstreams == ("moqt://origin:4443",) and cfg.log_format == "json"
 
 
+@pytest.mark.parametrize(("link", "size"), [("ethernet", 1452), ("jumbo", 8952), ("loopback", None)])
+def test_link_flag_overrides_the_file(cert_dir: CertDir, tmp_path: Path, link: str, size: int | None) -> None:
+    f = tmp_path / "relay.toml"
+    f.write_text(f'cert = "{cert_dir.cert}"\nkey = "{cert_dir.key}"\n[transport]\nmax_datagram_size = 4000\n')
+    cfg = config_from_args(build_parser().parse_args(["--config", str(f), "--link", link]))
+    assert cfg.transport.max_datagram_size == size
+
+
 def test_validation_names_the_field(cert_dir: CertDir) -> None:
     base = {"cert": str(cert_dir.cert), "key": str(cert_dir.key)}
     with pytest.raises(ValueError, match="unknown keys: bogus"):

@@ -41,6 +41,20 @@ def test_settings_defaults_and_validation() -> None:
         quic.TransportSettings(max_streams_bidi=0)
 
 
+def test_link_presets_size_datagrams_never_above_the_peer() -> None:
+    for stack in quic.STACKS:
+        assert quic.TransportSettings.for_link("ethernet", stack).datagram_size == 1452
+        assert quic.TransportSettings.for_link("jumbo", stack).datagram_size == 8952
+        loopback = quic.TransportSettings.for_link("loopback", stack)
+        assert loopback == quic.TransportSettings(stack=stack)
+        # The loopback preset is the loopback size on this machine only; the peer's limit caps every preset.
+        assert quic.choose_datagram_size(loopback, None, loopback=False) == quic.DATAGRAM_SIZE_ETHERNET
+        assert quic.choose_datagram_size(quic.TransportSettings.for_link("jumbo", stack), 1500, True) == 1500
+    assert quic.TransportSettings.for_ethernet() == quic.TransportSettings.for_link("ethernet")
+    with pytest.raises(ValueError, match="link must be one of"):
+        quic.TransportSettings.for_link("wifi")
+
+
 def test_parse_moqt_url() -> None:
     assert quic.parse_moqt_url("moqt://relay.example:4433/kv") == quic.MoqtUrl("relay.example", 4433, "/kv")
     assert quic.parse_moqt_url("moqt://[::1]:5") == quic.MoqtUrl("::1", 5, "")

@@ -42,6 +42,25 @@ def test_flags_map_onto_the_config() -> None:
     assert config.max_datagram_size == DATAGRAM_SIZE_ETHERNET
 
 
+@pytest.mark.parametrize(
+    ("flags", "size"),
+    [([], None), (["--ethernet"], 1452), (["--link", "ethernet"], 1452), (["--link", "jumbo"], 8952),
+     (["--link", "loopback"], None), (["--max-datagram-size", "4000"], 4000)],
+)
+def test_link_flag_picks_the_datagram_size(flags: list[str], size: int | None) -> None:
+    parser = argparse.ArgumentParser()
+    add_node_arguments(parser, relay_required=False)
+    assert node_config_from_args(parser.parse_args(flags)).max_datagram_size == size
+
+
+def test_link_and_datagram_size_flags_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_node_arguments(parser, relay_required=False)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--link", "jumbo", "--max-datagram-size", "1452"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 def test_unknown_dtype_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
     add_node_arguments(parser, relay_required=False)
