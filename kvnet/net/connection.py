@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from kvnet.net.errors import ConnectionClosed, LimitError, RequestRejected, StreamResetError
+from kvnet.net.gso import sender_for
 from kvnet.net.handles import (
     INCOMING_REQUEST_TYPES,
     FetchHandle,
@@ -156,6 +157,9 @@ class MoqtConnection(_ProtocolBase):
         self._untransmitted = 0
         self._batch_receive_transmits = get_stack(settings.stack).transmits_after_each_datagram
         self._received_untransmitted = 0
+        # aioquic sends one datagram per sendto; qh3's transmit batches with GSO itself where its
+        # transport can, and its timer is its own.
+        self._udp_segmentation = settings.udp_segmentation and settings.stack == "aioquic"
         self._writable = asyncio.Event()
         self._writable.set()
         self._send_buffer_empty = asyncio.Event()
@@ -220,7 +224,13 @@ class MoqtConnection(_ProtocolBase):
 
     def transmit(self) -> None:
         self._received_untransmitted = 0  # whatever the reason, this one carries the pending ACKs
-        super().transmit()
+        if self._udp_segmentation and self._transport is not None:
+            # The stack's own transmit, with one GSO send per run of datagrams instead of one each.
+            self._transmit_task = None
+            sender_for(self._transport).send(self._quic.datagrams_to_send(now=self._loop.time()))
+            arm_timer(self)
+        else:
+            super().transmit()
         # qh3 counts unsent bytes, which only a transmit drains (aioquic's unacknowledged ones drain on ACKs).
         if not self._send_buffer_empty.is_set():
             self._check_writable()

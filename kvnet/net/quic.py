@@ -134,6 +134,9 @@ class TransportSettings:
     then grows so slowly that throughput halves. Loss still ends slow start."""
     handshake_timeout: float = 10.0
     """Seconds a client waits for the QUIC+TLS handshake before giving up."""
+    udp_segmentation: bool = True
+    """Send each transmit's runs of equal-sized datagrams with UDP GSO (``kvnet.net.gso``: one system
+    call per up to 64 datagrams) where the kernel supports it; the datagrams on the wire are the same."""
 
     def __post_init__(self) -> None:
         if self.stack not in STACKS:
