@@ -22,6 +22,9 @@ missing, or that fails, is recorded as skipped with the reason and the others st
            cache (bench_locate.locate_round_trips)
   micro    hashing ns/token, codec MB/s and ratio, paged-cache import vs torch copy, sans-I/O session
            data path (bench_micro.run)
+  datapath the data path in one interleaved run: verified fetch from a relay's cache and raw QUIC
+           server -> client per stack at each link preset (ethernet 1452, jumbo 8952, loopback), TLS 1.3
+           over TCP and HTTPS moving the same bytes; MB/s, tokens/s, CPU ms/MB per side (bench_datapath)
   scale    relay memory and CPU per 1k idle sessions and per 100k cached objects (bench_scale)
   quality  codec quality on real KV: SmolLM2 over the documents in benchmarks/documents, per rendition
            size vs raw, mean KL to lossless, delta log-loss and top-1 agreement on held-out tokens
@@ -184,6 +187,27 @@ def suite_micro(res: common.SuiteResult, quick: bool) -> None:
     res.rows.extend(sub.rows)
 
 
+def suite_datapath(res: common.SuiteResult, quick: bool) -> None:
+    bd = _need("bench_datapath")
+    tokens, runs = (512, 3) if quick else (2048, 5)
+    prompt, figures = bd.run(tokens, runs, list(quic.STACKS), list(quic.LINK_PRESETS))
+    note = (f"{prompt.tokens} tokens of the bench model's bf16 KV, {prompt.wire_bytes / 1e6:.1f} MB lossless "
+            f"on the wire, median of {runs}, interleaved")
+    rates = {}
+    for fig in figures:
+        rates[fig.name] = common.median(fig.mbps)
+        res.add(f"{fig.name} MB/s", fig.mbps, "MB/s", note)
+        big_model = rates[fig.name] * 1e6 / bd.LLAMA3_8B_BF16_BYTES_PER_TOKEN
+        res.add(f"{fig.name} tokens/s", fig.tokens_per_s, "tok/s",
+                f"at this MB/s an 8B Llama-3 (bf16) would get {big_model:.0f} tok/s")
+        res.add(f"{fig.name} server CPU", fig.server_ms_per_mb, "ms/MB")
+        res.add(f"{fig.name} client CPU", fig.client_ms_per_mb, "ms/MB")
+    tls = rates.get(bd.TLS_TCP_CASE)
+    best = max((v for k, v in rates.items() if k.startswith("verified fetch")), default=None)
+    if tls and best:
+        res.add("best verified fetch / TLS 1.3 over TCP", [best / tls], "x", "target >= 0.5")
+
+
 def suite_scale(res: common.SuiteResult, quick: bool) -> None:
     bs = _need("bench_scale")
     sessions, objects = (200, 20_000) if quick else (1000, 100_000)
@@ -221,6 +245,7 @@ SUITES: dict[str, Callable[[common.SuiteResult, bool], None]] = {
     "micro": suite_micro,
     "scale": suite_scale,
     "quality": suite_quality,
+    "datapath": suite_datapath,
 }
 
 

@@ -1,0 +1,452 @@
+"""The data path, end to end and against the alternatives, in one interleaved run.
+
+What moves: a real prompt's KV (the ``bench`` model's shape, bf16, 64-token blocks, lossless rendition,
+signed), served by a publisher session to a ``kvnet-relay`` process per (stack, link), fetched once
+through the relay to fill its cache, and then fetched from the relay's cache by a ``BlockFetcher``,
+which verifies every block (signature, token ids, chain, per-layer digest), decodes it and imports it
+into a paged cache: the "verified fetch". Next to it, the same number of
+bytes moved by
+
+- raw QUIC server -> client (the direction of a fetch) per stack and link, no MoQT (``bench_fetch``'s
+  raw sender in a child process);
+- TLS 1.3 over TCP with blocking ``ssl`` sockets, and HTTPS (``http.server`` / ``http.client``, one
+  keep-alive connection), both with a server child process.
+
+Links are ``kvnet.net.quic.LINK_PRESETS``: ethernet (1452-byte datagrams), jumbo (8952) and loopback (the
+stack's loopback size). Every figure is the median of RUNS runs; the cases are interleaved (run 1 of every
+case, then run 2, ...) so that a change in load hits all of them alike, and the load is printed with
+each. Reported per case: MB/s (10^6 bytes/s of wire bytes), goodput in tokens/s of the prompt, and CPU
+ms per MB on the server side (relay or child, from /proc) and the client side (this process).
+
+    python benchmarks/bench_datapath.py --tokens 2048 --runs 5
+    python benchmarks/bench_datapath.py --tokens 512 --runs 3 --links ethernet,loopback --stacks aioquic
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import http.client
+import http.server
+import os
+import socket
+import ssl
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common
+import torch
+
+from kvnet.blocks.identity import BlockIdentity, prompt_blocks
+from kvnet.blocks.signing import Signer, TrustStore
+from kvnet.cache.hashing import block_hashes, root_hash
+from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
+from kvnet.model.transformer import transformer_configs
+from kvnet.net import quic
+from kvnet.net.connection import MoqtConnection
+from kvnet.net.endpoint import connect
+from kvnet.node.blockstore import BlockStore, StoredBlock
+from kvnet.node.fetching import BlockFetcher
+from kvnet.node.publishing import BlockServer, encode_blocks
+from tests.helpers.processes import CertDir, start_relay
+
+MODEL = "bench"
+BLOCK_SIZE = 64
+FINGERPRINT = bytes(range(32))
+NAMESPACE_ID = "bench"
+CHUNK = 1 << 20
+# An 8B Llama-3 keeps 32 layers x (K, V) x 8 KV heads x 128 x 2 bytes of bf16 KV per token: the figure
+# that says what a transfer rate means on a real fleet.
+LLAMA3_8B_BF16_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
+TLS_TCP_CASE = "TLS 1.3 over TCP (blocking)"
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ---------------------------------------------------------------- the prompt's KV
+
+
+@dataclass
+class Prompt:
+    """A signed, encoded prompt as a publisher holds it."""
+
+    spec: CacheSpec
+    tokens: int
+    identities: list[BlockIdentity]
+    blocks: list[StoredBlock]
+    signer: Signer
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks)
+
+
+def make_prompt(tokens: int) -> Prompt:
+    """Seeded random bf16 K/V for ``tokens`` tokens (whole blocks) in the ``bench`` model's shape."""
+    args = transformer_configs[MODEL]
+    spec = CacheSpec(num_layers=args.n_layers, num_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
+                     block_size=BLOCK_SIZE, dtype=torch.bfloat16)
+    n_blocks = max(1, tokens // BLOCK_SIZE)
+    token_ids = [(7 * i + 3) % 32000 for i in range(n_blocks * BLOCK_SIZE + 1)]
+    root = root_hash(FINGERPRINT, b"bench")
+    hashes = block_hashes(token_ids, BLOCK_SIZE, root)
+    cache = PagedKVCache(spec, num_blocks=n_blocks, device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    layer_shape = (BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)
+    for block_hash in hashes:
+        cache.begin_import(block_hash)
+        for layer in range(spec.num_layers):
+            k, v = (torch.randn(layer_shape, generator=gen).to(torch.bfloat16) for _ in range(2))
+            cache.import_layer(block_hash, layer, k, v)
+        cache.finish_import(block_hash)
+    identities = prompt_blocks(token_ids, BLOCK_SIZE, hashes, root, 0, len(hashes))
+    signer = Signer.generate()
+    blocks = encode_blocks(cache, identities, fingerprint=FINGERPRINT, renditions=("lossless",),
+                           signer=signer)
+    return Prompt(spec, n_blocks * BLOCK_SIZE, identities, blocks, signer)
+
+
+# ---------------------------------------------------------------- cases
+
+
+@dataclass
+class Sample:
+    seconds: float
+    server_cpu: float
+    client_cpu: float
+
+
+@dataclass
+class Case:
+    """One way of moving the prompt's bytes; ``run`` moves them once and returns what it cost."""
+
+    name: str
+    run: Callable[[], Sample]
+    samples: list[Sample] = field(default_factory=list)
+
+
+def timed_sample(server_pid: int, move: Callable[[], None]) -> Sample:
+    s0, c0, t0 = proc_cpu_seconds(server_pid), time.process_time(), time.perf_counter()
+    move()
+    t1, c1, s1 = time.perf_counter(), time.process_time(), proc_cpu_seconds(server_pid)
+    return Sample(t1 - t0, s1 - s0, c1 - c0)
+
+
+class RelayFetch:
+    """A relay (stack, link) holding the prompt in its cache, filled from a publisher session on a
+    background loop; each ``fetch`` is a verified fetch of the whole prompt on a fresh session."""
+
+    def __init__(self, prompt: Prompt, certdir: Path, stack: str, link: str, loop: asyncio.AbstractEventLoop,
+                 udp_segmentation: bool = True):
+        self.prompt = prompt
+        self.certdir = certdir
+        self.settings = dataclasses.replace(quic.TransportSettings.for_link(link, stack),
+                                            udp_segmentation=udp_segmentation)
+        self.loop = loop
+        cache_bytes = str(4 * prompt.wire_bytes + (64 << 20))
+        cert_dir = CertDir(certdir, certdir / "ca.pem", certdir / "server.pem", certdir / "server-key.pem")
+        name = f"relay-{stack}-{link}{'' if udp_segmentation else '-nogso'}"
+        toml = certdir / f"{name}.toml"
+        toml.write_text(f"[transport]\nudp_segmentation = {str(udp_segmentation).lower()}\n")
+        self.relay = start_relay(cert_dir, certdir, "--config", str(toml), "--quic-stack", stack,
+                                 "--link", link, "--cache-bytes", cache_bytes,
+                                 "--cache-track-bytes", cache_bytes, name=name,
+                                 log_level="warning", ready_marker=None)
+        self.proc = self.relay.proc
+        self.url = self.relay.url
+        self.tls = quic.TlsSettings(ca_file=certdir / "ca.pem")
+        self.publisher: MoqtConnection | None = None
+        self.serving: asyncio.Task[None] | None = None
+        self.trust = TrustStore()
+        self.trust.add(prompt.signer.public_key)
+        try:
+            self._call(self._fill())
+        except BaseException:
+            self.close()
+            raise
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=600)
+
+    async def _connect(self) -> MoqtConnection:
+        return await connect(self.url, self.settings, self.tls)
+
+    async def _fill(self) -> None:
+        """Serve the prompt from a publisher session and fetch it once through the relay, which keeps it.
+        (Not ``BlockServer.push``: pushing 32 blocks at 1452-byte datagrams stalled here, see
+        docs/performance.md.)"""
+        self.publisher = await self._connect()
+        store = BlockStore(4 * self.prompt.wire_bytes)
+        store.put_chain(self.prompt.blocks)
+        server = BlockServer(self.publisher, store, FINGERPRINT, NAMESPACE_ID, self.prompt.spec.num_layers)
+        await server.announce()
+        self.serving = asyncio.create_task(server.serve())
+        conn = await self._connect()
+        try:
+            await self._fetch(conn)
+        finally:
+            await conn.close_session()
+        objects = len(self.prompt.blocks) * (self.prompt.spec.num_layers + 1)
+        await self.relay.wait_metric("kvnet_relay_cache_objects", objects, timeout=60)
+
+    async def _fetch(self, conn: MoqtConnection) -> None:
+        cache = PagedKVCache(self.prompt.spec, num_blocks=len(self.prompt.blocks), device=torch.device("cpu"))
+        fetcher = BlockFetcher(conn, cache, self.trust, fingerprint=FINGERPRINT, namespace_id=NAMESPACE_ID,
+                               shape=self.prompt.spec.block_shape, dtype="bfloat16", timeout=120.0)
+        outcome = await fetcher.fetch(self.prompt.identities, ["lossless"] * len(self.prompt.identities))
+        if outcome.loaded != len(self.prompt.blocks) or outcome.error is not None:
+            raise RuntimeError(f"verified fetch loaded {outcome.loaded} blocks: {outcome.error}")
+
+    def fetch(self) -> Sample:
+        # A fresh session per run, set up outside the timed part (as in the other cases): the fetch only.
+        conn = self._call(self._connect())
+        misses = self.relay.metric("kvnet_relay_cache_misses_total")
+        try:
+            sample = timed_sample(self.proc.pid, lambda: self._call(self._fetch(conn)))
+        finally:
+            self._call(conn.close_session())
+        if self.relay.metric("kvnet_relay_cache_misses_total") != misses:
+            raise RuntimeError("the relay went upstream: not a fetch from its cache")
+        return sample
+
+    def close(self) -> None:
+        if self.serving is not None:
+            self.loop.call_soon_threadsafe(self.serving.cancel)
+        if self.publisher is not None:
+            self._call(self.publisher.close_session())
+        self.relay.stop()
+
+
+@contextmanager
+def raw_quic(certdir: Path, stack: str, link: str, size: int) -> Iterator[Case]:
+    bench_fetch = common.load_bench("bench_fetch")
+    assert bench_fetch is not None
+    settings = quic.TransportSettings.for_link(link, stack)
+    sender = bench_fetch.Publisher(settings, certdir, 0, 0, raw=True)
+    with sender as port:
+        pid = sender.proc.pid
+
+        def move() -> None:
+            asyncio.run(bench_fetch._raw_receive_once(settings, port, certdir, size))
+
+        def run() -> Sample:
+            return timed_sample(pid, move)
+
+        yield Case(f"raw QUIC {stack} {link}", run)
+
+
+# ---------------------------------------------------------------- TLS over TCP and HTTPS (child process)
+
+
+def _server_context(certdir: Path) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(certdir / "server.pem", certdir / "server-key.pem")
+    return ctx
+
+
+def _client_context(certdir: Path) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(certdir / "ca.pem"))
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    return ctx
+
+
+def _serve_tls_child(certdir: Path) -> None:
+    """TLS over TCP (the client sends an 8-byte size, we send that many bytes) and HTTPS (GET /N answers
+    N bytes), both with blocking sockets, one thread per connection."""
+    ctx = _server_context(certdir)
+    payload = memoryview(os.urandom(CHUNK))
+
+    def send_bytes(write: Callable[[memoryview], Any], size: int) -> None:
+        sent = 0
+        while sent < size:
+            n = min(CHUNK, size - sent)
+            write(payload[:n])
+            sent += n
+
+    def tls_connection(conn: socket.socket) -> None:
+        with ctx.wrap_socket(conn, server_side=True) as tls:
+            while True:
+                header = tls.recv(8)
+                if len(header) < 8:
+                    return
+                send_bytes(tls.sendall, struct.unpack("!Q", header)[0])
+
+    tcp = socket.create_server(("127.0.0.1", 0))
+
+    def accept_tls() -> None:
+        while True:
+            conn, _ = tcp.accept()
+            threading.Thread(target=tls_connection, args=(conn,), daemon=True).start()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            size = int(self.path.strip("/"))
+            self.send_response(200)
+            self.send_header("Content-Length", str(size))
+            self.end_headers()
+            send_bytes(self.wfile.write, size)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
+    threading.Thread(target=accept_tls, daemon=True).start()
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    print(f"ready {tcp.getsockname()[1]} {httpd.server_address[1]}", flush=True)
+    sys.stdin.read()  # the parent closes stdin to stop us
+
+
+@contextmanager
+def tls_cases(certdir: Path, size: int) -> Iterator[list[Case]]:
+    child = subprocess.Popen([sys.executable, __file__, "--serve-tls", str(certdir)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        words = child.stdout.readline().split()
+        if not words or words[0] != "ready":
+            raise RuntimeError("TLS server failed to start")
+        tcp_port, https_port = int(words[1]), int(words[2])
+        ctx = _client_context(certdir)
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
+        tls = ctx.wrap_socket(socket.create_connection(("127.0.0.1", tcp_port)), server_hostname="localhost")
+        https = http.client.HTTPSConnection("127.0.0.1", https_port, context=_client_context(certdir))
+        # The certificate names localhost; the connection goes to its address.
+        https._context.check_hostname = False  # type: ignore[attr-defined]
+
+        def tcp_move() -> None:
+            tls.sendall(struct.pack("!Q", size))
+            got = 0
+            while got < size:
+                n = tls.recv_into(view, min(CHUNK, size - got))
+                if n == 0:
+                    raise RuntimeError("TLS server closed early")
+                got += n
+
+        def https_move() -> None:
+            https.request("GET", f"/{size}")
+            resp = https.getresponse()
+            got = 0
+            while got < size:
+                n = resp.readinto(view)
+                if n == 0:
+                    raise RuntimeError("HTTPS response ended early")
+                got += n
+
+        yield [Case(TLS_TCP_CASE, lambda: timed_sample(child.pid, tcp_move)),
+               Case("HTTPS (http.server/http.client)", lambda: timed_sample(child.pid, https_move))]
+        tls.close()
+        https.close()
+    finally:
+        if child.stdin is not None:
+            child.stdin.close()
+        child.kill()
+        child.wait()
+
+
+# ---------------------------------------------------------------- the run
+
+
+@dataclass
+class Figure:
+    name: str
+    mbps: list[float]
+    tokens_per_s: list[float]
+    server_ms_per_mb: list[float]
+    client_ms_per_mb: list[float]
+
+
+def run(tokens: int, runs: int, stacks: list[str], links: list[str],
+        compare_gso: bool = True) -> tuple[Prompt, list[Figure]]:
+    """Every case ``runs`` times, interleaved; one ``Figure`` per case. ``compare_gso`` adds aioquic
+    verified fetches with ``TransportSettings.udp_segmentation`` off on both sides."""
+    prompt = make_prompt(tokens)
+    size = prompt.wire_bytes
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        with common.test_certificates() as certdir, ExitStack() as stack:
+            cases: list[Case] = []
+            for s in stacks:
+                for link in links:
+                    relay = RelayFetch(prompt, certdir, s, link, loop)
+                    stack.callback(relay.close)
+                    cases.append(Case(f"verified fetch {s} {link}", relay.fetch))
+                    if compare_gso and s == "aioquic":  # the only stack kvnet sends GSO batches for
+                        relay = RelayFetch(prompt, certdir, s, link, loop, udp_segmentation=False)
+                        stack.callback(relay.close)
+                        cases.append(Case(f"verified fetch {s} {link} without GSO", relay.fetch))
+                    cases.append(stack.enter_context(raw_quic(certdir, s, link, size)))
+            cases.extend(stack.enter_context(tls_cases(certdir, size)))
+            for _ in range(runs):
+                for case in cases:
+                    case.samples.append(case.run())
+            figures = [_figure(case, prompt) for case in cases]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+    return prompt, figures
+
+
+def _figure(case: Case, prompt: Prompt) -> Figure:
+    mb = prompt.wire_bytes / 1e6
+    samples = case.samples
+    return Figure(case.name, [mb / s.seconds for s in samples], [prompt.tokens / s.seconds for s in samples],
+                  [1000 * s.server_cpu / mb for s in samples], [1000 * s.client_cpu / mb for s in samples])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=2048, help="prompt length (whole 64-token blocks)")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--stacks", default=",".join(quic.STACKS))
+    ap.add_argument("--links", default=",".join(quic.LINK_PRESETS))
+    ap.add_argument("--no-gso-comparison", action="store_true", help="skip the aioquic cases without GSO")
+    ap.add_argument("--serve-tls", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_tls:
+        _serve_tls_child(args.serve_tls)
+        return 0
+    stacks = [s for s in args.stacks.split(",") if s]
+    links = [x for x in args.links.split(",") if x]
+    for s in stacks:
+        if s not in quic.STACKS:
+            ap.error(f"unknown stack {s!r}; choose from {', '.join(quic.STACKS)}")
+    for x in links:
+        if x not in quic.LINK_PRESETS:
+            ap.error(f"unknown link {x!r}; choose from {', '.join(quic.LINK_PRESETS)}")
+    print(f"cores={os.cpu_count()}, load {common.load_average()}", flush=True)
+    prompt, figures = run(args.tokens, args.runs, stacks, links, not args.no_gso_comparison)
+    print(f"{prompt.tokens} tokens, {len(prompt.blocks)} blocks, {prompt.wire_bytes / 1e6:.1f} MB on the "
+          f"wire, median of {args.runs}, interleaved; load {common.load_average()}")
+    print(f"{'case':42s} {'MB/s':>7s} {'tok/s':>8s} {'srv ms/MB':>9s} {'cli ms/MB':>9s}")
+    for f in figures:
+        print(f"{f.name:42s} {common.median(f.mbps):7.1f} {common.median(f.tokens_per_s):8.0f} "
+              f"{common.median(f.server_ms_per_mb):9.2f} {common.median(f.client_ms_per_mb):9.2f}   "
+              f"(runs {' '.join(f'{x:.0f}' for x in f.mbps)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
