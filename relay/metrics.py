@@ -1,17 +1,21 @@
 """Relay metrics and the Prometheus text endpoint.
 
-Owns: labelled counters and gauges (plain dicts, one ``Metrics`` object per relay, created in ``serve``) and
-a minimal HTTP/1.1 server answering ``GET /metrics`` in the Prometheus text exposition format (0.0.4) on its
-own TCP port. Gauges that mirror other objects (cache bytes, open sessions) are read through callbacks at
-scrape time so they can never drift.
+Owns: labelled counters and gauges (plain dicts, one ``Metrics`` object per relay, created in ``serve``),
+exposed through ``prometheus_client`` (``Metrics`` is a collector of its registry), and a minimal HTTP/1.1
+server answering ``GET /metrics`` with that text exposition (0.0.4) on its own TCP port. Gauges that
+mirror other objects (cache bytes, open sessions) are read through callbacks at scrape time so they can
+never drift.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 logger = logging.getLogger(__name__)
 
@@ -33,16 +37,14 @@ def _labels(labels: dict[str, str] | None) -> Labels:
     return tuple(sorted((labels or {}).items()))
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
 class Metrics:
     """Named metric families; names follow Prometheus conventions (``kvnet_relay_*``, ``_total`` counters)."""
 
     def __init__(self, prefix: str = "kvnet_relay_") -> None:
         self._prefix = prefix
         self._families: dict[str, _Family] = {}
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(self)
 
     def _family(self, name: str, kind: str, help_text: str) -> _Family:
         fam = self._families.get(name)
@@ -80,12 +82,9 @@ class Metrics:
             return float(fam.callbacks[key]())
         return fam.values.get(key, 0.0)
 
-    def render(self) -> str:
-        lines: list[str] = []
+    def collect(self) -> Iterator[Metric]:
+        """The families as ``prometheus_client`` metrics (the registry's collector protocol)."""
         for name, fam in sorted(self._families.items()):
-            full = self._prefix + name
-            lines.append(f"# HELP {full} {fam.help}")
-            lines.append(f"# TYPE {full} {fam.kind}")
             samples = dict(fam.values)
             for key, fn in fam.callbacks.items():
                 try:
@@ -94,12 +93,21 @@ class Metrics:
                     logger.exception("metric callback failed name=%s", name)
             if not samples and not fam.callbacks:
                 samples[()] = 0.0
-            for key, v in sorted(samples.items()):
-                label_text = ",".join(f'{k}="{_escape(val)}"' for k, val in key)
-                sel = f"{{{label_text}}}" if label_text else ""
-                num = repr(int(v)) if v == int(v) else repr(v)
-                lines.append(f"{full}{sel} {num}")
-        return "\n".join(lines) + "\n"
+            label_names = sorted({k for key in samples for k, _ in key})
+            full = self._prefix + name
+            family: CounterMetricFamily | GaugeMetricFamily
+            if fam.kind == "counter":
+                family = CounterMetricFamily(full.removesuffix("_total"), fam.help, labels=label_names)
+            else:
+                family = GaugeMetricFamily(full, fam.help, labels=label_names)
+            for key, value in sorted(samples.items()):
+                labels = dict(key)
+                family.add_metric([labels.get(k, "") for k in label_names], value)
+            yield family
+
+    def render(self) -> str:
+        """The Prometheus text exposition (``prometheus_client``: HELP and TYPE for every family)."""
+        return generate_latest(self._registry).decode()
 
 
 class MetricsServer:
