@@ -97,7 +97,8 @@ class Cluster:
         self.relay = rp.proc
         return rp.proc
 
-    def _wait_for(self, proc: subprocess.Popen[bytes], marker: str, name: str) -> None:
+    def wait_for_log(self, proc: subprocess.Popen[bytes], marker: str, name: str) -> None:
+        """Return once ``marker`` is in the process's log (raise with its tail if it exits first)."""
         wait_for_output(proc, lambda: self.log_of(proc), marker, name)
 
     def start_linkemu(self, *shape: str) -> int:
@@ -106,7 +107,7 @@ class Cluster:
         port = free_port()
         args = ["-m", "kvnet.cli", "linkemu", "--listen", f"127.0.0.1:{port}"]
         proc = self._spawn([*args, "--target", f"127.0.0.1:{self.relay_port}", *shape], "linkemu", True)
-        self._wait_for(proc, "forwarding", "linkemu")
+        self.wait_for_log(proc, "forwarding", "linkemu")
         return port
 
     def relay_metrics(self) -> dict[str, float]:
@@ -133,7 +134,7 @@ class Cluster:
         """Start a serving publisher; with ``wait``, return once it has published everything."""
         proc = self._spawn(["-m", "publisher", *self.node_args(prompts, extra, None)], "publisher")
         if wait:
-            self._wait_for(proc, "READY", "publisher")
+            self.wait_for_log(proc, "READY", "publisher")
         return proc
 
     def publish_and_exit(self, prompts: Sequence[str], *extra: str) -> None:
@@ -171,7 +172,7 @@ class Cluster:
         return proc, f"http://127.0.0.1:{port}"
 
     def wait_http_node(self, proc: subprocess.Popen[bytes]) -> None:
-        self._wait_for(proc, "READY http://", "node")
+        self.wait_for_log(proc, "READY http://", "node")
 
     def kill(self, proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
         if proc.poll() is None:

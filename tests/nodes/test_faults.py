@@ -18,7 +18,7 @@ def test_relay_killed_mid_fetch_falls_back_to_recompute(kv_cluster: Cluster) -> 
     )
     # Killed once the subscriber has located the blocks and started fetching them: the slow link keeps
     # the fetch going for seconds after that, so the relay goes away in the middle of it.
-    kv_cluster._wait_for(sub, "fetching", "subscriber")
+    kv_cluster.wait_for_log(sub, "fetching", "subscriber")
     assert kv_cluster.relay is not None
     kv_cluster.kill(kv_cluster.relay)
     out, _ = sub.communicate(timeout=120)
