@@ -1,22 +1,21 @@
-"""The compose model of ``docker-compose.yml``, read without a YAML dependency.
+"""The compose model of ``docker-compose.yml``, read with PyYAML.
 
-* ``parse_yaml_subset`` — a reader for the strict YAML subset the compose file is written in (block mappings
-  and sequences, quoted and plain scalars, one-line flow sequences, comments). Anything outside the subset
-  raises ``ComposeError`` naming the line, so the compose file stays the one source of truth for both the
-  container demo and the namespace cluster without a YAML dependency, and never silently means something
-  else to us than to Docker Compose.
+* ``parse_yaml`` — one YAML document through PyYAML's safe loader, refusing repeated keys (which Docker
+  Compose refuses too) and naming the line of any error, so the compose file stays the one source of truth
+  for both the container demo and the namespace cluster.
 * ``load_compose`` — the compose model: services (command, environment, networks, volumes, depends_on,
   healthcheck, exposed ports), networks and volumes, with compose's ``$$`` escape applied.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 
 class ComposeError(ValueError):
@@ -24,265 +23,48 @@ class ComposeError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The YAML subset reader
+# Reading YAML
 
 
-_UNSUPPORTED_START = ("&", "*", "!", "|", ">", "{", "%", "@", "`")
-_INT_RE = re.compile(r"[-+]?(0|[1-9][0-9]*)")
-_FLOAT_RE = re.compile(r"[-+]?([0-9]+\.[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?")
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing what it would otherwise let through silently: a repeated key (the
+    later value would win without a word, while Docker Compose refuses the file)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ComposeError(f"line {key_node.start_mark.line + 1}: duplicate key {key!r}")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
-@dataclass(frozen=True, slots=True)
-class _Line:
-    number: int
-    indent: int
-    text: str
+# Docker Compose reads YAML 1.2, where only true/false are booleans: ``restart: yes`` is the string "yes"
+# there, not YAML 1.1's True. Keep PyYAML's other implicit types, swap its bool pattern for 1.2's.
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 
 
-def _strip_comment(raw: str, number: int) -> str:
-    """Drop a ``#`` comment that is outside quotes (YAML: at line start or after whitespace)."""
-    quote: str | None = None
-    i = 0
-    while i < len(raw):
-        c = raw[i]
-        if quote == '"':
-            if c == "\\":
-                i += 2
-                continue
-            if c == '"':
-                quote = None
-        elif quote == "'":
-            if c == "'":
-                if i + 1 < len(raw) and raw[i + 1] == "'":
-                    i += 2
-                    continue
-                quote = None
-        elif c in "\"'" and (i == 0 or raw[i - 1] in " \t[,:-"):
-            quote = c
-        elif c == "#" and (i == 0 or raw[i - 1] in " \t"):
-            return raw[:i].rstrip()
-        i += 1
-    if quote is not None:
-        raise ComposeError(f"line {number}: unterminated quoted string")
-    return raw.rstrip()
-
-
-def _lines(text: str) -> list[_Line]:
-    out: list[_Line] = []
-    for number, raw in enumerate(text.splitlines(), start=1):
-        body = _strip_comment(raw, number)
-        if not body.strip():
-            continue
-        stripped = body.lstrip(" ")
-        if stripped.startswith("\t") or "\t" in body[: len(body) - len(stripped) + 1]:
-            raise ComposeError(f"line {number}: tabs are not allowed in indentation")
-        if stripped in ("---", "...") or stripped.startswith("--- "):
-            raise ComposeError(f"line {number}: multi-document files are not supported")
-        out.append(_Line(number, len(body) - len(stripped), stripped))
-    return out
-
-
-def _parse_double_quoted(text: str, number: int) -> tuple[str, str]:
-    """A double-quoted scalar at the start of ``text``; returns (value, rest). JSON escapes are a subset of
-    YAML's and the only ones accepted here."""
-    i = 1
-    while i < len(text):
-        if text[i] == "\\":
-            i += 2
-            continue
-        if text[i] == '"':
-            try:
-                value = json.loads(text[: i + 1])
-            except json.JSONDecodeError as exc:
-                raise ComposeError(f"line {number}: unsupported escape in {text[: i + 1]}") from exc
-            return str(value), text[i + 1 :]
-        i += 1
-    raise ComposeError(f"line {number}: unterminated double-quoted string")
-
-
-def _parse_single_quoted(text: str, number: int) -> tuple[str, str]:
-    i = 1
-    parts: list[str] = []
-    while i < len(text):
-        if text[i] == "'":
-            if i + 1 < len(text) and text[i + 1] == "'":
-                parts.append("'")
-                i += 2
-                continue
-            return "".join(parts), text[i + 1 :]
-        parts.append(text[i])
-        i += 1
-    raise ComposeError(f"line {number}: unterminated single-quoted string")
-
-
-def _plain_scalar(text: str, number: int) -> Any:
-    if text.startswith(_UNSUPPORTED_START):
-        raise ComposeError(f"line {number}: unsupported YAML construct {text[:20]!r}")
-    if text in ("null", "~", "Null", "NULL"):
-        return None
-    if text in ("true", "True", "TRUE"):
-        return True
-    if text in ("false", "False", "FALSE"):
-        return False
-    if _INT_RE.fullmatch(text):
-        return int(text)
-    if _FLOAT_RE.fullmatch(text):
-        return float(text)
-    if ": " in text or text.endswith(":"):
-        raise ComposeError(f"line {number}: a mapping value cannot start here: {text!r}")
-    return text
-
-
-def _parse_flow_sequence(text: str, number: int) -> list[Any]:
-    """``[a, "b", 'c']`` on one line: scalars only, no nesting."""
-    if not text.endswith("]"):
-        raise ComposeError(f"line {number}: a flow sequence must close on the same line")
-    body = text[1:-1].strip()
-    items: list[Any] = []
-    while body:
-        if body.startswith('"'):
-            value, body = _parse_double_quoted(body, number)
-            items.append(value)
-        elif body.startswith("'"):
-            value, body = _parse_single_quoted(body, number)
-            items.append(value)
-        else:
-            end = body.find(",")
-            token = (body if end < 0 else body[:end]).strip()
-            if not token or token.startswith(("[", "{")):
-                raise ComposeError(f"line {number}: unsupported flow sequence item in {text!r}")
-            items.append(_plain_scalar(token, number))
-            body = "" if end < 0 else body[end:]
-        body = body.strip()
-        if body.startswith(","):
-            body = body[1:].strip()
-            if not body:
-                raise ComposeError(f"line {number}: trailing comma in flow sequence")
-        elif body:
-            raise ComposeError(f"line {number}: expected ',' in flow sequence, got {body[:20]!r}")
-    return items
-
-
-def _parse_inline_value(text: str, number: int) -> Any:
-    if text.startswith('"'):
-        value, rest = _parse_double_quoted(text, number)
-    elif text.startswith("'"):
-        value, rest = _parse_single_quoted(text, number)
-    elif text.startswith("["):
-        return _parse_flow_sequence(text, number)
-    else:
-        return _plain_scalar(text, number)
-    if rest.strip():
-        raise ComposeError(f"line {number}: unexpected text after quoted scalar: {rest.strip()!r}")
-    return value
-
-
-def _split_key(text: str, number: int) -> tuple[str, str] | None:
-    """``key: value`` -> (key, value text); None if ``text`` is not a mapping entry."""
-    if text.startswith('"'):
-        key, rest = _parse_double_quoted(text, number)
-    elif text.startswith("'"):
-        key, rest = _parse_single_quoted(text, number)
-    else:
-        m = re.match(r"([^\s:\"'#\[\]{},][^:#]*?)\s*:(\s|$)", text)
-        if m is None:
-            return None
-        key = m.group(1)
-        if key.startswith(_UNSUPPORTED_START) or key.startswith(("? ", "-")):
-            raise ComposeError(f"line {number}: unsupported mapping key {key!r}")
-        return key, text[m.end() :].strip()
-    if not rest.startswith(":") or (len(rest) > 1 and rest[1] != " "):
-        return None
-    return key, rest[1:].strip()
-
-
-class _SubsetParser:
-    def __init__(self, lines: list[_Line]) -> None:
-        self._lines = lines
-        self._i = 0
-
-    def parse(self) -> Any:
-        if not self._lines:
-            return None
-        value = self._block(self._lines[0].indent)
-        if self._i < len(self._lines):
-            line = self._lines[self._i]
-            raise ComposeError(f"line {line.number}: unexpected indentation")
-        return value
-
-    def _block(self, indent: int) -> Any:
-        line = self._lines[self._i]
-        if line.indent != indent:
-            raise ComposeError(f"line {line.number}: unexpected indentation")
-        if line.text == "-" or line.text.startswith("- "):
-            return self._sequence(indent)
-        return self._mapping(indent)
-
-    def _nested_or_null(self, parent_indent: int, allow_same_indent_sequence: bool) -> Any:
-        """The block under a ``key:`` with nothing after the colon."""
-        if self._i >= len(self._lines):
-            return None
-        nxt = self._lines[self._i]
-        if nxt.indent > parent_indent:
-            return self._block(nxt.indent)
-        if allow_same_indent_sequence and nxt.indent == parent_indent and nxt.text.startswith("- "):
-            # YAML allows "key:\n- item" with the sequence at the key's own indentation.
-            return self._sequence(parent_indent)
-        return None
-
-    def _mapping(self, indent: int) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        while self._i < len(self._lines):
-            line = self._lines[self._i]
-            if line.indent < indent:
-                break
-            if line.indent > indent:
-                raise ComposeError(f"line {line.number}: unexpected indentation")
-            if line.text.startswith("- ") or line.text == "-":
-                break
-            entry = _split_key(line.text, line.number)
-            if entry is None:
-                raise ComposeError(f"line {line.number}: expected 'key: value', got {line.text[:40]!r}")
-            key, rest = entry
-            if key in out:
-                raise ComposeError(f"line {line.number}: duplicate key {key!r}")
-            self._i += 1
-            if rest:
-                out[key] = _parse_inline_value(rest, line.number)
-            else:
-                out[key] = self._nested_or_null(indent, allow_same_indent_sequence=True)
-        return out
-
-    def _sequence(self, indent: int) -> list[Any]:
-        out: list[Any] = []
-        while self._i < len(self._lines):
-            line = self._lines[self._i]
-            if line.indent < indent:
-                break
-            if line.indent > indent:
-                raise ComposeError(f"line {line.number}: unexpected indentation")
-            if not (line.text.startswith("- ") or line.text == "-"):
-                break
-            item = line.text[1:].strip()
-            self._i += 1
-            if not item:
-                out.append(self._nested_or_null(indent, allow_same_indent_sequence=False))
-                continue
-            entry = None if item.startswith(("'", '"', "[")) else _split_key(item, line.number)
-            if entry is None:
-                out.append(_parse_inline_value(item, line.number))
-                continue
-            # "- key: value" opens a mapping whose further keys sit at the item's column.
-            child_indent = indent + (len(line.text) - len(item))
-            self._lines[self._i - 1] = _Line(line.number, child_indent, item)
-            self._i -= 1
-            out.append(self._mapping(child_indent))
-        return out
-
-
-def parse_yaml_subset(text: str) -> Any:
-    """Parse the YAML subset described in the module docstring into dicts, lists and scalars."""
-    return _SubsetParser(_lines(text)).parse()
+def parse_yaml(text: str) -> Any:
+    """One YAML document (safe types only) as dicts, lists and scalars; ``ComposeError`` naming the line
+    for malformed YAML, a repeated key or several documents."""
+    try:
+        documents = list(yaml.load_all(text, Loader=_StrictLoader))  # a SafeLoader: no arbitrary objects
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        raise ComposeError(f"{where}{exc.problem or exc.context or 'malformed YAML'}") from None
+    except yaml.YAMLError as exc:
+        raise ComposeError(f"malformed YAML: {exc}") from None
+    if len(documents) > 1:
+        raise ComposeError("multi-document YAML is not supported: one compose document per file")
+    return documents[0] if documents else None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -511,7 +293,7 @@ def _parse_service(name: str, value: Any, networks: Sequence[str], volumes: Sequ
 def load_compose(path: Path | str) -> ComposeProject:
     """Read and check a compose file written in the supported subset."""
     path = Path(path)
-    doc = parse_yaml_subset(path.read_text(encoding="utf-8"))
+    doc = parse_yaml(path.read_text(encoding="utf-8"))
     if not isinstance(doc, dict) or not isinstance(doc.get("services"), dict):
         raise ComposeError(f"{path}: expected a top-level 'services' mapping")
     unknown = set(doc) - {"name", "services", "networks", "volumes"}
