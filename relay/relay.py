@@ -484,8 +484,9 @@ class Relay:
             return
         objects: AsyncIterator[CachedObject]
         fan = self.fanouts.get(key)
-        cached = self.cache.cached_status(key) is not None
-        live = [] if fan is None or cached else fan.live_objects(start, end)
+        live = [] if fan is None else fan.live_objects(start, end)
+        if live and self.cache.cached_status(key) is not None:
+            live = []  # the whole track is cached: the cache answers, as for any other track
         if fan is not None and live:
             # A live track that reached us by PUBLISH: nobody upstream has it, so serve what we hold.
             outcome = "live"
