@@ -92,7 +92,8 @@ def main() -> None:
                        capture_output=True)
         (work / "certs").mkdir()
         certs = make_certificates(work / "certs")
-        relay = start_relay(certs, work, log_level="warning", ready_marker=None)
+        # Room for every run's blocks (the default budget would evict the first runs' prefixes).
+        relay = start_relay(certs, work, "--cache-bytes", "2G", log_level="warning", ready_marker=None)
         try:
             a_steps: list[dict[str, Any]] = []
             for (n, r), prompt in prompts.items():
