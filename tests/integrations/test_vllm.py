@@ -47,6 +47,8 @@ from kvnet.node.relay_peer import RelayPeer
 from tests.helpers.processes import REPO, CertDir, RelayProcess, free_port, make_certificates, start_relay
 from tests.helpers.waiting import wait_until
 
+pytestmark = pytest.mark.slow  # several vLLM engine processes: minutes, most of it vLLM's start-up
+
 ENGINE_TIMEOUT = 1200.0
 """Seconds an engine process may take (start-up imports vLLM three times; a loaded 2-core machine is slow)."""
 BLOCK = 128
