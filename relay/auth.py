@@ -22,12 +22,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvnet.security.authorization import Authorizer, TokenAliasRegistry
 from kvnet.security.tokens import (
     KVNET_TOKEN_TYPE,
     Action,
-    Authorizer,
     Claims,
-    TokenAliasRegistry,
     TokenVerifier,
     Unauthorized,
     load_issuer_public_key,

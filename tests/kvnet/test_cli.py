@@ -10,6 +10,7 @@ import pytest
 
 from kvnet.cli import main
 from kvnet.security import tokens as auth
+from kvnet.security.authorization import Authorizer
 
 
 def _issuer(tmp_path: Path) -> tuple[Path, Path]:
@@ -49,9 +50,9 @@ def test_token_issue_verifies_with_the_issuer_public_key(tmp_path: Path) -> None
     assert claims.actions == frozenset({auth.Action.SUBSCRIBE})
     assert claims.prefixes == ((b"kvnet", b"v1"),)
     assert claims.expires - claims.not_before == 60
-    auth.Authorizer(verifier).authorize(claims, auth.Action.SUBSCRIBE, (b"kvnet", b"v1", b"fp", b"t1"))
+    Authorizer(verifier).authorize(claims, auth.Action.SUBSCRIBE, (b"kvnet", b"v1", b"fp", b"t1"))
     with pytest.raises(auth.Unauthorized):
-        auth.Authorizer(verifier).authorize(claims, auth.Action.PUBLISH, (b"kvnet", b"v1", b"fp", b"t1"))
+        Authorizer(verifier).authorize(claims, auth.Action.PUBLISH, (b"kvnet", b"v1", b"fp", b"t1"))
 
 
 def test_token_issue_refuses_to_overwrite_and_rejects_bad_actions(

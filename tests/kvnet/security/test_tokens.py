@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvnet.security.authorization import Authorizer, TokenAliasRegistry
 from kvnet.security.tokens import (
     KVNET_TOKEN_TYPE,
     MAGIC,
@@ -21,14 +22,12 @@ from kvnet.security.tokens import (
     TOKEN_ALIAS_OVERHEAD,
     Action,
     AuthError,
-    Authorizer,
     Claims,
     ExpiredToken,
     InvalidSignature,
     IssuerKey,
     MalformedToken,
     NotYetValid,
-    TokenAliasRegistry,
     TokenVerifier,
     Unauthorized,
     UnknownIssuer,
