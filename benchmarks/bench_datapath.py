@@ -71,6 +71,8 @@ CHUNK = 1 << 20
 # that says what a transfer rate means on a real fleet.
 LLAMA3_8B_BF16_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
 TLS_TCP_CASE = "TLS 1.3 over TCP (blocking)"
+# Seconds a verified fetch may wait for an object; a transfer stalled longer counts as a failed run.
+FETCH_TIMEOUT = 30.0
 
 
 def proc_cpu_seconds(pid: int) -> float:
@@ -139,6 +141,8 @@ class Case:
     name: str
     run: Callable[[], Sample]
     samples: list[Sample] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    """Why runs failed (a stalled transfer runs into the fetch timeout); reported next to the figure."""
 
 
 def timed_sample(server_pid: int, move: Callable[[], None]) -> Sample:
@@ -208,7 +212,7 @@ class RelayFetch:
     async def _fetch(self, conn: MoqtConnection) -> None:
         cache = PagedKVCache(self.prompt.spec, num_blocks=len(self.prompt.blocks), device=torch.device("cpu"))
         fetcher = BlockFetcher(conn, cache, self.trust, fingerprint=FINGERPRINT, namespace_id=NAMESPACE_ID,
-                               shape=self.prompt.spec.block_shape, dtype="bfloat16", timeout=120.0)
+                               shape=self.prompt.spec.block_shape, dtype="bfloat16", timeout=FETCH_TIMEOUT)
         outcome = await fetcher.fetch(self.prompt.identities, ["lossless"] * len(self.prompt.identities))
         if outcome.loaded != len(self.prompt.blocks) or outcome.error is not None:
             raise RuntimeError(f"verified fetch loaded {outcome.loaded} blocks: {outcome.error}")
@@ -374,6 +378,7 @@ class Figure:
     tokens_per_s: list[float]
     server_ms_per_mb: list[float]
     client_ms_per_mb: list[float]
+    failures: list[str]
 
 
 def run(tokens: int, runs: int, stacks: list[str], links: list[str],
@@ -401,7 +406,10 @@ def run(tokens: int, runs: int, stacks: list[str], links: list[str],
             cases.extend(stack.enter_context(tls_cases(certdir, size)))
             for _ in range(runs):
                 for case in cases:
-                    case.samples.append(case.run())
+                    try:
+                        case.samples.append(case.run())
+                    except Exception as exc:  # one stalled run is a finding, not the end of the others
+                        case.failures.append(f"{type(exc).__name__}: {exc}"[:200])
             figures = [_figure(case, prompt) for case in cases]
     finally:
         loop.call_soon_threadsafe(loop.stop)
@@ -413,7 +421,8 @@ def _figure(case: Case, prompt: Prompt) -> Figure:
     mb = prompt.wire_bytes / 1e6
     samples = case.samples
     return Figure(case.name, [mb / s.seconds for s in samples], [prompt.tokens / s.seconds for s in samples],
-                  [1000 * s.server_cpu / mb for s in samples], [1000 * s.client_cpu / mb for s in samples])
+                  [1000 * s.server_cpu / mb for s in samples], [1000 * s.client_cpu / mb for s in samples],
+                  case.failures)
 
 
 def main() -> int:
@@ -442,6 +451,10 @@ def main() -> int:
           f"wire, median of {args.runs}, interleaved; load {common.load_average()}")
     print(f"{'case':42s} {'MB/s':>7s} {'tok/s':>8s} {'srv ms/MB':>9s} {'cli ms/MB':>9s}")
     for f in figures:
+        if f.failures:
+            print(f"{f.name:42s} {len(f.failures)} of {args.runs} runs failed: {f.failures[0]}")
+        if not f.mbps:
+            continue
         print(f"{f.name:42s} {common.median(f.mbps):7.1f} {common.median(f.tokens_per_s):8.0f} "
               f"{common.median(f.server_ms_per_mb):9.2f} {common.median(f.client_ms_per_mb):9.2f}   "
               f"(runs {' '.join(f'{x:.0f}' for x in f.mbps)})")

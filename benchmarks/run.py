@@ -195,6 +195,10 @@ def suite_datapath(res: common.SuiteResult, quick: bool) -> None:
             f"on the wire, median of {runs}, interleaved")
     rates = {}
     for fig in figures:
+        if fig.failures:
+            res.skip(f"{fig.name}: {len(fig.failures)} of {runs} runs failed, first: {fig.failures[0]}")
+        if not fig.mbps:
+            continue
         rates[fig.name] = common.median(fig.mbps)
         res.add(f"{fig.name} MB/s", fig.mbps, "MB/s", note)
         big_model = rates[fig.name] * 1e6 / bd.LLAMA3_8B_BF16_BYTES_PER_TOKEN
