@@ -2,7 +2,7 @@
 
 A link emulator in front of the relay trickles the relay's answers at 20 kB/s: every object still arrives
 well within the per-object ``--timeout``, so only the deadline can stop the fetch (finishing it would take
-about two minutes; recomputing takes a fraction of a second).
+minutes; recomputing takes about a second).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from tests.helpers.processes import free_port
-from tests.nodes.cluster import SHARED_PREFIX, Cluster
+from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster
 
 MARGIN_S = 0.5
 SLACK_S = 2.0
@@ -20,8 +20,11 @@ SLACK_S = 2.0
 def test_trickling_relay_cannot_hold_a_fetch_past_its_deadline(kv_cluster: Cluster) -> None:
     c = kv_cluster
     c.start_relay()
-    prompt = (SHARED_PREFIX * 8)[:1900]  # ~2k tokens, ~2 MB of lossless KV on the tiny model
-    c.publish_and_exit([prompt])
+    # The small preset: its prefill (a fraction of a second for ~2k tokens) is slow enough that the plan
+    # fetches whatever the locate round trip through the emulator measured; ~7 MB of lossless KV.
+    prompt = (SHARED_PREFIX * 8)[:1900]
+    model = ("--model", "small")
+    c.publish_and_exit([prompt], *model)
     emu_port = free_port()
     emu = c._spawn(
         [
@@ -32,9 +35,9 @@ def test_trickling_relay_cannot_hold_a_fetch_past_its_deadline(kv_cluster: Clust
     )
     assert emu.stdout is not None
     assert b"forwarding" in emu.stdout.readline(), c.log_of(emu)  # listening before the subscriber starts
-    # The throughput prior makes the plan fetch (the tiny model's prefill is fast); the per-object timeout
-    # is longer than any one trickled object takes.
-    args = ("--verify", "--abr", "auto", "--assume-throughput", "1e12", "--timeout", "5")
+    # The throughput prior makes the plan fetch; the per-object timeout is longer than any one trickled
+    # object (a 16 KB layer at 20 kB/s) takes.
+    args = ("--verify", *model, "--abr", "auto", "--assume-throughput", "1e12", "--timeout", "5")
     proc = c.start_subscriber([prompt + "?"], *args, "--fetch-margin", str(MARGIN_S), relay_port=emu_port)
     out, _ = proc.communicate(timeout=120)
     log = c.log_of(proc)
@@ -46,7 +49,7 @@ def test_trickling_relay_cannot_hold_a_fetch_past_its_deadline(kv_cluster: Clust
     assert abandoned is not None and abandoned.startswith("deadline:"), report
     assert any("abandoned at block" in f for f in report["fallback"]), report["fallback"]
     assert report["computed_tokens"] == report["prompt_tokens"] - report["remote_hit_tokens"]
-    assert report["remote_hit_tokens"] < report["abr"]["fetch_blocks"] * 16
+    assert report["remote_hit_tokens"] < report["abr"]["fetch_blocks"] * TEST_BLOCK_SIZE
     # The fetch stopped when it stopped paying off: within the recompute time of what it delivered plus
     # the margin (and scheduling slack), far below what the relay's pace would have cost.
     per_token = report["abr"]["inputs"]["prefill_per_token_s"]
