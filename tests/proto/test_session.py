@@ -578,21 +578,6 @@ def test_subscriber_updates_a_publish() -> None:
     assert pair.server._requests == {} and pair.client._requests == {}
 
 
-def test_handled_peer_streams_stay_bounded_and_forget_the_smallest_ids() -> None:
-    from proto.session_limits import HandledPeerStreams
-
-    seen = HandledPeerStreams(limit=4)
-    ids = [16, 4, 12, 0, 8, 20, 4]  # out of order, one repeat
-    for i in ids:
-        seen.add(i)
-    # Six distinct ids over a limit of four: the two smallest are forgotten, the rest are remembered.
-    assert 0 not in seen and 4 not in seen
-    assert all(i in seen for i in (8, 12, 16, 20))
-    for i in range(24, 4000, 4):
-        seen.add(i)
-    assert [i for i in range(0, 4000, 4) if i in seen] == [3984, 3988, 3992, 3996]
-
-
 def test_ended_pushes_are_remembered_up_to_the_limit_oldest_first() -> None:
     # A publisher pushing many tracks on one session (a node filling a relay): each ended PUBLISH keeps
     # its alias for late objects, at most max_retired_aliases of them, the oldest forgotten first.
