@@ -77,6 +77,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--work-dir", type=Path, help="keep the engines' logs and counters here (default: a "
+                        "temporary directory, removed)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"load average before: {common.load_average()}")
@@ -85,7 +87,8 @@ def main() -> None:
     prompts = {(n, r): [rng.randrange(3, 1000) for _ in range(n)] for r in range(args.runs) for n in sizes}
     max_model_len = max(sizes) + 256
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
-        work = Path(tmp)
+        work = args.work_dir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         model = work / "model"
         subprocess.run([python, str(MODEL), str(model), "--hidden", str(args.hidden), "--layers",
                         str(args.layers), "--max-positions", str(max_model_len)], check=True, cwd=REPO,
@@ -112,6 +115,9 @@ def main() -> None:
         remote = common.median([b["steps"][f"remote-{n}-{r}"]["ttft"] for r in range(args.runs)])
         cached = b["steps"][f"remote-{n}-0"]["num_cached_tokens"]
         print(f"{n:>7} {cold:>8.3f} {remote:>9.3f} {local:>8.3f} {remote / cold:>12.2f} {cached:>7}")
+    published = a["worker"]
+    print(f"A published {published['blocks_published']} blocks, pushed {published['blocks_pushed']} into "
+          f"the relay ({published['publish_failures']} publish failures)")
     w = b["worker"]
     goodput = w["bytes_fetched"] / w["fetch_seconds"] if w["fetch_seconds"] else 0.0
     print(f"fetch goodput (B): {goodput / 1e6:.1f} MB/s over {w['blocks_loaded']} blocks, "
