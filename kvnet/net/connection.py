@@ -90,8 +90,9 @@ class ConnectionLimits:
     setup_timeout: float = 10.0
     """Seconds to wait for the peer's SETUP."""
     publish_done_timeout: float = 5.0
-    """Seconds a subscription stays open after PUBLISH_DONE waiting for the subgroup streams its Stream
-    Count announces (draft "PUBLISH_DONE": data may still be in flight) before it ends anyway."""
+    """Seconds without an object a subscription stays open after PUBLISH_DONE, waiting for the subgroup
+    streams its Stream Count announces (draft "PUBLISH_DONE": data may still be in flight), before it
+    ends anyway."""
 
     def __post_init__(self) -> None:
         names = ("max_outstanding_requests", "max_send_buffer", "max_receive_buffer", "max_incoming_queue")
@@ -384,6 +385,8 @@ class MoqtConnection(_ProtocolBase):
             st = self._streams.get(ev.request_id)
             if st is not None and not st.finished:
                 st._push(ev)
+                if isinstance(st, Subscription) and st._done_timer is not None:
+                    self._arm_done_timer(st)  # data after PUBLISH_DONE is still coming: keep waiting
                 if self._received_bytes > self.limits.max_receive_buffer:
                     self._log.warning("request %d exceeds the receive buffer; cancelling", ev.request_id)
                     self._cancel(ev.request_id, StreamResetCode.EXCESSIVE_LOAD)
@@ -426,9 +429,7 @@ class MoqtConnection(_ProtocolBase):
                     self._end_subscription(st)
                 elif st._done_timer is None:
                     # Subgroup streams announced by the Stream Count are still in flight.
-                    st._done_timer = asyncio.get_running_loop().call_later(
-                        self.limits.publish_done_timeout, self._end_subscription, st
-                    )
+                    self._arm_done_timer(st)
             elif st is not None:
                 self._streams.pop(ev.request_id, None)
                 st._finish(None)
@@ -483,6 +484,16 @@ class MoqtConnection(_ProtocolBase):
                 self.other_events.append(ev)
         else:
             self.other_events.append(ev)
+
+    def _arm_done_timer(self, st: Subscription) -> None:
+        """(Re)start the wait for a PUBLISH_DONE's trailing streams: it ends the subscription only after
+        ``publish_done_timeout`` without an object, so a slow path (small datagrams, a long push) that is
+        still delivering is never cut off."""
+        if st._done_timer is not None:
+            st._done_timer.cancel()
+        st._done_timer = asyncio.get_running_loop().call_later(
+            self.limits.publish_done_timeout, self._end_subscription, st
+        )
 
     def _end_subscription(self, st: Subscription) -> None:
         if self._streams.get(st.request_id) is st:

@@ -540,3 +540,37 @@ async def test_subscribe_namespace_and_tracks_streams_outlive_the_header_timeout
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         await server.close()
+
+
+async def test_publish_done_waits_as_long_as_its_trailing_data_keeps_arriving(
+    pki: Path, settings: quic.TransportSettings
+) -> None:
+    """A push over 1452-byte datagrams trails its PUBLISH_DONE by seconds; the receiver's wait for the
+    announced streams ends only after ``publish_done_timeout`` without an object, so nothing is cut off."""
+    payloads = [bytes([i]) * 100_000 for i in range(80)]
+    received: list[bytes] = []
+    finished = asyncio.Event()
+
+    async def on_connection(conn: MoqtConnection) -> None:
+        async for req in conn.incoming_requests():
+            assert isinstance(req, IncomingPublish)
+            objects = req.accept_publish(MessageParameters(forward=1))
+            received.extend([o.payload async for o in objects if o.payload])
+            finished.set()
+
+    small = quic.TransportSettings(stack=settings.stack, max_datagram_size=quic.DATAGRAM_SIZE_ETHERNET)
+    limits = ConnectionLimits(publish_done_timeout=1.0)
+    server = await serve("127.0.0.1", 0, small, quic.TlsSettings.from_dir(pki, "server"), on_connection,
+                         limits=limits)
+    try:
+        async with connect(f"moqt://localhost:{server.address[1]}", small,
+                           quic.TlsSettings.from_dir(pki, None)) as conn:
+            ok = await conn.publish(NS, b"long-push", 21)
+            sid = conn.open_subgroup(21, 0, 0)
+            for i, payload in enumerate(payloads):
+                conn.send_subgroup_object(sid, i, payload, end_stream=i == len(payloads) - 1)
+            conn.publish_done(ok.request_id, PublishDoneCode.TRACK_ENDED, "done")
+            await asyncio.wait_for(finished.wait(), 120)
+    finally:
+        await server.close()
+    assert received == payloads
