@@ -118,8 +118,12 @@ def test_prefix_published_at_one_edge_is_reused_behind_the_other(ready: NetnsClu
     fetches = origin_requests(ready, "fetch")
     (report,) = subscribe(ready, "sub-b", "edge-b", text + " And a question only this user asks.")
     assert_verified_hit(ready, report, expected_hit(published, report))
-    # The blocks crossed the origin (edge-b -> origin -> edge-a), once per block.
-    assert origin_requests(ready, "fetch") - fetches == report["abr"]["fetch_blocks"] > 0
+    # The blocks crossed the origin (edge-b -> origin -> edge-a), once per block. A fresh session's first
+    # locate may also FETCH block 0's manifest beside its TRACK_STATUS probes (the check for relays that do
+    # not forward TRACK_STATUS, kvnet.node.fetching.BlockFetcher.locate), so one more FETCH may cross.
+    crossed = origin_requests(ready, "fetch") - fetches
+    assert report["abr"]["fetch_blocks"] > 0
+    assert report["abr"]["fetch_blocks"] <= crossed <= report["abr"]["fetch_blocks"] + 1
     # The locate crossed the emulated 20 ms origin<->edge RTT: nothing of this prompt is cached at edge-b,
     # so the answer for block 0 came from behind the origin. (The ABR's RTT sample is the round's first
     # answer, which may be a quick one from the local edge, so it proves nothing here.)
@@ -133,8 +137,12 @@ def test_second_subscriber_behind_the_same_edge_is_served_from_the_edge_cache(re
     (first,) = subscribe(ready, "sub-b", "edge-b", text + " First user.")
     assert_verified_hit(ready, first, expected_hit(published, first))
     after_first = origin_requests(ready, "fetch")
-    # One upstream request per block reached the origin, however the edge split or retried its own work.
-    assert after_first - before == first["abr"]["fetch_blocks"] > 0, logs(ready, "origin", "edge-b")
+    # One upstream request per block reached the origin, however the edge split or retried its own work,
+    # plus at most the fresh session's manifest check (see the first test).
+    crossed = after_first - before
+    assert first["abr"]["fetch_blocks"] > 0
+    assert first["abr"]["fetch_blocks"] <= crossed <= first["abr"]["fetch_blocks"] + 1, logs(
+        ready, "origin", "edge-b")
     # A second subscriber process behind edge-b: the shared prefix comes from edge-b's cache. Its locate
     # may still ask the origin about the blocks past the shared prefix (its own question), never about the
     # cached ones, and it fetches nothing through the origin.
@@ -203,7 +211,9 @@ def test_bandwidth_limited_subscriber_recomputes_as_the_abr_rule_predicts(ready:
             wait_until(ready, "bench publisher READY", timeout=120)
         except TimeoutError as exc:
             raise AssertionError(str(exc) + logs(cluster, "abr-publisher")) from None
-        cluster.limit_rate("sub-b", "site-b", 16_000_000)  # 2 MB/s on sub-b's access link
+        # 0.5 MB/s on sub-b's access link: slow enough that fetching the probe's blocks loses to
+        # recomputing them even when a loaded machine slows prefill several times over.
+        cluster.limit_rate("sub-b", "site-b", 4_000_000)
         try:
             # One node, two prompts: the first fetch measures the link, the second plan uses it. The first
             # must run to its end to measure it, so its deadline (slower than recomputing) is moved away.
@@ -220,7 +230,7 @@ def test_bandwidth_limited_subscriber_recomputes_as_the_abr_rule_predicts(ready:
     assert first["remote_hit_tokens"] > 0 and first["verified"] is True, context
     assert first["renditions"] == {"lossless": first["abr"]["fetch_blocks"]}, context
     measured = second["abr"]["inputs"]["throughput_bps"]
-    assert measured < 2.5e6, f"the estimate must reflect the 2 MB/s link, got {measured}" + context
+    assert measured < 0.625e6, f"the estimate must reflect the 0.5 MB/s link, got {measured}" + context
     # Why, in the report: every located block is "recompute", because at the measured throughput the
     # estimated time with any fetched prefix is longer than recomputing everything.
     assert second["located_blocks"] > 0, context
