@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-buffered-bytes-per-address", type=int, help="bytes queued toward one source IP (0 = no quota)"
     )
     g.add_argument(
+        "--max-buffered-bytes-per-identity",
+        type=int,
+        help="bytes queued toward one token subject's sessions (0 = no quota)",
+    )
+    g.add_argument(
         "--pressure-idle-timeout",
         type=float,
         help="idle seconds after which a session is closed when the session table is 90%% full (0 = off)",
@@ -168,6 +173,7 @@ def config_from_args(args: argparse.Namespace) -> RelayConfig:
         "limits.max_requests_per_address": args.max_requests_per_address,
         "limits.max_requests_per_identity": args.max_requests_per_identity,
         "limits.max_buffered_bytes_per_address": args.max_buffered_bytes_per_address,
+        "limits.max_buffered_bytes_per_identity": args.max_buffered_bytes_per_identity,
         "limits.pressure_idle_timeout": args.pressure_idle_timeout,
         "limits.max_requests_per_session": args.max_requests_per_session,
         "limits.max_requests": args.max_requests,

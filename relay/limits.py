@@ -31,6 +31,9 @@ class LimitsConfig:
     max_buffered_bytes_per_address: int = 256 * 1024 * 1024
     """Bytes queued toward all sessions of one source address (0 = no quota); beyond it that address's
     sessions holding the most have their data requests reset (EXCESSIVE_LOAD)."""
+    max_buffered_bytes_per_identity: int = 256 * 1024 * 1024
+    """Bytes queued toward all sessions of one token subject, wherever they connect from (0 = no quota);
+    beyond it that subject's sessions holding the most are cut off as for the per-address quota."""
     pressure_idle_timeout: float = 5.0
     """Under pressure (the session table at least 90 % full) sessions without an open request are closed
     after this many idle seconds instead of ``session_idle_timeout``; a session refused for the session
@@ -131,6 +134,7 @@ class LimitsConfig:
             "max_requests_per_address",
             "max_requests_per_identity",
             "max_buffered_bytes_per_address",
+            "max_buffered_bytes_per_identity",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

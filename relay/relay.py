@@ -195,6 +195,7 @@ class Relay:
         total = 0
         held: list[tuple[int, Peer]] = []
         by_host: dict[str, list[tuple[int, Peer]]] = {}
+        by_identity: dict[str, list[tuple[int, Peer]]] = {}
         pressured = self.under_pressure()
         for peer in list(self.peers.values()):
             conn = peer.conn
@@ -213,10 +214,16 @@ class Relay:
             held.append((sent, peer))
             if peer.host is not None:
                 by_host.setdefault(peer.host, []).append((sent, peer))
+            if peer.identity is not None:
+                by_identity.setdefault(peer.identity, []).append((sent, peer))
             peer.check_progress(now, sent)
-        if lim.max_buffered_bytes_per_address:
-            for host_held in by_host.values():
-                self._cut_biggest(host_held, lim.max_buffered_bytes_per_address, "buffered_bytes_per_address")
+        for groups, limit, label in (
+            (by_host, lim.max_buffered_bytes_per_address, "buffered_bytes_per_address"),
+            (by_identity, lim.max_buffered_bytes_per_identity, "buffered_bytes_per_identity"),
+        ):
+            if limit:
+                for group_held in groups.values():
+                    self._cut_biggest(group_held, limit, label)
         self._cut_biggest(held, lim.max_buffered_bytes, "buffered_bytes_global", total)
         self.buffered_sample = total
         self.buffered_since = 0

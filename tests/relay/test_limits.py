@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import time
 
+from kvnet.net.endpoint import connect
 from kvnet.net.errors import ConnectionClosed, RequestRejected, StreamResetError
+from kvnet.net.quic import TlsSettings
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode, SessionErrorCode, StreamResetCode
 from proto.messages import Fetch, FetchType, Location, StandaloneFetch, TrackStatus, encode_message
@@ -87,6 +89,41 @@ async def test_session_request_limit_refusals_are_counted(
     finally:
         await pub.stop()
         await client.close_session()
+
+
+async def test_per_address_buffered_bytes_quota_cuts_that_address_only(
+    cert_dir: CertDir, relay_factory: RelayFactory
+) -> None:
+    # The global cap is far away; one address's quota is not. A peer from 127.0.0.1 that stops reading
+    # is cut off for its address's quota while a reader from 127.0.0.3 keeps being served.
+    rp = relay_factory("--max-buffered-bytes-per-address", "1000000", "--slow-peer-timeout", "60")
+    big = track_objects(b"big", 8, 500_000)
+    pub = Publisher(await connect_client(rp.url, str(cert_dir.ca)), {b"big": big, b"s": track_objects(b"s")})
+    await pub.start()
+    other = await connect(rp.url, tls=TlsSettings(ca_file=cert_dir.ca), local_host="127.0.0.3")
+    try:
+        assert await fetch_track(other, b"big", 8) == big  # cached, and read by a peer that reads
+        async with raw_peer(rp.port, cert_dir.ca) as hog:
+            await hog.setup_done()
+            fetch = Fetch(
+                0, FetchType.STANDALONE, StandaloneFetch(NS, b"big", Location(0, 0), Location(0, 8))
+            )
+            hog._transport.pause_reading()  # type: ignore[union-attr]
+            hog.send(hog.new_stream(False), encode_message(fetch))
+            # Cut off: its FETCH reset if still open, else (everything already handed to QUIC) the session
+            # closed; either is counted under the per-address label.
+            reset = 'kvnet_relay_limit_rejections_total{limit="buffered_bytes_per_address"}'
+            closed = 'kvnet_relay_sessions_closed_total{reason="buffered_bytes_per_address"}'
+            await rp.wait_metrics(
+                lambda m: m.get(reset, 0) + m.get(closed, 0) >= 1, "the hog cut off for its address's quota"
+            )
+            assert await fetch_track(other, b"s", 4) == pub.tracks[b"s"]
+            m = await rp.ametrics()
+            assert m.get('kvnet_relay_limit_rejections_total{limit="buffered_bytes_global"}', 0) == 0
+            hog._transport.resume_reading()  # type: ignore[union-attr]
+    finally:
+        await pub.stop()
+        await other.close_session()
 
 
 async def test_global_buffered_bytes_cap_cuts_the_biggest_holder(
