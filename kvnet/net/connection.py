@@ -165,6 +165,7 @@ class MoqtConnection(_ProtocolBase):
         self._writable.set()
         self._send_buffer_empty = asyncio.Event()
         self._send_buffer_empty.set()
+        self._stream_sent_waiters: dict[int, asyncio.Future[None]] = {}
         self.goaway: me.GoawayReceived | None = None
         """The peer's control-stream GOAWAY, once received."""
         self.goaway_event = asyncio.Event()
@@ -233,7 +234,7 @@ class MoqtConnection(_ProtocolBase):
         else:
             super().transmit()
         # qh3 counts unsent bytes, which only a transmit drains (aioquic's unacknowledged ones drain on ACKs).
-        if not self._send_buffer_empty.is_set():
+        if not self._send_buffer_empty.is_set() or self._stream_sent_waiters:
             self._check_writable()
 
     def datagrams_received(self, data: list[bytes], addr: Any) -> None:
@@ -524,6 +525,7 @@ class MoqtConnection(_ProtocolBase):
         self._incoming.put_nowait(None)
         self._writable.set()  # wake writers; their next action fails on the closed session
         self._send_buffer_empty.set()
+        self._wake_stream_sent_waiters(lambda sid: True)
         self._cancel_session_timer()
         if not self._closed_future.done():
             self._closed_future.set_result((ev.error_code, ev.reason))
@@ -579,9 +581,11 @@ class MoqtConnection(_ProtocolBase):
         return total
 
     def _send_waiters(self) -> bool:
-        """Someone waits in ``wait_writable`` or ``wait_send_buffer_empty`` (only then is it worth
-        counting the send buffer)."""
-        return not (self._writable.is_set() and self._send_buffer_empty.is_set())
+        """Someone waits in ``wait_writable``, ``wait_send_buffer_empty`` or ``wait_stream_sent`` (only
+        then is it worth counting the send buffer)."""
+        return not (self._writable.is_set() and self._send_buffer_empty.is_set()) or bool(
+            self._stream_sent_waiters
+        )
 
     def _check_writable(self) -> None:
         buffered = self.send_buffered()
@@ -590,6 +594,15 @@ class MoqtConnection(_ProtocolBase):
             self._writable.set()
         if buffered == 0 or closed:
             self._send_buffer_empty.set()
+        if self._stream_sent_waiters:
+            held = unsent_bytes(self._quic, list(self._stream_sent_waiters))
+            self._wake_stream_sent_waiters(lambda sid: closed or held[sid] == 0)
+
+    def _wake_stream_sent_waiters(self, sent: Callable[[int], bool]) -> None:
+        for sid in [sid for sid in self._stream_sent_waiters if sent(sid)]:
+            fut = self._stream_sent_waiters.pop(sid)
+            if not fut.done():
+                fut.set_result(None)
 
     async def wait_writable(self) -> None:
         """Wait until unacknowledged bytes drop below ``limits.max_send_buffer``."""
@@ -607,6 +620,18 @@ class MoqtConnection(_ProtocolBase):
         await self._send_buffer_empty.wait()
 
     # ---- requests we send
+
+    async def wait_stream_sent(self, stream_id: int) -> None:
+        """Wait until every byte written to ``stream_id`` is acknowledged (or, with qh3, sent), or the
+        session is over. A publisher ends a track with PUBLISH_DONE only then: the receiver waits for the
+        track's streams just ``publish_done_timeout`` after PUBLISH_DONE, which must not have to cover
+        bytes still queued behind a slow link."""
+        if self.session.closed is not None or unsent_bytes(self._quic, [stream_id])[stream_id] == 0:
+            return
+        fut = self._stream_sent_waiters.get(stream_id)
+        if fut is None:
+            fut = self._stream_sent_waiters[stream_id] = asyncio.get_running_loop().create_future()
+        await asyncio.shield(fut)
 
     async def wait_setup(self) -> me.SetupCompleted:
         return await asyncio.wait_for(asyncio.shield(self._setup), self.limits.setup_timeout)

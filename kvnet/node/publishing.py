@@ -258,8 +258,10 @@ class BlockServer:
 
         Objects follow PUBLISH_OK: a relay that already holds the block (or refuses pushes) answers with
         REQUEST_ERROR, and the block's bytes are then never sent. Up to ``window`` PUBLISHes are in flight
-        at once, so pushing a whole prompt costs about one round trip. PUBLISH_DONE follows the FIN at
-        once, carrying the Stream Count (1) that tells the receiver to wait for the subgroup stream. A relay
+        at once, so pushing a whole prompt costs about one round trip. PUBLISH_DONE (Stream Count 1) follows
+        once the subgroup stream's bytes are acknowledged: the receiver waits for the stream only a bounded
+        time after PUBLISH_DONE, and on a slow link (1452-byte datagrams) a block still queued here would
+        outlast that wait and be dropped. A relay
         that refuses PUBLISH still reaches the blocks through PUBLISH_NAMESPACE routing while we run.
         """
         slots = asyncio.Semaphore(window)
@@ -279,7 +281,10 @@ class BlockServer:
                     return False
                 if self.conn.is_closed:
                     return False
-                self._send_pushed_track(alias, block)
+                stream_id = self._send_pushed_track(alias, block)
+                await self.conn.wait_stream_sent(stream_id)
+                if self.conn.is_closed:
+                    return False
                 self.conn.publish_done(ok.request_id, PublishDoneCode.TRACK_ENDED, "block complete")
                 await self.conn.wait_writable()
                 return True
@@ -287,8 +292,9 @@ class BlockServer:
         results = await asyncio.gather(*(one(b) for b in blocks))
         return sum(results)
 
-    def _send_pushed_track(self, alias: int, block: StoredBlock) -> None:
-        """All objects of one pushed block, then END_OF_TRACK + FIN (KVOBJECT.md section 3)."""
+    def _send_pushed_track(self, alias: int, block: StoredBlock) -> int:
+        """All objects of one pushed block, then END_OF_TRACK + FIN (KVOBJECT.md section 3); returns the
+        subgroup stream's id."""
         stream_id = self.conn.open_subgroup(alias, BLOCK_GROUP_ID, 0)
         for object_id, payload in enumerate(block.objects):
             self.conn.send_subgroup_object(stream_id, object_id, payload)
@@ -298,3 +304,4 @@ class BlockServer:
             stream_id, len(block.objects), b"", (), ObjectStatus.END_OF_TRACK, end_stream=True
         )
         self.stats.pushed_tracks += 1
+        return stream_id
