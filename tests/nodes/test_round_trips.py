@@ -46,7 +46,9 @@ def test_locate_of_4k_blocks_takes_at_most_three_rtts_and_bounded_probes(kv_clus
     """4095 one-token blocks (the ``small`` preset's whole context); the relay holds the first ~3/4 of
     them, so the search needs its second round to find the boundary inside one gap between probes."""
     args = ("--model", "small", "--block-size", "1", "--cache-blocks", "8192")
-    kv_cluster.start_relay()
+    # 3001 pushed blocks keep a publisher on a loaded 2-core machine from reading its session for seconds
+    # at a time; this test is about the locate, so the relay's slow-peer cut-off must not end the push.
+    kv_cluster.start_relay("--slow-peer-timeout", "120")
     # One token per character plus BOS: 4095 prompt tokens and one new token fill the 4096 context.
     text = "".join(chr(97 + (i * 7 + i // 26) % 26) for i in range(4094))
     cached_text = text[:3000]
