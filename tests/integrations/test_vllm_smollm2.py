@@ -6,24 +6,35 @@ Engine A computes a prefix (publishing its blocks) and then the prefix plus a su
 prefix-cache hit. Engine B, a new process started alongside A (its start-up overlaps A's work; it waits
 for A to finish before its request), runs the same prompt and must get the prefix through the relay with
 tokens and top-5 logprobs equal to A's local hit bit for bit.
+
+B reaches the relay through a rate-limited link emulator, so its loads take seconds. Its second prompt
+(which A computed cold and published) starts loading, and once part of it has crossed the link the test
+kills the relay (SIGKILL): B must recompute what it could not load, give A's cold output bit for bit, count
+the failure, and still shut down cleanly.
 """
 
 from __future__ import annotations
 
 import random
+import re
+import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers.processes import make_certificates, start_relay
+from kvnet.blocks.signing import generate_keypair
+from tests.helpers.processes import REPO, free_port, make_certificates, start_relay
+from tests.helpers.waiting import wait_until
 from tests.integrations.test_vllm import (
     BLOCK,
     ENGINE_TIMEOUT,
     Setup,
     counters,
+    engine_result,
     start_engine,
     step,
     vllm_python,
@@ -35,6 +46,17 @@ pytestmark = pytest.mark.slow  # two vLLM engine processes on a 135M-parameter m
 PREFIX_BLOCKS = 3
 PREFIX, SUFFIX = PREFIX_BLOCKS * BLOCK + 50, 30
 """Kept short: CI time goes to vLLM's start-up and the 30-layer prefill on CPU, not to the transfer."""
+LINK_RATE = 1_000_000
+"""Bytes/s from the relay to B: a 3-block load (about 6 MB) takes ~6 s, time enough to kill the relay."""
+KILL_AFTER = 1_000_000
+"""Bytes of the fault prompt's load that cross the link before the relay is killed."""
+
+
+def link_bytes_down(log: Path) -> int:
+    """Bytes the link emulator has forwarded towards B, from its latest stats line."""
+    text = log.read_text(errors="replace")
+    found = re.findall(r"downstream DirectionStats\(.*?bytes_forwarded=(\d+)", text)
+    return int(found[-1]) if found else 0
 
 
 def prompt_tokens(seed: int, n: int) -> list[int]:
@@ -51,16 +73,38 @@ def runs(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterato
     certs = make_certificates(cert_dir)
     relay = start_relay(certs, tmp, name="r")
     setup = Setup(tmp, python, smollm2_dir, certs, tmp / "home", relay)
+    # A and B start together and share KVNET_HOME: made here, the key is not created by both at once.
+    generate_keypair(setup.home / "keys", "publisher")
     prefix, suffix = prompt_tokens(1, PREFIX), prompt_tokens(2, SUFFIX)
-    a_done = tmp / "a-done"
+    killed = prompt_tokens(3, PREFIX + SUFFIX)
+    a_done, armed = tmp / "a-done", tmp / "armed"
+    link_port = free_port()
+    link_log = tmp / "link.log"
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        a_steps = [step("prefix", prefix), step("full", prefix + suffix)]
+        with open(link_log, "wb") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "kvnet.cli", "linkemu", "--listen", f"127.0.0.1:{link_port}",
+                 "--target", relay.url.removeprefix("moqt://"), "--down-rate", str(LINK_RATE),
+                 "--stats-interval", "0.2"],
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            ))
+        a_steps = [step("prefix", prefix), step("full", prefix + suffix), step("killed", killed)]
         procs.append(a := start_engine(setup, "A", relay.url, a_steps))
-        b_steps = [{"wait_for_file": str(a_done), "timeout": ENGINE_TIMEOUT}, step("full", prefix + suffix)]
-        procs.append(b := start_engine(setup, "B", relay.url, b_steps))
+        b_steps = [
+            {"wait_for_file": str(a_done), "timeout": ENGINE_TIMEOUT}, step("full", prefix + suffix),
+            {"wait_for_file": str(armed), "timeout": ENGINE_TIMEOUT}, step("killed", killed),
+        ]
+        procs.append(b := start_engine(setup, "B", f"moqt://127.0.0.1:{link_port}", b_steps))
         result_a = wait_engine(setup, "A", a)  # A has drained its pushes into the relay
         a_done.touch()
+        wait_until(lambda: "full" in engine_result(setup, "B").get("steps", {}) or b.poll() is not None,
+                   "engine B loading its first prompt", timeout=ENGINE_TIMEOUT)
+        before = link_bytes_down(link_log)
+        armed.touch()
+        wait_until(lambda: link_bytes_down(link_log) - before > KILL_AFTER or b.poll() is not None,
+                   "part of the fault prompt's load crossing the link", timeout=ENGINE_TIMEOUT)
+        relay.proc.send_signal(signal.SIGKILL)
         yield {"setup": setup, "A": result_a, "B": wait_engine(setup, "B", b)}
     finally:
         for proc in procs:
@@ -78,7 +122,20 @@ def test_smollm2_remote_prefix_equals_vllms_local_prefix_hit_bit_for_bit(runs: d
     assert remote["token_ids"] == local["token_ids"]
     assert remote["logprobs"] == local["logprobs"]  # every top-5 logprob, bit for bit (float.hex)
     b_worker = counters(runs["setup"], "B", "worker")
-    assert b_worker["blocks_loaded"] == PREFIX_BLOCKS and b_worker["blocks_load_failed"] == 0
-    assert b_worker["tokens_loaded"] == PREFIX_BLOCKS * BLOCK
+    # B's only loaded blocks (its fault prompt, below, loads none: the relay dies during its first block).
+    assert b_worker["blocks_loaded"] == PREFIX_BLOCKS and b_worker["tokens_loaded"] == PREFIX_BLOCKS * BLOCK
+    assert b_worker["load_failures_content"] == b_worker["load_failures_signature"] == 0
     # The wire carries kvnet's canonical layout for this model's shape: 3 KV heads of 64 per layer.
     assert tuple(b_worker["block_shape"])[-2:] == (3, 64)
+
+
+def test_smollm2_relay_killed_mid_load_is_recomputed_and_counted(runs: dict[str, Any]) -> None:
+    cold = runs["A"]["steps"]["killed"]
+    recomputed = runs["B"]["steps"]["killed"]
+    assert cold["num_cached_tokens"] == 0
+    assert recomputed["token_ids"] == cold["token_ids"]
+    assert recomputed["logprobs"] == cold["logprobs"]
+    b_worker = counters(runs["setup"], "B", "worker")
+    assert b_worker["load_failures_transfer"] == 1  # the one load the kill cut short
+    assert b_worker["blocks_load_failed"] >= 1
+    assert recomputed["num_cached_tokens"] < PREFIX_BLOCKS * BLOCK  # not all of its prefix was loaded
