@@ -368,8 +368,14 @@ def resolve_keys(config: NodeConfig, key_dir: Path | None) -> NodeConfig:
     if signing_key is None:
         signing_key = key_dir / "publisher.key"
         if not signing_key.exists():
-            generate_keypair(key_dir, "publisher")
-            logger.info("created publisher signing key %s", signing_key)
+            try:
+                generate_keypair(key_dir, "publisher")
+                logger.info("created publisher signing key %s", signing_key)
+            except SigningError:
+                # Another process sharing this key directory created it first (the key file is put in
+                # place in one step, so it is whole): use theirs.
+                if not signing_key.exists():
+                    raise
     trust = config.trust or (key_dir,)
     return dataclasses.replace(config, signing_key=signing_key, trust=trust)
 

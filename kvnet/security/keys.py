@@ -17,6 +17,7 @@ a verifier looks the key up in O(1) instead of trying every key it trusts.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from pathlib import Path
@@ -102,19 +103,34 @@ def public_key_from_pem(data: bytes, *, allow_private: bool = False) -> Ed25519P
     return key
 
 
+def _write_new_file(path: Path, data: bytes, mode: int, overwrite: bool) -> None:
+    """Write ``data`` to a private temporary file beside ``path`` (``mode`` from creation on), then put it
+    in place in one step: a reader sees the whole file or none. Without ``overwrite`` the link fails with
+    ``FileExistsError`` when ``path`` exists, so of two processes creating one key exactly one wins."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
 def save_private_key(path: Path | str, private_key: Ed25519PrivateKey, overwrite: bool = False) -> None:
     """Write ``private_key`` as PEM with mode 0600 from creation on (never readable by others, not even
-    briefly). Raises ``FileExistsError`` if ``path`` exists and ``overwrite`` is false."""
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
-    fd = os.open(path, flags, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(private_key_pem(private_key))
-    # O_TRUNC on an existing file keeps its old mode: force ours.
-    os.chmod(path, 0o600)
+    briefly), atomically. Raises ``FileExistsError`` if ``path`` exists and ``overwrite`` is false."""
+    _write_new_file(Path(path), private_key_pem(private_key), 0o600, overwrite)
 
 
 def save_public_key(path: Path | str, public_key: Ed25519PublicKey) -> None:
-    Path(path).write_bytes(public_key_pem(public_key))
+    _write_new_file(Path(path), public_key_pem(public_key), 0o644, overwrite=True)
 
 
 def load_private_key(path: Path | str) -> Ed25519PrivateKey:

@@ -67,3 +67,40 @@ def test_unknown_dtype_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str])
     with pytest.raises(SystemExit):
         parser.parse_args(["--dtype", "int8"])
     assert "invalid choice: 'int8'" in capsys.readouterr().err
+
+
+def _resolve_in_step(key_dir: Path, start: object, results: list[object]) -> None:
+    import threading
+
+    from kvnet.blocks.signing import load_signer
+    from kvnet.node.config import resolve_keys
+
+    assert isinstance(start, threading.Barrier)
+    start.wait()
+    try:
+        config = resolve_keys(NodeConfig(), key_dir)
+        assert config.signing_key is not None
+        load_signer(config.signing_key)
+        results.append(config.signing_key)
+    except BaseException as exc:  # collected and asserted on by the test
+        results.append(exc)
+
+
+def test_processes_sharing_a_key_directory_agree_on_one_signing_key(tmp_path: Path) -> None:
+    # Engines and nodes started together with one KVNET_HOME all make the default key on first use: exactly
+    # one creates it, the others take it, and nobody reads a half-written file.
+    import threading
+
+    for round_ in range(10):
+        key_dir = tmp_path / f"keys{round_}"
+        start = threading.Barrier(8)
+        results: list[object] = []
+        threads = [
+            threading.Thread(target=_resolve_in_step, args=(key_dir, start, results)) for _ in range(8)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == [key_dir / "publisher.key"] * 8, results
+        assert sorted(p.name for p in key_dir.iterdir()) == ["publisher.key", "publisher.pub"]
