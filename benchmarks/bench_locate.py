@@ -96,11 +96,11 @@ async def _publisher_main(settings: quic.TransportSettings, certdir: Path, cache
         await server.close()
         return
     async with connect(relay_url, settings, quic.TlsSettings.from_dir(certdir, None)) as conn:
-        server = _block_server(conn, blocks)
-        await server.announce()
-        task = asyncio.create_task(server.serve())
+        block_server = _block_server(conn, blocks)
+        await block_server.announce()
+        task = asyncio.create_task(block_server.serve())
         if push:
-            pushed = await server.push(blocks)
+            pushed = await block_server.push(blocks)
             if pushed != cached:
                 raise RuntimeError(f"the relay took {pushed} of {cached} pushed blocks")
         print("ready", flush=True)

@@ -43,6 +43,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -52,7 +53,7 @@ import common
 from kvnet.net import quic
 
 
-def _need(name: str):  # type: ignore[no-untyped-def]
+def _need(name: str) -> Any:
     mod = common.load_bench(name)
     if mod is None:
         raise ModuleNotFoundError(f"benchmarks/{name}.py is not there")

@@ -121,7 +121,9 @@ class RelayProcess:
             metrics = await self.ametrics()
             return metrics if condition(metrics) else None
 
-        return await async_wait_until(holds, what, timeout)
+        metrics = await async_wait_until(holds, what, timeout)
+        assert metrics is not None  # the wait returns only a true value
+        return metrics
 
     async def wait_metric(self, name: str, at_least: float, timeout: float = DEFAULT_TIMEOUT) -> float:
         """Poll the metrics until ``name`` reaches ``at_least``; its value then."""
@@ -192,12 +194,13 @@ def start_relay(
             return False
         return True
 
-    def exited() -> None:
+    def exited_or_serving() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with {proc.returncode}:\n{rp.log()[-3000:]}")
+        return serving()
 
     try:
-        wait_until(lambda: exited() or serving(), f"{name} metrics endpoint answering", timeout=timeout)
+        wait_until(exited_or_serving, f"{name} metrics endpoint answering", timeout=timeout)
         if ready_marker is not None:
             wait_for_output(proc, rp.log, ready_marker, name, timeout=timeout)
     except BaseException:

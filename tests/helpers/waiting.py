@@ -11,7 +11,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar, overload
 
 T = TypeVar("T")
 
@@ -36,12 +36,24 @@ def wait_until(
         time.sleep(interval)
 
 
+@overload
 async def async_wait_until(
-    condition: Callable[[], T | Awaitable[T]],
+    condition: Callable[[], Awaitable[T]], what: str, timeout: float = ..., interval: float = ...
+) -> T: ...
+
+
+@overload
+async def async_wait_until(
+    condition: Callable[[], T], what: str, timeout: float = ..., interval: float = ...
+) -> T: ...
+
+
+async def async_wait_until(
+    condition: Callable[[], Any],
     what: str,
     timeout: float = DEFAULT_TIMEOUT,
     interval: float = POLL_INTERVAL,
-) -> T:
+) -> Any:
     """``wait_until`` for the event loop: ``condition`` may be a plain or an async callable; the loop keeps
     running between polls."""
     deadline = time.monotonic() + timeout
@@ -50,7 +62,7 @@ async def async_wait_until(
         if inspect.isawaitable(value):
             value = await value
         if value:
-            return value  # type: ignore[return-value]
+            return value
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: not within {timeout:g} s")
         await asyncio.sleep(interval)

@@ -203,12 +203,12 @@ def test_bandwidth_limited_subscriber_recomputes_as_the_abr_rule_predicts(ready:
     try:
         log = cluster.run_dir / "logs" / "abr-publisher.log"
 
-        def ready() -> bool:
+        def publisher_ready() -> bool:
             assert pub.poll() is None, logs(cluster, "abr-publisher", "edge-b")
             return "READY" in log.read_text(errors="replace")
 
         try:
-            wait_until(ready, "bench publisher READY", timeout=120)
+            wait_until(publisher_ready, "bench publisher READY", timeout=120)
         except TimeoutError as exc:
             raise AssertionError(str(exc) + logs(cluster, "abr-publisher")) from None
         # 0.5 MB/s on sub-b's access link: slow enough that fetching the probe's blocks loses to

@@ -40,7 +40,7 @@ def make_model(out: Path, hidden: int = 256, layers: int = 4, max_positions: int
         head_dim=64, max_position_embeddings=max_positions,
         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]  # transformers' stub for .to() is wrong
     model.save_pretrained(out, safe_serialization=True)
 
 

@@ -300,8 +300,11 @@ async def test_oversized_object_declared_huge(cert_dir: CertDir, relay_factory: 
             for _ in range(40):  # up to 4 MB of it
                 with contextlib.suppress(ValueError):  # aioquic: the stream was stopped meanwhile
                     peer.send(sid, b"\xab" * 100_000)
+            def stopped(stream_id: int = sid) -> bool:
+                return stream_id in peer.stop_sending
+
             with contextlib.suppress(TimeoutError):  # the assertion below says what the relay did
-                await async_wait_until(lambda s=sid: s in peer.stop_sending, "STOP_SENDING on the object")
+                await async_wait_until(stopped, "STOP_SENDING on the object")
             # The relay refuses the object by stopping its stream; the session stays up.
             assert peer.stop_sending.get(sid) == StreamResetCode.EXCESSIVE_LOAD, (size, peer.stop_sending)
             assert not peer.terminated.done(), peer.terminated

@@ -5,14 +5,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvnet.blocks.disk import DiskTier, StoredTrack, track_file_name
+from kvnet.blocks.disk import DiskTier, StoredObject, StoredTrack, track_file_name
 from proto.messages import KeyValuePair
 
 NS = (b"kvnet", b"v2", b"f" * 64, b"default")
 
 
 def track(name: bytes, size: int = 1000) -> StoredTrack:
-    objects = [(0, 0, i, 0, 0, (KeyValuePair(2, i),) if i == 0 else (), bytes([i]) * size) for i in range(3)]
+    objects: list[StoredObject] = [
+        (0, 0, i, 0, 0, (KeyValuePair(2, i),) if i == 0 else (), bytes([i]) * size) for i in range(3)
+    ]
     return StoredTrack(NS, name, (0, 3), (), objects)
 
 

@@ -101,10 +101,11 @@ def test_bf16_kv_through_lossless_codec_equals_recompute_bit_for_bit(
     published = generate(model, publisher, shared, 1, root=root)
     codec = get_codec("lossless")
     subscriber = PagedKVCache(spec, 32, CPU)
+    block_shape = (spec.block_size, spec.num_kv_heads, spec.head_dim)
     for block_hash in published.block_hashes:
         kv = publisher.export_block(block_hash)
         layers = [
-            codec.decode(codec.encode(kv.k[layer], kv.v[layer]), tuple(kv.k.shape[1:]), model.dtype)
+            codec.decode(codec.encode(kv.k[layer], kv.v[layer]), block_shape, model.dtype)
             for layer in range(spec.num_layers)
         ]
         subscriber.import_block(

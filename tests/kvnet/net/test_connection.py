@@ -372,6 +372,7 @@ async def test_keepalive_holds_an_idle_session_and_a_dead_peer_is_noticed(
         # The client dies without a word (its socket just closes): the server notices within the idle
         # timeout (+ a few PTOs), not never.
         died = asyncio.get_running_loop().time()
+        assert conn._transport is not None
         conn._transport.close()
         # The deadline is generous for load yet far below "never" (or an idle timeout left at its default).
         await async_wait_until(lambda: closed_at, "the server noticing the dead client", timeout=12)

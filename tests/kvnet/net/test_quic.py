@@ -7,6 +7,7 @@ import logging
 import socket
 import ssl
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aioquic.asyncio import connect, serve
@@ -99,17 +100,22 @@ async def test_handshake_with_project_certs(tmp_path: Path) -> None:
     server.close()
 
 
+def stack_class(name: str) -> Any:
+    """The stack's configuration class, typed Any so that its attributes can be read after a type check."""
+    return quic.get_stack(name).QuicConfiguration
+
+
 def test_configuration_follows_the_stack(tmp_path: Path) -> None:
     certs.create_ca(tmp_path)
     tls = quic.TlsSettings.from_dir(tmp_path, None)
-    cfg = quic.client_configuration(quic.TransportSettings(stack="aioquic"), tls, "h")
-    assert type(cfg) is quic.get_stack("aioquic").QuicConfiguration
+    cfg: Any = quic.client_configuration(quic.TransportSettings(stack="aioquic"), tls, "h")
+    assert type(cfg) is stack_class("aioquic")
     assert cfg.max_datagram_size == 16384 and cfg.congestion_control_algorithm == "kvnet-cubic"
     rtt_exit = quic.TransportSettings(stack="aioquic", slow_start_rtt_exit=True, congestion_control="reno")
     assert quic.client_configuration(rtt_exit, tls, "h").congestion_control_algorithm == "reno"
     # qh3 gets its own configuration class, with its path-MTU probing ceiling and no controller choice.
     cfg = quic.client_configuration(quic.TransportSettings(stack="qh3"), tls, "h")
-    assert type(cfg) is quic.get_stack("qh3").QuicConfiguration
+    assert type(cfg) is stack_class("qh3")
     assert cfg.max_datagram_size == quic.DATAGRAM_SIZE_QH3_LOOPBACK and cfg.alpn_protocols == ["moqt-18"]
     server_tls = quic.TlsSettings(ca_file=tmp_path / "ca.pem", require_client_cert=True)
     with pytest.raises(ValueError, match="client certificates"):
