@@ -104,7 +104,7 @@ class RelayLink:
         node = self.settings.node
         self.store = BlockStore(node.store_bytes)
         acceptable = tuple(sorted(node.acceptable_renditions, key=quality_rank))
-        self.abr = KvAbr(AbrConfig(acceptable=acceptable, allow_recompute=False))
+        self.abr = KvAbr(AbrConfig(acceptable=acceptable, allow_recompute=False, kv_dtype=self.dtype))
 
     @property
     def acceptable(self) -> tuple[str, ...]:

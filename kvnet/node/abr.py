@@ -31,9 +31,15 @@ from typing import Any
 RECOMPUTE = "recompute"
 # Higher quality first; a rendition not listed ranks after these, in name order.
 QUALITY_ORDER: tuple[str, ...] = ("lossless", "int8", "int4")
-# Encoded size / raw size before anything was measured (random or trained fp weights both compress little
-# losslessly; int8 and int4 from fp32 are fixed ratios plus scales).
-DEFAULT_SIZE_RATIO: Mapping[str, float] = {"lossless": 0.95, "int8": 0.27, "int4": 0.15}
+# Encoded size / raw size before anything was measured, by KV dtype. Measured on SmolLM2's KV (docs/
+# performance.md, "Codec quality on real KV"): int8 and int4 are fixed fractions of the element size plus
+# scales, so they save half as much on bf16 as on fp32, while bf16's short mantissas compress better
+# losslessly. A dtype not listed uses the fp32 row.
+DEFAULT_SIZE_RATIO: Mapping[str, Mapping[str, float]] = {
+    "float32": {"lossless": 0.85, "int8": 0.25, "int4": 0.14},
+    "bfloat16": {"lossless": 0.69, "int8": 0.50, "int4": 0.28},
+    "float16": {"lossless": 0.90, "int8": 0.50, "int4": 0.28},
+}
 # Decode speed in raw bytes produced per second before anything was measured.
 DEFAULT_DECODE_BPS: Mapping[str, float] = {"lossless": 1.0e9, "int8": 6.0e8, "int4": 4.0e8}
 
@@ -61,6 +67,9 @@ class AbrConfig:
     """False forces fetching every located block (tests and benchmarks of the fetch path)."""
     force_recompute: bool = False
     """True never fetches (cold baseline)."""
+    kv_dtype: str = "float32"
+    """Element dtype of the KV blocks (names of ``kvnet.dtypes``): picks the size ratios assumed before any
+    block was measured."""
     deadline_margin_s: float = 1.0
     """Seconds a fetch may cost beyond the recompute time of the blocks it delivered before it is abandoned
     (``FetchDeadline``); bounds TTFT by recompute time plus this. Generous enough that a loaded machine's
@@ -191,6 +200,7 @@ class PrefillEstimator:
 class RenditionStats:
     """Per rendition: encoded/raw size ratio and decode speed, learned from received blocks."""
 
+    kv_dtype: str = "float32"
     ratio: dict[str, Ewma] = field(default_factory=dict)
     decode: dict[str, Ewma] = field(default_factory=dict)
 
@@ -202,7 +212,8 @@ class RenditionStats:
             self.decode.setdefault(rendition, Ewma(half_life=8.0)).add(1.0, raw_bytes / decode_s)
 
     def size_ratio(self, rendition: str) -> float:
-        default = DEFAULT_SIZE_RATIO.get(rendition, 1.0)
+        priors = DEFAULT_SIZE_RATIO.get(self.kv_dtype, DEFAULT_SIZE_RATIO["float32"])
+        default = priors.get(rendition, 1.0)
         e = self.ratio.get(rendition)
         return default if e is None else e.value(default)
 
@@ -293,9 +304,10 @@ class KvAbr:
     throughput: ThroughputEstimator = field(init=False)
     rtt: RttEstimator = field(init=False)
     prefill: PrefillEstimator = field(default_factory=PrefillEstimator)
-    renditions: RenditionStats = field(default_factory=RenditionStats)
+    renditions: RenditionStats = field(init=False)
 
     def __post_init__(self) -> None:
+        self.renditions = RenditionStats(kv_dtype=self.config.kv_dtype)
         self.throughput = ThroughputEstimator(self.config.prior_throughput_bps)
         self.rtt = RttEstimator(self.config.prior_rtt_s)
 

@@ -32,7 +32,7 @@ from kvnet.blocks.identity import prompt_blocks
 from kvnet.blocks.signing import Signer, TrustStore
 from kvnet.cache.hashing import block_hashes, root_hash
 from kvnet.cache.paged_cache import PagedKVCache
-from kvnet.dtypes import dtype_from_name
+from kvnet.dtypes import dtype_from_name, dtype_name
 from kvnet.model.checkpoint import load_checkpoint
 from kvnet.model.generate import GREEDY, SamplingParams, TokenCallback, cache_spec_for, generate
 from kvnet.model.registry import default_models_dir, is_registered, resolve_model
@@ -132,6 +132,7 @@ class Node:
                 allow_recompute=config.abr_mode != "fetch",
                 force_recompute=config.abr_mode == "recompute",
                 deadline_margin_s=config.fetch_margin,
+                kv_dtype=dtype_name(spec.dtype),
             )
         )
         self.counters = NodeCounters()

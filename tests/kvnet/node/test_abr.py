@@ -113,3 +113,15 @@ def test_fetch_deadline_grows_with_the_recompute_time_of_delivered_blocks() -> N
     assert "0.600s spent with 3 block(s) delivered" in deadline.describe(3, 10.6)
     # A fetch that must deliver every located block has no deadline.
     assert KvAbr(AbrConfig(allow_recompute=False)).deadline(10.0, 16) is None
+
+
+def test_size_priors_follow_the_kv_dtype() -> None:
+    # Before any block is measured, int8 saves half as much on bf16 as on fp32 (one byte of two vs of four),
+    # while lossless saves more on bf16: the prior must not be fp32's for a bf16 model.
+    fp32 = KvAbr(AbrConfig(kv_dtype="float32")).renditions
+    bf16 = KvAbr(AbrConfig(kv_dtype="bfloat16")).renditions
+    assert bf16.size_ratio("int8") == 2 * fp32.size_ratio("int8")
+    assert bf16.size_ratio("lossless") < fp32.size_ratio("lossless")
+    # A measurement replaces the prior whatever the dtype.
+    bf16.add("int8", raw_bytes=1000, encoded_bytes=400, decode_s=0.001)
+    assert abs(bf16.size_ratio("int8") - 0.4) < 1e-9
