@@ -58,7 +58,7 @@ from kvnet.net import quic
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.node.blockstore import BlockStore, StoredBlock
-from kvnet.node.fetching import BlockFetcher
+from kvnet.node.fetching import DEFAULT_VERIFY_WORKERS, BlockFetcher
 from kvnet.node.publishing import BlockServer, encode_blocks
 from tests.helpers.processes import CertDir, start_relay
 
@@ -209,20 +209,21 @@ class RelayFetch:
         objects = len(self.prompt.blocks) * (self.prompt.spec.num_layers + 1)
         await self.relay.wait_metric("kvnet_relay_cache_objects", objects, timeout=60)
 
-    async def _fetch(self, conn: MoqtConnection) -> None:
+    async def _fetch(self, conn: MoqtConnection, verify_workers: int = DEFAULT_VERIFY_WORKERS) -> None:
         cache = PagedKVCache(self.prompt.spec, num_blocks=len(self.prompt.blocks), device=torch.device("cpu"))
         fetcher = BlockFetcher(conn, cache, self.trust, fingerprint=FINGERPRINT, namespace_id=NAMESPACE_ID,
-                               shape=self.prompt.spec.block_shape, dtype="bfloat16", timeout=FETCH_TIMEOUT)
+                               shape=self.prompt.spec.block_shape, dtype="bfloat16", timeout=FETCH_TIMEOUT,
+                               verify_workers=verify_workers)
         outcome = await fetcher.fetch(self.prompt.identities, ["lossless"] * len(self.prompt.identities))
         if outcome.loaded != len(self.prompt.blocks) or outcome.error is not None:
             raise RuntimeError(f"verified fetch loaded {outcome.loaded} blocks: {outcome.error}")
 
-    def fetch(self) -> Sample:
+    def fetch(self, verify_workers: int = DEFAULT_VERIFY_WORKERS) -> Sample:
         # A fresh session per run, set up outside the timed part (as in the other cases): the fetch only.
         conn = self._call(self._connect())
         misses = self.relay.metric("kvnet_relay_cache_misses_total")
         try:
-            sample = timed_sample(self.proc.pid, lambda: self._call(self._fetch(conn)))
+            sample = timed_sample(self.proc.pid, lambda: self._call(self._fetch(conn, verify_workers)))
         finally:
             self._call(conn.close_session())
         if self.relay.metric("kvnet_relay_cache_misses_total") != misses:
@@ -382,9 +383,11 @@ class Figure:
 
 
 def run(tokens: int, runs: int, stacks: list[str], links: list[str],
-        compare_gso: bool = True) -> tuple[Prompt, list[Figure]]:
+        compare_gso: bool = True, verify_workers: tuple[int, ...] = ()) -> tuple[Prompt, list[Figure]]:
     """Every case ``runs`` times, interleaved; one ``Figure`` per case. ``compare_gso`` adds aioquic
-    verified fetches with ``TransportSettings.udp_segmentation`` off on both sides."""
+    verified fetches with ``TransportSettings.udp_segmentation`` off on both sides; each of
+    ``verify_workers`` adds verified fetches from the same relay with that many verify threads
+    (``BlockFetcher.verify_workers``; the plain case uses the default)."""
     prompt = make_prompt(tokens)
     size = prompt.wire_bytes
     loop = asyncio.new_event_loop()
@@ -398,6 +401,9 @@ def run(tokens: int, runs: int, stacks: list[str], links: list[str],
                     relay = RelayFetch(prompt, certdir, s, link, loop)
                     stack.callback(relay.close)
                     cases.append(Case(f"verified fetch {s} {link}", relay.fetch))
+                    for n in verify_workers:
+                        cases.append(Case(f"verified fetch {s} {link} verify workers {n}",
+                                          lambda relay=relay, n=n: relay.fetch(n)))  # type: ignore[misc]
                     if compare_gso and s == "aioquic":  # the only stack kvnet sends GSO batches for
                         relay = RelayFetch(prompt, certdir, s, link, loop, udp_segmentation=False)
                         stack.callback(relay.close)
@@ -432,6 +438,9 @@ def main() -> int:
     ap.add_argument("--stacks", default=",".join(quic.STACKS))
     ap.add_argument("--links", default=",".join(quic.LINK_PRESETS))
     ap.add_argument("--no-gso-comparison", action="store_true", help="skip the aioquic cases without GSO")
+    ap.add_argument("--verify-workers", default="", metavar="N,N,...",
+                    help="also fetch with these numbers of verify threads (BlockFetcher.verify_workers), "
+                         f"next to the default ({DEFAULT_VERIFY_WORKERS})")
     ap.add_argument("--serve-tls", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_tls:
@@ -446,7 +455,11 @@ def main() -> int:
         if x not in quic.LINK_PRESETS:
             ap.error(f"unknown link {x!r}; choose from {', '.join(quic.LINK_PRESETS)}")
     print(f"cores={os.cpu_count()}, load {common.load_average()}", flush=True)
-    prompt, figures = run(args.tokens, args.runs, stacks, links, not args.no_gso_comparison)
+    try:
+        workers = tuple(int(n) for n in args.verify_workers.split(",") if n)
+    except ValueError:
+        ap.error(f"--verify-workers takes comma-separated integers, got {args.verify_workers!r}")
+    prompt, figures = run(args.tokens, args.runs, stacks, links, not args.no_gso_comparison, workers)
     print(f"{prompt.tokens} tokens, {len(prompt.blocks)} blocks, {prompt.wire_bytes / 1e6:.1f} MB on the "
           f"wire, median of {args.runs}, interleaved; load {common.load_average()}")
     print(f"{'case':42s} {'MB/s':>7s} {'tok/s':>8s} {'srv ms/MB':>9s} {'cli ms/MB':>9s}")

@@ -30,7 +30,7 @@ from kvnet.net.quic import (
     parse_moqt_url,
 )
 from kvnet.node.abr import QUALITY_ORDER
-from kvnet.node.fetching import DEFAULT_WINDOW_BYTES
+from kvnet.node.fetching import DEFAULT_VERIFY_WORKERS, DEFAULT_WINDOW_BYTES, MAX_VERIFY_WORKERS
 from kvnet.security.tenancy import NodeSecret, TenancyError
 from kvnet.security.tokens import read_token_file
 from kvnet.settings import size_arg
@@ -111,6 +111,9 @@ class NodeConfig:
     fetch_window_bytes: int = DEFAULT_WINDOW_BYTES
     """Raw block bytes requested ahead during a fetch (``kvnet.node.fetching``: a few MB keeps loopback and
     LAN links busy without interleaving every block's delivery)."""
+    fetch_verify_workers: int = DEFAULT_VERIFY_WORKERS
+    """Threads that check digests and decode fetched layers while the event loop keeps reading the network
+    (0: on the event loop; ``kvnet.node.fetching``)."""
     request_timeout: float = 10.0
     """Seconds to wait for one locate or fetch before giving up (and recomputing)."""
     fetch_margin: float = 1.0
@@ -155,6 +158,10 @@ class NodeConfig:
             raise ValueError(f"cache_dir_bytes must be positive, got {self.cache_dir_bytes}")
         if self.fetch_window_bytes <= 0:
             raise ValueError(f"fetch_window_bytes must be positive, got {self.fetch_window_bytes}")
+        if not 0 <= self.fetch_verify_workers <= MAX_VERIFY_WORKERS:
+            raise ValueError(
+                f"fetch_verify_workers must be in [0, {MAX_VERIFY_WORKERS}], got {self.fetch_verify_workers}"
+            )
         if self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be positive, got {self.request_timeout}")
         if not 0 < self.fetch_margin <= 3600:
@@ -268,6 +275,10 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
         "--fetch-window", type=size_arg, default=DEFAULT_WINDOW_BYTES,
         help="raw block bytes requested ahead while fetching",
     )
+    k.add_argument(
+        "--fetch-verify-workers", type=int, default=DEFAULT_VERIFY_WORKERS, metavar="N",
+        help="threads that verify and decode fetched layers (0: on the event loop)",
+    )
     k.add_argument("--timeout", type=float, default=10.0, help="seconds per locate/fetch before recompute")
     k.add_argument(
         "--fetch-margin", type=float, default=1.0,
@@ -311,6 +322,7 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         trust_any=args.trust_any,
         push=not args.no_push,
         fetch_window_bytes=args.fetch_window,
+        fetch_verify_workers=args.fetch_verify_workers,
         request_timeout=args.timeout,
         fetch_margin=args.fetch_margin,
         prior_throughput_bps=args.assume_throughput,

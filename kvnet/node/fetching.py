@@ -14,14 +14,18 @@ Owns:
   failure.
 
 Where the time goes (profiled on the bench preset, 2 cores): the transport's per-packet work dominates,
-and the per-layer work (SHA-256 of the payload, zstd + numpy decode, one copy into the cache; ~0.3 ms per
-128 KiB layer) runs on the event loop as each layer arrives, while the next FETCHes keep arriving in the
-socket and QUIC buffers. A worker thread for it measured 20-40% slower end to end: hashlib, zstd and
-torch release the GIL only inside their calls, so the loop, coming back from every socket read, queued
-behind the worker for the GIL. Payload bytes are never copied on the way: the decoder reads them through
-views. The window is in bytes rather than blocks because QUIC interleaves concurrent streams: a deep
-window of large blocks delivers every block late (round robin) and multiplies the sender's per-packet
-frame work, while a window of a few MB keeps the link busy and blocks arriving in chain order.
+and the per-layer work (SHA-256 of the payload, zstd + numpy decode; ~0.3 ms per 128 KiB layer) runs
+either on the event loop as each layer arrives (``verify_workers=0``) or on a bounded pool of
+``verify_workers`` threads (hashlib, zstd and torch release the GIL inside their calls), several layers at
+once, while the loop keeps reading the network. Either way the layers are written into the cache on the
+event loop, in object order, and a layer that fails its digest or decode ends the fetch at its block
+exactly as before. (A single worker thread once measured 20-40% slower end to end than the loop: the
+loop, coming back from every socket read, queued behind the worker for the GIL; docs/performance.md
+has the figures that chose ``DEFAULT_VERIFY_WORKERS``.) Payload bytes are never copied on the way: the
+decoder reads them through views. The window is in bytes rather than blocks because QUIC interleaves
+concurrent streams: a deep window of large blocks delivers every block late (round robin) and multiplies
+the sender's per-packet frame work, while a window of a few MB keeps the link busy and blocks arriving in
+chain order.
 
 Any failure (timeout, reset, error reply, failed check) ends the usable prefix at that block; the caller
 recomputes the rest. A fetch problem costs time, never correctness. Verification failures carry a kind
@@ -34,7 +38,9 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -61,6 +67,13 @@ DEFAULT_WINDOW_BYTES = 4 << 20
 MAX_FETCHES_IN_FLIGHT = 128
 """FETCHes a fetch keeps open at most, however small the blocks: peers refuse more than
 ``SessionConfig.max_requests_in_flight`` (256 by default) unanswered requests of one session."""
+DEFAULT_VERIFY_WORKERS = 2
+"""Threads that check digests and decode layers during a fetch; 0 does it on the event loop. Chosen by
+measurement (docs/performance.md, "Verify and decode off the event loop")."""
+MAX_VERIFY_WORKERS = 64
+LAYERS_QUEUED_PER_WORKER = 2
+"""Layers a fetch hands to the pool ahead of the one it imports next, per worker: enough to keep every
+worker busy, few enough that decoded layers waiting for their turn stay a few MB."""
 
 
 class BlockRejected(Exception):
@@ -184,9 +197,13 @@ class BlockFetcher:
         straggler_grace: float = DEFAULT_STRAGGLER_GRACE,
         locate_fan_out: int = DEFAULT_LOCATE_FAN_OUT,
         device: torch.device | None = None,
+        verify_workers: int = DEFAULT_VERIFY_WORKERS,
     ) -> None:
         if window_bytes <= 0:
             raise ValueError(f"window_bytes must be positive, got {window_bytes}")
+        if not 0 <= verify_workers <= MAX_VERIFY_WORKERS:
+            raise ValueError(f"verify_workers must be in [0, {MAX_VERIFY_WORKERS}], got {verify_workers}")
+        self.verify_workers = verify_workers
         self.conn = conn
         self.cache = cache
         self.fingerprint = fingerprint
@@ -309,6 +326,7 @@ class BlockFetcher:
         handles: dict[int, FetchHandle] = {}
         window = self.window_blocks
         next_issue = 0
+        pool = _LayerPool(self.verify_workers) if self.verify_workers else None
         started = time.perf_counter()
         try:
             for index, exp in enumerate(expected):
@@ -324,7 +342,7 @@ class BlockFetcher:
                             next_issue += 1
                         handle = handles.pop(index)
                         try:
-                            await self._receive_block(handle, block, out)
+                            await self._receive_block(handle, block, out, pool)
                         finally:
                             handle.cancel()
                     self._finish_block(block, out)
@@ -343,6 +361,8 @@ class BlockFetcher:
         finally:
             for h in handles.values():
                 h.cancel()
+            if pool is not None:
+                pool.close()
         elapsed = time.perf_counter() - started
         if out.bytes and elapsed > 0:
             self.abr.throughput.add(out.bytes, elapsed)
@@ -358,44 +378,62 @@ class BlockFetcher:
             out.error = f"block {exp.block_index}: {exc}"
 
     async def _receive_block(
-        self, handle: FetchHandle, block: _LoadingBlock, out: FetchOutcome
+        self, handle: FetchHandle, block: _LoadingBlock, out: FetchOutcome, pool: _LayerPool | None
     ) -> None:
-        """Consume one FETCH: check the manifest, then verify, decode and import each layer as it arrives."""
+        """Consume one FETCH: check the manifest, then verify, decode and import each layer as it arrives
+        (on ``pool`` when given: the loop goes on reading while layers verify, and imports them in order)."""
         num_layers = self.shape[0]
         exp, rendition = block.exp, block.rendition
         next_object = MANIFEST_OBJECT_ID
         objects = aiter(handle)
-        while next_object <= num_layers:
-            try:
-                async with asyncio.timeout(self.timeout):
-                    obj = await anext(objects)
-            except StopAsyncIteration:
-                got = f"{next_object} of {num_layers + 1}"
-                raise MoqtConnectionError(f"fetch ended after {got} objects") from None
-            if obj.status != 0:
-                continue  # END_OF_TRACK / END_OF_GROUP markers carry nothing
-            if obj.group_id != BLOCK_GROUP_ID or obj.object_id != next_object:
-                raise BlockRejected(f"unexpected object {obj.group_id}/{obj.object_id}")
-            payload = obj.payload
-            block.nbytes += len(payload)
-            out.bytes += len(payload)
-            t = time.perf_counter()
-            if obj.object_id == MANIFEST_OBJECT_ID:
-                block.manifest = verify_manifest(
-                    payload, exp, fingerprint=self.fingerprint, rendition=rendition, shape=self.shape,
-                    dtype=self.dtype, trust=self.trust, trust_any=self.trust_any,
-                )
-                block.importing = self.cache.begin_import(exp.block_hash)
-                out.load_s += time.perf_counter() - t
-                if not block.importing:
-                    return  # already cached (imported meanwhile by another request): nothing to load
-            else:
-                assert block.manifest is not None
-                _load_layer(
-                    self.cache, block.manifest, exp.block_hash, rendition, obj.object_id, payload, self.device
-                )
-                out.load_s += time.perf_counter() - t
-            next_object += 1
+        decoding: deque[asyncio.Future[_DecodedLayer]] = deque()
+        try:
+            while next_object <= num_layers:
+                try:
+                    async with asyncio.timeout(self.timeout):
+                        obj = await anext(objects)
+                except StopAsyncIteration:
+                    got = f"{next_object} of {num_layers + 1}"
+                    raise MoqtConnectionError(f"fetch ended after {got} objects") from None
+                if obj.status != 0:
+                    continue  # END_OF_TRACK / END_OF_GROUP markers carry nothing
+                if obj.group_id != BLOCK_GROUP_ID or obj.object_id != next_object:
+                    raise BlockRejected(f"unexpected object {obj.group_id}/{obj.object_id}")
+                payload = obj.payload
+                block.nbytes += len(payload)
+                out.bytes += len(payload)
+                if obj.object_id == MANIFEST_OBJECT_ID:
+                    t = time.perf_counter()
+                    block.manifest = verify_manifest(
+                        payload, exp, fingerprint=self.fingerprint, rendition=rendition, shape=self.shape,
+                        dtype=self.dtype, trust=self.trust, trust_any=self.trust_any,
+                    )
+                    block.importing = self.cache.begin_import(exp.block_hash)
+                    out.load_s += time.perf_counter() - t
+                    if not block.importing:
+                        return  # already cached (imported meanwhile by another request): nothing to load
+                else:
+                    assert block.manifest is not None
+                    args = (block.manifest, rendition, obj.object_id, payload, self.device)
+                    if pool is None:
+                        self._import(exp.block_hash, _decode_layer(*args), out)
+                    else:
+                        decoding.append(pool.submit(*args))
+                        if len(decoding) >= pool.queued_max:
+                            self._import(exp.block_hash, await decoding.popleft(), out)
+                next_object += 1
+            while decoding:
+                self._import(exp.block_hash, await decoding.popleft(), out)
+        finally:
+            for pending in decoding:  # the block failed: whatever the workers still make is dropped
+                if pending.done() and not pending.cancelled():
+                    pending.exception()  # retrieved, so that asyncio does not log it as lost
+                pending.cancel()
+
+    def _import(self, block_hash: bytes, layer: _DecodedLayer, out: FetchOutcome) -> None:
+        t = time.perf_counter()
+        self.cache.import_layer(block_hash, layer.index, layer.k, layer.v)
+        out.load_s += layer.seconds + time.perf_counter() - t
 
     def _finish_block(self, block: _LoadingBlock, out: FetchOutcome) -> None:
         """Make a block whose layers are all in visible in the cache and account for it."""
@@ -422,15 +460,46 @@ class _LoadingBlock:
     nbytes: int = 0
 
 
-def _load_layer(
-    cache: CacheWriter, manifest: BlockManifest, block_hash: bytes, rendition: str, object_id: int,
-    payload: bytes, device: torch.device,
-) -> None:
-    """Check one layer's digest, decode it and write it into the cache."""
+@dataclass
+class _DecodedLayer:
+    """A layer whose digest matched, decoded and ready to be written into the cache."""
+
+    index: int
+    k: torch.Tensor
+    v: torch.Tensor
+    seconds: float
+    """Time the digest check and decode took (on whichever thread ran them)."""
+
+
+def _decode_layer(
+    manifest: BlockManifest, rendition: str, object_id: int, payload: bytes, device: torch.device
+) -> _DecodedLayer:
+    """Check one layer's digest and decode it; touches no shared state, so any thread may run it."""
+    t = time.perf_counter()
     if not manifest.verify_payload(object_id, payload):
         raise BlockRejected(f"payload digest of layer {object_id - 1} differs")
     k, v = get_codec(rendition).decode(payload, manifest.layer_shape, dtype_from_name(manifest.dtype), device)
-    cache.import_layer(block_hash, object_id - 1, k, v)
+    return _DecodedLayer(object_id - 1, k, v, time.perf_counter() - t)
+
+
+class _LayerPool:
+    """The threads of one fetch that run ``_decode_layer``; the caller bounds what it queues by
+    ``queued_max`` (a layer is imported before more are handed over)."""
+
+    def __init__(self, workers: int) -> None:
+        self.queued_max = workers * LAYERS_QUEUED_PER_WORKER
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="kvnet-verify")
+
+    def submit(
+        self, manifest: BlockManifest, rendition: str, object_id: int, payload: bytes, device: torch.device
+    ) -> asyncio.Future[_DecodedLayer]:
+        return asyncio.get_running_loop().run_in_executor(
+            self._executor, _decode_layer, manifest, rendition, object_id, payload, device
+        )
+
+    def close(self) -> None:
+        # Layers of a failed block may still be decoding: drop what has not started, do not wait for it.
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 _FETCH_ERRORS = (

@@ -94,7 +94,7 @@ class RelayPeer:
         fetcher = BlockFetcher(
             conn, cache, trust, fingerprint=fingerprint, namespace_id=namespace_id, shape=block_shape,
             dtype=dtype, abr=abr, trust_any=cfg.trust_any, timeout=cfg.request_timeout,
-            window_bytes=cfg.fetch_window_bytes, device=device,
+            window_bytes=cfg.fetch_window_bytes, device=device, verify_workers=cfg.fetch_verify_workers,
         )
         peer = cls(conn, server, fetcher, cfg.relay_url)
         try:

@@ -18,6 +18,7 @@ from kvnet.node.config import NodeConfig, add_node_arguments, node_config_from_a
         ("block_size", 0, "block_size must be positive"),
         ("publish_renditions", ("lossless", "fp4"), "unknown rendition"),
         ("abr_mode", "sometimes", "abr_mode must be"),
+        ("fetch_verify_workers", -1, "fetch_verify_workers must be in"),
         ("tenant", "acme", "tenant: a tenant other than the default needs --node-secret"),
     ],
 )
@@ -32,12 +33,14 @@ def test_flags_map_onto_the_config() -> None:
     args = parser.parse_args([
         "--relay", "moqt://127.0.0.1:4443", "--ca", "ca.pem", "--dtype", "bfloat16", "--block-size", "16",
         "--renditions", "lossless,int8", "--store-bytes", "64M", "--token", "node.tok", "--ethernet",
+        "--fetch-verify-workers", "0",
     ])
     config = node_config_from_args(args)
     assert (config.relay_url, config.ca_file, config.token_file) == (
         "moqt://127.0.0.1:4443", Path("ca.pem"), Path("node.tok")
     )
     assert (config.dtype, config.block_size, config.store_bytes) == ("bfloat16", 16, 64 << 20)
+    assert config.fetch_verify_workers == 0
     assert config.publish_renditions == ("lossless", "int8")
     assert config.max_datagram_size == DATAGRAM_SIZE_ETHERNET
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -139,8 +140,9 @@ async def test_a_manifest_for_other_tokens_is_rejected_as_content(
     assert_consistent(cache, 2)
 
 
+@pytest.mark.parametrize("verify_workers", [0, 1, 3])
 async def test_a_corrupted_layer_is_rejected_and_its_reserved_block_released(
-    pair: ConnectionPair, serve: Serve, published: Published
+    pair: ConnectionPair, serve: Serve, published: Published, verify_workers: int
 ) -> None:
     good = published.blocks[1]
     layer_1 = bytearray(good.objects[2])
@@ -148,10 +150,46 @@ async def test_a_corrupted_layer_is_rejected_and_its_reserved_block_released(
     bad = dataclasses.replace(good, objects=(*good.objects[:2], bytes(layer_1), *good.objects[3:]))
     serve([published.blocks[0], bad, *published.blocks[2:]])
     cache = empty_cache()
-    outcome = await fetcher(pair, cache, trusting(published.signer)).fetch(published.identities, LOSSLESS)
+    f = fetcher(pair, cache, trusting(published.signer), verify_workers=verify_workers)
+    outcome = await f.fetch(published.identities, LOSSLESS)
     assert (outcome.loaded, outcome.rejected_kind) == (1, "content")
     assert outcome.error == "block 1 rejected: payload digest of layer 1 differs"
     assert_consistent(cache, 1)
+
+
+class RecordingCache(PagedKVCache):
+    """A paged cache that records which thread wrote which layer of which block, in call order."""
+
+    def __init__(self) -> None:
+        super().__init__(SPEC, num_blocks=16, device=torch.device("cpu"))
+        self.writes: list[tuple[bytes, int, int]] = []
+
+    def import_layer(self, block_hash: bytes, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.writes.append((block_hash, layer, threading.get_ident()))
+        super().import_layer(block_hash, layer, k, v)
+
+
+@pytest.mark.parametrize("verify_workers", [1, 2, 5])
+async def test_layers_verified_on_workers_are_written_in_order_on_the_event_loop(
+    pair: ConnectionPair, serve: Serve, published: Published, verify_workers: int
+) -> None:
+    serve(published.blocks)
+    cache = RecordingCache()
+    f = fetcher(pair, cache, trusting(published.signer), verify_workers=verify_workers)
+    outcome = await f.fetch(published.identities, LOSSLESS)
+    assert (outcome.loaded, outcome.error) == (len(HASHES), None)
+    assert outcome.load_s > 0
+    want = [(h, layer) for h in HASHES for layer in range(SPEC.num_layers)]
+    assert [(h, layer) for h, layer, _ in cache.writes] == want
+    assert {thread for _, _, thread in cache.writes} == {threading.get_ident()}
+    assert_consistent(cache, len(HASHES))
+    assert_same_kv(cache, published.cache, HASHES)
+
+
+async def test_verify_workers_out_of_range_is_refused(pair: ConnectionPair) -> None:
+    for bad in (-1, 65):
+        with pytest.raises(ValueError, match="verify_workers must be in"):
+            fetcher(pair, empty_cache(), TrustStore(), verify_workers=bad)
 
 
 async def test_blocks_already_cached_are_kept_not_imported_again(
