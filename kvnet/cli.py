@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvnet.logs import add_log_arguments, setup_logging_from_args
 from kvnet.security import certs
+from kvnet.settings import parse_settings, settings_parser
 
 
 def _cmd_certs_init(args: argparse.Namespace) -> int:
@@ -246,8 +247,8 @@ def _add_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvnet", description="kvnet tools")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser = settings_parser("kvnet", "kvnet tools", config_file=False)
+    add_log_arguments(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_certs(sub)
     _add_token(sub)
@@ -257,11 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(message)s"
-    )
+    args = parse_settings(build_parser(), argv)
+    setup_logging_from_args(args)
     try:
         rc: int = args.func(args)
     except (certs.CertError, ValueError, OSError) as exc:

@@ -1,11 +1,15 @@
 """One log format for every kvnet process: logfmt-style ``key=value`` lines or JSON, on stderr.
 
-Owns the two formatters and ``setup_logging``; the relay and the node commands (and the node's HTTP access
-log, which uvicorn writes through the same root handler) all log through it, chosen by ``--log-format``.
+Owns the two formatters, ``setup_logging`` and the flags that choose them (``add_log_arguments``); the
+relay, the node commands (and the node's HTTP access log, which uvicorn writes through the same root
+handler), the ``kvnet`` tools and the namespace cluster runner all log through it, chosen by
+``--log-format`` / ``--log-level`` or, for every command alike, ``KVNET_LOG_FORMAT`` / ``KVNET_LOG_LEVEL``.
+Imports only the standard library, so any tool may use it.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
@@ -14,6 +18,8 @@ from typing import Any
 
 LOG_FORMATS = ("kv", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_SETTINGS_ENV = {"log_format": "KVNET_LOG_FORMAT", "log_level": "KVNET_LOG_LEVEL"}
+"""Environment names of the log settings shared by every command (a command's own prefix still wins)."""
 
 # LogRecord attributes that are not user-supplied ``extra`` fields.
 _RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
@@ -68,3 +74,21 @@ def setup_logging(log_format: str, level: str) -> None:
     root.setLevel(level.upper())
     # The QUIC stacks log packet-level events and every peer close; keep them quiet unless asked for.
     logging.getLogger("quic").setLevel(logging.ERROR if level != "debug" else logging.DEBUG)
+
+
+def add_log_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--log-format``, ``--log-level`` and ``-v``, the same on every command."""
+    parser.add_argument(
+        "--log-format", choices=LOG_FORMATS, default="kv",
+        help="log lines on stderr: logfmt (kv) or JSON (env KVNET_LOG_FORMAT for every command)",
+    )
+    parser.add_argument(
+        "--log-level", choices=LOG_LEVELS, default="info",
+        help="least severe level logged (env KVNET_LOG_LEVEL for every command)",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (--log-level debug)")
+
+
+def setup_logging_from_args(args: argparse.Namespace) -> None:
+    """``setup_logging`` from ``add_log_arguments``' flags (``-v`` is ``--log-level debug``)."""
+    setup_logging(args.log_format, "debug" if args.verbose else args.log_level)

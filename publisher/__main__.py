@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvnet.logs import setup_logging_from_args
 from kvnet.model.registry import default_models_dir
 from kvnet.node.config import (
     NodeConfig,
@@ -28,7 +29,6 @@ from kvnet.node.config import (
     add_prompt_arguments,
     node_config_from_cli,
     prompts_from_args,
-    setup_node_logging,
 )
 from kvnet.node.node import start_node
 from kvnet.settings import parse_settings, settings_parser
@@ -99,7 +99,7 @@ async def run(config: PublisherConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_settings(build_parser(), argv)
-    setup_node_logging(args)
+    setup_logging_from_args(args)
     try:
         prompts = prompts_from_args(args)
         if not prompts:

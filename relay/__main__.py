@@ -1,6 +1,10 @@
-"""``kvnet-relay``: parse flags and an optional TOML file into a ``RelayConfig``, set up logging, serve.
+"""``kvnet-relay``: parse flags, the environment and a config file into a ``RelayConfig``, log, serve.
 
-This is the only place that reads the command line, files named on it, or the environment.
+Every flag also comes from ``KVNET_RELAY_<FLAG>`` and from the config file (``--config FILE``, YAML as for
+the nodes: flag names as keys, plus ``cache:``, ``limits:`` and ``transport:`` mappings for the
+``CacheConfig`` / ``LimitsConfig`` / ``TransportSettings`` fields that have no flag; a ``.toml`` file with
+the same keys is still read). This is the only place that reads the command line, files named on it, or
+the environment.
 """
 
 from __future__ import annotations
@@ -9,65 +13,125 @@ import argparse
 import asyncio
 import dataclasses
 import sys
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvnet.logs import LOG_FORMATS, LOG_LEVELS, setup_logging
-from kvnet.net.quic import LINK_PRESETS
-from kvnet.settings import parse_settings, settings_parser, size_arg
-from relay.config import RelayConfig, load_config, read_toml
+from kvnet.blocks.signing import SigningError
+from kvnet.logs import add_log_arguments, setup_logging_from_args
+from kvnet.net.quic import LINK_PRESETS, TransportSettings
+from kvnet.security.certs import check_tls_files
+from kvnet.security.tokens import DEFAULT_CLOCK_SKEW_S
+from kvnet.settings import format_size, parse_settings, settings_parser, size_arg
+from relay.cache import CacheConfig
+from relay.config import CONFIG_SECTIONS, DEFAULT_LISTEN, DEFAULT_METRICS, RelayConfig, load_config
+from relay.limits import LimitsConfig
+
+_SECTION_CLASSES: dict[str, type[Any]] = {
+    "cache": CacheConfig, "limits": LimitsConfig, "transport": TransportSettings,
+}
+
+# Flags that set a field of a config section: argparse default None ("not given"), so that the file's
+# section value, or else the dataclass default (shown in --help), applies.
+SECTION_FLAGS: dict[str, str] = {
+    "cache_bytes": "cache.max_bytes",
+    "cache_track_bytes": "cache.max_track_bytes",
+    "cache_inflight_bytes": "cache.max_inflight_bytes",
+    "negative_ttl": "cache.negative_ttl",
+    "cache_dir": "cache.dir",
+    "cache_dir_bytes": "cache.dir_bytes",
+    "cache_share_depth": "cache.share_depth",
+    "cache_share_bytes": "cache.share_bytes",
+    "cache_share_fraction": "cache.share_fraction",
+    "max_sessions": "limits.max_sessions",
+    "max_sessions_per_address": "limits.max_sessions_per_address",
+    "max_sessions_per_identity": "limits.max_sessions_per_identity",
+    "max_requests_per_address": "limits.max_requests_per_address",
+    "max_requests_per_identity": "limits.max_requests_per_identity",
+    "max_buffered_bytes_per_address": "limits.max_buffered_bytes_per_address",
+    "max_buffered_bytes_per_identity": "limits.max_buffered_bytes_per_identity",
+    "pressure_idle_timeout": "limits.pressure_idle_timeout",
+    "max_requests_per_session": "limits.max_requests_per_session",
+    "max_requests": "limits.max_requests",
+    "reserved_requests_per_session": "limits.reserved_requests_per_session",
+    "max_object_bytes": "limits.max_object_bytes",
+    "max_buffered_bytes": "limits.max_buffered_bytes_per_session",
+    "max_buffered_bytes_total": "limits.max_buffered_bytes",
+    "upstream_timeout": "limits.upstream_timeout",
+    "upstream_idle_timeout": "limits.upstream_idle_timeout",
+    "route_timeout": "limits.route_timeout",
+    "setup_timeout": "limits.setup_timeout",
+    "session_idle_timeout": "limits.session_idle_timeout",
+    "request_header_timeout": "limits.request_header_timeout",
+    "max_request_header_timeouts": "limits.max_request_header_timeouts",
+    "slow_peer_timeout": "limits.slow_peer_timeout",
+    "quic_stack": "transport.stack",
+    "max_datagram_size": "transport.max_datagram_size",
+    "max_data": "transport.max_data",
+    "max_stream_data": "transport.max_stream_data",
+    "congestion_control": "transport.congestion_control",
+    "idle_timeout": "transport.idle_timeout",
+    "keepalive_interval": "transport.keepalive_interval",
+}
+# Flags read as they are (argparse default = the real default), named as load_config's top-level keys.
+TOP_FLAGS = (
+    "listen", "cert", "key", "ca", "require_client_cert", "upstream", "metrics", "log_format", "log_level",
+    "drain_timeout", "auth_issuer_keys", "auth_clock_skew", "upstream_token", "trust",
+)
+
+
+def _show_default(action: argparse.Action) -> None:
+    """Append a section flag's default (the dataclass field's) to its help."""
+    section, _, name = SECTION_FLAGS[action.dest].partition(".")
+    default = next(f for f in dataclasses.fields(_SECTION_CLASSES[section]) if f.name == name).default
+    shown = format_size(default) if action.type is size_arg and isinstance(default, int) else default
+    if action.dest == "max_datagram_size" and default is None:
+        shown = "the stack's loopback size"
+    text = action.help or ""
+    action.help = f"{text} (default: {shown if shown not in (None, '') else 'none'})".lstrip()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = settings_parser(
-        "kvnet-relay", "MoQT draft-18 caching relay (native QUIC, ALPN moqt-18)", config_file=False
-    )
-    p.add_argument("--config", type=Path, help="TOML config file; flags override its values")
-    p.add_argument("--listen", help="UDP host:port to listen on (default 127.0.0.1:4443; port 0 = any)")
-    p.add_argument("--cert", help="TLS certificate chain (PEM)")
-    p.add_argument("--key", help="TLS private key (PEM)")
+    p = settings_parser("kvnet-relay", "MoQT draft-18 caching relay (native QUIC, ALPN moqt-18)")
+    p.add_argument("--listen", default=DEFAULT_LISTEN, help="UDP host:port to listen on (port 0 = any)")
+    p.add_argument("--cert", help="TLS certificate chain (PEM; required)")
+    p.add_argument("--key", help="TLS private key (PEM; required)")
     p.add_argument("--ca", help="CA certificate(s) to verify upstream relays and client certificates")
-    p.add_argument(
-        "--require-client-cert", action="store_true", default=None, help="reject clients without a cert"
-    )
+    p.add_argument("--require-client-cert", action="store_true", help="reject clients without a cert")
     p.add_argument(
         "--upstream", action="append", help="moqt://host:port of an upstream relay (repeatable, in order)"
     )
     p.add_argument(
-        "--auth-issuer-key",
-        action="append",
+        "--auth-issuer-key", dest="auth_issuer_keys", action="append", metavar="PEM",
         help="trusted token issuer public key (PEM, repeatable); given: authorization is required",
     )
     p.add_argument(
-        "--auth-clock-skew",
-        type=float,
-        help="seconds a token stays accepted past its expiry, for issuer/relay clock skew (default 5)",
+        "--auth-clock-skew", type=float, default=DEFAULT_CLOCK_SKEW_S,
+        help="seconds a token stays accepted past its expiry, for issuer/relay clock skew",
     )
     p.add_argument(
-        "--trust",
-        action="append",
+        "--trust", action="append",
         help="publisher public key (PEM file or directory of *.pub, repeatable): cache only blocks it signed",
     )
     p.add_argument("--upstream-token", help="file with the token presented to upstream relays in SETUP")
-    p.add_argument("--metrics", help='Prometheus endpoint host:port (default 127.0.0.1:9464; "" disables)')
-    p.add_argument("--log-format", choices=LOG_FORMATS)
-    p.add_argument("--log-level", choices=LOG_LEVELS)
-    p.add_argument("--drain-timeout", type=float, help="seconds between GOAWAY and close on SIGTERM")
+    p.add_argument("--metrics", default=DEFAULT_METRICS, help='Prometheus endpoint host:port ("" disables)')
+    add_log_arguments(p)
+    p.add_argument(
+        "--drain-timeout", type=float, default=5.0, help="seconds between GOAWAY and close on SIGTERM"
+    )
     g = p.add_argument_group("cache")
     g.add_argument("--cache-bytes", type=size_arg, help="cache byte budget")
     g.add_argument("--cache-track-bytes", type=size_arg, help="largest single upstream response held")
     g.add_argument("--cache-inflight-bytes", type=size_arg, help="bytes of all upstream responses in flight")
-    g.add_argument("--cache-dir", help="directory of the persistent cache tier (default: memory only)")
-    g.add_argument("--cache-dir-bytes", type=size_arg, help="most bytes of files kept in --cache-dir (1 GiB)")
+    g.add_argument("--cache-dir", help="directory of the persistent cache tier (none: memory only)")
+    g.add_argument("--cache-dir-bytes", type=size_arg, help="most bytes of files kept in --cache-dir")
     g.add_argument("--negative-ttl", type=float, help="seconds a DOES_NOT_EXIST TRACK_STATUS is reused")
-    g.add_argument("--cache-share-depth", type=int, help="namespace fields naming a cache share group (4)")
+    g.add_argument("--cache-share-depth", type=int, help="namespace fields naming a cache share group")
     g.add_argument(
-        "--cache-share-bytes", type=size_arg, help="most bytes one share group may hold (0: fraction)"
+        "--cache-share-bytes", type=size_arg, help="most bytes one share group may hold (0: the fraction)"
     )
-    g.add_argument("--cache-share-fraction", type=float, help="share of the cache one group may hold (1.0)")
+    g.add_argument("--cache-share-fraction", type=float, help="share of the cache one group may hold")
     g = p.add_argument_group("limits")
-    g.add_argument("--max-sessions", type=int)
+    g.add_argument("--max-sessions", type=int, help="concurrent sessions")
     g.add_argument("--max-sessions-per-address", type=int, help="sessions from one source IP (0 = no quota)")
     g.add_argument(
         "--max-sessions-per-identity", type=int, help="sessions of one token subject (0 = no quota)"
@@ -79,37 +143,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-requests-per-identity", type=int, help="open requests of one token subject (0 = no quota)"
     )
     g.add_argument(
-        "--max-buffered-bytes-per-address", type=int, help="bytes queued toward one source IP (0 = no quota)"
+        "--max-buffered-bytes-per-address", type=size_arg,
+        help="bytes queued toward one source IP (0 = no quota)",
     )
     g.add_argument(
-        "--max-buffered-bytes-per-identity",
-        type=int,
+        "--max-buffered-bytes-per-identity", type=size_arg,
         help="bytes queued toward one token subject's sessions (0 = no quota)",
     )
     g.add_argument(
-        "--pressure-idle-timeout",
-        type=float,
+        "--pressure-idle-timeout", type=float,
         help="idle seconds after which a session is closed when the session table is 90%% full (0 = off)",
     )
-    g.add_argument("--max-requests-per-session", type=int)
+    g.add_argument("--max-requests-per-session", type=int, help="open requests of one session")
     g.add_argument("--max-requests", type=int, help="requests open on all sessions together")
     g.add_argument(
         "--reserved-requests-per-session", type=int, help="requests a session may open past --max-requests"
     )
-    g.add_argument("--max-object-bytes", type=size_arg)
+    g.add_argument("--max-object-bytes", type=size_arg, help="largest object accepted")
     g.add_argument("--max-buffered-bytes", type=size_arg, help="per-session bytes queued toward a slow peer")
     g.add_argument(
         "--max-buffered-bytes-total", type=size_arg, help="bytes buffered for all sessions together"
     )
-    g.add_argument("--upstream-timeout", type=float)
+    g.add_argument("--upstream-timeout", type=float, help="seconds an upstream relay has to answer a request")
     g.add_argument(
-        "--upstream-idle-timeout",
-        type=float,
-        help="seconds of silence before an upstream relay counts as dead (3)",
+        "--upstream-idle-timeout", type=float,
+        help="seconds of silence before an upstream relay counts as dead",
     )
     g.add_argument(
-        "--route-timeout",
-        type=float,
+        "--route-timeout", type=float,
         help="seconds before a silent route is passed over for the next (0 = off)",
     )
     g.add_argument("--setup-timeout", type=float, help="seconds to complete the handshake and SETUP")
@@ -124,98 +185,58 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("transport")
     g.add_argument("--quic-stack", choices=("aioquic", "qh3"), help="QUIC implementation")
     size = g.add_mutually_exclusive_group()
-    size.add_argument(
-        "--max-datagram-size", type=int, help="QUIC datagram size (16384 loopback, 1452 ethernet)"
-    )
+    size.add_argument("--max-datagram-size", type=int, help="QUIC datagram size (1452 ethernet)")
     size.add_argument(
         "--link", choices=list(LINK_PRESETS),
         help="datagram size preset: ethernet (1452), jumbo (8952), loopback (the stack's loopback size, 1452 "
-        "to peers off this host); never above what a peer advertises",
+        "to peers off this host); never above what a peer advertises (default: none)",
     )
-    g.add_argument("--socket-buffer", type=size_arg, help="UDP SO_RCVBUF/SO_SNDBUF bytes")
+    g.add_argument(
+        "--socket-buffer", type=size_arg,
+        help="UDP SO_RCVBUF/SO_SNDBUF bytes "
+        f"(default: {format_size(TransportSettings().socket_receive_buffer)})",
+    )
     g.add_argument("--max-data", type=size_arg, help="connection flow-control window")
     g.add_argument("--max-stream-data", type=size_arg, help="per-stream flow-control window")
-    g.add_argument("--congestion-control", choices=("reno", "cubic"))
+    g.add_argument("--congestion-control", choices=("reno", "cubic"), help="congestion controller")
     g.add_argument("--idle-timeout", type=float, help="seconds without packets before a peer counts as dead")
     g.add_argument("--keepalive-interval", type=float, help="PING after S idle seconds (0 = off)")
+    for action in p._actions:  # argparse offers no public list of its actions
+        if action.dest in SECTION_FLAGS:
+            _show_default(action)
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> RelayConfig:
-    file_data = read_toml(args.config) if args.config else {}
-    overrides: dict[str, Any] = {
-        "listen": args.listen,
-        "cert": args.cert,
-        "key": args.key,
-        "ca": args.ca,
-        "require_client_cert": args.require_client_cert,
-        "upstream": args.upstream,
-        "metrics": args.metrics,
-        "log_format": args.log_format,
-        "log_level": args.log_level,
-        "drain_timeout": args.drain_timeout,
-        "auth_issuer_keys": args.auth_issuer_key,
-        "auth_clock_skew": args.auth_clock_skew,
-        "upstream_token": args.upstream_token,
-        "trust": args.trust,
-        "cache.max_bytes": args.cache_bytes,
-        "cache.max_track_bytes": args.cache_track_bytes,
-        "cache.max_inflight_bytes": args.cache_inflight_bytes,
-        "cache.negative_ttl": args.negative_ttl,
-        "cache.dir": args.cache_dir,
-        "cache.dir_bytes": args.cache_dir_bytes,
-        "cache.share_depth": args.cache_share_depth,
-        "cache.share_bytes": args.cache_share_bytes,
-        "cache.share_fraction": args.cache_share_fraction,
-        "limits.max_sessions": args.max_sessions,
-        "limits.max_sessions_per_address": args.max_sessions_per_address,
-        "limits.max_sessions_per_identity": args.max_sessions_per_identity,
-        "limits.max_requests_per_address": args.max_requests_per_address,
-        "limits.max_requests_per_identity": args.max_requests_per_identity,
-        "limits.max_buffered_bytes_per_address": args.max_buffered_bytes_per_address,
-        "limits.max_buffered_bytes_per_identity": args.max_buffered_bytes_per_identity,
-        "limits.pressure_idle_timeout": args.pressure_idle_timeout,
-        "limits.max_requests_per_session": args.max_requests_per_session,
-        "limits.max_requests": args.max_requests,
-        "limits.reserved_requests_per_session": args.reserved_requests_per_session,
-        "limits.max_object_bytes": args.max_object_bytes,
-        "limits.max_buffered_bytes_per_session": args.max_buffered_bytes,
-        "limits.max_buffered_bytes": args.max_buffered_bytes_total,
-        "limits.upstream_timeout": args.upstream_timeout,
-        "limits.upstream_idle_timeout": args.upstream_idle_timeout,
-        "limits.route_timeout": args.route_timeout,
-        "limits.setup_timeout": args.setup_timeout,
-        "limits.session_idle_timeout": args.session_idle_timeout,
-        "limits.request_header_timeout": args.request_header_timeout,
-        "limits.max_request_header_timeouts": args.max_request_header_timeouts,
-        "limits.slow_peer_timeout": args.slow_peer_timeout,
-        "transport.stack": args.quic_stack,
-        "transport.max_datagram_size": (
-            args.max_datagram_size if args.link is None else LINK_PRESETS[args.link]
-        ),
-        "transport.socket_receive_buffer": args.socket_buffer,
-        "transport.socket_send_buffer": args.socket_buffer,
-        "transport.max_data": args.max_data,
-        "transport.max_stream_data": args.max_stream_data,
-        "transport.congestion_control": args.congestion_control,
-        "transport.idle_timeout": args.idle_timeout,
-        "transport.keepalive_interval": args.keepalive_interval,
-    }
-    config = load_config(file_data, overrides)
+    overrides: dict[str, Any] = {key: getattr(args, key) for key in TOP_FLAGS}
+    overrides.update({key: getattr(args, dest) for dest, key in SECTION_FLAGS.items()})
+    if args.link is not None:
+        overrides["transport.max_datagram_size"] = LINK_PRESETS[args.link]
+    for name in ("socket_receive_buffer", "socket_send_buffer"):
+        overrides[f"transport.{name}"] = args.socket_buffer
+    config = load_config(getattr(args, "config_sections", {}), overrides)
     if args.link == "loopback":  # its size is None, which the overrides read as "not given"
         transport = dataclasses.replace(config.transport, max_datagram_size=None)
         config = dataclasses.replace(config, transport=transport)
     return config
 
 
+def parse_args(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> argparse.Namespace:
+    """The command line over ``KVNET_RELAY_*`` (``env``, default ``os.environ``) over the config file."""
+    return parse_settings(parser, argv, env=env, env_prefix="KVNET_RELAY_", config_sections=CONFIG_SECTIONS)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parse_settings(parser, argv, env_prefix="KVNET_RELAY_", yaml_config=False)
+    args = parse_args(parser, argv)
     try:
         config = config_from_args(args)
+        check_tls_files(config.tls.ca_file, config.tls.cert_file, config.tls.key_file)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
-    setup_logging(config.log_format, config.log_level)
+    setup_logging_from_args(args)
     from kvnet.net.endpoint import freeze_startup_objects
     from relay.relay import serve  # after logging, so import-time warnings are formatted too
 
@@ -224,7 +245,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         asyncio.run(serve(config))
     except KeyboardInterrupt:
         return 130
+    except (OSError, ValueError, SigningError) as exc:
+        # What serve raises comes from starting: reading key, token and cache files, binding the QUIC and
+        # metrics sockets. Once it serves, a peer's failure ends that peer's session, not the relay.
+        print(f"kvnet-relay: error: {_reason(exc)}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, OSError) and exc.strerror and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc)
 
 
 if __name__ == "__main__":

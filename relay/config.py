@@ -1,37 +1,34 @@
-"""Relay configuration: one frozen dataclass per component, built from a TOML file and/or CLI flags.
+"""Relay configuration: one frozen dataclass per component, built from settings.
 
-Owns: ``RelayConfig`` and ``load_config``, which merges a TOML document (``tomllib``) with flag overrides.
-Only ``relay.__main__.main`` reads the command line or files; everything below receives a ``RelayConfig``.
+Owns: ``RelayConfig`` and ``load_config``, which merges the config file's sections with the flag values.
+Only ``relay.__main__`` reads the command line, the environment (``KVNET_RELAY_*``) or files
+(``kvnet.settings``); everything below receives a ``RelayConfig``.
 
-File format (every key optional; flags given on the command line win)::
+File format (``--config relay.yaml``; the nodes' format: every flag by name, every key optional, the
+command line and the environment win; a ``.toml`` file with the same keys is read too)::
 
-    listen = "127.0.0.1:4443"          # host:port (IPv6 as [::1]:4443)
-    cert = "certs/relay.pem"           # TLS chain and key (required)
-    key = "certs/relay-key.pem"
-    ca = "certs/ca.pem"                # verifies upstream relays (and client certs with require_client_cert)
-    require_client_cert = false
-    upstream = ["moqt://origin:4443"]  # relays to forward misses to, tried in order
-    metrics = "127.0.0.1:9464"         # Prometheus endpoint; "" disables
-    log_format = "kv"                  # "kv" (key=value) or "json"
-    log_level = "info"
-    drain_timeout = 5.0                # seconds between GOAWAY and close on SIGTERM
-    auth_issuer_keys = ["issuer.pub"]  # trusted token issuers (PEM); when set, authorization is required
-    auth_clock_skew = 5.0              # seconds a token stays accepted past its expiry (issuer clock skew)
-    trust = ["keys/publisher.pub"]     # publisher keys (files, dirs of *.pub): cache only blocks they signed
-    upstream_token = "edge.token"      # token presented to upstream relays in SETUP (raw or base64url)
+    listen: 127.0.0.1:4443           # host:port (IPv6 as [::1]:4443)
+    cert: certs/relay.pem            # TLS chain and key (required)
+    key: certs/relay-key.pem
+    ca: certs/ca.pem                 # verifies upstream relays (and client certs with require-client-cert)
+    upstream: [moqt://origin:4443]   # relays to forward misses to, tried in order
+    metrics: 127.0.0.1:9464          # Prometheus endpoint; "" disables
+    log-format: kv                   # kv (key=value) or json
+    cache-bytes: 1G                  # any flag, sizes as on the command line
+    auth-issuer-key: [issuer.pub]    # trusted token issuers (PEM); when set, authorization is required
+    trust: [keys/publisher.pub]      # publisher keys (files, dirs of *.pub): cache only blocks they signed
 
-    [cache]                            # relay.cache.CacheConfig fields
-    max_bytes = 268435456
-    [limits]                           # relay.limits.LimitsConfig fields
-    max_sessions = 1024
-    [transport]                        # kvnet.net.quic.TransportSettings fields
-    max_datagram_size = 16384
+    cache:                           # relay.cache.CacheConfig fields without a flag
+      max_negative_entries: 65536
+    limits:                          # relay.limits.LimitsConfig fields
+      max_subscribers_per_track: 4096
+    transport:                       # kvnet.net.quic.TransportSettings fields
+      udp_segmentation: false
 """
 
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +40,9 @@ from kvnet.security.tokens import DEFAULT_CLOCK_SKEW_S
 from relay.cache import CacheConfig
 from relay.limits import LimitsConfig
 
+CONFIG_SECTIONS = ("cache", "limits", "transport")
+DEFAULT_LISTEN = "127.0.0.1:4443"
+DEFAULT_METRICS = "127.0.0.1:9464"
 _TOP_KEYS = {
     "listen",
     "cert",
@@ -141,11 +141,14 @@ def _section(cls: type[Any], values: Mapping[str, Any], name: str) -> Any:
     unknown = set(values) - known
     if unknown:
         raise ValueError(f"[{name}] has unknown keys: {', '.join(sorted(unknown))}")
-    return cls(**values)
+    try:
+        return cls(**values)
+    except TypeError as exc:  # a value of the wrong type, e.g. a string where a number belongs
+        raise ValueError(f"[{name}]: {exc}") from None
 
 
 def load_config(file_data: Mapping[str, Any], overrides: Mapping[str, Any]) -> RelayConfig:
-    """Merge a parsed TOML document with flag overrides (None means "not given") into a ``RelayConfig``.
+    """Merge a parsed config document with flag overrides (None means "not given") into a ``RelayConfig``.
 
     ``overrides`` uses the file's top-level keys plus ``cache.<field>`` / ``limits.<field>`` /
     ``transport.<field>`` for section fields.
@@ -173,8 +176,8 @@ def load_config(file_data: Mapping[str, Any], overrides: Mapping[str, Any]) -> R
         key_file=Path(top["key"]),
         require_client_cert=bool(top.get("require_client_cert", False)),
     )
-    host, port = parse_hostport(str(top.get("listen", "127.0.0.1:4443")), "listen")
-    metrics = str(top.get("metrics", "127.0.0.1:9464"))
+    host, port = parse_hostport(str(top.get("listen", DEFAULT_LISTEN)), "listen")
+    metrics = str(top.get("metrics", DEFAULT_METRICS))
     metrics_host, metrics_port = ("127.0.0.1", None) if not metrics else parse_hostport(metrics, "metrics")
     upstream = top.get("upstream", ())
     if isinstance(upstream, str):
@@ -204,8 +207,3 @@ def load_config(file_data: Mapping[str, Any], overrides: Mapping[str, Any]) -> R
         limits=_section(LimitsConfig, sections["limits"], "limits"),
         transport=_section(TransportSettings, sections["transport"], "transport"),
     )
-
-
-def read_toml(path: Path) -> dict[str, Any]:
-    with open(path, "rb") as f:
-        return tomllib.load(f)

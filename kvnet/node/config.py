@@ -2,7 +2,7 @@
 
 Owns: ``NodeConfig`` (model, cache, relay, signing/trust and ABR knobs), ``add_node_arguments`` /
 ``node_config_from_cli`` (the flags of ``kvnet-publisher``, ``kvnet-subscriber`` and ``kvnet-node``), the
-key-directory defaults (``resolve_keys``), the token-file reader and the CLI logging set-up. Nothing here
+key-directory defaults (``resolve_keys``) and the token-file reader. Nothing here
 builds a model or opens a connection; ``main()`` functions read the environment and pass it in.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 
 from kvnet.blocks.signing import Signer, SigningError, TrustStore, generate_keypair, load_signer
 from kvnet.dtypes import DTYPE_BY_NAME
-from kvnet.logs import LOG_FORMATS, LOG_LEVELS, setup_logging
+from kvnet.logs import add_log_arguments
 from kvnet.model.registry import MODELS, is_registered
 from kvnet.model.transformer import transformer_configs
 from kvnet.net.quic import (
@@ -31,6 +30,7 @@ from kvnet.net.quic import (
 )
 from kvnet.node.abr import QUALITY_ORDER
 from kvnet.node.fetching import DEFAULT_VERIFY_WORKERS, DEFAULT_WINDOW_BYTES, MAX_VERIFY_WORKERS
+from kvnet.security.certs import check_tls_files
 from kvnet.security.tenancy import NodeSecret, TenancyError
 from kvnet.security.tokens import read_token_file
 from kvnet.settings import size_arg
@@ -292,9 +292,7 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
         "--trust, trusts KEY_DIR/*.pub",
     )
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate")
-    parser.add_argument("--log-format", choices=LOG_FORMATS, default="kv", help="log lines: logfmt or JSON")
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="least severe level logged")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (--log-level debug)")
+    add_log_arguments(parser)
 
 
 def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
@@ -392,36 +390,13 @@ def resolve_keys(config: NodeConfig, key_dir: Path | None) -> NodeConfig:
     return dataclasses.replace(config, signing_key=signing_key, trust=trust)
 
 
-def _tls_reason(exc: Exception) -> str:
-    if isinstance(exc, ssl.SSLError):
-        return exc.reason or exc.strerror or str(exc)  # e.g. NO_CERTIFICATE_OR_CRL_FOUND for a non-PEM file
-    if isinstance(exc, OSError):
-        return exc.strerror or str(exc)
-    return str(exc)
-
-
 def check_startup_inputs(config: NodeConfig) -> None:
     """Refuse, before anything starts, what would only fail later: a bad relay URL, unreadable or non-PEM
     TLS files, an unknown preset or device, a missing checkpoint, unreadable keys. ``ValueError`` naming
     the flag, the file and the reason."""
     if config.relay_url is not None:
         parse_moqt_url(config.relay_url)
-    context = ssl.create_default_context()
-    if config.ca_file is not None:
-        try:
-            context.load_verify_locations(cafile=str(config.ca_file))
-        except (ssl.SSLError, OSError) as exc:
-            reason = _tls_reason(exc)
-            raise ValueError(f"--ca {config.ca_file}: not a usable PEM CA certificate: {reason}") from None
-    if (config.cert_file is None) != (config.key_file is None):
-        raise ValueError("--cert and --key go together (a client certificate and its private key)")
-    if config.cert_file is not None and config.key_file is not None:
-        try:
-            context.load_cert_chain(str(config.cert_file), str(config.key_file))
-        except (ssl.SSLError, OSError) as exc:
-            raise ValueError(
-                f"--cert {config.cert_file} / --key {config.key_file}: unusable: {_tls_reason(exc)}"
-            ) from None
+    check_tls_files(config.ca_file, config.cert_file, config.key_file)
     if config.checkpoint is not None:
         if not config.checkpoint.is_dir():
             raise ValueError(f"--checkpoint {config.checkpoint}: not a directory")
@@ -461,12 +436,6 @@ def tenant_salt_and_namespace(tenant: str, node_secret: NodeSecret | None) -> tu
     if tenant != DEFAULT_TENANT:
         raise ValueError("a tenant other than the default needs a node secret")
     return b"", tenant
-
-
-def setup_node_logging(args: argparse.Namespace) -> None:
-    """Logs on stderr (so ``--json`` output on stdout stays machine-readable) in the format every kvnet
-    process shares (``kvnet.logs``); ``-v`` is ``--log-level debug``."""
-    setup_logging(args.log_format, "debug" if args.verbose else args.log_level)
 
 
 def default_key_dir(kvnet_home: str | None) -> Path:

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvnet.blocks.signing import SigningError
+from kvnet.logs import setup_logging_from_args
 from kvnet.model.generate import SamplingParams, TokenCallback
 from kvnet.model.registry import default_models_dir
-from kvnet.node.config import NodeConfig, add_node_arguments, node_config_from_cli, setup_node_logging
+from kvnet.node.config import NodeConfig, add_node_arguments, node_config_from_cli
 from kvnet.node.httpapi import (
     DEFAULT_MAX_CONNECTIONS,
     ApiSettings,
@@ -167,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_settings(build_parser(), argv)
-    setup_node_logging(args)
+    setup_logging_from_args(args)
     try:
         node_cfg = node_config_from_cli(args, os.environ.get("KVNET_HOME"), default_models_dir(os.environ))
     except (ValueError, OSError) as exc:

@@ -11,7 +11,8 @@ Layout of a certificate directory::
     DIR/NAME.pem        leaf certificate followed by the CA certificate (a chain)
     DIR/NAME-key.pem    leaf private key (mode 0600)
 
-This module knows nothing about QUIC; ``kvnet.net.quic`` consumes the files.
+This module knows nothing about QUIC; ``kvnet.net.quic`` consumes the files. ``check_tls_files`` lets a
+command refuse unusable ones at start-up, with a reason, rather than at the first handshake.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import datetime
 import ipaddress
 import os
 import re
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -262,3 +264,29 @@ def describe(cert_file: Path | str) -> str:
             f"hosts={','.join(hosts) or '-'} not_after={cert.not_valid_after_utc.isoformat()}"
         )
     return "\n".join(lines)
+
+
+def _tls_reason(exc: Exception) -> str:
+    if isinstance(exc, ssl.SSLError):
+        return exc.reason or exc.strerror or str(exc)  # e.g. NO_CERTIFICATE_OR_CRL_FOUND for a non-PEM file
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    return str(exc)
+
+
+def check_tls_files(ca_file: Path | None, cert_file: Path | None, key_file: Path | None) -> None:
+    """Load the CA certificate(s) and the certificate chain with its key as TLS will; ``ValueError`` naming
+    the flag, the file and the reason (``--ca ca.txt: not a usable PEM CA certificate: NO_...``)."""
+    context = ssl.create_default_context()
+    if ca_file is not None:
+        try:
+            context.load_verify_locations(cafile=str(ca_file))
+        except (ssl.SSLError, OSError) as exc:
+            raise ValueError(f"--ca {ca_file}: not a usable PEM CA certificate: {_tls_reason(exc)}") from None
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("--cert and --key go together (a certificate chain and its private key)")
+    if cert_file is not None and key_file is not None:
+        try:
+            context.load_cert_chain(str(cert_file), str(key_file))
+        except (ssl.SSLError, OSError) as exc:
+            raise ValueError(f"--cert {cert_file} / --key {key_file}: unusable: {_tls_reason(exc)}") from None

@@ -1,15 +1,20 @@
-"""Relay configuration: TOML + flag merging, validation errors that name the field, metrics rendering."""
+"""Relay configuration: file (YAML, or TOML) + environment + flag merging, validation errors that name the field, metrics rendering."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
-from relay.__main__ import build_parser, config_from_args
+from relay.__main__ import build_parser, config_from_args, parse_args
 from relay.config import load_config, parse_hostport
 from relay.metrics import Metrics, parse_prometheus
 from tests.helpers.processes import CertDir
+
+
+def _args(argv: list[str], env: dict[str, str] | None = None) -> argparse.Namespace:
+    return parse_args(build_parser(), argv, env={} if env is None else env)
 
 
 def test_file_then_flags(cert_dir: CertDir, tmp_path: Path) -> None:
@@ -20,7 +25,7 @@ def test_file_then_flags(cert_dir: CertDir, tmp_path: Path) -> None:
         "[cache]\nmax_bytes = 1000\nnegative_ttl = 0\n[limits]\nmax_sessions = 7\n"
         "[transport]\nmax_datagram_size = 1452\n"
     )
-    args = build_parser().parse_args(
+    args = _args(
         ["--config", str(f), "--listen", "0.0.0.0:6000", "--cache-bytes", "2000"]
     )
     cfg = config_from_args(args)
@@ -35,7 +40,7 @@ def test_file_then_flags(cert_dir: CertDir, tmp_path: Path) -> None:
 def test_link_flag_overrides_the_file(cert_dir: CertDir, tmp_path: Path, link: str, size: int | None) -> None:
     f = tmp_path / "relay.toml"
     f.write_text(f'cert = "{cert_dir.cert}"\nkey = "{cert_dir.key}"\n[transport]\nmax_datagram_size = 4000\n')
-    cfg = config_from_args(build_parser().parse_args(["--config", str(f), "--link", link]))
+    cfg = config_from_args(_args(["--config", str(f), "--link", link]))
     assert cfg.transport.max_datagram_size == size
 
 
@@ -86,10 +91,10 @@ def test_auth_keys_from_file_and_flags(cert_dir: CertDir, tmp_path: Path) -> Non
         f'cert = "{cert_dir.cert}"\nkey = "{cert_dir.key}"\nauth_issuer_keys = "a.pub"\n'
         'upstream_token = "edge.token"\n'
     )
-    cfg = config_from_args(build_parser().parse_args(["--config", str(f)]))
+    cfg = config_from_args(_args(["--config", str(f)]))
     assert cfg.auth_issuer_keys == (Path("a.pub"),) and cfg.upstream_token == Path("edge.token")
     args = ["--config", str(f), "--auth-issuer-key", "b.pub", "--auth-issuer-key", "c.pub"]
-    cfg = config_from_args(build_parser().parse_args(args))
+    cfg = config_from_args(_args(args))
     assert cfg.auth_issuer_keys == (Path("b.pub"), Path("c.pub"))
 
 
@@ -103,7 +108,7 @@ def test_limit_and_share_flags(cert_dir: CertDir, tmp_path: Path) -> None:
         "--config", str(f), "--max-requests", "10", "--max-buffered-bytes-total", "5000",
         "--request-header-timeout", "2.5", "--setup-timeout", "3", "--cache-share-depth", "3",
     ]  # fmt: skip
-    cfg = config_from_args(build_parser().parse_args(args))
+    cfg = config_from_args(_args(args))
     lim = cfg.limits
     assert (lim.max_requests, lim.max_buffered_bytes, lim.request_header_timeout) == (10, 5000, 2.5)
     assert (lim.setup_timeout, lim.slow_peer_timeout, lim.session_idle_timeout) == (3.0, 7.0, 0.0)
@@ -113,3 +118,51 @@ def test_limit_and_share_flags(cert_dir: CertDir, tmp_path: Path) -> None:
         load_config({**base, "cache": {"share_fraction": 0}}, {})
     with pytest.raises(ValueError, match="slow_peer_timeout"):
         load_config({**base, "limits": {"slow_peer_timeout": 0}}, {})
+
+
+def test_yaml_file_of_flags_and_sections_then_environment(cert_dir: CertDir, tmp_path: Path) -> None:
+    f = tmp_path / "relay.yaml"
+    f.write_text(
+        f"cert: {cert_dir.cert}\nkey: {cert_dir.key}\nca: {cert_dir.ca}\ncache-bytes: 1G\n"
+        "max-buffered-bytes-per-address: 64M\nupstream: [moqt://origin:4443]\n"
+        "limits:\n  max_subscribers_per_track: 9\ntransport:\n  udp_segmentation: false\n"
+    )
+    env = {"KVNET_RELAY_MAX_SESSIONS": "12", "KVNET_LOG_FORMAT": "json", "KVNET_RELAY_CONFIG": str(f)}
+    cfg = config_from_args(_args(["--upstream", "moqt://other:4443"], env))
+    assert cfg.cache.max_bytes == 1 << 30 and cfg.limits.max_buffered_bytes_per_address == 64 << 20
+    assert cfg.limits.max_subscribers_per_track == 9 and cfg.transport.udp_segmentation is False
+    assert cfg.limits.max_sessions == 12 and cfg.log_format == "json"
+    assert cfg.upstreams == ("moqt://other:4443",)  # a repeatable flag on the command line replaces the file's
+    own_name_wins = {"KVNET_LOG_FORMAT": "json", "KVNET_RELAY_LOG_FORMAT": "kv", "KVNET_RELAY_CONFIG": str(f)}
+    assert config_from_args(_args([], own_name_wins)).log_format == "kv"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("limits: 3\n", "limits: expected a mapping of settings"),
+        ("limits:\n  max_subscribers_per_track: many\n", "[limits]"),
+        ("cache-bytes: 1Q\n", "invalid size '1Q'"),
+        ("transport:\n  bogus: 1\n", "[transport] has unknown keys: bogus"),
+    ],
+)
+def test_bad_config_file_is_one_line(
+    cert_dir: CertDir, tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    f = tmp_path / "relay.yaml"
+    f.write_text(f"cert: {cert_dir.cert}\nkey: {cert_dir.key}\n{text}")
+    with pytest.raises(SystemExit) as exit_info:
+        parser = build_parser()
+        try:
+            config_from_args(parse_args(parser, ["--config", str(f)], env={}))
+        except ValueError as exc:
+            parser.error(str(exc))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvnet-relay: error: ") and message in err, err
+
+
+def test_help_shows_section_defaults() -> None:
+    text = " ".join(build_parser().format_help().split())
+    assert "cache byte budget (default: 256M)" in text
+    assert "(default: None)" not in text
