@@ -21,8 +21,13 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_SETTINGS_ENV = {"log_format": "KVNET_LOG_FORMAT", "log_level": "KVNET_LOG_LEVEL"}
 """Environment names of the log settings shared by every command (a command's own prefix still wins)."""
 
-# LogRecord attributes that are not user-supplied ``extra`` fields.
-_RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+# LogRecord attributes that are not user-supplied ``extra`` fields (uvicorn adds a colored copy of its
+# message for its own terminal formatter).
+_RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {
+    "message", "asctime", "color_message",
+}
+ACCESS_LOGGER = "uvicorn.access"
+"""The HTTP access log of ``kvnet-node`` (uvicorn's), one line per request."""
 
 
 def _kv_value(v: object) -> str:
@@ -65,6 +70,20 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(fields, default=str)
 
 
+class AccessLogFields(logging.Filter):
+    """Turns uvicorn's access line (``'%s - "%s %s HTTP/%s" %d'``) into fields: ``msg="POST
+    /v1/completions 200" client=127.0.0.1:5123 method=POST path=/v1/completions status=200``, easy to
+    filter on in either format."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5:
+            client, method, path, _http_version, status = args
+            record.msg, record.args = "%s %s %s", (method, path, status)
+            record.__dict__.update(client=client, method=method, path=path, status=status)
+        return True
+
+
 def setup_logging(log_format: str, level: str) -> None:
     """Route every logger to stderr in ``log_format`` (``kv`` or ``json``) at ``level``."""
     handler = logging.StreamHandler(sys.stderr)
@@ -72,6 +91,9 @@ def setup_logging(log_format: str, level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    access = logging.getLogger(ACCESS_LOGGER)
+    if not any(isinstance(f, AccessLogFields) for f in access.filters):
+        access.addFilter(AccessLogFields())
     # The QUIC stacks log packet-level events and every peer close; keep them quiet unless asked for.
     logging.getLogger("quic").setLevel(logging.ERROR if level != "debug" else logging.DEBUG)
 

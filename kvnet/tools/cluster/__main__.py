@@ -1,14 +1,19 @@
-"""Command line of the namespace cluster (``scripts/netns-cluster``): up, smoke, down, status."""
+"""Command line of the namespace cluster (``scripts/netns-cluster``): up, smoke, down, status.
+
+Flags also come from ``KVNET_CLUSTER_<FLAG>``; its own log lines are in the format of every kvnet process."""
 
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import signal
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from kvnet.logs import LOG_SETTINGS_ENV, add_log_arguments, setup_logging_from_args
+from kvnet.settings import parse_settings, settings_parser
 
 from .compose import ComposeError, load_compose
 from .plan import DEFAULT_PREFIX, upstream_links
@@ -17,9 +22,9 @@ from .smoke import run_smoke
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="netns-cluster",
-        description="Run docker-compose.yml's services as processes in Linux network namespaces (root).",
+    p = settings_parser(
+        "netns-cluster", "Run docker-compose.yml's services as processes in Linux network namespaces (root).",
+        config_file=False,
     )
     p.add_argument("command", choices=("up", "smoke", "down", "status"))
     p.add_argument("--compose", type=Path, default=Path("docker-compose.yml"), help="compose file")
@@ -30,6 +35,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", type=float, default=0.01, help="loss probability per direction")
     p.add_argument("--reorder", type=float, default=0.0)
     p.add_argument("--rate-mbit", type=float, default=0.0, help="origin<->edge rate limit (0 = none)")
+    add_log_arguments(p)
     return p
 
 
@@ -39,8 +45,11 @@ def _raise_interrupt(signum: int, _frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    args = parse_settings(_build_parser(), argv, env_prefix="KVNET_CLUSTER_")
+    setup_logging_from_args(args)
+    # The services the runner starts log in the same format (NetnsCluster.base_env passes these on).
+    os.environ[LOG_SETTINGS_ENV["log_format"]] = args.log_format
+    os.environ[LOG_SETTINGS_ENV["log_level"]] = "debug" if args.verbose else args.log_level
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_interrupt)
     if args.command == "down":

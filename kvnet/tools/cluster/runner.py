@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvnet.logs import LOG_SETTINGS_ENV
+
 from .compose import ComposeProject
 from .plan import (
     DEFAULT_PREFIX,
@@ -210,6 +212,8 @@ class NetnsCluster:
             "PYTHONUNBUFFERED": "1",
             CLUSTER_ENV: self.prefix,
         }
+        # Services log in the runner's format (kvnet-relay and kvnet-node read the shared names).
+        env.update({name: os.environ[name] for name in LOG_SETTINGS_ENV.values() if name in os.environ})
         return env
 
     def spec(self, service: str) -> LaunchSpec:
