@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import errno
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -248,15 +249,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError, SigningError) as exc:
         # What serve raises comes from starting: reading key, token and cache files, binding the QUIC and
         # metrics sockets. Once it serves, a peer's failure ends that peer's session, not the relay.
-        print(f"kvnet-relay: error: {_reason(exc)}", file=sys.stderr)
+        print(f"kvnet-relay: error: {_startup_reason(exc, config)}", file=sys.stderr)
         return 2
     return 0
 
 
-def _reason(exc: Exception) -> str:
-    if isinstance(exc, OSError) and exc.strerror and exc.filename is not None:
+def _startup_reason(exc: Exception, config: RelayConfig) -> str:
+    if not isinstance(exc, OSError) or not exc.strerror:
+        return str(exc)
+    if exc.filename is not None:
         return f"{exc.filename}: {exc.strerror}"
-    return str(exc)
+    if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+        # asyncio's TCP server (the metrics endpoint) words its bind errors so; the QUIC socket is UDP.
+        if "while attempting to bind" in exc.strerror:
+            where = f"--metrics {config.metrics_host}:{config.metrics_port}"
+            return f"{where}: cannot listen: {exc.strerror.rpartition(': ')[2]}"
+        return f"--listen {config.host}:{config.port}: cannot listen: {exc.strerror}"
+    return exc.strerror
 
 
 if __name__ == "__main__":

@@ -341,7 +341,14 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
 
 def prompts_from_args(args: argparse.Namespace) -> list[str]:
     """The prompts given with ``add_prompt_arguments``, texts first, then files in order."""
-    return list(args.prompt) + [f.read_text(encoding="utf-8") for f in args.prompt_file]
+    prompts = list(args.prompt)
+    for path in args.prompt_file:
+        try:
+            prompts.append(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ValueError(f"--prompt-file {path}: {reason}") from None
+    return prompts
 
 
 def node_config_from_cli(

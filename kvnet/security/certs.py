@@ -165,7 +165,7 @@ def create_ca(
 def _load_ca(d: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     cert_path, key_path = d / CA_CERT_NAME, d / CA_KEY_NAME
     if not cert_path.is_file() or not key_path.is_file():
-        raise CertError(f"no CA in {d}: run `kvnet certs init --dir {d}` first")
+        raise CertError(f"no CA in {d}: run 'kvnet certs init --dir {d}' first")
     cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
     key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
     if not isinstance(key, ec.EllipticCurvePrivateKey):
@@ -251,7 +251,11 @@ def issue_cert(
 def describe(cert_file: Path | str) -> str:
     """One line per certificate in a PEM file: subject, SANs, expiry (for `kvnet certs show`)."""
     lines = []
-    for cert in x509.load_pem_x509_certificates(Path(cert_file).read_bytes()):
+    try:
+        certs = x509.load_pem_x509_certificates(Path(cert_file).read_bytes())
+    except ValueError:
+        raise CertError(f"{cert_file}: not a PEM certificate") from None
+    for cert in certs:
         try:
             san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
             hosts = [str(v) for v in san.get_values_for_type(x509.DNSName)] + [
