@@ -70,7 +70,8 @@ RULES = (
          under("torch", "kvnet.model", "kvnet.blocks.codecs")),
     Rule("kvnet/tools imports nothing from the rest of kvnet but kvnet.logs and kvnet.settings (the one log "
          "format and settings parser; standard library and PyYAML only)", under("kvnet.tools"),
-         lambda name: under("kvnet")(name) and not under("kvnet.tools", "kvnet.logs", "kvnet.settings")(name)),
+         lambda name: under("kvnet")(name)
+         and not under("kvnet.tools", "kvnet.logs", "kvnet.settings")(name)),
     Rule("kvnet never imports a role package (relay, publisher, subscriber)", under("kvnet"),
          under(*ROLE_PACKAGES)),
     *(

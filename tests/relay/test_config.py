@@ -1,4 +1,5 @@
-"""Relay configuration: file (YAML, or TOML) + environment + flag merging, validation errors that name the field, metrics rendering."""
+"""Relay configuration: file (YAML, or TOML) + environment + flag merging, validation errors that name
+the field, metrics rendering."""
 
 from __future__ import annotations
 
@@ -132,7 +133,8 @@ def test_yaml_file_of_flags_and_sections_then_environment(cert_dir: CertDir, tmp
     assert cfg.cache.max_bytes == 1 << 30 and cfg.limits.max_buffered_bytes_per_address == 64 << 20
     assert cfg.limits.max_subscribers_per_track == 9 and cfg.transport.udp_segmentation is False
     assert cfg.limits.max_sessions == 12 and cfg.log_format == "json"
-    assert cfg.upstreams == ("moqt://other:4443",)  # a repeatable flag on the command line replaces the file's
+    # A repeatable flag on the command line replaces the file's list.
+    assert cfg.upstreams == ("moqt://other:4443",)
     own_name_wins = {"KVNET_LOG_FORMAT": "json", "KVNET_RELAY_LOG_FORMAT": "kv", "KVNET_RELAY_CONFIG": str(f)}
     assert config_from_args(_args([], own_name_wins)).log_format == "kv"
 
