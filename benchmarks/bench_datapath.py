@@ -99,15 +99,27 @@ class Prompt:
         return sum(b.nbytes for b in self.blocks)
 
 
-def make_prompt(tokens: int) -> Prompt:
-    """Seeded random bf16 K/V for ``tokens`` tokens (whole blocks) in the ``bench`` model's shape."""
+def prompt_spec() -> CacheSpec:
     args = transformer_configs[MODEL]
-    spec = CacheSpec(num_layers=args.n_layers, num_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
+    return CacheSpec(num_layers=args.n_layers, num_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
                      block_size=BLOCK_SIZE, dtype=torch.bfloat16)
+
+
+def prompt_identities(tokens: int) -> tuple[list[bytes], list[BlockIdentity]]:
+    """Block hashes and identities of the benchmark prompt of ``tokens`` tokens (whole blocks): what a
+    subscriber computes from its own prompt, without the KV."""
     n_blocks = max(1, tokens // BLOCK_SIZE)
     token_ids = [(7 * i + 3) % 32000 for i in range(n_blocks * BLOCK_SIZE + 1)]
     root = root_hash(FINGERPRINT, b"bench")
     hashes = block_hashes(token_ids, BLOCK_SIZE, root)
+    return hashes, prompt_blocks(token_ids, BLOCK_SIZE, hashes, root, 0, len(hashes))
+
+
+def make_prompt(tokens: int) -> Prompt:
+    """Seeded random bf16 K/V for ``tokens`` tokens (whole blocks) in the ``bench`` model's shape."""
+    spec = prompt_spec()
+    hashes, identities = prompt_identities(tokens)
+    n_blocks = len(hashes)
     cache = PagedKVCache(spec, num_blocks=n_blocks, device=torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     layer_shape = (BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)
@@ -117,7 +129,6 @@ def make_prompt(tokens: int) -> Prompt:
             k, v = (torch.randn(layer_shape, generator=gen).to(torch.bfloat16) for _ in range(2))
             cache.import_layer(block_hash, layer, k, v)
         cache.finish_import(block_hash)
-    identities = prompt_blocks(token_ids, BLOCK_SIZE, hashes, root, 0, len(hashes))
     signer = Signer.generate()
     blocks = encode_blocks(cache, identities, fingerprint=FINGERPRINT, renditions=("lossless",),
                            signer=signer)
@@ -150,6 +161,19 @@ def timed_sample(server_pid: int, move: Callable[[], None]) -> Sample:
     move()
     t1, c1, s1 = time.perf_counter(), time.process_time(), proc_cpu_seconds(server_pid)
     return Sample(t1 - t0, s1 - s0, c1 - c0)
+
+
+async def verified_fetch(conn: MoqtConnection, spec: CacheSpec, identities: list[BlockIdentity],
+                         trust: TrustStore, verify_workers: int = DEFAULT_VERIFY_WORKERS) -> None:
+    """Fetch, verify, decode and import the whole prompt into a fresh paged cache; raises unless every
+    block loaded."""
+    cache = PagedKVCache(spec, num_blocks=len(identities), device=torch.device("cpu"))
+    fetcher = BlockFetcher(conn, cache, trust, fingerprint=FINGERPRINT, namespace_id=NAMESPACE_ID,
+                           shape=spec.block_shape, dtype="bfloat16", timeout=FETCH_TIMEOUT,
+                           verify_workers=verify_workers)
+    outcome = await fetcher.fetch(identities, ["lossless"] * len(identities))
+    if outcome.loaded != len(identities) or outcome.error is not None:
+        raise RuntimeError(f"verified fetch loaded {outcome.loaded} blocks: {outcome.error}")
 
 
 class RelayFetch:
@@ -210,13 +234,7 @@ class RelayFetch:
         await self.relay.wait_metric("kvnet_relay_cache_objects", objects, timeout=60)
 
     async def _fetch(self, conn: MoqtConnection, verify_workers: int = DEFAULT_VERIFY_WORKERS) -> None:
-        cache = PagedKVCache(self.prompt.spec, num_blocks=len(self.prompt.blocks), device=torch.device("cpu"))
-        fetcher = BlockFetcher(conn, cache, self.trust, fingerprint=FINGERPRINT, namespace_id=NAMESPACE_ID,
-                               shape=self.prompt.spec.block_shape, dtype="bfloat16", timeout=FETCH_TIMEOUT,
-                               verify_workers=verify_workers)
-        outcome = await fetcher.fetch(self.prompt.identities, ["lossless"] * len(self.prompt.identities))
-        if outcome.loaded != len(self.prompt.blocks) or outcome.error is not None:
-            raise RuntimeError(f"verified fetch loaded {outcome.loaded} blocks: {outcome.error}")
+        await verified_fetch(conn, self.prompt.spec, self.prompt.identities, self.trust, verify_workers)
 
     def fetch(self, verify_workers: int = DEFAULT_VERIFY_WORKERS) -> Sample:
         # A fresh session per run, set up outside the timed part (as in the other cases): the fetch only.
@@ -369,6 +387,141 @@ def tls_cases(certdir: Path, size: int) -> Iterator[list[Case]]:
         child.wait()
 
 
+# ---------------------------------------------------------------- fan-out: N subscribers, one relay
+
+
+def _fanout_child(url: str, certdir: Path, stack: str, link: str, tokens: int, key_hex: str) -> None:
+    """One subscriber process of the fan-out: on ``connect`` it opens a session to the relay, on ``go``
+    it makes a verified fetch of the prompt and answers ``done SECONDS CPU_SECONDS`` (or ``failed WHY``);
+    anything else (or EOF) ends it."""
+    settings = quic.TransportSettings.for_link(link, stack)
+    tls = quic.TlsSettings(ca_file=certdir / "ca.pem")
+    spec = prompt_spec()
+    _, identities = prompt_identities(tokens)
+    trust = TrustStore()
+    trust.add_raw(bytes.fromhex(key_hex))
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        conn: MoqtConnection | None = None
+        print("ready", flush=True)
+        while True:
+            command = (await loop.run_in_executor(None, sys.stdin.readline)).strip()
+            try:
+                if command == "connect":
+                    conn = await connect(url, settings, tls)
+                    print("connected", flush=True)
+                elif command == "go" and conn is not None:
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    await verified_fetch(conn, spec, identities, trust)
+                    t1, c1 = time.perf_counter(), time.process_time()
+                    print(f"done {t1 - t0} {c1 - c0}", flush=True)
+                    closing, conn = conn, None
+                    await closing.close_session()  # after the answer: not part of the timed fetch
+                else:
+                    return
+            except Exception as exc:  # reported to the parent as a failed run, not a crash
+                print(f"failed {type(exc).__name__}: {exc}".replace("\n", " ")[:200], flush=True)
+
+    asyncio.run(serve())
+
+
+class FanoutSubscriber:
+    """A subscriber child process (``_fanout_child``) driven line by line."""
+
+    def __init__(self, relay: RelayFetch, stack: str, link: str, tokens: int) -> None:
+        key_hex = relay.prompt.signer.public_raw.hex()
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--fanout-child", relay.url, str(relay.certdir), stack, link,
+             str(tokens), key_hex], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def command(self, word: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(word + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self) -> list[str]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"subscriber process exited (code {self.proc.poll()})")
+        return line.split()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@dataclass
+class FanoutFigure:
+    subscribers: int
+    aggregate_mbps: list[float] = field(default_factory=list)
+    """All subscribers' wire bytes over the time from the start signal to the last one done, per run."""
+    per_subscriber_mbps: list[float] = field(default_factory=list)
+    """Each subscriber's own wire bytes over its own fetch time, every subscriber of every run."""
+    relay_ms_per_mb: list[float] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+
+def fanout(tokens: int, runs: int, counts: list[int], stack: str = "aioquic",
+           link: str = "loopback") -> tuple[Prompt, list[FanoutFigure]]:
+    """N = each of ``counts`` subscriber processes make a verified fetch of the same prompt from one relay's
+    cache at once (sessions set up before the start signal); ``runs`` rounds, the counts interleaved."""
+    prompt = make_prompt(tokens)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    figures = [FanoutFigure(n) for n in counts]
+    mb = prompt.wire_bytes / 1e6
+    try:
+        with common.test_certificates() as certdir, ExitStack() as stack_:
+            relay = RelayFetch(prompt, certdir, stack, link, loop)
+            stack_.callback(relay.close)
+            subscribers = [FanoutSubscriber(relay, stack, link, tokens) for _ in range(max(counts))]
+            for sub in subscribers:
+                stack_.callback(sub.close)
+            for sub in subscribers:
+                if sub.answer() != ["ready"]:
+                    raise RuntimeError("a subscriber process failed to start")
+            for _ in range(runs):
+                for fig in figures:
+                    _fanout_round(relay, subscribers[:fig.subscribers], fig, mb)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+    return prompt, figures
+
+
+def _fanout_round(relay: RelayFetch, subs: list[FanoutSubscriber], fig: FanoutFigure, mb: float) -> None:
+    for sub in subs:
+        sub.command("connect")
+    for sub in subs:
+        if (got := sub.answer())[0] != "connected":
+            fig.failures.append(" ".join(got))
+            return
+    misses = relay.relay.metric("kvnet_relay_cache_misses_total")
+    cpu0, t0 = proc_cpu_seconds(relay.proc.pid), time.perf_counter()
+    for sub in subs:
+        sub.command("go")
+    answers = [sub.answer() for sub in subs]
+    elapsed, cpu = time.perf_counter() - t0, proc_cpu_seconds(relay.proc.pid) - cpu0
+    failed = [" ".join(a) for a in answers if a[0] != "done"]
+    if failed:
+        fig.failures.append(failed[0])
+        return
+    if relay.relay.metric("kvnet_relay_cache_misses_total") != misses:
+        fig.failures.append("the relay went upstream: not a fetch from its cache")
+        return
+    fig.aggregate_mbps.append(len(subs) * mb / elapsed)
+    fig.per_subscriber_mbps.extend(mb / float(a[1]) for a in answers)
+    fig.relay_ms_per_mb.append(1000 * cpu / (len(subs) * mb))
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -441,10 +594,18 @@ def main() -> int:
     ap.add_argument("--verify-workers", default="", metavar="N,N,...",
                     help="also fetch with these numbers of verify threads (BlockFetcher.verify_workers), "
                          f"next to the default ({DEFAULT_VERIFY_WORKERS})")
+    ap.add_argument("--fanout", default="", metavar="N,N,...",
+                    help="instead: N concurrent subscriber processes fetching the prompt from one relay's "
+                         "cache, for each N (first stack and link given)")
     ap.add_argument("--serve-tls", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--fanout-child", nargs=6, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_tls:
         _serve_tls_child(args.serve_tls)
+        return 0
+    if args.fanout_child:
+        url, certdir, stack, link, tokens, key_hex = args.fanout_child
+        _fanout_child(url, Path(certdir), stack, link, int(tokens), key_hex)
         return 0
     stacks = [s for s in args.stacks.split(",") if s]
     links = [x for x in args.links.split(",") if x]
@@ -455,6 +616,15 @@ def main() -> int:
         if x not in quic.LINK_PRESETS:
             ap.error(f"unknown link {x!r}; choose from {', '.join(quic.LINK_PRESETS)}")
     print(f"cores={os.cpu_count()}, load {common.load_average()}", flush=True)
+    if args.fanout:
+        try:
+            counts = [int(n) for n in args.fanout.split(",") if n]
+        except ValueError:
+            ap.error(f"--fanout takes comma-separated integers, got {args.fanout!r}")
+        if not counts or min(counts) < 1:
+            ap.error("--fanout needs subscriber counts of at least 1")
+        print_fanout(args.tokens, args.runs, *fanout(args.tokens, args.runs, counts, stacks[0], links[0]))
+        return 0
     try:
         workers = tuple(int(n) for n in args.verify_workers.split(",") if n)
     except ValueError:
@@ -472,6 +642,23 @@ def main() -> int:
               f"{common.median(f.server_ms_per_mb):9.2f} {common.median(f.client_ms_per_mb):9.2f}   "
               f"(runs {' '.join(f'{x:.0f}' for x in f.mbps)})")
     return 0
+
+
+def print_fanout(tokens: int, runs: int, prompt: Prompt, figures: list[FanoutFigure]) -> None:
+    mb = prompt.wire_bytes / 1e6
+    print(f"fan-out: {prompt.tokens} tokens, {mb:.1f} MB on the wire per subscriber, median of {runs}, "
+          f"interleaved; load {common.load_average()}")
+    print(f"{'subscribers':>11s} {'aggregate MB/s':>14s} {'tok/s':>8s} {'per-sub MB/s':>12s} {'tok/s':>7s} "
+          f"{'relay ms/MB':>11s}")
+    for f in figures:
+        if f.failures:
+            print(f"{f.subscribers:11d} {len(f.failures)} of {runs} runs failed: {f.failures[0]}")
+        if not f.aggregate_mbps:
+            continue
+        agg, per = common.median(f.aggregate_mbps), common.median(f.per_subscriber_mbps)
+        print(f"{f.subscribers:11d} {agg:14.1f} {agg / mb * prompt.tokens:8.0f} {per:12.1f} "
+              f"{per / mb * prompt.tokens:7.0f} {common.median(f.relay_ms_per_mb):11.2f}   "
+              f"(aggregate runs {' '.join(f'{x:.0f}' for x in f.aggregate_mbps)})")
 
 
 if __name__ == "__main__":

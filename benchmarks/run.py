@@ -15,7 +15,9 @@ missing, or that fails, is recorded as skipped with the reason and the others st
            directions in the same run (bench_fetch.fetch_goodput); through a relay: relay -> subscriber
            (cached) and publisher -> relay -> subscriber (bench_relay.run_relay_scenarios, N=1)
   ttft     time to first token vs shared-prefix length: cold, remote hit, local hit (bench_ttft.Bench)
-  fanout   one publisher, 1/2/4/8 subscribers through a relay: FETCH cold and warm, SUBSCRIBE
+  fanout   one publisher, 1/2/4/8 subscribers through a relay: FETCH cold and warm, SUBSCRIBE; and 1/2/4/8
+           subscriber processes making verified fetches of one prompt from a relay's cache at once:
+           aggregate and per-subscriber MB/s and tokens/s, relay CPU ms/MB (bench_datapath --fanout)
            (bench_relay.run_relay_scenarios)
   locate   locate latency in round trips for 16..4096 blocks through the link emulator at 20 and
            120 ms RTT, direct and through a relay, with the blocks pushed into its cache and with a cold
@@ -128,6 +130,24 @@ def suite_fanout(res: common.SuiteResult, quick: bool) -> None:
     for key, value in relay.items():
         res.add(f"fanout {key}", [value], "MB/s",
                 f"{size >> 20} MiB track, aggregate payload delivered to all subscribers")
+    bd = _need("bench_datapath")
+    tokens, runs = (512, 3) if quick else (2048, 5)
+    prompt, figures = bd.fanout(tokens, runs, ns)
+    mb = prompt.wire_bytes / 1e6
+    note = (f"verified fetches of {prompt.tokens} tokens ({mb:.1f} MB lossless bf16) from one relay's cache, "
+            f"{quic.DEFAULT_STACK}, loopback, interleaved")
+    for fig in figures:
+        name = f"fanout verified {fig.subscribers} subscribers"
+        if fig.failures:
+            res.skip(f"{name}: {len(fig.failures)} of {runs} runs failed, first: {fig.failures[0]}")
+        if not fig.aggregate_mbps:
+            continue
+        res.add(f"{name} aggregate", fig.aggregate_mbps, "MB/s", note)
+        res.add(f"{name} aggregate tokens/s", [x / mb * prompt.tokens for x in fig.aggregate_mbps], "tok/s")
+        res.add(f"{name} per subscriber", fig.per_subscriber_mbps, "MB/s")
+        res.add(f"{name} per subscriber tokens/s", [x / mb * prompt.tokens for x in fig.per_subscriber_mbps],
+                "tok/s")
+        res.add(f"{name} relay CPU", fig.relay_ms_per_mb, "ms/MB")
 
 
 def suite_ttft(res: common.SuiteResult, quick: bool) -> None:

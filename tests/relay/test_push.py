@@ -1,4 +1,5 @@
-"""Pushed blocks (``BlockServer.push``) reach a real relay's cache whole over Ethernet-sized datagrams.
+"""Pushed blocks (``BlockServer.push``) reach a real relay's cache whole over Ethernet-sized datagrams, and
+several subscribers fetching them from the cache at once each load them verified, bit for bit.
 
 A push queues every block's objects at once, so at 1452-byte datagrams the last bytes reach the relay many
 seconds after the push began. The relay ends a pushed track ``publish_done_timeout`` after its PUBLISH_DONE;
@@ -8,15 +9,19 @@ a publisher that sent PUBLISH_DONE before its stream's bytes were delivered lost
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
+
 import torch
 
-from kvnet.blocks.identity import prompt_blocks
+from kvnet.blocks.identity import BlockIdentity, prompt_blocks
 from kvnet.blocks.signing import Signer, TrustStore
 from kvnet.cache.hashing import block_hashes, root_hash
 from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
+from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.quic import TlsSettings, TransportSettings
-from kvnet.node.blockstore import BlockStore
+from kvnet.node.blockstore import BlockStore, StoredBlock
 from kvnet.node.fetching import BlockFetcher
 from kvnet.node.publishing import BlockServer, encode_blocks
 from tests.helpers.processes import CertDir
@@ -31,13 +36,31 @@ FINGERPRINT = bytes(range(32))
 NAMESPACE_ID = "push"
 
 
-async def test_a_push_at_ethernet_datagrams_is_cached_whole_and_served_verified(
-    relay_factory: RelayFactory, cert_dir: CertDir
-) -> None:
-    tokens = [(7 * i + 3) % 32000 for i in range(BLOCKS * SPEC.block_size + 1)]
+@dataclass
+class Prompt:
+    """A publisher's signed prompt: its KV, the blocks' identities and encoded objects."""
+
+    source: PagedKVCache
+    hashes: list[bytes]
+    identities: list[BlockIdentity]
+    blocks: list[StoredBlock]
+    signer: Signer
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks)
+
+    def trust(self) -> TrustStore:
+        trust = TrustStore()
+        trust.add(self.signer.public_key)
+        return trust
+
+
+def signed_prompt(n_blocks: int) -> Prompt:
+    tokens = [(7 * i + 3) % 32000 for i in range(n_blocks * SPEC.block_size + 1)]
     root = root_hash(FINGERPRINT, b"push")
     hashes = block_hashes(tokens, SPEC.block_size, root)
-    source = PagedKVCache(SPEC, num_blocks=BLOCKS, device=torch.device("cpu"))
+    source = PagedKVCache(SPEC, num_blocks=n_blocks, device=torch.device("cpu"))
     gen = torch.Generator().manual_seed(3)
     layer_shape = (SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim)
     for block_hash in hashes:
@@ -51,7 +74,33 @@ async def test_a_push_at_ethernet_datagrams_is_cached_whole_and_served_verified(
     blocks = encode_blocks(
         source, identities, fingerprint=FINGERPRINT, renditions=("lossless",), signer=signer
     )
-    wire_bytes = sum(b.nbytes for b in blocks)
+    return Prompt(source, hashes, identities, blocks, signer)
+
+
+async def fetch_verified(
+    conn: MoqtConnection, prompt: Prompt, verify_workers: int, timeout: float = 60.0
+) -> PagedKVCache:
+    """A verified fetch of the whole prompt into a fresh cache; asserts every block loaded."""
+    fetched = PagedKVCache(SPEC, num_blocks=len(prompt.blocks), device=torch.device("cpu"))
+    fetcher = BlockFetcher(conn, fetched, prompt.trust(), fingerprint=FINGERPRINT, namespace_id=NAMESPACE_ID,
+                           shape=SPEC.block_shape, dtype="bfloat16", timeout=timeout,
+                           verify_workers=verify_workers)
+    outcome = await fetcher.fetch(prompt.identities, ["lossless"] * len(prompt.blocks))
+    assert outcome.error is None and outcome.loaded == len(prompt.blocks), outcome
+    return fetched
+
+
+def assert_same_kv(fetched: PagedKVCache, prompt: Prompt) -> None:
+    for block_hash in prompt.hashes:
+        got, want = fetched.export_block(block_hash), prompt.source.export_block(block_hash)
+        assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+
+
+async def test_a_push_at_ethernet_datagrams_is_cached_whole_and_served_verified(
+    relay_factory: RelayFactory, cert_dir: CertDir
+) -> None:
+    prompt = signed_prompt(BLOCKS)
+    blocks, wire_bytes = prompt.blocks, prompt.wire_bytes
     cache_bytes = str(2 * wire_bytes)
     relay = relay_factory("--link", LINK, "--cache-bytes", cache_bytes, "--cache-track-bytes", cache_bytes)
     settings = TransportSettings.for_link(LINK, "aioquic")
@@ -68,17 +117,43 @@ async def test_a_push_at_ethernet_datagrams_is_cached_whole_and_served_verified(
     finally:
         await publisher.close_session()  # what follows comes from the relay's cache, not the publisher
 
-    trust = TrustStore()
-    trust.add(signer.public_key)
-    fetched = PagedKVCache(SPEC, num_blocks=BLOCKS, device=torch.device("cpu"))
     subscriber = await connect(relay.url, settings, tls)
     try:
-        fetcher = BlockFetcher(subscriber, fetched, trust, fingerprint=FINGERPRINT, namespace_id=NAMESPACE_ID,
-                               shape=SPEC.block_shape, dtype="bfloat16", timeout=60.0)
-        outcome = await fetcher.fetch(identities, ["lossless"] * BLOCKS)
+        fetched = await fetch_verified(subscriber, prompt, verify_workers=2)
     finally:
         await subscriber.close_session()
-    assert outcome.error is None and outcome.loaded == BLOCKS, outcome
-    for block_hash in hashes:
-        got, want = fetched.export_block(block_hash), source.export_block(block_hash)
-        assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+    assert_same_kv(fetched, prompt)
+
+
+async def test_concurrent_subscribers_each_load_the_cached_prompt_verified(
+    relay_factory: RelayFactory, cert_dir: CertDir
+) -> None:
+    """Fan-out from the cache: four sessions fetch the same pushed prompt at once (two verifying on the
+    event loop, two on worker threads); each loads it bit for bit and the relay never asks upstream."""
+    prompt = signed_prompt(8)
+    cache_bytes = str(2 * prompt.wire_bytes)
+    relay = relay_factory("--cache-bytes", cache_bytes, "--cache-track-bytes", cache_bytes)
+    settings = TransportSettings.for_link("loopback", "aioquic")
+    tls = TlsSettings(ca_file=cert_dir.ca)
+    publisher = await connect(relay.url, settings, tls)
+    try:
+        server = BlockServer(publisher, BlockStore(2 * prompt.wire_bytes), FINGERPRINT, NAMESPACE_ID,
+                             SPEC.num_layers)
+        assert await server.push(prompt.blocks) == len(prompt.blocks)
+        await relay.wait_metric("kvnet_relay_cache_objects", len(prompt.blocks) * (SPEC.num_layers + 1))
+    finally:
+        await publisher.close_session()
+    misses = (await relay.ametrics()).get("kvnet_relay_cache_misses_total", 0.0)
+    subscribers = [await connect(relay.url, settings, tls) for _ in range(4)]
+    try:
+        fetched = await asyncio.gather(
+            *(fetch_verified(conn, prompt, verify_workers=2 * (i % 2)) for i, conn in enumerate(subscribers))
+        )
+    finally:
+        for conn in subscribers:
+            await conn.close_session()
+    for cache in fetched:
+        assert_same_kv(cache, prompt)
+    after = await relay.ametrics()
+    assert after.get("kvnet_relay_cache_misses_total", 0.0) == misses
+    assert after["kvnet_relay_bytes_out_total"] >= 4 * prompt.wire_bytes
