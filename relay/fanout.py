@@ -19,11 +19,17 @@ from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, StreamResetCode
 from proto.messages import Location, Properties
 from relay.cache import CachedObject, FetchInfo, TrackKey
+from relay.tasks import spawn
 from relay.upstream import cached_object
 
 if TYPE_CHECKING:
     from relay.peer import Peer
     from relay.relay import Relay
+
+
+RECENT_STREAMS = 64
+"""Closed subgroup streams per subscriber that PUBLISH_DONE waits for. Older groups left the per-session
+send buffer (``max_buffered_bytes_per_session``) long before the track ends, or the subscriber was cut."""
 
 
 @dataclass
@@ -36,6 +42,8 @@ class DownstreamSubscriber:
     alias: int
     streams: dict[tuple[int, int | None], int] = field(default_factory=dict)
     """(group, subgroup) -> our stream id toward this subscriber."""
+    closed_streams: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_STREAMS))
+    """Streams of earlier groups we FINed, whose bytes may still be queued (the latest few)."""
     dropped: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when the relay ended this subscription (upstream done, or the subscriber was cut off)."""
@@ -75,7 +83,8 @@ class Fanout:
         if not self.subs and self.publish_objects is None and self.upstream is not None:
             # Last subscriber left a relay-initiated subscription: stop pulling it from upstream.
             self.upstream.cancel()
-            self.relay.fanouts.pop(self.key, None)
+            if self.relay.fanouts.get(self.key) is self:  # not a newer fan-out of the same track
+                del self.relay.fanouts[self.key]
 
     def forward(self, obj: CachedObject) -> None:
         loc = Location(obj.group, obj.object_id)
@@ -99,7 +108,8 @@ class Fanout:
                 sid = sub.streams.get((obj.group, obj.subgroup))
                 if sid is None:
                     for k in [k for k in sub.streams if k[0] < obj.group]:
-                        conn.close_subgroup(sub.streams.pop(k))
+                        conn.close_subgroup(closed := sub.streams.pop(k))
+                        sub.closed_streams.append(closed)
                     sid = conn.open_subgroup(
                         sub.alias,
                         obj.group,
@@ -113,7 +123,7 @@ class Fanout:
                     sid, obj.object_id, obj.payload, obj.properties, ObjectStatus(obj.status), end
                 )
                 if end:
-                    sub.streams.pop((obj.group, obj.subgroup), None)
+                    sub.closed_streams.append(sub.streams.pop((obj.group, obj.subgroup)))
                 sub.peer.written += len(obj.payload)
                 relay.buffered_since += len(obj.payload)
                 relay.metrics.inc("bytes_out_total", len(obj.payload))
@@ -133,26 +143,39 @@ class Fanout:
             sub.cancel(code)
 
     def finish(self, status: int, reason: str) -> None:
-        """Upstream ended: FIN every subscriber's streams and send PUBLISH_DONE with the same status.
+        """Upstream ended: FIN every subscriber's streams, and send each PUBLISH_DONE with the same status
+        once its streams' bytes are delivered.
 
-        PUBLISH_DONE goes out at once: it carries the Stream Count, and a draft-18 subscriber keeps the
-        subscription until that many subgroup streams have ended, so it never cuts off data in flight.
+        Not at once: a subscriber waits for the streams PUBLISH_DONE's Stream Count announces only
+        ``publish_done_timeout`` without an object, and over a slow link the objects queued here trail the
+        control stream by longer than that (the track would be cut short). A subscriber that stops
+        reading is cut off by the slow-peer rule, which ends the wait too.
         """
         self.ended = True
         if self.relay.fanouts.get(self.key) is self:
             del self.relay.fanouts[self.key]
         for sub in list(self.subs.values()):
             if sub.dropped or sub.peer.conn.is_closed:
+                sub.ended.set()
                 continue
-            conn = sub.peer.conn
             with contextlib.suppress(Exception):
                 for sid in sub.streams.values():
-                    conn.close_subgroup(sid)
+                    sub.peer.conn.close_subgroup(sid)
+                    sub.closed_streams.append(sid)
                 sub.streams.clear()
-                conn.publish_done(sub.request_id, status, reason)
-        for sub in self.subs.values():
-            sub.ended.set()
+            spawn(self._publish_done(sub, status, reason), sub.peer.tasks, "PUBLISH_DONE to a subscriber")
         self.subs.clear()
+
+    @staticmethod
+    async def _publish_done(sub: DownstreamSubscriber, status: int, reason: str) -> None:
+        conn = sub.peer.conn
+        try:
+            await asyncio.gather(*(conn.wait_stream_sent(sid) for sid in sub.closed_streams))
+            if not conn.is_closed and not sub.dropped:
+                with contextlib.suppress(Exception):  # the subscriber may have cancelled meanwhile
+                    conn.publish_done(sub.request_id, status, reason)
+        finally:
+            sub.ended.set()
 
     async def pump(self, source: Subscription) -> None:
         status, reason = 0x2, "track ended"  # TRACK_ENDED

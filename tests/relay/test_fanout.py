@@ -1,0 +1,59 @@
+"""``relay.fanout``: a live track that ends upstream reaches every subscriber whole.
+
+The relay forwards a track's objects into each subscriber's subgroup streams; over a slow link those bytes
+trail far behind. A subscriber waits for the trailing streams only ``publish_done_timeout`` without an
+object after PUBLISH_DONE, so a relay that sends PUBLISH_DONE as soon as the upstream track ends (objects
+still queued behind it) cuts the track short. Real relay process, real QUIC through the link emulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvnet.net.connection import ConnectionLimits
+from kvnet.net.endpoint import connect
+from kvnet.net.handles import Subscription
+from kvnet.net.quic import TlsSettings
+from kvnet.tools.linkemu import EmulatorConfig, LinkEmulator, LinkParams
+from tests.helpers.processes import CertDir
+from tests.relay.conftest import RelayFactory
+from tests.relay.peers import NS, Publisher, connect_client, track_objects
+
+OBJECTS = 3
+OBJECT_BYTES = 300_000
+LINK_BPS = 150_000
+"""Each object needs about 2 s to cross toward the subscriber: twice the subscriber's wait below."""
+DONE_WAIT_S = 1.0
+
+
+async def _payloads(handle: Subscription) -> list[bytes]:
+    return [o.payload async for o in handle if o.payload]
+
+
+async def test_a_live_track_ending_upstream_reaches_a_slow_subscriber_whole(
+    relay_factory: RelayFactory, cert_dir: CertDir
+) -> None:
+    relay = relay_factory()
+    objs = track_objects(b"slow-live", OBJECTS, OBJECT_BYTES)
+    pub = await Publisher(await connect_client(relay.url, str(cert_dir.ca)), {b"slow-live": objs}).start()
+    link = EmulatorConfig(
+        listen=("127.0.0.1", 0),
+        target=("127.0.0.1", relay.port),
+        downstream=LinkParams(rate_bps=LINK_BPS, queue_packets=4096),
+    )
+    try:
+        async with (
+            LinkEmulator(link) as emu,
+            connect(
+                f"moqt://127.0.0.1:{emu.listen_address[1]}",
+                tls=TlsSettings(ca_file=cert_dir.ca),
+                limits=ConnectionLimits(publish_done_timeout=DONE_WAIT_S),
+            ) as sub,
+        ):
+            handle = await sub.subscribe(NS, b"slow-live")
+            pub.live.set()  # the publisher sends the whole track and its PUBLISH_DONE at once
+            got = await asyncio.wait_for(_payloads(handle), 120)
+            assert got == objs
+            assert handle.done is not None and handle.done.status_code == 0x2  # TRACK_ENDED
+    finally:
+        await pub.stop()
