@@ -39,6 +39,7 @@ from kvnet.model.registry import default_models_dir, is_registered, resolve_mode
 from kvnet.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvnet.model.transformer import Transformer
 from kvnet.net.endpoint import freeze_startup_objects
+from kvnet.net.reconnect import STABLE_SESSION_S, Backoff
 from kvnet.node.abr import QUALITY_ORDER, AbrConfig, AbrPlan, KvAbr
 from kvnet.node.blockstore import BlockStore
 from kvnet.node.config import (
@@ -49,7 +50,6 @@ from kvnet.node.config import (
     tenant_salt_and_namespace,
 )
 from kvnet.node.publishing import encode_blocks
-from kvnet.node.reconnect import STABLE_SESSION_S, Backoff
 from kvnet.node.relay_peer import RelayPeer
 from kvnet.node.reports import NodeCounters, PublishReport, RequestReport
 from kvnet.security.tenancy import NodeSecret
@@ -398,7 +398,7 @@ class Node:
 
     async def connect(self) -> None:
         """Keep a session with the relay: returns after the first attempt, successful or not, and reconnects
-        in the background (``kvnet.node.reconnect.Backoff``) whenever the session is lost or the relay
+        in the background (``kvnet.net.reconnect.Backoff``) whenever the session is lost or the relay
         sends GOAWAY. The node answers meanwhile, recomputing what it cannot find locally."""
         first_attempt = asyncio.Event()
         self._supervisor = asyncio.get_running_loop().create_task(self._keep_connected(first_attempt))

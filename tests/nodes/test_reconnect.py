@@ -1,6 +1,6 @@
 """Connection lifecycle of ``kvnet-node``: started before its relay, and the relay restarted under it.
 
-Both times the nodes reconnect on their own (capped backoff, ``kvnet.node.reconnect``), ``/ready`` is 503
+Both times the nodes reconnect on their own (capped backoff, ``kvnet.net.reconnect``), ``/ready`` is 503
 while they have no session, a request served meanwhile says so in its report, and the next request
 after the reconnect reuses a prefix another node published through the new relay."""
 
@@ -13,7 +13,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvnet.node.reconnect import DEFAULT_CAP_S
+from kvnet.net.reconnect import DEFAULT_CAP_S
 from tests.helpers.processes import free_port
 from tests.helpers.waiting import wait_until
 from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster, http_json

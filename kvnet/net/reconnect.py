@@ -1,9 +1,10 @@
 """When to try a lost relay session again: capped exponential backoff with jitter (sans-I/O).
 
-Owns ``Backoff`` only; ``kvnet.node.node.Node`` runs the reconnect loop with it. The delay before attempt
-``n`` (0-based) is drawn from ``[c/2, c]`` with ``c = min(cap, initial * factor**n)``: never above the cap
-(so a node is back within ``cap`` of its relay), never below half of it (so a fleet restarting together
-spreads out instead of retrying in lockstep).
+Owns ``Backoff`` only, the one reconnect policy: ``kvnet.node.node.Node`` runs its relay session's
+reconnect loop with it, ``relay.upstream.UpstreamRelay`` an edge relay's loop to its upstream. The delay
+before attempt ``n`` (0-based) is drawn from ``[c/2, c]`` with ``c = min(cap, initial * factor**n)``: never
+above the cap (so a node or edge is back within ``cap`` of a restarted relay), never below half of it (so
+a fleet restarting together spreads out instead of retrying in lockstep).
 """
 
 from __future__ import annotations

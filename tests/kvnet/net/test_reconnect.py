@@ -1,4 +1,4 @@
-"""``kvnet.node.reconnect.Backoff``: capped, exponential, jittered within [ceiling/2, ceiling]."""
+"""``kvnet.net.reconnect.Backoff``: capped, exponential, jittered within [ceiling/2, ceiling]."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvnet.node.reconnect import Backoff
+from kvnet.net.reconnect import Backoff
 
 
 def test_delays_grow_to_the_cap_with_jitter_and_reset() -> None:
