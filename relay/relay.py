@@ -322,6 +322,16 @@ class Relay:
             lambda: c.stats.negative_hits,
         )
         m.gauge_fn("namespaces", "announced namespace routes", lambda: len(self.router))
+        m.gauge_fn(
+            "upstreams_connected",
+            "upstream relays with a session that takes requests",
+            lambda: sum(up.connected for up in self.upstreams),
+        )
+        m.counter_fn(
+            "upstream_sessions_total",
+            "sessions established to upstream relays (the first and every reconnect)",
+            lambda: sum(up.sessions for up in self.upstreams),
+        )
         m.gauge_fn("fanouts", "tracks with live upstream subscriptions", lambda: len(self.fanouts))
         m.counter("bytes_in_total", "object payload bytes received")
         m.counter("bytes_out_total", "object payload bytes sent")
@@ -434,6 +444,13 @@ class Relay:
 
     # -- connections ---------------------------------------------------------------------------------
     async def on_connection(self, conn: MoqtConnection) -> None:
+        if self.going_away:
+            # Draining: a new session would get GOAWAY at once and be cut at the deadline; refused, the
+            # client reconnects elsewhere (or here, after the restart) on its own backoff.
+            self.metrics.inc("limit_rejections_total", labels={"limit": "draining"})
+            logger.info("refusing session: relay is shutting down", extra={"peer": conn.peer_address})
+            await conn.close_session(SessionErrorCode.NO_ERROR, "relay is shutting down")
+            return
         session_auth: SessionAuth | None = None
         if self.auth is not None:
             try:
@@ -471,9 +488,6 @@ class Relay:
         self.peers[peer.id] = peer
         self.metrics.inc("sessions_total")
         peer.log.info("session started")
-        if self.going_away:
-            with contextlib.suppress(Exception):
-                await conn.goaway_peer("", int(self.config.drain_timeout * 1000))
         await peer.run()
 
     async def serve_upstream_session(self, up: UpstreamRelay, conn: MoqtConnection) -> None:
@@ -972,6 +986,8 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> None:
     if config.metrics_port is not None:
         metrics_server = MetricsServer(metrics, config.metrics_host, config.metrics_port)
         await metrics_server.start()
+    for up in relay.upstreams:
+        up.start()
     watchdog = asyncio.get_running_loop().create_task(relay.watch())
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -23,6 +23,7 @@ from kvnet.net.endpoint import connect
 from kvnet.net.errors import ConnectionClosed, MoqtConnectionError, RequestRejected, StreamResetError
 from kvnet.net.handles import FetchHandle, Subscription
 from kvnet.net.quic import TlsSettings, TransportSettings
+from kvnet.net.reconnect import STABLE_SESSION_S, Backoff
 from proto.errors import RequestErrorCode
 from proto.events import FetchOkReceived, ObjectReceived, TrackStatusOkReceived
 from proto.messages import Location, MessageParameters, TrackNamespace
@@ -38,16 +39,11 @@ from relay.cache import (
     wire_end_to_exclusive,
 )
 from relay.metrics import Metrics
-from relay.tasks import retrieve, spawn
+from relay.tasks import spawn
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-# After a failed connect, do not retry an upstream relay for this long (each miss would otherwise pay a
-# full handshake timeout).
-_RECONNECT_BACKOFF = 1.0
-
 
 class Source(Protocol):
     """A session the relay can send requests to."""
@@ -75,12 +71,19 @@ def cached_object(ev: ObjectReceived) -> CachedObject:
 
 
 class UpstreamRelay:
-    """A client session to an upstream relay, connected on first use and re-established after it ends.
+    """A client session to an upstream relay, kept up from ``start`` until ``close``.
+
+    Lifecycle: a supervisor task connects, and whenever the session closes (upstream restarted, keep-alive
+    lost after ``--upstream-idle-timeout``) or the upstream sends GOAWAY, connects again after a delay from
+    ``kvnet.net.reconnect.Backoff`` (the nodes' policy: capped exponential, jittered). A session that
+    got GOAWAY takes no new request; it is left to finish what it carries and to be closed by the
+    upstream. A request finding no session waits for a connect attempt under way, and otherwise fails at
+    once with a clear error (``RoutedUpstream``) instead of waiting for the backoff.
 
     Namespace propagation (draft "Relays"/"Publisher Interactions": the upstream relay routes requests for
     a namespace to the session that announced it): ``announce``/``withdraw`` keep the set of namespaces our
-    publishers announced; each is sent upstream as PUBLISH_NAMESPACE on the current session (re-sent after
-    a reconnect) and withdrawn by cancelling that request. Requests the upstream relay sends us on this
+    publishers announced; each is sent upstream as PUBLISH_NAMESPACE on the current session (re-sent on
+    every new session) and withdrawn by cancelling that request. Requests the upstream relay sends us on a
     session are handed to ``on_session`` (the relay serves them like any peer's).
     """
 
@@ -94,6 +97,7 @@ class UpstreamRelay:
         clock: Callable[[], float],
         on_session: Callable[[UpstreamRelay, MoqtConnection], Awaitable[None]] | None = None,
         request_timeout: float = 10.0,
+        backoff: Backoff | None = None,
     ) -> None:
         self.url = url
         self.name = f"upstream:{url}"
@@ -104,9 +108,18 @@ class UpstreamRelay:
         self._clock = clock
         self._on_session = on_session
         self._request_timeout = request_timeout
+        self.backoff = backoff or Backoff()
         self._conn: MoqtConnection | None = None
-        self._connecting: asyncio.Task[MoqtConnection] | None = None
-        self._failed_at: float | None = None
+        """The session new requests go to (None while down, or after its GOAWAY)."""
+        self._attempt: asyncio.Future[MoqtConnection | None] | None = None
+        """The connect attempt under way (resolves to its session, or None if it failed)."""
+        self.retry_at: float | None = None
+        """While backing off: when the next attempt starts (clock time)."""
+        self.last_error = ""
+        """Why the last attempt or session failed (for the error a request gets meanwhile)."""
+        self.sessions = 0
+        """Sessions established so far."""
+        self._supervisor: asyncio.Task[None] | None = None
         self._wanted: set[TrackNamespace] = set()
         """Namespaces our publishers announced (to be announced upstream)."""
         self._announced: dict[TrackNamespace, int | None] = {}
@@ -121,8 +134,18 @@ class UpstreamRelay:
         """Namespaces the upstream relay accepted from us on the current session."""
         return frozenset(ns for ns, rid in self._announced.items() if rid is not None)
 
+    @property
+    def connected(self) -> bool:
+        """A session that takes new requests is up."""
+        return self._live(self._conn)
+
+    def start(self) -> None:
+        """Connect now and keep a session from then on."""
+        if self._supervisor is None and not self._closing:
+            self._supervisor = spawn(self._keep_connected(), what=f"{self.name} supervisor")
+
     def announce(self, namespace: TrackNamespace) -> None:
-        """Forward a publisher's PUBLISH_NAMESPACE upstream (now, or once connected)."""
+        """Forward a publisher's PUBLISH_NAMESPACE upstream (now, or on the next session)."""
         self._wanted.add(namespace)
         self._spawn(self._sync())
 
@@ -138,17 +161,15 @@ class UpstreamRelay:
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         spawn(coro, self._tasks, f"{self.name} job")
 
+    @staticmethod
+    def _live(conn: MoqtConnection | None) -> bool:
+        return conn is not None and not conn.is_closed and conn.goaway is None
+
     async def _sync(self) -> None:
-        """Announce every wanted namespace on the current session (connecting if needed)."""
-        if self._closing or not self._wanted:
-            return
-        conn = await self.connection()
-        if conn is None:
-            # Unreachable: retry after the backoff so the upstream learns the routes once it is back.
-            await asyncio.sleep(_RECONNECT_BACKOFF)
-            if self._wanted and (self._conn is None or self._conn.is_closed):
-                self._spawn(self._sync())
-            return
+        """Announce every wanted namespace not yet announced on the current session."""
+        conn = self._conn
+        if self._closing or not self._wanted or conn is None or not self._live(conn):
+            return  # the next session announces them all
         if self._announced_on is not conn:
             self._announced_on = conn
             self._announced = {}
@@ -174,56 +195,104 @@ class UpstreamRelay:
         logger.info("namespace announced upstream", extra={"upstream": self.url})
 
     async def connection(self) -> MoqtConnection | None:
-        conn = self._conn
-        if conn is not None and not conn.is_closed and conn.goaway is None:
-            return conn
-        if self._failed_at is not None and self._clock() - self._failed_at < _RECONNECT_BACKOFF:
+        """The session for a new request: the current one, or the one a connect attempt under way brings
+        (bounded by the handshake and SETUP deadlines); None while backing off between attempts."""
+        if self._live(self._conn):
+            return self._conn
+        attempt = self._attempt
+        if attempt is None:
             return None
-        if self._connecting is None:
-            self._connecting = asyncio.ensure_future(self._connect())
-            # Read by the waiter below, unless every waiter was cancelled first.
-            self._connecting.add_done_callback(lambda t: retrieve(t, f"{self.name} connect"))
-        task = self._connecting
-        try:
-            conn = await asyncio.shield(task)
-        except (MoqtConnectionError, OSError, TimeoutError) as exc:
-            logger.warning("upstream relay unreachable", extra={"upstream": self.url, "error": str(exc)})
-            self._failed_at = self._clock()
-            return None
-        finally:
-            if self._connecting is task and task.done():
-                self._connecting = None
-        self._conn = conn
-        self._failed_at = None
-        return conn
+        conn = await asyncio.shield(attempt)
+        return conn if self._live(conn) else None
 
-    async def _connect(self) -> MoqtConnection:
-        conn = await connect(self.url, self._settings, self._tls, self._session_config, self._limits)
-        logger.info("connected to upstream relay", extra={"upstream": self.url})
-        self._spawn(self._run_session(conn))
-        return conn
+    async def _keep_connected(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            attempt: asyncio.Future[MoqtConnection | None] = loop.create_future()
+            self._attempt, self.retry_at = attempt, None
+            try:
+                conn = await connect(self.url, self._settings, self._tls, self._session_config, self._limits)
+            except BaseException as exc:
+                self._attempt = None
+                attempt.set_result(None)  # wakes the requests waiting for this attempt
+                if not isinstance(exc, MoqtConnectionError | OSError | TimeoutError):
+                    raise  # cancelled (closing)
+                self.last_error = str(exc) or type(exc).__name__
+                await self._back_off("upstream relay unreachable")
+                continue
+            self._attempt = None
+            self._conn = conn
+            self.sessions += 1
+            attempt.set_result(conn)
+            logger.info("connected to upstream relay", extra={"upstream": self.url, "session": self.sessions})
+            started = self._clock()
+            self._spawn(self._serve(conn))
+            self._spawn(self._sync())
+            self.last_error = await self._wait_ended(conn)
+            if self._closing:
+                return
+            self._conn = None  # new requests wait for (or fail without) the next session at once
+            if not conn.is_closed:
+                self._spawn(self._retire(conn))
+            if self._clock() - started >= STABLE_SESSION_S:
+                self.backoff.reset()
+            await self._back_off("upstream session ended")
 
-    async def _run_session(self, conn: MoqtConnection) -> None:
-        """Serve what the upstream relay asks of us on ``conn``; after it ends, re-announce elsewhere."""
+    async def _back_off(self, what: str) -> None:
+        delay = self.backoff.next_delay()
+        self.retry_at = self._clock() + delay
+        logger.warning(
+            what, extra={"upstream": self.url, "error": self.last_error, "retry_in": round(delay, 3)}
+        )
+        await asyncio.sleep(delay)
+
+    @staticmethod
+    async def _wait_ended(conn: MoqtConnection) -> str:
+        """Until ``conn`` closes or the upstream sends GOAWAY; returns which, for the log."""
+        closed = asyncio.ensure_future(conn.wait_session_closed())
+        goaway = asyncio.ensure_future(conn.goaway_event.wait())
         try:
-            if self._on_session is not None:
-                await self._on_session(self, conn)
-            await conn.wait_session_closed()
+            await asyncio.wait({closed, goaway}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if not self._closing:
-                # The next request reconnects (a restarted upstream) or goes to another route.
-                logger.warning(
-                    "upstream session ended", extra={"upstream": self.url, "closed": conn.session.closed}
-                )
-            if not self._closing and self._wanted:
-                logger.warning("upstream session ended; re-announcing", extra={"upstream": self.url})
-                await asyncio.sleep(_RECONNECT_BACKOFF)
-                self._spawn(self._sync())
+            goaway.cancel()
+        if not closed.done():
+            closed.cancel()
+            return "upstream relay sent GOAWAY"
+        code, reason = closed.result()
+        return f"session closed (code {code:#x}): {reason or 'no reason given'}"
+
+    async def _retire(self, conn: MoqtConnection) -> None:
+        """A session that got GOAWAY: requests on it may finish until the upstream closes it, or until its
+        GOAWAY timeout (our request timeout if it named none) has passed; then we close it."""
+        goaway = conn.goaway
+        grace = goaway.timeout / 1000 if goaway is not None and goaway.timeout else self._request_timeout
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(conn.wait_session_closed(), grace)
+        if not conn.is_closed:
+            with contextlib.suppress(TimeoutError, ConnectionError):
+                await asyncio.wait_for(conn.close_session(), 2)
+
+    async def _serve(self, conn: MoqtConnection) -> None:
+        """Serve what the upstream relay asks of us on ``conn`` until it ends."""
+        if self._on_session is not None:
+            await self._on_session(self, conn)
+        await conn.wait_session_closed()
+
+    def unavailable(self) -> RequestFailed:
+        """The answer to a request that found no session: what failed, and when the next attempt is."""
+        left = None if self.retry_at is None else max(0.0, self.retry_at - self._clock())
+        wait = "" if left is None else f"; next attempt in {left:.1f} s"
+        return RequestFailed(
+            RequestErrorCode.INTERNAL_ERROR,
+            f"upstream relay {self.url} not connected ({self.last_error or 'connecting'}){wait}",
+            int((left or 0.0) * 1000) + 1,  # Retry Interval is milliseconds + 1 (0: "do not retry")
+        )
 
     async def close(self) -> None:
         self._closing = True
-        if self._connecting is not None:
-            self._connecting.cancel()
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
         for task in list(self._tasks):
             task.cancel()
         if self._conn is not None and not self._conn.is_closed:
@@ -232,7 +301,11 @@ class UpstreamRelay:
 
 
 class _NoRoute(Exception):
-    """A candidate had no live session."""
+    """A candidate had no live session; ``failure`` is what to answer if no other candidate does."""
+
+    def __init__(self, failure: RequestFailed) -> None:
+        super().__init__(failure.reason)
+        self.failure = failure
 
 
 def _no_route() -> RequestFailed:
@@ -275,12 +348,14 @@ class RoutedUpstream:
         queue = list(self._find_candidates())
         running: dict[asyncio.Task[_T], Source] = {}
         last: RequestFailed | None = None
+        unreachable: RequestFailed | None = None
         asked: list[str] = []
 
         async def ask(src: Source) -> _T:
             conn = await src.connection()
             if conn is None or conn.is_closed:
-                raise _NoRoute(src.name)
+                # An upstream relay that is reconnecting says so (the track may well exist there).
+                raise _NoRoute(src.unavailable() if isinstance(src, UpstreamRelay) else _no_route())
             self._metrics.inc("upstream_requests_total", labels={"type": kind})
             return await attempt(src, conn)
 
@@ -301,7 +376,9 @@ class RoutedUpstream:
             except RequestRejected as rejected:
                 src.slow = False
                 raise RequestFailed(rejected.code, rejected.reason, rejected.retry_interval) from None
-            except (_NoRoute, ConnectionClosed, StreamResetError):
+            except _NoRoute as exc:
+                raise exc.failure from None
+            except (ConnectionClosed, StreamResetError):
                 raise _no_route() from None
             src.slow = False
             return src, answer
@@ -310,7 +387,7 @@ class RoutedUpstream:
             while True:
                 if not running:
                     if not queue:
-                        raise last or _no_route()
+                        raise unreachable or last or _no_route()
                     start_next()
                 remaining = deadline - loop.time()
                 if remaining <= 0:
@@ -337,17 +414,20 @@ class RoutedUpstream:
                 # Several may finish in one step: take them in the order they were asked.
                 for task in [t for t in running if t in done]:
                     src = running.pop(task)
-                    exc = task.exception()
-                    if exc is None:
+                    error = task.exception()
+                    if error is None:
                         src.slow = False
                         return src, task.result()  # the others are cancelled (or discarded) below
-                    if isinstance(exc, RequestRejected):
+                    if isinstance(error, RequestRejected):
                         src.slow = False
-                        last = RequestFailed(exc.code, exc.reason, exc.retry_interval)
-                        if exc.code != RequestErrorCode.DOES_NOT_EXIST:
+                        last = RequestFailed(error.code, error.reason, error.retry_interval)
+                        if error.code != RequestErrorCode.DOES_NOT_EXIST:
                             raise last
-                    elif not isinstance(exc, _NoRoute | ConnectionClosed | StreamResetError):
-                        raise exc
+                    elif isinstance(error, _NoRoute):
+                        if error.failure.code != RequestErrorCode.DOES_NOT_EXIST:
+                            unreachable = error.failure
+                    elif not isinstance(error, ConnectionClosed | StreamResetError):
+                        raise error
         finally:
             for task in running:
                 task.cancel()
