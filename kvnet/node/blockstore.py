@@ -147,6 +147,17 @@ class BlockStore:
         self._put_in_memory(block)
         return block
 
+    def recent(self, max_bytes: int) -> list[StoredBlock]:
+        """The most recently used blocks held in memory, newest first, at most ``max_bytes`` of them."""
+        picked: list[StoredBlock] = []
+        total = 0
+        for block in reversed(self._entries.values()):
+            if total + block.nbytes > max_bytes:
+                break
+            picked.append(block)
+            total += block.nbytes
+        return picked
+
     def renditions(self, block_hash: bytes) -> list[str]:
         return [r for (h, r) in self._entries if h == block_hash]
 

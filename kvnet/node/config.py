@@ -108,6 +108,9 @@ class NodeConfig:
     """Accept any correctly signed manifest whatever its key (development only; logged loudly)."""
     push: bool = True
     """Publisher: also PUBLISH blocks into the relay's cache (survives the publisher leaving)."""
+    republish_bytes: int = 64 << 20
+    """On every new relay session (a restarted relay starts empty), push again up to this many bytes of
+    the block store's most recently used blocks that the relay cannot serve, in the background; 0: off."""
     fetch_window_bytes: int = DEFAULT_WINDOW_BYTES
     """Raw block bytes requested ahead during a fetch (``kvnet.node.fetching``: a few MB keeps loopback and
     LAN links busy without interleaving every block's delivery)."""
@@ -154,6 +157,8 @@ class NodeConfig:
                 raise ValueError(f"{name}: unknown rendition(s) {unknown}; known: {list(KNOWN_RENDITIONS)}")
         if self.store_bytes <= 0:
             raise ValueError(f"store_bytes must be positive, got {self.store_bytes}")
+        if self.republish_bytes < 0:
+            raise ValueError(f"republish_bytes must not be negative, got {self.republish_bytes}")
         if self.cache_dir_bytes <= 0:
             raise ValueError(f"cache_dir_bytes must be positive, got {self.cache_dir_bytes}")
         if self.fetch_window_bytes <= 0:
@@ -272,6 +277,11 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
     )
     k.add_argument("--no-push", action="store_true", help="publisher: do not PUBLISH into the relay cache")
     k.add_argument(
+        "--republish-bytes", type=size_arg, default="64M",
+        help="on each new relay session, push again up to this many bytes of stored blocks the relay "
+        "lacks (0: off)",
+    )
+    k.add_argument(
         "--fetch-window", type=size_arg, default=DEFAULT_WINDOW_BYTES,
         help="raw block bytes requested ahead while fetching",
     )
@@ -319,6 +329,7 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         trust=tuple(args.trust),
         trust_any=args.trust_any,
         push=not args.no_push,
+        republish_bytes=args.republish_bytes,
         fetch_window_bytes=args.fetch_window,
         fetch_verify_workers=args.fetch_verify_workers,
         request_timeout=args.timeout,

@@ -37,6 +37,8 @@ _COUNTER_HELP = {
     "fetch_fallbacks": ("fetch_fallbacks", "Fetches that stopped early; the rest was recomputed."),
     "published_blocks": ("published_blocks", "Blocks encoded, signed and stored for publishing."),
     "relay_sessions": ("relay_sessions", "Relay sessions established (the first and every reconnect)."),
+    "republished_blocks": (
+        "republished_blocks", "Stored blocks pushed again on a new relay session (the relay lacked them)."),
 }
 
 _PUBLISHER_HELP = {

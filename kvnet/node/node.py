@@ -420,6 +420,8 @@ class Node:
             self.peer = peer
             self.counters.relay_sessions += 1
             first_attempt.set()
+            if self.config.push and self.config.republish_bytes and len(self.store):
+                self._background(self._republish(peer))
             started = time.monotonic()
             why = await peer.wait_ended()
             if self._closing.is_set():
@@ -434,6 +436,15 @@ class Node:
             delay = backoff.next_delay()
             logger.warning("relay %s: %s; reconnecting in %.2f s", url, why, delay)
             await self._wait_closing(delay)
+
+    async def _republish(self, peer: RelayPeer) -> None:
+        """Push what the (maybe restarted, empty) relay of a new session lacks of our store, in the
+        background: requests are served meanwhile, and a block asked for before it arrives is routed to
+        us by our re-announced namespace."""
+        checked, pushed = await peer.republish(self.config.republish_bytes)
+        self.counters.republished_blocks += pushed
+        logger.info("relay %s: pushed again %d of the %d most recent stored blocks (the rest it had)",
+                    peer.url, pushed, checked)
 
     async def _wait_closing(self, seconds: float) -> None:
         """Sleep ``seconds``, or less if the node is closing."""

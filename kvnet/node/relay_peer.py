@@ -28,7 +28,8 @@ from kvnet.node.fetching import BlockFetcher, CacheWriter, FetchOutcome
 from kvnet.node.locate import Located
 from kvnet.node.publishing import BlockServer
 from kvnet.security.tokens import KVNET_TOKEN_TYPE, read_token_file
-from proto.errors import UsageError
+from proto.errors import RequestErrorCode, UsageError
+from proto.kvobject import block_track
 from proto.messages import AliasType, AuthToken
 from proto.session import SessionConfig
 
@@ -164,6 +165,31 @@ class RelayPeer:
         except (MoqtConnectionError, UsageError) as exc:
             logger.warning("pushing blocks to the relay failed: %s", exc)
             return 0
+
+    async def republish(self, max_bytes: int, probes: int = 32) -> tuple[int, int]:
+        """Push again what the relay lacks of our store: up to ``max_bytes`` of the most recently used
+        blocks, each asked for first with a TRACK_STATUS (at most ``probes`` in flight) and pushed only if
+        the relay answers DOES_NOT_EXIST (it neither caches it nor can route to another holder; requests
+        are never routed back to us). For a new session: a restarted relay starts with an empty cache.
+        Returns (blocks checked, blocks pushed)."""
+        candidates = self.server.store.recent(max_bytes)
+        slots = asyncio.Semaphore(probes)
+
+        async def lacks(block: StoredBlock) -> bool:
+            ns, name = block_track(self.server.fingerprint, self.server.namespace_id, block.block_hash,
+                                   block.rendition)
+            async with slots:
+                try:
+                    await asyncio.wait_for(self.conn.track_status(ns, name), self.fetcher.timeout)
+                except RequestRejected as exc:
+                    return exc.code == RequestErrorCode.DOES_NOT_EXIST
+                except (TimeoutError, MoqtConnectionError):
+                    return False
+            return False
+
+        missing = await asyncio.gather(*(lacks(b) for b in candidates))
+        pushed = await self.push([b for b, m in zip(candidates, missing, strict=True) if m])
+        return len(candidates), pushed
 
     async def drain(self, timeout: float = 30.0) -> None:
         """Wait until the relay acknowledged everything we sent (before a one-shot publisher exits), at

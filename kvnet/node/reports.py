@@ -118,3 +118,5 @@ class NodeCounters:
     published_blocks: int = 0
     relay_sessions: int = 0
     """Relay sessions established (the first one and every reconnect)."""
+    republished_blocks: int = 0
+    """Stored blocks pushed again on a new relay session because the relay lacked them."""

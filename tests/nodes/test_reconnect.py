@@ -1,8 +1,11 @@
-"""Connection lifecycle of ``kvnet-node``: started before its relay, and the relay restarted under it.
+"""Connection lifecycle of ``kvnet-node`` and edge relays: started before the relay, and the relay
+restarted under them.
 
-Both times the nodes reconnect on their own (capped backoff, ``kvnet.net.reconnect``), ``/ready`` is 503
-while they have no session, a request served meanwhile says so in its report, and the next request
-after the reconnect reuses a prefix another node published through the new relay."""
+Every time the nodes (and an edge relay in front of the restarted origin) reconnect on their own (capped
+backoff, ``kvnet.net.reconnect``), ``/ready`` is 503 while a node has no session, a request served
+meanwhile says so in its report, and the next request after the reconnect reuses a prefix published
+through the new relay: one published after the restart, or one published before it that the publishing
+node pushed again into the restarted, empty relay."""
 
 from __future__ import annotations
 
@@ -13,8 +16,9 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvnet.model.tokenizer import ByteTokenizer
 from kvnet.net.reconnect import DEFAULT_CAP_S
-from tests.helpers.processes import free_port
+from tests.helpers.processes import RelayProcess, free_port, start_relay
 from tests.helpers.waiting import wait_until
 from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster, http_json
 
@@ -88,3 +92,80 @@ def test_node_started_before_relay_and_relay_restarted(kv_cluster: Cluster) -> N
     assert again["kvnet"]["relay_connected"] is True  # type: ignore[index]
     # At least the first session and the one after the restart (a draining relay may take a few more).
     assert _metric(url_b, "kvnet_relay_sessions_total") >= 2
+
+
+def _shared_tokens(published: str, asked: str) -> int:
+    """Prompt tokens of ``asked`` a remote hit can reuse from ``published``'s blocks (whole blocks of the
+    common token prefix; the tiny model's byte tokenizer)."""
+    a, b = ByteTokenizer().encode(published), ByteTokenizer().encode(asked)
+    common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return min(common // B, (len(b) - 1) // B) * B
+
+
+def _edge_metric(edge: RelayProcess, name: str) -> float:
+    return edge.metrics().get(name, 0.0)
+
+
+def test_origin_restarted_under_a_node_and_an_edge(kv_cluster: Cluster) -> None:
+    """Node A publishes on the origin relay, node B asks through an edge relay in front of it. The origin is
+    restarted (SIGTERM: GOAWAY, drain, exit; then a fresh process with an empty cache): A and the edge
+    reconnect on their own, A pushes again what it published before, and B's next request reuses a prefix
+    A published before the restart (a remote hit through edge and new origin)."""
+    c = kv_cluster
+    c.relay_port = free_port()
+    c.metrics_port = free_port(socket.SOCK_STREAM)
+    origin = c.start_relay()
+    edge = start_relay(c.cert_dir, c.tmp, "--upstream", c.url(), "--upstream-idle-timeout", "2",
+                       name="edge", log_level="info", env=c.env)
+    try:
+        node_a, url_a = c.start_http_node()
+        node_b, url_b = c.start_http_node("--abr", "fetch", "--relay", edge.url)
+        c.wait_http_node(node_a)
+        c.wait_http_node(node_b)
+        wait_until(lambda: _all_ready(url_a, url_b), "both nodes connected", timeout=RECONNECT_TIMEOUT)
+        wait_until(lambda: _edge_metric(edge, "kvnet_relay_upstreams_connected") == 1, "edge connected")
+
+        # Before the restart: a remote hit through edge and origin, and a second prefix B never asks for.
+        answer = _publish_then_fetch(url_a, url_b, SHARED_PREFIX)
+        details = answer["usage"]["prompt_tokens_details"]  # type: ignore[index]
+        assert details["remote_cached_tokens"] == _shared_tokens(SHARED_PREFIX + "Q1?", SHARED_PREFIX + "Q2?")
+        kept = "A document published before the relay restarted, asked for only after it. " * 3
+        greedy = {"max_tokens": 2, "temperature": 0}
+        pushed_before = _metric(url_a, "kvnet_publisher_pushed_tracks_total")
+        first = http_json(f"{url_a}/v1/completions", {"prompt": kept + "Q1?", **greedy})
+        wait_until(lambda: _metric(url_a, "kvnet_publisher_pushed_tracks_total")
+                   >= pushed_before + first["kvnet"]["published_blocks"], "node A pushed the second prefix")
+
+        c.kill(origin, signal.SIGTERM)
+        wait_until(lambda: _status(f"{url_a}/ready") == 503, "node A noticed the origin left", timeout=60)
+        wait_until(lambda: _edge_metric(edge, "kvnet_relay_upstreams_connected") == 0,
+                   "the edge noticed the origin left", timeout=60)
+        # Served meanwhile: A says it had no relay; B (its edge is up) gets a prompt answer, not a hang.
+        offline = http_json(f"{url_a}/v1/completions", {"prompt": "while the relay is away " * 3, **greedy})
+        assert offline["kvnet"]["relay_connected"] is False, offline["kvnet"]
+        assert any("relay not connected" in f for f in offline["kvnet"]["fallback"]), offline["kvnet"]
+        assert _status(f"{url_b}/ready") == 200
+        during = http_json(f"{url_b}/v1/completions", {"prompt": "Nothing published: " * 4, **greedy})
+        assert during["usage"]["prompt_tokens_details"]["remote_cached_tokens"] == 0, during
+
+        sessions_before = _edge_metric(edge, "kvnet_relay_upstream_sessions_total")
+        c.start_relay()  # same port, empty cache
+        wait_until(lambda: _all_ready(url_a, url_b), "node A reconnected to the restarted origin",
+                   timeout=RECONNECT_TIMEOUT)
+        wait_until(lambda: _edge_metric(edge, "kvnet_relay_upstreams_connected") == 1
+                   and _edge_metric(edge, "kvnet_relay_upstream_sessions_total") > sessions_before,
+                   "the edge reconnected to the restarted origin", timeout=RECONNECT_TIMEOUT)
+        # A pushes again what the empty origin lacks: both prefixes' blocks reach its cache.
+        published = first["kvnet"]["published_blocks"]
+        wait_until(lambda: _metric(url_a, "kvnet_republished_blocks_total") >= published,
+                   "node A pushed its stored blocks into the restarted origin", timeout=RECONNECT_TIMEOUT)
+        assert c.relay_metrics()["kvnet_relay_cache_tracks"] >= published
+
+        again = http_json(f"{url_b}/v1/completions", {"prompt": kept + "Q2?", **greedy})
+        assert again["kvnet"]["relay_connected"] is True, again["kvnet"]
+        assert again["usage"]["prompt_tokens_details"]["remote_cached_tokens"] == _shared_tokens(
+            kept + "Q1?", kept + "Q2?"
+        ), again
+        assert _metric(url_a, "kvnet_relay_sessions_total") >= 2
+    finally:
+        edge.stop()

@@ -1,0 +1,90 @@
+"""``relay.upstream.UpstreamRelay``: an edge relay's session to its upstream, over its whole lifecycle.
+
+Real relay processes on loopback: an edge started before its origin answers requests with a clear error
+and connects once the origin is up; after the origin is restarted it reconnects (capped backoff) and
+announces again what its publishers announced; an origin going away (SIGTERM) sends GOAWAY, the edge
+leaves that session at once, and the draining origin refuses new sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import pytest
+
+from kvnet.net.errors import RequestRejected
+from kvnet.net.reconnect import DEFAULT_CAP_S
+from proto.errors import RequestErrorCode
+from tests.helpers.processes import CertDir, RelayProcess, free_port, start_relay
+from tests.relay.conftest import RelayFactory
+from tests.relay.peers import Publisher, connect_client, fetch_track, track_objects
+
+RECONNECT_WITHIN = DEFAULT_CAP_S + 40.0
+"""The backoff bound plus process start and handshake time on a loaded two-core machine."""
+
+
+async def _connected(edge: RelayProcess, upstreams: int) -> None:
+    await edge.wait_metrics(
+        lambda m: m.get("kvnet_relay_upstreams_connected", -1) == upstreams,
+        f"edge with {upstreams} upstream session(s)",
+        RECONNECT_WITHIN,
+    )
+
+
+async def test_edge_before_its_origin_then_origin_restarted(
+    cert_dir: CertDir, relay_factory: RelayFactory, tmp_path: Path
+) -> None:
+    origin_port = free_port()
+    edge = relay_factory("--upstream", f"moqt://127.0.0.1:{origin_port}", name="edge")
+    publisher = await connect_client(edge.url, str(cert_dir.ca))
+    pub = await Publisher(publisher, {b"t": track_objects(b"t")}).start()
+    sub = await connect_client(edge.url, str(cert_dir.ca))
+    origin: RelayProcess | None = None
+    try:
+        # No origin yet: a miss that only the upstream could answer says why it cannot, instead of waiting
+        # for the upstream timeout (TIMEOUT) or claiming the track does not exist.
+        with pytest.raises(RequestRejected) as refused:
+            await fetch_track(sub, b"elsewhere", 1, ns=(b"other", b"ns"))
+        assert refused.value.code == RequestErrorCode.INTERNAL_ERROR, refused.value
+        assert "not connected" in refused.value.reason and str(origin_port) in refused.value.reason
+        assert refused.value.retry_interval > 0
+
+        for restart in range(2):
+            origin = start_relay(cert_dir, tmp_path, port=origin_port, name=f"origin-{restart}")
+            await _connected(edge, 1)
+            # The publisher behind the edge is reachable from the origin: the edge (re-)announced its
+            # namespace on this session.
+            await origin.wait_namespaces(1, RECONNECT_WITHIN)
+            at_origin = await connect_client(origin.url, str(cert_dir.ca))
+            try:
+                assert await fetch_track(at_origin, b"t", 4) == pub.tracks[b"t"]
+            finally:
+                await at_origin.close_session()
+            origin.stop()  # SIGKILL: no GOAWAY, the edge notices by keep-alive loss
+            await _connected(edge, 0)
+        sessions = (await edge.ametrics())["kvnet_relay_upstream_sessions_total"]
+        assert sessions >= 2
+    finally:
+        await pub.stop()
+        await sub.close_session()
+        if origin is not None:
+            origin.stop()
+
+
+async def test_edge_leaves_a_draining_origin_on_goaway(
+    cert_dir: CertDir, relay_factory: RelayFactory
+) -> None:
+    origin = relay_factory("--drain-timeout", "60", name="origin")
+    edge = relay_factory("--upstream", origin.url, name="edge")
+    await _connected(edge, 1)
+    origin.proc.send_signal(signal.SIGTERM)
+    # The edge moves off the session on GOAWAY, long before the origin's 60 s drain deadline closes it.
+    await _connected(edge, 0)
+    assert origin.proc.poll() is None, "the origin is still draining"
+    # Its next attempts reach the draining origin, which refuses new sessions instead of accepting them.
+    await origin.wait_metric('kvnet_relay_limit_rejections_total{limit="draining"}', 1, RECONNECT_WITHIN)
+    assert "upstream relay sent GOAWAY" in edge.log()
+    origin.stop()
+    await asyncio.to_thread(origin.proc.wait, 10)
