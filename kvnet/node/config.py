@@ -134,6 +134,10 @@ class NodeConfig:
     """QUIC implementation of the relay session (this node is its client). qh3 fetches ~30% faster on
     loopback but locates in 1-2 more round trips through an aioquic relay, so aioquic is the default
     (docs/performance.md, "Node fetch path")."""
+    relay_idle_timeout: float = 5.0
+    """Seconds without a packet from the relay before its session counts as lost (QUIC idle timeout; the
+    node PINGs every third of it): how soon a killed relay is noticed and reconnecting starts (QUIC's
+    15 s default would keep requests going to a dead session that long)."""
     max_datagram_size: int | None = None
     """Largest UDP payload of the relay session; None takes the stack's loopback size. Give 1452
     (``--link ethernet``) on a 1500-byte path and 8952 (``--link jumbo``) on jumbo frames."""
@@ -169,6 +173,10 @@ class NodeConfig:
             )
         if self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be positive, got {self.request_timeout}")
+        if not 0.3 <= self.relay_idle_timeout <= 3600:
+            raise ValueError(
+                f"relay_idle_timeout must be in [0.3, 3600] seconds, got {self.relay_idle_timeout}"
+            )
         if not 0 < self.fetch_margin <= 3600:
             raise ValueError(f"fetch_margin must be in (0, 3600] seconds, got {self.fetch_margin}")
         if self.abr_mode not in ("auto", "fetch", "recompute"):
@@ -187,10 +195,15 @@ class NodeConfig:
 
     @property
     def transport_settings(self) -> TransportSettings:
-        """QUIC settings of the relay session (``TransportSettings.for_ethernet`` on 1500-byte paths)."""
+        """QUIC settings of the relay session (``TransportSettings.for_ethernet`` on 1500-byte paths), with
+        ``relay_idle_timeout`` and a keep-alive PING every third of it."""
         if self.max_datagram_size == DATAGRAM_SIZE_ETHERNET:
-            return TransportSettings.for_ethernet(self.quic_stack)
-        return TransportSettings(max_datagram_size=self.max_datagram_size, stack=self.quic_stack)
+            settings = TransportSettings.for_ethernet(self.quic_stack)
+        else:
+            settings = TransportSettings(max_datagram_size=self.max_datagram_size, stack=self.quic_stack)
+        return dataclasses.replace(
+            settings, idle_timeout=self.relay_idle_timeout, keepalive_interval=self.relay_idle_timeout / 3
+        )
 
 
 def _datagram_size(args: argparse.Namespace) -> int | None:
@@ -214,6 +227,11 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
     g.add_argument(
         "--quic-stack", choices=["qh3", "aioquic"], default=DEFAULT_STACK,
         help="QUIC implementation of the relay session (qh3 fetches faster, locates in more round trips)",
+    )
+    g.add_argument(
+        "--relay-idle-timeout", type=float, default=5.0,
+        help="seconds of silence after which the relay session counts as lost and reconnecting starts "
+        "(keep-alive PINGs every third of it)",
     )
     size = g.add_mutually_exclusive_group()
     size.add_argument(
@@ -340,6 +358,7 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         tenant=args.tenant,
         torch_threads=args.threads,
         quic_stack=args.quic_stack,
+        relay_idle_timeout=args.relay_idle_timeout,
         max_datagram_size=_datagram_size(args),
     )
 

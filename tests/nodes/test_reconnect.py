@@ -169,3 +169,19 @@ def test_origin_restarted_under_a_node_and_an_edge(kv_cluster: Cluster) -> None:
         assert _metric(url_a, "kvnet_relay_sessions_total") >= 2
     finally:
         edge.stop()
+
+
+def test_relay_killed_under_a_node_is_noticed_by_keepalive_loss(kv_cluster: Cluster) -> None:
+    """SIGKILL: no GOAWAY, no close. The node notices the silent session after ``--relay-idle-timeout``
+    (its keep-alive PINGs go unanswered), not QUIC's 15 s default, and reconnects to the restarted relay."""
+    c = kv_cluster
+    relay = c.start_relay()
+    node, url = c.start_http_node("--relay-idle-timeout", "2")
+    c.wait_http_node(node)
+    wait_until(lambda: _all_ready(url), "node connected", timeout=RECONNECT_TIMEOUT)
+    c.kill(relay, signal.SIGKILL)
+    # Generous for a loaded machine, yet below the 15 s a default QUIC idle timeout alone would take.
+    wait_until(lambda: _status(f"{url}/ready") == 503, "node noticed the killed relay", timeout=10)
+    c.start_relay()
+    wait_until(lambda: _all_ready(url), "node reconnected", timeout=RECONNECT_TIMEOUT)
+    assert _metric(url, "kvnet_relay_sessions_total") >= 2
