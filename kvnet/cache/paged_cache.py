@@ -33,12 +33,21 @@ Incremental import protocol (a subscriber loads layer 0 before layer N has arriv
 
 ``import_block(block_hash, kv)`` does all three at once. Every public method either completes or raises
 a ``KVCacheError`` with the cache unchanged (except ``write``, whose validation happens before any copy).
+
+Threads: the cache is locked per operation, not per request. Every sequence, transfer and introspection
+method holds one re-entrant lock while it runs, so a batching worker thread and the event loop (loading
+fetched blocks) can share the cache. The model seam (``write``, ``gather``, ``layer_buffers``) takes no lock:
+it touches only the tensors of blocks its caller's sequences hold (referenced blocks are never reallocated,
+and an import writes only into the block it reserved), which keeps the per-layer hot path free of locking.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -49,6 +58,23 @@ from kvnet.errors import (
     SequenceError,
     UnknownBlockError,
 )
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+_CacheMethod = Callable[Concatenate["PagedKVCache", _P], _R]
+
+
+def _locked(method: _CacheMethod[_P, _R]) -> _CacheMethod[_P, _R]:
+    """Run ``method`` holding the cache's lock (one operation at a time; see the module docstring)."""
+
+    @functools.wraps(method)
+    def wrapper(self: PagedKVCache, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 def _is_positive_int(value: object) -> bool:
@@ -169,6 +195,7 @@ class PagedKVCache:
         self._v_layers = self._v.unbind(0)
         self._sequences: dict[int, _Sequence] = {}
         self._pending: dict[bytes, _PendingImport] = {}
+        self._lock = threading.RLock()
 
     # ----------------------------------------------------------------------------------------------
     # Model seam
@@ -244,6 +271,7 @@ class PagedKVCache:
     # ----------------------------------------------------------------------------------------------
     # Sequence API
 
+    @_locked
     def add_sequence(
         self,
         seq_id: int,
@@ -281,6 +309,7 @@ class PagedKVCache:
         self._sequences[seq_id] = _Sequence(blocks=hits, num_tokens=len(hits) * block_size)
         return len(hits) * block_size
 
+    @_locked
     def fork_sequence(self, parent_seq_id: int, child_seq_id: int) -> None:
         """Start ``child_seq_id`` as a copy of ``parent_seq_id`` sharing all of its blocks.
 
@@ -293,6 +322,7 @@ class PagedKVCache:
         self.pool.touch(parent.blocks)
         self._sequences[child_seq_id] = _Sequence(blocks=list(parent.blocks), num_tokens=parent.num_tokens)
 
+    @_locked
     def append_slots(self, seq_id: int, num_new_tokens: int) -> torch.Tensor:
         """Reserve the next ``num_new_tokens`` positions of ``seq_id``; returns their slots, ``[n]`` int64.
 
@@ -327,10 +357,12 @@ class PagedKVCache:
         table = self.block_table(seq_id)
         return table[positions // block_size] * block_size + positions % block_size
 
+    @_locked
     def num_tokens(self, seq_id: int) -> int:
         """Positions of ``seq_id`` that have slots (cached prefix plus everything appended)."""
         return self._get_sequence(seq_id).num_tokens
 
+    @_locked
     def block_table(self, seq_id: int) -> torch.Tensor:
         """Physical block ids of ``seq_id`` in order, ``[n_blocks]`` int64 on the cache's device.
 
@@ -342,10 +374,12 @@ class PagedKVCache:
             seq.table = torch.tensor(ids, dtype=torch.int64, device=self.device)
         return seq.table
 
+    @_locked
     def has_sequence(self, seq_id: int) -> bool:
         """Whether ``seq_id`` is live."""
         return seq_id in self._sequences
 
+    @_locked
     def commit_full_blocks(self, seq_id: int, block_hashes: Sequence[bytes]) -> int:
         """Publish the sequence's full blocks in the index; returns how many became newly cached.
 
@@ -371,6 +405,7 @@ class PagedKVCache:
             for block, block_hash in zip(seq.blocks, block_hashes, strict=False)
         )
 
+    @_locked
     def free_sequence(self, seq_id: int) -> None:
         """End ``seq_id`` and release its block references; cached blocks stay findable until evicted."""
         seq = self._get_sequence(seq_id)
@@ -381,10 +416,12 @@ class PagedKVCache:
     # ----------------------------------------------------------------------------------------------
     # Transfer API
 
+    @_locked
     def contains_block(self, block_hash: bytes) -> bool:
         """Whether a block is cached (and exportable) under ``block_hash``."""
         return self.pool.lookup(block_hash) is not None
 
+    @_locked
     def match_prefix(self, block_hashes: Sequence[bytes]) -> int:
         """Number of leading ``block_hashes`` that are cached; no references are taken."""
         for count, block_hash in enumerate(block_hashes):
@@ -392,6 +429,7 @@ class PagedKVCache:
                 return count
         return len(block_hashes)
 
+    @_locked
     def export_block(self, block_hash: bytes) -> BlockKV:
         """A copy of the cached block's K/V over all layers, ``[num_layers, block_size, H_kv, D]`` each.
 
@@ -402,6 +440,7 @@ class PagedKVCache:
             raise UnknownBlockError(f"no cached block for hash {block_hash.hex()}")
         return BlockKV(k=self._k[:, block.block_id].clone(), v=self._v[:, block.block_id].clone())
 
+    @_locked
     def import_block(self, block_hash: bytes, kv: BlockKV) -> KVCacheBlock:
         """Copy a fetched block into the cache and publish it under ``block_hash``.
 
@@ -428,6 +467,7 @@ class PagedKVCache:
         self.pool.free([block])
         return block
 
+    @_locked
     def begin_import(self, block_hash: bytes) -> bool:
         """Reserve a block to be filled layer by layer; False (nothing reserved) if already cached/pending.
 
@@ -440,6 +480,7 @@ class PagedKVCache:
         self._pending[block_hash] = _PendingImport(block=block, layers_done=[False] * self.spec.num_layers)
         return True
 
+    @_locked
     def import_layer(self, block_hash: bytes, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write one layer of a block reserved by ``begin_import``; ``k, v: [block_size, H_kv, D]``.
 
@@ -459,6 +500,7 @@ class PagedKVCache:
         self._v_layers[layer][block_id] = v
         pending.layers_done[layer] = True
 
+    @_locked
     def finish_import(self, block_hash: bytes) -> KVCacheBlock:
         """Publish a block whose layers were all written; it becomes cached and unreferenced.
 
@@ -476,6 +518,7 @@ class PagedKVCache:
         self.pool.free([pending.block])
         return pending.block
 
+    @_locked
     def abort_import(self, block_hash: bytes) -> None:
         """Drop a pending import and return its block to the pool; unknown hashes are ignored."""
         pending = self._pending.pop(block_hash, None)
@@ -485,6 +528,7 @@ class PagedKVCache:
     # ----------------------------------------------------------------------------------------------
     # Introspection
 
+    @_locked
     def stats(self) -> CacheStats:
         """Block occupancy and allocated-but-unused token slots."""
         blocks = self.pool.blocks
@@ -500,6 +544,7 @@ class PagedKVCache:
             unused_slots=sum(len(s.blocks) * block_size - s.num_tokens for s in self._sequences.values()),
         )
 
+    @_locked
     def take_events(self) -> list[BlockEvent]:
         """Stored/removed events since the last call (``BlockPool.take_events``; needs ``record_events``)."""
         return self.pool.take_events()
