@@ -4,6 +4,12 @@ This module owns the attention math only: the causal mask for queries at arbitra
 grouped-query attention (GQA) and the paged read path. It reaches the KV cache solely through the narrow
 `KVCacheSeam` protocol (`write` / `gather`), so it knows nothing about block pools, hashing or sequences.
 
+A batch of sequences is one flat token dimension: each sequence owns a contiguous segment of it
+(`BatchSegment`) and its own block table. The projections run over all tokens at once; attention runs per
+segment over that sequence's pages (`BatchedPagedAttention`). A padded ``[B, S_max]`` gather with a mask was
+measured slower on CPU for decode batches (benchmarks/bench_serving.py, docs/performance.md), and the
+per-segment loop computes exactly the unbatched attention of each sequence.
+
 Masking rule, used by every path: the query at absolute position ``p`` attends to the keys at positions
 ``0..p``. So a prefill chunk at positions ``p0..p0+T-1`` over a cached prefix of ``p0`` tokens, a decode
 step (``T == 1``) and a cache-free full forward (``p0 == 0``) are the same computation.
@@ -120,3 +126,42 @@ class PagedAttention:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.cache.write(layer, self.slot_mapping, k, v)
         return paged_attention(q, self.cache, layer, self.block_table, self.positions, self.num_tokens)
+
+
+@dataclass(frozen=True)
+class BatchSegment:
+    """One sequence's share of a batched forward: a contiguous run of the flat token dimension."""
+
+    start: int
+    """Index of the segment's first token in the flat ``[T]`` batch."""
+    length: int
+    """Tokens of this sequence in the batch (a prefill chunk, or 1 for a decode step)."""
+    block_table: Tensor
+    """[num_blocks_of_sequence] physical block ids of the sequence."""
+    num_tokens: int
+    """Context length of the sequence after this step (its last position + 1)."""
+
+
+@dataclass(frozen=True)
+class BatchedPagedAttention:
+    """Several sequences in one forward: write all new K/V at once, then attend per sequence (own pages)."""
+
+    cache: KVCacheSeam
+    """The only way to the stored K/V."""
+    slot_mapping: Tensor
+    """[T] flat slots of the new K/V of every segment, in batch order."""
+    positions: Tensor
+    """[T] absolute positions of the queries (ascending within each segment)."""
+    segments: tuple[BatchSegment, ...]
+    """The sequences, in batch order, covering ``0..T-1`` without gaps."""
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self.cache.write(layer, self.slot_mapping, k, v)
+        outputs = [
+            paged_attention(
+                q[s.start : s.start + s.length], self.cache, layer, s.block_table,
+                self.positions[s.start : s.start + s.length], s.num_tokens,
+            )
+            for s in self.segments
+        ]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [T, H, D]

@@ -22,6 +22,7 @@ import hashlib
 import math
 import struct
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvnet.cache.hashing import canonical_fingerprint
-from kvnet.model.attention import AttentionContext, ContiguousAttention, KVCacheSeam, PagedAttention
+from kvnet.model.attention import (
+    AttentionContext,
+    BatchedPagedAttention,
+    BatchSegment,
+    ContiguousAttention,
+    KVCacheSeam,
+    PagedAttention,
+)
 from kvnet.model.tokenizer import ByteTokenizer
 
 MODEL_FAMILY = "kvnet-llama-v1"
@@ -324,12 +332,16 @@ class Transformer(nn.Module):
                 values = torch.randn(param.shape, generator=generator) * param.shape[1] ** -0.5
             param.data = values.to(dtype=dtype, device=device)
 
-    def _blocks(self, token_ids: Tensor, positions: Tensor, context: AttentionContext) -> Tensor:
+    def _blocks(
+        self, token_ids: Tensor, positions: Tensor, context: AttentionContext, rows: Tensor | None = None
+    ) -> Tensor:
         x = self.tok_embeddings(token_ids)  # [T, dim]
         cos, sin = rope_cos_sin(self.args, positions)  # [T, head_dim] each
         for layer in self.layers:
             x = layer(x, cos, sin, context)
-        return self.output(self.norm(x))  # [T, vocab]
+        if rows is not None:
+            x = x.index_select(0, rows)  # [R, dim]: only the rows whose logits are wanted
+        return self.output(self.norm(x))  # [T or R, vocab]
 
     def forward(
         self,
@@ -358,6 +370,37 @@ class Transformer(nn.Module):
             num_tokens = int(positions[-1].item()) + 1
         context = PagedAttention(cache, block_table, slot_mapping, positions, num_tokens)
         return self._blocks(token_ids, positions, context)
+
+    def forward_batch(
+        self,
+        token_ids: Tensor,
+        positions: Tensor,
+        cache: KVCacheSeam,
+        slot_mapping: Tensor,
+        segments: Sequence[BatchSegment],
+    ) -> Tensor:
+        """Logits ``[len(segments), vocab]`` at each segment's last token: several sequences, one forward.
+
+        ``token_ids, positions, slot_mapping: [T]`` are the segments' tokens back to back (a prefill chunk
+        or one decode token each); every segment attends over its own sequence through its block table.
+        """
+        if token_ids.ndim != 1 or positions.shape != token_ids.shape or slot_mapping.shape != token_ids.shape:
+            raise ValueError(
+                f"token_ids, positions and slot_mapping must be 1-D of equal length, got "
+                f"{tuple(token_ids.shape)}, {tuple(positions.shape)} and {tuple(slot_mapping.shape)}"
+            )
+        expected_start = 0
+        for segment in segments:
+            if segment.start != expected_start or segment.length <= 0:
+                raise ValueError(
+                    f"segments must tile the batch without gaps, got {segment.start}+{segment.length}"
+                )
+            expected_start += segment.length
+        if not segments or expected_start != token_ids.shape[0]:
+            raise ValueError(f"segments cover {expected_start} tokens, the batch has {token_ids.shape[0]}")
+        context = BatchedPagedAttention(cache, slot_mapping, positions, tuple(segments))
+        last_rows = torch.tensor([s.start + s.length - 1 for s in segments], device=token_ids.device)
+        return self._blocks(token_ids, positions, context, last_rows)
 
     def forward_full(self, token_ids: Tensor) -> Tensor:
         """Cache-free reference: logits ``[T, vocab]`` of ``token_ids: [T]`` at positions ``0..T-1``."""
