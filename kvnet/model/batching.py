@@ -1,0 +1,360 @@
+"""Continuous batching over the paged KV cache: a sans-I/O scheduler whose `step` runs one forward.
+
+This module owns which sequences run together. `BatchScheduler.step` takes the running set, builds ONE
+batch out of it (a decode token of every sequence that has one, then prefill chunks of sequences still
+reading their prompt, within a per-step token budget so a long prompt never stalls everyone's decode), runs
+`Transformer.forward_batch` over their own block tables, samples each sequence's next token exactly as
+`kvnet.model.generate.generate` does (`TokenSampler`, stop ids, ``max_new_tokens``) and returns what happened
+as events. It owns no thread, no queue and no clock of its own (the clock is injected); the driver that runs
+it (`kvnet.model.engine`) decides when to step. It knows nothing about HTTP, the relay or codecs.
+
+Greedy outputs equal `generate` on the same prompt up to the rounding of batched matrix products: in
+float32 torch's CPU GEMM takes other kernels for 1-3 rows than for more, so a decode row in a batch can
+differ from the unbatched one in the last bits (~1e-5 relative); bfloat16 products measured bit-identical.
+Attention is computed per sequence (`BatchedPagedAttention`), identical to the unbatched path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from kvnet.cache.hashing import block_hashes
+from kvnet.cache.paged_cache import PagedKVCache
+from kvnet.errors import KVCacheError
+from kvnet.model.attention import BatchSegment
+from kvnet.model.generate import (
+    DEFAULT_PREFILL_CHUNK,
+    GREEDY,
+    GenerationResult,
+    SamplingParams,
+    TokenSampler,
+    check_cache_matches,
+    check_context_length,
+    commit_prompt_blocks,
+    validate_token_ids,
+)
+from kvnet.model.transformer import Transformer
+
+DEFAULT_MAX_RUNNING_SEQUENCES = 16
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Bounds of one `BatchScheduler`."""
+
+    max_running_sequences: int = DEFAULT_MAX_RUNNING_SEQUENCES
+    """Sequences in the running set at once; more wait (FIFO) until one finishes."""
+    max_step_tokens: int = DEFAULT_PREFILL_CHUNK
+    """Tokens of one forward (decode tokens first, then prefill chunks): bounds a step's latency and the
+    [T, S] attention masks. At least ``max_running_sequences``, so every running decode fits."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_running_sequences", "max_step_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
+        if self.max_step_tokens < self.max_running_sequences:
+            raise ValueError(
+                f"SchedulerConfig.max_step_tokens ({self.max_step_tokens}) must be >= max_running_sequences "
+                f"({self.max_running_sequences}): every running sequence decodes in each step"
+            )
+
+
+@dataclass(frozen=True)
+class SequenceRequest:
+    """One prompt to run: what `generate` takes, as data."""
+
+    prompt_ids: tuple[int, ...]
+    """The prompt's token ids."""
+    max_new_tokens: int
+    """Most tokens to generate (0: prefill and commit only, as a publisher does)."""
+    sampling: SamplingParams = GREEDY
+    """How each next token is chosen."""
+    stop_token_ids: frozenset[int] = frozenset()
+    """Generation ends after producing one of these."""
+    commit_prompt: bool = True
+    """Register the prompt's full blocks in the cache once prefilled (shareable, exportable)."""
+    keep_sequence: bool = False
+    """Leave the sequence in the cache when it finishes (its owner frees it, e.g. after exporting blocks)."""
+
+
+# -- events --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerEvent:
+    """Something that happened to one sequence during a step."""
+
+    seq_id: int
+    """The sequence it concerns."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenGenerated(SchedulerEvent):
+    """A token was chosen for the sequence (streamed to its client at once)."""
+
+    token_id: int
+    """The generated id."""
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceFinished(SchedulerEvent):
+    """The sequence ended; its blocks were released unless it asked to be kept."""
+
+    result: GenerationResult
+    """Tokens, cache reuse and timings, as `generate` reports them."""
+    finish_reason: str
+    """``stop`` (a stop id), ``length`` (``max_new_tokens``) or ``aborted`` (`BatchScheduler.abort`)."""
+    first_token_time: float | None
+    """Clock value when the first token was chosen (None when there was none)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceFailed(SchedulerEvent):
+    """The sequence could not run (the pool ran out, the forward failed); its blocks were released."""
+
+    error: Exception
+    """What went wrong."""
+
+
+# -- the scheduler -------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Sequence:
+    seq_id: int
+    request: SequenceRequest
+    ids: Tensor  # [P] int64 on the model's device
+    hashes: tuple[bytes, ...]
+    sampler: TokenSampler
+    submitted_at: float
+    cached_tokens: int = 0
+    prefilled: int = 0  # prompt positions whose K/V is in the cache
+    next_token: int | None = None  # chosen, its K/V not computed yet
+    generated: list[int] = field(default_factory=list)
+    started_at: float | None = None
+    first_token_at: float | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.prefilled < self.prompt_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    """One sequence's part of a step: ``length`` tokens from position ``start``, at ``slots``."""
+
+    seq: _Sequence
+    start: int
+    length: int
+    slots: Tensor  # [length] flat cache slots
+
+
+def validate_request(model: Transformer, request: SequenceRequest) -> Tensor:
+    """The prompt as a tensor; `InvalidTokenError` / `ContextLengthError` / `ValueError` if it cannot run."""
+    ids = validate_token_ids(model, list(request.prompt_ids))
+    check_context_length(model, int(ids.shape[0]), request.max_new_tokens)
+    return ids
+
+
+class BatchScheduler:
+    """Runs many sequences over one paged cache, one batched forward per `step`.
+
+    ``add`` queues a sequence; ``step`` admits waiting sequences into the running set (up to
+    ``max_running_sequences``), runs one forward and returns the events; ``abort`` ends a sequence between
+    steps. Not thread-safe: one thread drives it (the cache it uses is).
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        cache: PagedKVCache,
+        *,
+        root: bytes,
+        config: SchedulerConfig | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        check_cache_matches(model, cache)
+        self.model = model
+        self.cache = cache
+        self.root = root
+        self.config = config or SchedulerConfig()
+        self._clock = clock
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []  # in admission order: prefill chunks go first come, first served
+        self._ids: set[int] = set()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def add(self, seq_id: int, request: SequenceRequest) -> None:
+        """Queue a sequence. Raises `InvalidTokenError`, `ContextLengthError` or `ValueError` (bad request or
+        a duplicate ``seq_id``) before anything is queued."""
+        if seq_id in self._ids or self.cache.has_sequence(seq_id):
+            raise ValueError(f"sequence {seq_id} already exists")
+        ids = validate_request(self.model, request)
+        hashes = tuple(block_hashes(ids.cpu().numpy(), self.cache.spec.block_size, self.root))
+        self._waiting.append(
+            _Sequence(seq_id, request, ids, hashes, TokenSampler(request.sampling), self._clock())
+        )
+        self._ids.add(seq_id)
+
+    def abort(self, seq_id: int) -> list[SchedulerEvent]:
+        """End ``seq_id`` now, keeping the tokens it produced; [] if it is not waiting or running."""
+        for queue in (self._waiting, self._running):
+            for seq in queue:
+                if seq.seq_id == seq_id:
+                    queue.remove(seq)
+                    return [self._finish(seq, "aborted")]
+        return []
+
+    def abort_all(self) -> list[SchedulerEvent]:
+        """`abort` every waiting and running sequence."""
+        seq_ids = [seq.seq_id for seq in (*self._waiting, *self._running)]
+        return [event for seq_id in seq_ids for event in self.abort(seq_id)]
+
+    def step(self) -> list[SchedulerEvent]:
+        """Admit waiting sequences, run one batched forward, and return what happened."""
+        events: list[SchedulerEvent] = []
+        self._admit(events)
+        batch = self._plan(events)
+        if not batch:
+            return events
+        try:
+            logits = self._forward(batch)  # [len(batch), vocab]
+        except Exception as exc:  # a failed forward fails its sequences, not the driver
+            for chunk in batch:
+                self._running.remove(chunk.seq)
+                events.append(self._fail(chunk.seq, exc))
+            return events
+        for row, chunk in enumerate(batch):
+            seq = chunk.seq
+            if seq.in_prefill:
+                seq.prefilled = chunk.start + chunk.length
+                if seq.in_prefill:
+                    continue  # more prompt chunks to go before a token can be chosen
+                if seq.request.commit_prompt:
+                    commit_prompt_blocks(self.cache, seq.seq_id, seq.hashes)
+                if seq.request.max_new_tokens == 0:
+                    self._running.remove(seq)
+                    events.append(self._finish(seq, "length"))
+                    continue
+            self._choose(seq, logits[row], events)
+        return events
+
+    # -- internals ---------------------------------------------------------------------------------------
+
+    def _admit(self, events: list[SchedulerEvent]) -> None:
+        while self._waiting and len(self._running) < self.config.max_running_sequences:
+            seq = self._waiting.popleft()
+            try:
+                seq.cached_tokens = self.cache.add_sequence(seq.seq_id, seq.ids, seq.hashes)
+            except KVCacheError as exc:
+                self._ids.discard(seq.seq_id)
+                events.append(SequenceFailed(seq.seq_id, exc))
+                continue
+            seq.prefilled = seq.cached_tokens
+            seq.started_at = self._clock()
+            self._running.append(seq)
+
+    def _plan(self, events: list[SchedulerEvent]) -> list[_Chunk]:
+        """This step's chunks with their slots reserved: a decode token of each sequence, then prefills."""
+        budget = self.config.max_step_tokens
+        wanted: list[tuple[_Sequence, int, int]] = []
+        for seq in self._running:
+            if not seq.in_prefill:
+                wanted.append((seq, self.cache.num_tokens(seq.seq_id), 1))
+                budget -= 1
+        for seq in self._running:
+            if seq.in_prefill and budget > 0:
+                length = min(seq.prompt_tokens - seq.prefilled, budget)
+                wanted.append((seq, seq.prefilled, length))
+                budget -= length
+        batch: list[_Chunk] = []
+        for seq, start, length in wanted:
+            try:
+                slots = self.cache.append_slots(seq.seq_id, length)
+            except KVCacheError as exc:  # the pool ran dry: this sequence fails, the others go on
+                self._running.remove(seq)
+                events.append(self._fail(seq, exc))
+                continue
+            batch.append(_Chunk(seq, start, length, slots))
+        return batch
+
+    @torch.no_grad()
+    def _forward(self, batch: list[_Chunk]) -> Tensor:
+        device = self.model.device
+        tokens: list[Tensor] = []
+        segments: list[BatchSegment] = []
+        offset = 0
+        for chunk in batch:
+            seq, start, length = chunk.seq, chunk.start, chunk.length
+            if seq.in_prefill:
+                tokens.append(seq.ids[start : start + length])
+            else:
+                assert seq.next_token is not None
+                tokens.append(torch.tensor([seq.next_token], dtype=torch.int64, device=device))
+            segments.append(BatchSegment(offset, length, self.cache.block_table(seq.seq_id), start + length))
+            offset += length
+        positions = torch.cat([torch.arange(c.start, c.start + c.length, device=device) for c in batch])
+        slot_mapping = torch.cat([c.slots for c in batch])
+        return self.model.forward_batch(torch.cat(tokens), positions, self.cache, slot_mapping, segments)
+
+    def _choose(self, seq: _Sequence, logits: Tensor, events: list[SchedulerEvent]) -> None:
+        token = seq.sampler(logits)
+        if seq.first_token_at is None:
+            seq.first_token_at = self._clock()
+        seq.generated.append(token)
+        events.append(TokenGenerated(seq.seq_id, token))
+        if token in seq.request.stop_token_ids:
+            self._running.remove(seq)
+            events.append(self._finish(seq, "stop"))
+        elif len(seq.generated) >= seq.request.max_new_tokens:
+            self._running.remove(seq)
+            events.append(self._finish(seq, "length"))  # the last token's K/V is never needed
+        else:
+            seq.next_token = token
+
+    def _release(self, seq: _Sequence, keep: bool) -> None:
+        self._ids.discard(seq.seq_id)
+        if not keep and self.cache.has_sequence(seq.seq_id):
+            self.cache.free_sequence(seq.seq_id)
+
+    def _finish(self, seq: _Sequence, reason: str) -> SequenceFinished:
+        self._release(seq, seq.request.keep_sequence)
+        now = self._clock()
+        started = seq.started_at if seq.started_at is not None else now
+        prefill_done = seq.first_token_at if seq.first_token_at is not None else now
+        result = GenerationResult(
+            token_ids=list(seq.generated),
+            prompt_tokens=seq.prompt_tokens,
+            cached_tokens=seq.cached_tokens,
+            computed_tokens=max(seq.prefilled - seq.cached_tokens, 0),
+            block_hashes=seq.hashes,
+            prefill_seconds=prefill_done - started,
+            decode_seconds=now - prefill_done,
+        )
+        return SequenceFinished(seq.seq_id, result, reason, seq.first_token_at)
+
+    def _fail(self, seq: _Sequence, error: Exception) -> SequenceFailed:
+        self._release(seq, keep=False)
+        return SequenceFailed(seq.seq_id, error)
+

@@ -1,0 +1,234 @@
+"""The continuous-batching scheduler: many sequences, one forward per step, each over its own block table.
+
+Every output is compared with the single-sequence path (`generate`, itself checked against a cache-free
+recompute in test_generate.py), on the tiny model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvnet.cache.paged_cache import PagedKVCache
+from kvnet.errors import ContextLengthError, InvalidTokenError, PoolExhaustedError
+from kvnet.model.batching import (
+    BatchScheduler,
+    SchedulerConfig,
+    SchedulerEvent,
+    SequenceFailed,
+    SequenceFinished,
+    SequenceRequest,
+    TokenGenerated,
+)
+from kvnet.model.generate import SamplingParams, cache_spec_for, generate, prefix_root
+from kvnet.model.transformer import Transformer
+
+CPU = torch.device("cpu")
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    return Transformer.from_name("tiny", device=CPU)
+
+
+@pytest.fixture(scope="module")
+def root(model: Transformer) -> bytes:
+    return prefix_root(model, BLOCK_SIZE)
+
+
+def new_cache(model: Transformer, num_blocks: int = 128) -> PagedKVCache:
+    return PagedKVCache(cache_spec_for(model, BLOCK_SIZE), num_blocks, CPU)
+
+
+def prompt(length: int, seed: int) -> tuple[int, ...]:
+    return tuple(torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist())
+
+
+def alone(model: Transformer, root: bytes, request: SequenceRequest) -> list[int]:
+    """What the single-sequence path generates for ``request`` in a cache of its own."""
+    cache = new_cache(model)
+    return generate(
+        model, cache, list(request.prompt_ids), request.max_new_tokens, root=root,
+        stop_token_ids=request.stop_token_ids, sampling=request.sampling,
+    ).token_ids
+
+
+class Run:
+    """Drives a scheduler to the end, recording every step's events."""
+
+    def __init__(self, scheduler: BatchScheduler) -> None:
+        self.scheduler = scheduler
+        self.steps: list[list[SchedulerEvent]] = []
+
+    def step(self) -> list[SchedulerEvent]:
+        events = self.scheduler.step()
+        self.steps.append(events)
+        return events
+
+    def until_idle(self, limit: int = 1000) -> None:
+        for _ in range(limit):
+            if not self.scheduler.has_work():
+                return
+            self.step()
+        raise AssertionError(f"scheduler still busy after {limit} steps")
+
+    def events(self, seq_id: int) -> list[SchedulerEvent]:
+        return [e for s in self.steps for e in s if e.seq_id == seq_id]
+
+    def tokens(self, seq_id: int) -> list[int]:
+        return [e.token_id for e in self.events(seq_id) if isinstance(e, TokenGenerated)]
+
+    def finished(self, seq_id: int) -> SequenceFinished:
+        (event,) = [e for e in self.events(seq_id) if isinstance(e, SequenceFinished)]
+        return event
+
+    def failed(self, seq_id: int) -> SequenceFailed:
+        (event,) = [e for e in self.events(seq_id) if isinstance(e, SequenceFailed)]
+        return event
+
+
+def test_mixed_prefill_and_decode_equal_the_single_sequence_path(model: Transformer, root: bytes) -> None:
+    cache = new_cache(model)
+    scheduler = BatchScheduler(model, cache, root=root, config=SchedulerConfig(4, 24))
+    run = Run(scheduler)
+    short = [SequenceRequest(prompt(10 + i, seed=i), 12) for i in range(3)]
+    for i, request in enumerate(short):
+        scheduler.add(i, request)
+    for _ in range(3):  # the short prompts are prefilled and decoding
+        run.step()
+    long_request = SequenceRequest(prompt(150, seed=9), 6)
+    scheduler.add(9, long_request)
+    steps_before = len(run.steps)
+    run.until_idle()
+    # The long prompt was prefilled in chunks of the step budget while the others kept decoding: every step
+    # until its first token also produced a token for each short sequence still running.
+    long_steps = run.steps[steps_before:]
+    first_long = next(i for i, s in enumerate(long_steps) if any(
+        isinstance(e, TokenGenerated) and e.seq_id == 9 for e in s))
+    assert first_long >= 150 // 24  # it needed several steps of at most 24 tokens
+    decoding_during_prefill = [
+        {e.seq_id for e in s if isinstance(e, TokenGenerated)} for s in long_steps[:first_long]
+    ]
+    assert all(ids for ids in decoding_during_prefill[:5]), decoding_during_prefill
+    for i, request in enumerate(short):
+        assert run.tokens(i) == alone(model, root, request)
+        assert run.finished(i).finish_reason == "length"
+    assert run.tokens(9) == alone(model, root, long_request)
+    result = run.finished(9).result
+    assert result.computed_tokens == 150 and result.cached_tokens == 0
+    assert cache.stats().num_sequences == 0
+
+
+def test_a_later_sequence_reuses_committed_prompt_blocks(model: Transformer, root: bytes) -> None:
+    cache = new_cache(model)
+    scheduler = BatchScheduler(model, cache, root=root)
+    shared = prompt(40, seed=3)
+    first = SequenceRequest((*shared, 1, 2, 3), 4)
+    second = SequenceRequest((*shared, 7, 8), 4)
+    run = Run(scheduler)
+    scheduler.add(1, first)
+    run.until_idle()
+    scheduler.add(2, second)
+    run.until_idle()
+    assert run.finished(2).result.cached_tokens == 32  # two full blocks of the shared prefix
+    assert run.tokens(2) == alone(model, root, second)
+
+
+def test_stop_ids_length_and_prefill_only(model: Transformer, root: bytes) -> None:
+    base = SequenceRequest(prompt(20, seed=4), 10)
+    expected = alone(model, root, base)
+    stop_at = expected[3]
+    cut = expected.index(stop_at) + 1
+    scheduler = BatchScheduler(model, new_cache(model), root=root)
+    run = Run(scheduler)
+    scheduler.add(1, SequenceRequest(base.prompt_ids, 10, stop_token_ids=frozenset({stop_at})))
+    scheduler.add(2, base)
+    scheduler.add(3, SequenceRequest(prompt(40, seed=5), 0))
+    run.until_idle()
+    assert run.tokens(1) == expected[:cut]
+    assert run.finished(1).finish_reason == "stop"
+    assert run.tokens(2) == expected and run.finished(2).finish_reason == "length"
+    prefill_only = run.finished(3)
+    assert prefill_only.result.token_ids == [] and prefill_only.first_token_time is None
+    assert scheduler.cache.match_prefix(prefill_only.result.block_hashes) == 2  # committed
+
+
+def test_seeded_sampling_repeats_inside_a_batch(model: Transformer, root: bytes) -> None:
+    sampled = SequenceRequest(prompt(25, seed=6), 16, SamplingParams(temperature=0.8, top_p=0.9, seed=123))
+    scheduler = BatchScheduler(model, new_cache(model), root=root)
+    run = Run(scheduler)
+    scheduler.add(1, sampled)
+    scheduler.add(2, SequenceRequest(prompt(30, seed=7), 16))
+    scheduler.add(3, SequenceRequest(sampled.prompt_ids, 16, SamplingParams(temperature=0.8, seed=124)))
+    run.until_idle()
+    assert run.tokens(1) == alone(model, root, sampled)
+    assert run.tokens(1) != run.tokens(3)
+
+
+def test_a_full_pool_fails_only_the_sequence_that_cannot_grow(model: Transformer, root: bytes) -> None:
+    cache = new_cache(model, num_blocks=7)
+    scheduler = BatchScheduler(model, cache, root=root)
+    run = Run(scheduler)
+    small = SequenceRequest(prompt(10, seed=8), 8)
+    scheduler.add(1, small)
+    scheduler.add(2, SequenceRequest(prompt(60, seed=9), 60))  # 4 blocks at once, 8 by its end
+    run.until_idle()
+    assert isinstance(run.failed(2).error, PoolExhaustedError)
+    assert run.tokens(1) == alone(model, root, small)
+    stats = cache.stats()
+    assert stats.num_sequences == 0 and stats.used_blocks == 0
+
+
+def test_abort_ends_a_sequence_between_steps(model: Transformer, root: bytes) -> None:
+    cache = new_cache(model)
+    scheduler = BatchScheduler(model, cache, root=root)
+    run = Run(scheduler)
+    other = SequenceRequest(prompt(12, seed=10), 8)
+    scheduler.add(1, SequenceRequest(prompt(12, seed=11), 50))
+    scheduler.add(2, other)
+    scheduler.add(3, SequenceRequest(prompt(12, seed=12), 50))
+    for _ in range(3):
+        run.step()
+    (finished,) = scheduler.abort(1)
+    assert isinstance(finished, SequenceFinished) and finished.finish_reason == "aborted"
+    assert finished.result.token_ids == run.tokens(1) and len(run.tokens(1)) == 3
+    assert scheduler.abort(1) == []  # already gone
+    (waiting,) = scheduler.abort(3)  # aborted while running too
+    assert isinstance(waiting, SequenceFinished)
+    run.until_idle()
+    assert run.tokens(2) == alone(model, root, other)
+    assert cache.stats().num_sequences == 0
+
+
+def test_keep_sequence_leaves_it_to_its_owner(model: Transformer, root: bytes) -> None:
+    cache = new_cache(model)
+    scheduler = BatchScheduler(model, cache, root=root)
+    scheduler.add(5, SequenceRequest(prompt(33, seed=13), 2, keep_sequence=True))
+    Run(scheduler).until_idle()
+    assert cache.has_sequence(5)
+    cache.free_sequence(5)
+
+
+def test_bad_requests_are_refused_before_queueing(model: Transformer, root: bytes) -> None:
+    scheduler = BatchScheduler(model, new_cache(model), root=root)
+    with pytest.raises(InvalidTokenError):
+        scheduler.add(1, SequenceRequest((1, 999), 4))
+    with pytest.raises(ContextLengthError):
+        scheduler.add(1, SequenceRequest((1, 2), model.args.max_seq_len))
+    scheduler.add(1, SequenceRequest((1, 2), 1))
+    with pytest.raises(ValueError, match="already exists"):
+        scheduler.add(1, SequenceRequest((1, 2), 1))
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        SchedulerConfig(max_running_sequences=8, max_step_tokens=4)
+    assert scheduler.num_waiting == 1 and scheduler.num_running == 0
+
+
+def test_at_most_max_running_sequences_run_at_once(model: Transformer, root: bytes) -> None:
+    scheduler = BatchScheduler(model, new_cache(model), root=root, config=SchedulerConfig(2, 64))
+    for i in range(5):
+        scheduler.add(i, SequenceRequest(prompt(8, seed=20 + i), 3))
+    scheduler.step()
+    assert scheduler.num_running == 2 and scheduler.num_waiting == 3
+    Run(scheduler).until_idle()
+    assert not scheduler.has_work()
