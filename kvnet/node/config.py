@@ -19,6 +19,8 @@ import torch
 from kvnet.blocks.signing import Signer, SigningError, TrustStore, generate_keypair, load_signer
 from kvnet.dtypes import DTYPE_BY_NAME
 from kvnet.logs import add_log_arguments
+from kvnet.model.batching import DEFAULT_MAX_RUNNING_SEQUENCES
+from kvnet.model.generate import DEFAULT_PREFILL_CHUNK
 from kvnet.model.registry import MODELS, is_registered
 from kvnet.model.transformer import transformer_configs
 from kvnet.net.quic import (
@@ -141,6 +143,12 @@ class NodeConfig:
     max_datagram_size: int | None = None
     """Largest UDP payload of the relay session; None takes the stack's loopback size. Give 1452
     (``--link ethernet``) on a 1500-byte path and 8952 (``--link jumbo``) on jumbo frames."""
+    max_running_sequences: int = DEFAULT_MAX_RUNNING_SEQUENCES
+    """Sequences computed together at most (continuous batching); requests past it, or past what the KV
+    pool can hold, are refused as busy (HTTP 503 with Retry-After)."""
+    max_step_tokens: int = DEFAULT_PREFILL_CHUNK
+    """Tokens of one batched forward (running decodes first, then prefill chunks): a long prompt is
+    prefilled in chunks so it does not stall everyone's decode."""
     torch_threads: int = 1
     """Intra-op threads of torch. One by default: a node shares its cores with the relay and its own event
     loop, and OpenMP workers spin-waiting on a contended 2-core machine made a 5 ms prefill take 300 ms."""
@@ -181,6 +189,10 @@ class NodeConfig:
             raise ValueError(f"fetch_margin must be in (0, 3600] seconds, got {self.fetch_margin}")
         if self.abr_mode not in ("auto", "fetch", "recompute"):
             raise ValueError(f"abr_mode must be auto, fetch or recompute, got {self.abr_mode!r}")
+        if self.max_running_sequences <= 0:
+            raise ValueError(f"max_running_sequences must be positive, got {self.max_running_sequences}")
+        if self.max_step_tokens <= 0:
+            raise ValueError(f"max_step_tokens must be positive, got {self.max_step_tokens}")
         if self.torch_threads <= 0:
             raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")
         if self.max_new_tokens < 0:
@@ -259,6 +271,14 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
     )
     m.add_argument("--device", default="cpu", help="torch device")
     m.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    m.add_argument(
+        "--max-running-sequences", type=int, default=DEFAULT_MAX_RUNNING_SEQUENCES,
+        help="sequences batched together at most; past it (or a full KV pool) requests are refused as busy",
+    )
+    m.add_argument(
+        "--max-step-tokens", type=int, default=DEFAULT_PREFILL_CHUNK,
+        help="tokens per batched forward (decodes first, then prefill chunks)",
+    )
     m.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
     m.add_argument(
         "--cache-blocks", type=int,
@@ -357,6 +377,8 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         max_new_tokens=args.max_tokens,
         tenant=args.tenant,
         torch_threads=args.threads,
+        max_running_sequences=args.max_running_sequences,
+        max_step_tokens=args.max_step_tokens,
         quic_stack=args.quic_stack,
         relay_idle_timeout=args.relay_idle_timeout,
         max_datagram_size=_datagram_size(args),

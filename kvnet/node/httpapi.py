@@ -12,7 +12,9 @@ probe routes. Routes:
 
 It knows nothing about the model or the network beyond the ``CompletionBackend`` protocol. Every bad request
 is a 4xx with a one-line message, never a 500: bodies are size-capped and their JSON nesting depth is
-checked before parsing.
+checked before parsing. Every request is admitted by the backend before anything is generated or any
+header is sent: when its KV pool (or its bound on sequences in flight) is full the answer is a 503 with
+``Retry-After`` and the usual one-line JSON error, streaming or not.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvnet.model.engine import EngineBusyError, RequestTooLargeError
 from kvnet.model.generate import SamplingParams, TokenCallback
 
 logger = logging.getLogger(__name__)
@@ -54,11 +58,14 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class ApiError(Exception):
     """A request the API refuses; becomes ``{"error": {...}}`` with ``status``."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers
 
 
 class ChatUnsupportedError(ValueError):
@@ -76,6 +83,12 @@ class GenerationOutcome:
     finish_reason: str
     """``stop`` (EOS) or ``length``; the API turns a matched stop string into ``stop`` itself."""
     report: dict[str, Any] = field(default_factory=dict)
+
+
+class AdmissionTicket(Protocol):
+    """A request's reservation in the backend (`kvnet.model.engine.Admission`); released exactly when done."""
+
+    def release(self) -> None: ...
 
 
 class CompletionBackend(Protocol):
@@ -96,8 +109,14 @@ class CompletionBackend(Protocol):
         """``ValueError`` naming the first id outside the vocabulary."""
         ...
 
+    def admit(self, prompt_tokens: int, max_tokens: int, sequences: int) -> AdmissionTicket:
+        """Reserve room for ``sequences`` generations of at most ``prompt_tokens + max_tokens`` tokens;
+        ``EngineBusyError`` when full now, ``RequestTooLargeError`` when it could never fit."""
+        ...
+
     async def generate(
-        self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, on_token: TokenCallback
+        self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, on_token: TokenCallback,
+        admission: AdmissionTicket,
     ) -> GenerationOutcome: ...
 
     def health(self) -> dict[str, Any]: ...
@@ -288,10 +307,13 @@ def _usage(outcomes: Sequence[GenerationOutcome], prompt_tokens: int) -> dict[st
     }
 
 
-def _error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+def _error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
     return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status,
+        headers=headers,
     )
 
 
@@ -316,7 +338,7 @@ class OpenAiApi:
 
     @staticmethod
     async def _on_api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return _error_response(exc.status, exc.message, exc.param)
+        return _error_response(exc.status, exc.message, exc.param, exc.headers)
 
     @staticmethod
     async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -464,8 +486,18 @@ class OpenAiApi:
         jobs = [_Job(i, ids, _sampling(body, i)) for i in range(body.n)]
         return await self._respond(body, jobs, max_tokens, chat=True)
 
+    def _admit(self, jobs: list[_Job], max_tokens: int) -> AdmissionTicket:
+        longest = max(len(job.prompt_ids) for job in jobs)
+        try:
+            return self.backend.admit(longest, max_tokens, len(jobs))
+        except EngineBusyError as exc:
+            raise ApiError(503, str(exc), headers={"Retry-After": str(exc.retry_after_s)}) from None
+        except RequestTooLargeError as exc:
+            raise ApiError(400, str(exc), "max_tokens") from None
+
     async def _run(
-        self, job: _Job, max_tokens: int, stop: list[str], on_delta: Callable[[str], None] | None = None
+        self, job: _Job, max_tokens: int, stop: list[str], admission: AdmissionTicket,
+        on_delta: Callable[[str], None] | None = None,
     ) -> tuple[GenerationOutcome, TextStream]:
         """Generate one choice; ``on_delta`` gets text as it becomes final (called on the event loop)."""
         stream = TextStream(self.backend.decode, stop)
@@ -480,7 +512,9 @@ class OpenAiApi:
             return more
 
         try:
-            outcome = await self.backend.generate(job.prompt_ids, max_tokens, job.sampling, on_token)
+            outcome = await self.backend.generate(
+                job.prompt_ids, max_tokens, job.sampling, on_token, admission
+            )
         except ValueError as exc:  # e.g. the prompt does not fit the model's context
             raise ApiError(400, str(exc)) from None
         if stream.stopped:
@@ -495,13 +529,25 @@ class OpenAiApi:
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         created = int(time.time())
+        if not body.stream and body.stream_options is not None:
+            raise ApiError(400, "stream_options needs stream: true", "stream_options")
+        admission = self._admit(jobs, max_tokens)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            events = self._stream(request_id, created, jobs, max_tokens, stop, chat=chat, usage=include_usage)
-            return StreamingResponse(events, media_type="text/event-stream")
-        if body.stream_options is not None:
-            raise ApiError(400, "stream_options needs stream: true", "stream_options")
-        results = [await self._run(job, max_tokens, stop) for job in jobs]
+            events = self._stream(
+                request_id, created, jobs, max_tokens, stop, admission, chat=chat, usage=include_usage
+            )
+            # The generator releases the admission when it ends; the background task covers a client that
+            # left before the body was started.
+            return StreamingResponse(
+                events, media_type="text/event-stream", background=BackgroundTask(admission.release)
+            )
+        try:
+            async with asyncio.TaskGroup() as group:  # the choices run together in the batching engine
+                tasks = [group.create_task(self._run(job, max_tokens, stop, admission)) for job in jobs]
+        finally:
+            admission.release()
+        results = [task.result() for task in tasks]
         choices: list[dict[str, Any]] = []
         for job, (outcome, text) in zip(jobs, results, strict=True):
             if chat:
@@ -532,8 +578,8 @@ class OpenAiApi:
         return JSONResponse(out)
 
     async def _stream(
-        self, request_id: str, created: int, jobs: list[_Job], max_tokens: int, stop: list[str], *,
-        chat: bool, usage: bool,
+        self, request_id: str, created: int, jobs: list[_Job], max_tokens: int, stop: list[str],
+        admission: AdmissionTicket, *, chat: bool, usage: bool,
     ) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -551,19 +597,22 @@ class OpenAiApi:
             return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
 
         outcomes: list[GenerationOutcome] = []
+        task: asyncio.Future[tuple[GenerationOutcome, TextStream]] | None = None
         try:
             for job in jobs:
                 queue: asyncio.Queue[str] = asyncio.Queue()
                 if chat:
                     yield chunk([choice(job.index, "", None, first=True)])
-                task = asyncio.ensure_future(self._run(job, max_tokens, stop, queue.put_nowait))
+                task = asyncio.ensure_future(self._run(job, max_tokens, stop, admission, queue.put_nowait))
                 while not task.done() or not queue.empty():
                     getter = asyncio.ensure_future(queue.get())
-                    await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                    if getter.done():
+                    try:
+                        await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        if not getter.done():
+                            getter.cancel()
+                    if getter.done() and not getter.cancelled():
                         yield chunk([choice(job.index, getter.result(), None)])
-                    else:
-                        getter.cancel()
                 outcome, text = task.result()
                 # Deltas queued by the worker thread after the task finished are already in ``text``.
                 while not queue.empty():
@@ -574,10 +623,17 @@ class OpenAiApi:
         except ApiError as exc:
             # Headers are gone: report in-band as OpenAI does, then end the stream.
             yield f"data: {json.dumps({'error': {'message': exc.message, 'code': exc.status}})}\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client went away: end its generation in the engine, not only the response.
+            if task is not None and not task.done():
+                task.cancel()
+            raise
         else:
             if usage:
                 prompt_tokens = sum(len(j.prompt_ids) for j in jobs if j.index % max(len(jobs), 1) == 0)
                 yield chunk([], usage=_usage(outcomes, prompt_tokens))
+        finally:
+            admission.release()
         yield "data: [DONE]\n\n"
 
 

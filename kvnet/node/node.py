@@ -11,9 +11,12 @@ Owns ``Node``, used by all three processes (``kvnet-publisher``, ``kvnet-subscri
   or recompute, fetch + verify + load the chosen blocks layer by layer, prefill only the remainder and
   generate. Returns a ``RequestReport`` (``kvnet.node.reports``).
 
-The relay session is a ``RelayPeer`` (``kvnet.node.relay_peer``). Model work runs in a worker thread (torch
-releases the GIL) so the event loop keeps serving the relay while a prompt is computed; one asyncio lock
-serialises every touch of the paged cache. Nothing here reads the command line or the environment.
+The relay session is a ``RelayPeer`` (``kvnet.node.relay_peer``). Model work runs in the batching engine's
+worker thread (``kvnet.model.engine``: continuous batching, torch releases the GIL), so the event loop keeps
+serving the relay while prompts are computed. The paged cache is locked per operation, not per request: one
+request's locate and fetch (on the event loop) overlap other requests' compute, and a request enters the
+engine once its remote prefix is loaded. Every request is admitted first against the KV pool
+(``EngineBusyError`` when full). Nothing here reads the command line or the environment.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ from kvnet.blocks.signing import Signer, TrustStore
 from kvnet.cache.hashing import block_hashes, root_hash
 from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.dtypes import dtype_from_name, dtype_name
+from kvnet.model.batching import SchedulerConfig, SequenceFinished, SequenceRequest
 from kvnet.model.checkpoint import load_checkpoint
+from kvnet.model.engine import Admission, BatchEngine
 from kvnet.model.generate import GREEDY, SamplingParams, TokenCallback, cache_spec_for, generate
 from kvnet.model.registry import default_models_dir, is_registered, resolve_model
 from kvnet.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -136,12 +141,16 @@ class Node:
             )
         )
         self.counters = NodeCounters()
-        self.lock = asyncio.Lock()
+        self.engine = BatchEngine(
+            self.model, self.cache, root=self.root,
+            config=SchedulerConfig(max_running_sequences=config.max_running_sequences,
+                                   max_step_tokens=max(config.max_step_tokens, config.max_running_sequences)),
+        )
+        """Continuous batching of every request's prefill and decode, with admission against the KV pool."""
         self.peer: RelayPeer | None = None
         """The relay session while it is up (None while disconnected or without a relay)."""
         self._supervisor: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
-        self._next_seq = 0
         self._tasks: set[asyncio.Task[Any]] = set()
 
     @classmethod
@@ -169,10 +178,6 @@ class Node:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _seq_id(self) -> int:
-        self._next_seq += 1
-        return self._next_seq
-
     def calibrate(self, tokens: int = 64) -> float:
         """Warm the kernels and measure local prefill speed for the ABR; returns seconds per token."""
         ids = [(i * 7919) % 256 for i in range(max(tokens, 2))]
@@ -188,8 +193,28 @@ class Node:
             warm = True
         return self.abr.prefill.per_token_s
 
+    async def _run_sequence(
+        self, request: SequenceRequest, on_token: TokenCallback | None
+    ) -> SequenceFinished:
+        """Run one sequence in the engine; if this request is cancelled (its client went away) the sequence
+        is ended too, and a sequence kept for publishing is freed once it ends."""
+        handle = self.engine.submit(request, on_token)
+        try:
+            # Shielded: the engine always resolves the future, so a kept sequence is never lost.
+            return await asyncio.shield(asyncio.wrap_future(handle.future))
+        except asyncio.CancelledError:
+            self.engine.cancel(handle.seq_id)
+            if request.keep_sequence:
+                handle.future.add_done_callback(lambda _: self._free_sequence(handle.seq_id))
+            raise
+
+    def _free_sequence(self, seq_id: int) -> None:
+        if self.cache.has_sequence(seq_id):
+            self.cache.free_sequence(seq_id)
+
     async def _encode_and_store(self, ids: list[int], hashes: list[bytes]) -> tuple[list[Any], float]:
-        """Encode and store the blocks of ``hashes`` that the store does not hold yet (lock held)."""
+        """Encode and store the blocks of ``hashes`` that the store does not hold yet (their sequence kept
+        alive by the caller, so they cannot be evicted meanwhile)."""
         started = time.perf_counter()
         first = self.config.publish_renditions[0]
         all_sources = prompt_blocks(ids, self.block_size, hashes, self.root, 0, len(hashes))
@@ -215,14 +240,17 @@ class Node:
     async def publish_prompt(self, text: str) -> PublishReport:
         """Prefill ``text``, then encode, sign, store and (if connected and enabled) push its full blocks."""
         ids = self.encode_prompt(text)
-        async with self.lock:
+        with self.engine.admit(len(ids), 0):
             started = time.perf_counter()
-            result = await asyncio.to_thread(
-                generate, self.model, self.cache, ids, 0, root=self.root, seq_id=self._seq_id()
-            )
+            request = SequenceRequest(tuple(ids), 0, keep_sequence=True)
+            finished = await self._run_sequence(request, None)
+            result = finished.result
             prefill_s = time.perf_counter() - started
             hashes = list(result.block_hashes)
-            blocks, encode_s = await self._encode_and_store(ids, hashes)
+            try:
+                blocks, encode_s = await self._encode_and_store(ids, hashes)
+            finally:
+                self._free_sequence(finished.seq_id)
         push_s, pushed = 0.0, 0
         if self.peer is not None and self.config.push:
             t = time.perf_counter()
@@ -250,46 +278,62 @@ class Node:
         prompt_ids: list[int] | None = None,
         sampling: SamplingParams = GREEDY,
         on_token: TokenCallback | None = None,
+        admission: Admission | None = None,
     ) -> RequestReport:
         """Answer one prompt reusing every prefix block it can find; see the module docstring.
 
-        ``prompt_ids`` (token ids) replaces ``text`` when given; ``sampling`` and ``on_token`` are passed to
-        ``generate`` (``on_token`` runs in the model's worker thread)."""
+        ``prompt_ids`` (token ids) replaces ``text`` when given; ``sampling`` and ``on_token`` go to the
+        engine (``on_token`` runs in its worker thread). ``admission`` is a reservation the caller already
+        holds (``self.engine.admit``, e.g. for several choices of one HTTP request); without one the request
+        is admitted here, raising ``EngineBusyError`` when the KV pool is full."""
         max_new = self.config.max_new_tokens if max_tokens is None else max_tokens
         report = RequestReport()
         t0 = time.perf_counter()
         ids = self.encode_prompt(text) if prompt_ids is None else list(prompt_ids)
         report.prompt_tokens = len(ids)
+        held = admission if admission is not None else self.engine.admit(len(ids), max_new)
+        try:
+            await self._complete(ids, max_new, report, t0, publish, use_remote, sampling, on_token)
+        finally:
+            if admission is None:
+                held.release()
+        if verify:
+            output = report.output_token_ids
+            report.verified = await asyncio.to_thread(self.verify_output, ids, max_new, output)
+        c = self.counters
+        c.requests += 1
+        c.prompt_tokens += report.prompt_tokens
+        c.local_hit_tokens += report.local_hit_tokens
+        c.remote_hit_tokens += report.remote_hit_tokens
+        c.computed_tokens += report.computed_tokens
+        c.bytes_fetched += report.bytes_fetched
+        return report
+
+    async def _complete(
+        self, ids: list[int], max_new: int, report: RequestReport, t0: float, publish: bool, use_remote: bool,
+        sampling: SamplingParams, on_token: TokenCallback | None,
+    ) -> None:
         b = self.block_size
         hashes = block_hashes(ids, b, self.root)
         usable = max(len(ids) - 1, 0) // b  # the last prompt token is always computed (its logits)
         report.timings.hash_s = time.perf_counter() - t0
-        async with self.lock:
-            local_blocks = self.cache.match_prefix(hashes[:usable])
-            report.local_hit_tokens = local_blocks * b
-            # A node told to always recompute has no use for a locate round trip.
-            remote = use_remote and self.config.abr_mode != "recompute"
-            if self.config.relay_url is not None:
-                report.relay_connected = self.peer is not None and self.peer.connected
-                if not report.relay_connected:
-                    report.fallback.append("relay not connected: no remote prefix lookup")
-            if remote and self.peer is not None and local_blocks < usable:
-                await self._remote_prefix(ids, hashes, local_blocks, usable, report)
-            gen_started = time.perf_counter()
-            result = await asyncio.to_thread(
-                generate,
-                self.model,
-                self.cache,
-                ids,
-                max_new,
-                root=self.root,
-                seq_id=self._seq_id(),
-                stop_token_ids=(self.tokenizer.eos_id,),
-                commit_prompt=True,
-                sampling=sampling,
-                on_token=on_token,
-            )
-            gen_done = time.perf_counter()
+        local_blocks = self.cache.match_prefix(hashes[:usable])
+        report.local_hit_tokens = local_blocks * b
+        # A node told to always recompute has no use for a locate round trip.
+        remote = use_remote and self.config.abr_mode != "recompute"
+        if self.config.relay_url is not None:
+            report.relay_connected = self.peer is not None and self.peer.connected
+            if not report.relay_connected:
+                report.fallback.append("relay not connected: no remote prefix lookup")
+        if remote and self.peer is not None and local_blocks < usable:
+            await self._remote_prefix(ids, hashes, local_blocks, usable, report)
+        request = SequenceRequest(
+            tuple(ids), max_new, sampling, frozenset((self.tokenizer.eos_id,)), keep_sequence=publish
+        )
+        finished = await self._run_sequence(request, on_token)
+        gen_done = time.perf_counter()
+        result = finished.result
+        try:
             if result.computed_tokens > 0:
                 self.abr.prefill.add(result.computed_tokens, result.prefill_seconds)
             # What the cache actually reused is the truth (a block evicted meanwhile is recomputed).
@@ -300,7 +344,8 @@ class Node:
             report.computed_tokens = result.computed_tokens
             report.timings.prefill_s = result.prefill_seconds
             report.timings.decode_s = result.decode_seconds
-            report.timings.ttft_s = (gen_started - t0) + result.prefill_seconds
+            first_token = finished.first_token_time if finished.first_token_time is not None else gen_done
+            report.timings.ttft_s = first_token - t0
             report.output_token_ids = list(result.token_ids)
             report.output_text = self.tokenizer.decode(result.token_ids)
             if result.token_ids and result.token_ids[-1] == self.tokenizer.eos_id:
@@ -315,18 +360,10 @@ class Node:
                 if to_push and self.peer is not None and self.config.push:
                     # Pushing is an optimisation: it must not delay this request's answer.
                     self._background(self.peer.push(to_push))
+        finally:
+            if publish:
+                self._free_sequence(finished.seq_id)
         report.timings.total_s = gen_done - t0
-        if verify:
-            output = report.output_token_ids
-            report.verified = await asyncio.to_thread(self.verify_output, ids, max_new, output)
-        c = self.counters
-        c.requests += 1
-        c.prompt_tokens += report.prompt_tokens
-        c.local_hit_tokens += report.local_hit_tokens
-        c.remote_hit_tokens += report.remote_hit_tokens
-        c.computed_tokens += report.computed_tokens
-        c.bytes_fetched += report.bytes_fetched
-        return report
 
     def verify_output(self, ids: list[int], max_new: int, output: list[int]) -> bool:
         """True when ``output`` equals a full local recompute in a fresh cache (no reuse at all)."""
@@ -340,7 +377,7 @@ class Node:
     async def _remote_prefix(
         self, ids: list[int], hashes: list[bytes], start: int, usable: int, report: RequestReport
     ) -> None:
-        """Locate, plan and fetch blocks ``start..usable-1`` into the cache (lock held by the caller)."""
+        """Locate, plan and fetch blocks ``start..usable-1`` into the cache (others compute meanwhile)."""
         peer = self.peer
         assert peer is not None
         renditions = list(self.abr.config.acceptable)
@@ -453,6 +490,7 @@ class Node:
 
     async def close(self) -> None:
         self._closing.set()
+        await asyncio.to_thread(self.engine.close)
         if self._supervisor is not None:
             self._supervisor.cancel()
             await asyncio.gather(self._supervisor, return_exceptions=True)

@@ -23,11 +23,13 @@ from typing import Any
 
 from kvnet.blocks.signing import SigningError
 from kvnet.logs import setup_logging_from_args
+from kvnet.model.engine import Admission
 from kvnet.model.generate import SamplingParams, TokenCallback
 from kvnet.model.registry import default_models_dir
 from kvnet.node.config import NodeConfig, add_node_arguments, node_config_from_cli
 from kvnet.node.httpapi import (
     DEFAULT_MAX_CONNECTIONS,
+    AdmissionTicket,
     ApiSettings,
     ChatUnsupportedError,
     GenerationOutcome,
@@ -88,11 +90,17 @@ class NodeBackend:
             if not 0 <= token_id < vocab:
                 raise ValueError(f"token {index} has id {token_id}, outside the vocabulary [0, {vocab})")
 
+    def admit(self, prompt_tokens: int, max_tokens: int, sequences: int) -> Admission:
+        return self.node.engine.admit(prompt_tokens, max_tokens, sequences)
+
     async def generate(
-        self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, on_token: TokenCallback
+        self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, on_token: TokenCallback,
+        admission: AdmissionTicket,
     ) -> GenerationOutcome:
+        assert isinstance(admission, Admission)  # what admit() returned
         report = await self.node.complete(
-            "", max_tokens, prompt_ids=prompt_ids, sampling=sampling, on_token=on_token, publish=self.publish
+            "", max_tokens, prompt_ids=prompt_ids, sampling=sampling, on_token=on_token, publish=self.publish,
+            admission=admission,
         )
         self.metrics.observe(report)
         return GenerationOutcome(

@@ -4,6 +4,7 @@ uvicorn on loopback and driven by the official ``openai`` client and raw HTTP.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import urllib.error
 import urllib.request
@@ -21,14 +22,15 @@ from kvnet.model.transformer import Transformer
 from kvnet.node.httpapi import ApiSettings, HttpServer, OpenAiApi, TextStream, bind_http, json_depth_exceeds
 from kvnet.node.node import Node, NodeConfig
 from kvnet.node.serve import NodeBackend
+from tests.helpers.waiting import async_wait_until
 
 MODEL = "tiny-served"
 API_KEY = "test-key"
 
 
-@pytest.fixture
-async def node_url() -> AsyncIterator[tuple[str, Node]]:
-    config = NodeConfig(model="tiny", block_size=16, cache_blocks=256)
+@contextlib.asynccontextmanager
+async def serving(config: NodeConfig) -> AsyncIterator[tuple[str, Node]]:
+    """A tiny-model node behind the API on a free loopback port: (base URL, node)."""
     node = Node(config, Transformer.from_name("tiny", device=torch.device("cpu")))
     api = OpenAiApi(NodeBackend(node, publish=False), ApiSettings(served_model_name=MODEL, api_key=API_KEY))
     server = await HttpServer.start(api.app, bind_http("127.0.0.1", 0), access_log=False)
@@ -36,6 +38,13 @@ async def node_url() -> AsyncIterator[tuple[str, Node]]:
         yield f"http://127.0.0.1:{server.port}", node
     finally:
         await server.stop()
+        await node.close()
+
+
+@pytest.fixture
+async def node_url() -> AsyncIterator[tuple[str, Node]]:
+    async with serving(NodeConfig(model="tiny", block_size=16, cache_blocks=256)) as served:
+        yield served
 
 
 def _client(url: str) -> openai.AsyncOpenAI:
@@ -252,3 +261,94 @@ async def test_chat_completions_with_the_models_template_streaming_or_not(chat_n
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
     assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+
+
+LONG = 1500
+"""max_tokens of a request held open while others are refused (greedy on this prompt: no EOS before it)."""
+
+
+async def _hold_streams(client: openai.AsyncOpenAI, count: int, prompt: str) -> list[Any]:
+    """``count`` long streaming completions, each returned once its first text chunk arrived."""
+    streams = []
+    for i in range(count):
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"{prompt} {i}", max_tokens=LONG, temperature=0, stream=True
+        )
+        first = await stream.__anext__()
+        assert first.choices[0].finish_reason is None
+        streams.append(stream)
+    return streams
+
+
+def _assert_busy(status: int, body: Any, headers: Any, reason: str) -> None:
+    assert status == 503, body
+    assert headers["retry-after"] == "1"
+    message = body["error"]["message"]
+    assert reason in message and "\n" not in message, message
+    assert body["error"]["type"] == "server_error"
+
+
+async def test_full_running_set_is_503_with_retry_after_until_clients_leave() -> None:
+    config = NodeConfig(model="tiny", block_size=16, cache_blocks=512, max_running_sequences=2)
+    async with serving(config) as (url, node):
+        client = _client(url)
+        held = await _hold_streams(client, 2, "Hold the line")
+        # The official client sees a 503 with Retry-After (max_retries=0, so it does not retry itself).
+        with pytest.raises(openai.APIStatusError) as refused:
+            await client.completions.create(model=MODEL, prompt="one more", max_tokens=4, temperature=0)
+        assert refused.value.status_code == 503
+        error = {"error": refused.value.body}  # the client keeps the "error" object as ``body``
+        _assert_busy(503, error, refused.value.response.headers, "sequences in flight")
+        # A streaming request is refused before any header is sent: a plain 503, not an in-band error.
+        with pytest.raises(openai.APIStatusError) as refused_stream:
+            await client.completions.create(model=MODEL, prompt="x", max_tokens=4, stream=True)
+        assert refused_stream.value.status_code == 503
+        # Raw HTTP: status, header and the one-line JSON error.
+        body = json.dumps({"model": MODEL, "prompt": "raw", "max_tokens": 4}).encode()
+        request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={
+            "Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as raw:
+            await asyncio.to_thread(urllib.request.urlopen, request, timeout=60)
+        _assert_busy(raw.value.code, json.loads(raw.value.read()), raw.value.headers, "sequences in flight")
+        # The clients go away mid-stream: their sequences are cancelled in the engine, admission frees up.
+        for stream in held:
+            await stream.close()
+        admission = node.engine.admission
+        await async_wait_until(lambda: admission.requests_in_flight == 0, "held streams cancelled")
+        await async_wait_until(lambda: node.cache.stats().num_sequences == 0, "their sequences freed")
+        done = await client.completions.create(model=MODEL, prompt="one more", max_tokens=4, temperature=0)
+        assert done.choices[0].finish_reason in ("length", "stop")
+
+
+async def test_full_kv_pool_is_503_and_a_request_larger_than_the_pool_is_400() -> None:
+    # 16 blocks of 16 tokens: one held request reserves ceil((prompt + 200) / 16) of them.
+    config = NodeConfig(model="tiny", block_size=16, cache_blocks=16, max_running_sequences=8)
+    async with serving(config) as (url, node):
+        client = _client(url)
+        stream = await client.completions.create(
+            model=MODEL, prompt="Hold the pool", max_tokens=200, temperature=0, stream=True
+        )
+        await stream.__anext__()
+        # (in a thread: the server answers on this test's event loop)
+        status, body = await asyncio.to_thread(_http, f"{url}/v1/completions", json.dumps(
+            {"model": MODEL, "prompt": "a" * 40, "max_tokens": 40}).encode())
+        assert status == 503 and "KV pool full" in body["error"]["message"], body
+        status, body = await asyncio.to_thread(_http, f"{url}/v1/completions", json.dumps(
+            {"model": MODEL, "prompt": "a" * 200, "max_tokens": 100}).encode())
+        assert status == 400 and "the pool has 16" in body["error"]["message"], body
+        await stream.close()
+        await async_wait_until(lambda: node.engine.admission.reserved_blocks == 0, "held stream cancelled")
+
+
+async def test_concurrent_clients_are_batched_and_equal_recompute(node_url: tuple[str, Node]) -> None:
+    url, node = node_url
+    client = _client(url)
+    prefix = "A shared system prompt about relays and KV blocks. "
+    prompts = [f"{prefix}Question {i}?" for i in range(6)]
+    answers = await asyncio.gather(*(
+        client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0) for p in prompts
+    ))
+    for prompt, answer in zip(prompts, answers, strict=True):
+        ids = node.encode_prompt(prompt)
+        expected = generate_reference(node.model, ids, 10, stop_token_ids=(node.tokenizer.eos_id,))
+        assert answer.choices[0].text == node.tokenizer.decode(expected)
