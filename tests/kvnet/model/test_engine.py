@@ -45,6 +45,16 @@ def engine(model: Transformer, root: bytes) -> Iterator[BatchEngine]:
     engine.close()
 
 
+def setting(event: threading.Event) -> TokenCallback:
+    """A token callback that sets ``event`` and keeps generating."""
+
+    def callback(token_id: int) -> bool:
+        event.set()
+        return True
+
+    return callback
+
+
 def prompt(length: int, seed: int) -> tuple[int, ...]:
     return tuple(torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist())
 
@@ -87,7 +97,7 @@ def test_a_callback_returning_false_ends_its_sequence_there(engine: BatchEngine)
 
 def test_cancel_ends_a_running_sequence(engine: BatchEngine) -> None:
     started = threading.Event()
-    handle = engine.submit(SequenceRequest(prompt(10, seed=2), 1000), lambda _: started.set() or True)
+    handle = engine.submit(SequenceRequest(prompt(10, seed=2), 1000), setting(started))
     assert started.wait(WAIT_S)
     engine.cancel(handle.seq_id)
     finished = handle.future.result(timeout=WAIT_S)
@@ -100,7 +110,7 @@ def test_bad_requests_fail_at_submit_and_close_fails_what_is_left(model: Transfo
     with pytest.raises(InvalidTokenError):
         engine.submit(SequenceRequest((1, -1), 4))
     started = threading.Event()
-    handle = engine.submit(SequenceRequest(prompt(10, seed=3), 1000), lambda _: started.set() or True)
+    handle = engine.submit(SequenceRequest(prompt(10, seed=3), 1000), setting(started))
     assert started.wait(WAIT_S)
     engine.close()
     with pytest.raises(EngineClosedError):

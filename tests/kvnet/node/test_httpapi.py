@@ -269,7 +269,7 @@ LONG = 1500
 
 async def _hold_streams(client: openai.AsyncOpenAI, count: int, prompt: str) -> list[Any]:
     """``count`` long streaming completions, each returned once its first text chunk arrived."""
-    streams = []
+    streams: list[Any] = []
     for i in range(count):
         stream = await client.completions.create(
             model=MODEL, prompt=f"{prompt} {i}", max_tokens=LONG, temperature=0, stream=True
