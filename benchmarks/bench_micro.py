@@ -10,9 +10,12 @@
   serialising FETCH objects and a subscriber session parsing them from QUIC-sized chunks, in MB/s of
   payload, next to a plain ``bytes`` join/copy of the same data;
 - requests: the sans-I/O request path alone: CPU microseconds per TRACK_STATUS round trip (request,
-  reply, both sessions' parsing and request state machines), requests issued in batches as a locate does.
+  reply, both sessions' parsing and request state machines), requests issued in batches as a locate does;
+- attention: one layer of batched decode attention over per-sequence block tables, the engine's
+  per-sequence loop (``kvnet.model.attention.BatchedPagedAttention``) against one padded ``[B, S_max]``
+  gather with a key mask and a single SDPA call, for batches of 1, 4 and 16 sequences.
 
-    python benchmarks/bench_micro.py [--quick] [--only hashing,codecs,import,session,requests]
+    python benchmarks/bench_micro.py [--quick] [--only hashing,codecs,import,session,requests,attention]
 
 Every figure is the median of several runs, 1 torch thread, with the load average.
 """
@@ -31,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
 
-PARTS = ("hashing", "codecs", "import", "session", "requests")
+PARTS = ("hashing", "codecs", "import", "session", "requests", "attention")
 
 
 # ---------------------------------------------------------------- hashing
@@ -279,6 +282,59 @@ def session_requests(res: common.SuiteResult, requests: int = 3000, batch: int =
             f"{requests} requests in batches of {batch}, both sessions")
 
 
+def batch_attention(res: common.SuiteResult, runs: int = 5, context: int = 320, model_name: str = "small",
+                    calls: int = 20) -> None:
+    """Decode attention of B sequences (``context`` tokens each, distinct blocks) for one layer: the
+    per-sequence loop the engine uses against a padded, masked single SDPA over ``[B, S_max]``."""
+    import torch
+    import torch.nn.functional as F
+
+    from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
+    from kvnet.model.attention import BatchedPagedAttention, BatchSegment
+    from kvnet.model.transformer import ModelArgs
+
+    torch.set_num_threads(1)
+    a = ModelArgs.from_name(model_name)
+    block_size = 16
+    spec = CacheSpec(a.n_layers, a.n_kv_heads, a.head_dim, block_size)
+
+    def measure(batch: int) -> None:
+        per_seq = -(-context // block_size)
+        cache = PagedKVCache(spec, batch * per_seq + 1, torch.device("cpu"))
+        for buffer in cache.layer_buffers(0):  # any values: only the time is measured
+            buffer.normal_()
+        lengths = [context - 7 * i for i in range(batch)]  # ragged, as real batches are
+        tables = [torch.arange(i * per_seq, (i + 1) * per_seq) for i in range(batch)]
+        q = torch.randn(batch, a.n_heads, a.head_dim)  # [B, H, D]: one decode query each
+        k_new = torch.randn(batch, a.n_kv_heads, a.head_dim)
+        slots = torch.tensor([t[(n - 1) // block_size] * block_size + (n - 1) % block_size
+                              for t, n in zip(tables, lengths, strict=True)])
+        positions = torch.tensor([n - 1 for n in lengths])
+        segments = tuple(BatchSegment(i, 1, tables[i], lengths[i]) for i in range(batch))
+        loop = BatchedPagedAttention(cache, slots, positions, segments)
+        k_layer, v_layer = cache.layer_buffers(0)
+        padded_table = torch.stack(tables)  # [B, blocks]
+        mask = torch.arange(per_seq * block_size)[None, :] < torch.tensor(lengths)[:, None]  # [B, S_max]
+        group = a.n_heads // a.n_kv_heads
+
+        def padded() -> torch.Tensor:
+            cache.write(0, slots, k_new, k_new)
+            k = k_layer[padded_table].flatten(1, 2).transpose(1, 2).repeat_interleave(group, 1)  # [B,H,S,D]
+            v = v_layer[padded_table].flatten(1, 2).transpose(1, 2).repeat_interleave(group, 1)
+            return F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :])
+
+        def looped() -> torch.Tensor:
+            return loop.attend(0, q, k_new, k_new)
+
+        for name, fn in (("per-sequence loop", looped), ("padded + mask", padded)):
+            times = common.timed(lambda fn=fn: [fn() for _ in range(calls)], runs)
+            res.add(f"decode attention B={batch} {name}", [t / calls * 1e6 for t in times], "us per layer",
+                    f"{model_name} shapes, context ~{context}")
+
+    for batch in (1, 4, 16):
+        measure(batch)
+
+
 def run(quick: bool = False, only: tuple[str, ...] = PARTS) -> common.SuiteResult:
     res = common.SuiteResult("micro", "python benchmarks/bench_micro.py" + (" --quick" if quick else ""))
     runs = 3 if quick else 5
@@ -292,6 +348,8 @@ def run(quick: bool = False, only: tuple[str, ...] = PARTS) -> common.SuiteResul
         session_datapath(res, objects=16 if quick else 64, runs=runs)
     if "requests" in only:
         session_requests(res, requests=1000 if quick else 3000, runs=runs)
+    if "attention" in only:
+        batch_attention(res, runs=runs)
     return res
 
 

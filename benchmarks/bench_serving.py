@@ -5,7 +5,8 @@ streaming completions at once, ``--rounds`` times, each prompt a shared system p
 Reports per N the median over rounds of p50 and p99 time to first token (first streamed text), aggregate
 generated tokens/s, and checks every answer against a greedy recompute of the same prompt on the same
 model in this process (no cache at all): a mismatch fails the run. The load average is printed with each
-figure.
+figure, and the aggregate tokens/s of the largest N over the smallest (the node batches concurrent requests,
+``--max-running-sequences``, default 16).
 
     python benchmarks/bench_serving.py [--model small] [--clients 1 4 16] [--rounds 3] [--max-tokens 16]
 """
@@ -86,6 +87,7 @@ async def run(args: argparse.Namespace) -> int:
         print(f"model {args.model}, {args.max_tokens} tokens per answer, shared prefix {len(SYSTEM)} bytes")
         print("clients  ttft_p50_ms  ttft_p99_ms  tokens_per_s  load")
         mismatches = 0
+        rate_of: dict[int, float] = {}
         for n in args.clients:
             p50s, p99s, rates = [], [], []
             for r in range(args.rounds):
@@ -108,8 +110,12 @@ async def run(args: argparse.Namespace) -> int:
                 p50s.append(percentile(ttfts, 0.5))
                 p99s.append(percentile(ttfts, 0.99))
                 rates.append(tokens / elapsed)
+            rate_of[n] = statistics.median(rates)
             print(f"{n:7d}  {statistics.median(p50s) * 1e3:11.1f}  {statistics.median(p99s) * 1e3:11.1f}  "
-                  f"{statistics.median(rates):12.1f}  {load_average()}")
+                  f"{rate_of[n]:12.1f}  {load_average()}")
+        low, high = min(rate_of), max(rate_of)
+        if high != low:
+            print(f"aggregate tokens/s, {high} clients vs {low}: {rate_of[high] / rate_of[low]:.2f}x")
         print("outputs equal to recompute:", "all" if mismatches == 0 else f"{mismatches} MISMATCHES")
         return 0 if mismatches == 0 else 1
     finally:

@@ -95,6 +95,8 @@ class KvAdmission:
         self._lock = threading.Lock()
         self._reserved = 0
         self._requests = 0
+        self.refused = 0
+        """Admissions refused as busy so far (`EngineBusyError`)."""
 
     @property
     def reserved_blocks(self) -> int:
@@ -123,10 +125,12 @@ class KvAdmission:
             )
         with self._lock:
             if self._requests + sequences > self.max_requests:
+                self.refused += 1
                 raise EngineBusyError(
                     f"busy: {self._requests} sequences in flight (limit {self.max_requests}); retry later"
                 )
             if self._reserved + blocks > self.num_blocks:
+                self.refused += 1
                 raise EngineBusyError(
                     f"busy: KV pool full ({self._reserved} of {self.num_blocks} blocks reserved, "
                     f"{blocks} needed); retry later"

@@ -80,6 +80,17 @@ class _NodeCollector(Collector):
                           stats.used_blocks)
         yield self._gauge("kvnet_cache_cached_blocks", "Cache blocks registered under a block hash.",
                           stats.cached_blocks)
+        engine = node.engine
+        yield self._gauge("kvnet_engine_running_sequences", "Sequences in the batching engine's running set.",
+                          engine.scheduler.num_running)
+        yield self._gauge("kvnet_engine_waiting_sequences", "Sequences queued for the running set.",
+                          engine.scheduler.num_waiting)
+        yield self._gauge("kvnet_engine_admitted_sequences", "Sequences admitted and not finished yet.",
+                          engine.admission.requests_in_flight)
+        yield self._gauge("kvnet_engine_reserved_blocks", "KV blocks reserved by admitted requests.",
+                          engine.admission.reserved_blocks)
+        yield self._counter("kvnet_engine_refused_requests", "Requests refused as busy (HTTP 503).",
+                            engine.admission.refused)
         yield self._gauge("kvnet_store_bytes", "Encoded bytes in the publisher block store.",
                           node.store.nbytes)
         yield self._gauge("kvnet_store_entries", "Block renditions in the publisher block store.",

@@ -6,8 +6,15 @@ API, so this covers ``kvnet.node.httpapi`` + ``kvnet.node.serve`` + the relay en
 
 from __future__ import annotations
 
+import asyncio
+
+import openai
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvnet.model.generate import generate_reference
+from kvnet.model.tokenizer import ByteTokenizer
+from kvnet.model.transformer import Transformer
 from tests.helpers.waiting import wait_until
 from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster, http_json
 
@@ -71,3 +78,31 @@ def test_second_node_reuses_first_nodes_prefix_over_http(kv_cluster: Cluster) ->
     assert _metric(url_b, "kvnet_requests_total") == 2
     assert _metric(url_b, "kvnet_security_signature_failures_total") == 0
     assert _metric(url_b, "kvnet_security_content_failures_total") == 0
+
+
+def test_concurrent_clients_refused_when_full_retried_and_equal_recompute(kv_cluster: Cluster) -> None:
+    """One node process, more concurrent clients than it runs at once (its bound set through the environment):
+    the ones past it get 503 + Retry-After, the official client retries them, and every answer equals a
+    greedy recompute of its prompt."""
+    kv_cluster.start_relay()
+    kv_cluster.env["KVNET_MAX_RUNNING_SEQUENCES"] = "3"
+    node, url = kv_cluster.start_http_node()
+    kv_cluster.wait_http_node(node)
+    model_id = http_json(f"{url}/v1/models")["data"][0]["id"]
+    prompts = [f"{SHARED_PREFIX}Q{i}: what does a relay keep?" for i in range(8)]
+
+    async def ask_all() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=50, timeout=120)
+        answers = await asyncio.gather(*(
+            client.completions.create(model=model_id, prompt=p, max_tokens=8, temperature=0) for p in prompts
+        ))
+        return [a.choices[0].text for a in answers]
+
+    texts = asyncio.run(ask_all())
+    model = Transformer.from_name("tiny", device=torch.device("cpu"))
+    tokenizer = ByteTokenizer()
+    for prompt, text in zip(prompts, texts, strict=True):
+        expected = generate_reference(model, tokenizer.encode(prompt), 8, stop_token_ids=(tokenizer.eos_id,))
+        assert text == tokenizer.decode(expected), prompt
+    assert _metric(url, "kvnet_engine_refused_requests_total") >= 1  # 8 at once, 3 admitted
+    assert _metric(url, "kvnet_engine_admitted_sequences") == 0
