@@ -1,4 +1,4 @@
-"""The asyncio glue between QUIC (aioquic or qh3, see ``kvnet.net.quic``) and the sans-I/O
+"""The asyncio glue between QUIC (aioquic, qh3 or aiopquic, see ``kvnet.net.quic``) and the sans-I/O
 ``proto.session.MoqtSession``.
 
 Owns: one ``MoqtConnection`` (the QUIC stack's ``QuicConnectionProtocol``) per QUIC connection, holding one
@@ -38,6 +38,7 @@ from kvnet.net.quic import (
     TransportSettings,
     arm_timer,
     get_stack,
+    keepalive_period,
     limit_datagram_size,
     raise_stream_limits,
     request_client_certificate,
@@ -116,7 +117,8 @@ else:
 
 class MoqtConnection(_ProtocolBase):
     """One QUIC connection carrying one MoQT session. Instances are of a subclass that adds the QUIC
-    stack's ``QuicConnectionProtocol`` (``protocol_class(stack)``), so this one code path serves both."""
+    stack's ``QuicConnectionProtocol`` (``protocol_class(stack)``), so this one code path serves all.
+    aiopquic's protocol is adapted to aioquic's API in ``kvnet.net.aiopquic_stack``."""
 
     def __init__(
         self,
@@ -175,7 +177,7 @@ class MoqtConnection(_ProtocolBase):
         """Peer requests refused for a limit before the application saw them, by limit:
         ``requests_in_flight`` (the session's ``max_requests_in_flight``) and ``incoming_queue``
         (``ConnectionLimits.max_incoming_queue``)."""
-        self._log = logging.LoggerAdapter(logger, {"cid": quic.host_cid.hex()[:8]})
+        self._log = logging.LoggerAdapter(logger, {"cid": self._quic.host_cid.hex()[:8]})
         self._last_receive = loop.time()
         self._keepalive: asyncio.TimerHandle | None = None
         self._session_timer: asyncio.TimerHandle | None = None
@@ -233,8 +235,9 @@ class MoqtConnection(_ProtocolBase):
             arm_timer(self)
         else:
             super().transmit()
-        # qh3 counts unsent bytes, which only a transmit drains (aioquic's unacknowledged ones drain on ACKs).
-        if not self._send_buffer_empty.is_set() or self._stream_sent_waiters:
+        # qh3 counts unsent bytes, which only a transmit drains (aioquic's unacknowledged ones drain on
+        # ACKs); aiopquic's protocol transmits whenever picoquic reports a stream's ring drained.
+        if self._send_waiters():
             self._check_writable()
 
     def datagrams_received(self, data: list[bytes], addr: Any) -> None:
@@ -258,7 +261,7 @@ class MoqtConnection(_ProtocolBase):
 
     def _arm_keepalive(self) -> None:
         interval = self.settings.keepalive_interval
-        if interval > 0 and self._keepalive is None:
+        if interval > 0 and self._keepalive is None and not get_stack(self.settings.stack).keeps_alive_itself:
             self._keepalive = self._loop.call_later(interval, self._keepalive_tick)
 
     def _keepalive_tick(self) -> None:
@@ -277,14 +280,7 @@ class MoqtConnection(_ProtocolBase):
         self._keepalive = self._loop.call_later(max(0.01, period - idle), self._keepalive_tick)
 
     def _keepalive_period(self) -> float:
-        """The client pings every ``keepalive_interval``; the server waits longer, so it pings only a
-        client that does not (keep-alive off, or another implementation), still within the idle
-        timeout. Both sides' timers start together at setup, so with equal periods both pinged every
-        interval: a relay spent ~11% of a core per 1k idle sessions on twice the PINGs and ACKs."""
-        interval = self.settings.keepalive_interval
-        if self.session.is_client:
-            return interval
-        return min(interval * 1.5, (interval + self.settings.idle_timeout) / 2)
+        return keepalive_period(self.settings, self.session.is_client)
 
     # ---- session plumbing
 
@@ -849,9 +845,14 @@ class MoqtConnection(_ProtocolBase):
     def peer_address(self) -> str:
         """``host:port`` of the peer, or "?" when the QUIC stack does not know it (yet)."""
         quic = self._quic
-        # aioquic keeps it in the network paths, qh3 as the remote address.
+        # aioquic keeps it in the network paths, qh3 as the remote address, aiopquic asks picoquic.
         paths = getattr(quic, "_network_paths", None)
-        addr = paths[0].addr if paths else getattr(quic, "_remote_addr", None)
+        if paths:
+            addr = paths[0].addr
+        elif callable(peer := getattr(quic, "peer_address", None)):
+            addr = peer()
+        else:
+            addr = getattr(quic, "_remote_addr", None)
         if not addr:
             return "?"
         return f"{addr[0]}:{addr[1]}"
@@ -876,6 +877,6 @@ class MoqtConnection(_ProtocolBase):
 
 @functools.cache
 def protocol_class(stack: str) -> type[MoqtConnection]:
-    """``MoqtConnection`` on top of ``stack``'s ``QuicConnectionProtocol`` ("aioquic" or "qh3")."""
+    """``MoqtConnection`` on top of ``stack``'s ``QuicConnectionProtocol`` (one of ``quic.STACKS``)."""
     base = get_stack(stack).QuicConnectionProtocol
     return type(f"MoqtConnection_{stack}", (MoqtConnection, base), {"__module__": __name__})

@@ -77,7 +77,6 @@ def connect(
 
     async def run() -> MoqtConnection:
         loop = asyncio.get_running_loop()
-        stack = quic.get_stack(settings.stack)
         config = quic.client_configuration(settings, tls, server_name=target.host)
         infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_DGRAM)
         if not infos:
@@ -86,23 +85,22 @@ def connect(
         scfg = session_config or SessionConfig(
             is_client=True, path=target.path or None, authority=f"{target.host}:{target.port}"
         )
-        sock = socket.socket(family, socket.SOCK_DGRAM)
+        sock = quic.client_socket(settings, family, local_host)
         try:
-            wildcard = "::" if family == socket.AF_INET6 else "0.0.0.0"
-            sock.bind((local_host or wildcard, 0))
-            quic.apply_socket_buffers(sock, settings)
             udp, protocol = await quic.open_client_endpoint(
                 settings,
                 sock,
-                lambda: protocol_class(settings.stack)(
-                    stack.QuicConnection(configuration=config),
+                config,
+                lambda quic_connection: protocol_class(settings.stack)(
+                    quic_connection,
                     session_config=scfg,
                     settings=settings,
                     limits=limits,
                 ),
             )
         except BaseException:
-            sock.close()
+            if sock is not None:
+                sock.close()
             raise
         conn: MoqtConnection = protocol
         try:
@@ -110,7 +108,10 @@ def connect(
             try:
                 await asyncio.wait_for(conn.wait_connected(), settings.handshake_timeout)
             except ConnectionError as exc:
-                reason = conn.session.closed[1] if conn.session.closed else str(exc)
+                reason = str(exc)
+                if conn.session.closed:
+                    code, phrase = conn.session.closed
+                    reason = phrase or f"closed with error {code:#x}"
                 raise MoqtConnectionError(f"QUIC/TLS handshake with {url} failed: {reason}") from exc
             except TimeoutError as exc:
                 raise MoqtConnectionError(f"QUIC/TLS handshake with {url} timed out") from exc
@@ -133,17 +134,18 @@ class MoqtServer:
     """A listening endpoint; each connection gets its own task running ``on_connection``."""
 
     def __init__(
-        self, quic_server: Any, tasks: set[asyncio.Task[None]], connections: set[MoqtConnection]
+        self, quic_server: Any, tasks: set[asyncio.Task[None]], connections: set[MoqtConnection],
+        address: tuple[str, int],
     ) -> None:
         self._server = quic_server
+        self._address = address
         self._tasks = tasks
         self.connections = connections
         """Connections whose SETUP completed and whose handler is running."""
 
     @property
     def address(self) -> tuple[str, int]:
-        name = self._server._transport.get_extra_info("sockname")
-        return name[0], name[1]
+        return self._address
 
     async def shutdown(self, new_session_uri: str = "", drain_timeout: float = 5.0) -> None:
         """GOAWAY to every session, wait up to ``drain_timeout`` for them to end, then close everything."""
@@ -226,6 +228,17 @@ async def serve(
         task.add_done_callback(tasks.discard)
         return conn
 
+    if settings.stack == "aiopquic":
+        # picoquic refuses connections past its own limit before any session exists; leave room for
+        # the ones refused above with a reason.
+        config.max_connections = max_connections + 64
+        if port == 0:
+            # picoquic does not report the port it bound: choose a free one here.
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
     quic_server = await stack.serve(host, port, configuration=config, create_protocol=create_protocol)
-    quic.apply_socket_buffers(quic_server._transport.get_extra_info("socket"), settings)
-    return MoqtServer(quic_server, tasks, live)
+    sock = quic.server_socket(quic_server)
+    quic.apply_socket_buffers(sock, settings)
+    name = sock.getsockname() if sock is not None else (host, port)
+    return MoqtServer(quic_server, tasks, live, (name[0], name[1]))

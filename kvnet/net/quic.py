@@ -1,9 +1,10 @@
-"""QUIC for kvnet peers (relay, nodes): settings, TLS configuration and the two stacks behind them.
+"""QUIC for kvnet peers (relay, nodes): settings, TLS configuration and the three stacks behind them.
 
 Owns: the tuned transport knobs (``TransportSettings``), TLS material (``TlsSettings``), ``moqt://`` URL
-parsing, UDP socket buffer sizing, and the QUIC stack adapter: choosing aioquic (pure Python) or qh3 (the
-same asyncio API over a Rust core) by ``TransportSettings.stack``, building its client and server
-configuration, and everything else that differs between the two, so that ``kvnet.net.connection`` has one
+parsing, UDP socket buffer sizing, and the QUIC stack adapter: choosing aioquic (pure Python), qh3 (the
+same asyncio API over a Rust core) or aiopquic (picoquic, a C core on its own thread; Python >= 3.12,
+adapted in ``kvnet.net.aiopquic_stack``) by ``TransportSettings.stack``, building its client and server
+configuration, and everything else that differs between them, so that ``kvnet.net.connection`` has one
 code path. Knows nothing about MoQT messages; ``kvnet.net.connection`` is the protocol glue.
 
 Why the defaults are what they are (2 cores, loopback, bulk one-way transfer, see
@@ -25,7 +26,10 @@ Differences between the stacks handled here (aioquic 1.7 / qh3 2.x):
   not yet sent once (``get_send_buffer_size``). Both work as a back-pressure measure.
 - Stream limits: neither has a setting (aioquic grants 128 concurrent peer streams, qh3 100), so we raise
   them before the handshake announces them.
-- TLS: qh3 servers cannot request a client certificate, so ``require_client_cert`` needs aioquic there.
+- TLS: qh3 and aiopquic servers cannot request a client certificate, so ``require_client_cert`` needs
+  aioquic there.
+- aiopquic owns its socket and sends from picoquic's thread: no datagram callbacks, no transmits, its
+  own keep-alive and path-MTU probing (see ``kvnet.net.aiopquic_stack``).
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ logger = logging.getLogger(__name__)
 ALPN_MOQT = "moqt-18"
 DEFAULT_PORT = 4443
 
-STACKS = ("aioquic", "qh3")
+STACKS = ("aioquic", "qh3", "aiopquic")
 # Chosen by measurement (docs/performance.md): qh3 moves bulk data 4-7x faster client -> server, but
 # its servers send ~1400-byte datagrams and cannot require client certificates, and as a client it
 # locates in 1-2 more round trips through an aioquic relay; so aioquic is the default and qh3 is opt-in.
@@ -71,6 +75,11 @@ MAX_DATAGRAM_SIZE_QH3 = 65507
 DATAGRAM_SIZE_LOOPBACK = 16384
 # qh3 on loopback: the largest size measured safe and fastest (benchmarks/bench_transport.py).
 DATAGRAM_SIZE_QH3_LOOPBACK = 65507
+# aiopquic: picoquic probes the path MTU up to its compile-time packet size and no further, whatever the
+# link; measured on loopback (benchmarks/bench_datapath.py).
+MAX_DATAGRAM_SIZE_AIOPQUIC = 1440
+# picoquic's first packets (its initial MTU, IPv4); with probing off it stays there.
+INITIAL_DATAGRAM_SIZE_AIOPQUIC = 1252
 # A 1500-byte Ethernet path: 1500 - 40 (IPv6) - 8 (UDP) = 1452. Use this for anything leaving the host
 # unless every hop is known to carry jumbo frames (then 8952 for a 9000-byte MTU).
 DATAGRAM_SIZE_ETHERNET = 1452
@@ -103,7 +112,8 @@ class TransportSettings:
     treats it as the upper bound of its path-MTU probing."""
     stack: str = DEFAULT_STACK
     """QUIC implementation: "aioquic" (pure Python; the only one whose servers can require client
-    certificates) or "qh3" (Rust core, ~4x the bulk throughput). See the module docstring."""
+    certificates), "qh3" (Rust core) or "aiopquic" (picoquic's C core; Python >= 3.12, at most
+    ``MAX_DATAGRAM_SIZE_AIOPQUIC``-byte datagrams). See the module docstring."""
     socket_receive_buffer: int = 4 << 20
     """SO_RCVBUF in bytes (4 MiB). The kernel default (~208 KiB) overflows under bursts of large datagrams."""
     socket_send_buffer: int = 4 << 20
@@ -142,10 +152,12 @@ class TransportSettings:
         if self.stack not in STACKS:
             raise ValueError(f"stack must be one of {STACKS}, got {self.stack!r}")
         limit = MAX_DATAGRAM_SIZE_LIMIT if self.stack == "aioquic" else MAX_DATAGRAM_SIZE_QH3
-        if self.max_datagram_size is not None and not MIN_DATAGRAM_SIZE <= self.max_datagram_size <= limit:
+        # picoquic sends its initial packets at this size whatever is configured.
+        smallest = INITIAL_DATAGRAM_SIZE_AIOPQUIC if self.stack == "aiopquic" else MIN_DATAGRAM_SIZE
+        if self.max_datagram_size is not None and not smallest <= self.max_datagram_size <= limit:
             why = " (aioquic corrupts larger packets)" if self.stack == "aioquic" else ""
             raise ValueError(
-                f"max_datagram_size must be in {MIN_DATAGRAM_SIZE}..{limit} for stack {self.stack}{why}, "
+                f"max_datagram_size must be in {smallest}..{limit} for stack {self.stack}{why}, "
                 f"got {self.max_datagram_size}"
             )
         for name in ("socket_receive_buffer", "socket_send_buffer"):
@@ -177,6 +189,8 @@ class TransportSettings:
     @property
     def datagram_size(self) -> int:
         """The datagram size in effect: ``max_datagram_size``, or the stack's loopback size."""
+        if self.stack == "aiopquic":
+            return min(self.max_datagram_size or MAX_DATAGRAM_SIZE_AIOPQUIC, MAX_DATAGRAM_SIZE_AIOPQUIC)
         if self.max_datagram_size is not None:
             return self.max_datagram_size
         return DATAGRAM_SIZE_LOOPBACK if self.stack == "aioquic" else DATAGRAM_SIZE_QH3_LOOPBACK
@@ -354,6 +368,9 @@ class QuicStack:
     transmits_after_each_datagram: bool
     """Its protocol transmits after every received datagram (aioquic); ``kvnet.net.connection`` batches those
     with ``arm_timer`` and ``window_limited``."""
+    keeps_alive_itself: bool = False
+    """The stack sends keep-alive PINGs itself (aiopquic: picoquic's keep-alive, configured from
+    ``TransportSettings.keepalive_interval``) and has no ``send_ping`` for ``kvnet.net.connection``."""
 
 
 @functools.cache
@@ -375,11 +392,56 @@ def get_stack(name: str) -> QuicStack:
 
         return QuicStack("qh3", qc.QuicConfiguration, qn.QuicConnection, qa.QuicConnectionProtocol, qv,
                          qa.connect, qa.serve, MAX_DATAGRAM_SIZE_QH3, False, False)
+    if name == "aiopquic":
+        if sys.version_info < (3, 12):
+            raise ValueError(
+                "QUIC stack aiopquic needs Python >= 3.12 (this is "
+                f"{sys.version_info[0]}.{sys.version_info[1]}); scripts/setup-py312 makes such an environment"
+            )
+        try:
+            import aiopquic.asyncio as pa
+            import aiopquic.quic.configuration as pc
+            import aiopquic.quic.connection as pn
+            import aiopquic.quic.events as pv
+        except ImportError as exc:
+            raise ValueError(f"QUIC stack aiopquic is not installed ({exc}): see scripts/setup-py312") \
+                from exc
+
+        from kvnet.net.aiopquic_stack import AiopquicProtocol
+
+        return QuicStack("aiopquic", pc.QuicConfiguration, pn.QuicConnection, AiopquicProtocol, pv,
+                         pa.connect, pa.serve, MAX_DATAGRAM_SIZE_AIOPQUIC, False, False, True)
     raise ValueError(f"unknown QUIC stack {name!r}; choose from {STACKS}")
+
+
+def keepalive_period(settings: TransportSettings, is_client: bool) -> float:
+    """Seconds without receiving after which a side PINGs (``TransportSettings.keepalive_interval``). The
+    client pings every interval; the server waits longer, so it pings only a client that does not
+    (keep-alive off, or another implementation), still within the idle timeout. With equal periods
+    both sides pinged every interval: a relay spent ~11% of a core per 1k idle sessions on twice the
+    PINGs and ACKs."""
+    interval = settings.keepalive_interval
+    if is_client:
+        return interval
+    return min(interval * 1.5, (interval + settings.idle_timeout) / 2)
 
 
 def _base_configuration(settings: TransportSettings, is_client: bool) -> Any:
     stack = get_stack(settings.stack)
+    if stack.name == "aiopquic":
+        return stack.QuicConfiguration(
+            is_client=is_client,
+            alpn_protocols=[ALPN_MOQT],
+            max_data=settings.max_data,
+            max_stream_data=settings.max_stream_data,
+            max_streams_bidi=settings.max_streams_bidi,
+            max_streams_uni=settings.max_streams_uni,
+            idle_timeout=settings.idle_timeout,
+            keep_alive_interval=keepalive_period(settings, is_client) or None,
+            socket_buffer_size=max(settings.socket_receive_buffer, settings.socket_send_buffer) or None,
+            # Below picoquic's own maximum only probing off keeps datagrams at or under the setting.
+            pmtud="blocked" if settings.datagram_size < MAX_DATAGRAM_SIZE_AIOPQUIC else "basic",
+        )
     config = stack.QuicConfiguration(
         is_client=is_client,
         alpn_protocols=[ALPN_MOQT],
@@ -417,7 +479,7 @@ def client_configuration(
     config.server_name = tls.server_name or server_name
     apply_client_verification(config, tls)
     if tls.cert_file is not None:
-        config.load_cert_chain(tls.cert_file, tls.key_file)
+        config.load_cert_chain(str(tls.cert_file), None if tls.key_file is None else str(tls.key_file))
     return config
 
 
@@ -434,28 +496,69 @@ def server_configuration(settings: TransportSettings, tls: TlsSettings) -> Any:
     if tls.cert_file is None:
         raise ValueError("a server needs cert_file and key_file")
     config = _base_configuration(settings, is_client=False)
-    config.load_cert_chain(tls.cert_file, tls.key_file)
+    config.load_cert_chain(str(tls.cert_file), None if tls.key_file is None else str(tls.key_file))
     if tls.ca_file is not None:
         config.load_verify_locations(cafile=str(tls.ca_file))
     return config
 
 
+def client_socket(settings: TransportSettings, family: int, local_host: str | None) -> socket.socket | None:
+    """The bound UDP socket a client connection sends from (on ``local_host``, else the wildcard
+    address), or None for aiopquic, whose picoquic binds its own (and cannot take ``local_host``)."""
+    if settings.stack == "aiopquic":
+        if local_host is not None:
+            raise ValueError("QUIC stack aiopquic binds its own socket: a local address cannot be chosen")
+        return None
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        wildcard = "::" if family == socket.AF_INET6 else "0.0.0.0"
+        sock.bind((local_host or wildcard, 0))
+        apply_socket_buffers(sock, settings)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 async def open_client_endpoint(
-    settings: TransportSettings, sock: socket.socket, protocol_factory: Callable[[], Any]
-) -> tuple[asyncio.DatagramTransport, Any]:
-    """Wrap a bound UDP socket in the stack's datagram transport (qh3: batched receive with GRO)."""
+    settings: TransportSettings, sock: socket.socket | None, configuration: Any,
+    protocol_factory: Callable[[Any], Any],
+) -> tuple[Any, Any]:
+    """The stack's client transport and the protocol ``protocol_factory(quic_connection)`` made for a
+    new connection with ``configuration``: a datagram transport over ``sock`` (qh3: batched receive
+    with GRO), or for aiopquic its own transport (``client_socket`` gave None)."""
     loop = asyncio.get_running_loop()
+    stack = get_stack(settings.stack)
+    if settings.stack == "aiopquic":
+        from kvnet.net.aiopquic_stack import open_client
+
+        return open_client(configuration, protocol_factory)
+    assert sock is not None
+
+    def make_protocol() -> Any:
+        return protocol_factory(stack.QuicConnection(configuration=configuration))
+
     if settings.stack == "qh3":
         from qh3.asyncio._transport import create_optimized_datagram_transport
 
-        transport, protocol = await create_optimized_datagram_transport(loop, protocol_factory, sock=sock)
+        transport, protocol = await create_optimized_datagram_transport(loop, make_protocol, sock=sock)
         return transport, protocol
-    transport, protocol = await loop.create_datagram_endpoint(protocol_factory, sock=sock)
+    transport, protocol = await loop.create_datagram_endpoint(make_protocol, sock=sock)
     return transport, protocol
 
 
+def server_socket(quic_server: Any) -> socket.socket | None:
+    """The listening UDP socket of a ``stack.serve`` server (None for aiopquic: picoquic's own)."""
+    transport = getattr(quic_server, "_transport", None)
+    return None if transport is None else transport.get_extra_info("socket")
+
+
 def unsent_bytes(quic: Any, stream_ids: Iterable[int]) -> dict[int, int]:
-    """Bytes still held by the stack per stream: aioquic counts unacknowledged bytes, qh3 unsent ones."""
+    """Bytes still held by the stack per stream: aioquic counts unacknowledged bytes, qh3 and aiopquic
+    (``kvnet.net.aiopquic_stack.StreamWriter``) unsent ones."""
+    unsent = getattr(quic, "unsent", None)
+    if unsent is not None:
+        return {sid: unsent(sid) for sid in stream_ids}
     get = getattr(quic, "get_send_buffer_size", None)
     if get is not None:
         return {sid: int(get(sid)) for sid in stream_ids}
@@ -535,7 +638,7 @@ def limit_datagram_size(quic: Any, settings: TransportSettings) -> None:
     is fixed for the connection. qh3 applies the peer's parameter and probes the path itself.
     """
     if not hasattr(quic, "_parse_transport_parameters"):
-        return  # qh3
+        return  # qh3 and aiopquic probe the path themselves
     from aioquic.buffer import Buffer
     from aioquic.quic.packet import pull_quic_transport_parameters, push_quic_transport_parameters
 
@@ -582,8 +685,11 @@ def _set_datagram_size(quic: Any, size: int) -> None:
 
 def raise_stream_limits(quic: Any, settings: TransportSettings) -> None:
     """Grant the peer ``settings.max_streams_*`` concurrent streams before the handshake announces them.
-    Neither stack has a setting: aioquic starts from 128 per direction, qh3 from 100 bidirectional and
-    103 unidirectional; kvnet opens one bidirectional stream per request, thousands at once."""
+    Neither aioquic nor qh3 has a setting: aioquic starts from 128 per direction, qh3 from 100
+    bidirectional and 103 unidirectional; kvnet opens one bidirectional stream per request, thousands at
+    once. aiopquic takes them in its configuration (``_base_configuration``)."""
+    if settings.stack == "aiopquic":
+        return
     if hasattr(quic, "_local_max_streams_bidi"):  # aioquic: plain attributes read at handshake time
         for attr, value in (("_local_max_streams_bidi", settings.max_streams_bidi),
                             ("_local_max_streams_uni", settings.max_streams_uni)):

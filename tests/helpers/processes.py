@@ -2,12 +2,15 @@
 
 Every relay a test or benchmark starts is ``python -m relay`` with certificates made by
 ``kvnet.security.certs``; ``start_relay`` returns once the relay logs ``listening`` and its metrics
-endpoint answers, and raises with the relay's log if it exits or never gets there.
+endpoint answers, and raises with the relay's log if it exits or never gets there. A relay on the
+``aiopquic`` QUIC stack runs in the Python 3.12 environment ``scripts/setup-py312`` makes
+(``native_quic_python``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import socket
@@ -24,14 +27,18 @@ from tests.helpers.waiting import DEFAULT_TIMEOUT, async_wait_until, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 60.0
+NATIVE_QUIC_SETUP_TIMEOUT = 1200.0
+"""Seconds the first (uncached) ``scripts/setup-py312`` may take to install its packages."""
 
 __all__ = [
     "REPO",
     "START_TIMEOUT",
     "CertDir",
+    "NativeQuicUnavailable",
     "RelayProcess",
     "free_port",
     "make_certificates",
+    "native_quic_python",
     "sigterm",
     "start_relay",
     "wait_for_output",
@@ -51,6 +58,36 @@ def free_port(kind: int = socket.SOCK_DGRAM) -> int:
             except OSError:
                 continue
         return port
+
+
+class NativeQuicUnavailable(RuntimeError):
+    """No Python 3.12 environment with aiopquic can be made here (no Python 3.12, or no package index)."""
+
+
+@functools.cache
+def native_quic_python() -> Path:
+    """The interpreter of the cached Python 3.12 environment with aiopquic (``scripts/setup-py312``, made
+    on first use). Raises ``NativeQuicUnavailable`` with the script's reason where it cannot be made."""
+    if sys.version_info >= (3, 12):
+        return Path(sys.executable)
+    try:
+        done = subprocess.run([str(REPO / "scripts" / "setup-py312")], capture_output=True, text=True,
+                              timeout=NATIVE_QUIC_SETUP_TIMEOUT)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"scripts/setup-py312 took more than {NATIVE_QUIC_SETUP_TIMEOUT:g} s") from exc
+    reason = (done.stderr.strip().splitlines() or [""])[-1]
+    if done.returncode in (3, 4):  # no Python 3.12; the packages could not be installed
+        raise NativeQuicUnavailable(f"no Python 3.12 environment for aiopquic: {reason}")
+    if done.returncode != 0:
+        raise RuntimeError(f"scripts/setup-py312 failed ({done.returncode}): {done.stderr[-2000:]}")
+    return Path(done.stdout.strip().splitlines()[-1]) / "bin" / "python"
+
+
+def relay_python(args: tuple[str, ...]) -> Path:
+    """The interpreter a relay with these arguments runs in: the Python 3.12 one for ``--quic-stack
+    aiopquic``, this one otherwise."""
+    stacks = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == "--quic-stack"]
+    return native_quic_python() if stacks and stacks[-1] == "aiopquic" else Path(sys.executable)
 
 
 @dataclass
@@ -174,7 +211,7 @@ def start_relay(
     metrics_port = metrics_port or free_port(socket.SOCK_STREAM)
     log_path = log_dir / f"{name}-{port}.log"
     args = [
-        sys.executable, "-m", "relay",
+        str(relay_python(extra)), "-m", "relay",
         "--listen", f"127.0.0.1:{port}",
         "--metrics", f"127.0.0.1:{metrics_port}",
         "--cert", str(cert_dir.cert), "--key", str(cert_dir.key), "--ca", str(cert_dir.ca),

@@ -43,7 +43,7 @@ def test_settings_defaults_and_validation() -> None:
 
 
 def test_link_presets_size_datagrams_never_above_the_peer() -> None:
-    for stack in quic.STACKS:
+    for stack in ("aioquic", "qh3"):
         assert quic.TransportSettings.for_link("ethernet", stack).datagram_size == 1452
         assert quic.TransportSettings.for_link("jumbo", stack).datagram_size == 8952
         loopback = quic.TransportSettings.for_link("loopback", stack)
@@ -51,6 +51,14 @@ def test_link_presets_size_datagrams_never_above_the_peer() -> None:
         # The loopback preset is the loopback size on this machine only; the peer's limit caps every preset.
         assert quic.choose_datagram_size(loopback, None, loopback=False) == quic.DATAGRAM_SIZE_ETHERNET
         assert quic.choose_datagram_size(quic.TransportSettings.for_link("jumbo", stack), 1500, True) == 1500
+    # aiopquic's picoquic probes up to its own maximum and no further, and never above the peer's limit
+    # (its own rule); a setting below that maximum turns probing off.
+    for link in quic.LINK_PRESETS:
+        settings = quic.TransportSettings.for_link(link, "aiopquic")
+        assert settings.datagram_size == quic.MAX_DATAGRAM_SIZE_AIOPQUIC
+    assert quic.TransportSettings(stack="aiopquic", max_datagram_size=1300).datagram_size == 1300
+    with pytest.raises(ValueError, match="max_datagram_size must be in 1252"):
+        quic.TransportSettings(stack="aiopquic", max_datagram_size=1200)
     assert quic.TransportSettings.for_ethernet() == quic.TransportSettings.for_link("ethernet")
     with pytest.raises(ValueError, match="link must be one of"):
         quic.TransportSettings.for_link("wifi")
