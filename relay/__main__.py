@@ -19,7 +19,7 @@ from typing import Any
 
 from kvnet.blocks.signing import SigningError
 from kvnet.logs import add_log_arguments, setup_logging_from_args
-from kvnet.net.quic import LINK_PRESETS, TransportSettings
+from kvnet.net.quic import LINK_PRESETS, STACKS, TransportSettings, server_configuration
 from kvnet.security.certs import check_tls_files
 from kvnet.security.tokens import DEFAULT_CLOCK_SKEW_S
 from kvnet.settings import format_size, parse_settings, settings_parser, size_arg
@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-request-header-timeouts", type=int, help="late request streams before closing")
     g.add_argument("--slow-peer-timeout", type=float, help="seconds a peer may read nothing while data waits")
     g = p.add_argument_group("transport")
-    g.add_argument("--quic-stack", choices=("aioquic", "qh3"), help="QUIC implementation")
+    g.add_argument("--quic-stack", choices=STACKS, help="QUIC implementation (aiopquic: Python >= 3.12)")
     size = g.add_mutually_exclusive_group()
     size.add_argument("--max-datagram-size", type=int, help="QUIC datagram size (1452 ethernet)")
     size.add_argument(
@@ -235,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         check_tls_files(config.tls.ca_file, config.tls.cert_file, config.tls.key_file)
+        # A stack that cannot load (aiopquic needs Python >= 3.12) or cannot do the TLS asked (client
+        # certificates: aioquic only) is a usage error, before anything starts.
+        server_configuration(config.transport, config.tls)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     setup_logging_from_args(args)
