@@ -24,6 +24,9 @@ from proto.session import SessionConfig
 
 logger = logging.getLogger(__name__)
 
+# Most connections one aiopquic server holds (picoquic's table size).
+_AIOPQUIC_MAX_CONNECTIONS = 1 << 16
+
 
 class _Connector:
     """``conn = await connect(...)`` or ``async with connect(...) as conn``."""
@@ -230,8 +233,9 @@ async def serve(
 
     if settings.stack == "aiopquic":
         # picoquic refuses connections past its own limit before any session exists; leave room for
-        # the ones refused above with a reason.
-        config.max_connections = max_connections + 64
+        # the ones refused above with a reason. It sizes its tables by the limit up front (a relay that
+        # counts sessions itself passes 2^30, which picoquic cannot allocate).
+        config.max_connections = min(max_connections + 64, _AIOPQUIC_MAX_CONNECTIONS)
         if port == 0:
             # picoquic does not report the port it bound: choose a free one here.
             with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
