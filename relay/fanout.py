@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -15,16 +16,19 @@ from kvnet.net.errors import ConnectionClosed, LimitError, RequestRejected, Stre
 from kvnet.net.handles import (
     Subscription,
 )
+from kvnet.net.reconnect import DEFAULT_CAP_S, Backoff
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, StreamResetCode
 from proto.messages import Location, Properties
-from relay.cache import CachedObject, FetchInfo, TrackKey
+from relay.cache import CachedObject, FetchInfo, RequestFailed, TrackKey
 from relay.tasks import spawn
 from relay.upstream import cached_object
 
 if TYPE_CHECKING:
     from relay.peer import Peer
     from relay.relay import Relay
+
+logger = logging.getLogger(__name__)
 
 
 RECENT_STREAMS = 64
@@ -70,6 +74,10 @@ class Fanout:
         FETCHes of the live track (nobody else has them) and are stored in the cache once the track is
         complete."""
         self.publish_bytes = 0
+        self.requester: Peer | None = None
+        """The session whose SUBSCRIBE started the upstream subscription (routes never lead back to it)."""
+        self.resumed = 0
+        """Times the upstream subscription was re-established after its session was lost."""
         self.task: asyncio.Task[None] | None = None
         self.ended = False
         self.track_ended = False
@@ -179,25 +187,70 @@ class Fanout:
 
     async def pump(self, source: Subscription) -> None:
         status, reason = 0x2, "track ended"  # TRACK_ENDED
+        forwarded_before: tuple[int, int] | None = None
+        """After a resume: objects up to here were forwarded on the lost subscription."""
         try:
-            async for ev in source:
-                obj = cached_object(ev)
-                self.track_ended = self.track_ended or obj.status == ObjectStatus.END_OF_TRACK
-                self.relay.metrics.inc("bytes_in_total", len(ev.payload))
-                if self.publish_objects is not None:
-                    self._collect(obj)
-                self.forward(obj)
-            if source.done is not None:
-                status, reason = source.done.status_code, source.done.reason
-        except (ConnectionClosed, RequestRejected, StreamResetError, LimitError) as exc:
-            if self.track_ended:
-                # The source went away after END_OF_TRACK (e.g. a one-shot publisher exiting before its
-                # PUBLISH_DONE): every object arrived, so the track did end.
-                status, reason = PublishDoneCode.TRACK_ENDED, "track ended"
-            else:
-                status, reason = PublishDoneCode.INTERNAL_ERROR, f"upstream ended: {exc}"
+            while True:
+                try:
+                    async for ev in source:
+                        obj = cached_object(ev)
+                        if forwarded_before is not None and obj.location <= forwarded_before:
+                            continue
+                        self.track_ended = self.track_ended or obj.status == ObjectStatus.END_OF_TRACK
+                        self.relay.metrics.inc("bytes_in_total", len(ev.payload))
+                        if self.publish_objects is not None:
+                            self._collect(obj)
+                        self.forward(obj)
+                    if source.done is not None:
+                        status, reason = source.done.status_code, source.done.reason
+                    return
+                except (ConnectionClosed, RequestRejected, StreamResetError, LimitError) as exc:
+                    if self.track_ended:
+                        # The source went away after END_OF_TRACK (e.g. a one-shot publisher exiting before
+                        # its PUBLISH_DONE): every object arrived, so the track did end.
+                        status, reason = PublishDoneCode.TRACK_ENDED, "track ended"
+                        return
+                    if source is self.upstream and source.session_closed:
+                        resumed = await self._resubscribe(str(exc))
+                        if resumed is not None:
+                            source = resumed
+                            largest = self.largest
+                            forwarded_before = None if largest is None else (largest.group, largest.object)
+                            continue
+                    status, reason = PublishDoneCode.INTERNAL_ERROR, f"upstream ended: {exc}"
+                    return
         finally:
             self.finish(status, reason)
+
+    async def _resubscribe(self, why: str) -> Subscription | None:
+        """The session carrying our upstream SUBSCRIBE was lost (an upstream relay or publisher restarted
+        or went away): subscribe again on whatever route comes up, retrying on the reconnect backoff for
+        at most its cap plus ``upstream_timeout``, while subscribers remain. Objects published meanwhile
+        are not recovered (a live subscription; the subscribers may FETCH them)."""
+        relay, requester = self.relay, self.requester
+        if requester is None:
+            return None
+        window = DEFAULT_CAP_S + relay.config.limits.upstream_timeout
+        deadline = relay.clock() + window
+        backoff = Backoff()
+        logger.info("upstream subscription lost; subscribing again", extra={"error": why, "within": window})
+        while self.subs and relay.clock() < deadline:
+            try:
+                sub = await relay.upstream_for(self.key, requester).subscribe(self.key)
+            except RequestFailed as exc:
+                why = exc.reason
+                await asyncio.sleep(min(backoff.next_delay(), max(0.0, deadline - relay.clock())))
+                continue
+            if not self.subs:
+                sub.cancel()  # the last subscriber left while we subscribed
+                return None
+            self.upstream = sub
+            self.resumed += 1
+            relay.metrics.inc("subscriptions_resumed_total")
+            logger.info("upstream subscription resumed", extra={"attempts": backoff.attempt + 1})
+            return sub
+        logger.info("upstream subscription not resumed", extra={"error": why})
+        return None
 
     def _collect(self, obj: CachedObject) -> None:
         objs = self.publish_objects

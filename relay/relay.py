@@ -336,6 +336,10 @@ class Relay:
         m.counter("bytes_in_total", "object payload bytes received")
         m.counter("bytes_out_total", "object payload bytes sent")
         m.counter("upstream_requests_total", "requests sent upstream")
+        m.counter(
+            "subscriptions_resumed_total",
+            "upstream subscriptions subscribed again after their session was lost (subscribers kept)",
+        )
         m.counter("limit_rejections_total", "requests or sessions refused by a limit")
         m.counter("auth_refusals_total", "requests and sessions refused by authorization, by code")
         m.counter("requests_total", "requests by type and outcome")
@@ -872,6 +876,7 @@ class Relay:
         return True
 
     async def _subscribe_upstream(self, fan: Fanout, requester: Peer) -> None:
+        fan.requester = requester
         sub = await self.upstream_for(fan.key, requester).subscribe(fan.key)
         assert sub.ok is not None
         fan.upstream = sub

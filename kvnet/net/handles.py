@@ -56,6 +56,11 @@ class _ObjectStream:
     def finished(self) -> bool:
         return self._finished
 
+    @property
+    def session_closed(self) -> bool:
+        """The session this request was sent on is over (the request did not end on its own)."""
+        return self._conn.is_closed
+
     def __aiter__(self) -> AsyncIterator[me.ObjectReceived]:
         return self._iterate()
 

@@ -2,8 +2,9 @@
 
 Real relay processes on loopback: an edge started before its origin answers requests with a clear error
 and connects once the origin is up; after the origin is restarted it reconnects (capped backoff) and
-announces again what its publishers announced; an origin going away (SIGTERM) sends GOAWAY, the edge
-leaves that session at once, and the draining origin refuses new sessions.
+announces again what its publishers announced, and a live subscription through it resumes on the new
+session; an origin going away (SIGTERM) sends GOAWAY, the edge leaves that session at once, and the
+draining origin refuses new sessions.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from pathlib import Path
 
 import pytest
 
+from kvnet.net.connection import MoqtConnection
 from kvnet.net.errors import RequestRejected
+from kvnet.net.handles import IncomingSubscribe
 from kvnet.net.reconnect import DEFAULT_CAP_S
 from proto.errors import RequestErrorCode
 from tests.helpers.processes import CertDir, RelayProcess, free_port, start_relay
+from tests.helpers.waiting import async_wait_until
 from tests.relay.conftest import RelayFactory
-from tests.relay.peers import Publisher, connect_client, fetch_track, track_objects
+from tests.relay.peers import NS, Publisher, connect_client, fetch_track, track_objects
 
 RECONNECT_WITHIN = DEFAULT_CAP_S + 40.0
 """The backoff bound plus process start and handshake time on a loaded two-core machine."""
@@ -88,3 +92,86 @@ async def test_edge_leaves_a_draining_origin_on_goaway(
     assert "upstream relay sent GOAWAY" in edge.log()
     origin.stop()
     await asyncio.to_thread(origin.proc.wait, 10)
+
+
+class LivePublisher:
+    """Announces ``NS`` and accepts every SUBSCRIBE for track ``live``; ``send(i)`` publishes object ``i`` as
+    group ``i`` on every subscription still open (a live track: a new subscriber gets what follows)."""
+
+    def __init__(self, conn: MoqtConnection) -> None:
+        self.conn = conn
+        self.subscriptions: list[IncomingSubscribe] = []
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> LivePublisher:
+        await self.conn.publish_namespace(NS)
+        self.task = asyncio.create_task(self._run())
+        return self
+
+    async def _run(self) -> None:
+        async for req in self.conn.incoming_requests():
+            if isinstance(req, IncomingSubscribe) and req.event.track_name == b"live":
+                req.accept_subscribe(len(self.subscriptions) + 1)
+                self.subscriptions.append(req)
+            else:
+                req.reject(RequestErrorCode.DOES_NOT_EXIST, "live publisher: track live only")
+
+    def open(self) -> list[IncomingSubscribe]:
+        return [r for r in self.subscriptions if not r.gone]
+
+    def send(self, i: int) -> None:
+        for req in self.open():
+            sid = req.open_subgroup(i, 0)
+            req.send_object(sid, 0, f"live object {i}".encode(), end_stream=True)
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        await asyncio.wait_for(self.conn.close_session(), 5)
+
+
+async def test_a_live_subscription_through_edges_resumes_after_the_origin_restarts(
+    cert_dir: CertDir, relay_factory: RelayFactory, tmp_path: Path
+) -> None:
+    """Publisher behind edge A, subscriber behind edge B, origin between them (draft "Relays"). The origin
+    is killed and restarted: both edges reconnect, A announces again, and B subscribes again upstream for
+    the subscriber it kept. The subscriber's one subscription carries what was published before and after
+    the restart, never ending in between; what was published while the origin was down is lost (live)."""
+    origin = start_relay(cert_dir, tmp_path, name="origin-0")
+    edge_a = relay_factory("--upstream", origin.url, "--upstream-idle-timeout", "1", name="edge-a")
+    edge_b = relay_factory("--upstream", origin.url, "--upstream-idle-timeout", "1", name="edge-b")
+    pub = await LivePublisher(await connect_client(edge_a.url, str(cert_dir.ca))).start()
+    sub = await connect_client(edge_b.url, str(cert_dir.ca))
+    got: list[bytes] = []
+    try:
+        await origin.wait_namespaces(1, RECONNECT_WITHIN)
+        handle = await sub.subscribe(NS, b"live")
+
+        async def collect() -> None:
+            async for obj in handle:
+                got.append(obj.payload)
+
+        reader = asyncio.create_task(collect())
+        await async_wait_until(lambda: len(pub.open()) == 1, "the subscription reached the publisher")
+        for i in range(3):
+            pub.send(i)
+        await async_wait_until(lambda: len(got) == 3, "objects before the restart")
+
+        origin.stop()  # SIGKILL: the edges notice by keep-alive loss
+        await _connected(edge_b, 0)
+        await async_wait_until(lambda: not pub.open(), "edge A ended the publisher's subscription")
+        pub.send(99)  # nobody subscribed: lost, as on any live track
+        origin = start_relay(cert_dir, tmp_path, port=origin.port, name="origin-1")
+        await async_wait_until(lambda: len(pub.open()) == 1, "edge B subscribed again through the new origin",
+                               timeout=RECONNECT_WITHIN)
+        for i in range(3, 6):
+            pub.send(i)
+        await async_wait_until(lambda: len(got) == 6, "objects after the restart")
+        assert got == [f"live object {i}".encode() for i in range(6)]
+        assert not reader.done(), "the subscription never ended"
+        assert (await edge_b.ametrics())["kvnet_relay_subscriptions_resumed_total"] == 1
+        reader.cancel()
+    finally:
+        await sub.close_session()
+        await pub.stop()
+        origin.stop()
