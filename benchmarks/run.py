@@ -28,6 +28,8 @@ missing, or that fails, is recorded as skipped with the reason and the others st
            server -> client per stack at each link preset (ethernet 1452, jumbo 8952, loopback), TLS 1.3
            over TCP and HTTPS moving the same bytes; MB/s, tokens/s, CPU ms/MB per side (bench_datapath)
   scale    relay memory and CPU per 1k idle sessions and per 100k cached objects (bench_scale)
+  lifecycle an origin relay restarted (SIGTERM, SIGKILL) under a kvnet-node and an edge relay: time to
+           leave the dead session and to be back on the restarted one (bench_reconnect.measure)
   quality  codec quality on real KV: SmolLM2 over the documents in benchmarks/documents, per rendition
            size vs raw, mean KL to lossless, delta log-loss and top-1 agreement on held-out tokens
            (bench_codecs.real_kv_quality; float32, and bfloat16 unless --quick)
@@ -41,6 +43,7 @@ import argparse
 import asyncio
 import os
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -248,6 +251,22 @@ def suite_scale(res: common.SuiteResult, quick: bool) -> None:
     res.add("relay overhead per cached object", [o["overhead_bytes_per_object"]], "B", note)
 
 
+def suite_lifecycle(res: common.SuiteResult, quick: bool) -> None:
+    br = _need("bench_reconnect")
+    from tests.helpers.processes import make_certificates
+
+    runs = 2 if quick else 5
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        certs = make_certificates(work / "certs")
+        for way in ("sigterm", "sigkill"):
+            times = br.measure(runs, way, work, certs)
+            res.add(f"origin {way}: node and edge off the dead session", times["noticed"], "s",
+                    "signal -> node /ready 503 and edge upstreams_connected 0")
+            res.add(f"origin {way}: node and edge back on the restarted origin", times["back"], "s",
+                    "origin listening -> node /ready 200 and edge upstreams_connected 1 (backoff cap 5 s)")
+
+
 def suite_quality(res: common.SuiteResult, quick: bool) -> None:
     bc = _need("bench_codecs")
     held_out = 128 if quick else 256
@@ -271,6 +290,7 @@ SUITES: dict[str, Callable[[common.SuiteResult, bool], None]] = {
     "scale": suite_scale,
     "quality": suite_quality,
     "datapath": suite_datapath,
+    "lifecycle": suite_lifecycle,
 }
 
 
