@@ -10,7 +10,7 @@ it (`kvnet.model.engine`) decides when to step. It knows nothing about HTTP, the
 
 Greedy outputs equal `generate` on the same prompt up to the rounding of batched matrix products: in
 float32 torch's CPU GEMM takes other kernels for 1-3 rows than for more, so a decode row in a batch can
-differ from the unbatched one in the last bits (~1e-5 relative); bfloat16 products measured bit-identical.
+differ from the unbatched one in the last bits; bfloat16 products measured bit-identical.
 Attention is computed per sequence (`BatchedPagedAttention`), identical to the unbatched path.
 """
 
