@@ -249,10 +249,11 @@ class BatchScheduler:
             seq = chunk.seq
             if seq.in_prefill:
                 seq.prefilled = chunk.start + chunk.length
+                if seq.request.commit_prompt:
+                    # Written full blocks are final: registered now, prompts admitted later share them.
+                    commit_prompt_blocks(self.cache, seq.seq_id, seq.hashes)
                 if seq.in_prefill:
                     continue  # more prompt chunks to go before a token can be chosen
-                if seq.request.commit_prompt:
-                    commit_prompt_blocks(self.cache, seq.seq_id, seq.hashes)
                 if seq.request.max_new_tokens == 0:
                     self._running.remove(seq)
                     events.append(self._finish(seq, "length"))

@@ -135,6 +135,22 @@ def test_a_later_sequence_reuses_committed_prompt_blocks(model: Transformer, roo
     assert run.tokens(2) == alone(model, root, second)
 
 
+def test_blocks_prefilled_so_far_are_shared_with_a_sequence_admitted_meanwhile(
+    model: Transformer, root: bytes
+) -> None:
+    scheduler = BatchScheduler(model, new_cache(model), root=root, config=SchedulerConfig(2, 32))
+    shared = prompt(100, seed=14)
+    run = Run(scheduler)
+    scheduler.add(1, SequenceRequest((*shared, 5), 3))
+    run.step()
+    run.step()  # 64 of its 101 prompt tokens written: 4 full blocks
+    later = SequenceRequest((*shared, 6, 7), 3)
+    scheduler.add(2, later)
+    run.until_idle()
+    assert run.finished(2).result.cached_tokens == 64
+    assert run.tokens(2) == alone(model, root, later)
+
+
 def test_stop_ids_length_and_prefill_only(model: Transformer, root: bytes) -> None:
     base = SequenceRequest(prompt(20, seed=4), 10)
     expected = alone(model, root, base)
