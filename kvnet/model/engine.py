@@ -237,8 +237,12 @@ class BatchEngine:
                     events.append(SequenceFailed(seq_id, exc))
             for seq_id in cancels:
                 events.extend(scheduler.abort(seq_id))
-            if scheduler.has_work():
-                events.extend(scheduler.step())
+            try:
+                if scheduler.has_work():
+                    events.extend(scheduler.step())
+            except Exception as exc:  # a bug, not a bad request: fail what was running, keep serving
+                logger.exception("batching step failed; failing the sequences it held")
+                events.extend(SequenceFailed(event.seq_id, exc) for event in scheduler.abort_all())
             self._dispatch(events)
         self._fail_all()
 
@@ -259,9 +263,13 @@ class BatchEngine:
                     self._callbacks.pop(event.seq_id, None)
                     pending.extend(self.scheduler.abort(event.seq_id))
             elif isinstance(event, SequenceFinished):
-                self._resolve(event.seq_id).set_result(event)
+                future = self._resolve(event.seq_id)
+                if future.set_running_or_notify_cancel():  # False: its caller cancelled the future
+                    future.set_result(event)
             elif isinstance(event, SequenceFailed):
-                self._resolve(event.seq_id).set_exception(event.error)
+                future = self._resolve(event.seq_id)
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(event.error)
 
     def _resolve(self, seq_id: int) -> Future[SequenceFinished]:
         self._callbacks.pop(seq_id, None)

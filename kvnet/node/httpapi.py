@@ -545,6 +545,8 @@ class OpenAiApi:
         try:
             async with asyncio.TaskGroup() as group:  # the choices run together in the batching engine
                 tasks = [group.create_task(self._run(job, max_tokens, stop, admission)) for job in jobs]
+        except ExceptionGroup as failed:  # the others were cancelled; answer with the first error
+            raise failed.exceptions[0] from None
         finally:
             admission.release()
         results = [task.result() for task in tasks]
