@@ -4,15 +4,18 @@
 FROM python:3.11-slim AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-# torch==2.13.0 is pinned. On Linux x86_64 the default index serves a CUDA build of several GB; kvnet runs on
-# the CPU build just as well, so pass your CPU wheel index as --build-arg TORCH_INDEX_URL=... to keep the
-# image small. The rest of the pinned set (requirements-lock.txt) then finds torch already satisfied.
+# torch==2.13.0 is pinned and installed first by scripts/install-torch, as for scripts/setup: the build has no
+# GPU, so a CUDA build (several GB, which the default index serves on Linux x86_64) is refused with what to
+# set; pass your CPU wheel index as --build-arg TORCH_INDEX_URL=... The rest of the pinned set
+# (requirements-lock.txt: the runtime dependencies only; the test tools are pinned in a file of their own,
+# which the image never sees) then finds torch already satisfied.
 ARG TORCH_INDEX_URL=""
 RUN python -m venv /opt/kvnet
 ENV PATH=/opt/kvnet/bin:$PATH
 WORKDIR /src
 COPY requirements-lock.txt ./
-RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0; fi \
+COPY scripts/install-torch ./scripts/
+RUN KVNET_TORCH=cpu TORCH_INDEX_URL="$TORCH_INDEX_URL" scripts/install-torch python \
  && pip install -r requirements-lock.txt
 COPY pyproject.toml README.md ./
 COPY kvnet ./kvnet
@@ -21,7 +24,8 @@ COPY relay ./relay
 COPY publisher ./publisher
 COPY subscriber ./subscriber
 RUN pip install --no-deps . \
- && python -c "import torch, kvnet.node.node, relay.config; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+ && python -c "import torch, kvnet.node.node, relay.config; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
+ && if python -c "import pytest" 2>/dev/null; then echo "test tools leaked into the image" >&2; exit 1; fi
 
 FROM python:3.11-slim
 # curl: the one-line demo requests (docker compose exec sub-b curl ...).
