@@ -31,6 +31,7 @@ from kvnet.node.config import (
     prompts_from_args,
 )
 from kvnet.node.node import start_node
+from kvnet.progress import Progress
 from kvnet.settings import parse_settings, settings_parser
 
 logger = logging.getLogger("publisher")
@@ -59,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def run(config: PublisherConfig) -> int:
-    node = await start_node(config.node)
+    progress = Progress.for_command(config.json_output)
+    async with progress.activity(f"loading model {config.node.checkpoint or config.node.model}"):
+        node = await start_node(config.node)
     if config.exit_after_publish and node.peer is None:
         # Nothing would outlive this process: say so rather than exit as if the blocks were published.
         await node.close()
@@ -73,7 +76,10 @@ async def run(config: PublisherConfig) -> int:
         blocks = pushed = 0
         for i, prompt in enumerate(config.prompts):
             logger.info("prompt %d/%d: prefill ...", i + 1, len(config.prompts))
-            report = await node.publish_prompt(prompt)
+            tokens = len(node.encode_prompt(prompt))
+            step = f"prompt {i + 1}/{len(config.prompts)}: prefill {tokens} tokens, publish"
+            async with progress.activity(step, estimate_s=node.abr.prefill.estimate(tokens)):
+                report = await node.publish_prompt(prompt)
             blocks += report.blocks
             pushed += report.pushed
             logger.info(

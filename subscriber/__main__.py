@@ -17,8 +17,9 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import count
 
 from kvnet.logs import setup_logging_from_args
 from kvnet.model.registry import default_models_dir
@@ -30,6 +31,7 @@ from kvnet.node.config import (
     prompts_from_args,
 )
 from kvnet.node.node import start_node
+from kvnet.progress import Activity, Progress
 from kvnet.settings import parse_settings, settings_parser
 
 logger = logging.getLogger("subscriber")
@@ -75,11 +77,24 @@ def _human(report: dict[str, object]) -> str:
 
 
 async def run(config: SubscriberConfig) -> int:
-    node = await start_node(config.node)
+    progress = Progress.for_command(config.json_output)
+    async with progress.activity(f"loading model {config.node.checkpoint or config.node.model}"):
+        node = await start_node(config.node)
     ok = True
     try:
-        for prompt in config.prompts:
-            report = await node.complete(prompt, publish=config.publish, verify=config.verify)
+        for i, prompt in enumerate(config.prompts):
+            tokens = len(node.encode_prompt(prompt))
+            step = f"prompt {i + 1}/{len(config.prompts)}: {tokens} tokens: locate, fetch, prefill, generate"
+            async with progress.activity(step) as activity:
+                generated = count(1)
+
+                def on_token(_token_id: int, note: Activity = activity, n: Iterator[int] = generated) -> bool:
+                    note.note(f"{next(n)} tokens generated")
+                    return True
+
+                report = await node.complete(
+                    prompt, publish=config.publish, verify=config.verify, on_token=on_token
+                )
             out = report.to_json()
             if config.json_output:
                 print(json.dumps(out), flush=True)

@@ -39,6 +39,7 @@ from kvnet.node.httpapi import (
 )
 from kvnet.node.metrics import NodeMetrics
 from kvnet.node.node import Node, start_node
+from kvnet.progress import Progress
 from kvnet.settings import parse_settings, settings_parser
 
 logger = logging.getLogger("kvnet-node")
@@ -134,7 +135,9 @@ async def serve(config: ServeConfig) -> int:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ConfigError(f"--http {where}: cannot listen: {reason}") from None
     try:
-        node = await start_node(config.node)
+        model = config.node.checkpoint or config.node.model
+        async with Progress.for_command().activity(f"loading model {model}"):
+            node = await start_node(config.node)
     except (ValueError, OSError, SigningError) as exc:  # e.g. a checkpoint whose files are unusable
         sock.close()
         raise ConfigError(str(exc)) from None
