@@ -211,7 +211,12 @@ class UpstreamRelay:
             attempt: asyncio.Future[MoqtConnection | None] = loop.create_future()
             self._attempt, self.retry_at = attempt, None
             try:
-                conn = await connect(self.url, self._settings, self._tls, self._session_config, self._limits)
+                # Bounded here too: a blackholed upstream must not hold the requests waiting for this attempt
+                # for longer than one request may wait anyway.
+                conn = await asyncio.wait_for(
+                    connect(self.url, self._settings, self._tls, self._session_config, self._limits),
+                    self._request_timeout,
+                )
             except BaseException as exc:
                 self._attempt = None
                 attempt.set_result(None)  # wakes the requests waiting for this attempt
