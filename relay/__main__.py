@@ -76,7 +76,7 @@ SECTION_FLAGS: dict[str, str] = {
 # Flags read as they are (argparse default = the real default), named as load_config's top-level keys.
 TOP_FLAGS = (
     "listen", "cert", "key", "ca", "require_client_cert", "upstream", "metrics", "log_format", "log_level",
-    "drain_timeout", "auth_issuer_keys", "auth_clock_skew", "upstream_token", "trust",
+    "drain_timeout", "goaway_uri", "auth_issuer_keys", "auth_clock_skew", "upstream_token", "trust",
 )
 
 
@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_arguments(p)
     p.add_argument(
         "--drain-timeout", type=float, default=5.0, help="seconds between GOAWAY and close on SIGTERM"
+    )
+    p.add_argument(
+        "--goaway-uri", default="", metavar="URL",
+        help="moqt://host:port the shutdown GOAWAY names as where clients reconnect (e.g. a standby relay)",
     )
     g = p.add_argument_group("cache")
     g.add_argument("--cache-bytes", type=size_arg, help="cache byte budget")

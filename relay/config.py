@@ -54,6 +54,7 @@ _TOP_KEYS = {
     "log_format",
     "log_level",
     "drain_timeout",
+    "goaway_uri",
     "auth_issuer_keys",
     "auth_clock_skew",
     "upstream_token",
@@ -100,6 +101,9 @@ class RelayConfig:
     log_level: str = "info"
     drain_timeout: float = 5.0
     """Seconds between GOAWAY and closing the remaining sessions at shutdown."""
+    goaway_uri: str = ""
+    """``moqt://host:port`` named in the shutdown GOAWAY as where clients reconnect (a standby relay
+    during a rolling restart); empty: they reconnect to the URL they know."""
     auth_issuer_keys: tuple[Path, ...] = ()
     """Ed25519 public keys (PEM) of trusted token issuers. Non-empty: every request must be authorized."""
     auth_clock_skew: float = DEFAULT_CLOCK_SKEW_S
@@ -134,6 +138,8 @@ class RelayConfig:
             raise ValueError(f"auth_clock_skew must be in 0..300 s, got {self.auth_clock_skew}")
         if not 0 <= self.drain_timeout <= 3600:
             raise ValueError(f"drain_timeout must be in 0..3600 s, got {self.drain_timeout}")
+        if self.goaway_uri:
+            parse_moqt_url(self.goaway_uri)  # raises ValueError naming the URL
 
 
 def _section(cls: type[Any], values: Mapping[str, Any], name: str) -> Any:
@@ -199,6 +205,7 @@ def load_config(file_data: Mapping[str, Any], overrides: Mapping[str, Any]) -> R
         log_format=str(top.get("log_format", "kv")),
         log_level=str(top.get("log_level", "info")),
         drain_timeout=float(top.get("drain_timeout", 5.0)),
+        goaway_uri=str(top.get("goaway_uri", "")),
         auth_issuer_keys=tuple(Path(k) for k in issuer_keys),
         auth_clock_skew=float(top.get("auth_clock_skew", DEFAULT_CLOCK_SKEW_S)),
         upstream_token=Path(upstream_token) if upstream_token else None,

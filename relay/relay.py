@@ -1016,7 +1016,7 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> None:
         extra={"sessions": len(relay.peers), "drain_timeout": config.drain_timeout},
     )
     relay.going_away = True
-    await server.shutdown("", config.drain_timeout)
+    await server.shutdown(config.goaway_uri, config.drain_timeout)
     watchdog.cancel()
     await relay.close()
     if metrics_server is not None:

@@ -23,7 +23,7 @@ from kvnet.net.endpoint import connect
 from kvnet.net.errors import ConnectionClosed, MoqtConnectionError, RequestRejected, StreamResetError
 from kvnet.net.handles import FetchHandle, Subscription
 from kvnet.net.quic import TlsSettings, TransportSettings
-from kvnet.net.reconnect import STABLE_SESSION_S, Backoff
+from kvnet.net.reconnect import STABLE_SESSION_S, Backoff, redirect_target
 from proto.errors import RequestErrorCode
 from proto.events import FetchOkReceived, ObjectReceived, TrackStatusOkReceived
 from proto.messages import Location, MessageParameters, TrackNamespace
@@ -75,7 +75,8 @@ class UpstreamRelay:
 
     Lifecycle: a supervisor task connects, and whenever the session closes (upstream restarted, keep-alive
     lost after ``--upstream-idle-timeout``) or the upstream sends GOAWAY, connects again after a delay from
-    ``kvnet.net.reconnect.Backoff`` (the nodes' policy: capped exponential, jittered). A session that
+    ``kvnet.net.reconnect.Backoff`` (the nodes' policy: capped exponential, jittered); a GOAWAY naming a
+    New Session URI is followed at once (and back to ``url`` if that relay cannot be reached). A session that
     got GOAWAY takes no new request; it is left to finish what it carries and to be closed by the
     upstream. A request finding no session waits for a connect attempt under way, and otherwise fails at
     once with a clear error (``RoutedUpstream``) instead of waiting for the backoff.
@@ -207,14 +208,17 @@ class UpstreamRelay:
 
     async def _keep_connected(self) -> None:
         loop = asyncio.get_running_loop()
+        redirect: str | None = None
+        """Where the last GOAWAY sent us (its New Session URI); the next attempt goes there."""
         while not self._closing:
+            url = redirect or self.url
             attempt: asyncio.Future[MoqtConnection | None] = loop.create_future()
             self._attempt, self.retry_at = attempt, None
             try:
                 # Bounded here too: a blackholed upstream must not hold the requests waiting for this attempt
                 # for longer than one request may wait anyway.
                 conn = await asyncio.wait_for(
-                    connect(self.url, self._settings, self._tls, self._session_config, self._limits),
+                    connect(url, self._settings, self._tls, self._session_config, self._limits),
                     self._request_timeout,
                 )
             except BaseException as exc:
@@ -223,13 +227,14 @@ class UpstreamRelay:
                 if not isinstance(exc, MoqtConnectionError | OSError | TimeoutError):
                     raise  # cancelled (closing)
                 self.last_error = str(exc) or type(exc).__name__
+                redirect = None  # a redirect target that cannot be reached: back to the configured URL
                 await self._back_off("upstream relay unreachable")
                 continue
             self._attempt = None
             self._conn = conn
             self.sessions += 1
             attempt.set_result(conn)
-            logger.info("connected to upstream relay", extra={"upstream": self.url, "session": self.sessions})
+            logger.info("connected to upstream relay", extra={"upstream": url, "session": self.sessions})
             started = self._clock()
             self._spawn(self._serve(conn))
             self._spawn(self._sync())
@@ -239,8 +244,16 @@ class UpstreamRelay:
             self._conn = None  # new requests wait for (or fail without) the next session at once
             if not conn.is_closed:
                 self._spawn(self._retire(conn))
-            if self._clock() - started >= STABLE_SESSION_S:
+            lasted = self._clock() - started >= STABLE_SESSION_S
+            if lasted:
                 self.backoff.reset()
+            came_by_redirect = redirect is not None
+            redirect = None if conn.goaway is None else redirect_target(conn.goaway.new_session_uri)
+            if redirect is not None and redirect != url and (lasted or not came_by_redirect):
+                # Sent to another relay (a rolling restart): go at once; a chain of redirects that each
+                # end at once is spaced by the backoff like any short session.
+                logger.info("upstream relay redirects to another", extra={"upstream": url, "to": redirect})
+                continue
             await self._back_off("upstream session ended")
 
     async def _back_off(self, what: str) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from kvnet.net.quic import parse_moqt_url
+
 DEFAULT_INITIAL_S = 0.25
 DEFAULT_CAP_S = 5.0
 STABLE_SESSION_S = 10.0
@@ -48,3 +50,14 @@ class Backoff:
 
     def reset(self) -> None:
         self.attempt = 0
+
+
+def redirect_target(new_session_uri: bytes) -> str | None:
+    """Where a GOAWAY asks us to reconnect: its New Session URI when it is a usable ``moqt://`` URL, else
+    None (empty: reconnect to the URL we know; anything else is ignored rather than followed)."""
+    try:
+        uri = new_session_uri.decode()
+        parse_moqt_url(uri)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return uri or None

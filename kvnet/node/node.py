@@ -443,12 +443,15 @@ class Node:
 
     async def _keep_connected(self, first_attempt: asyncio.Event) -> None:
         backoff = Backoff()
-        url = self.config.relay_url
+        redirect: str | None = None
+        """Where the last GOAWAY sent us (its New Session URI); the next attempt goes there."""
         while not self._closing.is_set():
+            url = redirect or self.config.relay_url
             try:
-                peer = await RelayPeer.open(self)
+                peer = await RelayPeer.open(self, url)
             except Exception as exc:
                 first_attempt.set()
+                redirect = None  # a redirect target that cannot be reached: back to the configured relay
                 delay = backoff.next_delay()
                 logger.warning("cannot reach relay %s (%s); next attempt in %.2f s", url,
                                str(exc) or type(exc).__name__, delay)
@@ -468,8 +471,15 @@ class Node:
             self._background(peer.abandon())
             # Only a session that lasted resets the backoff: a relay that accepts and at once sends GOAWAY
             # (it is draining) must not be retried in a tight loop.
-            if time.monotonic() - started >= STABLE_SESSION_S:
+            lasted = time.monotonic() - started >= STABLE_SESSION_S
+            if lasted:
                 backoff.reset()
+            came_by_redirect, redirect = redirect is not None, peer.redirect
+            if redirect is not None and redirect != url and (lasted or not came_by_redirect):
+                # Sent to another relay (a rolling restart): go at once; a chain of redirects that each
+                # end at once is spaced by the backoff like any short session.
+                logger.warning("relay %s: %s; moving to %s", url, why, redirect)
+                continue
             delay = backoff.next_delay()
             logger.warning("relay %s: %s; reconnecting in %.2f s", url, why, delay)
             await self._wait_closing(delay)

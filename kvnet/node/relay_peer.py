@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.errors import MoqtConnectionError, RequestRejected
 from kvnet.net.quic import TlsSettings, parse_moqt_url
+from kvnet.net.reconnect import redirect_target
 from kvnet.node.abr import FetchDeadline, KvAbr
 from kvnet.node.blockstore import BlockStore, StoredBlock
 from kvnet.node.config import NodeConfig
@@ -55,10 +57,12 @@ class RelayPeer:
         self._closing = False
 
     @classmethod
-    async def open(cls, node: Node) -> RelayPeer:
+    async def open(cls, node: Node, url: str | None = None) -> RelayPeer:
+        """The node's session to its relay, or to ``url`` instead (where a GOAWAY sent it)."""
         spec = node.cache.spec
+        cfg = node.config if url is None else dataclasses.replace(node.config, relay_url=url)
         return await cls.connect(
-            node.config, node.store, node.cache, node.trust, node.abr, fingerprint=node.fingerprint,
+            cfg, node.store, node.cache, node.trust, node.abr, fingerprint=node.fingerprint,
             namespace_id=node.namespace_id, block_shape=spec.block_shape, dtype=dtype_name(spec.dtype),
             device=node.device,
         )
@@ -117,6 +121,12 @@ class RelayPeer:
         if self._closing:
             return
         logger.warning("relay session ended (code %#x): %s", code, reason or "no reason given")
+
+    @property
+    def redirect(self) -> str | None:
+        """Where the relay's GOAWAY asked us to reconnect (its New Session URI), if it named a relay."""
+        goaway = self.conn.goaway
+        return None if goaway is None else redirect_target(goaway.new_session_uri)
 
     async def wait_ended(self) -> str:
         """Wait until this session should be left: it closed (relay gone, keep-alive lost) or the relay sent

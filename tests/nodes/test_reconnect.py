@@ -185,3 +185,31 @@ def test_relay_killed_under_a_node_is_noticed_by_keepalive_loss(kv_cluster: Clus
     c.start_relay()
     wait_until(lambda: _all_ready(url), "node reconnected", timeout=RECONNECT_TIMEOUT)
     assert _metric(url, "kvnet_relay_sessions_total") >= 2
+
+
+def test_goaway_naming_another_relay_moves_node_and_edge_there_at_once(kv_cluster: Cluster) -> None:
+    """A rolling restart: relay A is stopped with ``--goaway-uri`` naming a standby B. The node and the edge
+    relay on A follow the GOAWAY's New Session URI at once: both have sessions on B while A is still
+    draining (60 s), and the node stays ready."""
+    c = kv_cluster
+    standby = start_relay(c.cert_dir, c.tmp, name="standby", log_level="info", env=c.env)
+    c.relay_port = free_port()
+    old = c.start_relay("--goaway-uri", standby.url, "--drain-timeout", "60")
+    edge = start_relay(c.cert_dir, c.tmp, "--upstream", c.url(), name="edge", log_level="info", env=c.env)
+    try:
+        node, url = c.start_http_node()
+        c.wait_http_node(node)
+        wait_until(lambda: _all_ready(url), "node connected", timeout=RECONNECT_TIMEOUT)
+        wait_until(lambda: _edge_metric(edge, "kvnet_relay_upstreams_connected") == 1, "edge connected")
+        assert standby.metrics().get("kvnet_relay_sessions", 0) == 0
+
+        old.send_signal(signal.SIGTERM)
+        wait_until(lambda: standby.metrics().get("kvnet_relay_sessions", 0) == 2,
+                   "node and edge on the standby relay", timeout=RECONNECT_TIMEOUT)
+        assert old.poll() is None, "relay A is still draining"
+        assert _edge_metric(edge, "kvnet_relay_upstreams_connected") == 1
+        assert _status(f"{url}/ready") == 200
+        assert "moving to " + standby.url in c.log_of(node)
+    finally:
+        edge.stop()
+        standby.stop()

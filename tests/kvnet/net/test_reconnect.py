@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvnet.net.reconnect import Backoff
+from kvnet.net.reconnect import Backoff, redirect_target
 
 
 def test_delays_grow_to_the_cap_with_jitter_and_reset() -> None:
@@ -34,3 +34,16 @@ def test_never_overflows_after_many_failures() -> None:
 def test_bad_parameters(initial: float, cap: float, factor: float) -> None:
     with pytest.raises(ValueError, match="backoff"):
         Backoff(initial_s=initial, cap_s=cap, factor=factor)
+
+
+@pytest.mark.parametrize(
+    ("uri", "target"),
+    [
+        (b"moqt://standby.example:4443", "moqt://standby.example:4443"),
+        (b"", None),  # no New Session URI: reconnect to the URL we know
+        (b"https://elsewhere.example/", None),  # not a relay we could reach: ignored, not followed
+        (b"\xff\xfe", None),  # not even text
+    ],
+)
+def test_redirect_target(uri: bytes, target: str | None) -> None:
+    assert redirect_target(uri) == target
