@@ -71,6 +71,8 @@ CHUNK = 1 << 20
 # that says what a transfer rate means on a real fleet.
 LLAMA3_8B_BF16_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
 TLS_TCP_CASE = "TLS 1.3 over TCP (blocking)"
+# Stacks a node (Python 3.11, torch) runs on: an aiopquic relay's subscribers use these.
+NODE_STACKS = ("qh3", "aioquic")
 # Seconds a verified fetch may wait for an object; a transfer stalled longer counts as a failed run.
 FETCH_TIMEOUT = 30.0
 
@@ -181,10 +183,12 @@ class RelayFetch:
     background loop; each ``fetch`` is a verified fetch of the whole prompt on a fresh session."""
 
     def __init__(self, prompt: Prompt, certdir: Path, stack: str, link: str, loop: asyncio.AbstractEventLoop,
-                 udp_segmentation: bool = True):
+                 udp_segmentation: bool = True, peer_stack: str | None = None):
+        """``peer_stack``: the stack of the publisher and subscriber sessions in this process (default:
+        the relay's; an aiopquic relay runs in the Python 3.12 environment, its peers here on 3.11)."""
         self.prompt = prompt
         self.certdir = certdir
-        self.settings = dataclasses.replace(quic.TransportSettings.for_link(link, stack),
+        self.settings = dataclasses.replace(quic.TransportSettings.for_link(link, peer_stack or stack),
                                             udp_segmentation=udp_segmentation)
         self.loop = loop
         cache_bytes = str(4 * prompt.wire_bytes + (64 << 20))
@@ -257,21 +261,31 @@ class RelayFetch:
 
 
 @contextmanager
-def raw_quic(certdir: Path, stack: str, link: str, size: int) -> Iterator[Case]:
+def raw_quic(
+    certdir: Path, stack: str, link: str, size: int, peer_stack: str | None = None
+) -> Iterator[Case]:
+    """Raw QUIC from a sender child on ``stack`` to this process receiving on ``peer_stack`` (default the
+    same)."""
     bench_fetch = common.load_bench("bench_fetch")
     assert bench_fetch is not None
     settings = quic.TransportSettings.for_link(link, stack)
+    receiver = quic.TransportSettings.for_link(link, peer_stack or stack)
     sender = bench_fetch.Publisher(settings, certdir, 0, 0, raw=True)
     with sender as port:
         pid = sender.proc.pid
 
         def move() -> None:
-            asyncio.run(bench_fetch._raw_receive_once(settings, port, certdir, size))
+            asyncio.run(bench_fetch._raw_receive_once(receiver, port, certdir, size))
 
         def run() -> Sample:
             return timed_sample(pid, move)
 
-        yield Case(f"raw QUIC {stack} {link}", run)
+        yield Case(f"raw QUIC {_pair(stack, peer_stack)} {link}", run)
+
+
+def _pair(stack: str, peer_stack: str | None) -> str:
+    """A case's stacks: "aioquic", or "aiopquic>qh3" for a sender on aiopquic and a receiver on qh3."""
+    return stack if peer_stack in (None, stack) else f"{stack}>{peer_stack}"
 
 
 # ---------------------------------------------------------------- TLS over TCP and HTTPS (child process)
@@ -536,11 +550,14 @@ class Figure:
 
 
 def run(tokens: int, runs: int, stacks: list[str], links: list[str],
-        compare_gso: bool = True, verify_workers: tuple[int, ...] = ()) -> tuple[Prompt, list[Figure]]:
+        compare_gso: bool = True, verify_workers: tuple[int, ...] = (),
+        node_stacks: tuple[str, ...] = NODE_STACKS) -> tuple[Prompt, list[Figure]]:
     """Every case ``runs`` times, interleaved; one ``Figure`` per case. ``compare_gso`` adds aioquic
     verified fetches with ``TransportSettings.udp_segmentation`` off on both sides; each of
     ``verify_workers`` adds verified fetches from the same relay with that many verify threads
-    (``BlockFetcher.verify_workers``; the plain case uses the default)."""
+    (``BlockFetcher.verify_workers``; the plain case uses the default). A relay (and raw sender) on
+    aiopquic runs in the Python 3.12 environment, with subscribers here on each of ``node_stacks``; it
+    is left out, said so, where that environment cannot be made."""
     prompt = make_prompt(tokens)
     size = prompt.wire_bytes
     loop = asyncio.new_event_loop()
@@ -550,7 +567,20 @@ def run(tokens: int, runs: int, stacks: list[str], links: list[str],
         with common.test_certificates() as certdir, ExitStack() as stack:
             cases: list[Case] = []
             for s in stacks:
-                for link in links:
+                peers: tuple[str, ...] = (s,)
+                if s == "aiopquic":
+                    try:
+                        common.native_quic_python()
+                    except common.NativeQuicUnavailable as exc:
+                        print(f"aiopquic cases left out: {exc}", flush=True)
+                        continue
+                    peers = node_stacks
+                for link, peer in ((link, peer) for link in links for peer in peers if peer != s):
+                    relay = RelayFetch(prompt, certdir, s, link, loop, peer_stack=peer)
+                    stack.callback(relay.close)
+                    cases.append(Case(f"verified fetch {_pair(s, peer)} {link}", relay.fetch))
+                    cases.append(stack.enter_context(raw_quic(certdir, s, link, size, peer)))
+                for link in links if s != "aiopquic" else ():
                     relay = RelayFetch(prompt, certdir, s, link, loop)
                     stack.callback(relay.close)
                     cases.append(Case(f"verified fetch {s} {link}", relay.fetch))
@@ -589,6 +619,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=2048, help="prompt length (whole 64-token blocks)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--stacks", default=",".join(quic.STACKS))
+    ap.add_argument("--node-stacks", default=",".join(NODE_STACKS),
+                    help="stacks of the subscribers (this process) of an aiopquic relay")
     ap.add_argument("--links", default=",".join(quic.LINK_PRESETS))
     ap.add_argument("--no-gso-comparison", action="store_true", help="skip the aioquic cases without GSO")
     ap.add_argument("--verify-workers", default="", metavar="N,N,...",
@@ -629,7 +661,12 @@ def main() -> int:
         workers = tuple(int(n) for n in args.verify_workers.split(",") if n)
     except ValueError:
         ap.error(f"--verify-workers takes comma-separated integers, got {args.verify_workers!r}")
-    prompt, figures = run(args.tokens, args.runs, stacks, links, not args.no_gso_comparison, workers)
+    node_stacks = tuple(s for s in args.node_stacks.split(",") if s)
+    for s in node_stacks:
+        if s not in NODE_STACKS:
+            ap.error(f"unknown node stack {s!r}; choose from {', '.join(NODE_STACKS)}")
+    prompt, figures = run(args.tokens, args.runs, stacks, links, not args.no_gso_comparison, workers,
+                          node_stacks)
     print(f"{prompt.tokens} tokens, {len(prompt.blocks)} blocks, {prompt.wire_bytes / 1e6:.1f} MB on the "
           f"wire, median of {args.runs}, interleaved; load {common.load_average()}")
     print(f"{'case':42s} {'MB/s':>7s} {'tok/s':>8s} {'srv ms/MB':>9s} {'cli ms/MB':>9s}")

@@ -30,7 +30,12 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 # Ports, certificates and the relay launcher are the test suite's, so both start processes one way.
-from tests.helpers.processes import free_port, make_certificates  # noqa: E402
+from tests.helpers.processes import (  # noqa: E402
+    NativeQuicUnavailable,
+    free_port,
+    make_certificates,
+    native_quic_python,
+)
 
 
 def load_average() -> str:
@@ -188,6 +193,7 @@ def write_results(out_dir: Path, results: Sequence[SuiteResult], argv: Sequence[
 
 __all__ = [
     "REPO",
+    "NativeQuicUnavailable",
     "Row",
     "SuiteResult",
     "format_row",
@@ -197,6 +203,7 @@ __all__ = [
     "load_bench",
     "machine",
     "median",
+    "native_quic_python",
     "table",
     "test_certificates",
     "timed",
