@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import dataclasses
 import http.client
 import http.server
+import io
 import os
+import pstats
 import socket
 import ssl
 import struct
@@ -606,6 +609,67 @@ def run(tokens: int, runs: int, stacks: list[str], links: list[str],
     return prompt, figures
 
 
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """User + system CPU seconds of each thread of process ``pid``, summed by thread name (Linux /proc)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def profile(tokens: int, stack: str, link: str, peer_stack: str | None, top: int = 14) -> str:
+    """Where one verified fetch from a relay's cache spends CPU: the relay's CPU per thread (an aiopquic
+    relay's picoquic thread apart from its event loop), and cProfile of the fetching event loop (this
+    process; the verify threads apart)."""
+    prompt = make_prompt(tokens)
+    mb = prompt.wire_bytes / 1e6
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    prof = cProfile.Profile()
+    out = io.StringIO()
+    try:
+        with common.test_certificates() as certdir:
+            relay = RelayFetch(prompt, certdir, stack, link, loop, peer_stack=peer_stack)
+            try:
+                relay.fetch()  # a warm run, not profiled
+                conn = relay._call(relay._connect())
+
+                async def profiled() -> None:
+                    prof.enable()
+                    try:
+                        await relay._fetch(conn)
+                    finally:
+                        prof.disable()
+
+                before = thread_cpu_seconds(relay.proc.pid)
+                t0, c0 = time.perf_counter(), time.process_time()
+                relay._call(profiled())
+                seconds, client_cpu = time.perf_counter() - t0, time.process_time() - c0
+                after = thread_cpu_seconds(relay.proc.pid)
+                relay._call(conn.close_session())
+            finally:
+                relay.close()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+    print(f"verified fetch {_pair(stack, peer_stack)} {link}: {mb / seconds:.1f} MB/s under cProfile; "
+          f"fetching process {1000 * client_cpu / mb:.2f} ms/MB; relay CPU ms/MB by thread:", file=out)
+    for name in sorted(after, key=lambda n: after[n] - before.get(n, 0.0), reverse=True):
+        used = after[name] - before.get(name, 0.0)
+        if used > 0:
+            print(f"  {name:24s} {1000 * used / mb:7.2f}", file=out)
+    stats = io.StringIO()
+    pstats.Stats(prof, stream=stats).sort_stats("tottime").print_stats(top)
+    print(f"fetching event loop, cProfile by own time:\n{stats.getvalue()}", file=out)
+    return out.getvalue()
+
+
 def _figure(case: Case, prompt: Prompt) -> Figure:
     mb = prompt.wire_bytes / 1e6
     samples = case.samples
@@ -629,6 +693,9 @@ def main() -> int:
     ap.add_argument("--fanout", default="", metavar="N,N,...",
                     help="instead: N concurrent subscriber processes fetching the prompt from one relay's "
                          "cache, for each N (first stack and link given)")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead: where one verified fetch spends CPU (relay per thread, the fetching loop "
+                         "under cProfile), first stack, link and node stack given")
     ap.add_argument("--serve-tls", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--fanout-child", nargs=6, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -656,6 +723,10 @@ def main() -> int:
         if not counts or min(counts) < 1:
             ap.error("--fanout needs subscriber counts of at least 1")
         print_fanout(args.tokens, args.runs, *fanout(args.tokens, args.runs, counts, stacks[0], links[0]))
+        return 0
+    if args.profile:
+        peer = args.node_stacks.split(",")[0] if stacks[0] == "aiopquic" else None
+        print(profile(args.tokens, stacks[0], links[0], peer))
         return 0
     try:
         workers = tuple(int(n) for n in args.verify_workers.split(",") if n)
