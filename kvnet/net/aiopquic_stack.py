@@ -20,9 +20,10 @@ How it differs and what is done about it (aiopquic 0.6.1):
 - No client-certificate verification on the server side: ``kvnet.net.quic.server_configuration`` refuses
   ``require_client_cert`` for this stack, as for qh3.
 - Datagram size: picoquic starts at ~1252 bytes and probes the path MTU up to its compile-time maximum
-  (``MAX_DATAGRAM_SIZE_AIOPQUIC``) and never above the peer's ``max_udp_payload_size``; jumbo and
-  loopback paths therefore get no larger datagrams than Ethernet. A configured ``max_datagram_size``
-  below that maximum turns probing off (picoquic stays at its initial size).
+  (``MAX_DATAGRAM_SIZE_AIOPQUIC``, 1536) and never above the peer's ``max_udp_payload_size``; jumbo and
+  loopback paths get no larger datagrams than that, and the Ethernet preset is what probing finds on
+  the path (on loopback to a qh3 peer, which advertises no limit: 1472), not 1452 exactly. A configured
+  ``max_datagram_size`` below 1452 turns probing off (picoquic stays at its initial size).
 - The server listens on every address of the port (picoquic binds the wildcard address).
 - A peer's CONNECTION_CLOSE reason phrase is not reported (error codes are).
 """

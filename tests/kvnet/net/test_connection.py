@@ -608,3 +608,28 @@ async def test_publish_done_waits_as_long_as_its_trailing_data_keeps_arriving(
     finally:
         await server.close()
     assert received == payloads
+
+
+@pytest.mark.parametrize("peer_stack", ["aioquic", "aiopquic"])
+async def test_aiopquic_datagrams_never_exceed_what_the_peer_advertises(pki: Path, peer_stack: str) -> None:
+    """picoquic probes the path MTU up to its own maximum; the largest datagram it sends a peer is the
+    peer's max_udp_payload_size (aioquic at the Ethernet preset advertises 1452; aiopquic 1440), seen on
+    the wire through the link emulator."""
+    if sys.version_info < (3, 12):
+        pytest.skip("aiopquic needs Python >= 3.12: test_every_connection_test_runs_on_the_native_stack")
+    settings = quic.TransportSettings(stack="aiopquic")
+    peer = quic.TransportSettings.for_link("ethernet", peer_stack)
+    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), _publisher)
+    try:
+        config = EmulatorConfig(listen=("127.0.0.1", 0), target=("127.0.0.1", server.address[1]))
+        async with LinkEmulator(config) as emu:
+            tls = quic.TlsSettings(ca_file=pki / "ca.pem", server_name="localhost")
+            async with connect(f"moqt://127.0.0.1:{emu.listen_address[1]}", peer, tls) as conn:
+                for _ in range(20):  # ~100 KB: enough packets for probing to reach its ceiling
+                    handle = await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 5))
+                    assert len(await handle.read_all()) == 5
+            largest = emu.stats()["downstream"].largest
+    finally:
+        await server.close()
+    assert largest <= (quic.DATAGRAM_SIZE_ETHERNET if peer_stack == "aioquic" else 1440), largest
+    assert largest > quic.INITIAL_DATAGRAM_SIZE_AIOPQUIC  # it did probe above its first size

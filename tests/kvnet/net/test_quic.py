@@ -52,8 +52,9 @@ def test_link_presets_size_datagrams_never_above_the_peer() -> None:
         assert quic.choose_datagram_size(loopback, None, loopback=False) == quic.DATAGRAM_SIZE_ETHERNET
         assert quic.choose_datagram_size(quic.TransportSettings.for_link("jumbo", stack), 1500, True) == 1500
     # aiopquic's picoquic probes up to its own maximum and no further, and never above the peer's limit
-    # (its own rule); a setting below that maximum turns probing off.
-    for link in quic.LINK_PRESETS:
+    # (its own rule); a setting below the Ethernet size turns probing off.
+    assert quic.TransportSettings.for_link("ethernet", "aiopquic").datagram_size == 1452
+    for link in ("jumbo", "loopback"):
         settings = quic.TransportSettings.for_link(link, "aiopquic")
         assert settings.datagram_size == quic.MAX_DATAGRAM_SIZE_AIOPQUIC
     assert quic.TransportSettings(stack="aiopquic", max_datagram_size=1300).datagram_size == 1300
