@@ -134,6 +134,7 @@ class Relay:
                 clock,
                 on_session=self.serve_upstream_session,
                 request_timeout=config.limits.upstream_timeout,
+                on_namespace=self.upstream_namespace,
             )
             for url in config.upstreams
         ]
@@ -660,7 +661,8 @@ class Relay:
         req.accept()
         self.count("publish_namespace", "ok")
         peer.log.info("namespace published", extra={"namespace": _ns_text(ns)})
-        self._notify_namespace(ns, added=True)
+        if self._announcers(ns) == 1 and not self._known_upstream(ns):
+            self._notify_namespace(ns, added=True)
         self._propagate(ns, peer, added=True)
         # The registration lives until the publisher withdraws it or its session ends.
         try:
@@ -668,7 +670,8 @@ class Relay:
         finally:
             self.router.remove(ns, peer)
             peer.namespaces.discard(ns)
-            self._notify_namespace(ns, added=False)
+            if self._announcers(ns) == 0 and not self._known_upstream(ns):
+                self._notify_namespace(ns, added=False)
             self._propagate(ns, peer, added=False)
             peer.log.info("namespace withdrawn", extra={"namespace": _ns_text(ns)})
 
@@ -685,6 +688,22 @@ class Relay:
                 up.announce(ns)
             else:
                 up.withdraw(ns)
+
+    def _announcers(self, ns: tuple[bytes, ...]) -> int:
+        """Local sessions announcing exactly ``ns``."""
+        return sum(n == ns for n, _ in self.router.under(ns))
+
+    def _known_upstream(self, ns: tuple[bytes, ...]) -> int:
+        """Upstream relays that told us of ``ns`` (NAMESPACE on our forwarded SUBSCRIBE_NAMESPACE)."""
+        return sum(ns in up.remote_namespaces for up in self.upstreams)
+
+    def upstream_namespace(self, ns: tuple[bytes, ...], added: bool) -> None:
+        """An upstream relay announced ``ns`` to us (or withdrew it, or its session ended): tell the
+        SUBSCRIBE_NAMESPACE watchers, unless it is known here from elsewhere too (then they already were
+        told, and it has not gone)."""
+        elsewhere = self._announcers(ns) + self._known_upstream(ns) - (1 if added else 0)
+        if elsewhere == 0:
+            self._notify_namespace(ns, added)
 
     def _notify_namespace(self, ns: tuple[bytes, ...], added: bool) -> None:
         for wpeer, wreq, prefix in list(self.ns_watchers.values()):
@@ -714,15 +733,23 @@ class Relay:
         req.accept()
         self.count("subscribe_namespace", "ok")
         seen: set[tuple[bytes, ...]] = set()
-        for ns, _ in self.router.under(prefix):
+        remote = (ns for up in self.upstreams for ns in up.remote_namespaces if ns[: len(prefix)] == prefix)
+        for ns in itertools.chain((ns for ns, _ in self.router.under(prefix)), remote):
             if ns not in seen:
                 seen.add(ns)
                 peer.conn.namespace(req.request_id, ns[len(prefix) :])
         self.ns_watchers[(peer.id, req.request_id)] = (peer, req, prefix)
+        # Namespaces announced anywhere upstream are watched there too (draft "Relays"); a request that
+        # came down from an upstream relay is never sent back up.
+        forward = [] if peer.upstream is not None else self.upstreams
+        for up in forward:
+            up.watch(prefix)
         try:
             await req.cancelled.wait()
         finally:
             self.ns_watchers.pop((peer.id, req.request_id), None)
+            for up in forward:
+                up.unwatch(prefix)
 
     async def serve_subscribe_tracks(self, peer: Peer, req: IncomingRequest) -> None:
         """SUBSCRIBE_TRACKS: every track under the prefix that reached us by PUBLISH, now or later, is

@@ -1,8 +1,8 @@
 """Where cache misses go: publisher sessions that announced a matching namespace, then upstream relays.
 
-Owns: ``UpstreamRelay`` (a lazily connected, reconnecting client session to one ``--upstream`` relay, which
-also carries our publishers' PUBLISH_NAMESPACE registrations to that relay and serves the requests it
-routes back to us) and ``RoutedUpstream``, the ``relay.cache.Upstream`` implementation that tries the
+Owns: ``UpstreamRelay`` (the client session to one ``--upstream`` relay, kept up from start to shutdown with
+the reconnect backoff, which also carries our publishers' PUBLISH_NAMESPACE registrations and our watchers'
+SUBSCRIBE_NAMESPACE to that relay and serves the requests it routes back to us) and ``RoutedUpstream``, the ``relay.cache.Upstream`` implementation that tries the
 longest-prefix publishers first and the upstream relays after them, translating MoQT answers into cache
 terms. A candidate that says DOES_NOT_EXIST is skipped for the next one; every other failure is reported
 with its code. A candidate that has not answered within the route deadline while others remain is
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -24,6 +25,7 @@ from kvnet.net.errors import ConnectionClosed, MoqtConnectionError, RequestRejec
 from kvnet.net.handles import FetchHandle, Subscription
 from kvnet.net.quic import TlsSettings, TransportSettings
 from kvnet.net.reconnect import STABLE_SESSION_S, Backoff, redirect_target
+from proto import events as me
 from proto.errors import RequestErrorCode
 from proto.events import FetchOkReceived, ObjectReceived, TrackStatusOkReceived
 from proto.messages import Location, MessageParameters, TrackNamespace
@@ -99,6 +101,7 @@ class UpstreamRelay:
         on_session: Callable[[UpstreamRelay, MoqtConnection], Awaitable[None]] | None = None,
         request_timeout: float = 10.0,
         backoff: Backoff | None = None,
+        on_namespace: Callable[[TrackNamespace, bool], None] | None = None,
     ) -> None:
         self.url = url
         self.name = f"upstream:{url}"
@@ -126,6 +129,14 @@ class UpstreamRelay:
         self._announced: dict[TrackNamespace, int | None] = {}
         """On the current session: namespace -> PUBLISH_NAMESPACE Request ID (None while in flight)."""
         self._announced_on: MoqtConnection | None = None
+        self._watched: Counter[TrackNamespace] = Counter()
+        """Prefixes downstream sessions sent SUBSCRIBE_NAMESPACE for (with how many are open)."""
+        self._watching: dict[TrackNamespace, int | None] = {}
+        """On the current session: prefix -> our SUBSCRIBE_NAMESPACE Request ID (None while in flight)."""
+        self._watching_on: MoqtConnection | None = None
+        self.remote_namespaces: set[TrackNamespace] = set()
+        """Namespaces the upstream relay told us of (NAMESPACE) on the current session."""
+        self._on_namespace = on_namespace
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
         self.slow = False
@@ -158,6 +169,89 @@ class UpstreamRelay:
         if rid is not None and conn is not None and not conn.is_closed:
             conn.cancel_request(rid)
             logger.info("namespace withdrawn upstream", extra={"upstream": self.url})
+
+    def watch(self, prefix: TrackNamespace) -> None:
+        """A downstream session subscribed to namespaces under ``prefix``: subscribe upstream too (now, or
+        on the next session), so namespaces announced anywhere upstream reach it (``on_namespace``)."""
+        self._watched[prefix] += 1
+        if self._watched[prefix] == 1:
+            self._spawn(self._sync_watched())
+
+    def unwatch(self, prefix: TrackNamespace) -> None:
+        """The last downstream subscription to ``prefix`` ended."""
+        self._watched[prefix] -= 1
+        if self._watched[prefix] > 0:
+            return
+        del self._watched[prefix]
+        self._spawn(self._sync_watched())
+        # Namespaces only that prefix covered are no longer known from upstream.
+        for ns in [n for n in self.remote_namespaces if not self._covered(n)]:
+            self._namespace_gone(ns)
+
+    def _covered(self, ns: TrackNamespace) -> bool:
+        return any(ns[: len(p)] == p for p in self._watched)
+
+    def _cover(self) -> set[TrackNamespace]:
+        """The watched prefixes no other watched prefix contains: one session's namespace subscriptions
+        must not overlap (draft "SUBSCRIBE_NAMESPACE", PREFIX_OVERLAP)."""
+        return {p for p in self._watched if not any(q != p and p[: len(q)] == q for q in self._watched)}
+
+    async def _sync_watched(self) -> None:
+        """Bring the current session's SUBSCRIBE_NAMESPACE requests in line with the watched prefixes."""
+        conn = self._conn
+        if self._closing or conn is None or not self._live(conn):
+            return  # the next session subscribes them all
+        if self._watching_on is not conn:
+            self._watching_on, self._watching = conn, {}
+        cover = self._cover()
+        for prefix in [p for p in self._watching if p not in cover]:
+            rid = self._watching.pop(prefix)
+            if rid is not None:
+                conn.cancel_request(rid)
+        todo = [p for p in cover if p not in self._watching]
+        for prefix in todo:
+            self._watching[prefix] = None
+        await asyncio.gather(*(self._watch_one(conn, p) for p in todo))
+
+    async def _watch_one(self, conn: MoqtConnection, prefix: TrackNamespace) -> None:
+        def on_event(ev: me.NamespaceReceived | me.NamespaceDoneReceived) -> None:
+            if self._watching_on is not conn:
+                return  # a message of an earlier session
+            ns = (*prefix, *ev.track_namespace_suffix)
+            if isinstance(ev, me.NamespaceReceived):
+                if ns not in self.remote_namespaces:
+                    self.remote_namespaces.add(ns)
+                    if self._on_namespace is not None:
+                        self._on_namespace(ns, True)
+            elif ns in self.remote_namespaces:
+                self._namespace_gone(ns)
+
+        try:
+            rid = await asyncio.wait_for(
+                conn.subscribe_namespace(prefix, on_namespace=on_event), self._request_timeout
+            )
+        except (RequestRejected, ConnectionClosed, TimeoutError) as exc:
+            logger.warning(
+                "upstream relay refused SUBSCRIBE_NAMESPACE", extra={"upstream": self.url, "error": str(exc)}
+            )
+            if self._watching_on is conn and self._watching.get(prefix, 0) is None:
+                del self._watching[prefix]
+            return
+        if self._watching_on is not conn or prefix not in self._cover():
+            conn.cancel_request(rid)  # unwatched (or reconnected) while the subscription was in flight
+            return
+        self._watching[prefix] = rid
+
+    def _namespace_gone(self, ns: TrackNamespace) -> None:
+        self.remote_namespaces.discard(ns)
+        if self._on_namespace is not None:
+            self._on_namespace(ns, False)
+
+    def _forget_remote_namespaces(self) -> None:
+        """The session they were learned on is over: none of them is known from upstream any more."""
+        for ns in list(self.remote_namespaces):
+            self._namespace_gone(ns)
+        self._watching, self._watching_on = {}, None
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         spawn(coro, self._tasks, f"{self.name} job")
@@ -238,10 +332,12 @@ class UpstreamRelay:
             started = self._clock()
             self._spawn(self._serve(conn))
             self._spawn(self._sync())
+            self._spawn(self._sync_watched())
             self.last_error = await self._wait_ended(conn)
             if self._closing:
                 return
             self._conn = None  # new requests wait for (or fail without) the next session at once
+            self._forget_remote_namespaces()
             if not conn.is_closed:
                 self._spawn(self._retire(conn))
             lasted = self._clock() - started >= STABLE_SESSION_S

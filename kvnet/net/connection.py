@@ -75,6 +75,9 @@ _INCOMING_PRUNE_MIN = 256
 _CRYPTO_BAD_CERTIFICATE = 0x100 + 42
 
 
+NamespaceListener = Callable[[me.NamespaceReceived | me.NamespaceDoneReceived], None]
+"""Receives the NAMESPACE / NAMESPACE_DONE of one of our SUBSCRIBE_NAMESPACE requests."""
+
 @dataclass(frozen=True, slots=True)
 class ConnectionLimits:
     """Per-connection resource limits enforced by the glue (the session enforces protocol limits)."""
@@ -147,6 +150,8 @@ class MoqtConnection(_ProtocolBase):
         self._setup.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._closed_future: asyncio.Future[tuple[int, str]] = loop.create_future()
         self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._namespace_listeners: dict[int, NamespaceListener] = {}
+        """Our SUBSCRIBE_NAMESPACE requests whose NAMESPACE / NAMESPACE_DONE go to a callback."""
         self._streams: dict[int, _ObjectStream] = {}
         self._incoming_by_id: dict[int, IncomingRequest] = {}
         # Answered requests are dropped from the table when it reaches this size (see _remember_incoming).
@@ -473,6 +478,10 @@ class MoqtConnection(_ProtocolBase):
                 del self._incoming_by_id[ev.request_id]
                 inc.cancelled.set()
             self.other_events.append(ev)
+        elif isinstance(ev, me.NamespaceReceived | me.NamespaceDoneReceived) and (
+            listener := self._namespace_listeners.get(ev.request_id)
+        ) is not None:
+            listener(ev)
         elif isinstance(ev, me.GoawayReceived):
             if rid is None:
                 self.goaway = ev
@@ -691,11 +700,17 @@ class MoqtConnection(_ProtocolBase):
         return await self._standing_request(self.session.publish_namespace, namespace, parameters)
 
     async def subscribe_namespace(
-        self, prefix: TrackNamespace, parameters: MessageParameters = NO_PARAMETERS
+        self,
+        prefix: TrackNamespace,
+        parameters: MessageParameters = NO_PARAMETERS,
+        on_namespace: NamespaceListener | None = None,
     ) -> int:
         """SUBSCRIBE_NAMESPACE; returns its Request ID once the peer answered REQUEST_OK. The NAMESPACE
-        and NAMESPACE_DONE that follow arrive in ``other_events``."""
-        return await self._standing_request(self.session.subscribe_namespace, prefix, parameters)
+        and NAMESPACE_DONE that follow go to ``on_namespace`` as they arrive (none is missed: it is in
+        place before the answer), or without it to ``other_events``."""
+        return await self._standing_request(
+            self.session.subscribe_namespace, prefix, parameters, listener=on_namespace
+        )
 
     async def subscribe_tracks(
         self, prefix: TrackNamespace, parameters: MessageParameters = NO_PARAMETERS
@@ -704,14 +719,25 @@ class MoqtConnection(_ProtocolBase):
         PUBLISH requests for matching tracks arrive as ``IncomingPublish``."""
         return await self._standing_request(self.session.subscribe_tracks, prefix, parameters)
 
-    async def _standing_request(self, action: Callable[..., int], *args: Any) -> int:
+    async def _standing_request(
+        self,
+        action: Callable[..., int],
+        *args: Any,
+        listener: NamespaceListener | None = None,
+    ) -> int:
         """A request that stays open after REQUEST_OK until cancelled; returns its Request ID then."""
         await self._acquire()
         try:
             rid: int = self.run_action(action, *args)
+            if listener is not None:
+                self._namespace_listeners[rid] = listener
             fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             self._pending[rid] = fut
-            await fut
+            try:
+                await fut
+            except BaseException:
+                self._namespace_listeners.pop(rid, None)
+                raise
         finally:
             # The request stays open, but it does not hold a request slot.
             self._slots.release()
@@ -773,6 +799,7 @@ class MoqtConnection(_ProtocolBase):
 
     def cancel_request(self, request_id: int, code: StreamResetCode = StreamResetCode.CANCELLED) -> None:
         """Abandon a request either side started (resets its streams); a no-op once it has ended."""
+        self._namespace_listeners.pop(request_id, None)
         st = self._streams.get(request_id)
         self._cancel(request_id, code)
         if st is not None:

@@ -19,6 +19,7 @@ from kvnet.net.connection import MoqtConnection
 from kvnet.net.errors import RequestRejected
 from kvnet.net.handles import IncomingSubscribe
 from kvnet.net.reconnect import DEFAULT_CAP_S
+from proto import events as me
 from proto.errors import RequestErrorCode
 from tests.helpers.processes import CertDir, RelayProcess, free_port, start_relay
 from tests.helpers.waiting import async_wait_until
@@ -174,4 +175,44 @@ async def test_a_live_subscription_through_edges_resumes_after_the_origin_restar
     finally:
         await sub.close_session()
         await pub.stop()
+        origin.stop()
+
+
+async def test_a_namespace_subscription_at_an_edge_sees_the_tree_across_an_origin_restart(
+    cert_dir: CertDir, relay_factory: RelayFactory, tmp_path: Path
+) -> None:
+    """SUBSCRIBE_NAMESPACE at edge B is forwarded upstream, so it learns of a namespace a publisher announced
+    at edge A. The origin is killed: B says NAMESPACE_DONE (what the lost session told it is no longer
+    known); restarted: B subscribes upstream again, A announces again, and the watcher hears NAMESPACE."""
+    origin = start_relay(cert_dir, tmp_path, name="origin-0")
+    edge_a = relay_factory("--upstream", origin.url, "--upstream-idle-timeout", "1", name="edge-a")
+    edge_b = relay_factory("--upstream", origin.url, "--upstream-idle-timeout", "1", name="edge-b")
+    watcher = await connect_client(edge_b.url, str(cert_dir.ca))
+    heard: list[tuple[str, tuple[bytes, ...]]] = []
+
+    def on_namespace(ev: me.NamespaceReceived | me.NamespaceDoneReceived) -> None:
+        kind = "namespace" if isinstance(ev, me.NamespaceReceived) else "done"
+        heard.append((kind, ev.track_namespace_suffix))
+
+    pub: Publisher | None = None
+    try:
+        await _connected(edge_b, 1)
+        await watcher.subscribe_namespace(NS[:2], on_namespace=on_namespace)
+        publisher = await connect_client(edge_a.url, str(cert_dir.ca))
+        pub = await Publisher(publisher, {b"t": track_objects(b"t")}).start()
+        suffix = NS[2:]
+        await async_wait_until(lambda: heard == [("namespace", suffix)],
+                               "NAMESPACE from edge A via the origin", timeout=RECONNECT_WITHIN)
+
+        origin.stop()  # SIGKILL: the edges notice by keep-alive loss
+        await async_wait_until(lambda: heard[-1:] == [("done", suffix)],
+                               "NAMESPACE_DONE when the origin left", timeout=RECONNECT_WITHIN)
+        origin = start_relay(cert_dir, tmp_path, port=origin.port, name="origin-1")
+        await async_wait_until(lambda: heard[-1:] == [("namespace", suffix)],
+                               "NAMESPACE again through the restarted origin", timeout=RECONNECT_WITHIN)
+        assert heard == [("namespace", suffix), ("done", suffix), ("namespace", suffix)]
+    finally:
+        await watcher.close_session()
+        if pub is not None:
+            await pub.stop()
         origin.stop()
