@@ -1,13 +1,14 @@
 """Where cache misses go: publisher sessions that announced a matching namespace, then upstream relays.
 
-Owns: ``UpstreamRelay`` (the client session to one ``--upstream`` relay, kept up from start to shutdown with
-the reconnect backoff, which also carries our publishers' PUBLISH_NAMESPACE registrations and our watchers'
-SUBSCRIBE_NAMESPACE to that relay and serves the requests it routes back to us) and ``RoutedUpstream``, the ``relay.cache.Upstream`` implementation that tries the
-longest-prefix publishers first and the upstream relays after them, translating MoQT answers into cache
-terms. A candidate that says DOES_NOT_EXIST is skipped for the next one; every other failure is reported
-with its code. A candidate that has not answered within the route deadline while others remain is
-passed over: the next one is asked too and the first answer wins (a dead session is not waited for
-until QUIC notices it is gone).
+Owns: ``UpstreamRelay`` (the client session to one ``--upstream`` relay, kept up from start to shutdown
+with the reconnect backoff, which also carries our publishers' PUBLISH_NAMESPACE registrations and our
+watchers' SUBSCRIBE_NAMESPACE to that relay and serves the requests it routes back to us) and
+``RoutedUpstream``, the ``relay.cache.Upstream`` implementation that tries the longest-prefix publishers
+first and the upstream relays after them, translating MoQT answers into cache terms. A candidate that
+says DOES_NOT_EXIST is skipped for the next one; every other failure is reported with its code. A
+candidate that has not answered within the route deadline while others remain is passed over: the next
+one is asked too and the first answer wins (a dead session is not waited for until QUIC notices it is
+gone).
 """
 
 from __future__ import annotations
