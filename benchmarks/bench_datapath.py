@@ -219,8 +219,9 @@ class RelayFetch:
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=600)
 
-    async def _connect(self) -> MoqtConnection:
-        return await connect(self.url, self.settings, self.tls)
+    async def _connect(self, receive_offload: bool = True) -> MoqtConnection:
+        settings = dataclasses.replace(self.settings, udp_receive_offload=receive_offload)
+        return await connect(self.url, settings, self.tls)
 
     async def _fill(self) -> None:
         """Serve the prompt from a publisher session and fetch it once through the relay, which keeps it.
@@ -243,9 +244,9 @@ class RelayFetch:
     async def _fetch(self, conn: MoqtConnection, verify_workers: int = DEFAULT_VERIFY_WORKERS) -> None:
         await verified_fetch(conn, self.prompt.spec, self.prompt.identities, self.trust, verify_workers)
 
-    def fetch(self, verify_workers: int = DEFAULT_VERIFY_WORKERS) -> Sample:
+    def fetch(self, verify_workers: int = DEFAULT_VERIFY_WORKERS, receive_offload: bool = True) -> Sample:
         # A fresh session per run, set up outside the timed part (as in the other cases): the fetch only.
-        conn = self._call(self._connect())
+        conn = self._call(self._connect(receive_offload))
         misses = self.relay.metric("kvnet_relay_cache_misses_total")
         try:
             sample = timed_sample(self.proc.pid, lambda: self._call(self._fetch(conn, verify_workers)))
@@ -554,9 +555,10 @@ class Figure:
 
 def run(tokens: int, runs: int, stacks: list[str], links: list[str],
         compare_gso: bool = True, verify_workers: tuple[int, ...] = (),
-        node_stacks: tuple[str, ...] = NODE_STACKS) -> tuple[Prompt, list[Figure]]:
+        node_stacks: tuple[str, ...] = NODE_STACKS, compare_gro: bool = False) -> tuple[Prompt, list[Figure]]:
     """Every case ``runs`` times, interleaved; one ``Figure`` per case. ``compare_gso`` adds aioquic
-    verified fetches with ``TransportSettings.udp_segmentation`` off on both sides; each of
+    verified fetches with ``TransportSettings.udp_segmentation`` off on both sides, ``compare_gro`` ones
+    whose client reads without ``udp_receive_offload``; each of
     ``verify_workers`` adds verified fetches from the same relay with that many verify threads
     (``BlockFetcher.verify_workers``; the plain case uses the default). A relay (and raw sender) on
     aiopquic runs in the Python 3.12 environment, with subscribers here on each of ``node_stacks``; it
@@ -590,6 +592,9 @@ def run(tokens: int, runs: int, stacks: list[str], links: list[str],
                     for n in verify_workers:
                         cases.append(Case(f"verified fetch {s} {link} verify workers {n}",
                                           lambda relay=relay, n=n: relay.fetch(n)))  # type: ignore[misc]
+                    if compare_gro and s == "aioquic":  # qh3's client reads in batches itself
+                        cases.append(Case(f"verified fetch {s} {link} without GRO",
+                                          lambda relay=relay: relay.fetch(receive_offload=False)))  # type: ignore[misc]
                     if compare_gso and s == "aioquic":  # the only stack kvnet sends GSO batches for
                         relay = RelayFetch(prompt, certdir, s, link, loop, udp_segmentation=False)
                         stack.callback(relay.close)
@@ -687,6 +692,8 @@ def main() -> int:
                     help="stacks of the subscribers (this process) of an aiopquic relay")
     ap.add_argument("--links", default=",".join(quic.LINK_PRESETS))
     ap.add_argument("--no-gso-comparison", action="store_true", help="skip the aioquic cases without GSO")
+    ap.add_argument("--gro-comparison", action="store_true",
+                    help="add aioquic verified fetches whose client reads one datagram per wakeup (no GRO)")
     ap.add_argument("--verify-workers", default="", metavar="N,N,...",
                     help="also fetch with these numbers of verify threads (BlockFetcher.verify_workers), "
                          f"next to the default ({DEFAULT_VERIFY_WORKERS})")
@@ -737,7 +744,7 @@ def main() -> int:
         if s not in NODE_STACKS:
             ap.error(f"unknown node stack {s!r}; choose from {', '.join(NODE_STACKS)}")
     prompt, figures = run(args.tokens, args.runs, stacks, links, not args.no_gso_comparison, workers,
-                          node_stacks)
+                          node_stacks, args.gro_comparison)
     print(f"{prompt.tokens} tokens, {len(prompt.blocks)} blocks, {prompt.wire_bytes / 1e6:.1f} MB on the "
           f"wire, median of {args.runs}, interleaved; load {common.load_average()}")
     print(f"{'case':42s} {'MB/s':>7s} {'tok/s':>8s} {'srv ms/MB':>9s} {'cli ms/MB':>9s}")

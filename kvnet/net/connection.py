@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from kvnet.net.errors import ConnectionClosed, LimitError, RequestRejected, StreamResetError
-from kvnet.net.gso import sender_for
+from kvnet.net.gso import release, sender_for
 from kvnet.net.handles import (
     INCOMING_REQUEST_TYPES,
     FetchHandle,
@@ -168,6 +168,9 @@ class MoqtConnection(_ProtocolBase):
         # aioquic sends one datagram per sendto; qh3's transmit batches with GSO itself where its
         # transport can, and its timer is its own.
         self._udp_segmentation = settings.udp_segmentation and settings.stack == "aioquic"
+        self.owns_transport = False
+        """A client connection's socket is its own (``kvnet.net.endpoint.connect`` sets this): closed once
+        the QUIC connection has ended. A server's connections share the server's socket."""
         self._writable = asyncio.Event()
         self._writable.set()
         self._send_buffer_empty = asyncio.Event()
@@ -212,6 +215,9 @@ class MoqtConnection(_ProtocolBase):
             self._arm_keepalive()
         elif isinstance(event, qe.ConnectionTerminated):
             s.connection_lost(event.error_code, event.reason_phrase)
+            if self.owns_transport and self._transport is not None:
+                # After the stack's closing period nothing more is sent or read on the socket.
+                self._loop.call_soon(self._transport.close)
         self._pump()
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
@@ -257,6 +263,8 @@ class MoqtConnection(_ProtocolBase):
             self._keepalive.cancel()
             self._keepalive = None
         self._cancel_session_timer()
+        if self.owns_transport and self._transport is not None:
+            release(self._transport)  # a server's socket stays: its other connections share it
         super().connection_lost(exc)
         if self.session.closed is None:
             self.session.connection_lost(SessionErrorCode.NO_ERROR, "transport lost")

@@ -19,6 +19,7 @@ from typing import Any
 from kvnet.net import quic
 from kvnet.net.connection import ConnectionLimits, MoqtConnection, protocol_class
 from kvnet.net.errors import ConnectionClosed, MoqtConnectionError
+from kvnet.net.gso import DatagramReceiver
 from proto.errors import SessionErrorCode
 from proto.session import SessionConfig
 
@@ -105,7 +106,10 @@ def connect(
             if sock is not None:
                 sock.close()
             raise
+        if settings.udp_receive_offload and settings.stack == "aioquic":
+            DatagramReceiver.install(udp, protocol)  # qh3's client transport batches its reads itself
         conn: MoqtConnection = protocol
+        conn.owns_transport = True
         try:
             conn.connect(addr)
             try:

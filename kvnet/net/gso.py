@@ -1,4 +1,5 @@
-"""UDP segmentation offload (GSO) for the datagrams one QUIC transmit produces.
+"""UDP segmentation offload (GSO) for the datagrams one QUIC transmit produces, and receive offload (GRO)
+with batched reads for a client's socket.
 
 A stack's ``transmit()`` hands the transport one ``sendto`` per datagram: at 1452-byte datagrams that is
 ~700 system calls per MB, each a Python call into asyncio's transport. Linux (4.18+) takes a run of
@@ -7,10 +8,18 @@ into datagrams below the socket layer (on loopback and most NICs in hardware or 
 a transmit of N datagrams costs N / 44 ``sendmsg`` calls at 1452 bytes and the datagrams on the wire are
 unchanged. Used where the kernel supports it; anything else (no support, a full socket buffer, an error)
 goes through the transport's ``sendto`` as before, which also keeps the datagrams in order.
+
+Receiving, asyncio's datagram transport reads one datagram per readiness callback of the event loop. A
+``DatagramReceiver`` takes over a client socket's reading instead: it turns on ``UDP_GRO`` (the kernel
+may then hand over a run of equal-sized datagrams from one sender as one buffer, with the segment size
+in a control message) and reads until the socket is empty or ``READS_PER_WAKEUP`` reads are done,
+passing each datagram, cut at the segment size, to the protocol's ``datagram_received`` as before.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -25,9 +34,16 @@ logger = logging.getLogger(__name__)
 # linux/udp.h; Python 3.11's socket module has neither name.
 SOL_UDP = getattr(socket, "SOL_UDP", 17)
 UDP_SEGMENT = getattr(socket, "UDP_SEGMENT", 103)
+UDP_GRO = getattr(socket, "UDP_GRO", 104)
 # The kernel's limits on one GSO send: 64 segments (UDP_MAX_SEGMENTS) and one IP packet's 64 KiB.
 MAX_SEGMENTS = 64
 MAX_GSO_BYTES = 65535 - 8 - 40
+RECEIVE_BUFFER_BYTES = 65535
+"""One read's buffer: the largest UDP payload, and the most GRO coalesces into one buffer."""
+READS_PER_WAKEUP = 64
+"""Reads per readiness callback at most, so that a flooded socket does not starve timers and other
+connections of the event loop."""
+_GRO_CMSG_SPACE = socket.CMSG_SPACE(4)  # the segment size, a C int
 
 
 _senders: weakref.WeakKeyDictionary[Any, DatagramSender] = weakref.WeakKeyDictionary()
@@ -116,3 +132,107 @@ class DatagramSender:
         if self._socket is not None:
             self._socket.close()
             self._socket = None
+
+
+class DatagramReceiver:
+    """Reads a datagram transport's socket in batches with GRO, in place of the transport's own reader.
+
+    Owns a duplicate of the socket (asyncio does not lend its own); ``close`` (or the transport being
+    collected) gives the reading back to nobody: the transport is closing by then. ``install`` returns
+    None where the kernel or the transport does not allow it, and the transport keeps reading itself.
+    """
+
+    def __init__(self, transport: Any, protocol: Any, sock: socket.socket) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._transport = weakref.proxy(transport)
+        self._protocol = protocol
+        self._socket: socket.socket | None = sock
+        self.coalesced_reads = 0
+        """Reads that carried more than one datagram (cut at the segment size GRO reported)."""
+        self.datagrams = 0
+
+    @classmethod
+    def install(cls, transport: asyncio.DatagramTransport, protocol: Any) -> DatagramReceiver | None:
+        sock = transport.get_extra_info("socket")
+        loop = asyncio.get_running_loop()
+        # The public remove_reader refuses a transport's descriptor; selector loops have this one.
+        stop_transport_reading = getattr(loop, "_remove_reader", None)
+        if sock is None or sock.type != socket.SOCK_DGRAM or stop_transport_reading is None:
+            return None
+        try:
+            dup = socket.socket(sock.family, sock.type, sock.proto, fileno=os.dup(sock.fileno()))
+        except OSError:
+            return None
+        with contextlib.suppress(OSError):  # no GRO here: batched reads alone still save callbacks
+            dup.setsockopt(SOL_UDP, UDP_GRO, 1)
+        dup.setblocking(False)
+        receiver = cls(transport, protocol, dup)
+        # asyncio registered the transport's reader when it made the transport; from now on we read.
+        stop_transport_reading(sock.fileno())
+        loop.add_reader(dup.fileno(), receiver._read)
+        _receivers[transport] = receiver
+        weakref.finalize(transport, receiver.close)
+        return receiver
+
+    def _read(self) -> None:
+        sock = self._socket
+        if sock is None:
+            return
+        try:
+            closing = self._transport.is_closing()
+        except ReferenceError:
+            closing = True
+        if closing:
+            self.close()
+            return
+        protocol = self._protocol
+        for _ in range(READS_PER_WAKEUP):
+            try:
+                data, ancdata, _flags, addr = sock.recvmsg(RECEIVE_BUFFER_BYTES, _GRO_CMSG_SPACE)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                protocol.error_received(exc)
+                return
+            segment = len(data)
+            for level, kind, value in ancdata:
+                if level == SOL_UDP and kind == UDP_GRO and len(value) >= 4:
+                    segment = struct.unpack("=i", value[:4])[0]
+            if 0 < segment < len(data):
+                self.coalesced_reads += 1
+                for start in range(0, len(data), segment):
+                    self.datagrams += 1
+                    protocol.datagram_received(data[start:start + segment], addr)
+            else:
+                self.datagrams += 1
+                protocol.datagram_received(data, addr)
+            if self._socket is None:  # the protocol closed the connection meanwhile
+                return
+
+    def close(self) -> None:
+        sock, self._socket = self._socket, None
+        if sock is None:
+            return
+        if not self._loop.is_closed():
+            self._loop.remove_reader(sock.fileno())
+        sock.close()
+
+
+_receivers: weakref.WeakKeyDictionary[Any, DatagramReceiver] = weakref.WeakKeyDictionary()
+
+
+def receiver_for(transport: Any) -> DatagramReceiver | None:
+    """The ``DatagramReceiver`` reading a transport's socket, or None if the transport reads itself."""
+    return _receivers.get(transport)
+
+
+def release(transport: Any) -> None:
+    """Close the duplicate sockets of a transport that is going away (its ``DatagramSender`` and
+    ``DatagramReceiver``, if it has them), which would otherwise keep the port open until the transport
+    is collected."""
+    receiver = _receivers.pop(transport, None)
+    if receiver is not None:
+        receiver.close()
+    sender = _senders.pop(transport, None)
+    if sender is not None:
+        sender.close()

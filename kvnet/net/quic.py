@@ -149,6 +149,9 @@ class TransportSettings:
     udp_segmentation: bool = True
     """Send each transmit's runs of equal-sized datagrams with UDP GSO (``kvnet.net.gso``: one system
     call per up to 64 datagrams) where the kernel supports it; the datagrams on the wire are the same."""
+    udp_receive_offload: bool = True
+    """Client sockets (aioquic): read with UDP GRO, many datagrams per event-loop wakeup
+    (``kvnet.net.gso.DatagramReceiver``) instead of asyncio's one per wakeup."""
 
     def __post_init__(self) -> None:
         if self.stack not in STACKS:

@@ -20,11 +20,13 @@ from kvnet.cache.hashing import block_hashes, root_hash
 from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
+from kvnet.net.gso import receiver_for
 from kvnet.net.quic import TlsSettings, TransportSettings
 from kvnet.node.blockstore import BlockStore, StoredBlock
 from kvnet.node.fetching import BlockFetcher
 from kvnet.node.publishing import BlockServer, encode_blocks
 from tests.helpers.processes import CertDir
+from tests.helpers.waiting import async_wait_until
 from tests.relay.conftest import RelayFactory
 
 LINK = "ethernet"
@@ -120,8 +122,13 @@ async def test_a_push_at_ethernet_datagrams_is_cached_whole_and_served_verified(
     subscriber = await connect(relay.url, settings, tls)
     try:
         fetched = await fetch_verified(subscriber, prompt, verify_workers=2)
+        # The relay's GSO sends reached the subscriber's socket whole and were cut back into datagrams.
+        receiver = receiver_for(subscriber._transport)
+        assert receiver is not None and receiver.coalesced_reads > 0
     finally:
         await subscriber.close_session()
+    # The socket (and the receiver's duplicate of it) goes with the connection.
+    await async_wait_until(lambda: receiver_for(subscriber._transport) is None, "the receiver closed")
     assert_same_kv(fetched, prompt)
 
 

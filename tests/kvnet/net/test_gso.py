@@ -1,5 +1,7 @@
 """Tests for kvnet.net.gso: batches of datagrams sent with UDP GSO arrive as the same datagrams, in order,
-over real loopback sockets; without GSO the sender falls back to the transport's sendto."""
+over real loopback sockets; without GSO the sender falls back to the transport's sendto. A receiver reading
+with GRO cuts coalesced reads back into the same datagrams, and a QUIC connection whose client reads that
+way moves data unchanged."""
 
 from __future__ import annotations
 
@@ -16,6 +18,10 @@ from tests.helpers.waiting import async_wait_until
 class Collect(asyncio.DatagramProtocol):
     def __init__(self) -> None:
         self.received: list[bytes] = []
+        self.transport: Any = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         self.received.append(data)
@@ -69,3 +75,23 @@ async def test_a_closed_sender_sends_through_the_transport() -> None:
     await async_wait_until(lambda: len(collect.received) >= 2, "datagrams received")
     assert collect.received == [b"a" * 1300, b"b" * 1300] and out.batched_sends == 0
     sender.close()
+
+
+@pytest.mark.parametrize("sizes", [[1452] * 200 + [700], [8952] * 30, [1200, 1452, 1452, 300] * 20])
+async def test_a_receiver_reading_with_gro_hands_over_the_same_datagrams(sizes: list[int]) -> None:
+    sender, collect, addr = await endpoints()
+    try:
+        out = gso.sender_for(sender)
+        if not out.enabled:
+            pytest.skip("this kernel has no UDP GSO")
+        receiver = gso.DatagramReceiver.install(collect.transport, collect)
+        assert receiver is not None
+        sent = datagrams(sizes)
+        out.send((d, addr) for d in sent)
+        await async_wait_until(lambda: len(collect.received) >= len(sent), "all datagrams received")
+        assert collect.received == sent
+        assert receiver.datagrams == len(sent)
+        assert receiver.coalesced_reads >= 1  # loopback hands a GSO send to a GRO socket whole
+    finally:
+        sender.close()
+        collect.transport.close()
