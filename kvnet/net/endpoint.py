@@ -109,7 +109,8 @@ def connect(
         if settings.udp_receive_offload and settings.stack == "aioquic":
             DatagramReceiver.install(udp, protocol)  # qh3's client transport batches its reads itself
         conn: MoqtConnection = protocol
-        conn.owns_transport = True
+        # A socket made here is closed with the connection; aiopquic makes and stops its own.
+        conn.owns_transport = sock is not None
         try:
             conn.connect(addr)
             try:

@@ -135,41 +135,48 @@ class DatagramSender:
 
 
 class DatagramReceiver:
-    """Reads a datagram transport's socket in batches with GRO, in place of the transport's own reader.
+    """Reads a datagram transport's socket in batches with GRO, as the transport's own reader.
 
-    Owns a duplicate of the socket (asyncio does not lend its own); ``close`` (or the transport being
-    collected) gives the reading back to nobody: the transport is closing by then. ``install`` returns
-    None where the kernel or the transport does not allow it, and the transport keeps reading itself.
+    The transport keeps its reader registration, so ``pause_reading`` / ``resume_reading`` and ``close``
+    work as before; only what a wakeup does changes. Reads go through a duplicate of the socket (asyncio
+    does not lend its own), closed by ``close`` or when the transport is collected. ``install`` returns
+    None where the transport is not one it knows how to take over, which then keeps reading itself.
     """
 
     def __init__(self, transport: Any, protocol: Any, sock: socket.socket) -> None:
-        self._loop = asyncio.get_running_loop()
         self._transport = weakref.proxy(transport)
         self._protocol = protocol
         self._socket: socket.socket | None = sock
         self.coalesced_reads = 0
         """Reads that carried more than one datagram (cut at the segment size GRO reported)."""
         self.datagrams = 0
+        self._transport_read: Any = None
+        """The transport's own one-datagram read, for wakeups after ``close``."""
 
     @classmethod
     def install(cls, transport: asyncio.DatagramTransport, protocol: Any) -> DatagramReceiver | None:
         sock = transport.get_extra_info("socket")
         loop = asyncio.get_running_loop()
-        # The public remove_reader refuses a transport's descriptor; selector loops have this one.
-        stop_transport_reading = getattr(loop, "_remove_reader", None)
-        if sock is None or sock.type != socket.SOCK_DGRAM or stop_transport_reading is None:
+        # asyncio's selector transports read in ``_read_ready``, registered with the loop under the
+        # socket's descriptor; the public remove_reader refuses a transport's descriptor.
+        reregister = (getattr(loop, "_remove_reader", None), getattr(loop, "_add_reader", None))
+        if (sock is None or sock.type != socket.SOCK_DGRAM or None in reregister
+                or not hasattr(transport, "_read_ready") or not hasattr(transport, "is_reading")):
             return None
         try:
             dup = socket.socket(sock.family, sock.type, sock.proto, fileno=os.dup(sock.fileno()))
         except OSError:
             return None
-        with contextlib.suppress(OSError):  # no GRO here: batched reads alone still save callbacks
+        with contextlib.suppress(OSError):  # no GRO here: batched reads alone still save wakeups
             dup.setsockopt(SOL_UDP, UDP_GRO, 1)
         dup.setblocking(False)
         receiver = cls(transport, protocol, dup)
-        # asyncio registered the transport's reader when it made the transport; from now on we read.
-        stop_transport_reading(sock.fileno())
-        loop.add_reader(dup.fileno(), receiver._read)
+        receiver._transport_read = transport._read_ready
+        transport._read_ready = receiver._read  # what resume_reading registers
+        if transport.is_reading():
+            remove, add = reregister
+            remove(sock.fileno())  # type: ignore[misc]
+            add(sock.fileno(), receiver._read)  # type: ignore[misc]
         _receivers[transport] = receiver
         weakref.finalize(transport, receiver.close)
         return receiver
@@ -177,19 +184,16 @@ class DatagramReceiver:
     def _read(self) -> None:
         sock = self._socket
         if sock is None:
+            self._transport_read()
             return
-        try:
-            closing = self._transport.is_closing()
-        except ReferenceError:
-            closing = True
-        if closing:
-            self.close()
-            return
+        transport = self._transport
         protocol = self._protocol
         for _ in range(READS_PER_WAKEUP):
             try:
+                if not transport.is_reading():  # paused (or closing) by the protocol meanwhile
+                    return
                 data, ancdata, _flags, addr = sock.recvmsg(RECEIVE_BUFFER_BYTES, _GRO_CMSG_SPACE)
-            except (BlockingIOError, InterruptedError):
+            except (BlockingIOError, InterruptedError, ReferenceError):
                 return
             except OSError as exc:
                 protocol.error_received(exc)
@@ -206,16 +210,14 @@ class DatagramReceiver:
             else:
                 self.datagrams += 1
                 protocol.datagram_received(data, addr)
-            if self._socket is None:  # the protocol closed the connection meanwhile
+            if self._socket is None:  # closed meanwhile
                 return
 
     def close(self) -> None:
+        """Close the duplicate socket; the transport's reader (ours) then reads nothing more."""
         sock, self._socket = self._socket, None
-        if sock is None:
-            return
-        if not self._loop.is_closed():
-            self._loop.remove_reader(sock.fileno())
-        sock.close()
+        if sock is not None:
+            sock.close()
 
 
 _receivers: weakref.WeakKeyDictionary[Any, DatagramReceiver] = weakref.WeakKeyDictionary()
