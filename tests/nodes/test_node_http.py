@@ -51,10 +51,22 @@ def test_second_node_reuses_first_nodes_prefix_over_http(kv_cluster: Cluster) ->
         "node A pushing its blocks to the relay",
     )
 
+    # A long generation keeps B's engine busy; the remote-hit request below is located, fetched, loaded and
+    # answered while it runs (no lock is held across a request).
+    model_id = http_json(f"{url_b}/v1/models")["data"][0]["id"]
+    long_client = openai.OpenAI(base_url=f"{url_b}/v1", api_key="unused", max_retries=0, timeout=120)
+    long_stream = long_client.completions.create(
+        model=model_id, prompt="Hold the line 0", max_tokens=1500, temperature=0, stream=True
+    )
+    assert next(iter(long_stream)).choices[0].finish_reason is None
+
     prompt = SHARED_PREFIX + "Q2: and how?"
     remote = http_json(f"{url_b}/v1/completions", {"prompt": prompt, **greedy})
     details = remote["usage"]["prompt_tokens_details"]
     assert details["remote_cached_tokens"] == shared, str(remote["kvnet"])  # str: printed whole
+    assert _metric(url_b, "kvnet_engine_running_sequences") == 1  # the long one, still generating
+    long_stream.close()  # its client leaves: the engine ends its sequence
+    wait_until(lambda: _metric(url_b, "kvnet_engine_admitted_sequences") == 0, "B's long stream ended")
     assert details["local_cached_tokens"] == 0
     assert remote["kvnet"]["renditions"] == {"lossless": shared // B}
     # B pushes the blocks it computed, never the ones it just fetched from the relay.
