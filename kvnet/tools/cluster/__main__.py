@@ -16,7 +16,7 @@ from kvnet.logs import LOG_SETTINGS_ENV, add_log_arguments, setup_logging_from_a
 from kvnet.settings import parse_settings, settings_parser
 
 from .compose import ComposeError, load_compose
-from .plan import DEFAULT_PREFIX, upstream_links
+from .plan import DEFAULT_LOSS, DEFAULT_PREFIX, upstream_links
 from .runner import ClusterError, NetnsCluster, list_namespaces, netns_available, teardown
 from .smoke import run_smoke
 
@@ -32,7 +32,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", default=DEFAULT_PREFIX, help="name prefix of namespaces (unique per cluster)")
     p.add_argument("--delay-ms", type=float, default=10.0, help="one-way delay on each origin<->edge path")
     p.add_argument("--jitter-ms", type=float, default=0.0)
-    p.add_argument("--loss", type=float, default=0.01, help="loss probability per direction")
+    p.add_argument("--loss", type=float, default=DEFAULT_LOSS, help="loss probability per direction")
     p.add_argument("--reorder", type=float, default=0.0)
     p.add_argument("--rate-mbit", type=float, default=0.0, help="origin<->edge rate limit (0 = none)")
     add_log_arguments(p)
@@ -86,12 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not already_up:
             cluster.up()
         try:
-            report = run_smoke(cluster)
+            demo = run_smoke(cluster)
         finally:
             if not already_up:
                 cluster.down()
-        hit, total = report["remote_hit_tokens"], report["prompt_tokens"]
-        print(f"smoke ok: remote hit {hit} of {total} tokens, verified")
+        print(f"smoke ok: {demo.summary()}")
         return 0
     except KeyboardInterrupt:
         print("interrupted; cluster torn down", file=sys.stderr)

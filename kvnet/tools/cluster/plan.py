@@ -20,6 +20,10 @@ from .compose import ComposeProject
 
 # Every namespace, per-namespace /etc directory and process of one cluster carries this prefix.
 DEFAULT_PREFIX = "kvnc"
+# Loss per direction on an emulated origin<->edge path: a WAN link between sites. At 1% a QUIC flow over the
+# three relays' 20 ms round trips moves well under 1 MB/s (the loss rate, not the link, sets the window),
+# which no CPU prefill of a small model loses to; 0.1% is a lossy WAN that still carries a few MB/s.
+DEFAULT_LOSS = 0.001
 # Private range used only on links inside our own namespaces: network i gets 10.77.(i+1).0/24.
 DEFAULT_SUBNET_BASE = "10.77"
 SWITCH_SUFFIX = "sw"
