@@ -44,7 +44,7 @@ class Progress:
             return
         total = max(estimate_s, 1e-3) if estimate_s is not None else None
         fmt = (
-            "{desc}: {percentage:3.0f}% of est. |{bar}| {elapsed} of ~{total:.0f}s{postfix}"
+            "{desc}: {percentage:3.0f}% of est. |{bar}| {elapsed} of ~{total:.1f}s{postfix}"
             if total is not None else "{desc}: {elapsed}{postfix}"
         )
         # A terminal that reports no size (0x0, e.g. a fresh pseudo-terminal) would make tqdm hide the bar.
