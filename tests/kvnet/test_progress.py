@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.processes import make_certificates, start_relay
+
 SUBSCRIBER = [sys.executable, "-m", "subscriber", "--model", "tiny", "--prompt", "progress on a terminal",
               "--max-tokens", "3"]
 LOAD_BAR = "loading model tiny: 00:"
@@ -65,3 +67,19 @@ def test_no_bars_when_stderr_is_not_a_terminal(tmp_path: Path, json_output: bool
     assert LOAD_BAR not in result.stderr and PROMPT_BAR not in result.stderr, result.stderr
     assert "\r" not in result.stderr
     assert "loading model tiny ..." in result.stderr  # the log line, in the one log format
+
+
+def test_publisher_prefill_bar_against_its_estimate(tmp_path: Path) -> None:
+    cert_dir = make_certificates(tmp_path / "certs")
+    relay = start_relay(cert_dir, tmp_path)
+    try:
+        argv = [
+            sys.executable, "-m", "publisher", "--relay", f"moqt://127.0.0.1:{relay.port}",
+            "--ca", str(cert_dir.ca), "--model", "tiny", "--prompt", "a prompt to prefill " * 20,
+            "--exit-after-publish",
+        ]
+        status, output = _run_on_pty(argv, tmp_path)
+    finally:
+        relay.stop()
+    assert status == 0, output
+    assert "prompt 1/1: prefill 401 tokens, publish: 100% of est." in output, output
