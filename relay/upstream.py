@@ -79,16 +79,20 @@ class UpstreamRelay:
     Lifecycle: a supervisor task connects, and whenever the session closes (upstream restarted, keep-alive
     lost after ``--upstream-idle-timeout``) or the upstream sends GOAWAY, connects again after a delay from
     ``kvnet.net.reconnect.Backoff`` (the nodes' policy: capped exponential, jittered); a GOAWAY naming a
-    New Session URI is followed at once (and back to ``url`` if that relay cannot be reached). A session that
-    got GOAWAY takes no new request; it is left to finish what it carries and to be closed by the
-    upstream. A request finding no session waits for a connect attempt under way, and otherwise fails at
-    once with a clear error (``RoutedUpstream``) instead of waiting for the backoff.
+    New Session URI is followed at once (and back to ``url`` if that relay cannot be reached). A session
+    that got GOAWAY takes no new request; it is left to finish what it carries until the upstream closes
+    it (or we do, after its GOAWAY timeout). A request finding no session waits for a connect attempt
+    under way, and otherwise fails at once with a clear error (``RoutedUpstream``) instead of waiting for
+    the backoff.
 
     Namespace propagation (draft "Relays"/"Publisher Interactions": the upstream relay routes requests for
     a namespace to the session that announced it): ``announce``/``withdraw`` keep the set of namespaces our
     publishers announced; each is sent upstream as PUBLISH_NAMESPACE on the current session (re-sent on
-    every new session) and withdrawn by cancelling that request. Requests the upstream relay sends us on a
-    session are handed to ``on_session`` (the relay serves them like any peer's).
+    every new session) and withdrawn by cancelling that request. ``watch``/``unwatch`` do the same for
+    the prefixes of our watchers' SUBSCRIBE_NAMESPACE; what the upstream announces in answer is kept in
+    ``remote_namespaces`` and reported to ``on_namespace`` (and reported gone when the session is lost).
+    Requests the upstream relay sends us on a session are handed to ``on_session`` (the relay serves them
+    like any peer's).
     """
 
     def __init__(
