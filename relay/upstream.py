@@ -231,21 +231,30 @@ class UpstreamRelay:
             elif ns in self.remote_namespaces:
                 self._namespace_gone(ns)
 
+        await self._open_standing(
+            "SUBSCRIBE_NAMESPACE", conn.subscribe_namespace(prefix, on_namespace=on_event), conn,
+            self._watching, prefix, lambda: self._watching_on is conn and prefix in self._cover(),
+        )
+
+    async def _open_standing(
+        self, what: str, request: Awaitable[int], conn: MoqtConnection,
+        table: dict[TrackNamespace, int | None], key: TrackNamespace, still_wanted: Callable[[], bool],
+    ) -> None:
+        """Await one standing request (``what`` for ``key`` on ``conn``) and record its Request ID in
+        ``table``, where it sits as None while in flight. Refused, it is forgotten (the next session
+        tries again); no longer wanted once answered (withdrawn, or a new session meanwhile), cancelled."""
         try:
-            rid = await asyncio.wait_for(
-                conn.subscribe_namespace(prefix, on_namespace=on_event), self._request_timeout
-            )
+            rid = await asyncio.wait_for(request, self._request_timeout)
         except (RequestRejected, ConnectionClosed, TimeoutError) as exc:
-            logger.warning(
-                "upstream relay refused SUBSCRIBE_NAMESPACE", extra={"upstream": self.url, "error": str(exc)}
-            )
-            if self._watching_on is conn and self._watching.get(prefix, 0) is None:
-                del self._watching[prefix]
+            logger.warning(f"upstream relay refused {what}", extra={"upstream": self.url, "error": str(exc)})
+            if table.get(key, 0) is None:
+                del table[key]
             return
-        if self._watching_on is not conn or prefix not in self._cover():
-            conn.cancel_request(rid)  # unwatched (or reconnected) while the subscription was in flight
+        if not still_wanted():
+            conn.cancel_request(rid)
             return
-        self._watching[prefix] = rid
+        table[key] = rid
+        logger.info(f"{what} accepted upstream", extra={"upstream": self.url})
 
     def _namespace_gone(self, ns: TrackNamespace) -> None:
         self.remote_namespaces.discard(ns)
@@ -279,20 +288,10 @@ class UpstreamRelay:
         await asyncio.gather(*(self._announce_one(conn, ns) for ns in todo))
 
     async def _announce_one(self, conn: MoqtConnection, ns: TrackNamespace) -> None:
-        try:
-            rid = await asyncio.wait_for(conn.publish_namespace(ns), self._request_timeout)
-        except (RequestRejected, ConnectionClosed, TimeoutError) as exc:
-            logger.warning(
-                "upstream relay refused PUBLISH_NAMESPACE", extra={"upstream": self.url, "error": str(exc)}
-            )
-            if self._announced_on is conn and self._announced.get(ns, 0) is None:
-                del self._announced[ns]
-            return
-        if self._announced_on is not conn or ns not in self._wanted:
-            conn.cancel_request(rid)  # withdrawn (or reconnected) while the announcement was in flight
-            return
-        self._announced[ns] = rid
-        logger.info("namespace announced upstream", extra={"upstream": self.url})
+        await self._open_standing(
+            "PUBLISH_NAMESPACE", conn.publish_namespace(ns), conn, self._announced, ns,
+            lambda: self._announced_on is conn and ns in self._wanted,
+        )
 
     async def connection(self) -> MoqtConnection | None:
         """The session for a new request: the current one, or the one a connect attempt under way brings
@@ -338,7 +337,7 @@ class UpstreamRelay:
             self._spawn(self._serve(conn))
             self._spawn(self._sync())
             self._spawn(self._sync_watched())
-            self.last_error = await self._wait_ended(conn)
+            self.last_error = await conn.wait_leaving()
             if self._closing:
                 return
             self._conn = None  # new requests wait for (or fail without) the next session at once
@@ -364,21 +363,6 @@ class UpstreamRelay:
             what, extra={"upstream": self.url, "error": self.last_error, "retry_in": round(delay, 3)}
         )
         await asyncio.sleep(delay)
-
-    @staticmethod
-    async def _wait_ended(conn: MoqtConnection) -> str:
-        """Until ``conn`` closes or the upstream sends GOAWAY; returns which, for the log."""
-        closed = asyncio.ensure_future(conn.wait_session_closed())
-        goaway = asyncio.ensure_future(conn.goaway_event.wait())
-        try:
-            await asyncio.wait({closed, goaway}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            goaway.cancel()
-        if not closed.done():
-            closed.cancel()
-            return "upstream relay sent GOAWAY"
-        code, reason = closed.result()
-        return f"session closed (code {code:#x}): {reason or 'no reason given'}"
 
     async def _retire(self, conn: MoqtConnection) -> None:
         """A session that got GOAWAY: requests on it may finish until the upstream closes it, or until its

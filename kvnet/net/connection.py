@@ -909,6 +909,21 @@ class MoqtConnection(_ProtocolBase):
         """Wait for the session to end; returns (error code, reason)."""
         return await asyncio.shield(self._closed_future)
 
+    async def wait_leaving(self) -> str:
+        """Wait until a client should move off this session: it closed (peer gone, keep-alive lost) or the
+        peer sent GOAWAY; returns which, for the log."""
+        closed = asyncio.ensure_future(self.wait_session_closed())
+        goaway = asyncio.ensure_future(self.goaway_event.wait())
+        try:
+            await asyncio.wait({closed, goaway}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            goaway.cancel()
+        if not closed.done():
+            closed.cancel()
+            return "peer sent GOAWAY"
+        code, reason = closed.result()
+        return f"session closed (code {code:#x}): {reason or 'no reason given'}"
+
 
 @functools.cache
 def protocol_class(stack: str) -> type[MoqtConnection]:

@@ -463,7 +463,7 @@ class Node:
             if self.config.push and self.config.republish_bytes and len(self.store):
                 self._background(self._republish(peer))
             started = time.monotonic()
-            why = await peer.wait_ended()
+            why = await peer.conn.wait_leaving()
             if self._closing.is_set():
                 return
             # Requests see the node as disconnected at once; the old session is let go in the background.

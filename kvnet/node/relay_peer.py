@@ -128,21 +128,6 @@ class RelayPeer:
         goaway = self.conn.goaway
         return None if goaway is None else redirect_target(goaway.new_session_uri)
 
-    async def wait_ended(self) -> str:
-        """Wait until this session should be left: it closed (relay gone, keep-alive lost) or the relay sent
-        GOAWAY; returns why, for the log."""
-        closed = asyncio.ensure_future(self.conn.wait_session_closed())
-        goaway = asyncio.ensure_future(self.conn.goaway_event.wait())
-        try:
-            await asyncio.wait({closed, goaway}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            goaway.cancel()
-        if not closed.done():
-            closed.cancel()
-            return "relay sent GOAWAY"
-        code, reason = closed.result()
-        return f"session ended (code {code:#x}): {reason or 'no reason given'}"
-
     async def abandon(self) -> None:
         """Let go of a session that ended or is going away, without waiting for pushes to drain."""
         self._closing = True

@@ -90,7 +90,7 @@ async def test_edge_leaves_a_draining_origin_on_goaway(
     assert origin.proc.poll() is None, "the origin is still draining"
     # Its next attempts reach the draining origin, which refuses new sessions instead of accepting them.
     await origin.wait_metric('kvnet_relay_limit_rejections_total{limit="draining"}', 1, RECONNECT_WITHIN)
-    assert "upstream relay sent GOAWAY" in edge.log()
+    assert "peer sent GOAWAY" in edge.log()
     origin.stop()
     await asyncio.to_thread(origin.proc.wait, 10)
 
