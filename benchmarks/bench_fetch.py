@@ -202,6 +202,30 @@ async def _raw_receive_once(settings: quic.TransportSettings, port: int, certdir
     return elapsed
 
 
+def raw_receive_child(settings: quic.TransportSettings, port: int, certdir: Path, size: int) -> list[float]:
+    """In a receiver child process (an aiopquic receiver runs in the Python 3.12 environment): one raw
+    transfer; returns [seconds, CPU seconds of this process during it]."""
+    c0 = time.process_time()
+    seconds = asyncio.run(_raw_receive_once(settings, port, certdir, size))
+    return [seconds, time.process_time() - c0]
+
+
+def raw_receive_in_child(
+    settings: quic.TransportSettings, port: int, certdir: Path, size: int
+) -> list[float]:
+    """``raw_receive_child`` run in a child process on the interpreter ``settings.stack`` needs."""
+    python = str(common.native_quic_python()) if settings.stack == "aiopquic" else sys.executable
+    done = subprocess.run(
+        [python, __file__, "--raw-receive", str(size), "--settings", json.dumps(dataclasses.asdict(settings)),
+         "--port", str(port), "--certdir", str(certdir)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"raw receiver failed: {done.stderr.strip()[-300:]}")
+    result: list[float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
 def raw_server_to_client(settings: quic.TransportSettings, size: int, runs: int, certdir: Path,
                          client_settings: quic.TransportSettings | None = None) -> list[float]:
     """MB/s of ``runs`` raw one-way QUIC transfers of ``size`` bytes from a server (child process) to a
@@ -353,9 +377,14 @@ def main() -> int:
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--certdir", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--object-bytes", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--raw-receive", type=int, metavar="BYTES", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
         _serve_child(args)
+        return 0
+    if args.raw_receive:
+        print(json.dumps(raw_receive_child(quic.TransportSettings(**json.loads(args.settings)), args.port,
+                                           args.certdir, args.raw_receive)))
         return 0
     object_bytes = args.object_kib << 10
     runs = 1 if args.profile else args.runs
