@@ -319,9 +319,11 @@ def batch_attention(res: common.SuiteResult, runs: int = 5, context: int = 320, 
 
         def padded() -> torch.Tensor:
             cache.write(0, slots, k_new, k_new)
-            k = k_layer[padded_table].flatten(1, 2).transpose(1, 2).repeat_interleave(group, 1)  # [B,H,S,D]
-            v = v_layer[padded_table].flatten(1, 2).transpose(1, 2).repeat_interleave(group, 1)
-            return F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :])
+            k = k_layer[padded_table].flatten(1, 2).transpose(1, 2)  # [B, H_kv, S_max, D]
+            v = v_layer[padded_table].flatten(1, 2).transpose(1, 2)
+            return F.scaled_dot_product_attention(
+                q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], enable_gqa=group > 1
+            )
 
         def looped() -> torch.Tensor:
             return loop.attend(0, q, k_new, k_new)

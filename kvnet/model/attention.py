@@ -6,9 +6,9 @@ grouped-query attention (GQA) and the paged read path. It reaches the KV cache s
 
 A batch of sequences is one flat token dimension: each sequence owns a contiguous segment of it
 (`BatchSegment`) and its own block table. The projections run over all tokens at once; attention runs per
-segment over that sequence's pages (`BatchedPagedAttention`). A padded ``[B, S_max]`` gather with a mask was
-measured slower on CPU for decode batches (benchmarks/bench_serving.py, docs/performance.md), and the
-per-segment loop computes exactly the unbatched attention of each sequence.
+segment over that sequence's pages (`BatchedPagedAttention`). A padded ``[B, S_max]`` gather with a mask
+measured no faster on CPU for decode batches (benchmarks/bench_micro.py ``--only attention``,
+docs/performance.md), and the per-segment loop computes exactly the unbatched attention of each sequence.
 
 Masking rule, used by every path: the query at absolute position ``p`` attends to the keys at positions
 ``0..p``. So a prefill chunk at positions ``p0..p0+T-1`` over a cached prefix of ``p0`` tokens, a decode
