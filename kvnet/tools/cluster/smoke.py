@@ -3,9 +3,10 @@ published at site a is asked for at site b, and the subscriber's ABR, on its own
 emulated WAN (edge-b -> origin -> edge-a) rather than recompute it; the same request recomputed gives the
 same output. Returns both reports, so the figure (time to first token fetched vs recomputed) is measured.
 
-The trained SmolLM2 model (``--model smollm2``): a real model prefills slowly enough on a CPU (tens of ms
-per token) that fetching its KV over a WAN wins for a long prefix; the compose nodes' small preset
-prefills faster than any WAN fetch, so their ABR rightly recomputes.
+The trained SmolLM2 model (``--model smollm2``) in its own dtype, bfloat16: on a CPU without bfloat16
+matrix units it prefills slowly enough (tens of ms per token) that fetching its KV over a WAN wins for a
+long prefix; the compose nodes' small preset (or SmolLM2 in float32) prefills faster than the WAN fetch,
+so the ABR rightly recomputes for them.
 """
 
 from __future__ import annotations
