@@ -26,6 +26,8 @@ How it differs and what is done about it (aiopquic 0.6.1):
   ``max_datagram_size`` below 1452 turns probing off (picoquic stays at its initial size).
 - The server listens on every address of the port (picoquic binds the wildcard address).
 - A peer's CONNECTION_CLOSE reason phrase is not reported (error codes are).
+- qh3 servers (2.1) fail the handshake of an aiopquic client ("packet builder capacity exhausted" on the
+  qh3 side, at any datagram size): an aiopquic relay's upstream must not be a qh3 relay.
 """
 
 from __future__ import annotations
@@ -236,6 +238,9 @@ class AiopquicProtocol(_AiopquicProtocol):
             if not event.reason_phrase and _CRYPTO_ERROR <= event.error_code < _CRYPTO_ERROR + 256:
                 alert = event.error_code - _CRYPTO_ERROR
                 event.reason_phrase = f"TLS alert {_TLS_ALERTS.get(alert, alert)}"
+            elif not event.reason_phrase and not self._quic._connected and event.error_code:
+                event.reason_phrase = (f"closed with error {event.error_code:#x} during the handshake "
+                                       "(aiopquic reports no reason)")
             elif not event.reason_phrase and not self._quic._connected:
                 # A client whose own check of the server's certificate failed gets no code either.
                 event.reason_phrase = ("aiopquic reports no reason; the usual ones: the server's certificate "

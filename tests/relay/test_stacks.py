@@ -102,3 +102,29 @@ def test_relay_on_a_stack_without_client_certificates_refuses_require_client_cer
         assert done.returncode == 2, done.stderr
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and "require_client_cert" in lines[0] and stack in lines[0], done.stderr
+
+
+# Not aiopquic as the client of a qh3 origin: qh3 2.1 servers fail that handshake (see aiopquic_stack).
+@pytest.mark.parametrize(("edge_stack", "origin_stack"), [("aiopquic", "aioquic"), ("qh3", "aiopquic")])
+async def test_edge_and_origin_on_different_stacks(
+    relay_factory: RelayFactory, cert_dir: CertDir, edge_stack: str, origin_stack: str
+) -> None:
+    """An edge relay's upstream session is a client of its own stack: aiopquic as the client of an aioquic
+    origin, and an aiopquic origin serving a qh3 edge; a FETCH and a subscription cross both."""
+    origin = relay_factory(*_relay_flags(origin_stack), name=f"origin-{origin_stack}")
+    edge = relay_factory(*_relay_flags(edge_stack), "--upstream", origin.url, name=f"edge-{edge_stack}")
+    objs = track_objects(b"chained", 4)
+    pub = await Publisher(await _client(origin, cert_dir, "qh3"), {b"chained": objs}).start()
+    sub = await _client(edge, cert_dir, "qh3")
+    try:
+        assert await fetch_track(sub, b"chained", 4) == objs
+        assert await fetch_track(sub, b"chained", 4) == objs
+        assert pub.counts["fetch"] == 1
+        handle = await sub.subscribe(NS, b"chained")
+        pub.live.set()
+        assert await asyncio.wait_for(_payloads(handle), 20) == objs
+        em = await edge.ametrics()
+        assert em['kvnet_relay_upstream_requests_total{type="fetch"}'] == 1
+    finally:
+        await pub.stop()
+        await sub.close_session()
