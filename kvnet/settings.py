@@ -69,9 +69,18 @@ class SettingsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if action.default is None or isinstance(action.default, bool) or "default" in text.lower():
+        default = action.default
+        if default is None or isinstance(default, bool) or default == [] or "default" in text.lower():
             return text
-        return super()._get_help_string(action)
+        if default is argparse.SUPPRESS:
+            return text
+        if action.type is size_arg and isinstance(default, int):
+            shown = format_size(default)  # as the flag takes it: 4M, not 4194304
+        elif isinstance(default, list | tuple):
+            shown = ",".join(map(str, default))
+        else:
+            shown = str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
 
 
 class SettingsParser(argparse.ArgumentParser):
