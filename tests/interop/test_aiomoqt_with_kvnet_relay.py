@@ -8,7 +8,16 @@ import re
 import subprocess
 from pathlib import Path
 
-from tests.helpers.processes import RelayProcess, wait_for_output
+import pytest
+
+from tests.helpers.processes import (
+    CertDir,
+    NativeQuicUnavailable,
+    RelayProcess,
+    native_quic_python,
+    start_relay,
+    wait_for_output,
+)
 from tests.interop.conftest import PEER_SCRIPT, Aiomoqt
 
 CLIENT_TIMEOUT = 300.0
@@ -72,3 +81,23 @@ def test_aiomoqt_objects_of_every_size_arrive_intact(
             size, report, kvnet_relay.log()[-2000:]
         )
     assert done.returncode == 0
+
+
+def test_conformance_client_passes_every_case_against_a_relay_on_aiopquic(
+    aiomoqt: Aiomoqt, cert_dir: CertDir, tmp_path: Path
+) -> None:
+    """draft-18 interop is the MoQT layer's, the same on every QUIC stack: the conformance suite against a
+    relay on the native stack (run from the Python 3.12 environment of ``scripts/setup-py312``)."""
+    try:
+        native_quic_python()
+    except NativeQuicUnavailable as exc:
+        pytest.skip(str(exc))
+    relay = start_relay(cert_dir, tmp_path, "--quic-stack", "aiopquic", log_level="info")
+    try:
+        results = interop_client(aiomoqt, relay)
+        for case in ("fetch", "join"):
+            results.update(interop_client(aiomoqt, relay, "-t", case))
+        failed = [name for name, ok in results.items() if not ok]
+        assert not failed and len(results) == DEFAULT_CASES + 2, (failed, relay.log()[-3000:])
+    finally:
+        relay.stop()
