@@ -85,3 +85,12 @@ def test_version_and_defaults_in_help(capsys: pytest.CaptureFixture[str]) -> Non
         parse_settings(_parser(), ["--version"], env={})
     assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("kvnet-test ")
     assert "(default: 2048)" in _parser().format_help()
+
+
+def test_help_shows_defaults_as_the_flags_take_them() -> None:
+    p = _parser()
+    p.add_argument("--window", type=size_arg, default=4 << 20, help="bytes ahead")
+    p.add_argument("--renditions", default=("lossless", "int8"), help="renditions")
+    text = " ".join(p.format_help().split())
+    assert "bytes ahead (default: 4M)" in text and "renditions (default: lossless,int8)" in text
+    assert "(default: None)" not in text and "(default: [])" not in text and "(default: False)" not in text
