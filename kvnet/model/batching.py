@@ -113,6 +113,9 @@ class SequenceFinished(SchedulerEvent):
     """``stop`` (a stop id), ``length`` (``max_new_tokens``) or ``aborted`` (`BatchScheduler.abort`)."""
     first_token_time: float | None
     """Clock value when the first token was chosen (None when there was none)."""
+    prefill_compute_seconds: float
+    """This sequence's share of the forwards that prefilled it (each step's time split by tokens): what its
+    prefill cost the model, without the time other sequences' work took (``result.prefill_seconds``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +142,7 @@ class _Sequence:
     next_token: int | None = None  # chosen, its K/V not computed yet
     generated: list[int] = field(default_factory=list)
     started_at: float | None = None
+    prefill_compute_s: float = 0.0
     first_token_at: float | None = None
 
     @property
@@ -238,6 +242,7 @@ class BatchScheduler:
         batch = self._plan(events)
         if not batch:
             return events
+        started = self._clock()
         try:
             logits = self._forward(batch)  # [len(batch), vocab]
         except Exception as exc:  # a failed forward fails its sequences, not the driver
@@ -245,10 +250,12 @@ class BatchScheduler:
                 self._running.remove(chunk.seq)
                 events.append(self._fail(chunk.seq, exc))
             return events
+        seconds_per_token = (self._clock() - started) / sum(chunk.length for chunk in batch)
         for row, chunk in enumerate(batch):
             seq = chunk.seq
             if seq.in_prefill:
                 seq.prefilled = chunk.start + chunk.length
+                seq.prefill_compute_s += seconds_per_token * chunk.length
                 if seq.request.commit_prompt:
                     # Written full blocks are final: registered now, prompts admitted later share them.
                     commit_prompt_blocks(self.cache, seq.seq_id, seq.hashes)
@@ -353,7 +360,7 @@ class BatchScheduler:
             prefill_seconds=prefill_done - started,
             decode_seconds=now - prefill_done,
         )
-        return SequenceFinished(seq.seq_id, result, reason, seq.first_token_at)
+        return SequenceFinished(seq.seq_id, result, reason, seq.first_token_at, seq.prefill_compute_s)
 
     def _fail(self, seq: _Sequence, error: Exception) -> SequenceFailed:
         self._release(seq, keep=False)

@@ -335,7 +335,8 @@ class Node:
         result = finished.result
         try:
             if result.computed_tokens > 0:
-                self.abr.prefill.add(result.computed_tokens, result.prefill_seconds)
+                # The model's cost of this prefill, not the wall time it shared with other sequences.
+                self.abr.prefill.add(result.computed_tokens, finished.prefill_compute_seconds)
             # What the cache actually reused is the truth (a block evicted meanwhile is recomputed).
             hit_tokens = result.cached_tokens
             report.remote_hit_tokens = max(hit_tokens - report.local_hit_tokens, 0)

@@ -115,8 +115,11 @@ def test_mixed_prefill_and_decode_equal_the_single_sequence_path(model: Transfor
         assert run.tokens(i) == alone(model, root, request)
         assert run.finished(i).finish_reason == "length"
     assert run.tokens(9) == alone(model, root, long_request)
-    result = run.finished(9).result
+    long_finished = run.finished(9)
+    result = long_finished.result
     assert result.computed_tokens == 150 and result.cached_tokens == 0
+    # Its share of the forwards that prefilled it, never more than the wall time those steps took.
+    assert 0 < long_finished.prefill_compute_seconds <= result.prefill_seconds
     assert cache.stats().num_sequences == 0
 
 
