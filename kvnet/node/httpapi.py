@@ -14,7 +14,8 @@ It knows nothing about the model or the network beyond the ``CompletionBackend``
 is a 4xx with a one-line message, never a 500: bodies are size-capped and their JSON nesting depth is
 checked before parsing. Every request is admitted by the backend before anything is generated or any
 header is sent: when its KV pool (or its bound on sequences in flight) is full the answer is a 503 with
-``Retry-After`` and the usual one-line JSON error, streaming or not.
+``Retry-After`` and the usual one-line JSON error, streaming or not. A client that leaves, streaming or not,
+ends its generation.
 """
 
 from __future__ import annotations
@@ -459,7 +460,7 @@ class OpenAiApi:
             for p, ids in enumerate(prompts)
             for i in range(body.n)
         ]
-        return await self._respond(body, jobs, max_tokens, chat=False)
+        return await self._respond(request, body, jobs, max_tokens, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
@@ -484,7 +485,7 @@ class OpenAiApi:
             raise ApiError(400, str(exc), "messages") from None
         ids = self._check_prompt(ids, max_tokens)
         jobs = [_Job(i, ids, _sampling(body, i)) for i in range(body.n)]
-        return await self._respond(body, jobs, max_tokens, chat=True)
+        return await self._respond(request, body, jobs, max_tokens, chat=True)
 
     def _admit(self, jobs: list[_Job], max_tokens: int) -> AdmissionTicket:
         longest = max(len(job.prompt_ids) for job in jobs)
@@ -522,8 +523,25 @@ class OpenAiApi:
             outcome.token_ids = list(stream.token_ids)
         return outcome, stream
 
+    @staticmethod
+    async def _until_disconnected(request: Request) -> None:
+        """Returns once the client has gone (the body is read already, so the next ASGI message is the
+        disconnect)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def _run_all(
+        self, jobs: list[_Job], max_tokens: int, stop: list[str], admission: AdmissionTicket
+    ) -> list[tuple[GenerationOutcome, TextStream]]:
+        try:
+            async with asyncio.TaskGroup() as group:  # the choices run together in the batching engine
+                tasks = [group.create_task(self._run(job, max_tokens, stop, admission)) for job in jobs]
+        except ExceptionGroup as failed:  # the others were cancelled; answer with the first error
+            raise failed.exceptions[0] from None
+        return [task.result() for task in tasks]
+
     async def _respond(
-        self, body: _SamplingFields, jobs: list[_Job], max_tokens: int, *, chat: bool
+        self, request: Request, body: _SamplingFields, jobs: list[_Job], max_tokens: int, *, chat: bool
     ) -> Response:
         stop = _stop_strings(body.stop)
         prefix = "chatcmpl" if chat else "cmpl"
@@ -542,14 +560,19 @@ class OpenAiApi:
             return StreamingResponse(
                 events, media_type="text/event-stream", background=BackgroundTask(admission.release)
             )
+        generating = asyncio.ensure_future(self._run_all(jobs, max_tokens, stop, admission))
+        disconnected = asyncio.ensure_future(self._until_disconnected(request))
         try:
-            async with asyncio.TaskGroup() as group:  # the choices run together in the batching engine
-                tasks = [group.create_task(self._run(job, max_tokens, stop, admission)) for job in jobs]
-        except ExceptionGroup as failed:  # the others were cancelled; answer with the first error
-            raise failed.exceptions[0] from None
+            await asyncio.wait({generating, disconnected}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            disconnected.cancel()
+            if not generating.done():  # the client left (or this handler was cancelled): stop generating
+                generating.cancel()
+                await asyncio.gather(generating, return_exceptions=True)
             admission.release()
-        results = [task.result() for task in tasks]
+        if generating.cancelled():
+            return Response(status_code=499)  # nobody is listening any more
+        results = generating.result()
         choices: list[dict[str, Any]] = []
         for job, (outcome, text) in zip(jobs, results, strict=True):
             if chat:

@@ -352,3 +352,23 @@ async def test_concurrent_clients_are_batched_and_equal_recompute(node_url: tupl
         ids = node.encode_prompt(prompt)
         expected = generate_reference(node.model, ids, 10, stop_token_ids=(node.tokenizer.eos_id,))
         assert answer.choices[0].text == node.tokenizer.decode(expected)
+
+
+async def test_a_client_leaving_a_non_streaming_request_ends_its_generation() -> None:
+    async with serving(NodeConfig(model="tiny", block_size=16, cache_blocks=512)) as (url, node):
+        body = json.dumps({"model": MODEL, "prompt": "Hold the line 0", "max_tokens": LONG,
+                           "temperature": 0}).encode()
+        port = int(url.rsplit(":", 1)[1])
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+        )
+        await writer.drain()
+        await async_wait_until(lambda: node.engine.scheduler.num_running == 1, "the request generating")
+        writer.close()  # the client goes away before its answer
+        await writer.wait_closed()
+        admission = node.engine.admission
+        await async_wait_until(lambda: admission.requests_in_flight == 0, "its generation ended")
+        assert node.counters.requests == 0  # cancelled, never answered
+        assert node.cache.stats().num_sequences == 0
