@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from kvnet.logs import add_log_arguments, setup_logging_from_args
+from kvnet.progress import Progress
 from kvnet.security import certs
 from kvnet.settings import parse_settings, settings_parser
+
+logger = logging.getLogger("kvnet")
+T = TypeVar("T")
 
 
 def _cmd_certs_init(args: argparse.Namespace) -> int:
@@ -189,13 +195,23 @@ def _add_linkemu(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.set_defaults(func=_cmd_linkemu)
 
 
+def _with_progress(desc: str, work: Callable[[], T]) -> T:
+    """Run ``work`` in a thread under a progress bar (on a terminal); its messages are log lines above it."""
+
+    async def run() -> T:
+        async with Progress.for_command().activity(desc):
+            return await asyncio.to_thread(work)
+
+    return asyncio.run(run())
+
+
 def _cmd_model_convert(args: argparse.Namespace) -> int:
     from kvnet.model.gguf import convert_gguf
 
-    result = convert_gguf(
+    result = _with_progress(f"converting {args.gguf_file.name}", lambda: convert_gguf(
         args.gguf_file, args.dir, expected_sha256=args.sha256, run_dtype=args.dtype, overwrite=args.force,
-        progress=lambda message: print(message, file=sys.stderr),
-    )
+        progress=logger.info,
+    ))
     print(f"checkpoint: {result.directory} ({result.num_tensors} tensors, input sha256 {result.sha256})")
     return 0
 
@@ -203,8 +219,9 @@ def _cmd_model_convert(args: argparse.Namespace) -> int:
 def _cmd_model_path(args: argparse.Namespace) -> int:
     from kvnet.model.registry import default_models_dir, resolve_model
 
-    directory = resolve_model(
-        args.name, default_models_dir(os.environ), progress=lambda message: print(message, file=sys.stderr)
+    models_dir = default_models_dir(os.environ)
+    directory = _with_progress(
+        f"model {args.name}", lambda: resolve_model(args.name, models_dir, progress=logger.info)
     )
     print(directory)
     return 0
