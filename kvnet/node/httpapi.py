@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -622,35 +623,45 @@ class OpenAiApi:
             return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
 
         outcomes: list[GenerationOutcome] = []
-        task: asyncio.Future[tuple[GenerationOutcome, TextStream]] | None = None
+        deltas: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
+        # Every choice runs at once in the batching engine; their deltas interleave, each tagged by index.
+        running: dict[asyncio.Future[tuple[GenerationOutcome, TextStream]], _Job] = {}
         try:
             for job in jobs:
-                queue: asyncio.Queue[str] = asyncio.Queue()
                 if chat:
                     yield chunk([choice(job.index, "", None, first=True)])
-                task = asyncio.ensure_future(self._run(job, max_tokens, stop, admission, queue.put_nowait))
-                while not task.done() or not queue.empty():
-                    getter = asyncio.ensure_future(queue.get())
-                    try:
-                        await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                    finally:
-                        if not getter.done():
-                            getter.cancel()
-                    if getter.done() and not getter.cancelled():
-                        yield chunk([choice(job.index, getter.result(), None)])
-                outcome, text = task.result()
-                # Deltas queued by the worker thread after the task finished are already in ``text``.
-                while not queue.empty():
-                    yield chunk([choice(job.index, queue.get_nowait(), None)])
-                rest = text.take_delta(final=True)
-                yield chunk([choice(job.index, rest if rest or not chat else None, outcome.finish_reason)])
-                outcomes.append(outcome)
+                on_delta = functools.partial(_put_tagged, deltas, job.index)
+                running[asyncio.ensure_future(self._run(job, max_tokens, stop, admission, on_delta))] = job
+            while running:
+                getter = asyncio.ensure_future(deltas.get())
+                try:
+                    waiting: set[asyncio.Future[Any]] = {getter, *running}
+                    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not getter.done():
+                        getter.cancel()
+                if getter.done() and not getter.cancelled():
+                    index, text = getter.result()
+                    yield chunk([choice(index, text, None)])
+                for task in [t for t in running if t in done]:
+                    job = running.pop(task)
+                    outcome, stream = task.result()
+                    # Deltas the worker thread queued before the task finished are in the queue: send them
+                    # first, then the rest of this choice's text with its finish reason.
+                    while not deltas.empty():
+                        index, text = deltas.get_nowait()
+                        yield chunk([choice(index, text, None)])
+                    rest = stream.take_delta(final=True) or (None if chat else "")
+                    yield chunk([choice(job.index, rest, outcome.finish_reason)])
+                    outcomes.append(outcome)
         except ApiError as exc:
             # Headers are gone: report in-band as OpenAI does, then end the stream.
+            for task in running:
+                task.cancel()
             yield f"data: {json.dumps({'error': {'message': exc.message, 'code': exc.status}})}\n\n"
         except (asyncio.CancelledError, GeneratorExit):
             # The client went away: end its generation in the engine, not only the response.
-            if task is not None and not task.done():
+            for task in running:
                 task.cancel()
             raise
         else:
@@ -660,6 +671,10 @@ class OpenAiApi:
         finally:
             admission.release()
         yield "data: [DONE]\n\n"
+
+
+def _put_tagged(queue: asyncio.Queue[tuple[int, str]], index: int, text: str) -> None:
+    queue.put_nowait((index, text))
 
 
 def bind_http(host: str, port: int) -> socket.socket:

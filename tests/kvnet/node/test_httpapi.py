@@ -117,6 +117,16 @@ async def test_sampling_seed_n_and_stop(node_url: tuple[str, Node]) -> None:
                                                temperature=0, stop=stop, stream=True)
     assert "".join([c.choices[0].text async for c in streamed]) == stopped.choices[0].text
 
+    # Streamed choices run together and interleave; each index reassembles to the non-streamed text.
+    together = await client.completions.create(seed=5, n=2, stream=True, **args)
+    texts = ["", ""]
+    finished = [0, 0]
+    async for c in together:
+        for streamed_choice in c.choices:
+            texts[streamed_choice.index] += streamed_choice.text
+            finished[streamed_choice.index] += streamed_choice.finish_reason is not None
+    assert texts == [c.text for c in first.choices] and finished == [1, 1]
+
 
 async def test_unsupported_parameter_and_chat_without_template_are_400(node_url: tuple[str, Node]) -> None:
     url, _ = node_url
