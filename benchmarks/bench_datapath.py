@@ -60,6 +60,7 @@ from kvnet.model.transformer import transformer_configs
 from kvnet.net import quic
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
+from kvnet.node import fetching
 from kvnet.node.blockstore import BlockStore, StoredBlock
 from kvnet.node.fetching import DEFAULT_VERIFY_WORKERS, BlockFetcher
 from kvnet.node.publishing import BlockServer, encode_blocks
@@ -73,6 +74,7 @@ CHUNK = 1 << 20
 # An 8B Llama-3 keeps 32 layers x (K, V) x 8 KV heads x 128 x 2 bytes of bf16 KV per token: the figure
 # that says what a transfer rate means on a real fleet.
 LLAMA3_8B_BF16_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
+DEFAULT_LAYERS_PER_TASK = fetching.LAYERS_PER_TASK
 TLS_TCP_CASE = "TLS 1.3 over TCP (blocking)"
 # Stacks a node (Python 3.11, torch) runs on: an aiopquic relay's subscribers use these.
 NODE_STACKS = ("qh3", "aioquic")
@@ -244,8 +246,12 @@ class RelayFetch:
     async def _fetch(self, conn: MoqtConnection, verify_workers: int = DEFAULT_VERIFY_WORKERS) -> None:
         await verified_fetch(conn, self.prompt.spec, self.prompt.identities, self.trust, verify_workers)
 
-    def fetch(self, verify_workers: int = DEFAULT_VERIFY_WORKERS, receive_offload: bool = True) -> Sample:
+    def fetch(self, verify_workers: int = DEFAULT_VERIFY_WORKERS, receive_offload: bool = True,
+              layers_per_task: int | None = None) -> Sample:
         # A fresh session per run, set up outside the timed part (as in the other cases): the fetch only.
+        # layers_per_task: the fetcher's module setting for this fetch only (the loop thread reads it
+        # while this thread waits for the fetch).
+        fetching.LAYERS_PER_TASK = layers_per_task or DEFAULT_LAYERS_PER_TASK
         conn = self._call(self._connect(receive_offload))
         misses = self.relay.metric("kvnet_relay_cache_misses_total")
         try:
@@ -559,15 +565,15 @@ class Figure:
 
 
 def run(tokens: int, runs: int, stacks: list[str], links: list[str],
-        compare_gso: bool = True, verify_workers: tuple[int, ...] = (),
+        compare_gso: bool = True, verify_workers: tuple[tuple[int, int | None], ...] = (),
         node_stacks: tuple[str, ...] = NODE_STACKS, compare_gro: bool = False) -> tuple[Prompt, list[Figure]]:
     """Every case ``runs`` times, interleaved; one ``Figure`` per case. ``compare_gso`` adds aioquic
     verified fetches with ``TransportSettings.udp_segmentation`` off on both sides, ``compare_gro`` ones
     whose client reads without ``udp_receive_offload``; each of
-    ``verify_workers`` adds verified fetches from the same relay with that many verify threads
-    (``BlockFetcher.verify_workers``; the plain case uses the default). A relay (and raw sender) on
-    aiopquic runs in the Python 3.12 environment, with subscribers here on each of ``node_stacks``; it
-    is left out, said so, where that environment cannot be made."""
+    ``verify_workers`` (threads, layers per task or None) adds verified fetches from the same relay with
+    that many verify threads (``BlockFetcher.verify_workers``; the plain case uses the default). A relay
+    (and raw sender) on aiopquic runs in the Python 3.12 environment, with subscribers here on each of
+    ``node_stacks``; it is left out, said so, where that environment cannot be made."""
     prompt = make_prompt(tokens)
     size = prompt.wire_bytes
     loop = asyncio.new_event_loop()
@@ -596,9 +602,10 @@ def run(tokens: int, runs: int, stacks: list[str], links: list[str],
                     relay = RelayFetch(prompt, certdir, s, link, loop)
                     stack.callback(relay.close)
                     cases.append(Case(f"verified fetch {s} {link}", relay.fetch))
-                    for n in verify_workers:
-                        cases.append(Case(f"verified fetch {s} {link} verify workers {n}",
-                                          lambda relay=relay, n=n: relay.fetch(n)))  # type: ignore[misc]
+                    for n, k in verify_workers:
+                        per_task = "" if k is None else f", {k} layers per task"
+                        cases.append(Case(f"verified fetch {s} {link} verify workers {n}{per_task}",
+                                          lambda relay=relay, n=n, k=k: relay.fetch(n, layers_per_task=k)))  # type: ignore[misc]
                     if compare_gro and s == "aioquic":  # qh3's client reads in batches itself
                         cases.append(Case(f"verified fetch {s} {link} without GRO",
                                           lambda relay=relay: relay.fetch(receive_offload=False)))  # type: ignore[misc]
@@ -700,8 +707,9 @@ def main() -> int:
     ap.add_argument("--no-gso-comparison", action="store_true", help="skip the aioquic cases without GSO")
     ap.add_argument("--gro-comparison", action="store_true",
                     help="add aioquic verified fetches whose client reads one datagram per wakeup (no GRO)")
-    ap.add_argument("--verify-workers", default="", metavar="N,N,...",
-                    help="also fetch with these numbers of verify threads (BlockFetcher.verify_workers), "
+    ap.add_argument("--verify-workers", default="", metavar="N[/K],...",
+                    help="also fetch with N verify threads (BlockFetcher.verify_workers), K layers handed "
+                         "to a thread at a time (default: the fetcher's), "
                          f"next to the default ({DEFAULT_VERIFY_WORKERS})")
     ap.add_argument("--fanout", default="", metavar="N,N,...",
                     help="instead: N concurrent subscriber processes fetching the prompt from one relay's "
@@ -742,7 +750,8 @@ def main() -> int:
         print(profile(args.tokens, stacks[0], links[0], peer))
         return 0
     try:
-        workers = tuple(int(n) for n in args.verify_workers.split(",") if n)
+        workers = tuple((int(n), int(k) if k else None)
+                        for n, _, k in (w.partition("/") for w in args.verify_workers.split(",") if w))
     except ValueError:
         ap.error(f"--verify-workers takes comma-separated integers, got {args.verify_workers!r}")
     node_stacks = tuple(s for s in args.node_stacks.split(",") if s)

@@ -325,7 +325,7 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
     )
     k.add_argument(
         "--fetch-verify-workers", type=int, default=DEFAULT_VERIFY_WORKERS, metavar="N",
-        help="threads that verify and decode fetched layers (0: on the event loop)",
+        help="threads that verify and decode fetched layers (0, the default: on the event loop)",
     )
     k.add_argument("--timeout", type=float, default=10.0, help="seconds per locate/fetch before recompute")
     k.add_argument(

@@ -15,17 +15,17 @@ Owns:
 
 Where the time goes (profiled on the bench preset, 2 cores): the transport's per-packet work dominates,
 and the per-layer work (SHA-256 of the payload, zstd + numpy decode; ~0.3 ms per 128 KiB layer) runs
-either on the event loop as each layer arrives (``verify_workers=0``) or on a bounded pool of
-``verify_workers`` threads (hashlib, zstd and torch release the GIL inside their calls), several layers at
-once, while the loop keeps reading the network. Either way the layers are written into the cache on the
-event loop, in object order, and a layer that fails its digest or decode ends the fetch at its block
-exactly as before. (A single worker thread once measured 20-40% slower end to end than the loop: the
-loop, coming back from every socket read, queued behind the worker for the GIL; docs/performance.md
-has the figures that chose ``DEFAULT_VERIFY_WORKERS``.) Payload bytes are never copied on the way: the
-decoder reads them through views. The window is in bytes rather than blocks because QUIC interleaves
-concurrent streams: a deep window of large blocks delivers every block late (round robin) and multiplies
-the sender's per-packet frame work, while a window of a few MB keeps the link busy and blocks arriving in
-chain order.
+either on the event loop as each layer arrives (``verify_workers=0``, the default) or on a bounded pool of
+``verify_workers`` threads (hashlib, zstd and torch release the GIL inside their calls), a block's layers
+per task, while the loop keeps reading the network. Either way the layers are written into the cache on
+the event loop, in object order, and a layer that fails its digest or decode ends the fetch at its block
+exactly as before. The pool costs the loop a GIL hand-off per task and the process more CPU per MB; on
+aioquic it only won on a machine so overloaded that extra threads took CPU share from other processes,
+so it is off by default (docs/performance.md, "Verify and decode off the event loop"). Payload bytes are
+never copied on the way: the decoder reads them through views. The window is in bytes rather than blocks
+because QUIC interleaves concurrent streams: a deep window of large blocks delivers every block late
+(round robin) and multiplies the sender's per-packet frame work, while a window of a few MB keeps the
+link busy and blocks arriving in chain order.
 
 Any failure (timeout, reset, error reply, failed check) ends the usable prefix at that block; the caller
 recomputes the rest. A fetch problem costs time, never correctness. Verification failures carry a kind
@@ -67,12 +67,15 @@ DEFAULT_WINDOW_BYTES = 4 << 20
 MAX_FETCHES_IN_FLIGHT = 128
 """FETCHes a fetch keeps open at most, however small the blocks: peers refuse more than
 ``SessionConfig.max_requests_in_flight`` (256 by default) unanswered requests of one session."""
-DEFAULT_VERIFY_WORKERS = 2
+DEFAULT_VERIFY_WORKERS = 0
 """Threads that check digests and decode layers during a fetch; 0 does it on the event loop. Chosen by
 measurement (docs/performance.md, "Verify and decode off the event loop")."""
 MAX_VERIFY_WORKERS = 64
-LAYERS_QUEUED_PER_WORKER = 2
-"""Layers a fetch hands to the pool ahead of the one it imports next, per worker: enough to keep every
+LAYERS_PER_TASK = 16
+"""Layers of one block handed to a worker together: each hand-off to a thread costs the event loop a
+GIL switch (8% of its profile with one layer per task); 16 measured better than 1, 4 and 8."""
+TASKS_QUEUED_PER_WORKER = 2
+"""Tasks a fetch hands to the pool ahead of the one it imports next, per worker: enough to keep every
 worker busy, few enough that decoded layers waiting for their turn stay a few MB."""
 
 
@@ -386,7 +389,8 @@ class BlockFetcher:
         exp, rendition = block.exp, block.rendition
         next_object = MANIFEST_OBJECT_ID
         objects = aiter(handle)
-        decoding: deque[asyncio.Future[_DecodedLayer]] = deque()
+        decoding: deque[asyncio.Future[list[_DecodedLayer]]] = deque()
+        batch: list[_LayerPayload] = []
         try:
             while next_object <= num_layers:
                 try:
@@ -414,11 +418,14 @@ class BlockFetcher:
                         return  # already cached (imported meanwhile by another request): nothing to load
                 else:
                     assert block.manifest is not None
-                    args = (block.manifest, rendition, obj.object_id, payload, self.device)
+                    layer = _LayerPayload(block.manifest, rendition, obj.object_id, payload, self.device)
                     if pool is None:
-                        self._import(exp.block_hash, _decode_layer(*args), out)
+                        self._import(exp.block_hash, [_decode_layer(layer)], out)
                     else:
-                        decoding.append(pool.submit(*args))
+                        batch.append(layer)
+                        if len(batch) >= LAYERS_PER_TASK or obj.object_id == num_layers:
+                            decoding.append(pool.submit(batch))
+                            batch = []
                         if len(decoding) >= pool.queued_max:
                             self._import(exp.block_hash, await decoding.popleft(), out)
                 next_object += 1
@@ -430,10 +437,12 @@ class BlockFetcher:
                     pending.exception()  # retrieved, so that asyncio does not log it as lost
                 pending.cancel()
 
-    def _import(self, block_hash: bytes, layer: _DecodedLayer, out: FetchOutcome) -> None:
+    def _import(self, block_hash: bytes, layers: list[_DecodedLayer], out: FetchOutcome) -> None:
         t = time.perf_counter()
-        self.cache.import_layer(block_hash, layer.index, layer.k, layer.v)
-        out.load_s += layer.seconds + time.perf_counter() - t
+        for layer in layers:
+            self.cache.import_layer(block_hash, layer.index, layer.k, layer.v)
+            out.load_s += layer.seconds
+        out.load_s += time.perf_counter() - t
 
     def _finish_block(self, block: _LoadingBlock, out: FetchOutcome) -> None:
         """Make a block whose layers are all in visible in the cache and account for it."""
@@ -471,31 +480,43 @@ class _DecodedLayer:
     """Time the digest check and decode took (on whichever thread ran them)."""
 
 
-def _decode_layer(
-    manifest: BlockManifest, rendition: str, object_id: int, payload: bytes, device: torch.device
-) -> _DecodedLayer:
+@dataclass
+class _LayerPayload:
+    """A layer object as it arrived, with what checking and decoding it needs."""
+
+    manifest: BlockManifest
+    rendition: str
+    object_id: int
+    payload: bytes
+    device: torch.device
+
+
+def _decode_layer(layer: _LayerPayload) -> _DecodedLayer:
     """Check one layer's digest and decode it; touches no shared state, so any thread may run it."""
     t = time.perf_counter()
+    manifest, object_id, payload = layer.manifest, layer.object_id, layer.payload
     if not manifest.verify_payload(object_id, payload):
         raise BlockRejected(f"payload digest of layer {object_id - 1} differs")
-    k, v = get_codec(rendition).decode(payload, manifest.layer_shape, dtype_from_name(manifest.dtype), device)
+    k, v = get_codec(layer.rendition).decode(
+        payload, manifest.layer_shape, dtype_from_name(manifest.dtype), layer.device
+    )
     return _DecodedLayer(object_id - 1, k, v, time.perf_counter() - t)
 
 
+def _decode_layers(layers: list[_LayerPayload]) -> list[_DecodedLayer]:
+    return [_decode_layer(layer) for layer in layers]
+
+
 class _LayerPool:
-    """The threads of one fetch that run ``_decode_layer``; the caller bounds what it queues by
-    ``queued_max`` (a layer is imported before more are handed over)."""
+    """The threads of one fetch that run ``_decode_layers``; the caller bounds what it queues by
+    ``queued_max`` tasks (one is imported before more are handed over)."""
 
     def __init__(self, workers: int) -> None:
-        self.queued_max = workers * LAYERS_QUEUED_PER_WORKER
+        self.queued_max = workers * TASKS_QUEUED_PER_WORKER
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="kvnet-verify")
 
-    def submit(
-        self, manifest: BlockManifest, rendition: str, object_id: int, payload: bytes, device: torch.device
-    ) -> asyncio.Future[_DecodedLayer]:
-        return asyncio.get_running_loop().run_in_executor(
-            self._executor, _decode_layer, manifest, rendition, object_id, payload, device
-        )
+    def submit(self, layers: list[_LayerPayload]) -> asyncio.Future[list[_DecodedLayer]]:
+        return asyncio.get_running_loop().run_in_executor(self._executor, _decode_layers, layers)
 
     def close(self) -> None:
         # Layers of a failed block may still be decoding: drop what has not started, do not wait for it.

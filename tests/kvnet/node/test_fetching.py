@@ -16,6 +16,7 @@ import torch
 from kvnet.blocks.signing import Signer, TrustStore
 from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.net.handles import IncomingTrackStatus
+from kvnet.node import fetching
 from kvnet.node.blockstore import StoredBlock
 from kvnet.node.fetching import BlockFetcher, FetchOutcome
 from kvnet.node.publishing import BlockServer
@@ -169,10 +170,12 @@ class RecordingCache(PagedKVCache):
         super().import_layer(block_hash, layer, k, v)
 
 
-@pytest.mark.parametrize("verify_workers", [1, 2, 5])
+@pytest.mark.parametrize(("verify_workers", "layers_per_task"), [(1, 1), (2, 2), (5, 16)])
 async def test_layers_verified_on_workers_are_written_in_order_on_the_event_loop(
-    pair: ConnectionPair, serve: Serve, published: Published, verify_workers: int
+    pair: ConnectionPair, serve: Serve, published: Published, verify_workers: int, layers_per_task: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(fetching, "LAYERS_PER_TASK", layers_per_task)  # 3 layers: 3, 2 and 1 tasks a block
     serve(published.blocks)
     cache = RecordingCache()
     f = fetcher(pair, cache, trusting(published.signer), verify_workers=verify_workers)
