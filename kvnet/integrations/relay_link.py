@@ -1,8 +1,9 @@
 """An engine's session to its kvnet relay that comes and goes with the relay.
 
 Owns ``RelayLink``: a ``RelayPeer`` (kvnet's relay session: block server + verified fetcher) opened on
-first use and reopened after the relay went away, never more often than every ``retry_interval``
-seconds, so a dead relay costs a request one failed attempt, not a connect timeout each. It also owns
+first use and reopened after the relay went away or sent GOAWAY, failed attempts spaced by the reconnect
+policy of nodes and edges (``kvnet.net.reconnect.Backoff``), so a dead relay costs a request one failed
+attempt, not a connect timeout each. It also owns
 the engine's publisher-side ``BlockStore`` (what the relay may ask us for) and ``ConnectorCounters``.
 Everything runs on one event loop (``BackgroundLoop``); nothing here knows the engine.
 """
@@ -20,6 +21,7 @@ import torch
 from kvnet.blocks.identity import BlockIdentity
 from kvnet.blocks.signing import TrustStore
 from kvnet.integrations.settings import ConnectorSettings
+from kvnet.net.reconnect import Backoff
 from kvnet.node.abr import AbrConfig, KvAbr, quality_rank
 from kvnet.node.blockstore import BlockStore, StoredBlock
 from kvnet.node.fetching import CacheWriter, FetchOutcome
@@ -28,7 +30,6 @@ from kvnet.node.relay_peer import RelayPeer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_RETRY_INTERVAL = 1.0
 
 
 class RelayUnavailable(ConnectionError):
@@ -92,7 +93,8 @@ class RelayLink:
     """Where fetched blocks go (the engine's paged KV)."""
     announce: bool
     """Serve our store to the relay (the worker does; a scheduler that only locates does not)."""
-    retry_interval: float = DEFAULT_RETRY_INTERVAL
+    backoff: Backoff = field(default_factory=Backoff)
+    """Spaces failed connect attempts (reset by a successful one)."""
     counters: ConnectorCounters = field(default_factory=ConnectorCounters)
     store: BlockStore = field(init=False)
     abr: KvAbr = field(init=False)
@@ -126,7 +128,7 @@ class RelayLink:
 
     async def _connect(self) -> RelayPeer:
         if self._peer is not None:
-            await self._peer.close()  # a session the relay ended
+            await self._peer.abandon()  # a session the relay ended or is taking away (GOAWAY)
             self._peer = None
         node = self.settings.node
         try:
@@ -136,9 +138,10 @@ class RelayLink:
                 device=torch.device("cpu"), announce=self.announce,
             )
         except Exception as exc:  # any failure to connect means: no relay for now
-            self._retry_at = time.monotonic() + self.retry_interval
+            self._retry_at = time.monotonic() + self.backoff.next_delay()
             logger.warning("kvnet: cannot reach relay %s (%s)", node.relay_url, exc)
             raise RelayUnavailable(f"relay {node.relay_url} is unreachable: {exc}") from None
+        self.backoff.reset()
         return self._peer
 
     async def locate(self, hashes: Sequence[bytes]) -> Located:

@@ -139,7 +139,8 @@ class RelayPeer:
 
     @property
     def connected(self) -> bool:
-        return not self.conn.is_closed
+        """The session is up and takes new requests (not closed, no GOAWAY from the relay)."""
+        return not self.conn.is_closed and self.conn.goaway is None
 
     async def locate(self, hashes: list[bytes], renditions: list[str]) -> Located:
         if not self.connected:
