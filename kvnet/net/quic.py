@@ -139,7 +139,7 @@ class TransportSettings:
     elicits keeps an idle but live session (a node's long-lived relay session) open on both sides.
     Must be below ``idle_timeout``."""
     congestion_control: str = "cubic"
-    """"reno" or "cubic" (aioquic's implementations; qh3 uses its core's own)."""
+    """"reno" or "cubic" (aioquic's implementations; qh3 uses its core's own, aiopquic picoquic's BBRv1)."""
     slow_start_rtt_exit: bool = False
     """aioquic: leave slow start as soon as the RTT rises (its HyStart-like monitor). Off by default: on
     loopback and LANs the RTT samples are scheduler noise, the monitor fires at ~1 MiB of window and cubic
