@@ -274,8 +274,10 @@ class AbrPlan:
 @dataclass(frozen=True, slots=True)
 class FetchDeadline:
     """When a fetch must have delivered each block: block ``i`` (0-based) is due at
-    ``started + margin_s + i * block_recompute_s``, so the time spent never exceeds what the delivered
-    blocks save by more than the margin."""
+    ``started + margin_s + (i + 1) * block_recompute_s``, so the time spent never exceeds what the delivered
+    blocks save by more than the margin. Block ``i`` is credited with its own recompute time: due at the
+    margin alone, the first block of a WAN fetch (a round trip plus a MB or more) would be abandoned even
+    where fetching the prefix is many times faster than recomputing it."""
 
     started: float
     """Clock reading (the event loop's) when the fetch began."""
@@ -285,14 +287,14 @@ class FetchDeadline:
 
     def due(self, loaded_blocks: int) -> float:
         """Clock reading by which block ``loaded_blocks`` must be in (with ``loaded_blocks`` before it)."""
-        return self.started + self.margin_s + loaded_blocks * self.block_recompute_s
+        return self.started + self.margin_s + (loaded_blocks + 1) * self.block_recompute_s
 
     def describe(self, loaded_blocks: int, now: float) -> str:
         """Why the fetch was abandoned at block ``loaded_blocks`` at time ``now``."""
         return (
             f"deadline: {now - self.started:.3f}s spent with {loaded_blocks} block(s) delivered, past the "
-            f"{loaded_blocks * self.block_recompute_s:.3f}s recomputing them would take plus the "
-            f"{self.margin_s:.3f}s margin; recomputing is faster than waiting"
+            f"{(loaded_blocks + 1) * self.block_recompute_s:.3f}s recomputing them and the block awaited "
+            f"would take plus the {self.margin_s:.3f}s margin; recomputing is faster than waiting"
         )
 
 
