@@ -6,6 +6,7 @@ way moves data unchanged."""
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 from typing import Any
 
@@ -92,6 +93,30 @@ async def test_a_receiver_reading_with_gro_hands_over_the_same_datagrams(sizes: 
         assert collect.received == sent
         assert receiver.datagrams == len(sent)
         assert receiver.coalesced_reads >= 1  # loopback hands a GSO send to a GRO socket whole
+    finally:
+        sender.close()
+        collect.transport.close()
+
+
+async def test_a_paused_transport_is_not_read_until_resumed() -> None:
+    """The receiver reads as the transport's own reader: ``pause_reading`` stops it (a slow subscriber's
+    socket buffer fills, which is what lets the relay notice it), ``resume_reading`` starts it again."""
+    sender, collect, addr = await endpoints()
+    try:
+        receiver = gso.DatagramReceiver.install(collect.transport, collect)
+        assert receiver is not None
+        collect.transport.pause_reading()
+        sent = datagrams([1000] * 20)
+        for d in sent:
+            sender.sendto(d, addr)
+        sock = collect.transport.get_extra_info("socket")
+        await async_wait_until(lambda: select.select([sock], [], [], 0)[0], "datagrams queued in the socket")
+        for _ in range(10):  # loop iterations in which a registered reader would have run
+            await asyncio.sleep(0)
+        assert collect.received == []
+        collect.transport.resume_reading()
+        await async_wait_until(lambda: len(collect.received) >= len(sent), "all datagrams received")
+        assert collect.received == sent
     finally:
         sender.close()
         collect.transport.close()
