@@ -57,6 +57,7 @@ from kvnet.net.errors import LimitError, MoqtConnectionError, RequestRejected, S
 from kvnet.net.handles import FetchHandle
 from kvnet.node.abr import AbrConfig, FetchDeadline, KvAbr
 from kvnet.node.locate import DEFAULT_LOCATE_FAN_OUT, DEFAULT_STRAGGLER_GRACE, Located, locate_prefix
+from proto.errors import RequestErrorCode
 from proto.kvobject import BLOCK_GROUP_ID, MANIFEST_OBJECT_ID, BlockManifest, KVObjectError, block_track
 from proto.messages import Location
 
@@ -288,6 +289,7 @@ class BlockFetcher:
         return await locate_prefix(
             len(hashes), renditions, lambda i, r: probe(hashes, i, r), fan_out=self.locate_fan_out,
             timeout=self.timeout, straggler_grace=self.straggler_grace, on_first_answer=self.abr.rtt.add,
+            is_miss=_is_plain_miss,
         )
 
     def _probe_track_status(
@@ -536,3 +538,9 @@ def raw_bytes(shape: tuple[int, int, int, int], dtype: str) -> int:
     for d in shape:
         n *= d
     return n * torch.empty((), dtype=dtype_from_name(dtype)).element_size()
+
+
+def _is_plain_miss(exc: BaseException) -> bool:
+    """A probe's answer "no such block" (anything else, e.g. an edge whose upstream is down, is a failure
+    the request's report names)."""
+    return isinstance(exc, RequestRejected) and exc.code == RequestErrorCode.DOES_NOT_EXIST

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_LOCATE_FAN_OUT = 64
@@ -117,10 +118,13 @@ class Located:
     rounds: int
     """Round trips of probes (0 when nothing had to be searched)."""
     fan_out: int
+    probe_errors: dict[str, int] = field(default_factory=dict)
+    """Probes that failed for another reason than "no such block" (``is_miss`` said no), by error text:
+    they count as misses like any other, but a request that recomputed because of them says why."""
 
-    def to_json(self) -> dict[str, int]:
+    def to_json(self) -> dict[str, Any]:
         return {"blocks": self.blocks, "located": len(self.available), "probes": self.probes,
-                "rounds": self.rounds, "fan_out": self.fan_out}
+                "rounds": self.rounds, "fan_out": self.fan_out, "probe_errors": dict(self.probe_errors)}
 
 
 Probe = Callable[[int, str], Coroutine[Any, Any, Any]]
@@ -143,6 +147,7 @@ async def locate_prefix(
     timeout: float = 10.0,
     straggler_grace: float = DEFAULT_STRAGGLER_GRACE,
     on_first_answer: Callable[[float], None] | None = None,
+    is_miss: Callable[[BaseException], bool] | None = None,
 ) -> Located:
     """Longest leading run of blocks available in any of ``renditions`` (one ``PrefixSearch`` each).
 
@@ -151,15 +156,18 @@ async def locate_prefix(
     answered). Answers that straggle (a relay forwarding to a publisher that died without closing its
     session waits for its own timeout) are waited for at most ``max(straggler_grace, 4 x first answer)``
     after the round's first answer, then count as misses, which costs reuse, never correctness.
-    ``on_first_answer`` gets each round's first-answer delay (an RTT sample). Raises ``TimeoutError``
-    when the first round gets no answer at all within ``timeout``.
+    ``on_first_answer`` gets each round's first-answer delay (an RTT sample). A probe's exception for
+    which ``is_miss`` is false (without ``is_miss``: none) is counted in ``Located.probe_errors``. Raises
+    ``TimeoutError`` when the first round gets no answer at all within ``timeout``.
     """
+    probe_errors: dict[str, int] = {}
     searches = {r: PrefixSearch(blocks, fan_out) for r in dict.fromkeys(renditions)}
     deadline = time.perf_counter() + timeout
     while asks := {r: s.next_probes() for r, s in searches.items() if not s.done}:
         first_round = not any(s.rounds for s in searches.values())
         answers = await _probe_round(
-            asks, probe, deadline, straggler_grace, on_first_answer, raise_if_silent=first_round
+            asks, probe, deadline, straggler_grace, on_first_answer, raise_if_silent=first_round,
+            on_error=None if is_miss is None else _error_counter(is_miss, probe_errors),
         )
         for r, probed in asks.items():
             searches[r].record(probed, {i: hit is True for i, hit in answers[r].items()})
@@ -172,7 +180,19 @@ async def locate_prefix(
     return Located(
         available=available, blocks=blocks, probes=sum(s.probes for s in searches.values()),
         rounds=max((s.rounds for s in searches.values()), default=0), fan_out=fan_out,
+        probe_errors=probe_errors,
     )
+
+
+def _error_counter(
+    is_miss: Callable[[BaseException], bool], counts: dict[str, int]
+) -> Callable[[BaseException], None]:
+    def count(exc: BaseException) -> None:
+        if not is_miss(exc):
+            text = str(exc) or type(exc).__name__
+            counts[text] = counts.get(text, 0) + 1
+
+    return count
 
 
 async def _probe_round(
@@ -183,6 +203,7 @@ async def _probe_round(
     on_first_answer: Callable[[float], None] | None,
     *,
     raise_if_silent: bool,
+    on_error: Callable[[BaseException], None] | None = None,
 ) -> dict[str, dict[int, bool | None]]:
     """Send one round of probes at once; per rendition and block: True (exists), False (does not, or
     the probe failed) or None (no answer by the time the round was decided or gave up)."""
@@ -196,6 +217,8 @@ async def _probe_round(
             # One callback per task (not asyncio.wait over the pending set on every wake-up, which is
             # quadratic in the number of probes); many answers arrive per loop iteration anyway.
             task.add_done_callback(lambda _t: answered.set())
+            if on_error is not None:
+                task.add_done_callback(functools.partial(_report_error, on_error))
             tasks[r][i] = task
 
     def answers() -> dict[str, dict[int, bool | None]]:
@@ -224,6 +247,11 @@ async def _probe_round(
         for task in every:
             task.cancel()
         await asyncio.gather(*every, return_exceptions=True)
+
+
+def _report_error(on_error: Callable[[BaseException], None], task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        on_error(exc)
 
 
 def _probe_answer(task: asyncio.Task[Any]) -> bool | None:

@@ -394,6 +394,9 @@ class Node:
         located = found.available
         report.located_blocks = len(located)
         report.locate = found.to_json()
+        for error, count in found.probe_errors.items():
+            # Counted as misses (so recomputed), but not "nobody has it": the report says what failed.
+            report.fallback.append(f"locate: {count} probe(s) failed: {error}")
         if not located:
             return
         plan: AbrPlan = self.abr.plan(

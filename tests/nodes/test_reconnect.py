@@ -147,6 +147,9 @@ def test_origin_restarted_under_a_node_and_an_edge(kv_cluster: Cluster) -> None:
         assert _status(f"{url_b}/ready") == 200
         during = http_json(f"{url_b}/v1/completions", {"prompt": "Nothing published: " * 4, **greedy})
         assert during["usage"]["prompt_tokens_details"]["remote_cached_tokens"] == 0, during
+        # ... and its report says the edge could not ask upstream, not merely that nothing was found.
+        failed = [f for f in during["kvnet"]["fallback"] if "probe(s) failed" in f]
+        assert failed and all("not connected" in f for f in failed), during["kvnet"]
 
         sessions_before = _edge_metric(edge, "kvnet_relay_upstream_sessions_total")
         c.start_relay()  # same port, empty cache

@@ -3,6 +3,7 @@ patterns."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 
@@ -10,7 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvnet.node.locate import PrefixSearch, round_decided, spread_probes
+from kvnet.net.errors import RequestRejected
+from kvnet.node.locate import PrefixSearch, locate_prefix, round_decided, spread_probes
+from proto.errors import RequestErrorCode
 
 
 def _search(blocks: int, fan_out: int, present: set[int] | range) -> tuple[PrefixSearch, dict[int, bool]]:
@@ -109,3 +112,26 @@ def test_unanswered_probes_count_as_misses() -> None:
     probes = search.next_probes()
     search.record(probes, {probes[0]: True, probes[2]: True})  # probes[1] never answered
     assert search.lo == probes[0] + 1 and search.hi == probes[1]
+
+
+def test_probe_failures_other_than_a_miss_are_named() -> None:
+    # An edge whose upstream is down answers INTERNAL_ERROR, not DOES_NOT_EXIST: the locate still counts
+    # those blocks as missing, but says what failed, so the request's report can tell "nobody has it" from
+    # "could not ask".
+    async def probe(i: int, rendition: str) -> None:
+        if i < 3:
+            return
+        if i < 10:
+            raise RequestRejected(RequestErrorCode.DOES_NOT_EXIST, "no such block")
+        raise RequestRejected(RequestErrorCode.INTERNAL_ERROR, "upstream relay not connected")
+
+    def is_miss(exc: BaseException) -> bool:
+        return isinstance(exc, RequestRejected) and exc.code == RequestErrorCode.DOES_NOT_EXIST
+
+    located = asyncio.run(locate_prefix(64, ["lossless"], probe, fan_out=8, is_miss=is_miss))
+    assert len(located.available) == 3
+    assert located.probe_errors, located
+    assert all("INTERNAL_ERROR" in text and "not connected" in text for text in located.probe_errors)
+    assert located.to_json()["probe_errors"] == located.probe_errors
+    # Without is_miss nothing is counted (every failure is a plain miss, as before).
+    assert asyncio.run(locate_prefix(64, ["lossless"], probe, fan_out=8)).probe_errors == {}
