@@ -52,19 +52,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
 
-from kvnet.blocks.identity import BlockIdentity, prompt_blocks
-from kvnet.blocks.signing import Signer, TrustStore
-from kvnet.cache.hashing import block_hashes, root_hash
+from kvnet.blocks.identity import BlockIdentity
+from kvnet.blocks.signing import TrustStore
 from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
 from kvnet.model.transformer import transformer_configs
 from kvnet.net import quic
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.node import fetching
-from kvnet.node.blockstore import BlockStore, StoredBlock
+from kvnet.node.blockstore import BlockStore
 from kvnet.node.fetching import DEFAULT_VERIFY_WORKERS, BlockFetcher
-from kvnet.node.publishing import BlockServer, encode_blocks
+from kvnet.node.publishing import BlockServer
 from tests.helpers.processes import CertDir, start_relay
+from tests.helpers.prompts import SignedPrompt, prompt_identities, signed_prompt
 
 MODEL = "bench"
 BLOCK_SIZE = 64
@@ -91,19 +91,7 @@ def proc_cpu_seconds(pid: int) -> float:
 # ---------------------------------------------------------------- the prompt's KV
 
 
-@dataclass
-class Prompt:
-    """A signed, encoded prompt as a publisher holds it."""
-
-    spec: CacheSpec
-    tokens: int
-    identities: list[BlockIdentity]
-    blocks: list[StoredBlock]
-    signer: Signer
-
-    @property
-    def wire_bytes(self) -> int:
-        return sum(b.nbytes for b in self.blocks)
+Prompt = SignedPrompt
 
 
 def prompt_spec() -> CacheSpec:
@@ -112,34 +100,10 @@ def prompt_spec() -> CacheSpec:
                      block_size=BLOCK_SIZE, dtype=torch.bfloat16)
 
 
-def prompt_identities(tokens: int) -> tuple[list[bytes], list[BlockIdentity]]:
-    """Block hashes and identities of the benchmark prompt of ``tokens`` tokens (whole blocks): what a
-    subscriber computes from its own prompt, without the KV."""
-    n_blocks = max(1, tokens // BLOCK_SIZE)
-    token_ids = [(7 * i + 3) % 32000 for i in range(n_blocks * BLOCK_SIZE + 1)]
-    root = root_hash(FINGERPRINT, b"bench")
-    hashes = block_hashes(token_ids, BLOCK_SIZE, root)
-    return hashes, prompt_blocks(token_ids, BLOCK_SIZE, hashes, root, 0, len(hashes))
-
-
 def make_prompt(tokens: int) -> Prompt:
     """Seeded random bf16 K/V for ``tokens`` tokens (whole blocks) in the ``bench`` model's shape."""
-    spec = prompt_spec()
-    hashes, identities = prompt_identities(tokens)
-    n_blocks = len(hashes)
-    cache = PagedKVCache(spec, num_blocks=n_blocks, device=torch.device("cpu"))
-    gen = torch.Generator().manual_seed(0)
-    layer_shape = (BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)
-    for block_hash in hashes:
-        cache.begin_import(block_hash)
-        for layer in range(spec.num_layers):
-            k, v = (torch.randn(layer_shape, generator=gen).to(torch.bfloat16) for _ in range(2))
-            cache.import_layer(block_hash, layer, k, v)
-        cache.finish_import(block_hash)
-    signer = Signer.generate()
-    blocks = encode_blocks(cache, identities, fingerprint=FINGERPRINT, renditions=("lossless",),
-                           signer=signer)
-    return Prompt(spec, n_blocks * BLOCK_SIZE, identities, blocks, signer)
+    return signed_prompt(prompt_spec(), max(1, tokens // BLOCK_SIZE), fingerprint=FINGERPRINT, salt=b"bench",
+                         seed=0)
 
 
 # ---------------------------------------------------------------- cases
@@ -426,7 +390,8 @@ def _fanout_child(url: str, certdir: Path, stack: str, link: str, tokens: int, k
     settings = quic.TransportSettings.for_link(link, stack)
     tls = quic.TlsSettings(ca_file=certdir / "ca.pem")
     spec = prompt_spec()
-    _, identities = prompt_identities(tokens)
+    _, identities = prompt_identities(BLOCK_SIZE, max(1, tokens // BLOCK_SIZE), fingerprint=FINGERPRINT,
+                                      salt=b"bench")
     trust = TrustStore()
     trust.add_raw(bytes.fromhex(key_hex))
 

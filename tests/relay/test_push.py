@@ -10,22 +10,19 @@ a publisher that sent PUBLISH_DONE before its stream's bytes were delivered lost
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 import torch
 
-from kvnet.blocks.identity import BlockIdentity, prompt_blocks
-from kvnet.blocks.signing import Signer, TrustStore
-from kvnet.cache.hashing import block_hashes, root_hash
 from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.gso import receiver_for
 from kvnet.net.quic import TlsSettings, TransportSettings
-from kvnet.node.blockstore import BlockStore, StoredBlock
+from kvnet.node.blockstore import BlockStore
 from kvnet.node.fetching import BlockFetcher
-from kvnet.node.publishing import BlockServer, encode_blocks
+from kvnet.node.publishing import BlockServer
 from tests.helpers.processes import CertDir
+from tests.helpers.prompts import SignedPrompt, signed_prompt
 from tests.helpers.waiting import async_wait_until
 from tests.relay.conftest import RelayFactory
 
@@ -38,49 +35,12 @@ FINGERPRINT = bytes(range(32))
 NAMESPACE_ID = "push"
 
 
-@dataclass
-class Prompt:
-    """A publisher's signed prompt: its KV, the blocks' identities and encoded objects."""
-
-    source: PagedKVCache
-    hashes: list[bytes]
-    identities: list[BlockIdentity]
-    blocks: list[StoredBlock]
-    signer: Signer
-
-    @property
-    def wire_bytes(self) -> int:
-        return sum(b.nbytes for b in self.blocks)
-
-    def trust(self) -> TrustStore:
-        trust = TrustStore()
-        trust.add(self.signer.public_key)
-        return trust
-
-
-def signed_prompt(n_blocks: int) -> Prompt:
-    tokens = [(7 * i + 3) % 32000 for i in range(n_blocks * SPEC.block_size + 1)]
-    root = root_hash(FINGERPRINT, b"push")
-    hashes = block_hashes(tokens, SPEC.block_size, root)
-    source = PagedKVCache(SPEC, num_blocks=n_blocks, device=torch.device("cpu"))
-    gen = torch.Generator().manual_seed(3)
-    layer_shape = (SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim)
-    for block_hash in hashes:
-        assert source.begin_import(block_hash)
-        for layer in range(SPEC.num_layers):
-            k, v = (torch.randn(layer_shape, generator=gen).to(SPEC.dtype) for _ in range(2))
-            source.import_layer(block_hash, layer, k, v)
-        source.finish_import(block_hash)
-    identities = prompt_blocks(tokens, SPEC.block_size, hashes, root, 0, len(hashes))
-    signer = Signer.generate()
-    blocks = encode_blocks(
-        source, identities, fingerprint=FINGERPRINT, renditions=("lossless",), signer=signer
-    )
-    return Prompt(source, hashes, identities, blocks, signer)
+def make_prompt(n_blocks: int) -> SignedPrompt:
+    return signed_prompt(SPEC, n_blocks, fingerprint=FINGERPRINT, salt=b"push", seed=3)
 
 
 async def fetch_verified(
-    conn: MoqtConnection, prompt: Prompt, verify_workers: int, timeout: float = 60.0
+    conn: MoqtConnection, prompt: SignedPrompt, verify_workers: int, timeout: float = 60.0
 ) -> PagedKVCache:
     """A verified fetch of the whole prompt into a fresh cache; asserts every block loaded."""
     fetched = PagedKVCache(SPEC, num_blocks=len(prompt.blocks), device=torch.device("cpu"))
@@ -92,7 +52,7 @@ async def fetch_verified(
     return fetched
 
 
-def assert_same_kv(fetched: PagedKVCache, prompt: Prompt) -> None:
+def assert_same_kv(fetched: PagedKVCache, prompt: SignedPrompt) -> None:
     for block_hash in prompt.hashes:
         got, want = fetched.export_block(block_hash), prompt.source.export_block(block_hash)
         assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
@@ -101,7 +61,7 @@ def assert_same_kv(fetched: PagedKVCache, prompt: Prompt) -> None:
 async def test_a_push_at_ethernet_datagrams_is_cached_whole_and_served_verified(
     relay_factory: RelayFactory, cert_dir: CertDir
 ) -> None:
-    prompt = signed_prompt(BLOCKS)
+    prompt = make_prompt(BLOCKS)
     blocks, wire_bytes = prompt.blocks, prompt.wire_bytes
     cache_bytes = str(2 * wire_bytes)
     relay = relay_factory("--link", LINK, "--cache-bytes", cache_bytes, "--cache-track-bytes", cache_bytes)
@@ -137,7 +97,7 @@ async def test_concurrent_subscribers_each_load_the_cached_prompt_verified(
 ) -> None:
     """Fan-out from the cache: four sessions fetch the same pushed prompt at once (two verifying on the
     event loop, two on worker threads); each loads it bit for bit and the relay never asks upstream."""
-    prompt = signed_prompt(8)
+    prompt = make_prompt(8)
     cache_bytes = str(2 * prompt.wire_bytes)
     relay = relay_factory("--cache-bytes", cache_bytes, "--cache-track-bytes", cache_bytes)
     settings = TransportSettings.for_link("loopback", "aioquic")
