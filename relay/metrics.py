@@ -1,8 +1,9 @@
 """Relay metrics and the Prometheus text endpoint.
 
 Owns: labelled counters and gauges (plain dicts, one ``Metrics`` object per relay, created in ``serve``),
-exposed through ``prometheus_client`` (``Metrics`` is a collector of its registry), and a minimal HTTP/1.1
-server answering ``GET /metrics`` with that text exposition (0.0.4) on its own TCP port. Gauges that
+exposed through ``prometheus_client`` (``Metrics`` is a collector of its registry), and an HTTP/1.1
+endpoint answering ``GET /metrics`` with that text exposition (0.0.4) on its own TCP port (``h11`` parses
+and frames the HTTP; the relay stays one event loop with no web framework or thread). Gauges that
 mirror other objects (cache bytes, open sessions) are read through callbacks at scrape time so they can
 never drift.
 """
@@ -14,6 +15,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import h11
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -136,39 +138,54 @@ class MetricsServer:
             await self._server.wait_closed()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_REQUEST_BYTES)
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT)
-            request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
-            parts = request_line.split(" ")
-            if len(parts) != 3 or parts[0] not in ("GET", "HEAD"):
-                await self._reply(writer, 405, "method not allowed\n")
-            elif parts[1].split("?", 1)[0] not in ("/metrics", "/"):
-                await self._reply(writer, 404, "not found\n")
+            async with asyncio.timeout(_READ_TIMEOUT):
+                request = await _read_request(conn, reader)
+            if request is None:
+                return
+            method, target = request.method, request.target.split(b"?", 1)[0]
+            if method not in (b"GET", b"HEAD"):
+                status, body = 405, "method not allowed\n"
+            elif target not in (b"/metrics", b"/"):
+                status, body = 404, "not found\n"
             else:
-                await self._reply(writer, 200, self._metrics.render(), head_only=parts[0] == "HEAD")
-        except (
-            asyncio.IncompleteReadError,
-            asyncio.LimitOverrunError,
-            ValueError,
-            TimeoutError,
-            ConnectionError,
-        ):
+                status, body = 200, self._metrics.render()
+            await _reply(conn, writer, status, body, head_only=method == b"HEAD")
+        except h11.RemoteProtocolError as exc:
+            if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                await _reply(conn, writer, exc.error_status_hint, "bad request\n")
+        except (TimeoutError, ConnectionError, h11.LocalProtocolError):
             pass
         finally:
             writer.close()
 
-    async def _reply(
-        self, writer: asyncio.StreamWriter, status: int, body: str, head_only: bool = False
-    ) -> None:
-        reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed"}[status]
-        data = body.encode()
-        header = (
-            f"HTTP/1.1 {status} {reason}\r\n"
-            "Content-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
-            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
-        ).encode()
-        writer.write(header if head_only else header + data)
-        await writer.drain()
+
+async def _read_request(conn: h11.Connection, reader: asyncio.StreamReader) -> h11.Request | None:
+    """The request's head, or None when the client went away first."""
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await reader.read(4096))
+            continue
+        return event if isinstance(event, h11.Request) else None
+
+
+async def _reply(
+    conn: h11.Connection, writer: asyncio.StreamWriter, status: int, body: str, head_only: bool = False
+) -> None:
+    data = body.encode()
+    headers = [
+        ("Content-Type", "text/plain; version=0.0.4; charset=utf-8"),
+        ("Content-Length", str(len(data))),
+        ("Connection", "close"),
+    ]
+    out = conn.send(h11.Response(status_code=status, headers=headers)) or b""
+    if not head_only:
+        out += conn.send(h11.Data(data=data)) or b""
+    out += conn.send(h11.EndOfMessage()) or b""
+    writer.write(out)
+    await writer.drain()
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import urllib.error
 import urllib.request
 
@@ -155,3 +156,20 @@ def test_json_logs_and_metrics_endpoint(
     with pytest.raises(urllib.error.HTTPError) as ei:
         urllib.request.urlopen(f"http://127.0.0.1:{rp.metrics_port}/other", timeout=5)
     assert ei.value.code == 404
+    # HEAD answers the headers only; other methods and garbage get a status, never a hang or a crash.
+    head = urllib.request.urlopen(
+        urllib.request.Request(f"http://127.0.0.1:{rp.metrics_port}/metrics", method="HEAD"), timeout=5
+    )
+    assert head.status == 200 and int(head.headers["Content-Length"]) > 0 and head.read() == b""
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        urllib.request.urlopen(
+            urllib.request.Request(f"http://127.0.0.1:{rp.metrics_port}/metrics", data=b"x", method="POST"),
+            timeout=5,
+        )
+    assert ei.value.code == 405
+    with socket.create_connection(("127.0.0.1", rp.metrics_port), timeout=5) as raw:
+        raw.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        assert raw.recv(100).startswith(b"HTTP/1.1 400"), "a malformed request gets 400"
+    assert "# TYPE kvnet_relay_cache_bytes gauge" in urllib.request.urlopen(
+        f"http://127.0.0.1:{rp.metrics_port}/metrics", timeout=5
+    ).read().decode()
