@@ -617,9 +617,13 @@ class MoqtConnection(_ProtocolBase):
             if not fut.done():
                 fut.set_result(None)
 
+    def is_writable(self) -> bool:
+        """Unacknowledged bytes are below ``limits.max_send_buffer``: more may be written without waiting."""
+        return self.send_buffered() < self.limits.max_send_buffer
+
     async def wait_writable(self) -> None:
         """Wait until unacknowledged bytes drop below ``limits.max_send_buffer``."""
-        if self.send_buffered() < self.limits.max_send_buffer:
+        if self.is_writable():
             return
         self._writable.clear()
         await self._writable.wait()

@@ -161,6 +161,11 @@ class IncomingRequest:
         """REQUEST_OK (PUBLISH_NAMESPACE, SUBSCRIBE_NAMESPACE, SUBSCRIBE_TRACKS, PUBLISH, REQUEST_UPDATE)."""
         self.conn.run_action(self.conn.session.accept_request, self.request_id, parameters)
 
+    @property
+    def writable(self) -> bool:
+        """QUIC's send buffer is below the connection's bound: ``drain`` would return at once."""
+        return self.conn.is_writable()
+
     async def drain(self) -> None:
         """Wait until QUIC's send buffer is below the connection's bound (back-pressure)."""
         await self.conn.wait_writable()
