@@ -20,21 +20,11 @@ from kvnet.model.batching import (
     SequenceRequest,
     TokenGenerated,
 )
-from kvnet.model.generate import SamplingParams, cache_spec_for, generate, prefix_root
+from kvnet.model.generate import SamplingParams, cache_spec_for, generate
 from kvnet.model.transformer import Transformer
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 16
-
-
-@pytest.fixture(scope="module")
-def model() -> Transformer:
-    return Transformer.from_name("tiny", device=CPU)
-
-
-@pytest.fixture(scope="module")
-def root(model: Transformer) -> bytes:
-    return prefix_root(model, BLOCK_SIZE)
 
 
 def new_cache(model: Transformer, num_blocks: int = 128) -> PagedKVCache:

@@ -19,22 +19,12 @@ from kvnet.model.engine import (
     RequestTooLargeError,
     TokenCallback,
 )
-from kvnet.model.generate import cache_spec_for, generate, prefix_root
+from kvnet.model.generate import cache_spec_for, generate
 from kvnet.model.transformer import Transformer
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 16
 WAIT_S = 120  # a bound for a loaded machine, never a speed expectation
-
-
-@pytest.fixture(scope="module")
-def model() -> Transformer:
-    return Transformer.from_name("tiny", device=CPU)
-
-
-@pytest.fixture(scope="module")
-def root(model: Transformer) -> bytes:
-    return prefix_root(model, BLOCK_SIZE)
 
 
 @pytest.fixture

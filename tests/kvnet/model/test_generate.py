@@ -25,16 +25,6 @@ BLOCK_SIZE = 16
 NUM_NEW_TOKENS = 64
 
 
-@pytest.fixture(scope="module")
-def model() -> Transformer:
-    return Transformer.from_name("tiny", device=CPU)
-
-
-@pytest.fixture(scope="module")
-def root(model: Transformer) -> bytes:
-    return prefix_root(model, BLOCK_SIZE)
-
-
 def new_cache(model: Transformer, num_blocks: int = 64) -> PagedKVCache:
     return PagedKVCache(cache_spec_for(model, BLOCK_SIZE), num_blocks, CPU)
 
