@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvnet.logs import ACCESS_LOGGER
 from kvnet.model.engine import EngineBusyError, RequestTooLargeError
 from kvnet.model.generate import SamplingParams, TokenCallback
 
@@ -712,6 +713,11 @@ class HttpServer:
             app, log_config=None, access_log=access_log, limit_concurrency=max_connections,
             timeout_keep_alive=30, h11_max_incomplete_event_size=16 * 1024, lifespan="off",
         )
+        if access_log:
+            # uvicorn's access_log=False turns the access logger's propagation off for the whole process,
+            # and access_log=True never turns it back on: a server started after one without an access
+            # log would log nothing.
+            logging.getLogger(ACCESS_LOGGER).propagate = True
         server = uvicorn.Server(config)
         task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
         while not server.started:  # uvicorn offers no start event; it sets this flag once listening
