@@ -111,8 +111,15 @@ async def test_a_paused_transport_is_not_read_until_resumed() -> None:
             sender.sendto(d, addr)
         sock = collect.transport.get_extra_info("socket")
         await async_wait_until(lambda: select.select([sock], [], [], 0)[0], "datagrams queued in the socket")
-        for _ in range(10):  # loop iterations in which a registered reader would have run
-            await asyncio.sleep(0)
+        # A marker reaching another socket proves the loop polled while the paused socket was readable:
+        # a reader still registered for it would have run in that same poll.
+        marker_sender, marker, marker_addr = await endpoints()
+        try:
+            marker_sender.sendto(b"marker", marker_addr)
+            await async_wait_until(lambda: marker.received == [b"marker"], "the marker datagram received")
+        finally:
+            marker_sender.close()
+            marker.transport.close()
         assert collect.received == []
         collect.transport.resume_reading()
         await async_wait_until(lambda: len(collect.received) >= len(sent), "all datagrams received")
