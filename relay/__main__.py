@@ -24,7 +24,14 @@ from kvnet.security.certs import check_tls_files
 from kvnet.security.tokens import DEFAULT_CLOCK_SKEW_S
 from kvnet.settings import format_size, parse_settings, settings_parser, size_arg
 from relay.cache import CacheConfig
-from relay.config import CONFIG_SECTIONS, DEFAULT_LISTEN, DEFAULT_METRICS, RelayConfig, load_config
+from relay.config import (
+    CONFIG_SECTIONS,
+    DEFAULT_LISTEN,
+    DEFAULT_METRICS,
+    MAX_WORKERS,
+    RelayConfig,
+    load_config,
+)
 from relay.limits import LimitsConfig
 
 _SECTION_CLASSES: dict[str, type[Any]] = {
@@ -77,6 +84,7 @@ SECTION_FLAGS: dict[str, str] = {
 TOP_FLAGS = (
     "listen", "cert", "key", "ca", "require_client_cert", "upstream", "metrics", "log_format", "log_level",
     "drain_timeout", "goaway_uri", "auth_issuer_keys", "auth_clock_skew", "upstream_token", "trust",
+    "workers",
 )
 
 
@@ -114,7 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="publisher public key (PEM file or directory of *.pub, repeatable): cache only blocks it signed",
     )
     p.add_argument("--upstream-token", help="file with the token presented to upstream relays in SETUP")
-    p.add_argument("--metrics", default=DEFAULT_METRICS, help='Prometheus endpoint host:port ("" disables)')
+    p.add_argument(
+        "--metrics", default=DEFAULT_METRICS,
+        help='Prometheus endpoint host:port ("" disables; with --workers N, worker i on port + i, the hub on '
+        "port + N)",
+    )
+    p.add_argument(
+        "--workers", type=int, default=1,
+        help=f"processes serving the port (SO_REUSEPORT; 1..{MAX_WORKERS}): each a relay with its share of "
+        "the cache and limits, joined through a hub relay on a private loopback port",
+    )
     add_log_arguments(p)
     p.add_argument(
         "--drain-timeout", type=float, default=5.0, help="seconds between GOAWAY and close on SIGTERM"
@@ -242,9 +259,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A stack that cannot load (aiopquic needs Python >= 3.12) or cannot do the TLS asked (client
         # certificates: aioquic only) is a usage error, before anything starts.
         server_configuration(config.transport, config.tls)
+        if config.workers > 1:
+            from relay.workers import check_metrics_ports
+
+            check_metrics_ports(config)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     setup_logging_from_args(args)
+    if config.workers > 1:
+        from relay.workers import run_workers
+
+        level = "debug" if args.verbose else args.log_level
+        try:
+            return run_workers(config, args.log_format, level)
+        except OSError as exc:
+            print(f"kvnet-relay: error: {_startup_reason(exc, config)}", file=sys.stderr)
+            return 2
     from kvnet.net.endpoint import freeze_startup_objects
     from relay.relay import serve  # after logging, so import-time warnings are formatted too
 

@@ -12,7 +12,8 @@ command line and the environment win; a ``.toml`` file with the same keys is rea
     key: certs/relay-key.pem
     ca: certs/ca.pem                 # verifies upstream relays (and client certs with require-client-cert)
     upstream: [moqt://origin:4443]   # relays to forward misses to, tried in order
-    metrics: 127.0.0.1:9464          # Prometheus endpoint; "" disables
+    metrics: 127.0.0.1:9464          # Prometheus endpoint; "" disables (worker i: port + i)
+    workers: 1                       # processes serving the port (relay.workers)
     log-format: kv                   # kv (key=value) or json
     cache-bytes: 1G                  # any flag, sizes as on the command line
     auth-issuer-key: [issuer.pub]    # trusted token issuers (PEM); when set, authorization is required
@@ -43,6 +44,8 @@ from relay.limits import LimitsConfig
 CONFIG_SECTIONS = ("cache", "limits", "transport")
 DEFAULT_LISTEN = "127.0.0.1:4443"
 DEFAULT_METRICS = "127.0.0.1:9464"
+MAX_WORKERS = 64
+"""Most relay worker processes: past the cores of any one host, more only add scheduling and hub load."""
 _TOP_KEYS = {
     "listen",
     "cert",
@@ -59,6 +62,7 @@ _TOP_KEYS = {
     "auth_clock_skew",
     "upstream_token",
     "trust",
+    "workers",
     "cache",
     "limits",
     "transport",
@@ -115,6 +119,11 @@ class RelayConfig:
     publishing is collected instead of refused (``relay.admission``)."""
     upstream_token: Path | None = None
     """File with the token this relay presents to its upstream relays in SETUP."""
+    upstream_tls: TlsSettings | None = None
+    """TLS toward the upstream relays (CA that verifies them, certificate we present); None: ``tls``.
+    Set by ``relay.workers``, whose workers verify their hub with a CA of its own."""
+    workers: int = 1
+    """Processes serving ``port`` (``relay.workers``: SO_REUSEPORT sockets and a hub); 1: this process."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     transport: TransportSettings = field(default_factory=TransportSettings)
@@ -128,7 +137,7 @@ class RelayConfig:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         for url in self.upstreams:
             parse_moqt_url(url)  # raises ValueError naming the URL
-        if self.upstreams and self.tls.ca_file is None:
+        if self.upstreams and (self.upstream_tls or self.tls).ca_file is None:
             raise ValueError("upstreams: verifying upstream relays needs ca (a CA certificate file)")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
@@ -140,6 +149,22 @@ class RelayConfig:
             raise ValueError(f"drain_timeout must be in 0..3600 s, got {self.drain_timeout}")
         if self.goaway_uri:
             parse_moqt_url(self.goaway_uri)  # raises ValueError naming the URL
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ValueError(f"workers must be in 1..{MAX_WORKERS}, got {self.workers}")
+        if self.workers > 1 and self.transport.stack == "aiopquic":
+            raise ValueError(
+                "workers > 1 needs a QUIC stack whose socket kvnet binds (aioquic, qh3): "
+                "aiopquic binds its own (run one relay per port instead)"
+            )
+
+
+def _integer(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"{what} must be an integer, got {value!r}")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{what} must be an integer, got {value!r}") from None
 
 
 def _section(cls: type[Any], values: Mapping[str, Any], name: str) -> Any:
@@ -210,6 +235,7 @@ def load_config(file_data: Mapping[str, Any], overrides: Mapping[str, Any]) -> R
         auth_clock_skew=float(top.get("auth_clock_skew", DEFAULT_CLOCK_SKEW_S)),
         upstream_token=Path(upstream_token) if upstream_token else None,
         trust=tuple(Path(t) for t in trust),
+        workers=_integer(top.get("workers", 1), "workers"),
         cache=_section(CacheConfig, sections["cache"], "cache"),
         limits=_section(LimitsConfig, sections["limits"], "limits"),
         transport=_section(TransportSettings, sections["transport"], "transport"),

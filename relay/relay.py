@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import logging
 import signal
+import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -128,7 +129,7 @@ class Relay:
                     idle_timeout=config.limits.upstream_idle_timeout,
                     keepalive_interval=config.limits.upstream_idle_timeout / 3,
                 ),
-                config.tls,
+                config.upstream_tls or config.tls,
                 session_cfg,
                 self.connection_limits(),
                 clock,
@@ -996,8 +997,15 @@ def _ns_text(ns: tuple[bytes, ...]) -> str:
     return "/".join(p.decode() if p.isascii() and p.decode().isprintable() else p.hex() for p in ns)
 
 
-async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> None:
-    """Run a relay until SIGTERM/SIGINT (or ``stop``), then GOAWAY, drain and close."""
+async def serve(
+    config: RelayConfig,
+    stop: asyncio.Event | None = None,
+    sock: socket.socket | None = None,
+    on_listening: Callable[[tuple[str, int], int | None], None] | None = None,
+) -> None:
+    """Run a relay until SIGTERM/SIGINT (or ``stop``), then GOAWAY, drain and close. ``sock``: serve on
+    that bound UDP socket instead of binding ``config``'s address (a worker of ``relay.workers``);
+    ``on_listening(quic address, metrics port)`` is called once it serves."""
     metrics = Metrics()
     relay = Relay(config, metrics)
     session_cfg = SessionConfig(
@@ -1018,6 +1026,7 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> None:
         limits=relay.connection_limits(),
         # The relay enforces max_sessions itself so refusals are counted and logged.
         max_connections=1 << 30,
+        sock=sock,
     )
     metrics_server: MetricsServer | None = None
     if config.metrics_port is not None:
@@ -1041,6 +1050,8 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> None:
             "cache_bytes": config.cache.max_bytes,
         },
     )
+    if on_listening is not None:
+        on_listening((host, port), metrics_server.port if metrics_server else None)
     await stop.wait()
     started = time.monotonic()
     logger.info(

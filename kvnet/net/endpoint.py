@@ -184,10 +184,12 @@ async def serve(
     session_config: SessionConfig | None = None,
     limits: ConnectionLimits | None = None,
     max_connections: int = 1024,
+    sock: socket.socket | None = None,
 ) -> MoqtServer:
-    """Listen on host:port. After SETUP completes, ``on_connection(conn)`` runs in its own task; when it
-    returns (or raises, which is logged) the session is closed. Beyond ``max_connections`` live sessions new
-    ones are closed with EXCESSIVE_LOAD. ``settings.stack`` picks the QUIC stack."""
+    """Listen on host:port (or on ``sock``, bound beforehand by ``quic.server_sockets``). After SETUP
+    completes, ``on_connection(conn)`` runs in its own task; when it returns (or raises, which is logged)
+    the session is closed. Beyond ``max_connections`` live sessions new ones are closed with
+    EXCESSIVE_LOAD. ``settings.stack`` picks the QUIC stack."""
     config = quic.server_configuration(settings, tls)
     stack = quic.get_stack(settings.stack)
     cls = protocol_class(settings.stack)
@@ -246,8 +248,11 @@ async def serve(
             with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
                 s.bind((host, 0))
                 port = s.getsockname()[1]
-    quic_server = await stack.serve(host, port, configuration=config, create_protocol=create_protocol)
-    sock = quic.server_socket(quic_server)
-    quic.apply_socket_buffers(sock, settings)
+    if sock is not None:
+        quic_server = await quic.serve_on_socket(settings, sock, config, create_protocol)
+    else:
+        quic_server = await stack.serve(host, port, configuration=config, create_protocol=create_protocol)
+        sock = quic.server_socket(quic_server)
+        quic.apply_socket_buffers(sock, settings)
     name = sock.getsockname() if sock is not None else (host, port)
     return MoqtServer(quic_server, tasks, live, (name[0], name[1]))

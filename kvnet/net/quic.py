@@ -526,6 +526,50 @@ def client_socket(settings: TransportSettings, family: int, local_host: str | No
     return sock
 
 
+def server_sockets(host: str, port: int, count: int, settings: TransportSettings) -> list[socket.socket]:
+    """``count`` UDP sockets bound to one ``host:port`` (port 0: the first chooses, the rest join it), for
+    servers in separate processes (``relay.workers``). With more than one, each has ``SO_REUSEPORT``: the
+    kernel hashes a datagram's 4-tuple to one socket of the group, so a QUIC connection stays with one
+    process as long as the group does not change. aiopquic binds its own socket and cannot join."""
+    if settings.stack == "aiopquic":
+        raise ValueError("QUIC stack aiopquic binds its own socket: it cannot serve on a shared port")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(family, socket.SOCK_DGRAM)
+            sockets.append(sock)
+            if count > 1:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+            port = sock.getsockname()[1]
+            apply_socket_buffers(sock, settings)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+async def serve_on_socket(
+    settings: TransportSettings, sock: socket.socket, configuration: Any, create_protocol: Callable[..., Any]
+) -> Any:
+    """The stack's ``serve`` on a socket bound beforehand (``server_sockets``) instead of on host:port."""
+    server_class: type
+    if settings.stack == "aioquic":
+        from aioquic.asyncio.server import QuicServer as server_class
+    elif settings.stack == "qh3":
+        from qh3.asyncio.server import QuicServer as server_class
+    else:
+        raise ValueError(f"QUIC stack {settings.stack} binds its own socket: it cannot serve on a given one")
+    loop = asyncio.get_running_loop()
+    _, server = await loop.create_datagram_endpoint(
+        lambda: server_class(configuration=configuration, create_protocol=create_protocol), sock=sock
+    )
+    return server
+
+
 async def open_client_endpoint(
     settings: TransportSettings, sock: socket.socket | None, configuration: Any,
     protocol_factory: Callable[[Any], Any],

@@ -1,0 +1,431 @@
+"""``kvnet-relay --workers N``: N relay processes serving one UDP port, joined by a hub relay.
+
+Owns: ``run_workers`` (the supervisor: binds the port's socket group, starts the hub and the workers,
+forwards SIGTERM, stops the relay when one of them exits), ``worker_config`` / ``hub_config`` (each
+process's ``RelayConfig``, with the relay-wide budgets divided among them) and the entry point of one of
+those processes (``python -m relay.workers``, which reads its ``ChildSpec`` from its stdin).
+
+Design (docs/performance.md "A relay on several cores"): the supervisor binds N UDP sockets to the port
+with SO_REUSEPORT before any worker starts, so the group never changes while the relay runs and the
+kernel keeps every QUIC connection (its 4-tuple) on one worker. Each worker is a whole relay with its own
+cache on its own core. Routing between workers is the relay-to-relay code every relay already has: each
+worker's only upstream is the hub, a relay on a private loopback port whose upstreams are the configured
+``--upstream`` relays. A namespace announced at a worker is announced to the hub, so a request on another
+worker goes to the hub and from there to that worker (and on to its publisher); the requesting worker
+caches what it fetched, so hot blocks are then served by every worker from its own cache.
+
+The hub trusts only its workers: its certificate (for 127.0.0.1) comes from a CA made for this run, and
+every request must carry a token signed by a key made for this run; both live in a private temporary
+directory that goes with the relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvnet.logs import setup_logging
+from kvnet.net.quic import TlsSettings, server_sockets
+from kvnet.security import certs
+from kvnet.security.tokens import Action, IssuerKey, issue_token, make_claims
+from relay.config import RelayConfig
+
+logger = logging.getLogger(__name__)
+
+HUB_HOST = "127.0.0.1"
+STOP_GRACE_S = 10.0
+"""Seconds a process may take past its drain timeout to exit after SIGTERM before it is killed."""
+_CREDENTIAL_DAYS = 825
+"""Lifetime of the hub's certificate and of the workers' token (a relay running longer must restart)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HubCredentials:
+    """What the workers and the hub trust each other with, made for one run of the relay."""
+
+    ca: Path
+    """Verifies the hub's certificate (workers)."""
+    cert: Path
+    key: Path
+    """The hub's certificate for ``HUB_HOST`` and its key."""
+    issuer_public: Path
+    """The key the hub accepts tokens from."""
+    token: Path
+    """The token every worker presents to the hub."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    """What one process of the relay runs: written by the supervisor to the child's stdin."""
+
+    name: str
+    """``worker-<i>`` or ``hub``; every log line of the process carries it as ``worker=``."""
+    config: RelayConfig
+    fd: int
+    """The bound UDP socket it serves on (inherited)."""
+    log_format: str
+    log_level: str
+
+
+def _share(total: int, parts: int) -> int:
+    return max(1, total // parts)
+
+
+def _quota_share(quota: int, parts: int) -> int:
+    """A per-address or per-identity quota (0 = none) for one of ``parts`` workers: rounded up, since one
+    source's sessions spread over the workers by source port."""
+    return quota if quota == 0 else math.ceil(quota / parts)
+
+
+def worker_config(config: RelayConfig, index: int, hub_url: str, creds: HubCredentials) -> RelayConfig:
+    """Worker ``index``'s configuration: ``config`` with the hub as its only upstream, its share of the
+    cache (N workers and the hub share it evenly) and of the session, request and buffer limits, and its
+    own metrics port (``--metrics`` port + index) and cache directory."""
+    n = config.workers
+    cache = config.cache
+    cache = dataclasses.replace(
+        cache,
+        max_bytes=cache.max_bytes // (n + 1),
+        max_inflight_bytes=_share(cache.max_inflight_bytes, n + 1),
+        dir=str(Path(cache.dir) / f"worker-{index}") if cache.dir else "",
+        dir_bytes=_share(cache.dir_bytes, n + 1),
+    )
+    lim = config.limits
+    limits = dataclasses.replace(
+        lim,
+        max_sessions=_share(lim.max_sessions, n),
+        max_requests=_share(lim.max_requests, n),
+        max_buffered_bytes=_share(lim.max_buffered_bytes, n + 1),
+        max_sessions_per_address=_quota_share(lim.max_sessions_per_address, n),
+        max_sessions_per_identity=_quota_share(lim.max_sessions_per_identity, n),
+        max_requests_per_address=_quota_share(lim.max_requests_per_address, n),
+        max_requests_per_identity=_quota_share(lim.max_requests_per_identity, n),
+        max_buffered_bytes_per_address=_quota_share(lim.max_buffered_bytes_per_address, n),
+        max_buffered_bytes_per_identity=_quota_share(lim.max_buffered_bytes_per_identity, n),
+    )
+    return dataclasses.replace(
+        config,
+        upstreams=(hub_url,),
+        upstream_tls=TlsSettings(ca_file=creds.ca),
+        upstream_token=creds.token,
+        metrics_port=_metrics_port(config, index),
+        cache=cache,
+        limits=limits,
+        workers=1,
+    )
+
+
+def hub_config(config: RelayConfig, creds: HubCredentials) -> RelayConfig:
+    """The hub's configuration: the configured upstreams (reached with the relay's own TLS and token),
+    its certificate for ``HUB_HOST``, only the workers' token accepted, a cache share like a worker's and
+    the metrics port after the workers' (``--metrics`` port + N)."""
+    n = config.workers
+    cache = config.cache
+    cache = dataclasses.replace(
+        cache,
+        max_bytes=cache.max_bytes // (n + 1),
+        max_inflight_bytes=_share(cache.max_inflight_bytes, n + 1),
+        dir=str(Path(cache.dir) / "hub") if cache.dir else "",
+        dir_bytes=_share(cache.dir_bytes, n + 1),
+    )
+    limits = dataclasses.replace(
+        config.limits,
+        max_buffered_bytes=_share(config.limits.max_buffered_bytes, n + 1),
+        # Its clients are the workers, all on one address and one identity.
+        max_sessions_per_address=0,
+        max_sessions_per_identity=0,
+        max_requests_per_address=0,
+        max_requests_per_identity=0,
+        max_buffered_bytes_per_address=0,
+        max_buffered_bytes_per_identity=0,
+    )
+    return dataclasses.replace(
+        config,
+        tls=TlsSettings(cert_file=creds.cert, key_file=creds.key),
+        upstream_tls=config.upstream_tls or config.tls,
+        host=HUB_HOST,
+        port=0,
+        auth_issuer_keys=(creds.issuer_public,),
+        metrics_port=_metrics_port(config, n),
+        goaway_uri="",
+        cache=cache,
+        limits=limits,
+        workers=1,
+    )
+
+
+def _metrics_port(config: RelayConfig, offset: int) -> int | None:
+    if config.metrics_port is None or config.metrics_port == 0:
+        return config.metrics_port
+    return config.metrics_port + offset
+
+
+def check_metrics_ports(config: RelayConfig) -> None:
+    """``ValueError`` when the workers' and the hub's metrics ports would run past 65535."""
+    if config.metrics_port and config.metrics_port + config.workers > 65535:
+        raise ValueError(
+            f"--metrics port {config.metrics_port} + {config.workers} workers runs past 65535 "
+            "(worker i serves its metrics on port + i, the hub on port + workers)"
+        )
+
+
+def make_hub_credentials(directory: Path) -> HubCredentials:
+    """A CA and the hub's certificate, a token issuer and the workers' token, in ``directory``."""
+    certs.create_ca(directory, common_name="kvnet relay hub CA", valid_days=_CREDENTIAL_DAYS)
+    issued = certs.issue_cert(directory, "hub", [HUB_HOST], valid_days=_CREDENTIAL_DAYS)
+    issuer = IssuerKey.generate()
+    issuer_public = directory / "hub-issuer.pub"
+    issuer.save_public(issuer_public)
+    claims = make_claims(
+        "relay-worker", "kvnet-relay", [Action.RELAY], [()], now=time.time(),
+        lifetime_s=_CREDENTIAL_DAYS * 86400,
+    )
+    token = directory / "worker.token"
+    token.write_bytes(issue_token(issuer, claims))
+    token.chmod(0o600)
+    return HubCredentials(issued.ca, issued.cert, issued.key, issuer_public, token)
+
+
+# -- the supervisor --------------------------------------------------------------------------------------
+class ChildFailed(Exception):
+    """A process of the relay exited (or never served); the message is the one-line reason."""
+
+
+class Child:
+    """One process of the relay as the supervisor sees it."""
+
+    def __init__(self, spec: ChildSpec, proc: asyncio.subprocess.Process) -> None:
+        self.spec = spec
+        self.proc = proc
+        self.metrics_port: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    async def serving(self) -> None:
+        """Wait for the line the child prints once it serves; ``ChildFailed`` if it exits first."""
+        assert self.proc.stdout is not None
+        line = await self.proc.stdout.readline()
+        if not line:
+            code = await self.proc.wait()
+            raise ChildFailed(f"{self.name} exited before serving ({_exit_text(code)})")
+        self.metrics_port = json.loads(line)["metrics_port"]
+
+    def signal(self, sig: int) -> None:
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
+
+    async def stop(self, timeout: float) -> int:
+        """SIGTERM (GOAWAY and drain), then SIGKILL past ``timeout``; the exit code."""
+        self.signal(signal.SIGTERM)
+        try:
+            return await asyncio.wait_for(self.proc.wait(), timeout)
+        except TimeoutError:
+            logger.error("relay process did not stop in time: killed", extra={"worker": self.name})
+            self.signal(signal.SIGKILL)
+            return await self.proc.wait()
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+async def _start(spec: ChildSpec) -> Child:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "relay.workers",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, pass_fds=(spec.fd,),
+    )
+    assert proc.stdin is not None
+    # The pipe stays open: the child stops when it reads end-of-file (the supervisor is gone).
+    proc.stdin.write(pickle.dumps(spec))
+    await proc.stdin.drain()
+    return Child(spec, proc)
+
+
+def run_workers(config: RelayConfig, log_format: str, log_level: str) -> int:
+    """Serve ``config`` with ``config.workers`` processes until SIGTERM/SIGINT; the exit code (1 when a
+    process of the relay exited on its own). ``OSError`` when the port cannot be bound."""
+    check_metrics_ports(config)
+    sockets = server_sockets(config.host, config.port, config.workers, config.transport)
+    try:
+        hub_socket = server_sockets(HUB_HOST, 0, 1, config.transport)[0]
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    try:
+        return asyncio.run(_supervise(config, sockets, hub_socket, log_format, log_level))
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        for sock in (*sockets, hub_socket):
+            sock.close()
+
+
+async def _supervise(
+    config: RelayConfig, sockets: list[socket.socket], hub_socket: socket.socket, log_format: str,
+    log_level: str,
+) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    host, port = sockets[0].getsockname()[:2]
+    hub_url = f"moqt://{HUB_HOST}:{hub_socket.getsockname()[1]}"
+    workers: list[Child] = []
+    hub: Child | None = None
+    with tempfile.TemporaryDirectory(prefix="kvnet-relay-") as tmp:
+        creds = make_hub_credentials(Path(tmp))
+        try:
+            # The hub first: a worker's first request may go to it at once.
+            hub = await _start(ChildSpec("hub", hub_config(config, creds), hub_socket.fileno(), log_format,
+                                         log_level))
+            await _serving_or_stop(hub, stop)
+            for i, sock in enumerate(sockets):
+                spec = ChildSpec(f"worker-{i}", worker_config(config, i, hub_url, creds), sock.fileno(),
+                                 log_format, log_level)
+                workers.append(await _start(spec))
+            for w in workers:
+                await _serving_or_stop(w, stop)
+        except ChildFailed as exc:
+            await _stop_all(workers, hub, config)
+            print(f"kvnet-relay: error: {exc}", file=sys.stderr)
+            return 1
+        if stop.is_set():
+            return await _stop_all(workers, hub, config)
+        for sock in (*sockets, hub_socket):
+            sock.close()  # the children hold them now
+        logger.info(
+            "listening",
+            extra={
+                "quic": f"{host}:{port}",
+                "workers": len(workers),
+                "pids": ",".join(str(w.proc.pid) for w in workers),
+                "metrics": ",".join(
+                    "off" if w.metrics_port is None else f"{config.metrics_host}:{w.metrics_port}"
+                    for w in workers
+                ),
+                "hub": hub_url,
+                "hub_pid": hub.proc.pid,
+                "upstreams": ",".join(config.upstreams) or "none",
+                "cache_bytes": config.cache.max_bytes,
+            },
+        )
+        exits = {asyncio.ensure_future(c.proc.wait()): c for c in (*workers, hub)}
+        stopping = asyncio.ensure_future(stop.wait())
+        done, _ = await asyncio.wait({stopping, *exits}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        for fut in exits:
+            fut.cancel()
+        if stopping in done:
+            logger.info("shutting down: SIGTERM to every worker, then the hub")
+            return await _stop_all(workers, hub, config)
+        gone = next(exits[f] for f in done if f in exits)
+        reason = (
+            f"{gone.name} (pid {gone.proc.pid}) {_exit_text(gone.proc.returncode or 0)}; stopping the relay "
+            "(a new worker would move live connections between workers)"
+        )
+        logger.error("relay process exited", extra={"worker": gone.name, "reason": reason})
+        await _stop_all(workers, hub, config)
+        print(f"kvnet-relay: error: {reason}", file=sys.stderr)
+        return 1
+
+
+async def _serving_or_stop(child: Child, stop: asyncio.Event) -> None:
+    """Wait until ``child`` serves, or return early once ``stop`` is set."""
+    serving = asyncio.ensure_future(child.serving())
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if serving.done():
+        serving.result()  # ChildFailed
+    else:
+        serving.cancel()
+
+
+async def _stop_all(workers: list[Child], hub: Child | None, config: RelayConfig) -> int:
+    """Stop the workers (each drains its sessions), then the hub they route through; 0 if all exited 0."""
+    timeout = config.drain_timeout + STOP_GRACE_S
+    codes = await asyncio.gather(*(w.stop(timeout) for w in workers))
+    if hub is not None:
+        codes.append(await hub.stop(timeout))
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+# -- one process of the relay --------------------------------------------------------------------------
+class _WorkerName(logging.Filter):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.worker = name
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.__dict__.setdefault("worker", self.worker)
+        return True
+
+
+def child_main() -> int:
+    spec = pickle.load(sys.stdin.buffer)
+    assert isinstance(spec, ChildSpec)
+    setup_logging(spec.log_format, spec.log_level)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_WorkerName(spec.name))
+    from kvnet.blocks.signing import SigningError
+    from kvnet.net.endpoint import freeze_startup_objects
+    from relay.relay import serve
+
+    sock = socket.socket(fileno=spec.fd)
+    freeze_startup_objects()
+
+    def listening(address: tuple[str, int], metrics_port: int | None) -> None:
+        print(json.dumps({"quic": list(address), "metrics_port": metrics_port}), flush=True)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        stdin = sys.stdin.fileno()
+
+        def supervisor_input() -> None:
+            if not os.read(stdin, 4096):  # end of file: the supervisor is gone
+                loop.remove_reader(stdin)
+                logger.warning("supervisor gone: stopping")
+                stop.set()
+
+        loop.add_reader(stdin, supervisor_input)
+        await serve(spec.config, stop, sock=sock, on_listening=listening)
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        return 130
+    except (OSError, ValueError, SigningError) as exc:
+        print(f"kvnet-relay: error: {spec.name}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    # Run as ``relay.workers``, not ``__main__``: the spec's classes are unpickled from that module.
+    from relay.workers import child_main as main
+
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""``kvnet-relay --workers 2``: two relay processes on one UDP port (SO_REUSEPORT) joined by the hub.
+
+Real processes and real QUIC on loopback. Client sessions from distinct source ports land on both workers
+(seen in each worker's own metrics); blocks a publisher pushed and announced through one worker are located
+(TRACK_STATUS), fetched verified, subscribed to and watched (SUBSCRIBE_NAMESPACE) through the other, which
+then serves them from its own cache. SIGTERM to the supervisor stops every process; a worker killed makes
+the supervisor stop the rest and exit non-zero with one line saying which.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
+from kvnet.net.connection import MoqtConnection
+from kvnet.net.endpoint import connect
+from kvnet.net.quic import TlsSettings, TransportSettings
+from kvnet.node.blockstore import BlockStore
+from kvnet.node.fetching import BlockFetcher
+from kvnet.node.publishing import BlockServer
+from proto import events as me
+from proto.data import ObjectStatus
+from proto.kvobject import block_track
+from relay.cache import CacheConfig
+from relay.config import RelayConfig
+from relay.limits import LimitsConfig
+from relay.metrics import parse_prometheus
+from relay.workers import HUB_HOST, hub_config, make_hub_credentials, worker_config
+from tests.helpers.processes import CertDir, RelayProcess, start_relay
+from tests.helpers.prompts import SignedPrompt, signed_prompt
+from tests.helpers.waiting import async_wait_until, wait_until
+
+SPEC = CacheSpec(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.bfloat16)
+BLOCKS = 4
+FINGERPRINT = bytes(range(32))
+NAMESPACE_ID = "workers"
+READY = "logger=relay.workers msg=listening"
+MAX_SESSIONS_TRIED = 40
+"""Sessions opened at most until both workers hold one (each lands on a given worker with p = 1/2)."""
+
+
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive free TCP ports on loopback (worker i's metrics on base + i)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count > 65535:
+            continue
+        try:
+            for offset in range(count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + offset))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def start_workers(cert_dir: CertDir, log_dir: Path, *extra: str) -> RelayProcess:
+    """``--workers 2`` with metrics on three consecutive ports (worker 0, worker 1, hub)."""
+    return start_relay(cert_dir, log_dir, "--workers", "2", *extra, metrics_port=free_port_run(3),
+                       ready_marker=READY)
+
+
+def listening_field(rp: RelayProcess, name: str) -> str:
+    match = re.search(rf"{READY} .*?\b{name}=(\S+)", rp.log())
+    assert match, rp.log()[-2000:]
+    return match.group(1)
+
+
+def worker_metrics(rp: RelayProcess, index: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{rp.metrics_port + index}/metrics", timeout=5) as r:
+        return parse_prometheus(r.read().decode())
+
+
+async def sessions_per_worker(rp: RelayProcess) -> list[float]:
+    return [
+        (await asyncio.to_thread(worker_metrics, rp, i)).get("kvnet_relay_sessions", 0.0) for i in range(2)
+    ]
+
+
+async def counted_once_more(rp: RelayProcess, before: list[float]) -> list[float]:
+    """Sessions per worker once one more session than ``before`` is counted."""
+    after: list[float] = []
+
+    async def counted() -> bool:
+        after[:] = await sessions_per_worker(rp)
+        return sum(after) == sum(before) + 1
+
+    await async_wait_until(counted, "the new session counted by one worker")
+    return after
+
+
+async def one_session_per_worker(
+    rp: RelayProcess, settings: TransportSettings, tls: TlsSettings
+) -> tuple[list[MoqtConnection], list[MoqtConnection]]:
+    """Open sessions (each from its own source port) one at a time until each worker holds one; returns
+    ``(on worker 0, on worker 1)``, every session opened, by the worker it landed on."""
+    landed: tuple[list[MoqtConnection], list[MoqtConnection]] = ([], [])
+    for _ in range(MAX_SESSIONS_TRIED):
+        before = await sessions_per_worker(rp)
+        conn = await connect(rp.url, settings, tls)
+        after = await counted_once_more(rp, before)
+        landed[0 if after[0] > before[0] else 1].append(conn)
+        if landed[0] and landed[1]:
+            return landed
+    raise AssertionError(f"{MAX_SESSIONS_TRIED} sessions all landed on one worker")
+
+
+def make_prompt() -> SignedPrompt:
+    return signed_prompt(SPEC, BLOCKS, fingerprint=FINGERPRINT, salt=b"workers", seed=5)
+
+
+def fetcher_for(conn: MoqtConnection, prompt: SignedPrompt) -> tuple[BlockFetcher, PagedKVCache]:
+    cache = PagedKVCache(SPEC, num_blocks=BLOCKS, device=torch.device("cpu"))
+    fetcher = BlockFetcher(conn, cache, prompt.trust(), fingerprint=FINGERPRINT, namespace_id=NAMESPACE_ID,
+                           shape=SPEC.block_shape, dtype="bfloat16", timeout=30.0)
+    return fetcher, cache
+
+
+def assert_same_kv(fetched: PagedKVCache, prompt: SignedPrompt) -> None:
+    for block_hash in prompt.hashes:
+        got, want = fetched.export_block(block_hash), prompt.source.export_block(block_hash)
+        assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+
+
+async def test_blocks_pushed_through_one_worker_are_located_fetched_and_watched_through_the_other(
+    cert_dir: CertDir, tmp_path: Path
+) -> None:
+    prompt = make_prompt()
+    rp = start_workers(cert_dir, tmp_path)
+    settings = TransportSettings.for_link("loopback", "aioquic")
+    tls = TlsSettings(ca_file=cert_dir.ca)
+    opened: list[MoqtConnection] = []
+    serving: asyncio.Task[None] | None = None
+    try:
+        on_0, on_1 = await one_session_per_worker(rp, settings, tls)
+        opened = [*on_0, *on_1]
+        publisher, subscriber = on_0[0], on_1[0]
+        heard: list[tuple[bytes, ...]] = []
+
+        def on_namespace(ev: me.NamespaceReceived | me.NamespaceDoneReceived) -> None:
+            if isinstance(ev, me.NamespaceReceived):
+                heard.append(ev.track_namespace_suffix)
+
+        # A watcher on worker 1 hears of the namespace announced on worker 0 (through the hub).
+        await subscriber.subscribe_namespace((b"kvnet",), on_namespace=on_namespace)
+        server = BlockServer(publisher, BlockStore(4 * prompt.wire_bytes), FINGERPRINT, NAMESPACE_ID,
+                             SPEC.num_layers)
+        server.store.put_chain(prompt.blocks)
+        serving = asyncio.ensure_future(server.serve())
+        await server.announce()
+        assert await server.push(prompt.blocks) == BLOCKS
+        objects = BLOCKS * (SPEC.num_layers + 1)
+        await async_wait_until(
+            lambda: worker_metrics(rp, 0).get("kvnet_relay_cache_objects", 0) >= objects,
+            "worker 0 caching the pushed blocks",
+        )
+        await async_wait_until(lambda: heard == [server.namespace[1:]], "NAMESPACE on worker 1")
+
+        fetcher, fetched = fetcher_for(subscriber, prompt)
+        located = await fetcher.locate(prompt.hashes, ["lossless"])
+        assert len(located.available) == BLOCKS and fetcher.locate_probe == "track_status", located
+        outcome = await fetcher.fetch(prompt.identities, ["lossless"] * BLOCKS)
+        assert outcome.error is None and outcome.loaded == BLOCKS, outcome
+        assert_same_kv(fetched, prompt)
+        first = worker_metrics(rp, 1)
+        assert first["kvnet_relay_cache_misses_total"] >= BLOCKS  # went to worker 0 through the hub
+        assert first["kvnet_relay_cache_objects"] >= objects  # and kept what it fetched
+
+        # Hot blocks are then served by worker 1 from its own cache: worker 0 sends nothing more.
+        sent_by_0 = worker_metrics(rp, 0)["kvnet_relay_bytes_out_total"]
+        again, fetched_again = fetcher_for(subscriber, prompt)
+        outcome = await again.fetch(prompt.identities, ["lossless"] * BLOCKS)
+        assert outcome.error is None and outcome.loaded == BLOCKS, outcome
+        assert_same_kv(fetched_again, prompt)
+        second = worker_metrics(rp, 1)
+        assert second["kvnet_relay_cache_hits_total"] >= first["kvnet_relay_cache_hits_total"] + BLOCKS
+        assert second["kvnet_relay_cache_misses_total"] == first["kvnet_relay_cache_misses_total"]
+        assert worker_metrics(rp, 0)["kvnet_relay_bytes_out_total"] == sent_by_0
+
+        # SUBSCRIBE of a block track announced on worker 0, from worker 1: its objects arrive.
+        ns, name = block_track(FINGERPRINT, NAMESPACE_ID, prompt.hashes[0], "lossless")
+        sub = await subscriber.subscribe(ns, name)
+        received = [obj async for obj in sub if obj.status == ObjectStatus.NORMAL]
+        assert len(received) == SPEC.num_layers + 1  # the manifest and one object per layer
+    finally:
+        if serving is not None:
+            serving.cancel()
+        for conn in opened:
+            await conn.close_session()
+        rp.stop()
+
+
+def pids_gone(pids: list[int]) -> bool:
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        # A child reaped by the supervisor is gone; one still listed is alive unless it is a zombie.
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    return False
+        except FileNotFoundError:
+            continue
+    return True
+
+
+def relay_pids(rp: RelayProcess) -> list[int]:
+    pids = [int(p) for p in listening_field(rp, "pids").split(",")]
+    return [*pids, int(listening_field(rp, "hub_pid"))]
+
+
+def test_sigterm_stops_every_worker_and_the_hub(cert_dir: CertDir, tmp_path: Path) -> None:
+    rp = start_workers(cert_dir, tmp_path, "--drain-timeout", "1")
+    pids = relay_pids(rp)
+    assert len(pids) == 3
+    try:
+        rp.proc.send_signal(signal.SIGTERM)
+        assert rp.proc.wait(timeout=30) == 0, rp.log()[-3000:]
+        wait_until(lambda: pids_gone(pids), "every worker and the hub gone")
+        assert rp.log().count("msg=stopped") == 3
+    finally:
+        rp.stop()
+
+
+def test_a_worker_killed_stops_the_relay_with_one_line(cert_dir: CertDir, tmp_path: Path) -> None:
+    rp = start_workers(cert_dir, tmp_path, "--drain-timeout", "1")
+    pids = relay_pids(rp)
+    try:
+        os.kill(pids[1], signal.SIGKILL)
+        assert rp.proc.wait(timeout=30) == 1
+        wait_until(lambda: pids_gone(pids), "the other worker and the hub gone")
+        errors = [line for line in rp.log().splitlines() if line.startswith("kvnet-relay: error:")]
+        assert errors == [
+            f"kvnet-relay: error: worker-1 (pid {pids[1]}) killed by SIGKILL; stopping the relay (a new "
+            "worker would move live connections between workers)"
+        ]
+    finally:
+        rp.stop()
+
+
+def test_the_supervisor_killed_leaves_no_worker_behind(cert_dir: CertDir, tmp_path: Path) -> None:
+    """SIGKILL gives the supervisor no chance to forward anything: each process sees its stdin end."""
+    rp = start_workers(cert_dir, tmp_path, "--drain-timeout", "1")
+    pids = relay_pids(rp)
+    rp.proc.kill()
+    rp.proc.wait(timeout=10)
+    wait_until(lambda: pids_gone(pids), "every worker and the hub gone after the supervisor")
+    assert rp.log().count("supervisor gone: stopping") == 3
+
+
+def test_the_relay_wide_budgets_are_divided_among_the_workers_and_the_hub(
+    cert_dir: CertDir, tmp_path: Path
+) -> None:
+    """N workers and the hub together hold no more cache, and the workers no more sessions, requests or
+    buffered bytes, than the one relay was given; per-source quotas are rounded up per worker."""
+    config = RelayConfig(
+        tls=TlsSettings(ca_file=cert_dir.ca, cert_file=cert_dir.cert, key_file=cert_dir.key),
+        upstreams=("moqt://origin:4443",), metrics_port=9464, workers=3,
+        cache=CacheConfig(max_bytes=900, max_inflight_bytes=400, dir=str(tmp_path / "cache"), dir_bytes=800),
+        limits=LimitsConfig(max_sessions=10, max_requests=100, max_buffered_bytes=1000,
+                            max_sessions_per_address=5, max_requests_per_identity=0),
+    )
+    creds = make_hub_credentials(tmp_path / "hub")
+    workers = [worker_config(config, i, "moqt://127.0.0.1:5000", creds) for i in range(3)]
+    hub = hub_config(config, creds)
+    everyone = [*workers, hub]
+    assert sum(c.cache.max_bytes for c in everyone) <= 900
+    assert sum(c.cache.max_inflight_bytes for c in everyone) <= 400
+    assert sum(c.cache.dir_bytes for c in everyone) <= 800
+    assert len({c.cache.dir for c in everyone}) == 4  # a directory each
+    assert sum(c.limits.max_buffered_bytes for c in everyone) <= 1000
+    assert sum(w.limits.max_sessions for w in workers) <= 10
+    assert sum(w.limits.max_requests for w in workers) <= 100
+    assert [w.limits.max_sessions_per_address for w in workers] == [2, 2, 2]
+    assert [w.limits.max_requests_per_identity for w in workers] == [0, 0, 0]  # 0: no quota stays none
+    assert [c.metrics_port for c in everyone] == [9464, 9465, 9466, 9467]
+    for w in workers:  # the hub is every worker's only upstream, verified with its own CA and token
+        assert w.upstreams == ("moqt://127.0.0.1:5000",) and w.workers == 1
+        assert w.upstream_tls == TlsSettings(ca_file=creds.ca) and w.upstream_token == creds.token
+        assert w.tls == config.tls
+    # The hub goes to the configured upstreams with the relay's own TLS, and accepts only the workers.
+    assert hub.upstreams == config.upstreams and hub.upstream_tls == config.tls
+    assert hub.auth_issuer_keys == (creds.issuer_public,) and hub.tls.cert_file == creds.cert
+    assert hub.host == HUB_HOST
