@@ -17,6 +17,7 @@ import socket
 import urllib.request
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
@@ -133,11 +134,14 @@ def assert_same_kv(fetched: PagedKVCache, prompt: SignedPrompt) -> None:
         assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
 
 
+@pytest.mark.parametrize("stack", ["aioquic", "qh3"])
 async def test_blocks_pushed_through_one_worker_are_located_fetched_and_watched_through_the_other(
-    cert_dir: CertDir, tmp_path: Path
+    cert_dir: CertDir, tmp_path: Path, stack: str
 ) -> None:
+    """On each stack whose socket the relay binds (aiopquic's cannot be shared); the clients on aioquic,
+    whose client connections on qh3 are exercised by the stack tests."""
     prompt = make_prompt()
-    rp = start_workers(cert_dir, tmp_path)
+    rp = start_workers(cert_dir, tmp_path, "--quic-stack", stack)
     settings = TransportSettings.for_link("loopback", "aioquic")
     tls = TlsSettings(ca_file=cert_dir.ca)
     opened: list[MoqtConnection] = []
