@@ -40,7 +40,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,7 +63,7 @@ from kvnet.node import fetching
 from kvnet.node.blockstore import BlockStore
 from kvnet.node.fetching import DEFAULT_VERIFY_WORKERS, BlockFetcher
 from kvnet.node.publishing import BlockServer
-from tests.helpers.processes import CertDir, start_relay
+from tests.helpers.processes import CertDir, free_port_run, start_relay
 from tests.helpers.prompts import SignedPrompt, prompt_identities, signed_prompt
 
 MODEL = "bench"
@@ -80,6 +80,8 @@ TLS_TCP_CASE = "TLS 1.3 over TCP (blocking)"
 NODE_STACKS = ("qh3", "aioquic")
 # Seconds a verified fetch may wait for an object; a transfer stalled longer counts as a failed run.
 FETCH_TIMEOUT = 30.0
+WARM_SESSIONS = 40
+"""Sessions a relay with workers is filled through at most until each worker holds the prompt."""
 
 
 def proc_cpu_seconds(pid: int) -> float:
@@ -152,9 +154,10 @@ class RelayFetch:
     background loop; each ``fetch`` is a verified fetch of the whole prompt on a fresh session."""
 
     def __init__(self, prompt: Prompt, certdir: Path, stack: str, link: str, loop: asyncio.AbstractEventLoop,
-                 udp_segmentation: bool = True, peer_stack: str | None = None):
+                 udp_segmentation: bool = True, peer_stack: str | None = None, workers: int = 1):
         """``peer_stack``: the stack of the publisher and subscriber sessions in this process (default:
-        the relay's; an aiopquic relay runs in the Python 3.12 environment, its peers here on 3.11)."""
+        the relay's; an aiopquic relay runs in the Python 3.12 environment, its peers here on 3.11).
+        ``workers``: the relay's ``--workers``; with more than one, every worker's cache is filled."""
         self.prompt = prompt
         self.certdir = certdir
         self.settings = dataclasses.replace(quic.TransportSettings.for_link(link, peer_stack or stack),
@@ -163,11 +166,14 @@ class RelayFetch:
         cache_bytes = str(4 * prompt.wire_bytes + (64 << 20))
         cert_dir = CertDir(certdir, certdir / "ca.pem", certdir / "server.pem", certdir / "server-key.pem")
         name = f"relay-{stack}-{link}{'' if udp_segmentation else '-nogso'}"
+        name += f"-w{workers}" if workers > 1 else ""
+        self.workers = workers
         toml = certdir / f"{name}.toml"
         toml.write_text(f"[transport]\nudp_segmentation = {str(udp_segmentation).lower()}\n")
         self.relay = start_relay(cert_dir, certdir, "--config", str(toml), "--quic-stack", stack,
                                  "--link", link, "--cache-bytes", cache_bytes,
-                                 "--cache-track-bytes", cache_bytes, name=name,
+                                 "--cache-track-bytes", cache_bytes, "--workers", str(workers), name=name,
+                                 metrics_port=free_port_run(workers + 1) if workers > 1 else 0,
                                  log_level="warning", ready_marker=None)
         self.proc = self.relay.proc
         self.url = self.relay.url
@@ -199,13 +205,34 @@ class RelayFetch:
         server = BlockServer(self.publisher, store, FINGERPRINT, NAMESPACE_ID, self.prompt.spec.num_layers)
         await server.announce()
         self.serving = asyncio.create_task(server.serve())
-        conn = await self._connect()
-        try:
-            await self._fetch(conn)
-        finally:
-            await conn.close_session()
         objects = len(self.prompt.blocks) * (self.prompt.spec.num_layers + 1)
-        await self.relay.wait_metric("kvnet_relay_cache_objects", objects, timeout=60)
+        # Each session lands on one worker (the kernel's hash of its source port), and a worker keeps
+        # what its sessions fetched: fetch on new sessions until every worker holds the prompt.
+        for _ in range(WARM_SESSIONS):
+            conn = await self._connect()
+            try:
+                await self._fetch(conn)
+            finally:
+                await conn.close_session()
+            if self.workers == 1:
+                await self.relay.wait_metric("kvnet_relay_cache_objects", objects, timeout=60)
+                return
+            held = [(await asyncio.to_thread(self.relay.metrics, i)).get("kvnet_relay_cache_objects", 0)
+                    for i in range(self.workers)]
+            if min(held) >= objects:
+                return
+        raise RuntimeError(f"{WARM_SESSIONS} sessions did not reach every relay worker")
+
+    def worker_metric(self, name: str) -> float:
+        """``name`` summed over the relay's workers (the hub's endpoint not included)."""
+        return sum(self.relay.metrics(i).get(name, 0.0) for i in range(self.workers))
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds of the relay's processes so far: the one started and its children (the workers
+        and the hub of ``--workers``)."""
+        pid = self.proc.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return proc_cpu_seconds(pid) + sum(proc_cpu_seconds(int(c)) for c in children)
 
     async def _fetch(self, conn: MoqtConnection, verify_workers: int = DEFAULT_VERIFY_WORKERS) -> None:
         await verified_fetch(conn, self.prompt.spec, self.prompt.identities, self.trust, verify_workers)
@@ -383,8 +410,8 @@ def tls_cases(certdir: Path, size: int) -> Iterator[list[Case]]:
 # ---------------------------------------------------------------- fan-out: N subscribers, one relay
 
 
-def _fanout_child(url: str, certdir: Path, stack: str, link: str, tokens: int, key_hex: str) -> None:
-    """One subscriber process of the fan-out: on ``connect`` it opens a session to the relay, on ``go``
+def _fanout_child(certdir: Path, stack: str, link: str, tokens: int, key_hex: str) -> None:
+    """One subscriber process of the fan-out: on ``connect URL`` it opens a session to that relay, on ``go``
     it makes a verified fetch of the prompt and answers ``done SECONDS CPU_SECONDS`` (or ``failed WHY``);
     anything else (or EOF) ends it."""
     settings = quic.TransportSettings.for_link(link, stack)
@@ -400,7 +427,7 @@ def _fanout_child(url: str, certdir: Path, stack: str, link: str, tokens: int, k
         conn: MoqtConnection | None = None
         print("ready", flush=True)
         while True:
-            command = (await loop.run_in_executor(None, sys.stdin.readline)).strip()
+            command, _, url = (await loop.run_in_executor(None, sys.stdin.readline)).strip().partition(" ")
             try:
                 if command == "connect":
                     conn = await connect(url, settings, tls)
@@ -423,11 +450,11 @@ def _fanout_child(url: str, certdir: Path, stack: str, link: str, tokens: int, k
 class FanoutSubscriber:
     """A subscriber child process (``_fanout_child``) driven line by line."""
 
-    def __init__(self, relay: RelayFetch, stack: str, link: str, tokens: int) -> None:
-        key_hex = relay.prompt.signer.public_raw.hex()
+    def __init__(self, prompt: Prompt, certdir: Path, stack: str, link: str, tokens: int) -> None:
+        key_hex = prompt.signer.public_raw.hex()
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--fanout-child", relay.url, str(relay.certdir), stack, link,
-             str(tokens), key_hex], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            [sys.executable, __file__, "--fanout-child", str(certdir), stack, link, str(tokens), key_hex],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def command(self, word: str) -> None:
         assert self.proc.stdin is not None
@@ -454,29 +481,37 @@ class FanoutSubscriber:
 @dataclass
 class FanoutFigure:
     subscribers: int
+    relay_workers: int = 1
     aggregate_mbps: list[float] = field(default_factory=list)
     """All subscribers' wire bytes over the time from the start signal to the last one done, per run."""
     per_subscriber_mbps: list[float] = field(default_factory=list)
     """Each subscriber's own wire bytes over its own fetch time, every subscriber of every run."""
     relay_ms_per_mb: list[float] = field(default_factory=list)
+    """CPU of all the relay's processes (workers and hub summed) per MB delivered, per run."""
+    workers_used: list[int] = field(default_factory=list)
+    """Per run: relay workers the subscribers' sessions landed on (the kernel hashes each source port)."""
     failures: list[str] = field(default_factory=list)
 
 
 def fanout(tokens: int, runs: int, counts: list[int], stack: str = "aioquic",
-           link: str = "loopback") -> tuple[Prompt, list[FanoutFigure]]:
+           link: str = "loopback", relay_workers: Sequence[int] = (1,)) -> tuple[Prompt, list[FanoutFigure]]:
     """N = each of ``counts`` subscriber processes make a verified fetch of the same prompt from one relay's
-    cache at once (sessions set up before the start signal); ``runs`` rounds, the counts interleaved."""
+    cache at once (sessions set up before the start signal); ``runs`` rounds, the counts interleaved, and
+    with them the relays of each ``relay_workers`` count (all running throughout, each with every
+    worker's cache filled)."""
     prompt = make_prompt(tokens)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    figures = [FanoutFigure(n) for n in counts]
+    figures = [FanoutFigure(n, w) for w in relay_workers for n in counts]
     mb = prompt.wire_bytes / 1e6
     try:
         with common.test_certificates() as certdir, ExitStack() as stack_:
-            relay = RelayFetch(prompt, certdir, stack, link, loop)
-            stack_.callback(relay.close)
-            subscribers = [FanoutSubscriber(relay, stack, link, tokens) for _ in range(max(counts))]
+            relays: dict[int, RelayFetch] = {}
+            for w in relay_workers:
+                relays[w] = RelayFetch(prompt, certdir, stack, link, loop, workers=w)
+                stack_.callback(relays[w].close)
+            subscribers = [FanoutSubscriber(prompt, certdir, stack, link, tokens) for _ in range(max(counts))]
             for sub in subscribers:
                 stack_.callback(sub.close)
             for sub in subscribers:
@@ -484,7 +519,7 @@ def fanout(tokens: int, runs: int, counts: list[int], stack: str = "aioquic",
                     raise RuntimeError("a subscriber process failed to start")
             for _ in range(runs):
                 for fig in figures:
-                    _fanout_round(relay, subscribers[:fig.subscribers], fig, mb)
+                    _fanout_round(relays[fig.relay_workers], subscribers[:fig.subscribers], fig, mb)
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
@@ -492,25 +527,29 @@ def fanout(tokens: int, runs: int, counts: list[int], stack: str = "aioquic",
 
 
 def _fanout_round(relay: RelayFetch, subs: list[FanoutSubscriber], fig: FanoutFigure, mb: float) -> None:
+    sessions = [relay.relay.metrics(i).get("kvnet_relay_sessions", 0.0) for i in range(relay.workers)]
     for sub in subs:
-        sub.command("connect")
+        sub.command(f"connect {relay.url}")
     for sub in subs:
         if (got := sub.answer())[0] != "connected":
             fig.failures.append(" ".join(got))
             return
-    misses = relay.relay.metric("kvnet_relay_cache_misses_total")
-    cpu0, t0 = proc_cpu_seconds(relay.proc.pid), time.perf_counter()
+    # A session is counted by its worker once its SETUP is done, which "connected" follows.
+    after = [relay.relay.metrics(i).get("kvnet_relay_sessions", 0.0) for i in range(relay.workers)]
+    misses = relay.worker_metric("kvnet_relay_cache_misses_total")
+    cpu0, t0 = relay.cpu_seconds(), time.perf_counter()
     for sub in subs:
         sub.command("go")
     answers = [sub.answer() for sub in subs]
-    elapsed, cpu = time.perf_counter() - t0, proc_cpu_seconds(relay.proc.pid) - cpu0
+    elapsed, cpu = time.perf_counter() - t0, relay.cpu_seconds() - cpu0
     failed = [" ".join(a) for a in answers if a[0] != "done"]
     if failed:
         fig.failures.append(failed[0])
         return
-    if relay.relay.metric("kvnet_relay_cache_misses_total") != misses:
+    if relay.worker_metric("kvnet_relay_cache_misses_total") != misses:
         fig.failures.append("the relay went upstream: not a fetch from its cache")
         return
+    fig.workers_used.append(sum(a > b for a, b in zip(after, sessions, strict=True)))
     fig.aggregate_mbps.append(len(subs) * mb / elapsed)
     fig.per_subscriber_mbps.extend(mb / float(a[1]) for a in answers)
     fig.relay_ms_per_mb.append(1000 * cpu / (len(subs) * mb))
@@ -679,18 +718,21 @@ def main() -> int:
     ap.add_argument("--fanout", default="", metavar="N,N,...",
                     help="instead: N concurrent subscriber processes fetching the prompt from one relay's "
                          "cache, for each N (first stack and link given)")
+    ap.add_argument("--relay-workers", default="1", metavar="W,W,...",
+                    help="with --fanout: the relay's --workers, each W interleaved with the counts (worker "
+                         "caches all filled; relay CPU summed over its processes)")
     ap.add_argument("--profile", action="store_true",
                     help="instead: where one verified fetch spends CPU (relay per thread, the fetching loop "
                          "under cProfile), first stack, link and node stack given")
     ap.add_argument("--serve-tls", type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--fanout-child", nargs=6, help=argparse.SUPPRESS)
+    ap.add_argument("--fanout-child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_tls:
         _serve_tls_child(args.serve_tls)
         return 0
     if args.fanout_child:
-        url, certdir, stack, link, tokens, key_hex = args.fanout_child
-        _fanout_child(url, Path(certdir), stack, link, int(tokens), key_hex)
+        certdir, stack, link, tokens, key_hex = args.fanout_child
+        _fanout_child(Path(certdir), stack, link, int(tokens), key_hex)
         return 0
     stacks = [s for s in args.stacks.split(",") if s]
     links = [x for x in args.links.split(",") if x]
@@ -708,7 +750,14 @@ def main() -> int:
             ap.error(f"--fanout takes comma-separated integers, got {args.fanout!r}")
         if not counts or min(counts) < 1:
             ap.error("--fanout needs subscriber counts of at least 1")
-        print_fanout(args.tokens, args.runs, *fanout(args.tokens, args.runs, counts, stacks[0], links[0]))
+        try:
+            relay_workers = [int(n) for n in args.relay_workers.split(",") if n]
+        except ValueError:
+            ap.error(f"--relay-workers takes comma-separated integers, got {args.relay_workers!r}")
+        if not relay_workers or min(relay_workers) < 1:
+            ap.error("--relay-workers needs worker counts of at least 1")
+        print_fanout(args.tokens, args.runs,
+                     *fanout(args.tokens, args.runs, counts, stacks[0], links[0], relay_workers))
         return 0
     if args.profile:
         peer = args.node_stacks.split(",")[0] if stacks[0] == "aiopquic" else None
@@ -743,17 +792,20 @@ def print_fanout(tokens: int, runs: int, prompt: Prompt, figures: list[FanoutFig
     mb = prompt.wire_bytes / 1e6
     print(f"fan-out: {prompt.tokens} tokens, {mb:.1f} MB on the wire per subscriber, median of {runs}, "
           f"interleaved; load {common.load_average()}")
-    print(f"{'subscribers':>11s} {'aggregate MB/s':>14s} {'tok/s':>8s} {'per-sub MB/s':>12s} {'tok/s':>7s} "
-          f"{'relay ms/MB':>11s}")
+    print(f"{'workers':>7s} {'subscribers':>11s} {'aggregate MB/s':>14s} {'tok/s':>8s} {'per-sub MB/s':>12s} "
+          f"{'tok/s':>7s} {'relay ms/MB':>11s} {'used':>4s}")
     for f in figures:
         if f.failures:
-            print(f"{f.subscribers:11d} {len(f.failures)} of {runs} runs failed: {f.failures[0]}")
+            print(f"{f.relay_workers:7d} {f.subscribers:11d} {len(f.failures)} of {runs} runs failed: "
+                  f"{f.failures[0]}")
         if not f.aggregate_mbps:
             continue
         agg, per = common.median(f.aggregate_mbps), common.median(f.per_subscriber_mbps)
-        print(f"{f.subscribers:11d} {agg:14.1f} {agg / mb * prompt.tokens:8.0f} {per:12.1f} "
-              f"{per / mb * prompt.tokens:7.0f} {common.median(f.relay_ms_per_mb):11.2f}   "
+        print(f"{f.relay_workers:7d} {f.subscribers:11d} {agg:14.1f} {agg / mb * prompt.tokens:8.0f} "
+              f"{per:12.1f} {per / mb * prompt.tokens:7.0f} {common.median(f.relay_ms_per_mb):11.2f} "
+              f"{''.join(str(u) for u in f.workers_used):>4s}   "
               f"(aggregate runs {' '.join(f'{x:.0f}' for x in f.aggregate_mbps)})")
+    print("used: per run, how many relay workers the subscribers' sessions landed on")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ missing, or that fails, is recorded as skipped with the reason and the others st
   ttft     time to first token vs shared-prefix length: cold, remote hit, local hit (bench_ttft.Bench)
   fanout   one publisher, 1/2/4/8 subscribers through a relay: FETCH cold and warm, SUBSCRIBE; and 1/2/4/8
            subscriber processes making verified fetches of one prompt from a relay's cache at once:
-           aggregate and per-subscriber MB/s and tokens/s, relay CPU ms/MB (bench_datapath --fanout)
+           aggregate and per-subscriber MB/s and tokens/s, relay CPU ms/MB, the relay on 1 and 2 worker
+           processes (bench_datapath --fanout --relay-workers 1,2)
            (bench_relay.run_relay_scenarios)
   locate   locate latency in round trips for 16..4096 blocks through the link emulator at 20 and
            120 ms RTT, direct and through a relay, with the blocks pushed into its cache and with a cold
@@ -135,12 +136,14 @@ def suite_fanout(res: common.SuiteResult, quick: bool) -> None:
                 f"{size >> 20} MiB track, aggregate payload delivered to all subscribers")
     bd = _need("bench_datapath")
     tokens, runs = (512, 3) if quick else (2048, 5)
-    prompt, figures = bd.fanout(tokens, runs, ns)
+    prompt, figures = bd.fanout(tokens, runs, ns, relay_workers=(1, 2))
     mb = prompt.wire_bytes / 1e6
     note = (f"verified fetches of {prompt.tokens} tokens ({mb:.1f} MB lossless bf16) from one relay's cache, "
-            f"{quic.DEFAULT_STACK}, loopback, interleaved")
+            f"{quic.DEFAULT_STACK}, loopback, interleaved with the relay on 1 and 2 worker processes")
     for fig in figures:
         name = f"fanout verified {fig.subscribers} subscribers"
+        if fig.relay_workers > 1:
+            name += f", {fig.relay_workers} relay workers"
         if fig.failures:
             res.skip(f"{name}: {len(fig.failures)} of {runs} runs failed, first: {fig.failures[0]}")
         if not fig.aggregate_mbps:

@@ -37,6 +37,7 @@ __all__ = [
     "NativeQuicUnavailable",
     "RelayProcess",
     "free_port",
+    "free_port_run",
     "make_certificates",
     "native_quic_python",
     "sigterm",
@@ -58,6 +59,23 @@ def free_port(kind: int = socket.SOCK_DGRAM) -> int:
             except OSError:
                 continue
         return port
+
+
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive loopback TCP ports that are free right now (a relay with
+    ``--workers N`` serves worker i's metrics on port + i and the hub's on port + N)."""
+    for _ in range(100):
+        base = free_port(socket.SOCK_STREAM)
+        if base + count > 65536:
+            continue
+        try:
+            for offset in range(1, count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + offset))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports on loopback")
 
 
 class NativeQuicUnavailable(RuntimeError):
@@ -139,8 +157,9 @@ class RelayProcess:
     def url(self) -> str:
         return f"moqt://127.0.0.1:{self.port}"
 
-    def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+    def metrics(self, worker: int = 0) -> dict[str, float]:
+        """The metrics endpoint's values (of worker ``worker`` of a relay with ``--workers``: port + i)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port + worker}/metrics", timeout=5) as r:
             return parse_prometheus(r.read().decode())
 
     async def ametrics(self) -> dict[str, float]:

@@ -13,8 +13,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -33,9 +31,8 @@ from proto.kvobject import block_track
 from relay.cache import CacheConfig
 from relay.config import RelayConfig
 from relay.limits import LimitsConfig
-from relay.metrics import parse_prometheus
 from relay.workers import HUB_HOST, hub_config, make_hub_credentials, worker_config
-from tests.helpers.processes import CertDir, RelayProcess, start_relay
+from tests.helpers.processes import CertDir, RelayProcess, free_port_run, start_relay
 from tests.helpers.prompts import SignedPrompt, signed_prompt
 from tests.helpers.waiting import async_wait_until, wait_until
 
@@ -46,24 +43,6 @@ NAMESPACE_ID = "workers"
 READY = "logger=relay.workers msg=listening"
 MAX_SESSIONS_TRIED = 40
 """Sessions opened at most until both workers hold one (each lands on a given worker with p = 1/2)."""
-
-
-def free_port_run(count: int) -> int:
-    """The first of ``count`` consecutive free TCP ports on loopback (worker i's metrics on base + i)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            for offset in range(count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", base + offset))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def start_workers(cert_dir: CertDir, log_dir: Path, *extra: str) -> RelayProcess:
@@ -78,14 +57,9 @@ def listening_field(rp: RelayProcess, name: str) -> str:
     return match.group(1)
 
 
-def worker_metrics(rp: RelayProcess, index: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{rp.metrics_port + index}/metrics", timeout=5) as r:
-        return parse_prometheus(r.read().decode())
-
-
 async def sessions_per_worker(rp: RelayProcess) -> list[float]:
     return [
-        (await asyncio.to_thread(worker_metrics, rp, i)).get("kvnet_relay_sessions", 0.0) for i in range(2)
+        (await asyncio.to_thread(rp.metrics, i)).get("kvnet_relay_sessions", 0.0) for i in range(2)
     ]
 
 
@@ -166,7 +140,7 @@ async def test_blocks_pushed_through_one_worker_are_located_fetched_and_watched_
         assert await server.push(prompt.blocks) == BLOCKS
         objects = BLOCKS * (SPEC.num_layers + 1)
         await async_wait_until(
-            lambda: worker_metrics(rp, 0).get("kvnet_relay_cache_objects", 0) >= objects,
+            lambda: rp.metrics(0).get("kvnet_relay_cache_objects", 0) >= objects,
             "worker 0 caching the pushed blocks",
         )
         await async_wait_until(lambda: heard == [server.namespace[1:]], "NAMESPACE on worker 1")
@@ -177,20 +151,20 @@ async def test_blocks_pushed_through_one_worker_are_located_fetched_and_watched_
         outcome = await fetcher.fetch(prompt.identities, ["lossless"] * BLOCKS)
         assert outcome.error is None and outcome.loaded == BLOCKS, outcome
         assert_same_kv(fetched, prompt)
-        first = worker_metrics(rp, 1)
+        first = rp.metrics(1)
         assert first["kvnet_relay_cache_misses_total"] >= BLOCKS  # went to worker 0 through the hub
         assert first["kvnet_relay_cache_objects"] >= objects  # and kept what it fetched
 
         # Hot blocks are then served by worker 1 from its own cache: worker 0 sends nothing more.
-        sent_by_0 = worker_metrics(rp, 0)["kvnet_relay_bytes_out_total"]
+        sent_by_0 = rp.metrics(0)["kvnet_relay_bytes_out_total"]
         again, fetched_again = fetcher_for(subscriber, prompt)
         outcome = await again.fetch(prompt.identities, ["lossless"] * BLOCKS)
         assert outcome.error is None and outcome.loaded == BLOCKS, outcome
         assert_same_kv(fetched_again, prompt)
-        second = worker_metrics(rp, 1)
+        second = rp.metrics(1)
         assert second["kvnet_relay_cache_hits_total"] >= first["kvnet_relay_cache_hits_total"] + BLOCKS
         assert second["kvnet_relay_cache_misses_total"] == first["kvnet_relay_cache_misses_total"]
-        assert worker_metrics(rp, 0)["kvnet_relay_bytes_out_total"] == sent_by_0
+        assert rp.metrics(0)["kvnet_relay_bytes_out_total"] == sent_by_0
 
         # SUBSCRIBE of a block track announced on worker 0, from worker 1: its objects arrive.
         ns, name = block_track(FINGERPRINT, NAMESPACE_ID, prompt.hashes[0], "lossless")
