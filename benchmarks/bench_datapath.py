@@ -489,7 +489,8 @@ class FanoutFigure:
     relay_ms_per_mb: list[float] = field(default_factory=list)
     """CPU of all the relay's processes (workers and hub summed) per MB delivered, per run."""
     workers_used: list[int] = field(default_factory=list)
-    """Per run: relay workers the subscribers' sessions landed on (the kernel hashes each source port)."""
+    """Per run: relay workers that sent the subscribers anything (their sessions landed there: the kernel
+    hashes each source port)."""
     failures: list[str] = field(default_factory=list)
 
 
@@ -527,15 +528,13 @@ def fanout(tokens: int, runs: int, counts: list[int], stack: str = "aioquic",
 
 
 def _fanout_round(relay: RelayFetch, subs: list[FanoutSubscriber], fig: FanoutFigure, mb: float) -> None:
-    sessions = [relay.relay.metrics(i).get("kvnet_relay_sessions", 0.0) for i in range(relay.workers)]
     for sub in subs:
         sub.command(f"connect {relay.url}")
     for sub in subs:
         if (got := sub.answer())[0] != "connected":
             fig.failures.append(" ".join(got))
             return
-    # A session is counted by its worker once its SETUP is done, which "connected" follows.
-    after = [relay.relay.metrics(i).get("kvnet_relay_sessions", 0.0) for i in range(relay.workers)]
+    sent = [relay.relay.metrics(i).get("kvnet_relay_bytes_out_total", 0.0) for i in range(relay.workers)]
     misses = relay.worker_metric("kvnet_relay_cache_misses_total")
     cpu0, t0 = relay.cpu_seconds(), time.perf_counter()
     for sub in subs:
@@ -549,7 +548,9 @@ def _fanout_round(relay: RelayFetch, subs: list[FanoutSubscriber], fig: FanoutFi
     if relay.worker_metric("kvnet_relay_cache_misses_total") != misses:
         fig.failures.append("the relay went upstream: not a fetch from its cache")
         return
-    fig.workers_used.append(sum(a > b for a, b in zip(after, sessions, strict=True)))
+    fig.workers_used.append(sum(
+        relay.relay.metrics(i).get("kvnet_relay_bytes_out_total", 0.0) > sent[i] for i in range(relay.workers)
+    ))
     fig.aggregate_mbps.append(len(subs) * mb / elapsed)
     fig.per_subscriber_mbps.extend(mb / float(a[1]) for a in answers)
     fig.relay_ms_per_mb.append(1000 * cpu / (len(subs) * mb))

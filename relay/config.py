@@ -124,6 +124,9 @@ class RelayConfig:
     Set by ``relay.workers``, whose workers verify their hub with a CA of its own."""
     workers: int = 1
     """Processes serving ``port`` (``relay.workers``: SO_REUSEPORT sockets and a hub); 1: this process."""
+    hub: bool = False
+    """This relay is the hub of ``relay.workers``: a request that no announced route answers is also asked
+    of every other session (each a worker with its own cache) before the upstream relays."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     transport: TransportSettings = field(default_factory=TransportSettings)

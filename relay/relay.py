@@ -411,11 +411,18 @@ class Relay:
         return reason
 
     def candidates(self, key: TrackKey, exclude: Peer | None) -> list[Source]:
-        """Longest-prefix publishers, then the upstream relays. A request that came from an upstream relay
-        goes to local publishers only: sending it upstream again could only bring it back (a loop)."""
+        """Longest-prefix publishers (at the hub of ``relay.workers``, then every other worker), then the
+        upstream relays. A request that came from an upstream relay goes to local publishers only: sending
+        it upstream again could only bring it back (a loop)."""
         pubs: list[Source] = [
             p for p in self.router.lookup(key[0]) if p is not exclude and not p.conn.is_closed
         ]
+        if self.config.hub:
+            # The workers' caches: blocks pushed into one stay there after their publisher left.
+            pubs += [
+                p for p in self.peers.values()
+                if p is not exclude and not p.conn.is_closed and all(p is not q for q in pubs)
+            ]
         found = pubs if exclude is not None and exclude.upstream is not None else [*pubs, *self.upstreams]
         # Routes that recently let a request pass the route deadline go last (stable: order kept).
         return sorted(found, key=lambda src: src.slow)

@@ -329,6 +329,13 @@ class UpstreamRelay:
                 await self._back_off("upstream relay unreachable")
                 continue
             self._attempt = None
+            if self._closing:
+                # close() cancelled us as the connect finished, and wait_for returned the session instead
+                # of raising (Python < 3.12): nobody would end this session or this task.
+                attempt.set_result(None)
+                with contextlib.suppress(TimeoutError, ConnectionError):
+                    await asyncio.wait_for(conn.close_session(), 2)
+                return
             self._conn = conn
             self.sessions += 1
             attempt.set_result(conn)

@@ -11,8 +11,10 @@ kernel keeps every QUIC connection (its 4-tuple) on one worker. Each worker is a
 cache on its own core. Routing between workers is the relay-to-relay code every relay already has: each
 worker's only upstream is the hub, a relay on a private loopback port whose upstreams are the configured
 ``--upstream`` relays. A namespace announced at a worker is announced to the hub, so a request on another
-worker goes to the hub and from there to that worker (and on to its publisher); the requesting worker
-caches what it fetched, so hot blocks are then served by every worker from its own cache.
+worker goes to the hub and from there to that worker (and on to its publisher). What no route answers the
+hub asks of every other worker (``RelayConfig.hub``), so pushed blocks outlive their publisher's session.
+The requesting worker caches what it fetched, so hot blocks are then served by every worker from its own
+cache.
 
 The hub trusts only its workers: its certificate (for 127.0.0.1) comes from a CA made for this run, and
 every request must carry a token signed by a key made for this run; both live in a private temporary
@@ -164,6 +166,7 @@ def hub_config(config: RelayConfig, creds: HubCredentials) -> RelayConfig:
         cache=cache,
         limits=limits,
         workers=1,
+        hub=True,
     )
 
 

@@ -95,6 +95,10 @@ def make_prompt() -> SignedPrompt:
     return signed_prompt(SPEC, BLOCKS, fingerprint=FINGERPRINT, salt=b"workers", seed=5)
 
 
+def make_other_prompt() -> SignedPrompt:
+    return signed_prompt(SPEC, BLOCKS, fingerprint=FINGERPRINT, salt=b"nowhere", seed=6)
+
+
 def fetcher_for(conn: MoqtConnection, prompt: SignedPrompt) -> tuple[BlockFetcher, PagedKVCache]:
     cache = PagedKVCache(SPEC, num_blocks=BLOCKS, device=torch.device("cpu"))
     fetcher = BlockFetcher(conn, cache, prompt.trust(), fingerprint=FINGERPRINT, namespace_id=NAMESPACE_ID,
@@ -176,6 +180,46 @@ async def test_blocks_pushed_through_one_worker_are_located_fetched_and_watched_
             serving.cancel()
         for conn in opened:
             await conn.close_session()
+        rp.stop()
+
+
+async def test_blocks_pushed_into_one_worker_stay_reachable_from_the_other_after_the_publisher_left(
+    cert_dir: CertDir, tmp_path: Path
+) -> None:
+    """Pushed without PUBLISH_NAMESPACE and the publisher gone: no route names worker 0, yet worker 1's
+    miss reaches worker 0's cache, because the hub asks every other worker when no route answers."""
+    prompt = make_prompt()
+    rp = start_workers(cert_dir, tmp_path)
+    settings = TransportSettings.for_link("loopback", "aioquic")
+    tls = TlsSettings(ca_file=cert_dir.ca)
+    opened: list[MoqtConnection] = []
+    try:
+        on_0, on_1 = await one_session_per_worker(rp, settings, tls)
+        opened = [*on_0, *on_1]
+        publisher, subscriber = on_0[0], on_1[0]
+        server = BlockServer(publisher, BlockStore(4 * prompt.wire_bytes), FINGERPRINT, NAMESPACE_ID,
+                             SPEC.num_layers)
+        assert await server.push(prompt.blocks) == BLOCKS
+        await async_wait_until(
+            lambda: rp.metrics(0).get("kvnet_relay_cache_objects", 0) >= BLOCKS * (SPEC.num_layers + 1),
+            "worker 0 caching the pushed blocks",
+        )
+        for conn in on_0:
+            await conn.close_session()
+        fetcher, fetched = fetcher_for(subscriber, prompt)
+        located = await fetcher.locate(prompt.hashes, ["lossless"])
+        assert len(located.available) == BLOCKS and fetcher.locate_probe == "track_status", located
+        outcome = await fetcher.fetch(prompt.identities, ["lossless"] * BLOCKS)
+        assert outcome.error is None and outcome.loaded == BLOCKS, outcome
+        assert_same_kv(fetched, prompt)
+        # A block nobody has is still DOES_NOT_EXIST (every worker asked, none holds it).
+        missing, _ = fetcher_for(subscriber, make_other_prompt())
+        nothing = await missing.locate(make_other_prompt().hashes, ["lossless"])
+        assert nothing.available == [] and nothing.probe_errors == {}, nothing
+    finally:
+        for conn in opened:
+            if not conn.is_closed:
+                await conn.close_session()
         rp.stop()
 
 
@@ -273,3 +317,4 @@ def test_the_relay_wide_budgets_are_divided_among_the_workers_and_the_hub(
     assert hub.upstreams == config.upstreams and hub.upstream_tls == config.tls
     assert hub.auth_issuer_keys == (creds.issuer_public,) and hub.tls.cert_file == creds.cert
     assert hub.host == HUB_HOST
+    assert hub.hub and not any(w.hub for w in workers)  # only the hub asks every worker on a miss
