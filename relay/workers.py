@@ -146,7 +146,10 @@ def hub_config(config: RelayConfig, creds: HubCredentials) -> RelayConfig:
     limits = dataclasses.replace(
         config.limits,
         max_buffered_bytes=_share(config.limits.max_buffered_bytes, n + 1),
-        # Its clients are the workers, all on one address and one identity.
+        # Its clients are the workers, all on one address and one identity, each keeping its session for
+        # the relay's life however idle (a closed one would fail requests until it reconnects).
+        session_idle_timeout=0,
+        pressure_idle_timeout=0,
         max_sessions_per_address=0,
         max_sessions_per_identity=0,
         max_requests_per_address=0,

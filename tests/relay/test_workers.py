@@ -21,12 +21,14 @@ import torch
 from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
+from kvnet.net.errors import MoqtConnectionError, RequestRejected
 from kvnet.net.quic import TlsSettings, TransportSettings
 from kvnet.node.blockstore import BlockStore
 from kvnet.node.fetching import BlockFetcher
 from kvnet.node.publishing import BlockServer
 from proto import events as me
 from proto.data import ObjectStatus
+from proto.errors import RequestErrorCode
 from proto.kvobject import block_track
 from relay.cache import CacheConfig
 from relay.config import RelayConfig
@@ -223,6 +225,30 @@ async def test_blocks_pushed_into_one_worker_stay_reachable_from_the_other_after
         rp.stop()
 
 
+async def test_mutual_tls_holds_on_every_worker(cert_dir: CertDir, tmp_path: Path) -> None:
+    """``--require-client-cert`` applies to each worker as to one relay: sessions with a client certificate
+    are served on both (their requests reach the hub), one without is refused."""
+    rp = start_workers(cert_dir, tmp_path, "--require-client-cert")
+    settings = TransportSettings.for_link("loopback", "aioquic")
+    with_cert = TlsSettings(ca_file=cert_dir.ca, cert_file=cert_dir.cert, key_file=cert_dir.key)
+    opened: list[MoqtConnection] = []
+    try:
+        on_0, on_1 = await one_session_per_worker(rp, settings, with_cert)
+        opened = [*on_0, *on_1]
+        ns, name = block_track(FINGERPRINT, NAMESPACE_ID, bytes(32), "lossless")
+        for conn in (on_0[0], on_1[0]):
+            with pytest.raises(RequestRejected) as refused:
+                await conn.track_status(ns, name)
+            assert refused.value.code == RequestErrorCode.DOES_NOT_EXIST  # asked the hub, nobody has it
+        with pytest.raises(MoqtConnectionError):
+            async with connect(rp.url, settings, TlsSettings(ca_file=cert_dir.ca)) as conn:
+                await asyncio.wait_for(conn.track_status(ns, name), 10)
+    finally:
+        for conn in opened:
+            await conn.close_session()
+        rp.stop()
+
+
 def pids_gone(pids: list[int]) -> bool:
     for pid in pids:
         try:
@@ -318,3 +344,4 @@ def test_the_relay_wide_budgets_are_divided_among_the_workers_and_the_hub(
     assert hub.auth_issuer_keys == (creds.issuer_public,) and hub.tls.cert_file == creds.cert
     assert hub.host == HUB_HOST
     assert hub.hub and not any(w.hub for w in workers)  # only the hub asks every worker on a miss
+    assert hub.limits.session_idle_timeout == 0 and hub.limits.pressure_idle_timeout == 0
