@@ -307,6 +307,8 @@ async def _supervise(
                                          log_level))
             await _serving_or_stop(hub, stop)
             for i, sock in enumerate(sockets):
+                if stop.is_set():
+                    break
                 spec = ChildSpec(f"worker-{i}", worker_config(config, i, hub_url, creds), sock.fileno(),
                                  log_format, log_level)
                 workers.append(await _start(spec))
@@ -391,7 +393,12 @@ class _WorkerName(logging.Filter):
 
 
 def child_main() -> int:
-    spec = pickle.load(sys.stdin.buffer)
+    try:
+        spec = pickle.load(sys.stdin.buffer)  # written by run_workers, our own parent
+    except (EOFError, pickle.UnpicklingError):
+        print("kvnet-relay: error: relay.workers runs only as a process of kvnet-relay --workers",
+              file=sys.stderr)
+        return 2
     assert isinstance(spec, ChildSpec)
     setup_logging(spec.log_format, spec.log_level)
     for handler in logging.getLogger().handlers:
