@@ -143,13 +143,17 @@ def hub_config(config: RelayConfig, creds: HubCredentials) -> RelayConfig:
         dir=str(Path(cache.dir) / "hub") if cache.dir else "",
         dir_bytes=_share(cache.dir_bytes, n + 1),
     )
+    lim = config.limits
     limits = dataclasses.replace(
-        config.limits,
-        max_buffered_bytes=_share(config.limits.max_buffered_bytes, n + 1),
+        lim,
+        max_buffered_bytes=_share(lim.max_buffered_bytes, n + 1),
         # Its clients are the workers, all on one address and one identity, each keeping its session for
         # the relay's life however idle (a closed one would fail requests until it reconnects).
         session_idle_timeout=0,
         pressure_idle_timeout=0,
+        # A worker's session carries the namespaces of all its publishers (the hub's router bounds the
+        # total); in-flight requests per session stay as configured, as for any relay chain.
+        max_namespaces_per_session=lim.max_namespaces_per_session * _share(lim.max_sessions, n),
         max_sessions_per_address=0,
         max_sessions_per_identity=0,
         max_requests_per_address=0,

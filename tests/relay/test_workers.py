@@ -345,3 +345,5 @@ def test_the_relay_wide_budgets_are_divided_among_the_workers_and_the_hub(
     assert hub.host == HUB_HOST
     assert hub.hub and not any(w.hub for w in workers)  # only the hub asks every worker on a miss
     assert hub.limits.session_idle_timeout == 0 and hub.limits.pressure_idle_timeout == 0
+    # A worker's hub session carries the namespaces of every publisher on it.
+    assert hub.limits.max_namespaces_per_session == config.limits.max_namespaces_per_session * 3
