@@ -227,12 +227,12 @@ class RelayFetch:
         """``name`` summed over the relay's workers (the hub's endpoint not included)."""
         return sum(self.relay.metrics(i).get(name, 0.0) for i in range(self.workers))
 
-    def cpu_seconds(self) -> float:
-        """CPU seconds of the relay's processes so far: the one started and its children (the workers
-        and the hub of ``--workers``)."""
+    def cpu_seconds(self) -> dict[int, float]:
+        """CPU seconds so far of each of the relay's processes: the one started and its children (the
+        workers and the hub of ``--workers``), by pid."""
         pid = self.proc.pid
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        return proc_cpu_seconds(pid) + sum(proc_cpu_seconds(int(c)) for c in children)
+        return {p: proc_cpu_seconds(p) for p in (pid, *map(int, children))}
 
     async def _fetch(self, conn: MoqtConnection, verify_workers: int = DEFAULT_VERIFY_WORKERS) -> None:
         await verified_fetch(conn, self.prompt.spec, self.prompt.identities, self.trust, verify_workers)
@@ -488,6 +488,8 @@ class FanoutFigure:
     """Each subscriber's own wire bytes over its own fetch time, every subscriber of every run."""
     relay_ms_per_mb: list[float] = field(default_factory=list)
     """CPU of all the relay's processes (workers and hub summed) per MB delivered, per run."""
+    relay_busiest_core: list[float] = field(default_factory=list)
+    """Per run: CPU of the relay's busiest process over the round's time (1.0 = one core all the time)."""
     workers_used: list[int] = field(default_factory=list)
     """Per run: relay workers that sent the subscribers anything (their sessions landed there: the kernel
     hashes each source port)."""
@@ -540,7 +542,9 @@ def _fanout_round(relay: RelayFetch, subs: list[FanoutSubscriber], fig: FanoutFi
     for sub in subs:
         sub.command("go")
     answers = [sub.answer() for sub in subs]
-    elapsed, cpu = time.perf_counter() - t0, relay.cpu_seconds() - cpu0
+    elapsed, cpu1 = time.perf_counter() - t0, relay.cpu_seconds()
+    used = [cpu1[pid] - cpu0.get(pid, 0.0) for pid in cpu1]
+    cpu = sum(used)
     failed = [" ".join(a) for a in answers if a[0] != "done"]
     if failed:
         fig.failures.append(failed[0])
@@ -554,6 +558,7 @@ def _fanout_round(relay: RelayFetch, subs: list[FanoutSubscriber], fig: FanoutFi
     fig.aggregate_mbps.append(len(subs) * mb / elapsed)
     fig.per_subscriber_mbps.extend(mb / float(a[1]) for a in answers)
     fig.relay_ms_per_mb.append(1000 * cpu / (len(subs) * mb))
+    fig.relay_busiest_core.append(max(used) / elapsed)
 
 
 # ---------------------------------------------------------------- the run
@@ -794,7 +799,7 @@ def print_fanout(tokens: int, runs: int, prompt: Prompt, figures: list[FanoutFig
     print(f"fan-out: {prompt.tokens} tokens, {mb:.1f} MB on the wire per subscriber, median of {runs}, "
           f"interleaved; load {common.load_average()}")
     print(f"{'workers':>7s} {'subscribers':>11s} {'aggregate MB/s':>14s} {'tok/s':>8s} {'per-sub MB/s':>12s} "
-          f"{'tok/s':>7s} {'relay ms/MB':>11s} {'used':>4s}")
+          f"{'tok/s':>7s} {'relay ms/MB':>11s} {'busiest':>7s} {'used':>5s}")
     for f in figures:
         if f.failures:
             print(f"{f.relay_workers:7d} {f.subscribers:11d} {len(f.failures)} of {runs} runs failed: "
@@ -804,9 +809,10 @@ def print_fanout(tokens: int, runs: int, prompt: Prompt, figures: list[FanoutFig
         agg, per = common.median(f.aggregate_mbps), common.median(f.per_subscriber_mbps)
         print(f"{f.relay_workers:7d} {f.subscribers:11d} {agg:14.1f} {agg / mb * prompt.tokens:8.0f} "
               f"{per:12.1f} {per / mb * prompt.tokens:7.0f} {common.median(f.relay_ms_per_mb):11.2f} "
-              f"{''.join(str(u) for u in f.workers_used):>4s}   "
+              f"{common.median(f.relay_busiest_core):7.2f} {''.join(str(u) for u in f.workers_used):>5s}   "
               f"(aggregate runs {' '.join(f'{x:.0f}' for x in f.aggregate_mbps)})")
-    print("used: per run, how many relay workers the subscribers' sessions landed on")
+    print("busiest: CPU of the relay's busiest process over the round (cores); used: per run, how many relay "
+          "workers the subscribers' sessions landed on")
 
 
 if __name__ == "__main__":

@@ -154,6 +154,7 @@ def suite_fanout(res: common.SuiteResult, quick: bool) -> None:
         res.add(f"{name} per subscriber tokens/s", [x / mb * prompt.tokens for x in fig.per_subscriber_mbps],
                 "tok/s")
         res.add(f"{name} relay CPU", fig.relay_ms_per_mb, "ms/MB")
+        res.add(f"{name} relay busiest process", fig.relay_busiest_core, "cores")
 
 
 def suite_ttft(res: common.SuiteResult, quick: bool) -> None:
