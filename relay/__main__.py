@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import errno
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,6 +30,7 @@ from relay.config import (
     MAX_WORKERS,
     RelayConfig,
     load_config,
+    startup_reason,
 )
 from relay.limits import LimitsConfig
 
@@ -272,8 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level = "debug" if args.verbose else args.log_level
         try:
             return run_workers(config, args.log_format, level)
-        except OSError as exc:
-            print(f"kvnet-relay: error: {_startup_reason(exc, config)}", file=sys.stderr)
+        except (OSError, ValueError) as exc:
+            print(f"kvnet-relay: error: {startup_reason(exc, config)}", file=sys.stderr)
             return 2
     from kvnet.net.endpoint import freeze_startup_objects
     from relay.relay import serve  # after logging, so import-time warnings are formatted too
@@ -286,23 +286,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError, SigningError) as exc:
         # What serve raises comes from starting: reading key, token and cache files, binding the QUIC and
         # metrics sockets. Once it serves, a peer's failure ends that peer's session, not the relay.
-        print(f"kvnet-relay: error: {_startup_reason(exc, config)}", file=sys.stderr)
+        print(f"kvnet-relay: error: {startup_reason(exc, config)}", file=sys.stderr)
         return 2
     return 0
-
-
-def _startup_reason(exc: Exception, config: RelayConfig) -> str:
-    if not isinstance(exc, OSError) or not exc.strerror:
-        return str(exc)
-    if exc.filename is not None:
-        return f"{exc.filename}: {exc.strerror}"
-    if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
-        # asyncio's TCP server (the metrics endpoint) words its bind errors so; the QUIC socket is UDP.
-        if "while attempting to bind" in exc.strerror:
-            where = f"--metrics {config.metrics_host}:{config.metrics_port}"
-            return f"{where}: cannot listen: {exc.strerror.rpartition(': ')[2]}"
-        return f"--listen {config.host}:{config.port}: cannot listen: {exc.strerror}"
-    return exc.strerror
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ command line and the environment win; a ``.toml`` file with the same keys is rea
 from __future__ import annotations
 
 import dataclasses
+import errno
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,3 +244,19 @@ def load_config(file_data: Mapping[str, Any], overrides: Mapping[str, Any]) -> R
         limits=_section(LimitsConfig, sections["limits"], "limits"),
         transport=_section(TransportSettings, sections["transport"], "transport"),
     )
+
+
+def startup_reason(exc: Exception, config: RelayConfig) -> str:
+    """The one-line reason a relay could not start: what ``serve`` raised while reading its files or
+    binding its sockets, named by the flag it concerns."""
+    if not isinstance(exc, OSError) or not exc.strerror:
+        return str(exc)
+    if exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror}"
+    if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+        # asyncio's TCP server (the metrics endpoint) words its bind errors so; the QUIC socket is UDP.
+        if "while attempting to bind" in exc.strerror:
+            where = f"--metrics {config.metrics_host}:{config.metrics_port}"
+            return f"{where}: cannot listen: {exc.strerror.rpartition(': ')[2]}"
+        return f"--listen {config.host}:{config.port}: cannot listen: {exc.strerror}"
+    return exc.strerror

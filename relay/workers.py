@@ -43,13 +43,15 @@ from kvnet.logs import setup_logging
 from kvnet.net.quic import TlsSettings, server_sockets
 from kvnet.security import certs
 from kvnet.security.tokens import Action, IssuerKey, issue_token, make_claims
-from relay.config import RelayConfig
+from relay.config import RelayConfig, startup_reason
 
 logger = logging.getLogger(__name__)
 
 HUB_HOST = "127.0.0.1"
 STOP_GRACE_S = 10.0
 """Seconds a process may take past its drain timeout to exit after SIGTERM before it is killed."""
+START_TIMEOUT_S = 120.0
+"""Seconds a process of the relay may take from its start to serving (imports, keys, the cache dir)."""
 _CREDENTIAL_DAYS = 825
 """Lifetime of the hub's certificate and of the workers' token (a relay running longer must restart)."""
 
@@ -192,6 +194,21 @@ def check_metrics_ports(config: RelayConfig) -> None:
         )
 
 
+def check_metrics_ports_free(config: RelayConfig) -> None:
+    """``ValueError`` naming the first of the workers' and the hub's metrics ports that cannot be bound
+    now, so that a port taken is one line before any process starts (not a worker failing later)."""
+    if not config.metrics_port:
+        return
+    for offset in range(config.workers + 1):
+        port = config.metrics_port + offset
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in config.metrics_host else socket.AF_INET) as s:
+                s.bind((config.metrics_host, port))
+        except OSError as exc:
+            reason = (exc.strerror or str(exc)).lower()
+            raise ValueError(f"--metrics {config.metrics_host}:{port}: cannot listen: {reason}") from None
+
+
 def make_hub_credentials(directory: Path) -> HubCredentials:
     """A CA and the hub's certificate, a token issuer and the workers' token, in ``directory``."""
     certs.create_ca(directory, common_name="kvnet relay hub CA", valid_days=_CREDENTIAL_DAYS)
@@ -213,6 +230,11 @@ def make_hub_credentials(directory: Path) -> HubCredentials:
 class ChildFailed(Exception):
     """A process of the relay exited (or never served); the message is the one-line reason."""
 
+    def __init__(self, reason: str, exit_code: int | None = None) -> None:
+        super().__init__(reason)
+        self.exit_code = exit_code
+        """The process's exit code, if it exited; 2: it failed to start and printed why itself."""
+
 
 class Child:
     """One process of the relay as the supervisor sees it."""
@@ -227,13 +249,20 @@ class Child:
         return self.spec.name
 
     async def serving(self) -> None:
-        """Wait for the line the child prints once it serves; ``ChildFailed`` if it exits first."""
+        """Wait for the line the child prints once it serves; ``ChildFailed`` if it exits first, prints
+        something else or takes longer than ``START_TIMEOUT_S``."""
         assert self.proc.stdout is not None
-        line = await self.proc.stdout.readline()
+        try:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), START_TIMEOUT_S)
+        except TimeoutError:
+            raise ChildFailed(f"{self.name} did not start serving within {START_TIMEOUT_S:.0f} s") from None
         if not line:
             code = await self.proc.wait()
-            raise ChildFailed(f"{self.name} exited before serving ({_exit_text(code)})")
-        self.metrics_port = json.loads(line)["metrics_port"]
+            raise ChildFailed(f"{self.name} exited before serving ({_exit_text(code)})", code)
+        try:
+            self.metrics_port = json.loads(line)["metrics_port"]
+        except (ValueError, KeyError, TypeError):
+            raise ChildFailed(f"{self.name} printed {line[:80]!r} instead of its start-up line") from None
 
     def signal(self, sig: int) -> None:
         if self.proc.returncode is None:
@@ -273,8 +302,10 @@ async def _start(spec: ChildSpec) -> Child:
 
 def run_workers(config: RelayConfig, log_format: str, log_level: str) -> int:
     """Serve ``config`` with ``config.workers`` processes until SIGTERM/SIGINT; the exit code (1 when a
-    process of the relay exited on its own). ``OSError`` when the port cannot be bound."""
+    process of the relay exited on its own). ``OSError`` when the port cannot be bound, ``ValueError``
+    when a metrics port is taken."""
     check_metrics_ports(config)
+    check_metrics_ports_free(config)
     sockets = server_sockets(config.host, config.port, config.workers, config.transport)
     try:
         hub_socket = server_sockets(HUB_HOST, 0, 1, config.transport)[0]
@@ -320,6 +351,8 @@ async def _supervise(
                 await _serving_or_stop(w, stop)
         except ChildFailed as exc:
             await _stop_all(workers, hub, config)
+            if exc.exit_code == 2:
+                return 2  # a start-up error (a port taken, a file unreadable): the process said which
             print(f"kvnet-relay: error: {exc}", file=sys.stderr)
             return 1
         if stop.is_set():
@@ -436,7 +469,7 @@ def child_main() -> int:
     except KeyboardInterrupt:
         return 130
     except (OSError, ValueError, SigningError) as exc:
-        print(f"kvnet-relay: error: {spec.name}: {exc}", file=sys.stderr)
+        print(f"kvnet-relay: error: {spec.name}: {startup_reason(exc, spec.config)}", file=sys.stderr)
         return 2
     return 0
 
