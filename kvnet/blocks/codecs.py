@@ -178,22 +178,48 @@ class Codec(ABC):
         ``shape`` and ``dtype`` are what the caller expects (from the manifest); any disagreement with
         the payload, and any malformed byte, raises ``CodecError``.
         """
+        header, raw = self._inflated(data, tuple(shape), dtype)
+        k, v = self._decode_sections(header, raw)
+        if device != "cpu" and torch.device(device).type != "cpu":
+            k, v = k.to(device), v.to(device)
+        return k, v
+
+    def decode_into(
+        self, data: bytes | bytearray | memoryview, k_out: torch.Tensor, v_out: torch.Tensor
+    ) -> None:
+        """Decode a payload straight into ``k_out`` and ``v_out`` (``[block_size, H_kv, D]`` each, CPU).
+
+        The outputs say what the payload must be: their shape and dtype play the part of ``decode``'s
+        ``shape`` and ``dtype``. Made for the paged cache's slots of a block reserved for an import (the
+        fetch path): the lossless codec writes its words into them directly, with no intermediate tensor
+        and no copy. A malformed payload raises ``CodecError``, possibly after part of the outputs was
+        written, so the caller hands in only memory nobody reads until the layer is known good.
+        """
+        if k_out.shape != v_out.shape or k_out.dtype != v_out.dtype or k_out.dim() != 3:
+            raise CodecError(f"k_out and v_out must both be [block_size, H_kv, D] of one dtype; got "
+                             f"{tuple(k_out.shape)} {k_out.dtype} and {tuple(v_out.shape)} {v_out.dtype}")
+        if k_out.device.type != "cpu" or v_out.device.type != "cpu":
+            raise CodecError("decode_into writes CPU tensors (stage a device's slots through host memory)")
+        header, raw = self._inflated(data, tuple(k_out.shape), k_out.dtype)
+        self._decode_sections_into(header, raw, k_out, v_out)
+
+    def _inflated(
+        self, data: bytes | bytearray | memoryview, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> tuple[PayloadHeader, list[np.ndarray]]:
+        """The validated header and the raw (inflated) sections of a payload expected to be ``shape``,
+        ``dtype``."""
         header = read_header(data)
         if header.codec_id != self.codec_id:
             raise CodecError(f"payload was written by codec id {header.codec_id}, not {self.name}")
         if header.dtype != dtype:
             raise CodecError(f"payload dtype {header.dtype} does not match expected {dtype}")
-        if tuple(shape) != header.shape:
-            raise CodecError(f"payload shape {header.shape} does not match expected {tuple(shape)}")
+        if shape != header.shape:
+            raise CodecError(f"payload shape {header.shape} does not match expected {shape}")
         if any(n <= 0 for n in header.shape):
             raise CodecError(f"payload shape {header.shape} has an empty dimension")
         expected = self._section_sizes(header)
         sections = self._split_sections(data, header, expected)
-        raw = [self._inflate(s) for s in sections]
-        k, v = self._decode_sections(header, raw)
-        if device != "cpu" and torch.device(device).type != "cpu":
-            k, v = k.to(device), v.to(device)
-        return k, v
+        return header, [self._inflate(s) for s in sections]
 
     # -- per-codec hooks ----------------------------------------------------------------------------
 
@@ -210,6 +236,14 @@ class Codec(ABC):
         self, header: PayloadHeader, raw: list[np.ndarray]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rebuild CPU ``(k, v)`` from the raw (uint8) section arrays of the validated sizes."""
+
+    def _decode_sections_into(
+        self, header: PayloadHeader, raw: list[np.ndarray], k_out: torch.Tensor, v_out: torch.Tensor
+    ) -> None:
+        """Rebuild ``(k, v)`` into the given CPU tensors; codecs that can write in place override this."""
+        k, v = self._decode_sections(header, raw)
+        k_out.copy_(k)
+        v_out.copy_(v)
 
     # -- shared machinery ---------------------------------------------------------------------------
 
@@ -349,6 +383,26 @@ class LosslessCodec(Codec):
             words = words.byteswap()
         k, v = torch.from_numpy(words.view(np_signed).reshape(2, *header.shape)).view(header.dtype).unbind(0)
         return k, v
+
+    def _decode_sections_into(
+        self, header: PayloadHeader, raw: list[np.ndarray], k_out: torch.Tensor, v_out: torch.Tensor
+    ) -> None:
+        if not (_LITTLE_ENDIAN and k_out.is_contiguous() and v_out.is_contiguous()):
+            super()._decode_sections_into(header, raw, k_out, v_out)
+            return
+        esize = len(raw)
+        int_dtype, np_dtype, _ = _INT_VIEW[esize]
+        n = raw[0].size // 2  # the planes hold K's elements, then V's
+        for out, half in ((k_out, slice(0, n)), (v_out, slice(n, 2 * n))):
+            words = out.view(int_dtype).numpy().view(np_dtype).reshape(n)
+            if esize == 2:
+                # As in _decode_sections, whole planes shifted into the words, here the slot's own.
+                np.left_shift(raw[1][half], 8, out=words, dtype=np.uint16)
+                np.bitwise_or(words, raw[0][half], out=words)
+            else:
+                planes = words.view(np.uint8).reshape(n, esize)
+                for p, plane in enumerate(raw):
+                    planes[:, p] = plane[half]
 
 
 # ---------------------------------------------------------------------------------------------------

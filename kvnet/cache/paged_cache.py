@@ -26,7 +26,9 @@ Incremental import protocol (a subscriber loads layer 0 before layer N has arriv
 
 1. ``begin_import(block_hash)`` reserves a block (held by the import, invisible to ``add_sequence``);
    returns False when the hash is already cached or being imported, in which case nothing is reserved.
-2. ``import_layer(block_hash, layer, k, v)`` once per layer, in any order, ``k, v: [block_size, H_kv, D]``.
+2. ``import_layer(block_hash, layer, k, v)`` once per layer, in any order, ``k, v: [block_size, H_kv, D]``;
+   or ``import_layer_with(block_hash, layer, write)``, where ``write`` fills the layer's slots in place
+   (a decoder writing straight into the cache).
 3. ``finish_import(block_hash)`` publishes the block under its hash once every layer was written; it is
    then cached and unreferenced, so a later ``add_sequence`` finds it. ``abort_import(block_hash)``
    releases the reservation instead (e.g. the payload failed verification).
@@ -196,6 +198,8 @@ class PagedKVCache:
         self._sequences: dict[int, _Sequence] = {}
         self._pending: dict[bytes, _PendingImport] = {}
         self._lock = threading.RLock()
+        self._staging: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._staging_copied: torch.cuda.Event | None = None
 
     # ----------------------------------------------------------------------------------------------
     # Model seam
@@ -499,6 +503,53 @@ class PagedKVCache:
         self._k_layers[layer][block_id] = k
         self._v_layers[layer][block_id] = v
         pending.layers_done[layer] = True
+
+    @_locked
+    def import_layer_with(
+        self, block_hash: bytes, layer: int, write: Callable[[torch.Tensor, torch.Tensor], None]
+    ) -> None:
+        """Fill one layer of a block reserved by ``begin_import`` in place: ``write(k, v)`` writes it.
+
+        On a CPU cache ``k`` and ``v`` are the reserved block's own slots of ``layer``
+        (``[block_size, H_kv, D]``, contiguous), so a decoder writes the fetched layer straight into the
+        cache: no intermediate tensor, no copy. On an accelerator they are host staging tensors (pinned
+        where CUDA is available) copied into the slots after ``write`` returns, ``non_blocking`` on CUDA
+        (the next layer waits for that copy before reusing the staging). The layer counts as written only
+        if ``write`` returns; whatever it raises propagates, and the slots may then hold part of a layer
+        of a block that is still pending, so invisible to ``add_sequence``, until ``abort_import`` frees
+        it. Raises ``UnknownBlockError`` when no import of ``block_hash`` is pending and
+        ``BlockImportError`` on a bad layer (nothing written).
+        """
+        pending = self._pending.get(block_hash)
+        if pending is None:
+            raise UnknownBlockError(f"no pending import for hash {block_hash.hex()}")
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.spec.num_layers:
+            raise BlockImportError(f"layer must be in [0, {self.spec.num_layers}), got {layer!r}")
+        block_id = pending.block.block_id
+        if self.device.type == "cpu":
+            write(self._k_layers[layer][block_id], self._v_layers[layer][block_id])
+        else:
+            k, v = self._staging_for_write()
+            write(k, v)
+            non_blocking = self.device.type == "cuda"
+            self._k_layers[layer][block_id].copy_(k, non_blocking=non_blocking)
+            self._v_layers[layer][block_id].copy_(v, non_blocking=non_blocking)
+            if non_blocking:
+                self._staging_copied = torch.cuda.Event()
+                self._staging_copied.record()
+        pending.layers_done[layer] = True
+
+    def _staging_for_write(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host pair ``import_layer_with`` stages one layer in on an accelerator, once its previous
+        copy to the device is done."""
+        if self._staging is None:
+            pin = self.device.type == "cuda" and torch.cuda.is_available()
+            k, v = (torch.empty(self._layer_shape, dtype=self.spec.dtype, pin_memory=pin) for _ in range(2))
+            self._staging = (k, v)
+        if self._staging_copied is not None:
+            self._staging_copied.synchronize()
+            self._staging_copied = None
+        return self._staging
 
     @_locked
     def finish_import(self, block_hash: bytes) -> KVCacheBlock:

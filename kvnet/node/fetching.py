@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -170,6 +170,16 @@ class CacheWriter(Protocol):
     def abort_import(self, block_hash: bytes) -> None: ...
 
 
+@runtime_checkable
+class SlotCacheWriter(CacheWriter, Protocol):
+    """A ``CacheWriter`` that owns its slots (``PagedKVCache``): ``import_layer_with`` hands a writer the
+    reserved block's layer to fill in place, so a fetched layer is decoded straight into the cache."""
+
+    def import_layer_with(
+        self, block_hash: bytes, layer: int, write: Callable[[torch.Tensor, torch.Tensor], None]
+    ) -> None: ...
+
+
 BlockProbe = Callable[[Sequence[bytes], int, str], Coroutine[Any, Any, Any]]
 """Ask whether block ``i`` of a chain of hashes exists in a rendition: returns if so, raises if not."""
 
@@ -228,6 +238,8 @@ class BlockFetcher:
         """How this session's locates probe: "track_status", "fetch" (of the manifest object, for relays
         that do not forward TRACK_STATUS), or None while undecided (see ``locate``)."""
         self.device = device or torch.device("cpu")
+        self._slot_cache = cache if isinstance(cache, SlotCacheWriter) else None
+        """The cache again where it takes decoded layers in place (see ``_load_layer``)."""
         if trust_any:
             logger.warning("trust-any: blocks signed by ANY key are accepted; anyone who can publish to the "
                            "relay decides what this node computes")
@@ -422,7 +434,7 @@ class BlockFetcher:
                     assert block.manifest is not None
                     layer = _LayerPayload(block.manifest, rendition, obj.object_id, payload, self.device)
                     if pool is None:
-                        self._import(exp.block_hash, [_decode_layer(layer)], out)
+                        self._load_layer(exp.block_hash, layer, out)
                     else:
                         batch.append(layer)
                         if len(batch) >= LAYERS_PER_TASK or obj.object_id == num_layers:
@@ -438,6 +450,22 @@ class BlockFetcher:
                 if pending.done() and not pending.cancelled():
                     pending.exception()  # retrieved, so that asyncio does not log it as lost
                 pending.cancel()
+
+    def _load_layer(self, block_hash: bytes, layer: _LayerPayload, out: FetchOutcome) -> None:
+        """Check one layer's digest, then decode it into the block reserved for it: in place where the cache
+        offers its slots (no intermediate tensor, no copy; a payload that fails to decode leaves bytes
+        only in the reserved block, which the failed fetch gives back unseen), else through ``_import``."""
+        if self._slot_cache is None:
+            self._import(block_hash, [_decode_layer(layer)], out)
+            return
+        t = time.perf_counter()
+        _check_digest(layer)
+        codec = get_codec(layer.rendition)
+        payload = layer.payload
+        self._slot_cache.import_layer_with(
+            block_hash, layer.object_id - 1, lambda k, v: codec.decode_into(payload, k, v)
+        )
+        out.load_s += time.perf_counter() - t
 
     def _import(self, block_hash: bytes, layers: list[_DecodedLayer], out: FetchOutcome) -> None:
         t = time.perf_counter()
@@ -496,13 +524,17 @@ class _LayerPayload:
 def _decode_layer(layer: _LayerPayload) -> _DecodedLayer:
     """Check one layer's digest and decode it; touches no shared state, so any thread may run it."""
     t = time.perf_counter()
-    manifest, object_id, payload = layer.manifest, layer.object_id, layer.payload
-    if not manifest.verify_payload(object_id, payload):
-        raise BlockRejected(f"payload digest of layer {object_id - 1} differs")
+    _check_digest(layer)
+    manifest = layer.manifest
     k, v = get_codec(layer.rendition).decode(
-        payload, manifest.layer_shape, dtype_from_name(manifest.dtype), layer.device
+        layer.payload, manifest.layer_shape, dtype_from_name(manifest.dtype), layer.device
     )
-    return _DecodedLayer(object_id - 1, k, v, time.perf_counter() - t)
+    return _DecodedLayer(layer.object_id - 1, k, v, time.perf_counter() - t)
+
+
+def _check_digest(layer: _LayerPayload) -> None:
+    if not layer.manifest.verify_payload(layer.object_id, layer.payload):
+        raise BlockRejected(f"payload digest of layer {layer.object_id - 1} differs")
 
 
 def _decode_layers(layers: list[_LayerPayload]) -> list[_DecodedLayer]:

@@ -303,3 +303,42 @@ def test_key_outlier_channel_does_not_swamp_other_channels(name: str) -> None:
     rest, rest2 = k[:, :, 1:], k2[:, :, 1:]
     rel = float((rest - rest2).norm() / rest.norm())
     assert rel < (0.01 if name == "int8" else 0.15)
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_decode_into_writes_what_decode_returns(name: str, dtype: torch.dtype) -> None:
+    codec = get_codec(name)
+    k, v = _kv(SHAPE, dtype)
+    if name == "lossless":
+        k.view(-1)[: len(_special_values(dtype))] = _special_values(dtype)
+    payload = codec.encode(k, v)
+    want_k, want_v = codec.decode(payload, SHAPE, dtype)
+    # Slots of a larger tensor, as the paged cache hands them out, filled with garbage first.
+    store = torch.full((2, 3, *SHAPE), 7.0, dtype=dtype)
+    codec.decode_into(payload, store[0, 1], store[1, 1])
+    assert torch.equal(_bits(store[0, 1]), _bits(want_k)) and torch.equal(_bits(store[1, 1]), _bits(want_v))
+    assert bool((store[:, 0] == 7.0).all()) and bool((store[:, 2] == 7.0).all())  # neighbours untouched
+    # Non-contiguous outputs take the copying path and give the same bits.
+    k_t = torch.empty((SHAPE[1], SHAPE[0], SHAPE[2]), dtype=dtype).transpose(0, 1)
+    v_t = torch.empty((SHAPE[1], SHAPE[0], SHAPE[2]), dtype=dtype).transpose(0, 1)
+    codec.decode_into(payload, k_t, v_t)
+    assert torch.equal(_bits(k_t), _bits(want_k)) and torch.equal(_bits(v_t), _bits(want_v))
+
+
+def test_decode_into_rejects_outputs_that_do_not_match_the_payload() -> None:
+    codec = get_codec("lossless")
+    k, v = _kv(SHAPE, torch.bfloat16)
+    payload = codec.encode(k, v)
+    out = torch.empty(SHAPE, dtype=torch.bfloat16)
+    for k_out, v_out in (
+        (torch.empty(SHAPE, dtype=torch.float16), torch.empty(SHAPE, dtype=torch.float16)),  # dtype
+        (torch.empty((SHAPE[0] + 1, *SHAPE[1:]), dtype=torch.bfloat16),) * 2,  # shape
+        (out, torch.empty((SHAPE[0] + 1, *SHAPE[1:]), dtype=torch.bfloat16)),  # k and v differ
+        (out.view(-1), out.view(-1)),  # not [block_size, H_kv, D]
+        (out, torch.empty(SHAPE, dtype=torch.bfloat16, device="meta")),  # not CPU
+    ):
+        with pytest.raises(CodecError):
+            codec.decode_into(payload, k_out, v_out)
+    with pytest.raises(CodecError):
+        codec.decode_into(payload[:-1], out, out.clone())

@@ -356,6 +356,55 @@ def test_incremental_import_protocol() -> None:
         assert torch.equal(got_k, k + layer) and torch.equal(got_v, v + layer)
 
 
+def test_import_layer_with_fills_the_reserved_slots_in_place() -> None:
+    cache = PagedKVCache(SPEC, num_blocks=2, device=CPU)
+    tokens = [1, 2, 3, 4, 5]
+    block_hash = block_hashes(tokens, 4, ROOT)[0]
+    k, v = _kv_for(tokens[:4])
+    assert cache.begin_import(block_hash)
+    slots: list[torch.Tensor] = []
+
+    def write(k_slot: torch.Tensor, v_slot: torch.Tensor) -> None:
+        slots.extend((k_slot, v_slot))
+        k_slot.copy_(k)
+        v_slot.copy_(v)
+
+    for layer in range(SPEC.num_layers):
+        cache.import_layer_with(block_hash, layer, write)
+    # The writer was handed the cache's own storage, not a staging copy.
+    k_store, v_store = cache.layer_buffers(0)
+    assert slots[0].data_ptr() in {k_store[b].data_ptr() for b in range(2)}
+    assert slots[1].data_ptr() in {v_store[b].data_ptr() for b in range(2)}
+    cache.finish_import(block_hash)
+    assert cache.add_sequence(1, tokens, [block_hash]) == 4
+    for layer in range(SPEC.num_layers):
+        got_k, got_v = cache.gather(layer, cache.block_table(1), 4)
+        assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+def test_import_layer_with_a_failing_writer_leaves_the_layer_missing() -> None:
+    cache = PagedKVCache(SPEC, num_blocks=1, device=CPU)
+    block_hash = bytes(32)
+    assert cache.begin_import(block_hash)
+
+    def half_written(k_slot: torch.Tensor, v_slot: torch.Tensor) -> None:
+        k_slot.fill_(1.0)
+        raise ValueError("corrupt payload")
+
+    with pytest.raises(ValueError, match="corrupt payload"):
+        cache.import_layer_with(block_hash, 0, half_written)
+    cache.import_layer_with(block_hash, 1, lambda k_slot, v_slot: None)
+    with pytest.raises(BlockImportError, match=r"missing layers \[0\]"):
+        cache.finish_import(block_hash)
+    with pytest.raises(BlockImportError, match="layer"):
+        cache.import_layer_with(block_hash, 2, lambda k_slot, v_slot: None)
+    with pytest.raises(UnknownBlockError):
+        cache.import_layer_with(bytes([1]) * 32, 0, lambda k_slot, v_slot: None)
+    cache.abort_import(block_hash)
+    assert not cache.contains_block(block_hash)
+    assert cache.stats().free_blocks == 1 and cache.stats().pending_imports == 0
+
+
 def test_abort_import_returns_block() -> None:
     cache = PagedKVCache(SPEC, num_blocks=1, device=CPU)
     assert cache.begin_import(bytes(32))

@@ -21,6 +21,7 @@ from kvnet.node.blockstore import StoredBlock
 from kvnet.node.fetching import BlockFetcher, FetchOutcome
 from kvnet.node.publishing import BlockServer
 from proto.errors import RequestErrorCode
+from proto.kvobject import BlockManifest
 from tests.helpers.connections import ConnectionPair
 from tests.kvnet.node.conftest import (
     FINGERPRINT,
@@ -156,6 +157,34 @@ async def test_a_corrupted_layer_is_rejected_and_its_reserved_block_released(
     assert (outcome.loaded, outcome.rejected_kind) == (1, "content")
     assert outcome.error == "block 1 rejected: payload digest of layer 1 differs"
     assert_consistent(cache, 1)
+
+
+@pytest.mark.parametrize("verify_workers", [0, 1])
+async def test_a_signed_layer_that_does_not_decode_leaves_its_slots_unused(
+    pair: ConnectionPair, serve: Serve, published: Published, verify_workers: int
+) -> None:
+    """A layer whose digest the (trusted) manifest lists but whose bytes are malformed gets past the
+    digest and fails inside the decoder, which writes into the reserved block's slots: the block must be
+    given back unseen, and the blocks before it stay loaded."""
+    good = published.blocks[1]
+    manifest = BlockManifest.decode(good.objects[0])
+    layer_1 = good.objects[2][:-7]  # truncated inside its last section
+    payloads = [*good.objects[1:2], layer_1, *good.objects[3:]]
+    unsigned = BlockManifest.for_payloads(
+        fingerprint=manifest.fingerprint, block_hash=manifest.block_hash, parent_hash=manifest.parent_hash,
+        token_ids=manifest.token_ids, block_index=manifest.block_index, codec=manifest.codec,
+        dtype=manifest.dtype, shape=manifest.shape, payloads=payloads, key_id=published.signer.key_id,
+    )
+    signed = unsigned.with_signature(published.signer.sign_manifest(unsigned))
+    bad = dataclasses.replace(good, objects=(signed.encode(), *payloads), manifest=signed)
+    serve([published.blocks[0], bad, *published.blocks[2:]])
+    cache = empty_cache()
+    f = fetcher(pair, cache, trusting(published.signer), verify_workers=verify_workers)
+    outcome = await f.fetch(published.identities, LOSSLESS)
+    assert outcome.loaded == 1 and not outcome.rejected
+    assert outcome.error is not None and outcome.error.startswith("block 1: payload truncated")
+    assert_consistent(cache, 1)
+    assert_same_kv(cache, published.cache, HASHES[:1])
 
 
 class RecordingCache(PagedKVCache):
