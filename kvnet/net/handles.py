@@ -64,6 +64,15 @@ class _ObjectStream:
     def __aiter__(self) -> AsyncIterator[me.ObjectReceived]:
         return self._iterate()
 
+    def next_queued(self) -> me.ObjectReceived | None:
+        """The next object if one has arrived already (None otherwise, also at the end): a reader that
+        arms a timer per wait skips it for objects that need none. Iteration goes on after it."""
+        if not self._objects:
+            return None
+        obj = self._objects.popleft()
+        self._conn.objects_consumed(len(obj.payload))
+        return obj
+
     async def _iterate(self) -> AsyncIterator[me.ObjectReceived]:
         while True:
             while self._objects:

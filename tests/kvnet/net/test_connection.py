@@ -154,6 +154,25 @@ async def test_setup_and_requests_end_to_end(pki: Path, settings: quic.Transport
         await server.close()
 
 
+async def test_objects_taken_as_queued_and_by_iteration_come_once_in_order(
+    pki: Path, settings: quic.TransportSettings
+) -> None:
+    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), _publisher)
+    try:
+        async with connect(f"moqt://localhost:{server.address[1]}", settings,
+                           quic.TlsSettings.from_dir(pki, None)) as conn:
+            handle = await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 5))
+            await async_wait_until(lambda: handle.finished, "the whole fetch arrived")
+            assert conn.receive_buffered == 5 * len(b"obj0" * 1000)
+            first, second = handle.next_queued(), handle.next_queued()
+            assert first is not None and second is not None
+            rest = [o.object_id async for o in handle]
+            assert [first.object_id, second.object_id, *rest] == [0, 1, 2, 3, 4]
+            assert handle.next_queued() is None and conn.receive_buffered == 0
+    finally:
+        await server.close()
+
+
 async def test_many_concurrent_requests(pki: Path, settings: quic.TransportSettings) -> None:
     # More concurrent request streams than aioquic's built-in 128 and qh3's 100-stream grant.
     server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), _publisher)
