@@ -142,12 +142,35 @@ def empty_cache(spec: CacheSpec, blocks: int) -> PagedKVCache:
     return PagedKVCache(spec, num_blocks=blocks, device=torch.device("cpu"))
 
 
+class CopyingCache:
+    """A ``CacheWriter`` over a paged cache that does not lend its slots (as vLLM's does not): the fetcher
+    decodes each layer into new tensors and the cache copies them in (the path before decoding into
+    slots), for ``--slots-comparison``."""
+
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+
+    def begin_import(self, block_hash: bytes) -> bool:
+        return self.cache.begin_import(block_hash)
+
+    def import_layer(self, block_hash: bytes, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.cache.import_layer(block_hash, layer, k, v)
+
+    def finish_import(self, block_hash: bytes) -> object:
+        return self.cache.finish_import(block_hash)
+
+    def abort_import(self, block_hash: bytes) -> None:
+        self.cache.abort_import(block_hash)
+
+
 async def verified_fetch(conn: MoqtConnection, cache: PagedKVCache, identities: list[BlockIdentity],
-                         trust: TrustStore, verify_workers: int = DEFAULT_VERIFY_WORKERS) -> None:
-    """Fetch, verify, decode and import the whole prompt into ``cache`` (empty); raises unless every
-    block loaded."""
+                         trust: TrustStore, verify_workers: int = DEFAULT_VERIFY_WORKERS,
+                         into_slots: bool = True) -> None:
+    """Fetch, verify, decode and import the whole prompt into ``cache`` (empty), decoding straight into
+    its slots unless ``into_slots`` is False (``CopyingCache``); raises unless every block loaded."""
     spec = cache.spec
-    fetcher = BlockFetcher(conn, cache, trust, fingerprint=FINGERPRINT, namespace_id=NAMESPACE_ID,
+    writer = cache if into_slots else CopyingCache(cache)
+    fetcher = BlockFetcher(conn, writer, trust, fingerprint=FINGERPRINT, namespace_id=NAMESPACE_ID,
                            shape=spec.block_shape, dtype="bfloat16", timeout=FETCH_TIMEOUT,
                            verify_workers=verify_workers)
     outcome = await fetcher.fetch(identities, ["lossless"] * len(identities))
@@ -241,12 +264,12 @@ class RelayFetch:
         return {p: proc_cpu_seconds(p) for p in (pid, *map(int, children))}
 
     async def _fetch(self, conn: MoqtConnection, verify_workers: int = DEFAULT_VERIFY_WORKERS,
-                     cache: PagedKVCache | None = None) -> None:
+                     cache: PagedKVCache | None = None, into_slots: bool = True) -> None:
         cache = cache or empty_cache(self.prompt.spec, len(self.prompt.blocks))
-        await verified_fetch(conn, cache, self.prompt.identities, self.trust, verify_workers)
+        await verified_fetch(conn, cache, self.prompt.identities, self.trust, verify_workers, into_slots)
 
     def fetch(self, verify_workers: int = DEFAULT_VERIFY_WORKERS, receive_offload: bool = True,
-              layers_per_task: int | None = None) -> Sample:
+              layers_per_task: int | None = None, into_slots: bool = True) -> Sample:
         # A fresh session per run, set up outside the timed part (as in the other cases): the fetch only.
         # layers_per_task: the fetcher's module setting for this fetch only (the loop thread reads it
         # while this thread waits for the fetch).
@@ -255,7 +278,8 @@ class RelayFetch:
         cache = empty_cache(self.prompt.spec, len(self.prompt.blocks))
         misses = self.relay.metric("kvnet_relay_cache_misses_total")
         try:
-            sample = timed_sample(self.proc.pid, lambda: self._call(self._fetch(conn, verify_workers, cache)))
+            sample = timed_sample(self.proc.pid,
+                                  lambda: self._call(self._fetch(conn, verify_workers, cache, into_slots)))
         finally:
             self._call(conn.close_session())
         if self.relay.metric("kvnet_relay_cache_misses_total") != misses:
@@ -586,10 +610,12 @@ class Figure:
 
 def run(tokens: int, runs: int, stacks: list[str], links: list[str],
         compare_gso: bool = True, verify_workers: tuple[tuple[int, int | None], ...] = (),
-        node_stacks: tuple[str, ...] = NODE_STACKS, compare_gro: bool = False) -> tuple[Prompt, list[Figure]]:
+        node_stacks: tuple[str, ...] = NODE_STACKS, compare_gro: bool = False,
+        compare_slots: bool = False) -> tuple[Prompt, list[Figure]]:
     """Every case ``runs`` times, interleaved; one ``Figure`` per case. ``compare_gso`` adds aioquic
     verified fetches with ``TransportSettings.udp_segmentation`` off on both sides, ``compare_gro`` ones
-    whose client reads without ``udp_receive_offload``; each of
+    whose client reads without ``udp_receive_offload``, ``compare_slots`` ones whose fetcher decodes into
+    new tensors that the cache copies (``CopyingCache``) instead of into the cache's slots; each of
     ``verify_workers`` (threads, layers per task or None) adds verified fetches from the same relay with
     that many verify threads (``BlockFetcher.verify_workers``; the plain case uses the default). A relay
     (and raw sender) on aiopquic runs in the Python 3.12 environment, with subscribers here on each of
@@ -617,11 +643,17 @@ def run(tokens: int, runs: int, stacks: list[str], links: list[str],
                     relay = RelayFetch(prompt, certdir, s, link, loop, peer_stack=peer)
                     stack.callback(relay.close)
                     cases.append(Case(f"verified fetch {_pair(s, peer)} {link}", relay.fetch))
+                    if compare_slots:
+                        cases.append(Case(f"verified fetch {_pair(s, peer)} {link} copying",
+                                          lambda relay=relay: relay.fetch(into_slots=False)))  # type: ignore[misc]
                     cases.append(stack.enter_context(raw_quic(certdir, s, link, size, peer)))
                 for link in links if s != "aiopquic" else ():
                     relay = RelayFetch(prompt, certdir, s, link, loop)
                     stack.callback(relay.close)
                     cases.append(Case(f"verified fetch {s} {link}", relay.fetch))
+                    if compare_slots:
+                        cases.append(Case(f"verified fetch {s} {link} copying",
+                                          lambda relay=relay: relay.fetch(into_slots=False)))  # type: ignore[misc]
                     for n, k in verify_workers:
                         per_task = "" if k is None else f", {k} layers per task"
                         cases.append(Case(f"verified fetch {s} {link} verify workers {n}{per_task}",
@@ -763,6 +795,9 @@ def main() -> int:
     ap.add_argument("--no-gso-comparison", action="store_true", help="skip the aioquic cases without GSO")
     ap.add_argument("--gro-comparison", action="store_true",
                     help="add aioquic verified fetches whose client reads one datagram per wakeup (no GRO)")
+    ap.add_argument("--slots-comparison", action="store_true",
+                    help="add verified fetches decoding into new tensors that the cache copies ('copying') "
+                         "next to decoding straight into the cache's slots")
     ap.add_argument("--verify-workers", default="", metavar="N[/K],...",
                     help="also fetch with N verify threads (BlockFetcher.verify_workers), K layers handed "
                          "to a thread at a time (default: the fetcher's), "
@@ -825,7 +860,7 @@ def main() -> int:
         if s not in NODE_STACKS:
             ap.error(f"unknown node stack {s!r}; choose from {', '.join(NODE_STACKS)}")
     prompt, figures = run(args.tokens, args.runs, stacks, links, not args.no_gso_comparison, workers,
-                          node_stacks, args.gro_comparison)
+                          node_stacks, args.gro_comparison, args.slots_comparison)
     print(f"{prompt.tokens} tokens, {len(prompt.blocks)} blocks, {prompt.wire_bytes / 1e6:.1f} MB on the "
           f"wire, median of {args.runs}, interleaved; load {common.load_average()}")
     print(f"{'case':42s} {'MB/s':>7s} {'tok/s':>8s} {'srv ms/MB':>9s} {'cli ms/MB':>9s}")
