@@ -405,6 +405,21 @@ def test_import_layer_with_a_failing_writer_leaves_the_layer_missing() -> None:
     assert cache.stats().free_blocks == 1 and cache.stats().pending_imports == 0
 
 
+def test_import_layer_with_on_another_device_stages_through_host_tensors() -> None:
+    """A cache off the CPU (here the meta device, which holds no data: the copy itself is not checked)
+    hands the writer one reused pair of host tensors and copies them into the slots."""
+    cache = PagedKVCache(SPEC, num_blocks=1, device=torch.device("meta"))
+    block_hash = bytes(32)
+    assert cache.begin_import(block_hash)
+    handed: list[torch.Tensor] = []
+    for layer in range(SPEC.num_layers):
+        cache.import_layer_with(block_hash, layer, lambda k_slot, v_slot: handed.extend((k_slot, v_slot)))
+    assert all(t.device.type == "cpu" and t.shape == (4, 2, 4) and t.dtype == SPEC.dtype for t in handed)
+    assert handed[0] is handed[2] and handed[1] is handed[3] and handed[0] is not handed[1]
+    cache.finish_import(block_hash)
+    assert cache.contains_block(block_hash)
+
+
 def test_abort_import_returns_block() -> None:
     cache = PagedKVCache(SPEC, num_blocks=1, device=CPU)
     assert cache.begin_import(bytes(32))
