@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import cProfile
 import dataclasses
+import functools
 import http.client
 import http.server
 import io
@@ -646,6 +647,10 @@ def run(tokens: int, runs: int, stacks: list[str], links: list[str],
                     if compare_slots:
                         cases.append(Case(f"verified fetch {_pair(s, peer)} {link} copying",
                                           lambda relay=relay: relay.fetch(into_slots=False)))  # type: ignore[misc]
+                    for n, k in verify_workers:
+                        per_task = "" if k is None else f", {k} layers per task"
+                        name = f"verified fetch {_pair(s, peer)} {link} verify workers {n}{per_task}"
+                        cases.append(Case(name, functools.partial(relay.fetch, n, layers_per_task=k)))
                     cases.append(stack.enter_context(raw_quic(certdir, s, link, size, peer)))
                 for link in links if s != "aiopquic" else ():
                     relay = RelayFetch(prompt, certdir, s, link, loop)
