@@ -41,6 +41,9 @@ method holds one re-entrant lock while it runs, so a batching worker thread and 
 fetched blocks) can share the cache. The model seam (``write``, ``gather``, ``layer_buffers``) takes no lock:
 it touches only the tensors of blocks its caller's sequences hold (referenced blocks are never reallocated,
 and an import writes only into the block it reserved), which keeps the per-layer hot path free of locking.
+For the same reason ``import_layer_with`` runs its ``write`` (a whole layer's decode) outside the lock: the
+slots belong to the pending import until ``finish_import`` or ``abort_import``, which the importer calls
+from the same thread after its writes, so the batching thread never waits on a decode.
 """
 
 from __future__ import annotations
@@ -504,7 +507,6 @@ class PagedKVCache:
         self._v_layers[layer][block_id] = v
         pending.layers_done[layer] = True
 
-    @_locked
     def import_layer_with(
         self, block_hash: bytes, layer: int, write: Callable[[torch.Tensor, torch.Tensor], None]
     ) -> None:
@@ -519,13 +521,17 @@ class PagedKVCache:
         of a block that is still pending, so invisible to ``add_sequence``, until ``abort_import`` frees
         it. Raises ``UnknownBlockError`` when no import of ``block_hash`` is pending and
         ``BlockImportError`` on a bad layer (nothing written).
+
+        ``write`` runs without the cache's lock (see the module docstring): call ``finish_import`` /
+        ``abort_import`` for this block from the thread that writes it, after its writes.
         """
-        pending = self._pending.get(block_hash)
-        if pending is None:
-            raise UnknownBlockError(f"no pending import for hash {block_hash.hex()}")
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.spec.num_layers:
-            raise BlockImportError(f"layer must be in [0, {self.spec.num_layers}), got {layer!r}")
-        block_id = pending.block.block_id
+        with self._lock:
+            pending = self._pending.get(block_hash)
+            if pending is None:
+                raise UnknownBlockError(f"no pending import for hash {block_hash.hex()}")
+            if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.spec.num_layers:
+                raise BlockImportError(f"layer must be in [0, {self.spec.num_layers}), got {layer!r}")
+            block_id = pending.block.block_id
         if self.device.type == "cpu":
             write(self._k_layers[layer][block_id], self._v_layers[layer][block_id])
         else:
@@ -537,7 +543,8 @@ class PagedKVCache:
             if non_blocking:
                 self._staging_copied = torch.cuda.Event()
                 self._staging_copied.record()
-        pending.layers_done[layer] = True
+        with self._lock:
+            pending.layers_done[layer] = True
 
     def _staging_for_write(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The host pair ``import_layer_with`` stages one layer in on an accelerator, once its previous

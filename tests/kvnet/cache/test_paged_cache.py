@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import threading
 
 import pytest
 import torch
@@ -403,6 +404,27 @@ def test_import_layer_with_a_failing_writer_leaves_the_layer_missing() -> None:
     cache.abort_import(block_hash)
     assert not cache.contains_block(block_hash)
     assert cache.stats().free_blocks == 1 and cache.stats().pending_imports == 0
+
+
+def test_import_layer_with_decodes_without_holding_the_cache_lock() -> None:
+    """A layer's decode runs outside the lock: another thread (the batching worker) completes a locked
+    operation while ``write`` is still running."""
+    cache = PagedKVCache(SPEC, num_blocks=2, device=CPU)
+    block_hash = bytes(32)
+    assert cache.begin_import(block_hash)
+    seen: list[int] = []
+
+    def write(k_slot: torch.Tensor, v_slot: torch.Tensor) -> None:
+        other = threading.Thread(target=lambda: seen.append(cache.stats().pending_imports))
+        other.start()
+        other.join(timeout=30)
+        assert not other.is_alive(), "the cache lock was held during write"
+
+    for layer in range(SPEC.num_layers):
+        cache.import_layer_with(block_hash, layer, write)
+    assert seen == [1] * SPEC.num_layers
+    cache.finish_import(block_hash)
+    assert cache.contains_block(block_hash)
 
 
 def test_import_layer_with_on_another_device_stages_through_host_tensors() -> None:
