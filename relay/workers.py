@@ -43,6 +43,7 @@ from kvnet.logs import setup_logging
 from kvnet.net.quic import TlsSettings, server_sockets
 from kvnet.security import certs
 from kvnet.security.tokens import Action, IssuerKey, issue_token, make_claims
+from relay.cache import CacheConfig
 from relay.config import RelayConfig, startup_reason
 
 logger = logging.getLogger(__name__)
@@ -94,19 +95,26 @@ def _quota_share(quota: int, parts: int) -> int:
     return quota if quota == 0 else math.ceil(quota / parts)
 
 
+def _cache_share(config: RelayConfig, name: str) -> CacheConfig:
+    """One process's share of the relay's cache: the N workers and the hub split it evenly, each with its
+    own directory ``name`` under the cache directory."""
+    parts = config.workers + 1
+    cache = config.cache
+    return dataclasses.replace(
+        cache,
+        max_bytes=cache.max_bytes // parts,
+        max_inflight_bytes=_share(cache.max_inflight_bytes, parts),
+        dir=str(Path(cache.dir) / name) if cache.dir else "",
+        dir_bytes=_share(cache.dir_bytes, parts),
+    )
+
+
 def worker_config(config: RelayConfig, index: int, hub_url: str, creds: HubCredentials) -> RelayConfig:
     """Worker ``index``'s configuration: ``config`` with the hub as its only upstream, its share of the
     cache (N workers and the hub share it evenly) and of the session, request and buffer limits, and its
     own metrics port (``--metrics`` port + index) and cache directory."""
     n = config.workers
-    cache = config.cache
-    cache = dataclasses.replace(
-        cache,
-        max_bytes=cache.max_bytes // (n + 1),
-        max_inflight_bytes=_share(cache.max_inflight_bytes, n + 1),
-        dir=str(Path(cache.dir) / f"worker-{index}") if cache.dir else "",
-        dir_bytes=_share(cache.dir_bytes, n + 1),
-    )
+    cache = _cache_share(config, f"worker-{index}")
     lim = config.limits
     limits = dataclasses.replace(
         lim,
@@ -137,14 +145,7 @@ def hub_config(config: RelayConfig, creds: HubCredentials) -> RelayConfig:
     its certificate for ``HUB_HOST``, only the workers' token accepted, a cache share like a worker's and
     the metrics port after the workers' (``--metrics`` port + N)."""
     n = config.workers
-    cache = config.cache
-    cache = dataclasses.replace(
-        cache,
-        max_bytes=cache.max_bytes // (n + 1),
-        max_inflight_bytes=_share(cache.max_inflight_bytes, n + 1),
-        dir=str(Path(cache.dir) / "hub") if cache.dir else "",
-        dir_bytes=_share(cache.dir_bytes, n + 1),
-    )
+    cache = _cache_share(config, "hub")
     lim = config.limits
     limits = dataclasses.replace(
         lim,
