@@ -27,7 +27,7 @@ from kvnet.net.handles import FetchHandle, Subscription
 from kvnet.net.quic import TlsSettings, TransportSettings
 from kvnet.net.reconnect import STABLE_SESSION_S, Backoff, redirect_target
 from proto import events as me
-from proto.errors import RequestErrorCode
+from proto.errors import RequestErrorCode, SessionErrorCode
 from proto.events import FetchOkReceived, ObjectReceived, TrackStatusOkReceived
 from proto.messages import Location, MessageParameters, TrackNamespace
 from proto.session import SessionConfig
@@ -81,9 +81,11 @@ class UpstreamRelay:
     ``kvnet.net.reconnect.Backoff`` (the nodes' policy: capped exponential, jittered); a GOAWAY naming a
     New Session URI is followed at once (and back to ``url`` if that relay cannot be reached). A session
     that got GOAWAY takes no new request; it is left to finish what it carries until the upstream closes
-    it (or we do, after its GOAWAY timeout). A request finding no session waits for a connect attempt
-    under way, and otherwise fails at once with a clear error (``RoutedUpstream``) instead of waiting for
-    the backoff.
+    it (or we do, after its GOAWAY timeout). A session the upstream closed on purpose without an error
+    (a relay's idle close: ``MoqtConnection.closed_by_peer``, NO_ERROR, no GOAWAY) after lasting
+    ``STABLE_SESSION_S`` is replaced at once, without the backoff. A request finding no session waits for
+    a connect attempt under way (or about to start), and otherwise fails at once with a clear error
+    (``RoutedUpstream``) instead of waiting for the backoff.
 
     Namespace propagation (draft "Relays"/"Publisher Interactions": the upstream relay routes requests for
     a namespace to the session that announced it): ``announce``/``withdraw`` keep the set of namespaces our
@@ -120,8 +122,11 @@ class UpstreamRelay:
         self.backoff = backoff or Backoff()
         self._conn: MoqtConnection | None = None
         """The session new requests go to (None while down, or after its GOAWAY)."""
-        self._attempt: asyncio.Future[MoqtConnection | None] | None = None
-        """The connect attempt under way (resolves to its session, or None if it failed)."""
+        self._next_session: asyncio.Future[MoqtConnection | None] | None = None
+        """The session that comes next, for the requests that find none: resolves to it once connected, or
+        to None when none comes without a backoff (the attempt failed, or the last session ended in a way
+        that backs off). Set while a connect attempt is under way, and while a session is up (a request
+        may find it just ended, before the supervisor has decided what follows)."""
         self.retry_at: float | None = None
         """While backing off: when the next attempt starts (clock time)."""
         self.last_error = ""
@@ -294,15 +299,22 @@ class UpstreamRelay:
         )
 
     async def connection(self) -> MoqtConnection | None:
-        """The session for a new request: the current one, or the one a connect attempt under way brings
-        (bounded by the handshake and SETUP deadlines); None while backing off between attempts."""
+        """The session for a new request: the current one, or the one a connect attempt under way (or
+        about to start: the upstream closed the last one as idle) brings, bounded by the handshake and
+        SETUP deadlines; None while backing off between attempts."""
         if self._live(self._conn):
             return self._conn
-        attempt = self._attempt
-        if attempt is None:
+        upcoming = self._next_session
+        if upcoming is None:
             return None
-        conn = await asyncio.shield(attempt)
+        conn = await asyncio.shield(upcoming)
         return conn if self._live(conn) else None
+
+    def _no_next_session(self) -> None:
+        """Wake the requests waiting for a next session: none comes without a backoff."""
+        upcoming, self._next_session = self._next_session, None
+        if upcoming is not None and not upcoming.done():
+            upcoming.set_result(None)
 
     async def _keep_connected(self) -> None:
         loop = asyncio.get_running_loop()
@@ -310,8 +322,9 @@ class UpstreamRelay:
         """Where the last GOAWAY sent us (its New Session URI); the next attempt goes there."""
         while not self._closing:
             url = redirect or self.url
-            attempt: asyncio.Future[MoqtConnection | None] = loop.create_future()
-            self._attempt, self.retry_at = attempt, None
+            if self._next_session is None:
+                self._next_session = loop.create_future()
+            attempt, self.retry_at = self._next_session, None
             try:
                 # Bounded here too: a blackholed upstream must not hold the requests waiting for this attempt
                 # for longer than one request may wait anyway.
@@ -320,25 +333,24 @@ class UpstreamRelay:
                     self._request_timeout,
                 )
             except BaseException as exc:
-                self._attempt = None
-                attempt.set_result(None)  # wakes the requests waiting for this attempt
+                self._no_next_session()  # wakes the requests waiting for this attempt
                 if not isinstance(exc, MoqtConnectionError | OSError | TimeoutError):
                     raise  # cancelled (closing)
                 self.last_error = str(exc) or type(exc).__name__
                 redirect = None  # a redirect target that cannot be reached: back to the configured URL
                 await self._back_off("upstream relay unreachable")
                 continue
-            self._attempt = None
             if self._closing:
                 # close() cancelled us as the connect finished, and wait_for returned the session instead
                 # of raising (Python < 3.12): nobody would end this session or this task.
-                attempt.set_result(None)
+                self._no_next_session()
                 with contextlib.suppress(TimeoutError, ConnectionError):
                     await asyncio.wait_for(conn.close_session(), 2)
                 return
             self._conn = conn
             self.sessions += 1
             attempt.set_result(conn)
+            self._next_session = loop.create_future()
             logger.info("connected to upstream relay", extra={"upstream": url, "session": self.sessions})
             started = self._clock()
             self._spawn(self._serve(conn))
@@ -346,6 +358,7 @@ class UpstreamRelay:
             self._spawn(self._sync_watched())
             self.last_error = await conn.wait_leaving()
             if self._closing:
+                self._no_next_session()
                 return
             self._conn = None  # new requests wait for (or fail without) the next session at once
             self._forget_remote_namespaces()
@@ -354,6 +367,12 @@ class UpstreamRelay:
             lasted = self._clock() - started >= STABLE_SESSION_S
             if lasted:
                 self.backoff.reset()
+            if lasted and conn.goaway is None and self._closed_as_idle(conn):
+                # Not a failure: requests that come meanwhile wait for the next session rather than being
+                # refused through a backoff. A shorter session (an upstream that closes every session at
+                # once) still backs off.
+                logger.info("upstream closed the session as idle: reconnecting", extra={"upstream": url})
+                continue  # to the same relay (``redirect`` still names it if a GOAWAY sent us there)
             came_by_redirect = redirect is not None
             redirect = None if conn.goaway is None else redirect_target(conn.goaway.new_session_uri)
             if redirect is not None and redirect != url and (lasted or not came_by_redirect):
@@ -361,7 +380,15 @@ class UpstreamRelay:
                 # end at once is spaced by the backoff like any short session.
                 logger.info("upstream relay redirects to another", extra={"upstream": url, "to": redirect})
                 continue
+            self._no_next_session()
             await self._back_off("upstream session ended")
+
+    @staticmethod
+    def _closed_as_idle(conn: MoqtConnection) -> bool:
+        """The upstream ended the session on purpose without an error (a relay's idle close): not our
+        QUIC idle timeout or keep-alive loss, which end it with NO_ERROR as well."""
+        closed = conn.session.closed
+        return conn.closed_by_peer and closed is not None and closed[0] == SessionErrorCode.NO_ERROR
 
     async def _back_off(self, what: str) -> None:
         delay = self.backoff.next_delay()
@@ -403,6 +430,7 @@ class UpstreamRelay:
         if self._supervisor is not None:
             self._supervisor.cancel()
             await asyncio.gather(self._supervisor, return_exceptions=True)
+        self._no_next_session()
         for task in list(self._tasks):
             task.cancel()
         if self._conn is not None and not self._conn.is_closed:

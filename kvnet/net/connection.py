@@ -178,6 +178,12 @@ class MoqtConnection(_ProtocolBase):
         self._stream_sent_waiters: dict[int, asyncio.Future[None]] = {}
         self.goaway: me.GoawayReceived | None = None
         """The peer's control-stream GOAWAY, once received."""
+        self.closed_by_peer = False
+        """The connection ended because of what the peer sent (its CONNECTION_CLOSE, or a violation our
+        stack found in its packets), not by us, our QUIC idle timeout or a lost socket: the error code
+        alone cannot tell (a stack may end on its own idle timeout with NO_ERROR). Set, and the session
+        closed, as the peer's close is received (aioquic reports it only after its draining period).
+        Not known for aiopquic (picoquic receives on its own thread): stays False."""
         self.goaway_event = asyncio.Event()
         self.other_events: deque[me.MoqtEvent] = deque(maxlen=1024)
         """Events no helper consumes (NAMESPACE, PUBLISH_BLOCKED, ...), newest kept."""
@@ -222,6 +228,7 @@ class MoqtConnection(_ProtocolBase):
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         self._last_receive = now = self._loop.time()
+        closing = self._quic._close_event is not None
         # A sender held back by its congestion window transmits at once (this datagram may carry the ACK
         # that opens it); a receiver, or a sender that is not window-limited, batches.
         if self._batch_receive_transmits and self._setup.done() and not window_limited(self._quic):
@@ -234,6 +241,8 @@ class MoqtConnection(_ProtocolBase):
                 arm_timer(self)
         else:
             super().datagram_received(data, addr)
+        if not closing and (ended := self._quic._close_event) is not None:
+            self._closed_by_peer(ended)
         if self._send_waiters():
             self._check_writable()
 
@@ -254,9 +263,21 @@ class MoqtConnection(_ProtocolBase):
     def datagrams_received(self, data: list[bytes], addr: Any) -> None:
         """Batched receive (qh3's client transport calls only this, never ``datagram_received``)."""
         self._last_receive = self._loop.time()
+        closing = self._quic._close_event is not None
         super().datagrams_received(data, addr)  # type: ignore[misc]
+        if not closing and (ended := self._quic._close_event) is not None:
+            self._closed_by_peer(ended)
         if self._send_waiters():
             self._check_writable()
+
+    def _closed_by_peer(self, ended: Any) -> None:
+        """What the peer sent just ended the connection (aioquic and qh3 both record the close they
+        begin, a ``ConnectionTerminated``, in ``_close_event``; one that began while receiving came from
+        the peer's packets)."""
+        self.closed_by_peer = True
+        if self.session.closed is None:
+            self.session.connection_lost(ended.error_code, ended.reason_phrase)
+            self._pump()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._keepalive is not None:

@@ -18,7 +18,7 @@ import pytest
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.errors import RequestRejected
 from kvnet.net.handles import IncomingSubscribe
-from kvnet.net.reconnect import DEFAULT_CAP_S
+from kvnet.net.reconnect import DEFAULT_CAP_S, STABLE_SESSION_S
 from proto import events as me
 from proto.errors import RequestErrorCode
 from tests.helpers.processes import CertDir, RelayProcess, free_port, start_relay
@@ -216,3 +216,33 @@ async def test_a_namespace_subscription_at_an_edge_sees_the_tree_across_an_origi
         if pub is not None:
             await pub.stop()
         origin.stop()
+
+
+@pytest.mark.parametrize("stack", ["aioquic", "qh3"])
+async def test_an_edge_replaces_a_session_its_origin_closed_as_idle_at_once(
+    cert_dir: CertDir, relay_factory: RelayFactory, stack: str
+) -> None:
+    """The origin closes the edge's quiet upstream session (``--session-idle-timeout``, NO_ERROR): the edge
+    connects again at once, without its backoff, and the requests that come right after the close wait
+    for the new session (answered by the origin) instead of being refused as "not connected"."""
+    idle_timeout = STABLE_SESSION_S + 1  # a session shorter than STABLE_SESSION_S backs off as before
+    origin = relay_factory("--session-idle-timeout", str(idle_timeout), "--quic-stack", stack, name="origin")
+    edge = relay_factory("--upstream", origin.url, "--quic-stack", stack, name="edge")
+    await _connected(edge, 1)
+    client = await connect_client(edge.url, str(cert_dir.ca))
+    try:
+        await origin.wait_metric(
+            'kvnet_relay_sessions_closed_total{reason="idle_timeout"}', 1, idle_timeout + RECONNECT_WITHIN
+        )
+        # Right after the close (the backoff would refuse requests for 0.125-0.25 s): every miss reaches
+        # the origin, which has no such track, until the edge is on its second session and a few beyond.
+        answered = 0
+        while answered < 5 or (await edge.ametrics())["kvnet_relay_upstream_sessions_total"] < 2:
+            with pytest.raises(RequestRejected) as refused:
+                await fetch_track(client, b"missing-%d" % answered, 1, ns=(b"other", b"ns"))
+            assert refused.value.code == RequestErrorCode.DOES_NOT_EXIST, refused.value
+            answered += 1
+        assert "upstream closed the session as idle: reconnecting" in edge.log()
+        assert "upstream session ended" not in edge.log(), "the edge backed off"
+    finally:
+        await client.close_session()
