@@ -467,6 +467,36 @@ async def test_keepalive_holds_an_idle_session_and_a_dead_peer_is_noticed(
         await server.close()
 
 
+@pytest.mark.parametrize("stack", ["aioquic", "qh3"])  # picoquic receives on its own thread: not known
+async def test_closed_by_peer_tells_the_peers_close_from_our_own_idle_timeout(pki: Path, stack: str) -> None:
+    """Both end with NO_ERROR on some stacks: only ``closed_by_peer`` tells an upstream that closed the
+    session on purpose from one that went silent (an edge reconnects at once after the first only)."""
+    settings = quic.TransportSettings(stack=stack, idle_timeout=1.0, keepalive_interval=0)
+    accepted: asyncio.Queue[MoqtConnection] = asyncio.Queue()
+
+    async def on_connection(conn: MoqtConnection) -> None:
+        accepted.put_nowait(conn)
+        await conn.wait_session_closed()
+
+    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), on_connection)
+    url = f"moqt://127.0.0.1:{server.address[1]}"
+    tls = quic.TlsSettings.from_dir(pki, None)
+    try:
+        client = await connect(url, settings, tls)
+        at_server = await asyncio.wait_for(accepted.get(), 10)
+        await at_server.close_session(reason="idle timeout")
+        assert await asyncio.wait_for(client.wait_session_closed(), 10) == (0, "idle timeout")
+        assert client.closed_by_peer and not at_server.closed_by_peer
+        # Keep-alive off: the same quiet session ends by each side's QUIC idle timeout, nobody's close.
+        client = await connect(url, settings, tls)
+        at_server = await asyncio.wait_for(accepted.get(), 10)
+        await asyncio.wait_for(client.wait_session_closed(), 10)
+        await asyncio.wait_for(at_server.wait_session_closed(), 10)
+        assert not client.closed_by_peer and not at_server.closed_by_peer
+    finally:
+        await server.close()
+
+
 async def test_keepalive_is_the_clients_job_and_the_server_covers_a_silent_client(
     pki: Path, settings: quic.TransportSettings
 ) -> None:
