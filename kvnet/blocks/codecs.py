@@ -366,19 +366,9 @@ class LosslessCodec(Codec):
     def _decode_sections(
         self, header: PayloadHeader, raw: list[np.ndarray]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        esize = len(raw)
-        _, np_dtype, np_signed = _INT_VIEW[esize]
-        n = raw[0].size
-        if esize == 2:
-            # Shifting whole planes into a uint16 array is ~3x faster than a strided byte scatter.
-            words = raw[1].astype(np.uint16)
-            words <<= 8
-            words |= raw[0]
-        else:
-            interleaved = np.empty((n, esize), dtype=np.uint8)
-            for p, plane in enumerate(raw):
-                interleaved[:, p] = plane
-            words = interleaved.view(np_dtype).reshape(n)
+        _, np_dtype, np_signed = _INT_VIEW[len(raw)]
+        words = np.empty(raw[0].size, dtype=np_dtype)
+        _join_planes(raw, words)
         if not _LITTLE_ENDIAN:
             words = words.byteswap()
         k, v = torch.from_numpy(words.view(np_signed).reshape(2, *header.shape)).view(header.dtype).unbind(0)
@@ -390,19 +380,24 @@ class LosslessCodec(Codec):
         if not (_LITTLE_ENDIAN and k_out.is_contiguous() and v_out.is_contiguous()):
             super()._decode_sections_into(header, raw, k_out, v_out)
             return
-        esize = len(raw)
-        int_dtype, np_dtype, _ = _INT_VIEW[esize]
+        int_dtype, np_dtype, _ = _INT_VIEW[len(raw)]
         n = raw[0].size // 2  # the planes hold K's elements, then V's
         for out, half in ((k_out, slice(0, n)), (v_out, slice(n, 2 * n))):
             words = out.view(int_dtype).numpy().view(np_dtype).reshape(n)
-            if esize == 2:
-                # As in _decode_sections, whole planes shifted into the words, here the slot's own.
-                np.left_shift(raw[1][half], 8, out=words, dtype=np.uint16)
-                np.bitwise_or(words, raw[0][half], out=words)
-            else:
-                planes = words.view(np.uint8).reshape(n, esize)
-                for p, plane in enumerate(raw):
-                    planes[:, p] = plane[half]
+            _join_planes([plane[half] for plane in raw], words)
+
+
+def _join_planes(planes: list[np.ndarray], words: np.ndarray) -> None:
+    """Write byte planes (plane p holds byte p, little-endian order, of every word) into ``words``, an
+    unsigned array of one word per element (a new array, or a cache slot's own memory)."""
+    if len(planes) == 2:
+        # Shifting whole planes into the uint16 words is ~3x faster than a strided byte scatter.
+        np.left_shift(planes[1], 8, out=words, dtype=np.uint16)
+        np.bitwise_or(words, planes[0], out=words)
+        return
+    interleaved = words.view(np.uint8).reshape(words.size, len(planes))
+    for p, plane in enumerate(planes):
+        interleaved[:, p] = plane
 
 
 # ---------------------------------------------------------------------------------------------------
