@@ -10,13 +10,11 @@ the environment.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvnet.blocks.signing import SigningError
 from kvnet.logs import add_log_arguments, setup_logging_from_args
 from kvnet.net.quic import LINK_PRESETS, STACKS, TransportSettings, server_configuration
 from kvnet.security.certs import check_tls_files
@@ -275,20 +273,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             print(f"kvnet-relay: error: {startup_reason(exc, config)}", file=sys.stderr)
             return 2
-    from kvnet.net.endpoint import freeze_startup_objects
-    from relay.relay import serve  # after logging, so import-time warnings are formatted too
+    from relay.relay import run, serve  # after logging, so import-time warnings are formatted too
 
-    freeze_startup_objects()
-    try:
-        asyncio.run(serve(config))
-    except KeyboardInterrupt:
-        return 130
-    except (OSError, ValueError, SigningError) as exc:
-        # What serve raises comes from starting: reading key, token and cache files, binding the QUIC and
-        # metrics sockets. Once it serves, a peer's failure ends that peer's session, not the relay.
-        print(f"kvnet-relay: error: {startup_reason(exc, config)}", file=sys.stderr)
-        return 2
-    return 0
+    return run(config, serve(config))
 
 
 if __name__ == "__main__":

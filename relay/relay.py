@@ -17,14 +17,16 @@ import itertools
 import logging
 import signal
 import socket
+import sys
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 
 from kvnet.blocks.disk import DiskTier
-from kvnet.blocks.signing import TrustStore
+from kvnet.blocks.signing import SigningError, TrustStore
 from kvnet.net.connection import ConnectionLimits, MoqtConnection
+from kvnet.net.endpoint import freeze_startup_objects
 from kvnet.net.endpoint import serve as serve_moqt
 from kvnet.net.errors import ConnectionClosed, LimitError, RequestRejected, StreamResetError
 from kvnet.net.handles import (
@@ -53,7 +55,7 @@ from relay.cache import (
     wire_end_to_exclusive,
 )
 from relay.cache import Location as Position
-from relay.config import RelayConfig
+from relay.config import RelayConfig, startup_reason
 from relay.fanout import DownstreamSubscriber, Fanout
 from relay.limits import LimitExceeded, Quota, Slots, source_host
 from relay.metrics import Metrics, MetricsServer
@@ -1002,6 +1004,23 @@ async def _iterate(objects: list[CachedObject]) -> AsyncIterator[CachedObject]:
 
 def _ns_text(ns: tuple[bytes, ...]) -> str:
     return "/".join(p.decode() if p.isascii() and p.decode().isprintable() else p.hex() for p in ns)
+
+
+def run(config: RelayConfig, serving: Coroutine[object, object, None], name: str = "") -> int:
+    """Run ``serving`` (``serve`` of ``config``, as a process's whole life) to its end; the exit code.
+    What it raises comes from starting (reading key, token and cache files, binding the QUIC and metrics
+    sockets): one line naming the flag, exit 2. Once it serves, a peer's failure ends that peer's session,
+    not the relay. ``name`` prefixes the line (a worker of ``relay.workers``)."""
+    freeze_startup_objects()
+    try:
+        asyncio.run(serving)
+    except KeyboardInterrupt:
+        return 130
+    except (OSError, ValueError, SigningError) as exc:
+        prefix = f"{name}: " if name else ""
+        print(f"kvnet-relay: error: {prefix}{startup_reason(exc, config)}", file=sys.stderr)
+        return 2
+    return 0
 
 
 async def serve(

@@ -44,7 +44,7 @@ from kvnet.net.quic import TlsSettings, server_sockets
 from kvnet.security import certs
 from kvnet.security.tokens import Action, IssuerKey, issue_token, make_claims
 from relay.cache import CacheConfig
-from relay.config import RelayConfig, startup_reason
+from relay.config import RelayConfig
 
 logger = logging.getLogger(__name__)
 
@@ -441,17 +441,14 @@ def child_main() -> int:
     setup_logging(spec.log_format, spec.log_level)
     for handler in logging.getLogger().handlers:
         handler.addFilter(_WorkerName(spec.name))
-    from kvnet.blocks.signing import SigningError
-    from kvnet.net.endpoint import freeze_startup_objects
-    from relay.relay import serve
+    from relay.relay import run, serve
 
     sock = socket.socket(fileno=spec.fd)
-    freeze_startup_objects()
 
     def listening(address: tuple[str, int], metrics_port: int | None) -> None:
         print(json.dumps({"quic": list(address), "metrics_port": metrics_port}), flush=True)
 
-    async def run() -> None:
+    async def serve_until_stopped() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         stdin = sys.stdin.fileno()
@@ -465,15 +462,7 @@ def child_main() -> int:
         loop.add_reader(stdin, supervisor_input)
         await serve(spec.config, stop, sock=sock, on_listening=listening)
 
-    try:
-        asyncio.run(run())
-    except KeyboardInterrupt:
-        return 130
-    except (OSError, ValueError, SigningError) as exc:
-        print(f"kvnet-relay: error: {spec.name}: {startup_reason(exc, spec.config)}", file=sys.stderr)
-        return 2
-    return 0
-
+    return run(spec.config, serve_until_stopped(), spec.name)
 
 if __name__ == "__main__":
     # Run as ``relay.workers``, not ``__main__``: the spec's classes are unpickled from that module.
