@@ -114,6 +114,17 @@ def assert_same_kv(fetched: PagedKVCache, prompt: SignedPrompt) -> None:
         assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
 
 
+async def locate_and_fetch_all(conn: MoqtConnection, prompt: SignedPrompt) -> None:
+    """Every block of ``prompt`` is located by TRACK_STATUS over ``conn``, fetched, verified and equal to
+    the publisher's."""
+    fetcher, fetched = fetcher_for(conn, prompt)
+    located = await fetcher.locate(prompt.hashes, ["lossless"])
+    assert len(located.available) == BLOCKS and fetcher.locate_probe == "track_status", located
+    outcome = await fetcher.fetch(prompt.identities, ["lossless"] * BLOCKS)
+    assert outcome.error is None and outcome.loaded == BLOCKS, outcome
+    assert_same_kv(fetched, prompt)
+
+
 @pytest.mark.parametrize("stack", ["aioquic", "qh3"])
 async def test_blocks_pushed_through_one_worker_are_located_fetched_and_watched_through_the_other(
     cert_dir: CertDir, tmp_path: Path, stack: str
@@ -151,12 +162,7 @@ async def test_blocks_pushed_through_one_worker_are_located_fetched_and_watched_
         )
         await async_wait_until(lambda: heard == [server.namespace[1:]], "NAMESPACE on worker 1")
 
-        fetcher, fetched = fetcher_for(subscriber, prompt)
-        located = await fetcher.locate(prompt.hashes, ["lossless"])
-        assert len(located.available) == BLOCKS and fetcher.locate_probe == "track_status", located
-        outcome = await fetcher.fetch(prompt.identities, ["lossless"] * BLOCKS)
-        assert outcome.error is None and outcome.loaded == BLOCKS, outcome
-        assert_same_kv(fetched, prompt)
+        await locate_and_fetch_all(subscriber, prompt)
         first = rp.metrics(1)
         assert first["kvnet_relay_cache_misses_total"] >= BLOCKS  # went to worker 0 through the hub
         assert first["kvnet_relay_cache_objects"] >= objects  # and kept what it fetched
@@ -208,12 +214,7 @@ async def test_blocks_pushed_into_one_worker_stay_reachable_from_the_other_after
         )
         for conn in on_0:
             await conn.close_session()
-        fetcher, fetched = fetcher_for(subscriber, prompt)
-        located = await fetcher.locate(prompt.hashes, ["lossless"])
-        assert len(located.available) == BLOCKS and fetcher.locate_probe == "track_status", located
-        outcome = await fetcher.fetch(prompt.identities, ["lossless"] * BLOCKS)
-        assert outcome.error is None and outcome.loaded == BLOCKS, outcome
-        assert_same_kv(fetched, prompt)
+        await locate_and_fetch_all(subscriber, prompt)
         # A block nobody has is still DOES_NOT_EXIST (every worker asked, none holds it).
         missing, _ = fetcher_for(subscriber, make_other_prompt())
         nothing = await missing.locate(make_other_prompt().hashes, ["lossless"])
