@@ -156,6 +156,13 @@ class MoqtSession(ControlMessages, RequestStreams, DataStreams, ObjectSending):
         req = self._requests.get(request_id)
         return req is not None and not req.ended
 
+    def data_stream_request(self, stream_id: int) -> int | None:
+        """The request a peer's data stream (subgroup or fetch) carries objects of, once its header has
+        tied it to one; None otherwise. Lets an application count bytes still arriving for a request as
+        progress before a whole object is in."""
+        stream = self._incoming.get(stream_id)
+        return None if stream is None else stream.request_id
+
     # -- output ----------------------------------------------------------------------------------
 
     def next_event(self) -> MoqtEvent | None:

@@ -155,9 +155,9 @@ class Fanout:
         once its streams' bytes are delivered.
 
         Not at once: a subscriber waits for the streams PUBLISH_DONE's Stream Count announces only
-        ``publish_done_timeout`` without an object, and over a slow link the objects queued here trail the
-        control stream by longer than that (the track would be cut short). A subscriber that stops
-        reading is cut off by the slow-peer rule, which ends the wait too.
+        ``publish_done_timeout`` without any of the track's bytes, and over a slow link the objects
+        queued here trail the control stream by longer than that (the track would be cut short). A
+        subscriber that stops reading is cut off by the slow-peer rule, which ends the wait too.
         """
         self.ended = True
         if self.relay.fanouts.get(self.key) is self:

@@ -94,9 +94,9 @@ class ConnectionLimits:
     setup_timeout: float = 10.0
     """Seconds to wait for the peer's SETUP."""
     publish_done_timeout: float = 5.0
-    """Seconds without an object a subscription stays open after PUBLISH_DONE, waiting for the subgroup
-    streams its Stream Count announces (draft "PUBLISH_DONE": data may still be in flight), before it
-    ends anyway."""
+    """Seconds a subscription stays open after PUBLISH_DONE with none of its bytes arriving, waiting for
+    the subgroup streams its Stream Count announces (draft "PUBLISH_DONE": data may still be in flight),
+    before it ends anyway."""
 
     def __post_init__(self) -> None:
         names = ("max_outstanding_requests", "max_send_buffer", "max_receive_buffer", "max_incoming_queue")
@@ -153,6 +153,9 @@ class MoqtConnection(_ProtocolBase):
         self._namespace_listeners: dict[int, NamespaceListener] = {}
         """Our SUBSCRIBE_NAMESPACE requests whose NAMESPACE / NAMESPACE_DONE go to a callback."""
         self._streams: dict[int, _ObjectStream] = {}
+        self._trailing: dict[int, float] = {}
+        """Subscriptions past PUBLISH_DONE whose announced streams are still open, by request id: when
+        bytes of theirs last arrived (see ``_await_trailing_streams``)."""
         self._incoming_by_id: dict[int, IncomingRequest] = {}
         # Answered requests are dropped from the table when it reaches this size (see _remember_incoming).
         self._incoming_prune_at = _INCOMING_PRUNE_MIN
@@ -203,7 +206,10 @@ class MoqtConnection(_ProtocolBase):
         s = self.session
         qe = self._events
         if isinstance(event, qe.StreamDataReceived):
-            s.receive_stream_data(event.stream_id, event.data, event.end_stream, self._loop.time())
+            now = self._loop.time()
+            s.receive_stream_data(event.stream_id, event.data, event.end_stream, now)
+            if self._trailing and (rid := s.data_stream_request(event.stream_id)) in self._trailing:
+                self._trailing[rid] = now  # part of a large object still counts as progress
         elif isinstance(event, qe.StreamReset):
             s.receive_stream_reset(event.stream_id, event.error_code)
         elif isinstance(event, qe.StopSendingReceived):
@@ -416,8 +422,6 @@ class MoqtConnection(_ProtocolBase):
             st = self._streams.get(ev.request_id)
             if st is not None and not st.finished:
                 st._push(ev)
-                if isinstance(st, Subscription) and st._done_timer is not None:
-                    self._arm_done_timer(st)  # data after PUBLISH_DONE is still coming: keep waiting
                 if self._received_bytes > self.limits.max_receive_buffer:
                     self._log.warning("request %d exceeds the receive buffer; cancelling", ev.request_id)
                     self._cancel(ev.request_id, StreamResetCode.EXCESSIVE_LOAD)
@@ -458,9 +462,9 @@ class MoqtConnection(_ProtocolBase):
                 st.done = ev
                 if st.streams_closed >= ev.stream_count:
                     self._end_subscription(st)
-                elif st._done_timer is None:
+                elif st.request_id not in self._trailing:
                     # Subgroup streams announced by the Stream Count are still in flight.
-                    self._arm_done_timer(st)
+                    self._await_trailing_streams(st)
             elif st is not None:
                 self._streams.pop(ev.request_id, None)
                 st._finish(None)
@@ -520,17 +524,27 @@ class MoqtConnection(_ProtocolBase):
         else:
             self.other_events.append(ev)
 
-    def _arm_done_timer(self, st: Subscription) -> None:
-        """(Re)start the wait for a PUBLISH_DONE's trailing streams: it ends the subscription only after
-        ``publish_done_timeout`` without an object, so a slow path (small datagrams, a long push) that is
-        still delivering is never cut off."""
-        if st._done_timer is not None:
-            st._done_timer.cancel()
-        st._done_timer = asyncio.get_running_loop().call_later(
-            self.limits.publish_done_timeout, self._end_subscription, st
-        )
+    def _await_trailing_streams(self, st: Subscription) -> None:
+        """Wait for the streams a PUBLISH_DONE announced: the subscription ends only after
+        ``publish_done_timeout`` in which none of its bytes arrived, so a slow path (small datagrams, a
+        long push, one large object taking seconds) that is still delivering is never cut off. Arrivals
+        only stamp ``_trailing``; the one timer re-arms itself from the stamp when it fires."""
+        self._trailing[st.request_id] = self._loop.time()
+        self._loop.call_later(self.limits.publish_done_timeout, self._trailing_wait_check, st)
+
+    def _trailing_wait_check(self, st: Subscription) -> None:
+        progressed_at = self._trailing.get(st.request_id)
+        if progressed_at is None or st.finished:
+            self._trailing.pop(st.request_id, None)
+            return
+        due = progressed_at + self.limits.publish_done_timeout
+        if self._loop.time() < due:
+            self._loop.call_at(due, self._trailing_wait_check, st)
+        else:
+            self._end_subscription(st)
 
     def _end_subscription(self, st: Subscription) -> None:
+        self._trailing.pop(st.request_id, None)
         if self._streams.get(st.request_id) is st:
             del self._streams[st.request_id]
         st._finish(None)

@@ -134,13 +134,7 @@ class Subscription(_ObjectStream):
         self.done: me.PublishDoneReceived | None = None
         self.streams_closed = 0
         """Subgroup streams of this subscription that ended (FIN or reset)."""
-        self._done_timer: asyncio.TimerHandle | None = None
 
-    def _finish(self, error: BaseException | None = None) -> None:
-        if self._done_timer is not None:
-            self._done_timer.cancel()
-            self._done_timer = None
-        super()._finish(error)
 
 
 # -------------------------------------------------------------------------------- incoming requests

@@ -195,6 +195,30 @@ def test_subgroup_stream_before_subscribe_ok_is_buffered() -> None:
     assert pair.client_events.index(objs[0]) > ok_index
 
 
+def test_a_data_streams_request_is_known_once_its_header_ties_it_to_one() -> None:
+    """Before a whole object is in (here: half of one), and only once the Track Alias is known."""
+    pair = make_pair()
+    rid = pair.client.subscribe(NS, b"t")
+    pair.run()
+    pair.server.accept_subscribe(rid, 9)
+    sid = pair.server.open_subgroup(9, 1, 0)
+    pair.server.send_subgroup_object(sid, 0, bytes(10_000))
+    transmits = pair.server.transmit()
+    data = b"".join(t.data for t in transmits if isinstance(t, SendStreamData) and t.stream_id == sid)
+    pair.client.receive_stream_data(sid, data[: len(data) // 2], False)
+    assert pair.client.data_stream_request(sid) is None  # SUBSCRIBE_OK (the alias) not in yet
+    for t in transmits:
+        if isinstance(t, SendStreamData) and t.stream_id != sid:
+            pair.client.receive_stream_data(t.stream_id, t.data, t.end_stream)
+    pair.run()
+    assert pair.client.data_stream_request(sid) == rid
+    assert not of_type(pair.client_events, ObjectReceived)
+    assert pair.client.data_stream_request(sid + 4) is None
+    pair.client.receive_stream_data(sid, data[len(data) // 2 :], False)
+    pair.run()
+    assert [o.payload for o in of_type(pair.client_events, ObjectReceived)] == [bytes(10_000)]
+
+
 def test_fetch_objects_then_fin_completes() -> None:
     pair = make_pair(fragment=997)
     rid = pair.client.fetch(NS, b"blk", Location(0, 0), Location(1, 0))

@@ -1,9 +1,10 @@
 """``relay.fanout``: a live track that ends upstream reaches every subscriber whole.
 
 The relay forwards a track's objects into each subscriber's subgroup streams; over a slow link those bytes
-trail far behind. A subscriber waits for the trailing streams only ``publish_done_timeout`` without an
-object after PUBLISH_DONE, so a relay that sends PUBLISH_DONE as soon as the upstream track ends (objects
-still queued behind it) cuts the track short. Real relay process, real QUIC through the link emulator.
+trail far behind. A subscriber waits for the trailing streams only ``publish_done_timeout`` without any of
+their bytes after PUBLISH_DONE, so a relay that sends PUBLISH_DONE as soon as the upstream track ends
+(objects still queued behind it) cuts the track short. Real relay process, real QUIC through the link
+emulator.
 """
 
 from __future__ import annotations

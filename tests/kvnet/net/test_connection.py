@@ -27,7 +27,7 @@ from kvnet.net.handles import (
     IncomingTrackStatus,
 )
 from kvnet.security import certs
-from kvnet.tools.linkemu import EmulatorConfig, LinkEmulator
+from kvnet.tools.linkemu import EmulatorConfig, LinkEmulator, LinkParams
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode
 from proto.events import SubscribeNamespaceReceived, SubscribeTracksReceived
@@ -657,8 +657,8 @@ async def test_publish_done_waits_as_long_as_its_trailing_data_keeps_arriving(
 ) -> None:
     """A push over 1452-byte datagrams trails its PUBLISH_DONE by seconds (about 4 s on aioquic, twice the
     timeout below); the receiver's wait for the announced streams ends only after
-    ``publish_done_timeout`` without an object, so nothing is cut off. The timeout is 2 s, not less: on a
-    loaded machine aioquic's loss recovery alone has paused a transfer for over a second."""
+    ``publish_done_timeout`` without any of its bytes, so nothing is cut off. The timeout is 2 s, not
+    less: on a loaded machine aioquic's loss recovery alone has paused a transfer for over a second."""
     payloads = [bytes([i]) * 100_000 for i in range(80)]
     received: list[bytes] = []
     finished = asyncio.Event()
@@ -686,6 +686,44 @@ async def test_publish_done_waits_as_long_as_its_trailing_data_keeps_arriving(
     finally:
         await server.close()
     assert received == payloads
+
+
+async def test_publish_done_waits_while_a_large_trailing_object_is_still_arriving(
+    pki: Path, settings: quic.TransportSettings
+) -> None:
+    """Bytes of an object still arriving count as progress, not only whole objects: one 5 MB object through
+    a link of 1 MB/s takes 5 s, more than twice the receiver's wait after PUBLISH_DONE, and arrives whole.
+    The link's queue is short, so PUBLISH_DONE cannot wait behind most of the object in it."""
+    payload = bytes(range(256)) * (5_000_000 // 256)
+    received: list[bytes] = []
+    finished = asyncio.Event()
+
+    async def on_connection(conn: MoqtConnection) -> None:
+        async for req in conn.incoming_requests():
+            assert isinstance(req, IncomingPublish)
+            objects = req.accept_publish(MessageParameters(forward=1))
+            received.extend([o.payload async for o in objects if o.payload])
+            finished.set()
+
+    small = quic.TransportSettings(stack=settings.stack, max_datagram_size=quic.DATAGRAM_SIZE_ETHERNET)
+    server = await serve("127.0.0.1", 0, small, quic.TlsSettings.from_dir(pki, "server"), on_connection,
+                         limits=ConnectionLimits(publish_done_timeout=2.0))
+    slow = LinkParams(rate_bps=1_000_000, queue_packets=64)
+    config = EmulatorConfig(listen=("127.0.0.1", 0), target=("127.0.0.1", server.address[1]), upstream=slow)
+    try:
+        async with (
+            LinkEmulator(config) as emu,
+            connect(f"moqt://127.0.0.1:{emu.listen_address[1]}", small,
+                    quic.TlsSettings.from_dir(pki, None)) as conn,
+        ):
+            ok = await conn.publish(NS, b"one-large-object", 22)
+            sid = conn.open_subgroup(22, 0, 0)
+            conn.send_subgroup_object(sid, 0, payload, end_stream=True)
+            conn.publish_done(ok.request_id, PublishDoneCode.TRACK_ENDED, "done")
+            await asyncio.wait_for(finished.wait(), 120)
+    finally:
+        await server.close()
+    assert len(received) == 1 and received[0] == payload
 
 
 @pytest.mark.parametrize("peer_stack", ["aioquic", "aiopquic"])
