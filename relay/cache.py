@@ -405,6 +405,8 @@ class ObjectCache:
         self._fills: dict[TrackKey, list[Fill]] = {}
         self._inflight = InflightBudget(config.max_inflight_bytes)
         self._status = Coalescer[TrackKey, TrackStatus]()
+        self._first_status = Coalescer[TrackKey, TrackStatus]()
+        """TRACK_STATUS queries to ``track_status``'s ``asked_first``, shared apart from ``_status``'s."""
         self._tasks: set[asyncio.Task[None]] = set()
         """Upstream fills in flight, referenced here so they outlive the requester that started them."""
         self._negative: OrderedDict[TrackKey, tuple[float, RequestFailed]] = OrderedDict()
@@ -709,29 +711,47 @@ class ObjectCache:
         return None
 
     # TRACK_STATUS --------------------------------------------------------------------------------------
-    async def track_status(self, key: TrackKey, upstream: Upstream) -> TrackStatus:
-        """Answer from a complete cached track, a fresh negative entry, or one coalesced upstream query."""
+    async def track_status(
+        self, key: TrackKey, upstream: Upstream, asked_first: Upstream | None = None
+    ) -> TrackStatus:
+        """Answer from a complete cached track, ``asked_first``, a fresh negative entry, or one coalesced
+        upstream query, in that order. ``asked_first`` (the workers behind the hub of ``relay.workers``)
+        is asked on every miss and its DOES_NOT_EXIST is never remembered: what it holds changes without
+        this cache hearing of it, so only ``upstream``'s misses are negatively cached."""
         cached = self.cached_status(key)
         if cached is not None:
             self.stats.status_hits += 1
             return cached
+        if asked_first is not None:
+            try:
+                return await self._ask_status(self._first_status, key, asked_first)
+            except RequestFailed as err:
+                if err.code != RequestErrorCode.DOES_NOT_EXIST:
+                    raise
         miss = self._fresh_negative(key, self._clock())
         if miss is not None:
             self.stats.negative_hits += 1
             raise RequestFailed(miss.code, miss.reason, miss.retry_interval)
 
-        def start() -> asyncio.Task[TrackStatus]:
-            self.stats.upstream_track_status += 1
-            return asyncio.get_running_loop().create_task(upstream.track_status(key))
-
         try:
-            result, joined = await self._status.run(key, start)
+            return await self._ask_status(self._status, key, upstream)
         except RequestFailed as err:
             if err.code == RequestErrorCode.DOES_NOT_EXIST and self.config.negative_ttl > 0:
                 self._negative[key] = (self._clock() + self.config.negative_ttl, err)
                 while len(self._negative) > self.config.max_negative_entries:
                     self._negative.popitem(last=False)
             raise
+
+    async def _ask_status(
+        self, queries: Coalescer[TrackKey, TrackStatus], key: TrackKey, upstream: Upstream
+    ) -> TrackStatus:
+        """``upstream``'s TRACK_STATUS answer, shared with the concurrent askers of ``key`` in ``queries``."""
+
+        def start() -> asyncio.Task[TrackStatus]:
+            self.stats.upstream_track_status += 1
+            return asyncio.get_running_loop().create_task(upstream.track_status(key))
+
+        result, joined = await queries.run(key, start)
         if joined:
             self.stats.coalesced += 1
         return result

@@ -51,6 +51,7 @@ from relay.cache import (
     ObjectCache,
     RequestFailed,
     TrackKey,
+    TrackStatus,
     exclusive_to_wire_end,
     wire_end_to_exclusive,
 )
@@ -416,6 +417,10 @@ class Relay:
         """Longest-prefix publishers (at the hub of ``relay.workers``, then every other worker), then the
         upstream relays. A request that came from an upstream relay goes to local publishers only: sending
         it upstream again could only bring it back (a loop)."""
+        return self._by_speed([*self._local_sources(key, exclude), *self._upstream_sources(exclude)])
+
+    def _local_sources(self, key: TrackKey, exclude: Peer | None) -> list[Source]:
+        """The longest-prefix publishers, and at the hub then every other worker."""
         pubs: list[Source] = [
             p for p in self.router.lookup(key[0]) if p is not exclude and not p.conn.is_closed
         ]
@@ -425,15 +430,34 @@ class Relay:
                 p for p in self.peers.values()
                 if p is not exclude and not p.conn.is_closed and all(p is not q for q in pubs)
             ]
-        found = pubs if exclude is not None and exclude.upstream is not None else [*pubs, *self.upstreams]
+        return pubs
+
+    def _upstream_sources(self, exclude: Peer | None) -> list[Source]:
+        """The upstream relays, unless the request came from one."""
+        return [] if exclude is not None and exclude.upstream is not None else list(self.upstreams)
+
+    @staticmethod
+    def _by_speed(sources: list[Source]) -> list[Source]:
         # Routes that recently let a request pass the route deadline go last (stable: order kept).
-        return sorted(found, key=lambda src: src.slow)
+        return sorted(sources, key=lambda src: src.slow)
 
     def upstream_for(self, key: TrackKey, requester: Peer) -> RoutedUpstream:
+        return self._routed(lambda: self.candidates(key, requester))
+
+    def _routed(self, candidates: Callable[[], list[Source]]) -> RoutedUpstream:
         lim = self.config.limits
-        return RoutedUpstream(
-            lambda: self.candidates(key, requester), lim.upstream_timeout, self.metrics, lim.route_timeout
-        )
+        return RoutedUpstream(candidates, lim.upstream_timeout, self.metrics, lim.route_timeout)
+
+    async def track_status(self, key: TrackKey, requester: Peer) -> TrackStatus:
+        """TRACK_STATUS through the cache. At the hub of ``relay.workers`` the workers are asked apart
+        from the upstream relays, first and on every miss: a worker hears of a block pushed to it, the hub
+        does not, so only the upstream relays' misses are negatively cached there (a block pushed at one
+        worker is found at once from every other)."""
+        if not self.config.hub:
+            return await self.cache.track_status(key, self.upstream_for(key, requester))
+        workers = self._routed(lambda: self._by_speed(self._local_sources(key, requester)))
+        upstreams = self._routed(lambda: self._by_speed(self._upstream_sources(requester)))
+        return await self.cache.track_status(key, upstreams, asked_first=workers)
 
     def forget_peer(self, peer: Peer) -> None:
         self._count_session_refusals(peer)
@@ -639,7 +663,7 @@ class Relay:
         key: TrackKey = (ev.track_namespace, ev.track_name)
         hit = self.cache.cached_status(key) is not None
         try:
-            st = await self.cache.track_status(key, self.upstream_for(key, peer))
+            st = await self.track_status(key, peer)
         except RequestFailed as exc:
             self.reject(req, "track_status", exc.code, exc.reason, exc.retry_interval)
             return

@@ -114,7 +114,9 @@ def worker_config(config: RelayConfig, index: int, hub_url: str, creds: HubCrede
     cache (N workers and the hub share it evenly) and of the session, request and buffer limits, and its
     own metrics port (``--metrics`` port + index) and cache directory."""
     n = config.workers
-    cache = _cache_share(config, f"worker-{index}")
+    # No misses remembered: every one of a worker's misses went to the hub, and a block pushed at another
+    # worker a moment later would stay hidden behind it (the hub remembers only its upstreams' misses).
+    cache = dataclasses.replace(_cache_share(config, f"worker-{index}"), negative_ttl=0)
     lim = config.limits
     limits = dataclasses.replace(
         lim,

@@ -262,6 +262,39 @@ async def test_announcing_a_prefix_outdates_only_earlier_misses_under_it() -> No
     assert up.statuses == 3 and cache.stats.negative_hits == 2
 
 
+async def test_misses_of_what_is_asked_first_are_never_remembered() -> None:
+    """The hub of ``relay.workers``: its workers (asked first) are asked on every miss, and only the
+    upstream's misses are negatively cached; a track that appears at a worker is found at once."""
+    clock = FakeClock()
+    workers = ScriptedUpstream({})
+    up = ScriptedUpstream({})
+    cache = ObjectCache(CacheConfig(negative_ttl=10.0), clock=clock)
+    for _ in range(3):
+        with pytest.raises(RequestFailed) as missed:
+            await cache.track_status(key(b"a"), up, asked_first=workers)
+        assert missed.value.code == RequestErrorCode.DOES_NOT_EXIST
+    assert workers.statuses == 3 and up.statuses == 1 and cache.stats.negative_hits == 2
+    workers.tracks[key(b"a")] = [obj(0), obj(1)]  # pushed at a worker, nothing announced
+    st = await cache.track_status(key(b"a"), up, asked_first=workers)
+    assert st.largest == (0, 1) and workers.statuses == 4 and up.statuses == 1
+    # Concurrent askers share one query to the workers.
+    await asyncio.gather(*(cache.track_status(key(b"a"), up, asked_first=workers) for _ in range(4)))
+    assert workers.statuses == 5
+
+
+async def test_an_error_other_than_a_miss_from_what_is_asked_first_is_the_answer() -> None:
+    class Overloaded(ScriptedUpstream):
+        async def track_status(self, key: TrackKey) -> TrackStatus:
+            self.statuses += 1
+            raise RequestFailed(RequestErrorCode.EXCESSIVE_LOAD, "busy")
+
+    workers, up = Overloaded({}), ScriptedUpstream({key(b"a"): [obj(0)]})
+    cache = ObjectCache(CacheConfig())
+    with pytest.raises(RequestFailed) as failed:
+        await cache.track_status(key(b"a"), up, asked_first=workers)
+    assert failed.value.code == RequestErrorCode.EXCESSIVE_LOAD and up.statuses == 0
+
+
 async def test_negative_caching_disabled_with_zero_ttl() -> None:
     up = ScriptedUpstream({})
     cache = ObjectCache(CacheConfig(negative_ttl=0))

@@ -226,6 +226,47 @@ async def test_blocks_pushed_into_one_worker_stay_reachable_from_the_other_after
         rp.stop()
 
 
+async def test_a_miss_does_not_hide_a_block_pushed_at_another_worker_a_moment_later(
+    cert_dir: CertDir, tmp_path: Path
+) -> None:
+    """Worker 1 locates a block nobody has yet (asked of the hub, which asks worker 0), the publisher then
+    pushes it at worker 0, and worker 1 finds it at once: neither worker 1 nor the hub remembered that
+    miss, which no process but worker 0 hears outdated. A miss of the whole relay is still remembered at
+    the hub (its upstreams are spared the repeat). The long negative TTL makes the window unmissable."""
+    prompt = make_prompt()
+    rp = start_workers(cert_dir, tmp_path, "--negative-ttl", "600")
+    settings = TransportSettings.for_link("loopback", "aioquic")
+    tls = TlsSettings(ca_file=cert_dir.ca)
+    opened: list[MoqtConnection] = []
+    try:
+        on_0, on_1 = await one_session_per_worker(rp, settings, tls)
+        opened = [*on_0, *on_1]
+        publisher, subscriber = on_0[0], on_1[0]
+        early, _ = fetcher_for(subscriber, prompt)
+        before = await early.locate(prompt.hashes, ["lossless"])
+        assert before.available == [] and before.probe_errors == {}, before
+
+        server = BlockServer(publisher, BlockStore(4 * prompt.wire_bytes), FINGERPRINT, NAMESPACE_ID,
+                             SPEC.num_layers)
+        assert await server.push(prompt.blocks) == BLOCKS
+        await async_wait_until(
+            lambda: rp.metrics(0).get("kvnet_relay_cache_objects", 0) >= BLOCKS * (SPEC.num_layers + 1),
+            "worker 0 caching the pushed blocks",
+        )
+        await locate_and_fetch_all(subscriber, prompt)
+
+        other = make_other_prompt()
+        for _ in range(2):
+            missing, _ = fetcher_for(subscriber, other)
+            nothing = await missing.locate(other.hashes, ["lossless"])
+            assert nothing.available == [] and nothing.probe_errors == {}, nothing
+        assert rp.metrics(2).get("kvnet_relay_track_status_negative_hits_total", 0) >= 1
+    finally:
+        for conn in opened:
+            await conn.close_session()
+        rp.stop()
+
+
 async def test_mutual_tls_holds_on_every_worker(cert_dir: CertDir, tmp_path: Path) -> None:
     """``--require-client-cert`` applies to each worker as to one relay: sessions with a client certificate
     are served on both (their requests reach the hub), one without is refused."""
@@ -346,5 +387,8 @@ def test_the_relay_wide_budgets_are_divided_among_the_workers_and_the_hub(
     assert hub.host == HUB_HOST
     assert hub.hub and not any(w.hub for w in workers)  # only the hub asks every worker on a miss
     assert hub.limits.session_idle_timeout == 0 and hub.limits.pressure_idle_timeout == 0
+    # Misses are remembered at the hub only, for its upstreams (the workers are asked every time there).
+    assert [w.cache.negative_ttl for w in workers] == [0, 0, 0]
+    assert hub.cache.negative_ttl == config.cache.negative_ttl > 0
     # A worker's hub session carries the namespaces of every publisher on it.
     assert hub.limits.max_namespaces_per_session == config.limits.max_namespaces_per_session * 3
