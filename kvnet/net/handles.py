@@ -75,9 +75,7 @@ class _ObjectStream:
 
     async def _iterate(self) -> AsyncIterator[me.ObjectReceived]:
         while True:
-            while self._objects:
-                obj = self._objects.popleft()
-                self._conn.objects_consumed(len(obj.payload))
+            while (obj := self.next_queued()) is not None:
                 yield obj
             if self._finished:
                 if self._error is not None:
