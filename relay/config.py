@@ -141,7 +141,8 @@ class RelayConfig:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         for url in self.upstreams:
             parse_moqt_url(url)  # raises ValueError naming the URL
-        if self.upstreams and (self.upstream_tls or self.tls).ca_file is None:
+        upstream_tls = self.upstream_tls or self.tls
+        if self.upstreams and upstream_tls.ca_file is None and upstream_tls.ca_pem is None:
             raise ValueError("upstreams: verifying upstream relays needs ca (a CA certificate file)")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")

@@ -17,8 +17,9 @@ The requesting worker caches what it fetched, so hot blocks are then served by e
 cache.
 
 The hub trusts only its workers: its certificate (for 127.0.0.1) comes from a CA made for this run, and
-every request must carry a token signed by a key made for this run; both live in a private temporary
-directory that goes with the relay.
+every request must carry a token signed by a key made for this run. Both are written to a private
+temporary directory that is removed as soon as every process of the relay serves (each has read what it
+needs by then; a worker keeps the CA in memory to verify the hub on a reconnect).
 """
 
 from __future__ import annotations
@@ -133,7 +134,9 @@ def worker_config(config: RelayConfig, index: int, hub_url: str, creds: HubCrede
     return dataclasses.replace(
         config,
         upstreams=(hub_url,),
-        upstream_tls=TlsSettings(ca_file=creds.ca),
+        # In memory: the directory of the credentials is gone once every process of the relay serves,
+        # and a worker verifies the hub again on every reconnect.
+        upstream_tls=TlsSettings(ca_pem=creds.ca.read_bytes()),
         upstream_token=creds.token,
         metrics_port=_metrics_port(config, index),
         cache=cache,
@@ -337,8 +340,11 @@ async def _supervise(
     hub_url = f"moqt://{HUB_HOST}:{hub_socket.getsockname()[1]}"
     workers: list[Child] = []
     hub: Child | None = None
-    with tempfile.TemporaryDirectory(prefix="kvnet-relay-") as tmp:
-        creds = make_hub_credentials(Path(tmp))
+    # The hub's key and the workers' token live only until every process has read them (they read all of
+    # it before they serve): removed then, a SIGKILL of the supervisor later leaves no secret behind.
+    secrets = tempfile.TemporaryDirectory(prefix="kvnet-relay-")
+    with secrets:
+        creds = make_hub_credentials(Path(secrets.name))
         try:
             # The hub first: a worker's first request may go to it at once.
             hub = await _start(ChildSpec("hub", hub_config(config, creds), hub_socket.fileno(), log_format,
@@ -358,6 +364,7 @@ async def _supervise(
                 return 2  # a start-up error (a port taken, a file unreadable): the process said which
             print(f"kvnet-relay: error: {exc}", file=sys.stderr)
             return 1
+        secrets.cleanup()
         if stop.is_set():
             return await _stop_all(workers, hub, config)
         for sock in (*sockets, hub_socket):

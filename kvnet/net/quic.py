@@ -230,10 +230,15 @@ class TlsSettings:
     """Servers: ask clients for a certificate and reject those that do not chain to ``ca_file``."""
     insecure_skip_verify: bool = False
     """Clients: do not verify the server certificate. Debugging only; logged as a warning every time."""
+    ca_pem: bytes | None = None
+    """Clients: the CA certificate(s) as PEM held in memory, instead of ``ca_file`` (a CA whose file is
+    gone once read, e.g. the hub's of ``kvnet-relay --workers``). aioquic and qh3 only."""
 
     def __post_init__(self) -> None:
         if (self.cert_file is None) != (self.key_file is None):
             raise ValueError("cert_file and key_file must be given together")
+        if self.ca_pem is not None and self.ca_file is not None:
+            raise ValueError("give ca_file or ca_pem, not both")
         for name in ("ca_file", "cert_file", "key_file"):
             p = getattr(self, name)
             if p is not None and not Path(p).is_file():
@@ -471,9 +476,12 @@ def apply_client_verification(config: Any, tls: TlsSettings) -> None:
         )
         config.verify_mode = ssl.CERT_NONE
         return
+    config.verify_mode = ssl.CERT_REQUIRED
+    if tls.ca_pem is not None:
+        config.load_verify_locations(cadata=tls.ca_pem)
+        return
     if tls.ca_file is None:
         raise ValueError("a client needs ca_file to verify the server (or an explicit insecure_skip_verify)")
-    config.verify_mode = ssl.CERT_REQUIRED
     config.load_verify_locations(cafile=str(tls.ca_file))
 
 
@@ -481,6 +489,8 @@ def client_configuration(
     settings: TransportSettings, tls: TlsSettings, server_name: str | None = None
 ) -> Any:
     """Client configuration for ``settings.stack``: ALPN moqt-18, TLS 1.3, server verification on."""
+    if tls.ca_pem is not None and settings.stack == "aiopquic":
+        raise ValueError("QUIC stack aiopquic verifies servers only against a CA file (ca_file), not ca_pem")
     config = _base_configuration(settings, is_client=True)
     config.server_name = tls.server_name or server_name
     apply_client_verification(config, tls)

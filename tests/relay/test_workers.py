@@ -13,6 +13,9 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -34,7 +37,15 @@ from relay.cache import CacheConfig
 from relay.config import RelayConfig
 from relay.limits import LimitsConfig
 from relay.workers import HUB_HOST, hub_config, make_hub_credentials, worker_config
-from tests.helpers.processes import CertDir, RelayProcess, free_port_run, start_relay
+from tests.helpers.processes import (
+    REPO,
+    START_TIMEOUT,
+    CertDir,
+    RelayProcess,
+    free_port,
+    free_port_run,
+    start_relay,
+)
 from tests.helpers.prompts import SignedPrompt, signed_prompt
 from tests.helpers.waiting import async_wait_until, wait_until
 
@@ -47,10 +58,12 @@ MAX_SESSIONS_TRIED = 40
 """Sessions opened at most until both workers hold one (each lands on a given worker with p = 1/2)."""
 
 
-def start_workers(cert_dir: CertDir, log_dir: Path, *extra: str) -> RelayProcess:
+def start_workers(
+    cert_dir: CertDir, log_dir: Path, *extra: str, env: Mapping[str, str] | None = None
+) -> RelayProcess:
     """``--workers 2`` with metrics on three consecutive ports (worker 0, worker 1, hub)."""
     return start_relay(cert_dir, log_dir, "--workers", "2", *extra, metrics_port=free_port_run(3),
-                       ready_marker=READY)
+                       ready_marker=READY, env=env)
 
 
 def listening_field(rp: RelayProcess, name: str) -> str:
@@ -341,14 +354,48 @@ def test_a_worker_killed_stops_the_relay_with_one_line(cert_dir: CertDir, tmp_pa
         rp.stop()
 
 
-def test_the_supervisor_killed_leaves_no_worker_behind(cert_dir: CertDir, tmp_path: Path) -> None:
-    """SIGKILL gives the supervisor no chance to forward anything: each process sees its stdin end."""
-    rp = start_workers(cert_dir, tmp_path, "--drain-timeout", "1")
+def own_tmpdir(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A temporary directory for one relay's run alone, and the environment that makes it the relay's."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    return tmp, {**os.environ, "TMPDIR": str(tmp)}
+
+
+def credentials_left(tmp: Path) -> list[str]:
+    return sorted(p.name for p in tmp.glob("kvnet-relay-*"))
+
+
+def test_the_supervisor_killed_leaves_no_worker_and_no_secret_behind(
+    cert_dir: CertDir, tmp_path: Path
+) -> None:
+    """SIGKILL gives the supervisor no chance to forward anything or clean up: each process sees its stdin
+    end, and the hub's credentials were removed once every process served."""
+    tmp, env = own_tmpdir(tmp_path)
+    rp = start_workers(cert_dir, tmp_path, "--drain-timeout", "1", env=env)
     pids = relay_pids(rp)
     rp.proc.kill()
     rp.proc.wait(timeout=10)
     wait_until(lambda: pids_gone(pids), "every worker and the hub gone after the supervisor")
     assert rp.log().count("supervisor gone: stopping") == 3
+    assert credentials_left(tmp) == []
+
+
+def test_a_failed_start_leaves_no_secret_behind(cert_dir: CertDir, tmp_path: Path) -> None:
+    """The hub cannot make its cache directory (a file is in the way): the relay exits 2 with the hub's
+    one-line reason, and the credentials made for the run are gone."""
+    tmp, env = own_tmpdir(tmp_path)
+    in_the_way = tmp_path / "not-a-directory"
+    in_the_way.write_text("")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run(
+        [sys.executable, "-m", "relay", "--workers", "2", "--listen", f"127.0.0.1:{free_port()}",
+         "--metrics", "", "--cert", str(cert_dir.cert), "--key", str(cert_dir.key), "--ca", str(cert_dir.ca),
+         "--cache-dir", str(in_the_way)],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=START_TIMEOUT,
+    )
+    errors = [line for line in done.stderr.splitlines() if line.startswith("kvnet-relay: error:")]
+    assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert credentials_left(tmp) == []
 
 
 def test_the_relay_wide_budgets_are_divided_among_the_workers_and_the_hub(
@@ -379,7 +426,7 @@ def test_the_relay_wide_budgets_are_divided_among_the_workers_and_the_hub(
     assert [c.metrics_port for c in everyone] == [9464, 9465, 9466, 9467]
     for w in workers:  # the hub is every worker's only upstream, verified with its own CA and token
         assert w.upstreams == ("moqt://127.0.0.1:5000",) and w.workers == 1
-        assert w.upstream_tls == TlsSettings(ca_file=creds.ca) and w.upstream_token == creds.token
+        assert w.upstream_tls == TlsSettings(ca_pem=creds.ca.read_bytes()) and w.upstream_token == creds.token
         assert w.tls == config.tls
     # The hub goes to the configured upstreams with the relay's own TLS, and accepts only the workers.
     assert hub.upstreams == config.upstreams and hub.upstream_tls == config.tls

@@ -109,6 +109,32 @@ async def test_handshake_with_project_certs(tmp_path: Path) -> None:
     server.close()
 
 
+async def test_a_ca_held_in_memory_verifies_the_server_as_a_ca_file_does(tmp_path: Path) -> None:
+    """``ca_pem``: the hub's CA of ``kvnet-relay --workers``, kept in memory once its file is gone."""
+    make_certificates(tmp_path / "right", "server")
+    certs.create_ca(tmp_path / "wrong")
+    with pytest.raises(ValueError, match="not both"):
+        quic.TlsSettings(ca_file=tmp_path / "right" / "ca.pem", ca_pem=b"")
+    with pytest.raises(ValueError, match="ca_file"):
+        quic.client_configuration(quic.TransportSettings(stack="aiopquic"), quic.TlsSettings(ca_pem=b""), "h")
+    settings = quic.TransportSettings()
+    server_tls = quic.TlsSettings.from_dir(tmp_path / "right", "server")
+    server = await serve("127.0.0.1", 0, configuration=quic.server_configuration(settings, server_tls))
+    port = server._transport.get_extra_info("socket").getsockname()[1]  # type: ignore[union-attr]
+
+    def client(ca: Path) -> Any:
+        return quic.client_configuration(settings, quic.TlsSettings(ca_pem=ca.read_bytes()), "localhost")
+
+    try:
+        async with connect("127.0.0.1", port, configuration=client(tmp_path / "right" / "ca.pem")) as c:
+            await c.ping()
+        with pytest.raises(ConnectionError):
+            async with connect("127.0.0.1", port, configuration=client(tmp_path / "wrong" / "ca.pem")):
+                pass
+    finally:
+        server.close()
+
+
 def stack_class(name: str) -> Any:
     """The stack's configuration class, typed Any so that its attributes can be read after a type check."""
     return quic.get_stack(name).QuicConfiguration
