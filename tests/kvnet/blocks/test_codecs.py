@@ -10,7 +10,15 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvnet.blocks.codecs import CODECS, CodecError, Int4Codec, Int8Codec, get_codec, read_header
+from kvnet.blocks.codecs import (
+    CODECS,
+    CodecError,
+    Int4Codec,
+    Int8Codec,
+    LosslessCodec,
+    get_codec,
+    read_header,
+)
 
 FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 SHAPE = (16, 4, 32)
@@ -70,6 +78,33 @@ def test_lossless_compresses_bf16() -> None:
     k, v = _kv((16, 8, 64), torch.bfloat16)
     payload = get_codec("lossless").encode(k, v)
     assert len(payload) < 0.8 * 2 * k.numel() * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lossless_reads_frames_of_any_zstd_setting(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The encoder's zstd settings are the publisher's choice, not the format: a payload written with
+    plain level 1 (before the lossless codec's own settings) decodes bit for bit, and the codec's own
+    frames still declare their content size."""
+    k, v = _kv((64, 4, 64), dtype)
+    codec = get_codec("lossless")
+    tuned = codec.encode(k, v)
+    older = LosslessCodec()
+    monkeypatch.setattr(older, "_compressor", lambda: zstandard.ZstdCompressor(level=1))
+    plain = older.encode(k, v)
+    assert plain != tuned
+    for payload in (plain, tuned):
+        k2, v2 = codec.decode(payload, (64, 4, 64), dtype)
+        assert torch.equal(_bits(k2), _bits(k)) and torch.equal(_bits(v2), _bits(v))
+    header = read_header(tuned)
+    table = 20 + 9 * header.num_sections
+    offset = table
+    for i in range(header.num_sections):
+        mode, raw_len, stored = struct.unpack_from("<BII", tuned, 20 + 9 * i)
+        if mode == 1:
+            assert zstandard.frame_content_size(tuned[offset : offset + stored]) == raw_len
+        offset += stored
 
 
 def test_lossless_non_contiguous_input() -> None:
