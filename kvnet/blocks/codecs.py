@@ -34,7 +34,7 @@ import sys
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -78,6 +78,8 @@ _INT_VIEW: dict[int, tuple[torch.dtype, type[np.unsignedinteger], type[np.signed
     4: (torch.int32, np.uint32, np.int32),
     8: (torch.int64, np.uint64, np.int64),
 }
+# Element size -> torch unsigned dtype of that width (a cache slot's words, seen by numpy unsigned).
+_UINT_TORCH: dict[int, torch.dtype] = {2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 # Flag bits shared by the quantizing codecs.
@@ -118,8 +120,8 @@ class PayloadHeader:
     """Codec-specific parameter (int4: value group size)."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Section:
+class _Section(NamedTuple):
+    # A tuple rather than a dataclass: a fetch splits every layer object into its sections.
     mode: int
     raw_len: int
     data: bytes | memoryview
@@ -221,7 +223,7 @@ class Codec(ABC):
             raise CodecError(f"payload dtype {header.dtype} does not match expected {dtype}")
         if shape != header.shape:
             raise CodecError(f"payload shape {header.shape} does not match expected {shape}")
-        if any(n <= 0 for n in header.shape):
+        if min(header.shape) <= 0:
             raise CodecError(f"payload shape {header.shape} has an empty dimension")
         expected = self._section_sizes(header)
         sections = self._split_sections(data, header, expected)
@@ -393,10 +395,10 @@ class LosslessCodec(Codec):
         if not (_LITTLE_ENDIAN and k_out.is_contiguous() and v_out.is_contiguous()):
             super()._decode_sections_into(header, raw, k_out, v_out)
             return
-        int_dtype, np_dtype, _ = _INT_VIEW[len(raw)]
+        word_dtype = _UINT_TORCH[len(raw)]
         n = raw[0].size // 2  # the planes hold K's elements, then V's
         for out, half in ((k_out, slice(0, n)), (v_out, slice(n, 2 * n))):
-            words = out.view(int_dtype).numpy().view(np_dtype).reshape(n)
+            words = out.view(word_dtype).numpy().reshape(n)
             _join_planes([plane[half] for plane in raw], words)
 
 
