@@ -207,7 +207,8 @@ def real_kv_quality(
         targets = torch.tensor(scored[1:])
         reference: torch.Tensor | None = None
         for name, codec in CODECS.items():  # lossless first: the others are compared with it
-            ratio, _, _, payloads = measure_codec(codec, blocks, runs)
+            ratio, enc, dec, payloads = measure_codec(codec, blocks, runs)
+            print(f"    {name}: ratio {ratio:.3f}, encode {enc:.0f} MB/s, decode {dec:.0f} MB/s", flush=True)
             log_probs = torch.log_softmax(held_out_logits(
                 model, decoded_blocks(codec, payloads, blocks), block_size, scored)[:-1], dim=-1)
             if reference is None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import cProfile
 import dataclasses
 import functools
@@ -781,6 +782,126 @@ def profile(tokens: int, stack: str, link: str, peer_stack: str | None, top: int
     return out.getvalue()
 
 
+def layer_work(tokens: int, runs: int) -> str:
+    """The node's per-layer work of a verified fetch without the network, as ``BlockFetcher`` does it: each
+    layer object's digest checked against its manifest, then decoded into the block reserved for it
+    (``import_layer_with`` + ``decode_into``). This thread's CPU per layer and per MB, median of ``runs``
+    passes over the prompt's layers (one cache, each block's import aborted after its pass)."""
+    from kvnet.blocks.codecs import get_codec
+    from proto.kvobject import BlockManifest
+
+    prompt = make_prompt(tokens)
+    mb = prompt.wire_bytes / 1e6
+    codec = get_codec("lossless")
+    blocks = [(b.block_hash, BlockManifest.decode(b.objects[0]), b.objects[1:]) for b in prompt.blocks]
+    layers = sum(len(objects) for _, _, objects in blocks)
+    cache = empty_cache(prompt.spec, len(prompt.blocks))
+
+    def one_pass() -> float:
+        c0 = time.thread_time()
+        for block_hash, manifest, objects in blocks:
+            if not cache.begin_import(block_hash):
+                raise RuntimeError("block already cached")
+            for object_id, payload in enumerate(objects, 1):
+                if not manifest.verify_payload(object_id, payload):
+                    raise RuntimeError(f"digest of layer {object_id - 1} differs")
+                write = functools.partial(codec.decode_into, payload)
+                cache.import_layer_with(block_hash, object_id - 1, write)
+            cache.abort_import(block_hash)
+        return time.thread_time() - c0
+
+    one_pass()  # warm: the cache's pages and the codec's contexts
+    seconds = [one_pass() for _ in range(runs)]
+    median = common.median(seconds)
+    return (f"digest + decode into the slots + import, {layers} layers ({mb:.1f} MB on the wire), median of "
+            f"{runs}: {1e6 * median / layers:.1f} us per layer, {1000 * median / mb:.2f} ms/MB (passes "
+            f"{' '.join(f'{1000 * x / mb:.2f}' for x in seconds)}); load {common.load_average()}")
+
+
+@contextmanager
+def qh3_accounting() -> Iterator[collections.defaultdict[str, float]]:
+    """Count, in this process, what qh3's client does per transfer: receive batches, datagrams in and out,
+    and this thread's CPU seconds in its socket reads (with everything under them), in its core's
+    receive, in the events it hands to the application and in its transmits (the ACKs)."""
+    from qh3.asyncio import _transport as qh3_transport
+    from qh3.asyncio.protocol import QuicConnectionProtocol
+    from qh3.quic.connection import QuicConnection
+
+    counts: collections.defaultdict[str, float] = collections.defaultdict(float)
+    patched: list[tuple[Any, str, Any]] = []
+
+    def timed(owner: Any, name: str, key: str, count: Callable[..., None] | None = None) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if count is not None:
+                count(*args)
+            t0 = time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                counts[key] += time.thread_time() - t0
+
+        patched.append((owner, name, original))
+        setattr(owner, name, wrapper)
+
+    def received(protocol: Any, datagrams: list[bytes], *_: Any) -> None:
+        counts["receive batches"] += 1
+        counts["datagrams in"] += len(datagrams)
+
+    def transmitting(protocol: Any) -> None:
+        send = protocol._sendto_many
+        if send is not None and not getattr(send, "counted", False):
+            def sendto_many(datagrams: list[bytes], addr: Any) -> Any:
+                counts["datagrams out"] += len(datagrams)
+                return send(datagrams, addr)
+            sendto_many.counted = True  # type: ignore[attr-defined]
+            protocol._sendto_many = sendto_many
+
+    timed(qh3_transport.OptimizedDatagramTransport, "_recv_rust", "s socket reads and all under them")
+    timed(QuicConnection, "receive_many_datagrams", "s core receive")
+    timed(QuicConnectionProtocol, "datagrams_received", "s batch handling", received)
+    timed(QuicConnectionProtocol, "_process_events", "s events handed to the application")
+    timed(QuicConnectionProtocol, "transmit", "s transmits", transmitting)
+    try:
+        yield counts
+    finally:
+        for owner, name, original in reversed(patched):
+            setattr(owner, name, original)
+
+
+def transport_counts(tokens: int, runs: int, stack: str, link: str) -> str:
+    """Verified fetches and raw transfers of the same bytes alternating, ``runs`` each, from a relay (raw
+    sender) on ``stack`` to this process on qh3, under ``qh3_accounting``: per MB, qh3's datagrams in
+    and out (its ACKs) and its CPU by part, to compare what qh3 costs inside a fetch and raw."""
+    prompt = make_prompt(tokens)
+    mb = prompt.wire_bytes / 1e6
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    lines = [f"qh3 node, {stack} sender, {link}, {mb:.1f} MB per transfer; per MB (ms/MB for CPU):"]
+    try:
+        with common.test_certificates() as certdir, ExitStack() as stack_:
+            relay = RelayFetch(prompt, certdir, stack, link, loop, peer_stack="qh3")
+            stack_.callback(relay.close)
+            raw = stack_.enter_context(raw_quic(certdir, stack, link, prompt.wire_bytes, "qh3"))
+            for _ in range(runs):
+                for name, move in (("verified fetch", relay.fetch), ("raw QUIC", raw.run)):
+                    # The accounting's own wrappers cost the thread too: CPU per MB here is above the
+                    # unwrapped figure of the other modes, alike for both cases.
+                    with qh3_accounting() as counts:
+                        sample = move()
+                    parts = " ".join(f"{k.removeprefix('s ')} {1000 * v / mb:.2f}" if k.startswith("s ")
+                                     else f"{k} {v / mb:.1f}" for k, v in sorted(counts.items()))
+                    rate, node = mb / sample.seconds, 1000 * sample.client_cpu / mb
+                    lines.append(f"  {name:15s} {rate:6.1f} MB/s, node {node:5.2f} ms/MB: {parts}")
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+    lines.append(f"load {common.load_average()}")
+    return "\n".join(lines)
+
+
 def _figure(case: Case, prompt: Prompt) -> Figure:
     mb = prompt.wire_bytes / 1e6
     samples = case.samples
@@ -816,6 +937,14 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true",
                     help="instead: where one verified fetch spends CPU (relay per thread, the fetching loop "
                          "under cProfile), first stack, link and node stack given")
+    ap.add_argument("--layer-work", action="store_true",
+                    help="instead: the node's per-layer work of a verified fetch without the network "
+                         "(digest, decode into the cache's slots, import), CPU per layer, median of RUNS "
+                         "passes")
+    ap.add_argument("--transport-counts", action="store_true",
+                    help="instead: verified fetches and raw transfers alternating from the first stack and "
+                         "link to this process on qh3, counting qh3's datagrams in and out (its ACKs) and "
+                         "its CPU by part per MB")
     ap.add_argument("--serve-tls", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--fanout-child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -850,6 +979,12 @@ def main() -> int:
             ap.error("--relay-workers needs worker counts of at least 1")
         print_fanout(args.tokens, args.runs,
                      *fanout(args.tokens, args.runs, counts, stacks[0], links[0], relay_workers))
+        return 0
+    if args.layer_work:
+        print(layer_work(args.tokens, args.runs))
+        return 0
+    if args.transport_counts:
+        print(transport_counts(args.tokens, args.runs, stacks[0], links[0]))
         return 0
     if args.profile:
         peer = args.node_stacks.split(",")[0] if stacks[0] == "aiopquic" else None
