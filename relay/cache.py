@@ -19,6 +19,11 @@ Rules:
    equal share of the budget, so a group that floods the cache evicts itself, not the others.
 5. Persistent tier (``disk``, optional): every complete, final track is also written to disk in a worker
    thread; a memory miss looks there before going upstream. What comes back passes ``refusal`` again.
+6. A request that came from an upstream relay (``from_upstream``) is answered by local sources only, so
+   it shares an in-flight fill or query only with other such requests, never with one of ours that may go
+   upstream: that one could be waiting for this very request (two workers of ``relay.workers`` missing
+   one block at once, each asked by the hub while asking it), a cycle only the upstream timeout would
+   break. Its misses are not remembered either: they say nothing of what the upstream holds.
 """
 
 from __future__ import annotations
@@ -260,10 +265,13 @@ class Fill:
         end: Location,
         max_bytes: int,
         budget: InflightBudget | None = None,
+        from_upstream: bool = False,
     ) -> None:
         self.key = key
         self.start = start
         self.end = end
+        self.from_upstream = from_upstream
+        """Filled for a request from an upstream relay, from local sources only (rule 6)."""
         self.objects: list[CachedObject] = []
         self.info: FetchInfo | None = None
         self.bytes = 0
@@ -405,6 +413,8 @@ class ObjectCache:
         self._fills: dict[TrackKey, list[Fill]] = {}
         self._inflight = InflightBudget(config.max_inflight_bytes)
         self._status = Coalescer[TrackKey, TrackStatus]()
+        self._local_status = Coalescer[TrackKey, TrackStatus]()
+        """TRACK_STATUS queries for requests from an upstream relay, apart from ``_status``'s (rule 6)."""
         self._first_status = Coalescer[TrackKey, TrackStatus]()
         """TRACK_STATUS queries to ``track_status``'s ``asked_first``, shared apart from ``_status``'s."""
         self._tasks: set[asyncio.Task[None]] = set()
@@ -520,24 +530,32 @@ class ObjectCache:
         return TrackStatus(entry.largest(), True, entry.properties)
 
     # Fetch ---------------------------------------------------------------------------------------------
-    def _find_fill(self, key: TrackKey, start: Location, end: Location) -> Fill | None:
+    def _find_fill(self, key: TrackKey, start: Location, end: Location, from_upstream: bool) -> Fill | None:
         for fill in self._fills.get(key, ()):
-            if fill.start <= start and end <= fill.end and not fill.done:
+            if (
+                fill.start <= start
+                and end <= fill.end
+                and not fill.done
+                and fill.from_upstream == from_upstream
+            ):
                 return fill
         return None
 
-    def fetch(self, key: TrackKey, start: Location, end: Location, upstream: Upstream) -> FetchHandle:
-        """Serve ``[start, end)`` from cache, an in-flight fill, or one new upstream FETCH (in that order)."""
+    def fetch(
+        self, key: TrackKey, start: Location, end: Location, upstream: Upstream, from_upstream: bool = False
+    ) -> FetchHandle:
+        """Serve ``[start, end)`` from cache, an in-flight fill, or one new upstream FETCH (in that order);
+        ``from_upstream``: see rule 6."""
         hit = self.lookup(key, start, end)
         if hit is not None:
             return FetchHandle(start, end, cached=hit)
-        fill = self._find_fill(key, start, end)
+        fill = self._find_fill(key, start, end, from_upstream)
         if fill is not None:
             self.stats.coalesced += 1
             return FetchHandle(start, end, fill=fill, coalesced=True)
         self.stats.misses += 1
         self.stats.upstream_fetches += 1
-        fill = Fill(key, start, end, self.config.max_track_bytes, self._inflight)
+        fill = Fill(key, start, end, self.config.max_track_bytes, self._inflight, from_upstream)
         self._fills.setdefault(key, []).append(fill)
         handle = FetchHandle(start, end, fill=fill)
         handle.task = asyncio.get_running_loop().create_task(self._run_fill(fill, upstream))
@@ -712,12 +730,17 @@ class ObjectCache:
 
     # TRACK_STATUS --------------------------------------------------------------------------------------
     async def track_status(
-        self, key: TrackKey, upstream: Upstream, asked_first: Upstream | None = None
+        self,
+        key: TrackKey,
+        upstream: Upstream,
+        asked_first: Upstream | None = None,
+        from_upstream: bool = False,
     ) -> TrackStatus:
         """Answer from a complete cached track, ``asked_first``, a fresh negative entry, or one coalesced
         upstream query, in that order. ``asked_first`` (the workers behind the hub of ``relay.workers``)
         is asked on every miss and its DOES_NOT_EXIST is never remembered: what it holds changes without
-        this cache hearing of it, so only ``upstream``'s misses are negatively cached."""
+        this cache hearing of it, so only ``upstream``'s misses are negatively cached.
+        ``from_upstream``: see rule 6."""
         cached = self.cached_status(key)
         if cached is not None:
             self.stats.status_hits += 1
@@ -733,10 +756,12 @@ class ObjectCache:
             self.stats.negative_hits += 1
             raise RequestFailed(miss.code, miss.reason, miss.retry_interval)
 
+        queries = self._local_status if from_upstream else self._status
         try:
-            return await self._ask_status(self._status, key, upstream)
+            return await self._ask_status(queries, key, upstream)
         except RequestFailed as err:
-            if err.code == RequestErrorCode.DOES_NOT_EXIST and self.config.negative_ttl > 0:
+            remember = self.config.negative_ttl > 0 and not from_upstream
+            if err.code == RequestErrorCode.DOES_NOT_EXIST and remember:
                 self._negative[key] = (self._clock() + self.config.negative_ttl, err)
                 while len(self._negative) > self.config.max_negative_entries:
                     self._negative.popitem(last=False)

@@ -453,11 +453,14 @@ class Relay:
         from the upstream relays, first and on every miss: a worker hears of a block pushed to it, the hub
         does not, so only the upstream relays' misses are negatively cached there (a block pushed at one
         worker is found at once from every other)."""
+        from_upstream = requester.upstream is not None
         if not self.config.hub:
-            return await self.cache.track_status(key, self.upstream_for(key, requester))
+            return await self.cache.track_status(
+                key, self.upstream_for(key, requester), from_upstream=from_upstream
+            )
         workers = self._routed(lambda: self._by_speed(self._local_sources(key, requester)))
         upstreams = self._routed(lambda: self._by_speed(self._upstream_sources(requester)))
-        return await self.cache.track_status(key, upstreams, asked_first=workers)
+        return await self.cache.track_status(key, upstreams, asked_first=workers, from_upstream=from_upstream)
 
     def forget_peer(self, peer: Peer) -> None:
         self._count_session_refusals(peer)
@@ -555,7 +558,9 @@ class Relay:
             end_of_track = fan.track_ended and not fan.live_objects(served_end, (1 << 62, 0))
             objects = _iterate(live)
         else:
-            handle = self.cache.fetch(key, start, end, self.upstream_for(key, peer))
+            handle = self.cache.fetch(
+                key, start, end, self.upstream_for(key, peer), from_upstream=peer.upstream is not None
+            )
             outcome = "cache_hit" if handle.from_cache else ("coalesced" if handle.coalesced else "miss")
             try:
                 info = await handle.info()

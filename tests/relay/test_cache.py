@@ -295,6 +295,34 @@ async def test_an_error_other_than_a_miss_from_what_is_asked_first_is_the_answer
     assert failed.value.code == RequestErrorCode.EXCESSIVE_LOAD and up.statuses == 0
 
 
+async def test_a_request_from_upstream_never_shares_a_query_that_may_go_upstream() -> None:
+    """Rule 6: an upstream relay's request, answered by local sources, neither joins nor is joined by one
+    of ours going upstream (which may be waiting for it), and its misses are not remembered."""
+    local = ScriptedUpstream({key(b"a"): [obj(0)]})
+    up = ScriptedUpstream({key(b"a"): [obj(0)]})
+    up.gate = asyncio.Event()  # our own fill waits upstream...
+    cache = ObjectCache(CacheConfig(negative_ttl=10.0), clock=FakeClock())
+    ours = cache.fetch(key(b"a"), (0, 0), END, up)
+    theirs = cache.fetch(key(b"a"), (0, 0), END, local, from_upstream=True)
+    assert not theirs.coalesced  # ...and the upstream relay's request is answered meanwhile
+    assert [o.object_id async for o in theirs.objects()] == [0] and local.fetches == 1
+    assert cache.fetch(key(b"a"), (0, 0), END, local, from_upstream=True).from_cache  # stored, as any fill
+    up.gate.set()
+    assert [o.object_id async for o in ours.objects()] == [0] and up.fetches == 1
+
+    nowhere = ScriptedUpstream({})
+    for _ in range(2):
+        with pytest.raises(RequestFailed):
+            await cache.track_status(key(b"nope"), nowhere, from_upstream=True)
+    assert nowhere.statuses == 2 and cache.stats.negative_hits == 0  # not remembered
+    answers = await asyncio.gather(
+        cache.track_status(key(b"b"), nowhere, from_upstream=True),
+        cache.track_status(key(b"b"), nowhere),
+        return_exceptions=True,
+    )
+    assert all(isinstance(a, RequestFailed) for a in answers) and nowhere.statuses == 4  # not shared
+
+
 async def test_negative_caching_disabled_with_zero_ttl() -> None:
     up = ScriptedUpstream({})
     cache = ObjectCache(CacheConfig(negative_ttl=0))

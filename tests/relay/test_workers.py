@@ -33,6 +33,7 @@ from proto import events as me
 from proto.data import ObjectStatus
 from proto.errors import RequestErrorCode
 from proto.kvobject import block_track
+from proto.messages import Location
 from relay.cache import CacheConfig
 from relay.config import RelayConfig
 from relay.limits import LimitsConfig
@@ -274,6 +275,34 @@ async def test_a_miss_does_not_hide_a_block_pushed_at_another_worker_a_moment_la
             nothing = await missing.locate(other.hashes, ["lossless"])
             assert nothing.available == [] and nothing.probe_errors == {}, nothing
         assert rp.metrics(2).get("kvnet_relay_track_status_negative_hits_total", 0) >= 1
+    finally:
+        for conn in opened:
+            await conn.close_session()
+        rp.stop()
+
+
+async def test_the_same_miss_at_two_workers_at_once_is_answered_by_both(
+    cert_dir: CertDir, tmp_path: Path
+) -> None:
+    """Both workers ask the hub about the same absent block at once (TRACK_STATUS, then FETCH), and the hub
+    asks each of them about it meanwhile: each answers from its own sources, not by waiting for its own
+    question to the hub (which waits for that answer), so both clients hear DOES_NOT_EXIST, not TIMEOUT."""
+    rp = start_workers(cert_dir, tmp_path, "--upstream-timeout", "5")
+    settings = TransportSettings.for_link("loopback", "aioquic")
+    opened: list[MoqtConnection] = []
+    try:
+        on_0, on_1 = await one_session_per_worker(rp, settings, TlsSettings(ca_file=cert_dir.ca))
+        opened = [*on_0, *on_1]
+        for i in range(4):
+            ns, name = block_track(FINGERPRINT, NAMESPACE_ID, bytes([i]) * 32, "lossless")
+            located = await asyncio.gather(
+                on_0[0].track_status(ns, name), on_1[0].track_status(ns, name), return_exceptions=True
+            )
+            fetches = [await c.fetch(ns, name, Location(0, 0), Location(1, 0)) for c in (on_0[0], on_1[0])]
+            fetched = await asyncio.gather(*(f.ok() for f in fetches), return_exceptions=True)
+            for answers in (located, fetched):
+                codes = [a.code if isinstance(a, RequestRejected) else a for a in answers]
+                assert codes == [RequestErrorCode.DOES_NOT_EXIST] * 2, codes
     finally:
         for conn in opened:
             await conn.close_session()
