@@ -63,7 +63,7 @@ from relay.metrics import Metrics, MetricsServer
 from relay.peer import Peer, code_name
 from relay.router import NamespaceRouter, RouteLimitError
 from relay.tasks import spawn
-from relay.upstream import RoutedUpstream, Source, UpstreamRelay, cached_object
+from relay.upstream import RoutedUpstream, Source, UpstreamRelay, cached_object, no_route
 
 logger = logging.getLogger(__name__)
 
@@ -922,6 +922,8 @@ class Relay:
                 fan.ready.set_result(None)
                 outcome = "ok"
             else:
+                if self._would_wait_for_itself(fan, peer):
+                    raise no_route()
                 await asyncio.shield(fan.ready)
                 outcome = "joined"
             if not fan.ended and self.fanouts.get(key) is fan:
@@ -929,6 +931,19 @@ class Relay:
             # The fan-out ended while we waited (its upstream finished or its last subscriber left):
             # start over with a fresh upstream subscription.
         raise RequestFailed(RequestErrorCode.INTERNAL_ERROR, "upstream subscription kept ending")
+
+    def _would_wait_for_itself(self, fan: Fanout, peer: Peer) -> bool:
+        """A SUBSCRIBE from an upstream relay, which only local publishers may answer, finding the upstream
+        subscription of ``fan`` still pending on its way upstream, perhaps to that very relay, which waits
+        for our answer (two workers of ``relay.workers`` subscribing to one track at once): with no local
+        publisher to answer it, it is answered at once instead of joining (as FETCH and TRACK_STATUS are,
+        ``relay.cache`` rule 6)."""
+        return (
+            peer.upstream is not None
+            and not fan.ready.done()
+            and (fan.requester is None or fan.requester.upstream is None)
+            and not self._local_sources(fan.key, peer)
+        )
 
     def routes_changed(self) -> None:
         """A namespace or a track got a publisher: wake the requests waiting for one (rendezvous)."""

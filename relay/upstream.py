@@ -446,7 +446,8 @@ class _NoRoute(Exception):
         self.failure = failure
 
 
-def _no_route() -> RequestFailed:
+def no_route() -> RequestFailed:
+    """The answer when nothing may be asked: DOES_NOT_EXIST."""
     return RequestFailed(RequestErrorCode.DOES_NOT_EXIST, "no publisher or upstream relay for this track")
 
 
@@ -493,7 +494,7 @@ class RoutedUpstream:
             conn = await src.connection()
             if conn is None or conn.is_closed:
                 # An upstream relay that is reconnecting says so (the track may well exist there).
-                raise _NoRoute(src.unavailable() if isinstance(src, UpstreamRelay) else _no_route())
+                raise _NoRoute(src.unavailable() if isinstance(src, UpstreamRelay) else no_route())
             self._metrics.inc("upstream_requests_total", labels={"type": kind})
             return await attempt(src, conn)
 
@@ -517,7 +518,7 @@ class RoutedUpstream:
             except _NoRoute as exc:
                 raise exc.failure from None
             except (ConnectionClosed, StreamResetError):
-                raise _no_route() from None
+                raise no_route() from None
             src.slow = False
             return src, answer
 
@@ -525,7 +526,7 @@ class RoutedUpstream:
             while True:
                 if not running:
                     if not queue:
-                        raise unreachable or last or _no_route()
+                        raise unreachable or last or no_route()
                     start_next()
                 remaining = deadline - loop.time()
                 if remaining <= 0:

@@ -284,9 +284,10 @@ async def test_a_miss_does_not_hide_a_block_pushed_at_another_worker_a_moment_la
 async def test_the_same_miss_at_two_workers_at_once_is_answered_by_both(
     cert_dir: CertDir, tmp_path: Path
 ) -> None:
-    """Both workers ask the hub about the same absent block at once (TRACK_STATUS, then FETCH), and the hub
-    asks each of them about it meanwhile: each answers from its own sources, not by waiting for its own
-    question to the hub (which waits for that answer), so both clients hear DOES_NOT_EXIST, not TIMEOUT."""
+    """Both workers ask the hub about the same absent block at once (TRACK_STATUS, FETCH, SUBSCRIBE), and
+    the hub asks each of them about it meanwhile: each answers from its own sources, not by waiting for its
+    own question to the hub (which waits for that answer), so both clients hear DOES_NOT_EXIST, not
+    TIMEOUT."""
     rp = start_workers(cert_dir, tmp_path, "--upstream-timeout", "5")
     settings = TransportSettings.for_link("loopback", "aioquic")
     opened: list[MoqtConnection] = []
@@ -300,7 +301,10 @@ async def test_the_same_miss_at_two_workers_at_once_is_answered_by_both(
             )
             fetches = [await c.fetch(ns, name, Location(0, 0), Location(1, 0)) for c in (on_0[0], on_1[0])]
             fetched = await asyncio.gather(*(f.ok() for f in fetches), return_exceptions=True)
-            for answers in (located, fetched):
+            subscribed = await asyncio.gather(
+                on_0[0].subscribe(ns, name), on_1[0].subscribe(ns, name), return_exceptions=True
+            )
+            for answers in (located, fetched, subscribed):
                 codes = [a.code if isinstance(a, RequestRejected) else a for a in answers]
                 assert codes == [RequestErrorCode.DOES_NOT_EXIST] * 2, codes
     finally:
