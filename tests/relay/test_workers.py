@@ -3,8 +3,11 @@
 Real processes and real QUIC on loopback. Client sessions from distinct source ports land on both workers
 (seen in each worker's own metrics); blocks a publisher pushed and announced through one worker are located
 (TRACK_STATUS), fetched verified, subscribed to and watched (SUBSCRIBE_NAMESPACE) through the other, which
-then serves them from its own cache. SIGTERM to the supervisor stops every process; a worker killed makes
-the supervisor stop the rest and exit non-zero with one line saying which.
+then serves them from its own cache. A miss never hides a block pushed at another worker a moment later,
+while the hub still spares its upstream repeated misses; the same miss at both workers at once is answered,
+not deadlocked. SIGTERM to the supervisor stops every process; a worker killed makes the supervisor stop
+the rest and exit non-zero with one line saying which; a supervisor killed leaves no process and no
+credentials behind.
 """
 
 from __future__ import annotations
@@ -279,6 +282,28 @@ async def test_a_miss_does_not_hide_a_block_pushed_at_another_worker_a_moment_la
         for conn in opened:
             await conn.close_session()
         rp.stop()
+
+
+async def test_a_miss_of_the_whole_relay_is_asked_of_its_upstream_once_within_the_negative_ttl(
+    cert_dir: CertDir, tmp_path: Path
+) -> None:
+    """The hub still remembers its upstream relay's misses (the workers' it asks every time): repeated
+    misses of one block reach the origin once."""
+    origin = start_relay(cert_dir, tmp_path, name="origin")
+    rp = start_workers(cert_dir, tmp_path, "--upstream", origin.url, "--negative-ttl", "600")
+    settings = TransportSettings.for_link("loopback", "aioquic")
+    ns, name = block_track(FINGERPRINT, NAMESPACE_ID, bytes(32), "lossless")
+    try:
+        async with connect(rp.url, settings, TlsSettings(ca_file=cert_dir.ca)) as conn:
+            for _ in range(3):
+                with pytest.raises(RequestRejected) as missed:
+                    await conn.track_status(ns, name)
+                assert missed.value.code == RequestErrorCode.DOES_NOT_EXIST
+        asked = sum(v for k, v in origin.metrics().items() if "requests_total" in k and "track_status" in k)
+        assert asked == 1
+    finally:
+        rp.stop()
+        origin.stop()
 
 
 async def test_the_same_miss_at_two_workers_at_once_is_answered_by_both(
