@@ -156,9 +156,9 @@ def hub_config(config: RelayConfig, creds: HubCredentials) -> RelayConfig:
         lim,
         max_buffered_bytes=_share(lim.max_buffered_bytes, n + 1),
         # Its clients are the workers, all on one address and one identity, each keeping its session for
-        # the relay's life however idle. A worker whose session were closed as idle would reconnect at once,
-        # but the hub asks every worker on a miss, and until then one without a publisher (its cache holding
-        # pushed blocks) could not be asked; and N sessions cost the hub nothing worth reclaiming.
+        # the relay's life however idle. A worker closed as idle would reconnect at once, but until then
+        # the hub, which asks every worker on a miss, could not ask it (its cache may hold pushed blocks);
+        # and N sessions cost the hub nothing worth reclaiming.
         session_idle_timeout=0,
         pressure_idle_timeout=0,
         # A worker's session carries the namespaces of all its publishers (the hub's router bounds the
