@@ -21,7 +21,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvnet.errors import ContextLengthError
 from kvnet.logs import setup_logging_from_args
+from kvnet.model.engine import RequestTooLargeError
 from kvnet.model.registry import default_models_dir
 from kvnet.node.config import (
     NodeConfig,
@@ -63,6 +65,11 @@ async def run(config: PublisherConfig) -> int:
     progress = Progress.for_command(config.json_output)
     async with progress.activity(f"loading model {config.node.checkpoint or config.node.model}"):
         node = await start_node(config.node)
+    try:
+        node.check_prompts(config.prompts, 0)  # a publisher prefills its prompts and generates nothing
+    except (ContextLengthError, RequestTooLargeError):
+        await node.close()
+        raise
     if config.exit_after_publish and node.peer is None:
         # Nothing would outlive this process: say so rather than exit as if the blocks were published.
         await node.close()
@@ -123,6 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(run(config))
     except KeyboardInterrupt:
         return 130
+    except (ContextLengthError, RequestTooLargeError) as exc:
+        print(f"kvnet-publisher: error: {exc}", file=sys.stderr)
+        return 2
     except (ConnectionError, TimeoutError, OSError) as exc:
         print(f"kvnet-publisher: error: {exc}", file=sys.stderr)
         return 1

@@ -21,7 +21,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import count
 
+from kvnet.errors import ContextLengthError
 from kvnet.logs import setup_logging_from_args
+from kvnet.model.engine import RequestTooLargeError
 from kvnet.model.registry import default_models_dir
 from kvnet.node.config import (
     NodeConfig,
@@ -82,6 +84,7 @@ async def run(config: SubscriberConfig) -> int:
         node = await start_node(config.node)
     ok = True
     try:
+        node.check_prompts(config.prompts, config.node.max_new_tokens)
         for i, prompt in enumerate(config.prompts):
             tokens = len(node.encode_prompt(prompt))
             step = f"prompt {i + 1}/{len(config.prompts)}: {tokens} tokens: locate, fetch, prefill, generate"
@@ -125,6 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(run(config))
     except KeyboardInterrupt:
         return 130
+    except (ContextLengthError, RequestTooLargeError) as exc:
+        print(f"kvnet-subscriber: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,18 @@ from kvnet.blocks.signing import Signer, TrustStore
 from kvnet.cache.hashing import block_hashes, root_hash
 from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.dtypes import dtype_from_name, dtype_name
+from kvnet.errors import ContextLengthError
 from kvnet.model.batching import SchedulerConfig, SequenceFinished, SequenceRequest
 from kvnet.model.checkpoint import load_checkpoint
-from kvnet.model.engine import Admission, BatchEngine
-from kvnet.model.generate import GREEDY, SamplingParams, TokenCallback, cache_spec_for, generate
+from kvnet.model.engine import Admission, BatchEngine, RequestTooLargeError
+from kvnet.model.generate import (
+    GREEDY,
+    SamplingParams,
+    TokenCallback,
+    cache_spec_for,
+    check_context_length,
+    generate,
+)
 from kvnet.model.registry import default_models_dir, is_registered, resolve_model
 from kvnet.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvnet.model.transformer import Transformer
@@ -172,6 +181,24 @@ class Node:
 
     def encode_prompt(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
+
+    def check_prompts(self, prompts: Sequence[str], max_new_tokens: int) -> None:
+        """`ContextLengthError` or `RequestTooLargeError`, naming the prompt, for the first of ``prompts``
+        that cannot run here with ``max_new_tokens`` generated: past the model's context or larger than the
+        whole KV pool. One-shot commands check every prompt before any work, so a bad one fails at once."""
+        for i, text in enumerate(prompts, 1):
+            tokens = len(self.encode_prompt(text))
+            where = f"prompt {i}/{len(prompts)}"
+            try:
+                check_context_length(self.model, tokens, max_new_tokens)
+            except ContextLengthError as exc:
+                raise ContextLengthError(f"{where}: {exc}") from None
+            needed = self.engine.admission.blocks_needed(tokens, max_new_tokens)
+            if needed > self.engine.admission.num_blocks:
+                raise RequestTooLargeError(
+                    f"{where}: {tokens} tokens plus {max_new_tokens} new tokens need {needed} KV blocks; "
+                    f"the cache has {self.engine.admission.num_blocks} (--cache-blocks)"
+                )
 
     def _background(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
