@@ -279,7 +279,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging_from_args(args)
     try:
         rc: int = args.func(args)
-    except (certs.CertError, ValueError, OSError) as exc:
+    except FileExistsError as exc:
+        # Every subcommand that writes files takes --force to replace them.
+        print(f"kvnet: error: {exc.filename} already exists (--force replaces it)", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        reason = f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc)
+        print(f"kvnet: error: {reason}", file=sys.stderr)
+        return 2
+    except (certs.CertError, ValueError) as exc:
         print(f"kvnet: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

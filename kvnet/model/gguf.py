@@ -16,6 +16,7 @@ dtype the model runs in by default, which is what `load_checkpoint` casts to.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -243,7 +244,7 @@ def convert_gguf(
     if not gguf_file.is_file():
         raise GGUFError(f"no GGUF file at {gguf_file}")
     if directory.exists() and not overwrite:
-        raise GGUFError(f"{directory} already exists (pass overwrite to replace it)")
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(directory))
     progress(f"hashing {gguf_file.name}")
     sha256 = file_sha256(gguf_file)
     if expected_sha256 is not None and sha256 != expected_sha256.lower():

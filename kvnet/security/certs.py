@@ -18,6 +18,7 @@ command refuse unusable ones at start-up, with a reason, rather than at the firs
 from __future__ import annotations
 
 import datetime
+import errno
 import ipaddress
 import os
 import re
@@ -43,7 +44,7 @@ MAX_VALID_DAYS = 3650
 
 
 class CertError(Exception):
-    """A certificate operation failed (bad name or host, missing CA, existing files)."""
+    """A certificate operation failed (bad name or host, missing CA); an existing file is FileExistsError."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,13 +71,18 @@ def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
+def _exists(path: Path) -> FileExistsError:
+    """The error for a file that exists and ``overwrite`` was not given."""
+    return FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))
+
+
 def _write_private(path: Path, data: bytes, overwrite: bool) -> None:
     # O_EXCL + mode at creation: the key is never readable by others, not even for an instant.
     flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
     try:
         fd = os.open(path, flags, 0o600)
-    except FileExistsError as exc:
-        raise CertError(f"{path} already exists (use overwrite to replace it)") from exc
+    except FileExistsError:
+        raise _exists(path) from None
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.chmod(path, 0o600)
@@ -84,7 +90,7 @@ def _write_private(path: Path, data: bytes, overwrite: bool) -> None:
 
 def _write_public(path: Path, data: bytes, overwrite: bool) -> None:
     if path.exists() and not overwrite:
-        raise CertError(f"{path} already exists (use overwrite to replace it)")
+        raise _exists(path)
     path.write_bytes(data)
 
 
@@ -156,7 +162,7 @@ def create_ca(
     if not overwrite:
         for p in (paths.cert, paths.key):
             if p.exists():
-                raise CertError(f"{p} already exists (use overwrite to replace it)")
+                raise _exists(p)
     _write_private(paths.key, _key_pem(key), overwrite)
     _write_public(paths.cert, cert.public_bytes(serialization.Encoding.PEM), overwrite)
     return paths
@@ -241,7 +247,7 @@ def issue_cert(
     if not overwrite:
         for p in (cert_path, key_path):
             if p.exists():
-                raise CertError(f"{p} already exists (use overwrite to replace it)")
+                raise _exists(p)
     _write_private(key_path, _key_pem(key), overwrite)
     chain = cert.public_bytes(serialization.Encoding.PEM) + ca_cert.public_bytes(serialization.Encoding.PEM)
     _write_public(cert_path, chain, overwrite)

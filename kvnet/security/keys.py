@@ -108,19 +108,23 @@ def _write_new_file(path: Path, data: bytes, mode: int, overwrite: bool) -> None
     in place in one step: a reader sees the whole file or none. Without ``overwrite`` the link fails with
     ``FileExistsError`` when ``path`` exists, so of two processes creating one key exactly one wins."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if overwrite:
-            os.replace(tmp, path)
-        else:
-            os.link(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if overwrite:
+                os.replace(tmp, path)
+            else:
+                os.link(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    except OSError as exc:
+        # Name the file the caller asked for: the temporary name means nothing to whoever reads the error.
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
 
 
 def save_private_key(path: Path | str, private_key: Ed25519PrivateKey, overwrite: bool = False) -> None:

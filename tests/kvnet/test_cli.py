@@ -78,7 +78,7 @@ def test_token_issue_refuses_to_overwrite_and_rejects_bad_actions(
     ]
     assert main(args) == 0
     assert main(args) == 2  # the existing token file is kept
-    assert "error" in capsys.readouterr().err
+    assert capsys.readouterr().err == f"kvnet: error: {out} already exists (--force replaces it)\n"
     with pytest.raises(SystemExit):
         main(
             [
@@ -100,7 +100,20 @@ def test_token_issue_refuses_to_overwrite_and_rejects_bad_actions(
         )
 
 
-def test_issuer_key_is_private_and_not_overwritten(tmp_path: Path) -> None:
+def test_issuer_key_is_private_and_not_overwritten(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     key, _ = _issuer(tmp_path)
     assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    capsys.readouterr()
     assert main(["token", "issuer", "--key", str(key), "--public", str(tmp_path / "p2")]) == 2
+    # The error names the key file, not the temporary file it is written through.
+    assert capsys.readouterr().err == f"kvnet: error: {key} already exists (--force replaces it)\n"
+
+
+def test_file_errors_name_the_file_and_the_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "missing-dir" / "issuer.pem"
+    assert main(["token", "issuer", "--key", str(missing), "--public", str(tmp_path / "p")]) == 2
+    assert capsys.readouterr().err == f"kvnet: error: {missing}: No such file or directory\n"
+    assert main(["certs", "show", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"kvnet: error: {tmp_path}: Is a directory\n"

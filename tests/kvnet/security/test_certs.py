@@ -70,8 +70,9 @@ def test_leaf_verifies_with_stdlib_tls(tmp_path: Path) -> None:
 
 def test_refuses_overwrite_and_bad_input(tmp_path: Path) -> None:
     certs.create_ca(tmp_path)
-    with pytest.raises(certs.CertError, match="already exists"):
+    with pytest.raises(FileExistsError) as existing:
         certs.create_ca(tmp_path)
+    assert existing.value.filename == str(tmp_path / "ca.pem")
     certs.create_ca(tmp_path, overwrite=True)
     with pytest.raises(certs.CertError, match="invalid certificate name"):
         certs.issue_cert(tmp_path, "../evil", ["localhost"])
@@ -97,4 +98,4 @@ def test_cli_init_issue_show(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "CN=relay" in out and "127.0.0.1" in out
     # A second init without --force is a clear error, not a traceback.
     assert main(["certs", "init", "--dir", str(d)]) == 2
-    assert "already exists" in capsys.readouterr().err
+    assert capsys.readouterr().err == f"kvnet: error: {d / 'ca.pem'} already exists (--force replaces it)\n"
