@@ -97,7 +97,8 @@ class SettingsParser(argparse.ArgumentParser):
 
 def settings_parser(prog: str, description: str, *, config_file: bool = True) -> argparse.ArgumentParser:
     """A ``SettingsParser`` with defaults in ``--help``, ``--version`` and (``config_file``) ``--config``."""
-    parser = SettingsParser(prog=prog, description=description)
+    # Module docstrings, which commands use as their description, quote names in reST (``kvnet-node``).
+    parser = SettingsParser(prog=prog, description=description.replace("``", ""))
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     if config_file:
         parser.add_argument(

@@ -169,8 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = settings_parser("kvnet-node", __doc__.split("\n\n")[0])
     p.add_argument("--http", type=_hostport, default="127.0.0.1:8000", help="HTTP listen HOST:PORT")
     p.add_argument("--no-publish", action="store_true", help="reuse prefixes but do not publish blocks")
-    p.add_argument("--served-model-name", help="model name clients give in requests (None: the model's)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (None: no key)")
+    p.add_argument("--served-model-name", help="model name clients give in requests (default: the model's)")
+    p.add_argument(
+        "--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: no key; KVNET_API_KEY "
+        "keeps it out of the process list)",
+    )
     p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                    help="concurrent HTTP connections before answering 503")
     add_node_arguments(p, relay_required=False)

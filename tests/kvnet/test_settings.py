@@ -94,3 +94,11 @@ def test_help_shows_defaults_as_the_flags_take_them() -> None:
     text = " ".join(p.format_help().split())
     assert "bytes ahead (default: 4M)" in text and "renditions (default: lossless,int8)" in text
     assert "(default: None)" not in text and "(default: [])" not in text and "(default: False)" not in text
+
+
+def test_help_shows_a_docstring_description_as_plain_text() -> None:
+    from kvnet.node import serve
+
+    text = serve.build_parser().format_help()
+    assert "kvnet-node: a long-running node" in text and "``" not in text
+    assert "(None" not in text  # a flag without a default says what it means, not Python's None
