@@ -33,7 +33,6 @@ import struct
 import sys
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 import numpy as np
@@ -63,6 +62,8 @@ _MODE_ZSTD = 1
 # A zstd section is kept only if it saves at least this fraction; otherwise raw bytes decode for free.
 _MIN_SAVING = 0.03
 _MAX_SECTIONS = 16
+# The whole section table of a payload of n sections, read in one call.
+_TABLES = [struct.Struct("<" + "BII" * n) for n in range(_MAX_SECTIONS + 1)]
 
 # Wire codes of the element dtypes. The decoded tensor always has the dtype recorded here.
 _DTYPE_CODES: dict[torch.dtype, int] = {
@@ -100,9 +101,8 @@ class CodecError(KVCacheError, ValueError):
     """A payload cannot be encoded or decoded: bad shapes, dtypes, unknown codec, or corrupt bytes."""
 
 
-@dataclass(frozen=True, slots=True)
-class PayloadHeader:
-    """The fixed header at the start of every codec payload."""
+class PayloadHeader(NamedTuple):
+    """The fixed header at the start of every codec payload (a tuple: read once per layer object)."""
 
     version: int
     """Payload format version (``FORMAT_VERSION``)."""
@@ -120,11 +120,9 @@ class PayloadHeader:
     """Codec-specific parameter (int4: value group size)."""
 
 
-class _Section(NamedTuple):
-    # A tuple rather than a dataclass: a fetch splits every layer object into its sections.
-    mode: int
-    raw_len: int
-    data: bytes | memoryview
+_Section = tuple[int, int, bytes | memoryview]
+"""A section: mode, raw length and its stored bytes (a plain tuple: a fetch splits every layer object
+into sections, where each Python step counts)."""
 
 
 def read_header(data: bytes | bytearray | memoryview) -> PayloadHeader:
@@ -171,8 +169,8 @@ class Codec(ABC):
             _MAGIC, FORMAT_VERSION, self.codec_id, _DTYPE_CODES[dtype], flags, len(sections), 0, *shape,
             param, 0,
         )
-        table = b"".join(_SECTION.pack(s.mode, s.raw_len, len(s.data)) for s in sections)
-        return b"".join([header, table, *(s.data for s in sections)])
+        table = b"".join(_SECTION.pack(mode, raw_len, len(data)) for mode, raw_len, data in sections)
+        return b"".join([header, table, *(data for _, _, data in sections)])
 
     def decode(
         self,
@@ -227,7 +225,7 @@ class Codec(ABC):
             raise CodecError(f"payload shape {header.shape} has an empty dimension")
         expected = self._section_sizes(header)
         sections = self._split_sections(data, header, expected)
-        return header, [self._inflate(s) for s in sections]
+        return header, [self._inflate(*section) for section in sections]
 
     # -- per-codec hooks ----------------------------------------------------------------------------
 
@@ -274,8 +272,8 @@ class Codec(ABC):
         if try_zstd and len(view) > 64:
             packed = self._zstd()[0].compress(view)
             if len(packed) <= len(view) * (1.0 - _MIN_SAVING):
-                return _Section(_MODE_ZSTD, len(view), packed)
-        return _Section(_MODE_RAW, len(view), view)
+                return (_MODE_ZSTD, len(view), packed)
+        return (_MODE_RAW, len(view), view)
 
     def _split_sections(
         self, data: bytes | bytearray | memoryview, header: PayloadHeader, expected: list[int]
@@ -289,10 +287,11 @@ class Codec(ABC):
         view = memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
+        table = _TABLES[header.num_sections].unpack_from(view, _HEADER.size)
         sections: list[_Section] = []
         offset = table_end
         for i, want in enumerate(expected):
-            mode, raw_len, stored_len = _SECTION.unpack_from(view, _HEADER.size + i * _SECTION.size)
+            mode, raw_len, stored_len = table[3 * i : 3 * i + 3]
             if raw_len != want:
                 raise CodecError(f"section {i}: raw length {raw_len}, shape implies {want}")
             if mode == _MODE_RAW:
@@ -302,26 +301,26 @@ class Codec(ABC):
                 raise CodecError(f"section {i}: unknown mode {mode}")
             if offset + stored_len > len(view):
                 raise CodecError(f"payload truncated in section {i}")
-            sections.append(_Section(mode, raw_len, view[offset : offset + stored_len]))
+            sections.append((mode, raw_len, view[offset : offset + stored_len]))
             offset += stored_len
         if offset != len(view):
             raise CodecError(f"{len(view) - offset} trailing bytes after the last section")
         return sections
 
-    def _inflate(self, section: _Section) -> np.ndarray:
-        if section.mode == _MODE_RAW:
-            return np.frombuffer(section.data, dtype=np.uint8)
+    def _inflate(self, mode: int, raw_len: int, data: bytes | memoryview) -> np.ndarray:
+        if mode == _MODE_RAW:
+            return np.frombuffer(data, dtype=np.uint8)
         # The frame must declare exactly the size the shape implies, so a hostile frame cannot make us
         # allocate more than the validated length.
         try:
-            declared = zstandard.frame_content_size(section.data)
-            if declared != section.raw_len:
-                raise CodecError(f"zstd frame declares {declared} bytes, expected {section.raw_len}")
-            out = self._zstd()[1].decompress(section.data, max_output_size=section.raw_len)
+            declared = zstandard.frame_content_size(data)
+            if declared != raw_len:
+                raise CodecError(f"zstd frame declares {declared} bytes, expected {raw_len}")
+            out = self._zstd()[1].decompress(data, max_output_size=raw_len)
         except zstandard.ZstdError as exc:
             raise CodecError(f"corrupt zstd section: {exc}") from exc
-        if len(out) != section.raw_len:
-            raise CodecError(f"zstd section inflated to {len(out)} bytes, expected {section.raw_len}")
+        if len(out) != raw_len:
+            raise CodecError(f"zstd section inflated to {len(out)} bytes, expected {raw_len}")
         return np.frombuffer(out, dtype=np.uint8)
 
 
@@ -397,22 +396,23 @@ class LosslessCodec(Codec):
             return
         word_dtype = _UINT_TORCH[len(raw)]
         n = raw[0].size // 2  # the planes hold K's elements, then V's
-        for out, half in ((k_out, slice(0, n)), (v_out, slice(n, 2 * n))):
-            words = out.view(word_dtype).numpy().reshape(n)
-            _join_planes([plane[half] for plane in raw], words)
+        _join_planes(raw, k_out.view(word_dtype).numpy().reshape(n), 0)
+        _join_planes(raw, v_out.view(word_dtype).numpy().reshape(n), n)
 
 
-def _join_planes(planes: list[np.ndarray], words: np.ndarray) -> None:
-    """Write byte planes (plane p holds byte p, little-endian order, of every word) into ``words``, an
-    unsigned array of one word per element (a new array, or a cache slot's own memory)."""
+def _join_planes(planes: list[np.ndarray], words: np.ndarray, start: int = 0) -> None:
+    """Write elements ``start`` to ``start + words.size`` of byte planes (plane p holds byte p, little-endian
+    order, of every word) into ``words``, an unsigned array of one word per element (a new array, or a
+    cache slot's own memory)."""
+    stop = start + words.size
     if len(planes) == 2:
         # Shifting whole planes into the uint16 words is ~3x faster than a strided byte scatter.
-        np.left_shift(planes[1], 8, out=words, dtype=np.uint16)
-        np.bitwise_or(words, planes[0], out=words)
+        np.left_shift(planes[1][start:stop], 8, out=words, dtype=np.uint16)
+        np.bitwise_or(words, planes[0][start:stop], out=words)
         return
     interleaved = words.view(np.uint8).reshape(words.size, len(planes))
     for p, plane in enumerate(planes):
-        interleaved[:, p] = plane
+        interleaved[:, p] = plane[start:stop]
 
 
 # ---------------------------------------------------------------------------------------------------
