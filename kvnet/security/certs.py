@@ -278,6 +278,9 @@ def describe(cert_file: Path | str) -> str:
 
 def _tls_reason(exc: Exception) -> str:
     if isinstance(exc, ssl.SSLError):
+        if exc.reason is None and "PEM lib" in str(exc):
+            # OpenSSL's only word for a file of the wrong kind, e.g. a certificate given as the key.
+            return "not a PEM certificate chain and its private key (OpenSSL: PEM lib)"
         return exc.reason or exc.strerror or str(exc)  # e.g. NO_CERTIFICATE_OR_CRL_FOUND for a non-PEM file
     if isinstance(exc, OSError):
         return exc.strerror or str(exc)
