@@ -143,6 +143,13 @@ class ApiSettings:
     max_json_depth: int = MAX_JSON_DEPTH
     max_tokens_limit: int = MAX_TOKENS_LIMIT
 
+    def __post_init__(self) -> None:
+        # An empty key (an unset variable expanded into --api-key "$KEY") would silently open the API.
+        if self.api_key == "":
+            raise ValueError("--api-key is empty: give a key, or leave it out to serve without one")
+        if self.served_model_name == "":
+            raise ValueError("--served-model-name is empty: give a name, or leave it out for the model's")
+
 
 # -- request bodies ---------------------------------------------------------------------------------
 

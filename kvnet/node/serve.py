@@ -185,12 +185,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging_from_args(args)
     try:
         node_cfg = node_config_from_cli(args, os.environ.get("KVNET_HOME"), default_models_dir(os.environ))
+        api = ApiSettings(served_model_name=args.served_model_name, api_key=args.api_key)
     except (ValueError, OSError) as exc:
         print(f"kvnet-node: error: {exc}", file=sys.stderr)
         return 2
     host, port = args.http
     try:
-        api = ApiSettings(served_model_name=args.served_model_name, api_key=args.api_key)
         return asyncio.run(serve(ServeConfig(node=node_cfg, http_host=host, http_port=port,
                                              publish=not args.no_publish, api=api,
                                              max_connections=args.max_connections)))
