@@ -32,7 +32,7 @@ from kvnet.node.config import (
     node_config_from_cli,
     prompts_from_args,
 )
-from kvnet.node.node import start_node
+from kvnet.node.node import NodeStartError, start_node
 from kvnet.progress import Activity, Progress
 from kvnet.settings import parse_settings, settings_parser
 
@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(run(config))
     except KeyboardInterrupt:
         return 130
-    except (ContextLengthError, RequestTooLargeError) as exc:
+    except (NodeStartError, ContextLengthError, RequestTooLargeError) as exc:
         print(f"kvnet-subscriber: error: {exc}", file=sys.stderr)
         return 2
 

@@ -33,7 +33,7 @@ import torch
 
 from kvnet.blocks.disk import DiskTier
 from kvnet.blocks.identity import prompt_blocks
-from kvnet.blocks.signing import Signer, TrustStore
+from kvnet.blocks.signing import Signer, SigningError, TrustStore
 from kvnet.cache.hashing import block_hashes, root_hash
 from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.dtypes import dtype_from_name, dtype_name
@@ -87,11 +87,20 @@ def build_model(config: NodeConfig, models_dir: Path) -> tuple[Transformer, Toke
     return Transformer.from_name(config.model, device=device, dtype=dtype, seed=config.seed), ByteTokenizer()
 
 
+class NodeStartError(ValueError):
+    """The node cannot be built from its configuration (model, checkpoint, keys, cache directory); the
+    message names what, for a command's one-line error."""
+
+
 async def start_node(config: NodeConfig, *, calibrate: bool = True) -> Node:
-    """Build the node (model load and fingerprint in a thread) and connect it to its relay, if any."""
+    """Build the node (model load and fingerprint in a thread) and connect it to its relay, if any;
+    `NodeStartError` when its configuration cannot be used."""
     logger.info("loading model %s ...", config.checkpoint or config.model)
     torch.set_num_threads(config.torch_threads)
-    node = await asyncio.to_thread(Node.from_config, config)
+    try:
+        node = await asyncio.to_thread(Node.from_config, config)
+    except (ValueError, OSError, SigningError) as exc:  # e.g. a checkpoint whose files are unusable
+        raise NodeStartError(str(exc)) from None
     if calibrate:
         per_token = await asyncio.to_thread(node.calibrate)
         logger.info("model ready: fingerprint %s, prefill %.3f ms/token", node.fingerprint.hex()[:16],
@@ -130,7 +139,12 @@ class Node:
         self.fingerprint = model.fingerprint(config.block_size)
         salt, self.namespace_id = tenant_salt_and_namespace(config.tenant, node_secret)
         self.root = root_hash(self.fingerprint, salt)
-        disk = DiskTier(config.cache_dir, config.cache_dir_bytes) if config.cache_dir is not None else None
+        disk = None
+        if config.cache_dir is not None:
+            try:
+                disk = DiskTier(config.cache_dir, config.cache_dir_bytes)
+            except OSError as exc:
+                raise ValueError(f"--cache-dir {config.cache_dir}: {exc.strerror or exc}") from None
         self.store = BlockStore(config.store_bytes, disk)
         self.signer = signer or Signer.generate()
         # Never "accept anything": without a trust store a node trusts only its own key, and accepting
