@@ -42,6 +42,7 @@ from kvnet.net.quic import (
     limit_datagram_size,
     raise_stream_limits,
     request_client_certificate,
+    send_datagrams_built_before_a_failed_build,
     unsent_bytes,
     verify_client_certificate,
     window_limited,
@@ -141,6 +142,8 @@ class MoqtConnection(_ProtocolBase):
         self._client_ca_file = client_ca_file
         raise_stream_limits(quic, settings)
         limit_datagram_size(quic, settings)
+        if settings.stack == "qh3":
+            send_datagrams_built_before_a_failed_build(quic)
         if client_ca_file is not None:
             request_client_certificate(quic)
         loop = asyncio.get_running_loop()

@@ -811,6 +811,44 @@ def raise_stream_limits(quic: Any, settings: TransportSettings) -> None:
     quic._create_tls = create_tls
 
 
+_QH3_BUILD_CAPACITY = "packet builder capacity exhausted"
+
+
+def send_datagrams_built_before_a_failed_build(quic: Any) -> None:
+    """Make a qh3 connection send the datagrams it built before a packet it could not build.
+
+    qh3 2.1 answering an aioquic client's first flights reports "packet builder capacity exhausted" for
+    one of its packets (two to four times per handshake, at every datagram size), and its
+    ``datagrams_to_send`` then raises, dropping the datagrams it had already built and counted as sent:
+    the handshake waited ~1 s for their loss recovery, and each raise was an asyncio traceback in the
+    log. Its builder is transactional (a failed build consumes no frame and no packet number), so what
+    was built is sent and the rest waits for the next transmit: the handshake takes ~0.1 s.
+    aioquic and aiopquic need nothing."""
+    from qh3.quic.connection import QuicConnectionError
+
+    def datagrams_to_send(now: float) -> list[tuple[bytes, Any]]:
+        core = quic._core
+        if core is None:
+            return []
+        datagrams: list[tuple[bytes, Any]] = []
+        while True:
+            try:
+                transmit = quic._call_core(core.poll_transmit, now)
+            except QuicConnectionError as exc:
+                if exc.reason_phrase != _QH3_BUILD_CAPACITY:
+                    raise
+                logger.debug("qh3 could not build a packet (%s); sending the %d built before it",
+                             exc.reason_phrase, len(datagrams))
+                return datagrams
+            if transmit is None:
+                return datagrams
+            quic._log_datagram("datagrams_sent", transmit[0])
+            quic._log_packets("packet_sent", transmit[0])
+            datagrams.append((transmit[0], transmit[1]))
+
+    quic.datagrams_to_send = datagrams_to_send
+
+
 def request_client_certificate(quic: Any) -> None:
     """Make an aioquic server connection ask for a client certificate (checked after the handshake by
     ``verify_client_certificate``). aioquic sets the flag on a TLS context that only exists once the

@@ -13,7 +13,9 @@ import pytest
 from aioquic.asyncio import connect, serve
 
 from kvnet.net import quic
+from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect as connect_moqt
+from kvnet.net.endpoint import serve as serve_moqt
 from kvnet.security import certs
 from kvnet.tools import linkemu
 from proto.errors import PublishDoneCode
@@ -133,6 +135,34 @@ async def test_a_ca_held_in_memory_verifies_the_server_as_a_ca_file_does(tmp_pat
                 pass
     finally:
         server.close()
+
+
+async def test_a_qh3_server_sends_what_it_built_before_a_packet_it_could_not_build(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """qh3 2.1 answering an aioquic client fails to build one of its handshake packets a few times per
+    handshake. The datagrams built before it go out (``send_datagrams_built_before_a_failed_build``)
+    instead of being dropped with an asyncio traceback, and the handshakes complete."""
+    make_certificates(tmp_path, "server")
+    caplog.set_level(logging.DEBUG, logger="kvnet.net.quic")
+
+    async def no_requests(conn: MoqtConnection) -> None:
+        async for _ in conn.incoming_requests():
+            pass
+
+    server = await serve_moqt("127.0.0.1", 0, quic.TransportSettings(stack="qh3"),
+                              quic.TlsSettings.from_dir(tmp_path, "server"), no_requests)
+    try:
+        for _ in range(3):
+            async with connect_moqt(f"moqt://localhost:{server.address[1]}",
+                                    quic.TransportSettings(stack="aioquic"),
+                                    quic.TlsSettings.from_dir(tmp_path, None)) as conn:
+                assert not conn.is_closed
+    finally:
+        await server.close()
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    # The case arose (if a qh3 release stops failing these builds, the workaround can go).
+    assert any("could not build a packet" in r.getMessage() for r in caplog.records)
 
 
 def stack_class(name: str) -> Any:
