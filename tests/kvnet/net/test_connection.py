@@ -6,6 +6,7 @@ under kvnet's 3.11 its cases run in the environment ``scripts/setup-py312`` make
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -652,14 +653,12 @@ async def test_subscribe_namespace_and_tracks_streams_outlive_the_header_timeout
         await server.close()
 
 
-async def test_publish_done_waits_as_long_as_its_trailing_data_keeps_arriving(
-    pki: Path, settings: quic.TransportSettings
-) -> None:
-    """A push over 1452-byte datagrams trails its PUBLISH_DONE by seconds (about 4 s on aioquic, twice the
-    timeout below); the receiver's wait for the announced streams ends only after
-    ``publish_done_timeout`` without any of its bytes, so nothing is cut off. The timeout is 2 s, not
-    less: on a loaded machine aioquic's loss recovery alone has paused a transfer for over a second."""
-    payloads = [bytes([i]) * 100_000 for i in range(80)]
+async def _push_to_a_receiver(
+    pki: Path, stack: str, track: bytes, payloads: list[bytes], link: LinkParams | None = None
+) -> list[bytes]:
+    """PUBLISH ``track`` with ``payloads`` as one subgroup and PUBLISH_DONE right after writing them, to a
+    server whose wait for a PUBLISH_DONE's trailing streams is 2 s, over 1452-byte datagrams (through a
+    link emulator shaping the push's direction with ``link``, if given); the payloads the server got."""
     received: list[bytes] = []
     finished = asyncio.Event()
 
@@ -670,14 +669,18 @@ async def test_publish_done_waits_as_long_as_its_trailing_data_keeps_arriving(
             received.extend([o.payload async for o in objects if o.payload])
             finished.set()
 
-    small = quic.TransportSettings(stack=settings.stack, max_datagram_size=quic.DATAGRAM_SIZE_ETHERNET)
-    limits = ConnectionLimits(publish_done_timeout=2.0)
+    small = quic.TransportSettings(stack=stack, max_datagram_size=quic.DATAGRAM_SIZE_ETHERNET)
     server = await serve("127.0.0.1", 0, small, quic.TlsSettings.from_dir(pki, "server"), on_connection,
-                         limits=limits)
+                         limits=ConnectionLimits(publish_done_timeout=2.0))
     try:
-        async with connect(f"moqt://localhost:{server.address[1]}", small,
-                           quic.TlsSettings.from_dir(pki, None)) as conn:
-            ok = await conn.publish(NS, b"long-push", 21)
+        async with contextlib.AsyncExitStack() as contexts:
+            port = server.address[1]
+            if link is not None:
+                config = EmulatorConfig(listen=("127.0.0.1", 0), target=("127.0.0.1", port), upstream=link)
+                port = (await contexts.enter_async_context(LinkEmulator(config))).listen_address[1]
+            conn = await contexts.enter_async_context(
+                connect(f"moqt://127.0.0.1:{port}", small, quic.TlsSettings.from_dir(pki, None)))
+            ok = await conn.publish(NS, track, 21)
             sid = conn.open_subgroup(21, 0, 0)
             for i, payload in enumerate(payloads):
                 conn.send_subgroup_object(sid, i, payload, end_stream=i == len(payloads) - 1)
@@ -685,7 +688,18 @@ async def test_publish_done_waits_as_long_as_its_trailing_data_keeps_arriving(
             await asyncio.wait_for(finished.wait(), 120)
     finally:
         await server.close()
-    assert received == payloads
+    return received
+
+
+async def test_publish_done_waits_as_long_as_its_trailing_data_keeps_arriving(
+    pki: Path, settings: quic.TransportSettings
+) -> None:
+    """A push over 1452-byte datagrams trails its PUBLISH_DONE by seconds (about 4 s on aioquic, twice the
+    timeout); the receiver's wait for the announced streams ends only after ``publish_done_timeout``
+    without any of its bytes, so nothing is cut off. The timeout is 2 s, not less: on a loaded machine
+    aioquic's loss recovery alone has paused a transfer for over a second."""
+    payloads = [bytes([i]) * 100_000 for i in range(80)]
+    assert await _push_to_a_receiver(pki, settings.stack, b"long-push", payloads) == payloads
 
 
 async def test_publish_done_waits_while_a_large_trailing_object_is_still_arriving(
@@ -695,34 +709,8 @@ async def test_publish_done_waits_while_a_large_trailing_object_is_still_arrivin
     a link of 1 MB/s takes 5 s, more than twice the receiver's wait after PUBLISH_DONE, and arrives whole.
     The link's queue is short, so PUBLISH_DONE cannot wait behind most of the object in it."""
     payload = bytes(range(256)) * (5_000_000 // 256)
-    received: list[bytes] = []
-    finished = asyncio.Event()
-
-    async def on_connection(conn: MoqtConnection) -> None:
-        async for req in conn.incoming_requests():
-            assert isinstance(req, IncomingPublish)
-            objects = req.accept_publish(MessageParameters(forward=1))
-            received.extend([o.payload async for o in objects if o.payload])
-            finished.set()
-
-    small = quic.TransportSettings(stack=settings.stack, max_datagram_size=quic.DATAGRAM_SIZE_ETHERNET)
-    server = await serve("127.0.0.1", 0, small, quic.TlsSettings.from_dir(pki, "server"), on_connection,
-                         limits=ConnectionLimits(publish_done_timeout=2.0))
     slow = LinkParams(rate_bps=1_000_000, queue_packets=64)
-    config = EmulatorConfig(listen=("127.0.0.1", 0), target=("127.0.0.1", server.address[1]), upstream=slow)
-    try:
-        async with (
-            LinkEmulator(config) as emu,
-            connect(f"moqt://127.0.0.1:{emu.listen_address[1]}", small,
-                    quic.TlsSettings.from_dir(pki, None)) as conn,
-        ):
-            ok = await conn.publish(NS, b"one-large-object", 22)
-            sid = conn.open_subgroup(22, 0, 0)
-            conn.send_subgroup_object(sid, 0, payload, end_stream=True)
-            conn.publish_done(ok.request_id, PublishDoneCode.TRACK_ENDED, "done")
-            await asyncio.wait_for(finished.wait(), 120)
-    finally:
-        await server.close()
+    received = await _push_to_a_receiver(pki, settings.stack, b"one-large-object", [payload], slow)
     assert len(received) == 1 and received[0] == payload
 
 
