@@ -75,6 +75,9 @@ def _human(report: dict[str, object]) -> str:
     ]
     if "verified" in report:
         lines.append(f"verified         {report['verified']}")
+    fallback = report["fallback"]
+    assert isinstance(fallback, list)
+    lines.extend(f"fallback         {why}" for why in fallback)
     return "\n".join(lines)
 
 

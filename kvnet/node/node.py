@@ -172,6 +172,10 @@ class Node:
         """Continuous batching of every request's prefill and decode, with admission against the KV pool."""
         self.peer: RelayPeer | None = None
         """The relay session while it is up (None while disconnected or without a relay)."""
+        self.relay_problem: str | None = None
+        """Why there is no relay session, while there is none: the last attempt's error or why the last
+        session ended. Reports and health say it, so a misconfigured relay (wrong CA, a refused token) is
+        not visible only in warnings."""
         self._supervisor: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -365,7 +369,8 @@ class Node:
         if self.config.relay_url is not None:
             report.relay_connected = self.peer is not None and self.peer.connected
             if not report.relay_connected:
-                report.fallback.append("relay not connected: no remote prefix lookup")
+                why = f" ({self.relay_problem})" if self.relay_problem else ""
+                report.fallback.append(f"relay not connected{why}: no remote prefix lookup")
         if remote and self.peer is not None and local_blocks < usable:
             await self._remote_prefix(ids, hashes, local_blocks, usable, report)
         request = SequenceRequest(
@@ -498,11 +503,12 @@ class Node:
                 first_attempt.set()
                 redirect = None  # a redirect target that cannot be reached: back to the configured relay
                 delay = backoff.next_delay()
-                logger.warning("cannot reach relay %s (%s); next attempt in %.2f s", url,
-                               str(exc) or type(exc).__name__, delay)
+                self.relay_problem = f"cannot reach relay {url}: {str(exc) or type(exc).__name__}"
+                logger.warning("%s; next attempt in %.2f s", self.relay_problem, delay)
                 await self._wait_closing(delay)
                 continue
             self.peer = peer
+            self.relay_problem = None
             self.counters.relay_sessions += 1
             first_attempt.set()
             if self.config.push and self.config.republish_bytes and len(self.store):
@@ -513,6 +519,7 @@ class Node:
                 return
             # Requests see the node as disconnected at once; the old session is let go in the background.
             self.peer = None
+            self.relay_problem = f"relay {url}: {why}"
             self._background(peer.abandon())
             # Only a session that lasted resets the backoff: a relay that accepts and at once sends GOAWAY
             # (it is draining) must not be retried in a tight loop.
@@ -564,6 +571,7 @@ class Node:
             "fingerprint": self.fingerprint.hex(),
             "block_size": self.block_size,
             "relay_connected": self.peer is not None and self.peer.connected,
+            "relay_problem": self.relay_problem,
             "cache_blocks": st.num_blocks,
             "cached_blocks": st.cached_blocks,
             "store_entries": len(self.store),

@@ -13,11 +13,13 @@ import signal
 import socket
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvnet.model.tokenizer import ByteTokenizer
 from kvnet.net.reconnect import DEFAULT_CAP_S
+from kvnet.security import certs
 from tests.helpers.processes import RelayProcess, free_port, start_relay
 from tests.helpers.waiting import wait_until
 from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster, http_json
@@ -55,6 +57,21 @@ def _publish_then_fetch(url_a: str, url_b: str, prefix: str) -> dict[str, object
                "node A pushed its blocks to the relay")
     answer: dict[str, object] = http_json(f"{url_b}/v1/completions", {"prompt": prefix + "Q2?", **greedy})
     return answer
+
+
+def test_a_subscriber_the_relay_cannot_serve_says_why_in_its_report(
+    kv_cluster: Cluster, tmp_path: Path
+) -> None:
+    """A relay the subscriber cannot use (here: its certificate is not from the CA the subscriber was
+    given) costs a recompute, not the answer; the report names why, not only a warning in the log."""
+    kv_cluster.start_relay()
+    certs.create_ca(tmp_path / "other")
+    (report,) = kv_cluster.subscribe(["a prompt for a node without a relay " * 2],
+                                     "--ca", str(tmp_path / "other" / "ca.pem"))
+    assert report["relay_connected"] is False, report
+    (why,) = [f for f in report["fallback"] if f.startswith("relay not connected")]
+    assert f"cannot reach relay {kv_cluster.url()}: " in why, why
+    assert report["computed_tokens"] == report["prompt_tokens"]
 
 
 def test_node_started_before_relay_and_relay_restarted(kv_cluster: Cluster) -> None:
