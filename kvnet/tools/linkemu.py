@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,18 @@ class DirectionStats:
     bytes_forwarded: int = 0
     largest: int = 0
     """Largest datagram received (bytes of UDP payload)."""
+
+
+async def _resolve(what: str, address: tuple[str, int]) -> list[Any]:
+    """``getaddrinfo`` of a UDP address, its failure naming the address and its role."""
+    host, port = address
+    try:
+        info = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except socket.gaierror as exc:
+        raise OSError(f"{what} address {host}:{port}: {exc.strerror}") from None
+    if not info:
+        raise OSError(f"{what} address {host}:{port}: no address")
+    return info
 
 
 def parse_hostport(text: str) -> tuple[str, int]:
@@ -308,14 +321,10 @@ class LinkEmulator:
         self._scheduler = _Scheduler()
         self.upstream = _Direction(self.config.upstream, self._rng, self._scheduler)
         self.downstream = _Direction(self.config.downstream, self._rng, self._scheduler)
-        lhost, lport = self.config.listen
-        linfo = await loop.getaddrinfo(lhost, lport, type=socket.SOCK_DGRAM)
-        thost, tport = self.config.target
-        tinfo = await loop.getaddrinfo(thost, tport, type=socket.SOCK_DGRAM)
-        if not linfo or not tinfo:
-            raise OSError("could not resolve listen or target address")
+        linfo = await _resolve("listen", self.config.listen)
+        tinfo = await _resolve("target", self.config.target)
         self._target_family = tinfo[0][0]
-        self._target = tinfo[0][4]  # type: ignore[assignment]
+        self._target = tinfo[0][4]
         sock = socket.socket(linfo[0][0], socket.SOCK_DGRAM)
         try:
             sock.setblocking(False)
