@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvnet.blocks.signing import SigningError
 from kvnet.logs import setup_logging_from_args
 from kvnet.model.engine import Admission
 from kvnet.model.generate import SamplingParams, TokenCallback
@@ -38,7 +37,7 @@ from kvnet.node.httpapi import (
     bind_http,
 )
 from kvnet.node.metrics import NodeMetrics
-from kvnet.node.node import Node, start_node
+from kvnet.node.node import Node, NodeStartError, start_node
 from kvnet.progress import Progress
 from kvnet.settings import parse_settings, settings_parser
 
@@ -138,7 +137,7 @@ async def serve(config: ServeConfig) -> int:
         model = config.node.checkpoint or config.node.model
         async with Progress.for_command().activity(f"loading model {model}"):
             node = await start_node(config.node)
-    except (ValueError, OSError, SigningError) as exc:  # e.g. a checkpoint whose files are unusable
+    except NodeStartError as exc:
         sock.close()
         raise ConfigError(str(exc)) from None
     api = OpenAiApi(NodeBackend(node, config.publish), config.api)
