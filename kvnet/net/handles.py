@@ -134,7 +134,6 @@ class Subscription(_ObjectStream):
         """Subgroup streams of this subscription that ended (FIN or reset)."""
 
 
-
 # -------------------------------------------------------------------------------- incoming requests
 
 
