@@ -7,6 +7,10 @@ Callers catch ``KVCacheError`` to handle any of them.
 
 from __future__ import annotations
 
+import errno
+import os
+from pathlib import Path
+
 
 class KVCacheError(Exception):
     """Base class of every error raised by kvnet core."""
@@ -57,3 +61,9 @@ class InvalidTokenError(KVCacheError, ValueError):
 
 class ContextLengthError(KVCacheError):
     """A sequence would grow past the model's maximum context length."""
+
+
+def file_exists_error(path: Path | str) -> FileExistsError:
+    """The error for a file a call would create that exists already (its caller did not ask to replace
+    it): an ``OSError`` naming the file, which commands report as "PATH already exists"."""
+    return FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))

@@ -16,7 +16,6 @@ dtype the model runs in by default, which is what `load_checkpoint` casts to.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -33,6 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvnet.dtypes import DTYPE_BY_NAME
+from kvnet.errors import file_exists_error
 from kvnet.model.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 
 CONVERTER = "kvnet-gguf-v1"
@@ -244,7 +244,7 @@ def convert_gguf(
     if not gguf_file.is_file():
         raise GGUFError(f"no GGUF file at {gguf_file}")
     if directory.exists() and not overwrite:
-        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(directory))
+        raise file_exists_error(directory)
     progress(f"hashing {gguf_file.name}")
     sha256 = file_sha256(gguf_file)
     if expected_sha256 is not None and sha256 != expected_sha256.lower():

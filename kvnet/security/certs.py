@@ -18,7 +18,6 @@ command refuse unusable ones at start-up, with a reason, rather than at the firs
 from __future__ import annotations
 
 import datetime
-import errno
 import ipaddress
 import os
 import re
@@ -31,6 +30,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from kvnet.errors import file_exists_error
 
 CA_CERT_NAME = "ca.pem"
 CA_KEY_NAME = "ca-key.pem"
@@ -71,18 +72,13 @@ def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
-def _exists(path: Path) -> FileExistsError:
-    """The error for a file that exists and ``overwrite`` was not given."""
-    return FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))
-
-
 def _write_private(path: Path, data: bytes, overwrite: bool) -> None:
     # O_EXCL + mode at creation: the key is never readable by others, not even for an instant.
     flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
     try:
         fd = os.open(path, flags, 0o600)
     except FileExistsError:
-        raise _exists(path) from None
+        raise file_exists_error(path) from None
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.chmod(path, 0o600)
@@ -90,7 +86,7 @@ def _write_private(path: Path, data: bytes, overwrite: bool) -> None:
 
 def _write_public(path: Path, data: bytes, overwrite: bool) -> None:
     if path.exists() and not overwrite:
-        raise _exists(path)
+        raise file_exists_error(path)
     path.write_bytes(data)
 
 
@@ -162,7 +158,7 @@ def create_ca(
     if not overwrite:
         for p in (paths.cert, paths.key):
             if p.exists():
-                raise _exists(p)
+                raise file_exists_error(p)
     _write_private(paths.key, _key_pem(key), overwrite)
     _write_public(paths.cert, cert.public_bytes(serialization.Encoding.PEM), overwrite)
     return paths
@@ -247,7 +243,7 @@ def issue_cert(
     if not overwrite:
         for p in (cert_path, key_path):
             if p.exists():
-                raise _exists(p)
+                raise file_exists_error(p)
     _write_private(key_path, _key_pem(key), overwrite)
     chain = cert.public_bytes(serialization.Encoding.PEM) + ca_cert.public_bytes(serialization.Encoding.PEM)
     _write_public(cert_path, chain, overwrite)
