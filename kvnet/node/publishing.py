@@ -213,8 +213,14 @@ class BlockServer:
         # End {g, 0} with g past the block's group means "everything"; otherwise objects up to end.object-1.
         stop = last if end.group > BLOCK_GROUP_ID or end.object == 0 else min(end.object - 1, last)
         first = start.object if start.group == BLOCK_GROUP_ID else last + 1
-        # The whole track is known: End Of Track, End Location one past the last object (KVOBJECT.md 3).
-        req.accept_fetch(True, Location(BLOCK_GROUP_ID, len(block.objects)))
+        if first > stop:
+            # Draft-18 FETCH: a start past the largest object is INVALID_RANGE, not an empty success.
+            why = f"objects {first}..{stop} of a {last + 1}-object block"
+            req.reject(RequestErrorCode.INVALID_RANGE, why)
+            return
+        # FETCH_OK says exactly how far this response goes: End Of Track only when it reaches the block's
+        # last object. A relay caches what FETCH_OK claims, so a probe of object 0 must not claim the block.
+        req.accept_fetch(stop == last, Location(BLOCK_GROUP_ID, stop + 1))
         for object_id in range(first, stop + 1):
             if req.cancelled.is_set():
                 return

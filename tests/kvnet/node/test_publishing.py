@@ -79,8 +79,37 @@ async def test_fetch_of_a_range_sends_only_that_range(
     ns, name = block_track(FINGERPRINT, NAMESPACE_ID, stored.block_hash, "lossless")
     # [1, 3): layers 0 and 1, without the manifest.
     handle = await pair.client.fetch(ns, name, Location(BLOCK_GROUP_ID, 1), Location(BLOCK_GROUP_ID, 3))
+    ok = await handle.ok()
+    # FETCH_OK covers exactly the range sent: not the end of the track, End Location one past object 2.
+    assert (ok.end_of_track, ok.end_location) == (False, Location(BLOCK_GROUP_ID, 3))
     objects = [o for o in await handle.read_all() if o.status == ObjectStatus.NORMAL]
     assert [(o.object_id, o.payload) for o in objects] == [(1, stored.objects[1]), (2, stored.objects[2])]
+
+
+async def test_fetch_ok_claims_the_end_of_track_only_when_the_response_reaches_it(
+    pair: ConnectionPair, server: BlockServer, published: Published
+) -> None:
+    ns, name = block_track(FINGERPRINT, NAMESPACE_ID, published.blocks[1].block_hash, "lossless")
+    probe = await pair.client.fetch(ns, name, Location(BLOCK_GROUP_ID, 0), Location(BLOCK_GROUP_ID, 1))
+    ok = await probe.ok()  # the one-object manifest probe
+    assert (ok.end_of_track, ok.end_location) == (False, Location(BLOCK_GROUP_ID, 1))
+    assert len(await probe.read_all()) == 1
+    for end in (WHOLE_BLOCK_END, Location(BLOCK_GROUP_ID + 1, 0), Location(BLOCK_GROUP_ID, 1000)):
+        whole = await pair.client.fetch(ns, name, Location(BLOCK_GROUP_ID, 0), end)
+        ok = await whole.ok()
+        assert (ok.end_of_track, ok.end_location) == (True, WHOLE_BLOCK_END)
+        await whole.read_all()
+
+
+async def test_fetch_starting_past_the_last_object_is_an_invalid_range(
+    pair: ConnectionPair, server: BlockServer, published: Published
+) -> None:
+    ns, name = block_track(FINGERPRINT, NAMESPACE_ID, published.blocks[1].block_hash, "lossless")
+    for start in (WHOLE_BLOCK_END, Location(BLOCK_GROUP_ID + 1, 0)):
+        handle = await pair.client.fetch(ns, name, start, Location(BLOCK_GROUP_ID + 2, 0))
+        with pytest.raises(RequestRejected) as info:
+            await handle.read_all()
+        assert info.value.code == RequestErrorCode.INVALID_RANGE
 
 
 async def test_fetch_of_a_missing_block_is_refused(pair: ConnectionPair, server: BlockServer) -> None:
