@@ -88,6 +88,7 @@ class QMuxConnection:
         self._rx_left = 0
         self._rx_fin = False
         self._first_frame = True
+        self._frame_type: int | None = None  # of the frame being parsed, for CONNECTION_CLOSE
         self._now = 0.0
         self._last_activity = 0.0
         # connection flow control (RFC 9000 section 4.1)
@@ -417,11 +418,14 @@ class QMuxConnection:
             else:
                 record_end = pos + self._record_left
                 avail = min(end, record_end)
+                self._frame_type = None
                 try:
                     new_pos = self._parse_frame(buf, pos, avail, record_end)
                 except ShortRead:
                     if avail == record_end:
-                        raise QMuxFrameEncodingError("frame truncated by the end of its record") from None
+                        raise QMuxFrameEncodingError(
+                            "frame truncated by the end of its record", self._frame_type
+                        ) from None
                     break
                 self._record_left -= new_pos - pos
                 pos = new_pos
@@ -431,6 +435,7 @@ class QMuxConnection:
 
     def _parse_frame(self, buf: memoryview, pos: int, avail: int, record_end: int) -> int:
         frame_type, p = decode_varint(buf, pos, avail)
+        self._frame_type = frame_type
         if self._first_frame and frame_type != qf.QX_TRANSPORT_PARAMETERS:
             raise QMuxProtocolViolation("the first frame is not QX_TRANSPORT_PARAMETERS", frame_type)
         try:
