@@ -62,6 +62,10 @@ SECTION_FLAGS: dict[str, str] = {
     "max_object_bytes": "limits.max_object_bytes",
     "max_buffered_bytes": "limits.max_buffered_bytes_per_session",
     "max_buffered_bytes_total": "limits.max_buffered_bytes",
+    "max_held_bytes_per_session": "limits.max_held_bytes_per_session",
+    "max_held_bytes_per_address": "limits.max_held_bytes_per_address",
+    "max_held_bytes_per_identity": "limits.max_held_bytes_per_identity",
+    "max_held_bytes": "limits.max_held_bytes",
     "upstream_timeout": "limits.upstream_timeout",
     "upstream_idle_timeout": "limits.upstream_idle_timeout",
     "route_timeout": "limits.route_timeout",
@@ -184,6 +188,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--max-buffered-bytes-total", type=size_arg, help="bytes buffered for all sessions together"
     )
+    g.add_argument(
+        "--max-held-bytes-per-session", type=size_arg,
+        help="bytes of a session's pushed, not yet cached tracks the relay holds (oldest dropped beyond)",
+    )
+    g.add_argument(
+        "--max-held-bytes-per-address", type=size_arg,
+        help="the same for all sessions of one source IP (0 = no quota)",
+    )
+    g.add_argument(
+        "--max-held-bytes-per-identity", type=size_arg,
+        help="the same for all sessions of one token subject (0 = no quota)",
+    )
+    g.add_argument("--max-held-bytes", type=size_arg, help="the same for all sessions together")
     g.add_argument("--upstream-timeout", type=float, help="seconds an upstream relay has to answer a request")
     g.add_argument(
         "--upstream-idle-timeout", type=float,

@@ -74,6 +74,8 @@ class Fanout:
         FETCHes of the live track (nobody else has them) and are stored in the cache once the track is
         complete."""
         self.publish_bytes = 0
+        self.held_dropped = False
+        """A limit on held bytes (``Relay.hold``) dropped this track's objects: none are held any more."""
         self.requester: Peer | None = None
         """The session whose SUBSCRIBE started the upstream subscription (routes never lead back to it)."""
         self.resumed = 0
@@ -82,6 +84,28 @@ class Fanout:
         self.ended = False
         self.track_ended = False
         """An END_OF_TRACK object arrived from the source."""
+
+    @property
+    def holder(self) -> Peer:
+        """The session whose PUBLISH feeds this track (``relay.relay.Holding``)."""
+        assert self.source_peer is not None
+        return self.source_peer
+
+    @property
+    def held_bytes(self) -> int:
+        return self.publish_bytes
+
+    def drop_held(self) -> None:
+        """Let go of the held objects of this PUBLISH-fed track for good: live subscribers still get
+        what follows, the track is no longer served from here or cached whole."""
+        self.held_dropped = True
+        self._release_held()
+
+    def _release_held(self) -> None:
+        if self.publish_objects is not None and self.source_peer is not None:
+            self.relay.release_held(self)
+            self.publish_objects.clear()
+            self.publish_bytes = 0
 
     def add(self, sub: DownstreamSubscriber) -> None:
         self.subs[(sub.peer.id, sub.request_id)] = sub
@@ -162,6 +186,7 @@ class Fanout:
         self.ended = True
         if self.relay.fanouts.get(self.key) is self:
             del self.relay.fanouts[self.key]
+        self._release_held()
         for sub in list(self.subs.values()):
             if sub.dropped or sub.peer.conn.is_closed:
                 sub.ended.set()
@@ -255,20 +280,25 @@ class Fanout:
     def _collect(self, obj: CachedObject) -> None:
         objs = self.publish_objects
         assert objs is not None
-        budget = self.relay.config.cache.max_track_bytes
+        if self.held_dropped:
+            return
+        relay = self.relay
+        budget = relay.config.cache.max_track_bytes
         if obj.status == ObjectStatus.END_OF_TRACK:
             # A PUBLISH-pushed track that starts at {0,0} and has no gaps is complete: cache it so FETCH and
             # TRACK_STATUS are served without asking the publisher.
             contiguous = all(o.location == (0, i) for i, o in enumerate(objs))
             if objs and contiguous and obj.location == (0, len(objs)):
-                self.relay.cache.put_track(
-                    self.key, list(objs), FetchInfo((0, len(objs)), True, self.properties)
-                )
+                relay.cache.put_track(self.key, list(objs), FetchInfo((0, len(objs)), True, self.properties))
+                if relay.cache.cached_status(self.key) is not None:
+                    self._release_held()  # the cache serves it now (and counts its bytes)
             return
         # Over the budget the oldest objects go; a track that lost its start is never cached whole.
         while objs and self.publish_bytes + obj.size > budget:
-            self.publish_bytes -= objs.popleft().size
-        if obj.size > budget:
+            size = objs.popleft().size
+            self.publish_bytes -= size
+            relay.unhold(self, size)
+        if obj.size > budget or not relay.hold(self, obj.size):
             return
         objs.append(obj)
         self.publish_bytes += obj.size

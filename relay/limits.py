@@ -8,7 +8,12 @@ allowed, more buffered bytes than allowed) is closed, other sessions are untouch
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from proto.errors import RequestErrorCode
 
@@ -58,6 +63,19 @@ class LimitsConfig:
     """Bytes buffered for all sessions together (queued toward peers plus received and not yet
     consumed). Beyond it new FETCH/SUBSCRIBE/PUBLISH get EXCESSIVE_LOAD and the sessions holding the
     most are cut off (their data requests reset) until the total is back under it."""
+    max_held_bytes_per_session: int = 256 * 1024 * 1024
+    """Bytes of pushed objects held for one publisher session outside the cache: the objects of its
+    PUBLISHed tracks that have not ended (kept to serve FETCHes of the live track and to cache it once
+    complete) and the copies it contends with (``relay.admission``). Beyond it that session's oldest
+    held track is dropped (its objects still flow to live subscribers; it is not cached whole)."""
+    max_held_bytes_per_address: int = 512 * 1024 * 1024
+    """The same for all sessions of one source address together (0 = no quota): the oldest held track of
+    that address's session holding the most is dropped."""
+    max_held_bytes_per_identity: int = 512 * 1024 * 1024
+    """The same for all sessions of one token subject together (0 = no quota)."""
+    max_held_bytes: int = 1024 * 1024 * 1024
+    """Bytes of pushed objects held for all sessions together; beyond it the session holding the most
+    loses its oldest held track first."""
     max_subscribers_per_track: int = 4096
     """Downstream subscriptions fanned out from one upstream track."""
     upstream_timeout: float = 10.0
@@ -103,6 +121,8 @@ class LimitsConfig:
             "max_object_bytes",
             "max_buffered_bytes_per_session",
             "max_subscribers_per_track",
+            "max_held_bytes_per_session",
+            "max_held_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -135,6 +155,8 @@ class LimitsConfig:
             "max_requests_per_identity",
             "max_buffered_bytes_per_address",
             "max_buffered_bytes_per_identity",
+            "max_held_bytes_per_address",
+            "max_held_bytes_per_identity",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -215,3 +237,59 @@ class Quota:
 def source_host(peer_address: str) -> str:
     """The IP address of ``host:port`` (IPv6 hosts contain colons; the port is after the last one)."""
     return peer_address.rpartition(":")[0] or peer_address
+
+
+class HeldBytes:
+    """Bytes the relay holds for sessions outside the cache (objects of pushed tracks), counted per
+    session, per source address, per token subject and in total, against ``LimitsConfig``'s
+    ``max_held_bytes*`` bounds. Only counts; what is dropped when a bound is hit is the relay's choice."""
+
+    def __init__(self, limits: LimitsConfig) -> None:
+        self.total = 0
+        self.by_session: dict[int, int] = {}
+        self.by_address: dict[str, int] = {}
+        self.by_identity: dict[str, int] = {}
+        self._bounds: tuple[tuple[str, dict[Any, int], int], ...] = (
+            ("held_bytes_per_session", self.by_session, limits.max_held_bytes_per_session),
+            ("held_bytes_per_address", self.by_address, limits.max_held_bytes_per_address),
+            ("held_bytes_per_identity", self.by_identity, limits.max_held_bytes_per_identity),
+        )
+        self.limit = limits.max_held_bytes
+
+    def exceeded(self, session: int, address: str | None, identity: str | None, n: int) -> str | None:
+        """The first bound that ``n`` more bytes of ``session`` would pass (its metric label), or None."""
+        for (label, used, limit), key in zip(self._bounds, (session, address, identity), strict=True):
+            if key is not None and limit and used.get(key, 0) + n > limit:
+                return label
+        return "held_bytes_global" if self.total + n > self.limit else None
+
+    def add(self, session: int, address: str | None, identity: str | None, n: int) -> None:
+        """Count ``n`` more bytes (negative: fewer) for ``session``; a key left with none is forgotten."""
+        self.total += n
+        for (_, used, _), key in zip(self._bounds, (session, address, identity), strict=True):
+            if key is None:
+                continue
+            left = used.get(key, 0) + n
+            if left > 0:
+                used[key] = left
+            else:
+                used.pop(key, None)
+
+
+def return_freed_memory() -> None:
+    """Hand the pages of freed heap memory back to the system (glibc's ``malloc_trim``). Large payloads
+    freed in bulk (a session's held tracks) otherwise stay in the process's heap, counted in its RSS,
+    until later allocations reuse them; elsewhere (no glibc) nothing is done."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim: Callable[[int], int] = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return trim

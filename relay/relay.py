@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
+from typing import Protocol
 
 from kvnet.blocks.disk import DiskTier
 from kvnet.blocks.signing import SigningError, TrustStore
@@ -58,7 +59,7 @@ from relay.cache import (
 from relay.cache import Location as Position
 from relay.config import RelayConfig, startup_reason
 from relay.fanout import DownstreamSubscriber, Fanout
-from relay.limits import LimitExceeded, Quota, Slots, source_host
+from relay.limits import HeldBytes, LimitExceeded, Quota, Slots, return_freed_memory, source_host
 from relay.metrics import Metrics, MetricsServer
 from relay.peer import Peer, code_name
 from relay.router import NamespaceRouter, RouteLimitError
@@ -66,6 +67,23 @@ from relay.tasks import spawn
 from relay.upstream import RoutedUpstream, Source, UpstreamRelay, cached_object, no_route
 
 logger = logging.getLogger(__name__)
+
+TRIM_AFTER_BYTES = 16 * 1024 * 1024
+"""Held bytes released since memory was last handed back to the system that make it worth doing again."""
+
+
+class Holding(Protocol):
+    """Objects of one pushed track held for the session that pushed it (a PUBLISH-fed ``Fanout``, a
+    contending copy): what ``Relay.hold`` charges and may drop."""
+
+    @property
+    def holder(self) -> Peer: ...
+
+    @property
+    def held_bytes(self) -> int: ...
+
+    def drop_held(self) -> None:
+        """Let go of every held object (releasing them with ``Relay.release_held``) and hold no more."""
 
 
 class Relay:
@@ -98,6 +116,11 @@ class Relay:
         self.buffered_since = 0
         """Object bytes written toward peers since that sweep (so the estimate never lags behind)."""
         self._swept = asyncio.Event()
+        self.held = HeldBytes(lim)
+        """Bytes of pushed objects held outside the cache, per session, address, identity and in total."""
+        self.holdings: dict[int, dict[Holding, None]] = {}
+        """By session id: its tracks holding objects (``hold``), oldest first."""
+        self._freed_since_trim = 0
         self.fanouts: dict[TrackKey, Fanout] = {}
         self.ns_watchers: dict[tuple[int, int], tuple[Peer, IncomingRequest, tuple[bytes, ...]]] = {}
         self.track_watchers: dict[tuple[int, int], tuple[Peer, tuple[bytes, ...]]] = {}
@@ -232,6 +255,7 @@ class Relay:
         self._cut_biggest(held, lim.max_buffered_bytes, "buffered_bytes_global", total)
         self.buffered_sample = total
         self.buffered_since = 0
+        self.trim_freed_memory()
         self._swept.set()
         self._swept = asyncio.Event()
 
@@ -352,6 +376,11 @@ class Relay:
         m.gauge_fn(
             "buffered_bytes", "bytes buffered for all sessions (last sweep)", lambda: self.buffered_sample
         )
+        m.gauge_fn(
+            "held_bytes",
+            "bytes of pushed objects held for sessions outside the cache",
+            lambda: self.held.total,
+        )
         m.counter("sessions_closed_total", "sessions closed by a timeout or limit, by reason")
         m.counter("request_header_timeouts_total", "request streams reset for a late first message")
         m.gauge_fn("cache_share_groups", "cache share groups holding tracks", lambda: c.share_groups)
@@ -412,6 +441,70 @@ class Relay:
                 },
             )
         return reason
+
+    # -- objects held for sessions outside the cache -----------------------------------------------------
+    def hold(self, holding: Holding, n: int) -> bool:
+        """Charge ``n`` more held bytes to ``holding``'s session. Over a bound (per session, address,
+        identity, or in total), holdings are dropped until it fits: the oldest of the session over it, or
+        of the session holding the most in the address, identity or relay over it. False when ``holding``
+        itself was dropped (or holds nothing and ``n`` alone is over a bound): the object is not held."""
+        peer = holding.holder
+        while (label := self.held.exceeded(peer.id, peer.host, peer.identity, n)) is not None:
+            victim = self._held_victim(label, peer) or holding
+            self.metrics.inc("limit_rejections_total", labels={"limit": label})
+            victim.holder.log.warning(
+                "dropping a held pushed track over a limit",
+                extra={"limit": label, "bytes": victim.held_bytes},
+            )
+            victim.drop_held()
+            if victim is holding:
+                return False
+        self.held.add(peer.id, peer.host, peer.identity, n)
+        self.holdings.setdefault(peer.id, {})[holding] = None
+        return True
+
+    def unhold(self, holding: Holding, n: int) -> None:
+        """``n`` bytes of ``holding`` were let go."""
+        peer = holding.holder
+        self.held.add(peer.id, peer.host, peer.identity, -n)
+        self._freed_since_trim += n
+
+    def release_held(self, holding: Holding) -> None:
+        """``holding`` lets go of everything it held (its track ended, was cached, or was dropped)."""
+        self.unhold(holding, holding.held_bytes)
+        mine = self.holdings.get(holding.holder.id)
+        if mine is not None:
+            mine.pop(holding, None)
+            if not mine:
+                del self.holdings[holding.holder.id]
+
+    def _held_victim(self, label: str, peer: Peer) -> Holding | None:
+        """The holding to drop for bound ``label``: the oldest non-empty one of ``peer``'s session
+        (session bound) or of the session holding the most within the scope over its bound."""
+        if label == "held_bytes_per_session":
+            owner = peer.id
+        else:
+            def in_scope(session: int) -> bool:
+                first = next(iter(self.holdings[session]), None)
+                if first is None:
+                    return False
+                if label == "held_bytes_per_address":
+                    return first.holder.host == peer.host
+                if label == "held_bytes_per_identity":
+                    return first.holder.identity == peer.identity
+                return True
+
+            scope = [s for s in self.holdings if in_scope(s)]
+            if not scope:
+                return None
+            owner = max(scope, key=lambda s: self.held.by_session.get(s, 0))
+        return next((h for h in self.holdings.get(owner, {}) if h.held_bytes > 0), None)
+
+    def trim_freed_memory(self) -> None:
+        """Hand freed heap pages back to the system once enough held bytes were released."""
+        if self._freed_since_trim >= TRIM_AFTER_BYTES:
+            self._freed_since_trim = 0
+            return_freed_memory()
 
     def candidates(self, key: TrackKey, exclude: Peer | None) -> list[Source]:
         """Longest-prefix publishers (at the hub of ``relay.workers``, then every other worker), then the
@@ -482,6 +575,9 @@ class Relay:
                 fan.remove(peer, key[1])
             if fan.source_peer is peer and fan.task is not None:
                 fan.task.cancel()
+        for holding in list(self.holdings.get(peer.id, {})):
+            holding.drop_held()  # what the session pushed is released with it, whatever its tasks do
+        self.trim_freed_memory()
         peer.log.info("session ended", extra={"routes_removed": removed, "closed": peer.conn.session.closed})
 
     # -- connections ---------------------------------------------------------------------------------
@@ -1011,34 +1107,60 @@ class Relay:
 
     async def _collect_contender(self, peer: Peer, req: IncomingPublish, key: TrackKey) -> None:
         """Accept a PUBLISH of a block track another session is already publishing, collect its objects
-        (at most ``cache.max_track_bytes``) and offer the complete track to the cache, where admission
-        decides. Subscribers are not fanned this copy live; they get it from the cache."""
+        (at most ``cache.max_track_bytes``, charged to the session's held bytes) and offer the complete
+        track to the cache, where admission decides. Subscribers are not fanned this copy live; they get
+        it from the cache."""
         source = req.accept_publish(MessageParameters(forward=1))
         self.count("publish", "contender")
-        objects: list[CachedObject] = []
-        size = 0
+        copy = ContendingCopy(self, peer)
         budget = self.config.cache.max_track_bytes
         try:
             async for ev in source:
                 obj = cached_object(ev)
                 self.metrics.inc("bytes_in_total", len(ev.payload))
+                if copy.dropped:
+                    continue  # a held-bytes limit let go of it: nothing complete to offer
                 if obj.status == ObjectStatus.END_OF_TRACK:
                     if self.cache.cached_status(key) is None:
                         end = (obj.group, obj.object_id)
-                        self.cache.put_track(key, objects, FetchInfo(end, True, req.event.track_properties))
+                        info = FetchInfo(end, True, req.event.track_properties)
+                        self.cache.put_track(key, copy.objects, info)
                     break
-                size += obj.size
-                if size > budget:
-                    peer.log.info("contending PUBLISH over the track budget; dropped", extra={"bytes": size})
+                if copy.held_bytes + obj.size > budget:
+                    peer.log.info(
+                        "contending PUBLISH over the track budget; dropped",
+                        extra={"bytes": copy.held_bytes + obj.size},
+                    )
                     break
-                objects.append(obj)
+                if self.hold(copy, obj.size):
+                    copy.objects.append(obj)
+                    copy.held_bytes += obj.size
         except (ConnectionClosed, RequestRejected, StreamResetError, LimitError):
             pass  # the contender went away: nothing complete to offer
+        finally:
+            copy.drop_held()
 
     # -- shutdown ------------------------------------------------------------------------------------------
     async def close(self) -> None:
         for up in self.upstreams:
             await up.close()
+
+
+class ContendingCopy:
+    """The objects of a contending PUBLISH being collected (``Relay._collect_contender``): a ``Holding``."""
+
+    def __init__(self, relay: Relay, holder: Peer) -> None:
+        self.relay = relay
+        self.holder = holder
+        self.objects: list[CachedObject] = []
+        self.held_bytes = 0
+        self.dropped = False
+
+    def drop_held(self) -> None:
+        self.relay.release_held(self)
+        self.objects = []
+        self.held_bytes = 0
+        self.dropped = True
 
 
 async def _iterate(objects: list[CachedObject]) -> AsyncIterator[CachedObject]:

@@ -5,8 +5,10 @@ peer keeps being served."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
+from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.errors import ConnectionClosed, RequestRejected, StreamResetError
 from kvnet.net.quic import TlsSettings
@@ -312,3 +314,78 @@ async def test_setup_must_complete_within_the_deadline(
         await asyncio.wait_for(peer.terminated, DEFAULT_TIMEOUT)
         # Closed for the missing SETUP, not before the deadline (no upper bound: it moves with the load).
         assert time.monotonic() - started > 0.9
+
+
+
+MIB = 1 << 20
+
+
+async def push_never_ended(
+    conn: MoqtConnection, aliases: itertools.count[int], prefix: str, tracks: int, size: int
+) -> None:
+    """PUBLISH ``tracks`` tracks of four ``size``-byte objects and never end them: no END_OF_TRACK, no
+    PUBLISH_DONE (the relay holds each as a live track of this session)."""
+    for t in range(tracks):
+        alias = next(aliases)
+        await conn.publish(NS, f"{prefix}{t}".encode(), alias)
+        sid = conn.open_subgroup(alias, 0, 0)
+        for i in range(4):
+            conn.send_subgroup_object(sid, i, bytes([65 + t % 26]) * size)
+            await conn.wait_writable()
+
+
+async def test_never_ended_pushes_hold_bounded_memory_released_on_close(
+    cert_dir: CertDir, relay_factory: RelayFactory
+) -> None:
+    """A session pushing tracks it never ends made the relay hold every object (48 MiB more per round
+    of 12 x 4 MiB, kept after the session closed); now at most its quota is held, the oldest tracks
+    go first, and all of it is released when the session ends."""
+    rp = relay_factory("--max-held-bytes-per-session", "16M", "--cache-bytes", "1M", name="held")
+    rss_before = rp.rss_bytes()
+    conn = await connect_client(rp.url, str(cert_dir.ca))
+    aliases = itertools.count(1)
+    pushed = 0
+    try:
+        for round_ in range(4):
+            await push_never_ended(conn, aliases, f"r{round_}-", 12, MIB)
+            pushed += 12 * 4 * MIB
+            await rp.wait_metric("kvnet_relay_bytes_in_total", pushed)
+            m = await rp.ametrics()
+            assert 0 < m["kvnet_relay_held_bytes"] <= 16 * MIB
+        assert m['kvnet_relay_limit_rejections_total{limit="held_bytes_per_session"}'] > 0
+        assert m["kvnet_relay_fanouts"] == 48  # every track is still live: only its held objects went
+        # 192 MiB pushed; what the process grew by is bounded by the quota plus its own working memory.
+        assert rp.rss_bytes() - rss_before < pushed // 2
+    finally:
+        await conn.close_session()
+    await rp.wait_metrics(
+        lambda m: m.get("kvnet_relay_sessions") == 0 and m.get("kvnet_relay_held_bytes") == 0,
+        "the session's held bytes released",
+    )
+    assert rp.rss_bytes() - rss_before < 64 * MIB  # handed back to the system, not kept in the heap
+
+
+async def test_held_bytes_global_cap_drops_the_biggest_holder_first(
+    cert_dir: CertDir, relay_factory: RelayFactory
+) -> None:
+    rp = relay_factory(
+        "--max-held-bytes-per-session", "16M", "--max-held-bytes-per-address", "0",
+        "--max-held-bytes", "20M", "--cache-bytes", "1M", name="held-global",
+    )
+    hog = await connect_client(rp.url, str(cert_dir.ca))
+    light = await connect_client(rp.url, str(cert_dir.ca))
+    try:
+        await push_never_ended(hog, itertools.count(1), "hog-", 6, MIB)
+        await rp.wait_metric("kvnet_relay_bytes_in_total", 24 * MIB)
+        await push_never_ended(light, itertools.count(1), "light-", 2, MIB)
+        await rp.wait_metric("kvnet_relay_bytes_in_total", 32 * MIB)
+        m = await rp.ametrics()
+        assert m["kvnet_relay_held_bytes"] <= 20 * MIB
+        assert m['kvnet_relay_limit_rejections_total{limit="held_bytes_global"}'] > 0
+        # The light session's two tracks are held whole: the hog, holding the most, gave way.
+        ok = await light.fetch(NS, b"light-1", Location(0, 0), Location(0, 4))
+        assert len(await ok.read_all()) == 4
+    finally:
+        for conn in (hog, light):
+            await conn.close_session()
+    await rp.wait_metrics(lambda m: m.get("kvnet_relay_held_bytes") == 0, "held bytes released")
