@@ -75,7 +75,8 @@ class Bench:
     def start(self, prefix: str) -> None:
         c = self.tmp / "certs"
         self.spawn(["-m", "relay", "--listen", f"127.0.0.1:{self.port}", "--cert", str(c / "relay.pem"),
-                    "--key", str(c / "relay-key.pem"), "--metrics", "", "--cache-bytes", str(1 << 30)],
+                    "--key", str(c / "relay-key.pem"), "--metrics", "", "--cache-bytes", str(1 << 30),
+                    "--trust-any"],
                    "relay")
         time.sleep(1.0)
         pub = self.spawn(["-m", "publisher", *self.node_args(), "--prompt", prefix], "publisher")

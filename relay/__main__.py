@@ -26,6 +26,7 @@ from relay.config import (
     DEFAULT_LISTEN,
     DEFAULT_METRICS,
     MAX_WORKERS,
+    NO_TRUST,
     RelayConfig,
     load_config,
     startup_reason,
@@ -86,7 +87,7 @@ SECTION_FLAGS: dict[str, str] = {
 TOP_FLAGS = (
     "listen", "cert", "key", "ca", "require_client_cert", "upstream", "metrics", "log_format", "log_level",
     "drain_timeout", "goaway_uri", "auth_issuer_keys", "auth_clock_skew", "upstream_token", "trust",
-    "workers",
+    "trust_any", "workers",
 )
 
 
@@ -122,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--trust", action="append",
         help="publisher public key (PEM file or directory of *.pub, repeatable): cache only blocks it signed",
+    )
+    p.add_argument(
+        "--trust-any", action="store_true", default=None,
+        help="run without --trust, accepting that any session can deny sharing by squatting a prompt's "
+        "block tracks or pushing forged blocks first (without either flag the relay does not start)",
     )
     p.add_argument("--upstream-token", help="file with the token presented to upstream relays in SETUP")
     p.add_argument(
@@ -280,6 +286,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_metrics_ports(config)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
+    if not config.trust and not config.trust_any:
+        print(f"kvnet-relay: error: {NO_TRUST}", file=sys.stderr)
+        return 2
     setup_logging_from_args(args)
     if config.workers > 1:
         from relay.workers import run_workers

@@ -8,9 +8,10 @@ forgery, an untrusted key) never enters the cache, so it can neither be served f
 copy out (SECURITY.md "Sharing an attacker cannot squat"). Tracks that are not kvnet block tracks are not
 this check's business and are admitted as before.
 
-The relay does not recompute the chain hash from the token ids (it has no tokenizer or model and needs
-none): a trusted signature over the manifest already binds hash, parent and token ids, and subscribers
-recheck all of it.
+Before the signature, the manifest must be consistent in itself: its block hash is the chain hash of its
+parent hash and token ids (``kvnet.cache.hashing.hash_block``, one SHA-256; no tokenizer or model needed).
+A trusted key that signs a manifest whose block hash is not its own could otherwise take any block's track
+name, be cached first and keep the honest copy out; subscribers recheck all of it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvnet.blocks.signing import TrustStore
+from kvnet.cache.hashing import hash_block
 from proto.data import ObjectStatus
 from proto.kvobject import BLOCK_GROUP_ID, MANIFEST_OBJECT_ID, BlockManifest, KVObjectError, parse_block_track
 from relay.cache import CachedObject, TrackKey
@@ -59,6 +61,12 @@ class BlockAdmission:
             manifest = BlockManifest.decode(data)
         except KVObjectError as exc:
             return f"malformed manifest: {exc}"
+        try:
+            chained = hash_block(manifest.parent_hash, manifest.token_ids)
+        except ValueError as exc:
+            return f"malformed manifest: {exc}"
+        if chained != manifest.block_hash:
+            return "chain: block hash is not the hash of the manifest's parent hash and token ids"
         if not manifest.signature or not self.trust.verify_manifest(
             manifest, manifest.key_id, manifest.signature
         ):

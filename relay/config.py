@@ -63,6 +63,7 @@ _TOP_KEYS = {
     "auth_clock_skew",
     "upstream_token",
     "trust",
+    "trust_any",
     "workers",
     "cache",
     "limits",
@@ -118,6 +119,10 @@ class RelayConfig:
     """Publisher public keys (files, or directories of ``*.pub``). Given: kvnet block tracks are cached
     only when complete and signed by one of them, and a later PUBLISH of a block someone else is
     publishing is collected instead of refused (``relay.admission``)."""
+    trust_any: bool = False
+    """Run without a trust set, knowingly: kvnet block tracks are cached from whoever pushes them first,
+    so any session may squat a prompt's track names or push forged blocks first and deny its sharing.
+    ``kvnet-relay`` refuses to start with neither ``trust`` nor this (``NO_TRUST``)."""
     upstream_token: Path | None = None
     """File with the token this relay presents to its upstream relays in SETUP."""
     upstream_tls: TlsSettings | None = None
@@ -154,6 +159,8 @@ class RelayConfig:
             raise ValueError(f"drain_timeout must be in 0..3600 s, got {self.drain_timeout}")
         if self.goaway_uri:
             parse_moqt_url(self.goaway_uri)  # raises ValueError naming the URL
+        if self.trust and self.trust_any:
+            raise ValueError("--trust-any contradicts --trust (give publisher keys or accept any, not both)")
         if not 1 <= self.workers <= MAX_WORKERS:
             raise ValueError(f"workers must be in 1..{MAX_WORKERS}, got {self.workers}")
         if self.workers > 1 and self.transport.stack == "aiopquic":
@@ -240,11 +247,20 @@ def load_config(file_data: Mapping[str, Any], overrides: Mapping[str, Any]) -> R
         auth_clock_skew=float(top.get("auth_clock_skew", DEFAULT_CLOCK_SKEW_S)),
         upstream_token=Path(upstream_token) if upstream_token else None,
         trust=tuple(Path(t) for t in trust),
+        trust_any=bool(top.get("trust_any", False)),
         workers=_integer(top.get("workers", 1), "workers"),
         cache=_section(CacheConfig, sections["cache"], "cache"),
         limits=_section(LimitsConfig, sections["limits"], "limits"),
         transport=_section(TransportSettings, sections["transport"], "transport"),
     )
+
+
+NO_TRUST = (
+    "no --trust: any session could deny sharing through this relay (PUBLISH a prompt's block tracks "
+    "first, or push forged blocks first); give --trust with the publishers' public keys, or --trust-any "
+    "to accept that"
+)
+"""Why ``kvnet-relay`` without ``trust`` and without ``trust_any`` does not start (one line)."""
 
 
 def startup_reason(exc: Exception, config: RelayConfig) -> str:

@@ -235,6 +235,8 @@ def start_relay(
         "--metrics", f"127.0.0.1:{metrics_port}",
         "--cert", str(cert_dir.cert), "--key", str(cert_dir.key), "--ca", str(cert_dir.ca),
         *(["--log-level", log_level] if log_level else []),
+        # A relay starts only with publisher keys or an explicit --trust-any (relay.config.NO_TRUST).
+        *([] if {"--trust", "--trust-any"} & set(extra) else ["--trust-any"]),
         *extra,
     ]
     env = dict(env if env is not None else os.environ)

@@ -94,6 +94,7 @@ def test_relays_listen_serve_metrics_and_chain_to_the_origin(project: ComposePro
         assert "4443/udp" in project.services[relay].expose
         # 1500-byte links: aioquic has no path-MTU discovery, larger datagrams would stall.
         assert _flag(cmd, "--max-datagram-size") == ["1452"]
+        assert "--trust-any" in cmd  # the nodes make the publishers' keys after the relays start
         metrics = _flag(cmd, "--metrics")
         assert metrics and metrics[0].endswith(":9464")
         hc = project.services[relay].healthcheck

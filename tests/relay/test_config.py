@@ -4,14 +4,16 @@ the field, metrics rendering."""
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from relay.__main__ import build_parser, config_from_args, parse_args
-from relay.config import load_config, parse_hostport
+from relay.config import NO_TRUST, load_config, parse_hostport
 from relay.metrics import Metrics, parse_prometheus
-from tests.helpers.processes import CertDir
+from tests.helpers.processes import REPO, CertDir, free_port
 
 
 def _args(argv: list[str], env: dict[str, str] | None = None) -> argparse.Namespace:
@@ -168,3 +170,14 @@ def test_help_shows_section_defaults() -> None:
     text = " ".join(build_parser().format_help().split())
     assert "cache byte budget (default: 256M)" in text
     assert "(default: None)" not in text
+
+
+def test_a_relay_without_trust_or_trust_any_does_not_start(cert_dir: CertDir) -> None:
+    """Neither ``--trust`` nor ``--trust-any``: one line saying what it would risk, exit 2, nothing served."""
+    done = subprocess.run(
+        [sys.executable, "-m", "relay", "--listen", f"127.0.0.1:{free_port()}", "--metrics", "",
+         "--cert", str(cert_dir.cert), "--key", str(cert_dir.key)],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [f"kvnet-relay: error: {NO_TRUST}"]
