@@ -12,7 +12,7 @@ bytes moved by
 - TLS 1.3 over TCP with blocking ``ssl`` sockets, and HTTPS (``http.server`` / ``http.client``, one
   keep-alive connection), both with a server child process.
 
-Links are ``kvnet.net.quic.LINK_PRESETS``: ethernet (1452-byte datagrams), jumbo (8952) and loopback (the
+Links are ``kvnet.net.settings.LINK_PRESETS``: ethernet (1452-byte datagrams), jumbo (8952) and loopback (the
 stack's loopback size). Every figure is the median of RUNS runs; the cases are interleaved (run 1 of every
 case, then run 2, ...) so that a change in load hits all of them alike, and the load is printed with
 each. Reported per case: MB/s (10^6 bytes/s of wire bytes), goodput in tokens/s of the prompt, and CPU
@@ -58,9 +58,9 @@ from kvnet.blocks.identity import BlockIdentity
 from kvnet.blocks.signing import TrustStore
 from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
 from kvnet.model.transformer import transformer_configs
-from kvnet.net import quic
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
+from kvnet.net.settings import LINK_PRESETS, STACKS, TlsSettings, TransportSettings
 from kvnet.node import fetching
 from kvnet.node.blockstore import BlockStore
 from kvnet.node.fetching import DEFAULT_VERIFY_WORKERS, BlockFetcher
@@ -191,7 +191,7 @@ class RelayFetch:
         ``workers``: the relay's ``--workers``; with more than one, every worker's cache is filled."""
         self.prompt = prompt
         self.certdir = certdir
-        self.settings = dataclasses.replace(quic.TransportSettings.for_link(link, peer_stack or stack),
+        self.settings = dataclasses.replace(TransportSettings.for_link(link, peer_stack or stack),
                                             udp_segmentation=udp_segmentation)
         self.loop = loop
         cache_bytes = str(4 * prompt.wire_bytes + (64 << 20))
@@ -208,7 +208,7 @@ class RelayFetch:
                                  log_level="warning", ready_marker=None)
         self.proc = self.relay.proc
         self.url = self.relay.url
-        self.tls = quic.TlsSettings(ca_file=certdir / "ca.pem")
+        self.tls = TlsSettings(ca_file=certdir / "ca.pem")
         self.publisher: MoqtConnection | None = None
         self.serving: asyncio.Task[None] | None = None
         self.trust = TrustStore()
@@ -304,8 +304,8 @@ def raw_quic(
     same)."""
     bench_fetch = common.load_bench("bench_fetch")
     assert bench_fetch is not None
-    settings = quic.TransportSettings.for_link(link, stack)
-    receiver = quic.TransportSettings.for_link(link, peer_stack or stack)
+    settings = TransportSettings.for_link(link, stack)
+    receiver = TransportSettings.for_link(link, peer_stack or stack)
     sender = bench_fetch.Publisher(settings, certdir, 0, 0, raw=True)
     with sender as port:
         pid = sender.proc.pid
@@ -449,8 +449,8 @@ def _fanout_child(certdir: Path, stack: str, link: str, tokens: int, key_hex: st
     """One subscriber process of the fan-out: on ``connect URL`` it opens a session to that relay, on ``go``
     it makes a verified fetch of the prompt and answers ``done SECONDS CPU_SECONDS`` (or ``failed WHY``);
     anything else (or EOF) ends it."""
-    settings = quic.TransportSettings.for_link(link, stack)
-    tls = quic.TlsSettings(ca_file=certdir / "ca.pem")
+    settings = TransportSettings.for_link(link, stack)
+    tls = TlsSettings(ca_file=certdir / "ca.pem")
     spec = prompt_spec()
     _, identities = prompt_identities(BLOCK_SIZE, max(1, tokens // BLOCK_SIZE), fingerprint=FINGERPRINT,
                                       salt=b"bench")
@@ -914,10 +914,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=2048, help="prompt length (whole 64-token blocks)")
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--stacks", default=",".join(quic.STACKS))
+    ap.add_argument("--stacks", default=",".join(STACKS))
     ap.add_argument("--node-stacks", default=",".join(NODE_STACKS),
                     help="stacks of the subscribers (this process) of an aiopquic relay")
-    ap.add_argument("--links", default=",".join(quic.LINK_PRESETS))
+    ap.add_argument("--links", default=",".join(LINK_PRESETS))
     ap.add_argument("--no-gso-comparison", action="store_true", help="skip the aioquic cases without GSO")
     ap.add_argument("--gro-comparison", action="store_true",
                     help="add aioquic verified fetches whose client reads one datagram per wakeup (no GRO)")
@@ -958,11 +958,11 @@ def main() -> int:
     stacks = [s for s in args.stacks.split(",") if s]
     links = [x for x in args.links.split(",") if x]
     for s in stacks:
-        if s not in quic.STACKS:
-            ap.error(f"unknown stack {s!r}; choose from {', '.join(quic.STACKS)}")
+        if s not in STACKS:
+            ap.error(f"unknown stack {s!r}; choose from {', '.join(STACKS)}")
     for x in links:
-        if x not in quic.LINK_PRESETS:
-            ap.error(f"unknown link {x!r}; choose from {', '.join(quic.LINK_PRESETS)}")
+        if x not in LINK_PRESETS:
+            ap.error(f"unknown link {x!r}; choose from {', '.join(LINK_PRESETS)}")
     print(f"cores={os.cpu_count()}, load {common.load_average()}", flush=True)
     if args.fanout:
         try:

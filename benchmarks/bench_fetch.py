@@ -38,10 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
 
-from kvnet.net import quic
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect, serve
 from kvnet.net.handles import IncomingFetch
+from kvnet.net.settings import DEFAULT_STACK, STACKS, TlsSettings, TransportSettings
+from kvnet.net.sockets import apply_socket_buffers
 from proto.errors import RequestErrorCode
 from proto.messages import Location
 
@@ -74,7 +75,7 @@ def kv_payloads(codec_name: str, objects: int) -> tuple[list[bytes], int]:
 # ---------------------------------------------------------------- publisher (child process)
 
 
-async def _publisher_main(settings: quic.TransportSettings, port: int, certdir: Path, objects: int,
+async def _publisher_main(settings: TransportSettings, port: int, certdir: Path, objects: int,
                           object_bytes: int, codec: str | None) -> None:
     if codec:
         payloads, _ = kv_payloads(codec, objects)
@@ -100,7 +101,7 @@ async def _publisher_main(settings: quic.TransportSettings, port: int, certdir: 
                 req.reject(RequestErrorCode.NOT_SUPPORTED, "bench publisher serves FETCH only")
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    server = await serve("127.0.0.1", port, settings, quic.TlsSettings.from_dir(certdir, "server"),
+    server = await serve("127.0.0.1", port, settings, TlsSettings.from_dir(certdir, "server"),
                          on_connection)
     print("ready", flush=True)
     try:
@@ -109,12 +110,12 @@ async def _publisher_main(settings: quic.TransportSettings, port: int, certdir: 
         await server.close()
 
 
-async def _raw_sender_main(settings: quic.TransportSettings, port: int, certdir: Path) -> None:
+async def _raw_sender_main(settings: TransportSettings, port: int, certdir: Path) -> None:
     """Raw QUIC in the fetch's direction: the client opens a stream and writes its size in ASCII; we
     answer with that many bytes on the same stream (server -> client), with the same back-pressure bound
     as ``MoqtConnection`` (``ConnectionLimits.max_send_buffer``)."""
     from kvnet.net.connection import ConnectionLimits
-    from kvnet.net.quic import get_stack, server_configuration, unsent_bytes
+    from kvnet.net.registry import get_stack
 
     stack = get_stack(settings.stack)
     events = stack.events
@@ -146,13 +147,13 @@ async def _raw_sender_main(settings: quic.TransportSettings, port: int, certdir:
             self.after_receive()
 
         def after_receive(self) -> None:
-            if self.sid >= 0 and unsent_bytes(self._quic, [self.sid])[self.sid] < high_water:
+            if self.sid >= 0 and stack.unsent_bytes(self._quic, [self.sid])[self.sid] < high_water:
                 self.drained.set()
 
         async def send(self, size: int) -> None:
             sent = 0
             while sent < size:
-                while unsent_bytes(self._quic, [self.sid])[self.sid] >= high_water:
+                while stack.unsent_bytes(self._quic, [self.sid])[self.sid] >= high_water:
                     self.drained.clear()
                     await self.drained.wait()
                 n = min(len(chunk), size - sent)
@@ -161,9 +162,10 @@ async def _raw_sender_main(settings: quic.TransportSettings, port: int, certdir:
                 sent += n
                 await asyncio.sleep(0)
 
-    config = server_configuration(settings, quic.TlsSettings.from_dir(certdir, "server"))
+    config = stack.server_configuration(settings, TlsSettings.from_dir(certdir, "server"))
     server = await stack.serve("127.0.0.1", port, configuration=config, create_protocol=Source)
-    quic.apply_socket_buffers(quic.server_socket(server), settings)
+    if not stack.binds_own_socket:  # picoquic sizes its own socket's buffers from the configuration
+        apply_socket_buffers(server._transport.get_extra_info("socket"), settings)
     print("ready", flush=True)
     try:
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
@@ -171,8 +173,8 @@ async def _raw_sender_main(settings: quic.TransportSettings, port: int, certdir:
         server.close()
 
 
-async def _raw_receive_once(settings: quic.TransportSettings, port: int, certdir: Path, size: int) -> float:
-    from kvnet.net.quic import client_configuration, get_stack
+async def _raw_receive_once(settings: TransportSettings, port: int, certdir: Path, size: int) -> float:
+    from kvnet.net.registry import get_stack
 
     stack = get_stack(settings.stack)
     events = stack.events
@@ -187,10 +189,10 @@ async def _raw_receive_once(settings: quic.TransportSettings, port: int, certdir
                 if event.end_stream and not done.done():
                     done.set_result(None)
 
-    config = client_configuration(settings, quic.TlsSettings.from_dir(certdir, None), "localhost")
+    config = stack.client_configuration(settings, TlsSettings.from_dir(certdir, None), "localhost")
     async with stack.connect("127.0.0.1", port, configuration=config, create_protocol=Sink) as proto:
         if settings.stack != "aiopquic":  # picoquic sizes its own socket's buffers from the configuration
-            quic.apply_socket_buffers(proto._transport.get_extra_info("socket"), settings)
+            apply_socket_buffers(proto._transport.get_extra_info("socket"), settings)
         sid = proto._quic.get_next_available_stream_id()
         t0 = time.perf_counter()
         proto._quic.send_stream_data(sid, str(size).encode(), end_stream=True)
@@ -202,7 +204,7 @@ async def _raw_receive_once(settings: quic.TransportSettings, port: int, certdir
     return elapsed
 
 
-def raw_receive_child(settings: quic.TransportSettings, port: int, certdir: Path, size: int) -> list[float]:
+def raw_receive_child(settings: TransportSettings, port: int, certdir: Path, size: int) -> list[float]:
     """In a receiver child process (an aiopquic receiver runs in the Python 3.12 environment): one raw
     transfer; returns [seconds, CPU seconds of this process during it]."""
     c0 = time.process_time()
@@ -211,7 +213,7 @@ def raw_receive_child(settings: quic.TransportSettings, port: int, certdir: Path
 
 
 def raw_receive_in_child(
-    settings: quic.TransportSettings, port: int, certdir: Path, size: int
+    settings: TransportSettings, port: int, certdir: Path, size: int
 ) -> list[float]:
     """``raw_receive_child`` run in a child process on the interpreter ``settings.stack`` needs."""
     python = str(common.native_quic_python()) if settings.stack == "aiopquic" else sys.executable
@@ -226,8 +228,8 @@ def raw_receive_in_child(
     return result
 
 
-def raw_server_to_client(settings: quic.TransportSettings, size: int, runs: int, certdir: Path,
-                         client_settings: quic.TransportSettings | None = None) -> list[float]:
+def raw_server_to_client(settings: TransportSettings, size: int, runs: int, certdir: Path,
+                         client_settings: TransportSettings | None = None) -> list[float]:
     """MB/s of ``runs`` raw one-way QUIC transfers of ``size`` bytes from a server (child process) to a
     client, i.e. in the direction a FETCH response travels, with ``settings`` on the server and
     ``client_settings`` (default: the same) on the client, e.g. a relay on aioquic and a node on qh3."""
@@ -237,7 +239,7 @@ def raw_server_to_client(settings: quic.TransportSettings, size: int, runs: int,
 
 
 def _serve_child(args: argparse.Namespace) -> None:
-    settings = quic.TransportSettings(**json.loads(args.settings))
+    settings = TransportSettings(**json.loads(args.settings))
     prof = cProfile.Profile() if args.profile else None
     if prof:
         prof.enable()
@@ -256,7 +258,7 @@ def _serve_child(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------- subscriber (this process)
 
 
-async def _fetch_once(settings: quic.TransportSettings, port: int, certdir: Path, objects: int,
+async def _fetch_once(settings: TransportSettings, port: int, certdir: Path, objects: int,
                       codec: str | None) -> tuple[float, int, int]:
     """(seconds, payload bytes on the wire, bytes after decoding) of one FETCH on a fresh connection."""
     dec = None
@@ -266,7 +268,7 @@ async def _fetch_once(settings: quic.TransportSettings, port: int, certdir: Path
         from kvnet.blocks.codecs import get_codec
 
         dec = get_codec(codec)
-    tls = quic.TlsSettings.from_dir(certdir, None)
+    tls = TlsSettings.from_dir(certdir, None)
     async with connect(f"moqt://127.0.0.1:{port}", settings, tls) as conn:
         t0 = time.perf_counter()
         handle = await conn.fetch(NS, b"bulk", Location(0, 0), Location(0, objects))
@@ -290,7 +292,7 @@ def print_profile(prof: cProfile.Profile, title: str, top: int = 22) -> None:
 class Publisher:
     """The publisher child process, for ``with Publisher(...) as port:``."""
 
-    def __init__(self, settings: quic.TransportSettings, certdir: Path, objects: int, object_bytes: int,
+    def __init__(self, settings: TransportSettings, certdir: Path, objects: int, object_bytes: int,
                  codec: str | None = None, profile: bool = False, raw: bool = False) -> None:
         self.port = common.free_port()
         # aiopquic runs in the Python 3.12 environment (tests/helpers/processes.native_quic_python).
@@ -323,7 +325,7 @@ class Publisher:
             self.proc.wait()
 
 
-def fetch_goodput(settings: quic.TransportSettings, objects: int = 64, object_bytes: int = 1 << 20,
+def fetch_goodput(settings: TransportSettings, objects: int = 64, object_bytes: int = 1 << 20,
                   runs: int = 3, codec: str | None = None, certdir: Path | None = None,
                   profile: bool = False, raw: bool = True) -> dict[str, Any]:
     """FETCH goodput next to raw QUIC, runs interleaved so that load changes hit all alike.
@@ -364,7 +366,7 @@ def main() -> int:
     ap.add_argument("--objects", type=int, default=64)
     ap.add_argument("--object-kib", type=int, default=1024)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--stack", default=quic.DEFAULT_STACK, choices=quic.STACKS)
+    ap.add_argument("--stack", default=DEFAULT_STACK, choices=STACKS)
     ap.add_argument("--codec", default=None, help="encode payloads with this rendition (lossless, int8, ...)")
     ap.add_argument("--no-raw", action="store_true", help="skip the raw QUIC baseline")
     ap.add_argument("--datagram-size", type=int, action="append",
@@ -383,7 +385,7 @@ def main() -> int:
         _serve_child(args)
         return 0
     if args.raw_receive:
-        print(json.dumps(raw_receive_child(quic.TransportSettings(**json.loads(args.settings)), args.port,
+        print(json.dumps(raw_receive_child(TransportSettings(**json.loads(args.settings)), args.port,
                                            args.certdir, args.raw_receive)))
         return 0
     object_bytes = args.object_kib << 10
@@ -391,7 +393,7 @@ def main() -> int:
     print(f"FETCH {args.objects} x {args.object_kib} KiB, stack {args.stack}, codec {args.codec or 'none'}, "
           f"median of {runs}, cores={os.cpu_count()}, load {common.load_average()}", flush=True)
     for size in args.datagram_size or [None]:
-        settings = quic.TransportSettings(stack=args.stack, max_datagram_size=size)
+        settings = TransportSettings(stack=args.stack, max_datagram_size=size)
         with common.test_certificates() as certdir:
             res = fetch_goodput(settings, args.objects, object_bytes, runs, args.codec, certdir, args.profile,
                                 raw=not (args.no_raw or args.profile))

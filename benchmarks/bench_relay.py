@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 from kvnet.net.connection import MoqtConnection  # noqa: E402
 from kvnet.net.endpoint import connect  # noqa: E402
 from kvnet.net.handles import IncomingFetch, IncomingSubscribe  # noqa: E402
-from kvnet.net.quic import TlsSettings, TransportSettings  # noqa: E402
+from kvnet.net.settings import TlsSettings, TransportSettings  # noqa: E402
 from proto.data import ObjectStatus  # noqa: E402
 from proto.messages import Location  # noqa: E402
 from tests.helpers.processes import CertDir, make_certificates  # noqa: E402

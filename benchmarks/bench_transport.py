@@ -38,39 +38,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import free_port, test_certificates
 
-from kvnet.net import quic
+from kvnet.net.registry import client_configuration, get_stack, server_configuration
+from kvnet.net.settings import TlsSettings, TransportSettings
+from kvnet.net.sockets import apply_socket_buffers
+from kvnet.net.stack import ALPN_MOQT, Stack
 
 CHUNK = 1 << 20
 # Bytes the client keeps queued in the QUIC stack (aioquic: unacknowledged, qh3: unsent): enough to keep
 # the window full, bounded so we measure the transport rather than buffer growth.
 HIGH_WATER = 16 << 20
-MODES: dict[str, quic.TransportSettings | None] = {
-    "aioquic-tuned": quic.TransportSettings(stack="aioquic"),
+MODES: dict[str, TransportSettings | None] = {
+    "aioquic-tuned": TransportSettings(stack="aioquic"),
     "aioquic-default": None,
-    "qh3-tuned": quic.TransportSettings(stack="qh3"),
+    "qh3-tuned": TransportSettings(stack="qh3"),
     "tcp-tls": None,
-    "aioquic-rttexit": quic.TransportSettings(stack="aioquic", slow_start_rtt_exit=True),
-    "qh3-16384": quic.TransportSettings(stack="qh3", max_datagram_size=16384),
-    "qh3-9000": quic.TransportSettings(stack="qh3", max_datagram_size=9000),
-    "qh3-1452": quic.TransportSettings(stack="qh3", max_datagram_size=1452),
+    "aioquic-rttexit": TransportSettings(stack="aioquic", slow_start_rtt_exit=True),
+    "qh3-16384": TransportSettings(stack="qh3", max_datagram_size=16384),
+    "qh3-9000": TransportSettings(stack="qh3", max_datagram_size=9000),
+    "qh3-1452": TransportSettings(stack="qh3", max_datagram_size=1452),
 }
 DEFAULT_MODES = ("aioquic-tuned", "aioquic-default", "qh3-tuned", "tcp-tls")
 
 
-def _settings_to_json(settings: quic.TransportSettings | None) -> str:
+def _settings_to_json(settings: TransportSettings | None) -> str:
     return "null" if settings is None else json.dumps(dataclasses.asdict(settings))
 
 
-def _settings_from_json(text: str) -> quic.TransportSettings | None:
+def _settings_from_json(text: str) -> TransportSettings | None:
     fields = json.loads(text)
-    return None if fields is None else quic.TransportSettings(**fields)
+    return None if fields is None else TransportSettings(**fields)
 
 
-def _quic_config(settings: quic.TransportSettings | None, is_client: bool, certdir: Path) -> Any:
+def _quic_config(settings: TransportSettings | None, is_client: bool, certdir: Path) -> Any:
     if settings is None:  # aioquic's own defaults, same certificates
         from aioquic.quic.configuration import QuicConfiguration
 
-        cfg = QuicConfiguration(is_client=is_client, alpn_protocols=[quic.ALPN_MOQT])
+        cfg = QuicConfiguration(is_client=is_client, alpn_protocols=[ALPN_MOQT])
         if is_client:
             cfg.load_verify_locations(cafile=str(certdir / "ca.pem"))
             cfg.server_name = "localhost"
@@ -78,18 +81,18 @@ def _quic_config(settings: quic.TransportSettings | None, is_client: bool, certd
             cfg.load_cert_chain(certdir / "server.pem", certdir / "server-key.pem")
         return cfg
     if is_client:
-        return quic.client_configuration(settings, quic.TlsSettings.from_dir(certdir, None), "localhost")
-    return quic.server_configuration(settings, quic.TlsSettings.from_dir(certdir, "server"))
+        return client_configuration(settings, TlsSettings.from_dir(certdir, None), "localhost")
+    return server_configuration(settings, TlsSettings.from_dir(certdir, "server"))
 
 
-def _stack(settings: quic.TransportSettings | None) -> quic.QuicStack:
-    return quic.get_stack("aioquic" if settings is None else settings.stack)
+def _stack(settings: TransportSettings | None) -> Stack:
+    return get_stack("aioquic" if settings is None else settings.stack)
 
 
 # ---------------------------------------------------------------- server side (child process)
 
 
-async def _serve_quic(settings: quic.TransportSettings | None, port: int, certdir: Path) -> None:
+async def _serve_quic(settings: TransportSettings | None, port: int, certdir: Path) -> None:
     stack = _stack(settings)
     events = stack.events
     done = asyncio.Event()
@@ -106,7 +109,7 @@ async def _serve_quic(settings: quic.TransportSettings | None, port: int, certdi
         "127.0.0.1", port, configuration=_quic_config(settings, False, certdir), create_protocol=Sink
     )
     if settings is not None:
-        quic.apply_socket_buffers(server._transport.get_extra_info("socket"), settings)
+        apply_socket_buffers(server._transport.get_extra_info("socket"), settings)
     print("ready", flush=True)
     await done.wait()
     server.close()
@@ -153,7 +156,7 @@ def _server_main(mode: str, settings_json: str, port: int, certdir: Path, size: 
 # ---------------------------------------------------------------- client side
 
 
-async def _client_quic(settings: quic.TransportSettings | None, port: int, certdir: Path, size: int) -> float:
+async def _client_quic(settings: TransportSettings | None, port: int, certdir: Path, size: int) -> float:
     stack = _stack(settings)
     events = stack.events
     loop = asyncio.get_running_loop()
@@ -181,14 +184,14 @@ async def _client_quic(settings: quic.TransportSettings | None, port: int, certd
                 drained.set()
 
     def buffered(proto: Any) -> int:
-        return quic.unsent_bytes(proto._quic, [proto.stream_id])[proto.stream_id]
+        return stack.unsent_bytes(proto._quic, [proto.stream_id])[proto.stream_id]
 
     chunk = memoryview(b"\x5a" * CHUNK)
     async with stack.connect(
         "127.0.0.1", port, configuration=_quic_config(settings, True, certdir), create_protocol=Source
     ) as proto:
         if settings is not None:
-            quic.apply_socket_buffers(proto._transport.get_extra_info("socket"), settings)
+            apply_socket_buffers(proto._transport.get_extra_info("socket"), settings)
         sid = proto._quic.get_next_available_stream_id()
         proto.stream_id = sid
         t0 = time.perf_counter()
@@ -236,7 +239,7 @@ def _print_profile(prof: cProfile.Profile, title: str) -> None:
 # ---------------------------------------------------------------- reusable API
 
 
-def run_once(mode: str, settings: quic.TransportSettings | None, certdir: Path, size: int,
+def run_once(mode: str, settings: TransportSettings | None, certdir: Path, size: int,
              profile: bool = False) -> float:
     """One transfer of ``size`` bytes; returns seconds. ``mode`` is "tcp-tls" or anything else for QUIC
     with ``settings`` (None: aioquic's own defaults)."""
@@ -269,7 +272,7 @@ def run_once(mode: str, settings: quic.TransportSettings | None, certdir: Path, 
 
 
 def measure(mode: str, size: int = 128 << 20, runs: int = 3, certdir: Path | None = None,
-            settings: quic.TransportSettings | None = None) -> list[float]:
+            settings: TransportSettings | None = None) -> list[float]:
     """MB/s of each of ``runs`` one-way transfers of ``size`` bytes in ``mode`` (a ``MODES`` key, or any
     name with explicit ``settings``)."""
     if settings is None and mode in MODES:
@@ -280,11 +283,11 @@ def measure(mode: str, size: int = 128 << 20, runs: int = 3, certdir: Path | Non
     return [size / run_once(mode, settings, certdir, size) / 1e6 for _ in range(runs)]
 
 
-def raw_quic_throughput(settings: quic.TransportSettings | None = None, size: int = 128 << 20,
+def raw_quic_throughput(settings: TransportSettings | None = None, size: int = 128 << 20,
                         runs: int = 3) -> float:
     """Median MB/s of raw one-way QUIC bulk transfer with ``settings`` (default: kvnet's defaults, i.e.
     the default stack tuned). The yardstick for "ratio to raw QUIC" in the relay and node benchmarks."""
-    return statistics.median(measure("raw", size, runs, settings=settings or quic.TransportSettings()))
+    return statistics.median(measure("raw", size, runs, settings=settings or TransportSettings()))
 
 
 def load_average() -> str:

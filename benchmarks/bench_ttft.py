@@ -113,7 +113,7 @@ def _raw_quic_mbps(certdir: Path, nbytes: int, node_stack: str | None) -> float:
     the relay's transport settings to a client with the nodes' (``bench_fetch.raw_server_to_client``)."""
     mod = common.load_bench("bench_fetch")
     assert mod is not None, "benchmarks/bench_fetch.py is needed for the raw baseline"
-    from kvnet.net.quic import TransportSettings
+    from kvnet.net.settings import TransportSettings
     from kvnet.node.config import NodeConfig
 
     client = TransportSettings(stack=node_stack or NodeConfig.quic_stack)

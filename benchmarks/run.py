@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
 
-from kvnet.net import quic
+from kvnet.net.settings import DEFAULT_STACK, LINK_PRESETS, STACKS, TransportSettings
 
 
 def _need(name: str) -> Any:
@@ -107,7 +107,7 @@ def suite_fetch(res: common.SuiteResult, quick: bool) -> None:
         cases = [("aioquic", None), ("aioquic", "lossless"), ("qh3", None)]
     with common.test_certificates() as certdir:
         for stack, codec in cases:
-            settings = quic.TransportSettings(stack=stack)
+            settings = TransportSettings(stack=stack)
             out = bf.fetch_goodput(settings, objects, 1 << 20, runs, codec, certdir)
             tag = f"{stack} {codec or 'plain'}"
             good = common.median(out["fetch"])
@@ -121,7 +121,7 @@ def suite_fetch(res: common.SuiteResult, quick: bool) -> None:
             res.add(f"fetch {tag} / raw same direction", [good / s2c], "x", "target >= 0.9 (plain)")
             res.add(f"fetch {tag} / raw client->server", [good / c2s], "x")
     size = (16 if quick else 64) << 20
-    relay = _relay_scenarios(size, [1], 3, quic.DEFAULT_STACK)
+    relay = _relay_scenarios(size, [1], 3, DEFAULT_STACK)
     note = f"{size >> 20} MiB track of 1 MiB objects via kvnet-relay, no compression"
     res.add("relay -> subscriber (cached, fetch-warm)", [relay["fetch-warm N=1"]], "MB/s", note)
     res.add("publisher -> relay -> subscriber (fetch-cold)", [relay["fetch-cold N=1"]], "MB/s", note)
@@ -130,7 +130,7 @@ def suite_fetch(res: common.SuiteResult, quick: bool) -> None:
 def suite_fanout(res: common.SuiteResult, quick: bool) -> None:
     size = (8 if quick else 32) << 20
     ns = [1, 2, 4, 8]
-    relay = _relay_scenarios(size, ns, 1 if quick else 3, quic.DEFAULT_STACK)
+    relay = _relay_scenarios(size, ns, 1 if quick else 3, DEFAULT_STACK)
     for key, value in relay.items():
         res.add(f"fanout {key}", [value], "MB/s",
                 f"{size >> 20} MiB track, aggregate payload delivered to all subscribers")
@@ -139,7 +139,7 @@ def suite_fanout(res: common.SuiteResult, quick: bool) -> None:
     prompt, figures = bd.fanout(tokens, runs, ns, relay_workers=(1, 2))
     mb = prompt.wire_bytes / 1e6
     note = (f"verified fetches of {prompt.tokens} tokens ({mb:.1f} MB lossless bf16) from one relay's cache, "
-            f"{quic.DEFAULT_STACK}, loopback, interleaved with the relay on 1 and 2 worker processes")
+            f"{DEFAULT_STACK}, loopback, interleaved with the relay on 1 and 2 worker processes")
     for fig in figures:
         name = f"fanout verified {fig.subscribers} subscribers"
         if fig.relay_workers > 1:
@@ -192,7 +192,7 @@ def suite_locate(res: common.SuiteResult, quick: bool) -> None:
     bl = _need("bench_locate")
     blocks = [16, 256, 1024] if quick else [16, 64, 256, 1024, 4096]
     runs = 3
-    settings = quic.TransportSettings()
+    settings = TransportSettings()
     # direct; relay with the blocks pushed into its cache (the nodes' default); relay with a cold cache
     for path, relay, push in (("direct", False, False), ("relay", True, True), ("relay-cold", True, False)):
         try:
@@ -218,7 +218,7 @@ def suite_micro(res: common.SuiteResult, quick: bool) -> None:
 def suite_datapath(res: common.SuiteResult, quick: bool) -> None:
     bd = _need("bench_datapath")
     tokens, runs = (512, 3) if quick else (2048, 5)
-    prompt, figures = bd.run(tokens, runs, list(quic.STACKS), list(quic.LINK_PRESETS))
+    prompt, figures = bd.run(tokens, runs, list(STACKS), list(LINK_PRESETS))
     note = (f"{prompt.tokens} tokens of the bench model's bf16 KV, {prompt.wire_bytes / 1e6:.1f} MB lossless "
             f"on the wire, median of {runs}, interleaved")
     rates = {}

@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvnet.logs import add_log_arguments, setup_logging_from_args
-from kvnet.net.quic import LINK_PRESETS, STACKS, TransportSettings, server_configuration
+from kvnet.net.registry import server_configuration
+from kvnet.net.settings import LINK_PRESETS, STACKS, TransportSettings
 from kvnet.security.certs import check_tls_files
 from kvnet.security.tokens import DEFAULT_CLOCK_SKEW_S
 from kvnet.settings import format_size, parse_settings, settings_parser, size_arg

@@ -23,7 +23,7 @@ command line and the environment win; a ``.toml`` file with the same keys is rea
       max_negative_entries: 65536
     limits:                          # relay.limits.LimitsConfig fields
       max_subscribers_per_track: 4096
-    transport:                       # kvnet.net.quic.TransportSettings fields
+    transport:                       # kvnet.net.settings.TransportSettings fields
       udp_segmentation: false
 """
 
@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from kvnet.logs import LOG_FORMATS, LOG_LEVELS
-from kvnet.net.quic import TlsSettings, TransportSettings, parse_moqt_url
+from kvnet.net.settings import TlsSettings, TransportSettings
+from kvnet.net.url import parse_moqt_url
 from kvnet.security.tokens import DEFAULT_CLOCK_SKEW_S
 from relay.cache import CacheConfig
 from relay.limits import LimitsConfig

@@ -24,8 +24,8 @@ from kvnet.net.connection import ConnectionLimits, MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.errors import ConnectionClosed, MoqtConnectionError, RequestRejected, StreamResetError
 from kvnet.net.handles import FetchHandle, Subscription
-from kvnet.net.quic import TlsSettings, TransportSettings
 from kvnet.net.reconnect import STABLE_SESSION_S, Backoff, redirect_target
+from kvnet.net.settings import TlsSettings, TransportSettings
 from proto import events as me
 from proto.errors import RequestErrorCode, SessionErrorCode
 from proto.events import FetchOkReceived, ObjectReceived, TrackStatusOkReceived

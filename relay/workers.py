@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvnet.logs import setup_logging
-from kvnet.net.quic import TlsSettings, server_sockets
+from kvnet.net.registry import server_sockets
+from kvnet.net.settings import TlsSettings
 from kvnet.security import certs
 from kvnet.security.tokens import Action, IssuerKey, issue_token, make_claims
 from relay.cache import CacheConfig

@@ -1,7 +1,8 @@
-"""The third QUIC stack: aiopquic (picoquic, a C QUIC core, behind an asyncio API shaped like qh3's).
+"""The aiopquic stack (picoquic, a C QUIC core, behind an asyncio API shaped like qh3's; Python >= 3.12).
 
-Owns: the adaptation of aiopquic to the protocol API ``kvnet.net.connection`` is written against
-(aioquic's ``QuicConnectionProtocol``), so that ``MoqtConnection`` keeps one code path for every stack.
+Owns: aiopquic's configuration from ``TransportSettings``, its client and server endpoints, and the
+adaptation of aiopquic to the protocol API ``kvnet.net.connection`` is written against (aioquic's
+``QuicConnectionProtocol``), so that ``MoqtConnection`` keeps one code path for every stack.
 
 How it differs and what is done about it (aiopquic 0.6.1):
 
@@ -17,7 +18,7 @@ How it differs and what is done about it (aiopquic 0.6.1):
   "Unsent" (``unsent_bytes``) is bytes not yet taken into packets, as with qh3.
 - No ``send_ping``: keep-alive is picoquic's own (``QuicConfiguration.keep_alive_interval``), set from
   ``TransportSettings.keepalive_interval`` with the same longer period on the server side.
-- No client-certificate verification on the server side: ``kvnet.net.quic.server_configuration`` refuses
+- No client-certificate verification on the server side: ``Stack.server_configuration`` refuses
   ``require_client_cert`` for this stack, as for qh3.
 - Datagram size: picoquic starts at ~1252 bytes and probes the path MTU up to its compile-time maximum
   (``MAX_DATAGRAM_SIZE_AIOPQUIC``, 1536) and never above the peer's ``max_udp_payload_size``; jumbo and
@@ -35,11 +36,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
+import aiopquic.asyncio as aiopquic_asyncio
+import aiopquic.quic.events as aiopquic_events
 from aiopquic.asyncio.protocol import QuicConnectionProtocol as _AiopquicProtocol
+from aiopquic.quic.configuration import QuicConfiguration
+from aiopquic.quic.connection import QuicConnection
 from aiopquic.quic.events import ConnectionTerminated, HandshakeCompleted
+
+from kvnet.net.settings import (
+    DATAGRAM_SIZE_ETHERNET,
+    MAX_DATAGRAM_SIZE_AIOPQUIC,
+    TransportSettings,
+    keepalive_period,
+)
+from kvnet.net.stack import ProtocolFactory, Stack
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +72,8 @@ _TLS_ALERTS = {
     116: "certificate_required", 120: "no_application_protocol",
 }
 _CRYPTO_ERROR = 0x100
+# Most connections one server holds (picoquic's table size).
+_MAX_CONNECTIONS = 1 << 16
 # Largest write handed to picoquic at once: well below its per-stream ring (4 MiB), so one object never
 # exceeds the ring and a partly drained ring takes the next piece.
 _WRITE_PIECE = 1 << 20
@@ -266,7 +284,7 @@ class AiopquicProtocol(_AiopquicProtocol):
 
 
 class ClientTransport:
-    """What ``kvnet.net.quic.open_client_endpoint`` returns for aiopquic in place of a datagram transport:
+    """What ``AiopquicStack.open_client`` returns in place of a datagram transport:
     closing it stops the connection's picoquic transport (its socket and thread)."""
 
     def __init__(self, protocol: AiopquicProtocol) -> None:
@@ -279,11 +297,65 @@ class ClientTransport:
         return default  # picoquic's socket is not reachable from Python
 
 
-def open_client(configuration: Any, protocol_factory: Any) -> tuple[ClientTransport, AiopquicProtocol]:
+@dataclass(frozen=True, eq=False)
+class AiopquicStack(Stack):
+    """aiopquic behind ``kvnet.net.stack.Stack``."""
+
+    def base_configuration(self, settings: TransportSettings, is_client: bool) -> Any:
+        return QuicConfiguration(
+            is_client=is_client,
+            alpn_protocols=[self.alpn],
+            max_data=settings.max_data,
+            max_stream_data=settings.max_stream_data,
+            max_streams_bidi=settings.max_streams_bidi,
+            max_streams_uni=settings.max_streams_uni,
+            idle_timeout=settings.idle_timeout,
+            keep_alive_interval=keepalive_period(settings, is_client) or None,
+            socket_buffer_size=max(settings.socket_receive_buffer, settings.socket_send_buffer) or None,
+            # Path-MTU probing finds what a real path carries (an Ethernet path: <= 1472 over IPv4, 1452
+            # over IPv6). Only probing off keeps datagrams under a smaller setting (at picoquic's first 1252).
+            pmtud="blocked" if settings.datagram_size < DATAGRAM_SIZE_ETHERNET else "basic",
+        )
+
+    def unsent_bytes(self, quic: Any, stream_ids: Iterable[int]) -> dict[int, int]:
+        return {sid: quic.unsent(sid) for sid in stream_ids}
+
+    def peer_address(self, quic: Any) -> tuple[str, int] | None:
+        addr = quic.peer_address()  # picoquic is asked
+        return (addr[0], addr[1]) if addr else None
+
+    async def open_client(
+        self, settings: TransportSettings, configuration: Any, family: int, local_host: str | None,
+        protocol_factory: ProtocolFactory,
+    ) -> tuple[Any, Any]:
+        if local_host is not None:
+            raise ValueError("QUIC stack aiopquic binds its own socket: a local address cannot be chosen")
+        return open_client(configuration, protocol_factory)
+
+    async def listen(
+        self, host: str, port: int, settings: TransportSettings, configuration: Any,
+        create_protocol: Callable[..., Any], *, sock: socket.socket | None, max_connections: int,
+    ) -> tuple[Any, tuple[str, int]]:
+        if sock is not None:
+            raise ValueError("QUIC stack aiopquic binds its own socket: it cannot serve on a given one")
+        # picoquic refuses connections past its own limit before any session exists; leave room for the
+        # ones the endpoint refuses with a reason. It sizes its tables by the limit up front (a relay that
+        # counts sessions itself passes 2^30, which picoquic cannot allocate).
+        configuration.max_connections = min(max_connections + 64, _MAX_CONNECTIONS)
+        if port == 0:
+            # picoquic does not report the port it bound: choose a free one here.
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+        server = await self.serve(host, port, configuration=configuration, create_protocol=create_protocol)
+        return server, (host, port)
+
+
+def open_client(
+    configuration: Any, protocol_factory: ProtocolFactory
+) -> tuple[ClientTransport, AiopquicProtocol]:
     """Start a client connection's picoquic transport (its own socket on an ephemeral port of the
     wildcard address, and its thread) and its protocol, ready for ``protocol.connect(addr)``."""
-    from aiopquic.quic.connection import QuicConnection
-
     quic = QuicConnection(configuration=configuration)
     quic._start_transport(port=0)
     try:
@@ -293,3 +365,18 @@ def open_client(configuration: Any, protocol_factory: Any) -> tuple[ClientTransp
         quic.stop()
         raise
     return ClientTransport(protocol), protocol
+
+
+STACK = AiopquicStack(
+    name="aiopquic",
+    QuicConfiguration=QuicConfiguration,
+    QuicConnection=QuicConnection,
+    QuicConnectionProtocol=AiopquicProtocol,
+    events=aiopquic_events,
+    connect=aiopquic_asyncio.connect,
+    serve=aiopquic_asyncio.serve,
+    max_datagram_size=MAX_DATAGRAM_SIZE_AIOPQUIC,
+    keeps_alive_itself=True,
+    binds_own_socket=True,
+    accepts_ca_pem=False,
+)

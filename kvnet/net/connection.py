@@ -1,12 +1,13 @@
-"""The asyncio glue between QUIC (aioquic, qh3 or aiopquic, see ``kvnet.net.quic``) and the sans-I/O
-``proto.session.MoqtSession``.
+"""The asyncio glue between a transport stack (aioquic, qh3 or aiopquic, see ``kvnet.net.stack``) and the
+sans-I/O ``proto.session.MoqtSession``.
 
-Owns: one ``MoqtConnection`` (the QUIC stack's ``QuicConnectionProtocol``) per QUIC connection, holding one
+Owns: one ``MoqtConnection`` (on the stack's ``QuicConnectionProtocol``) per connection, holding one
 ``MoqtSession``; the async request helpers (``track_status``, ``fetch``, ``subscribe``,
-``publish_namespace``), routing the session's events to the request handles (``kvnet.net.handles``), send
-and receive back-pressure, keep-alive, and the per-connection limits (``ConnectionLimits``). No MoQT parsing
-happens here: bytes go into the session, events and transmissions come out. Opening connections is
-``kvnet.net.endpoint``.
+``publish_namespace``), routing the session's events to the request handles (``kvnet.net.handles``)
+through one table from event kind to handler (``_ROUTES``), send and receive back-pressure, keep-alive,
+and the per-connection limits (``ConnectionLimits``). No MoQT parsing happens here: bytes go into the
+session, events and transmissions come out. What differs between stacks is behind
+``kvnet.net.stack.Stack`` (``self.stack``); opening connections is ``kvnet.net.endpoint``.
 
 Rules: QUIC callbacks never await. They feed the session, apply its transmissions to QUIC, and route its
 events to futures and queues; the role code awaits those from its own task (one per connection).
@@ -21,10 +22,9 @@ import logging
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from kvnet.net.errors import ConnectionClosed, LimitError, RequestRejected, StreamResetError
-from kvnet.net.gso import release, sender_for
 from kvnet.net.handles import (
     INCOMING_REQUEST_TYPES,
     FetchHandle,
@@ -33,20 +33,9 @@ from kvnet.net.handles import (
     Subscription,
     _ObjectStream,
 )
-from kvnet.net.quic import (
-    ALPN_MOQT,
-    TransportSettings,
-    arm_timer,
-    get_stack,
-    keepalive_period,
-    limit_datagram_size,
-    raise_stream_limits,
-    request_client_certificate,
-    send_datagrams_built_before_a_failed_build,
-    unsent_bytes,
-    verify_client_certificate,
-    window_limited,
-)
+from kvnet.net.registry import get_stack
+from kvnet.net.settings import TransportSettings, keepalive_period
+from kvnet.net.stack import Stack
 from proto import events as me
 from proto.data import ObjectStatus
 from proto.errors import RequestErrorCode, SessionErrorCode, StreamResetCode
@@ -65,11 +54,6 @@ logger = logging.getLogger(__name__)
 
 # Application calls (requests, replies, objects) whose packets may wait for one deferred transmit.
 _TRANSMIT_BATCH = 32
-# Datagrams received between two transmits on aioquic, whose protocol transmits after every received
-# datagram, each transmit walking every open stream (a node fetching 128 streams spent ~16% of its
-# fetch there). ACKs and flow-control credit go out every few datagrams instead; the QUIC timer is
-# re-armed after each datagram, so the ACK delay (1 ms) still ends a burst that stops between two.
-_RECEIVE_TRANSMIT_BATCH = 4
 # Smallest size at which the table of incoming requests is swept of answered ones.
 _INCOMING_PRUNE_MIN = 256
 # TLS alert bad_certificate (42) as a QUIC CRYPTO_ERROR (0x100 + alert), RFC 9001 section 4.8.
@@ -120,9 +104,12 @@ else:
 
 
 class MoqtConnection(_ProtocolBase):
-    """One QUIC connection carrying one MoQT session. Instances are of a subclass that adds the QUIC
-    stack's ``QuicConnectionProtocol`` (``protocol_class(stack)``), so this one code path serves all.
-    aiopquic's protocol is adapted to aioquic's API in ``kvnet.net.aiopquic_stack``."""
+    """One connection carrying one MoQT session. Instances are of a subclass that adds the stack's
+    ``QuicConnectionProtocol`` and sets ``stack`` (``protocol_class(name)``), so this one code path
+    serves all; what differs between stacks is behind ``kvnet.net.stack.Stack``."""
+
+    stack: Stack
+    """The transport stack this connection runs on (set by ``protocol_class``)."""
 
     def __init__(
         self,
@@ -138,14 +125,9 @@ class MoqtConnection(_ProtocolBase):
         self.session = MoqtSession(session_config, quic)
         self.settings = settings
         self.limits = limits or ConnectionLimits()
-        self._events = get_stack(settings.stack).events
+        self._events = self.stack.events
         self._client_ca_file = client_ca_file
-        raise_stream_limits(quic, settings)
-        limit_datagram_size(quic, settings)
-        if settings.stack == "qh3":
-            send_datagrams_built_before_a_failed_build(quic)
-        if client_ca_file is not None:
-            request_client_certificate(quic)
+        self.stack.prepare_connection(self, settings, verify_client=client_ca_file is not None)
         loop = asyncio.get_running_loop()
         self._setup: asyncio.Future[me.SetupCompleted] = loop.create_future()
         # A failed handshake ends the session before anyone awaits SETUP; the caller gets that error from
@@ -169,14 +151,9 @@ class MoqtConnection(_ProtocolBase):
         self._written_streams: set[int] = set()
         self._transmit_scheduled = False
         self._untransmitted = 0
-        self._batch_receive_transmits = get_stack(settings.stack).transmits_after_each_datagram
-        self._received_untransmitted = 0
-        # aioquic sends one datagram per sendto; qh3's transmit batches with GSO itself where its
-        # transport can, and its timer is its own.
-        self._udp_segmentation = settings.udp_segmentation and settings.stack == "aioquic"
         self.owns_transport = False
-        """A client connection's socket is its own (``kvnet.net.endpoint.connect`` sets this): closed once
-        the QUIC connection has ended. A server's connections share the server's socket."""
+        """A client connection's transport is its own (``kvnet.net.endpoint.connect`` sets this): closed once
+        the connection has ended. A server's connections share the server's socket."""
         self._writable = asyncio.Event()
         self._writable.set()
         self._send_buffer_empty = asyncio.Event()
@@ -220,9 +197,9 @@ class MoqtConnection(_ProtocolBase):
         elif isinstance(event, qe.DatagramFrameReceived):
             s.receive_datagram(event.data)
         elif isinstance(event, qe.HandshakeCompleted):
-            if event.alpn_protocol != ALPN_MOQT:
+            if event.alpn_protocol != self.stack.alpn:
                 # 0x178: CRYPTO_ERROR no_application_protocol (RFC 9001 section 8.1).
-                self._quic.close(error_code=0x178, reason_phrase="ALPN moqt-18 required")
+                self._quic.close(error_code=0x178, reason_phrase=f"ALPN {self.stack.alpn} required")
                 return
             if self._client_ca_file is not None and not self._verify_client_certificate():
                 return
@@ -235,47 +212,34 @@ class MoqtConnection(_ProtocolBase):
                 self._loop.call_soon(self._transport.close)
         self._pump()
 
-    def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        self._last_receive = now = self._loop.time()
-        closing = self._quic._close_event is not None
-        # A sender held back by its congestion window transmits at once (this datagram may carry the ACK
-        # that opens it); a receiver, or a sender that is not window-limited, batches.
-        if self._batch_receive_transmits and self._setup.done() and not window_limited(self._quic):
-            self._quic.receive_datagram(cast(bytes, data), addr, now=now)
-            self._process_events()
-            self._received_untransmitted += 1
-            if self._received_untransmitted >= _RECEIVE_TRANSMIT_BATCH:
-                self.transmit()
-            else:
-                arm_timer(self)
-        else:
-            super().datagram_received(data, addr)
-        if not closing and (ended := self._quic._close_event) is not None:
-            self._closed_by_peer(ended)
-        if self._send_waiters():
-            self._check_writable()
+    @property
+    def session_established(self) -> bool:
+        """The SETUP exchange is over (aioquic's protocol then lets received datagrams share transmits)."""
+        return self._setup.done()
 
-    def transmit(self) -> None:
-        self._received_untransmitted = 0  # whatever the reason, this one carries the pending ACKs
-        if self._udp_segmentation and self._transport is not None:
-            # The stack's own transmit, with one GSO send per run of datagrams instead of one each.
-            self._transmit_task = None
-            sender_for(self._transport).send(self._quic.datagrams_to_send(now=self._loop.time()))
-            arm_timer(self)
-        else:
-            super().transmit()
-        # qh3 counts unsent bytes, which only a transmit drains (aioquic's unacknowledged ones drain on
-        # ACKs); aiopquic's protocol transmits whenever picoquic reports a stream's ring drained.
-        if self._send_waiters():
-            self._check_writable()
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        self._last_receive = self._loop.time()
+        closing = self._quic._close_event is not None
+        super().datagram_received(data, addr)
+        self._after_datagrams(closing)
 
     def datagrams_received(self, data: list[bytes], addr: Any) -> None:
         """Batched receive (qh3's client transport calls only this, never ``datagram_received``)."""
         self._last_receive = self._loop.time()
         closing = self._quic._close_event is not None
         super().datagrams_received(data, addr)  # type: ignore[misc]
+        self._after_datagrams(closing)
+
+    def _after_datagrams(self, closing: bool) -> None:
         if not closing and (ended := self._quic._close_event) is not None:
             self._closed_by_peer(ended)
+        if self._send_waiters():
+            self._check_writable()
+
+    def transmit(self) -> None:
+        super().transmit()
+        # qh3 counts unsent bytes, which only a transmit drains (aioquic's unacknowledged ones drain on
+        # ACKs); aiopquic's protocol transmits whenever picoquic reports a stream's ring drained.
         if self._send_waiters():
             self._check_writable()
 
@@ -294,7 +258,8 @@ class MoqtConnection(_ProtocolBase):
             self._keepalive = None
         self._cancel_session_timer()
         if self.owns_transport and self._transport is not None:
-            release(self._transport)  # a server's socket stays: its other connections share it
+            # A server's socket stays: its other connections share it.
+            self.stack.release_client_transport(self._transport)
         super().connection_lost(exc)
         if self.session.closed is None:
             self.session.connection_lost(SessionErrorCode.NO_ERROR, "transport lost")
@@ -304,7 +269,7 @@ class MoqtConnection(_ProtocolBase):
 
     def _arm_keepalive(self) -> None:
         interval = self.settings.keepalive_interval
-        if interval > 0 and self._keepalive is None and not get_stack(self.settings.stack).keeps_alive_itself:
+        if interval > 0 and self._keepalive is None and not self.stack.keeps_alive_itself:
             self._keepalive = self._loop.call_later(interval, self._keepalive_tick)
 
     def _keepalive_tick(self) -> None:
@@ -420,110 +385,130 @@ class MoqtConnection(_ProtocolBase):
         self.transmit()
 
     def _route(self, ev: me.MoqtEvent) -> None:
-        rid: int | None = getattr(ev, "request_id", None)
-        if isinstance(ev, me.ObjectReceived):
-            st = self._streams.get(ev.request_id)
-            if st is not None and not st.finished:
-                st._push(ev)
-                if self._received_bytes > self.limits.max_receive_buffer:
-                    self._log.warning("request %d exceeds the receive buffer; cancelling", ev.request_id)
-                    self._cancel(ev.request_id, StreamResetCode.EXCESSIVE_LOAD)
-                    st._finish(LimitError(f"receive buffer limit {self.limits.max_receive_buffer} reached"))
+        """Hand one session event to its handler (``_ROUTES``); events no handler consumes are kept in
+        ``other_events``."""
+        handler = _ROUTES.get(type(ev))
+        if handler is None:
+            self.other_events.append(ev)
+        else:
+            handler(self, ev)
+
+    # ---- the handlers of ``_route``, one per event kind
+
+    def _on_object(self, ev: me.ObjectReceived) -> None:
+        st = self._streams.get(ev.request_id)
+        if st is not None and not st.finished:
+            st._push(ev)
+            if self._received_bytes > self.limits.max_receive_buffer:
+                self._log.warning("request %d exceeds the receive buffer; cancelling", ev.request_id)
+                self._cancel(ev.request_id, StreamResetCode.EXCESSIVE_LOAD)
+                st._finish(LimitError(f"receive buffer limit {self.limits.max_receive_buffer} reached"))
+
+    def _on_incoming_request(self, ev: me.MoqtEvent) -> None:
+        req = INCOMING_REQUEST_TYPES[type(ev)](self, ev)
+        if self._incoming.qsize() >= self.limits.max_incoming_queue:
+            if (buffered := self._streams.pop(req.request_id, None)) is not None:
+                buffered._finish(None)
+            self.session.reject_request(req.request_id, RequestErrorCode.EXCESSIVE_LOAD, "queue full")
+            self.refused_requests["incoming_queue"] += 1
+            self._pump()
             return
-        if type(ev) in INCOMING_REQUEST_TYPES:
-            req = INCOMING_REQUEST_TYPES[type(ev)](self, ev)
-            if self._incoming.qsize() >= self.limits.max_incoming_queue:
-                if (buffered := self._streams.pop(req.request_id, None)) is not None:
-                    buffered._finish(None)
-                self.session.reject_request(req.request_id, RequestErrorCode.EXCESSIVE_LOAD, "queue full")
-                self.refused_requests["incoming_queue"] += 1
-                self._pump()
-                return
-            self._remember_incoming(req)
-            self._incoming.put_nowait(req)
-            return
-        if isinstance(ev, me.SetupCompleted):
-            if not self._setup.done():
-                self._setup.set_result(ev)
-        elif isinstance(ev, me.SessionTerminated):
-            self._on_terminated(ev)
-        elif isinstance(ev, me.RequestErrorReceived):
-            err = RequestRejected(ev.error_code, ev.reason, ev.retry_interval)
-            self._resolve(ev.request_id, error=err)
-            if (st := self._streams.pop(ev.request_id, None)) is not None:
-                st._finish(err)
-        elif isinstance(ev, me.FetchOkReceived):
-            st = self._streams.get(ev.request_id)
-            if isinstance(st, FetchHandle) and not st._ok.done():
-                st._ok.set_result(ev)
-                if st.data_complete:
-                    del self._streams[ev.request_id]
-                    st._finish(None)
-        elif isinstance(ev, me.PublishDoneReceived):
-            st = self._streams.get(ev.request_id)
-            if isinstance(st, Subscription):
-                st.done = ev
-                if st.streams_closed >= ev.stream_count:
-                    self._end_subscription(st)
-                elif st.request_id not in self._trailing:
-                    # Subgroup streams announced by the Stream Count are still in flight.
-                    self._await_trailing_streams(st)
-            elif st is not None:
-                self._streams.pop(ev.request_id, None)
-                st._finish(None)
-        elif isinstance(ev, me.SubgroupClosed):
-            st = self._streams.get(ev.request_id)
-            if isinstance(st, Subscription):
-                st.streams_closed += 1
-                if st.done is not None and st.streams_closed >= st.done.stream_count:
-                    self._end_subscription(st)
-            else:
-                self.other_events.append(ev)
-        elif isinstance(ev, me.FetchCompleted):
-            st = self._streams.get(ev.request_id)
-            if isinstance(st, FetchHandle) and not st._ok.done():
-                # The fetch stream and FETCH_OK travel on different QUIC streams: the data can all
-                # arrive first. The fetch completes once FETCH_OK is in too.
-                st.data_complete = True
-            elif st is not None:
+        self._remember_incoming(req)
+        self._incoming.put_nowait(req)
+
+    def _on_setup(self, ev: me.SetupCompleted) -> None:
+        if not self._setup.done():
+            self._setup.set_result(ev)
+
+    def _on_request_error(self, ev: me.RequestErrorReceived) -> None:
+        err = RequestRejected(ev.error_code, ev.reason, ev.retry_interval)
+        self._resolve(ev.request_id, error=err)
+        if (st := self._streams.pop(ev.request_id, None)) is not None:
+            st._finish(err)
+
+    def _on_fetch_ok(self, ev: me.FetchOkReceived) -> None:
+        st = self._streams.get(ev.request_id)
+        if isinstance(st, FetchHandle) and not st._ok.done():
+            st._ok.set_result(ev)
+            if st.data_complete:
                 del self._streams[ev.request_id]
                 st._finish(None)
-        elif isinstance(ev, me.FetchStreamReset):
-            if (st := self._streams.pop(ev.request_id, None)) is not None:
-                st._finish(StreamResetError(ev.error_code))
-        elif isinstance(ev, me.SubscribeOkReceived):
-            st = self._streams.get(ev.request_id)
-            if isinstance(st, Subscription):
-                st.ok = ev
-            self._resolve(ev.request_id, ev)
-        elif isinstance(ev, me.TrackStatusOkReceived | me.RequestOkReceived | me.PublishOkReceived):
-            self._resolve(ev.request_id, ev)
-        elif isinstance(ev, me.RequestRefused):
-            if ev.error_code == RequestErrorCode.EXCESSIVE_LOAD:
-                self.refused_requests["requests_in_flight"] += 1
-        elif isinstance(ev, me.RequestCancelled):
-            if (inc := self._incoming_by_id.pop(ev.request_id, None)) is not None:
-                inc.cancelled.set()
-            if (st := self._streams.pop(ev.request_id, None)) is not None:
-                st._finish(ConnectionClosed(ev.error_code or 0, "request cancelled"))
-            self._resolve(ev.request_id, error=ConnectionClosed(ev.error_code or 0, "request cancelled"))
-        elif isinstance(ev, me.DataStreamStopped):
-            # A FETCH has one data stream: the requester stopping it abandons the request.
-            inc = self._incoming_by_id.get(ev.request_id)
-            if isinstance(inc, IncomingFetch):
-                del self._incoming_by_id[ev.request_id]
-                inc.cancelled.set()
+
+    def _on_publish_done(self, ev: me.PublishDoneReceived) -> None:
+        st = self._streams.get(ev.request_id)
+        if isinstance(st, Subscription):
+            st.done = ev
+            if st.streams_closed >= ev.stream_count:
+                self._end_subscription(st)
+            elif st.request_id not in self._trailing:
+                # Subgroup streams announced by the Stream Count are still in flight.
+                self._await_trailing_streams(st)
+        elif st is not None:
+            self._streams.pop(ev.request_id, None)
+            st._finish(None)
+
+    def _on_subgroup_closed(self, ev: me.SubgroupClosed) -> None:
+        st = self._streams.get(ev.request_id)
+        if isinstance(st, Subscription):
+            st.streams_closed += 1
+            if st.done is not None and st.streams_closed >= st.done.stream_count:
+                self._end_subscription(st)
+        else:
             self.other_events.append(ev)
-        elif isinstance(ev, me.NamespaceReceived | me.NamespaceDoneReceived) and (
-            listener := self._namespace_listeners.get(ev.request_id)
-        ) is not None:
+
+    def _on_fetch_completed(self, ev: me.FetchCompleted) -> None:
+        st = self._streams.get(ev.request_id)
+        if isinstance(st, FetchHandle) and not st._ok.done():
+            # The fetch stream and FETCH_OK travel on different streams: the data can all arrive first.
+            # The fetch completes once FETCH_OK is in too.
+            st.data_complete = True
+        elif st is not None:
+            del self._streams[ev.request_id]
+            st._finish(None)
+
+    def _on_fetch_stream_reset(self, ev: me.FetchStreamReset) -> None:
+        if (st := self._streams.pop(ev.request_id, None)) is not None:
+            st._finish(StreamResetError(ev.error_code))
+
+    def _on_subscribe_ok(self, ev: me.SubscribeOkReceived) -> None:
+        st = self._streams.get(ev.request_id)
+        if isinstance(st, Subscription):
+            st.ok = ev
+        self._resolve(ev.request_id, ev)
+
+    def _on_answer(self, ev: me.TrackStatusOkReceived | me.RequestOkReceived | me.PublishOkReceived) -> None:
+        self._resolve(ev.request_id, ev)
+
+    def _on_request_refused(self, ev: me.RequestRefused) -> None:
+        if ev.error_code == RequestErrorCode.EXCESSIVE_LOAD:
+            self.refused_requests["requests_in_flight"] += 1
+
+    def _on_request_cancelled(self, ev: me.RequestCancelled) -> None:
+        if (inc := self._incoming_by_id.pop(ev.request_id, None)) is not None:
+            inc.cancelled.set()
+        if (st := self._streams.pop(ev.request_id, None)) is not None:
+            st._finish(ConnectionClosed(ev.error_code or 0, "request cancelled"))
+        self._resolve(ev.request_id, error=ConnectionClosed(ev.error_code or 0, "request cancelled"))
+
+    def _on_data_stream_stopped(self, ev: me.DataStreamStopped) -> None:
+        # A FETCH has one data stream: the requester stopping it abandons the request.
+        inc = self._incoming_by_id.get(ev.request_id)
+        if isinstance(inc, IncomingFetch):
+            del self._incoming_by_id[ev.request_id]
+            inc.cancelled.set()
+        self.other_events.append(ev)
+
+    def _on_namespace(self, ev: me.NamespaceReceived | me.NamespaceDoneReceived) -> None:
+        listener = self._namespace_listeners.get(ev.request_id)
+        if listener is None:
+            self.other_events.append(ev)
+        else:
             listener(ev)
-        elif isinstance(ev, me.GoawayReceived):
-            if rid is None:
-                self.goaway = ev
-                self.goaway_event.set()
-            else:
-                self.other_events.append(ev)
+
+    def _on_goaway(self, ev: me.GoawayReceived) -> None:
+        if ev.request_id is None:
+            self.goaway = ev
+            self.goaway_event.set()
         else:
             self.other_events.append(ev)
 
@@ -584,7 +569,7 @@ class MoqtConnection(_ProtocolBase):
     def _verify_client_certificate(self) -> bool:
         assert self._client_ca_file is not None
         try:
-            verify_client_certificate(self._quic, self._client_ca_file)
+            self.stack.verify_client_certificate(self._quic, self._client_ca_file)
         except Exception as exc:  # any failure of the check means the client is not authenticated
             self._log.warning("rejecting client certificate: %s", exc)
             self._quic.close(error_code=_CRYPTO_BAD_CERTIFICATE, reason_phrase=f"client certificate: {exc}")
@@ -625,7 +610,7 @@ class MoqtConnection(_ProtocolBase):
         """Bytes written to QUIC streams and not yet acknowledged."""
         total = 0
         # aioquic counts unacknowledged bytes, qh3 unsent ones; an empty stream needs no more tracking.
-        for sid, n in unsent_bytes(self._quic, list(self._written_streams)).items():
+        for sid, n in self.stack.unsent_bytes(self._quic, list(self._written_streams)).items():
             if n == 0:
                 self._written_streams.discard(sid)
             total += n
@@ -646,7 +631,7 @@ class MoqtConnection(_ProtocolBase):
         if buffered == 0 or closed:
             self._send_buffer_empty.set()
         if self._stream_sent_waiters:
-            held = unsent_bytes(self._quic, list(self._stream_sent_waiters))
+            held = self.stack.unsent_bytes(self._quic, list(self._stream_sent_waiters))
             self._wake_stream_sent_waiters(lambda sid: closed or held[sid] == 0)
 
     def _wake_stream_sent_waiters(self, sent: Callable[[int], bool]) -> None:
@@ -681,7 +666,9 @@ class MoqtConnection(_ProtocolBase):
         session is over. A publisher ends a track with PUBLISH_DONE only then: the receiver waits for the
         track's streams just ``publish_done_timeout`` after PUBLISH_DONE, which must not have to cover
         bytes still queued behind a slow link."""
-        if self.session.closed is not None or unsent_bytes(self._quic, [stream_id])[stream_id] == 0:
+        if self.session.closed is not None:
+            return
+        if self.stack.unsent_bytes(self._quic, [stream_id])[stream_id] == 0:
             return
         fut = self._stream_sent_waiters.get(stream_id)
         if fut is None:
@@ -920,19 +907,9 @@ class MoqtConnection(_ProtocolBase):
 
     @property
     def peer_address(self) -> str:
-        """``host:port`` of the peer, or "?" when the QUIC stack does not know it (yet)."""
-        quic = self._quic
-        # aioquic keeps it in the network paths, qh3 as the remote address, aiopquic asks picoquic.
-        paths = getattr(quic, "_network_paths", None)
-        if paths:
-            addr = paths[0].addr
-        elif callable(peer := getattr(quic, "peer_address", None)):
-            addr = peer()
-        else:
-            addr = getattr(quic, "_remote_addr", None)
-        if not addr:
-            return "?"
-        return f"{addr[0]}:{addr[1]}"
+        """``host:port`` of the peer, or "?" when the stack does not know it (yet)."""
+        addr = self.stack.peer_address(self._quic)
+        return "?" if addr is None else f"{addr[0]}:{addr[1]}"
 
     async def goaway_peer(self, new_session_uri: str = "", timeout_ms: int = 0) -> None:
         """Send GOAWAY on the control stream (servers may name a new session URI)."""
@@ -967,8 +944,34 @@ class MoqtConnection(_ProtocolBase):
         return f"session closed (code {code:#x}): {reason or 'no reason given'}"
 
 
+_ROUTES: dict[type[me.MoqtEvent], Callable[[MoqtConnection, Any], None]] = {
+    me.ObjectReceived: MoqtConnection._on_object,
+    **{kind: MoqtConnection._on_incoming_request for kind in INCOMING_REQUEST_TYPES},
+    me.SetupCompleted: MoqtConnection._on_setup,
+    me.SessionTerminated: MoqtConnection._on_terminated,
+    me.RequestErrorReceived: MoqtConnection._on_request_error,
+    me.FetchOkReceived: MoqtConnection._on_fetch_ok,
+    me.PublishDoneReceived: MoqtConnection._on_publish_done,
+    me.SubgroupClosed: MoqtConnection._on_subgroup_closed,
+    me.FetchCompleted: MoqtConnection._on_fetch_completed,
+    me.FetchStreamReset: MoqtConnection._on_fetch_stream_reset,
+    me.SubscribeOkReceived: MoqtConnection._on_subscribe_ok,
+    me.TrackStatusOkReceived: MoqtConnection._on_answer,
+    me.RequestOkReceived: MoqtConnection._on_answer,
+    me.PublishOkReceived: MoqtConnection._on_answer,
+    me.RequestRefused: MoqtConnection._on_request_refused,
+    me.RequestCancelled: MoqtConnection._on_request_cancelled,
+    me.DataStreamStopped: MoqtConnection._on_data_stream_stopped,
+    me.NamespaceReceived: MoqtConnection._on_namespace,
+    me.NamespaceDoneReceived: MoqtConnection._on_namespace,
+    me.GoawayReceived: MoqtConnection._on_goaway,
+}
+"""Session event kind -> its handler in ``MoqtConnection``; the rest go to ``other_events``."""
+
+
 @functools.cache
-def protocol_class(stack: str) -> type[MoqtConnection]:
-    """``MoqtConnection`` on top of ``stack``'s ``QuicConnectionProtocol`` (one of ``quic.STACKS``)."""
-    base = get_stack(stack).QuicConnectionProtocol
-    return type(f"MoqtConnection_{stack}", (MoqtConnection, base), {"__module__": __name__})
+def protocol_class(name: str) -> type[MoqtConnection]:
+    """``MoqtConnection`` on top of the protocol of the stack called ``name`` (``kvnet.net.registry``)."""
+    stack = get_stack(name)
+    return type(f"MoqtConnection_{name}", (MoqtConnection, stack.QuicConnectionProtocol),
+                {"__module__": __name__, "stack": stack})

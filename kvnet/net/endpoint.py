@@ -1,8 +1,10 @@
 """Opening MoQT connections: ``connect`` to a relay, ``serve`` as one, and process start-up tuning.
 
-Owns: resolving a ``moqt://`` URL and opening the client endpoint on the stack ``TransportSettings.stack``
-names, completing QUIC+TLS and the MoQT SETUP exchange (``connect``); the listening endpoint that runs one
-task per connection and shuts down with GOAWAY and a drain (``serve``, ``MoqtServer``).
+Owns: resolving a peer URL (``kvnet.net.url``) and opening the client endpoint on the stack it and
+``TransportSettings.stack`` pick (``kvnet.net.registry.stack_for``), completing the handshake and the MoQT
+SETUP exchange (``connect``); the listening endpoint that runs one task per connection and shuts down
+with GOAWAY and a drain (``serve``, ``MoqtServer``). What differs between stacks is their
+``kvnet.net.stack.Stack``'s ``open_client`` and ``listen``.
 """
 
 from __future__ import annotations
@@ -16,17 +18,15 @@ from collections.abc import Awaitable, Callable, Generator
 from types import TracebackType
 from typing import Any
 
-from kvnet.net import quic
 from kvnet.net.connection import ConnectionLimits, MoqtConnection, protocol_class
 from kvnet.net.errors import ConnectionClosed, MoqtConnectionError
-from kvnet.net.gso import DatagramReceiver
+from kvnet.net.registry import get_stack, stack_for
+from kvnet.net.settings import TlsSettings, TransportSettings
+from kvnet.net.url import parse_moqt_url
 from proto.errors import SessionErrorCode
 from proto.session import SessionConfig
 
 logger = logging.getLogger(__name__)
-
-# Most connections one aiopquic server holds (picoquic's table size).
-_AIOPQUIC_MAX_CONNECTIONS = 1 << 16
 
 
 class _Connector:
@@ -65,23 +65,24 @@ def freeze_startup_objects() -> None:
 
 def connect(
     url: str,
-    settings: quic.TransportSettings | None = None,
-    tls: quic.TlsSettings | None = None,
+    settings: TransportSettings | None = None,
+    tls: TlsSettings | None = None,
     session_config: SessionConfig | None = None,
     limits: ConnectionLimits | None = None,
     local_host: str | None = None,
 ) -> _Connector:
-    """Connect to ``moqt://host:port[/path]``, complete QUIC+TLS and the MoQT SETUP exchange.
+    """Connect to ``moqt://host:port[/path]``, complete the QUIC+TLS handshake and the MoQT SETUP exchange.
 
     ``local_host`` binds the client socket to that source address (the wildcard address by default)."""
-    settings = settings or quic.TransportSettings()
-    tls = tls or quic.TlsSettings()
+    settings = settings or TransportSettings()
+    tls = tls or TlsSettings()
     limits = limits or ConnectionLimits()
-    target = quic.parse_moqt_url(url)
+    target = parse_moqt_url(url)
 
     async def run() -> MoqtConnection:
         loop = asyncio.get_running_loop()
-        config = quic.client_configuration(settings, tls, server_name=target.host)
+        stack = stack_for(target, settings)
+        config = stack.client_configuration(settings, tls, server_name=target.host)
         infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_DGRAM)
         if not infos:
             raise MoqtConnectionError(f"cannot resolve {target.host}")
@@ -89,28 +90,15 @@ def connect(
         scfg = session_config or SessionConfig(
             is_client=True, path=target.path or None, authority=f"{target.host}:{target.port}"
         )
-        sock = quic.client_socket(settings, family, local_host)
-        try:
-            udp, protocol = await quic.open_client_endpoint(
-                settings,
-                sock,
-                config,
-                lambda quic_connection: protocol_class(settings.stack)(
-                    quic_connection,
-                    session_config=scfg,
-                    settings=settings,
-                    limits=limits,
-                ),
-            )
-        except BaseException:
-            if sock is not None:
-                sock.close()
-            raise
-        if settings.udp_receive_offload and settings.stack == "aioquic":
-            DatagramReceiver.install(udp, protocol)  # qh3's client transport batches its reads itself
+        transport, protocol = await stack.open_client(
+            settings, config, family, local_host,
+            lambda quic_connection: protocol_class(stack.name)(
+                quic_connection, session_config=scfg, settings=settings, limits=limits,
+            ),
+        )
         conn: MoqtConnection = protocol
-        # A socket made here is closed with the connection; aiopquic makes and stops its own.
-        conn.owns_transport = sock is not None
+        # A socket made for this connection is closed with it; a stack that binds its own stops it.
+        conn.owns_transport = not stack.binds_own_socket
         try:
             conn.connect(addr)
             try:
@@ -131,7 +119,7 @@ def connect(
                 raise MoqtConnectionError(f"MoQT setup with {url} failed: {exc}") from exc
         except BaseException:
             conn.close()
-            udp.close()
+            transport.close()
             raise
         return conn
 
@@ -178,21 +166,21 @@ class MoqtServer:
 async def serve(
     host: str,
     port: int,
-    settings: quic.TransportSettings,
-    tls: quic.TlsSettings,
+    settings: TransportSettings,
+    tls: TlsSettings,
     on_connection: Callable[[MoqtConnection], Awaitable[None]],
     session_config: SessionConfig | None = None,
     limits: ConnectionLimits | None = None,
     max_connections: int = 1024,
     sock: socket.socket | None = None,
 ) -> MoqtServer:
-    """Listen on host:port (or on ``sock``, bound beforehand by ``quic.server_sockets``). After SETUP
-    completes, ``on_connection(conn)`` runs in its own task; when it returns (or raises, which is logged)
-    the session is closed. Beyond ``max_connections`` live sessions new ones are closed with
-    EXCESSIVE_LOAD. ``settings.stack`` picks the QUIC stack."""
-    config = quic.server_configuration(settings, tls)
-    stack = quic.get_stack(settings.stack)
-    cls = protocol_class(settings.stack)
+    """Listen on host:port (or on ``sock``, bound beforehand by ``kvnet.net.registry.server_sockets``).
+    After SETUP completes, ``on_connection(conn)`` runs in its own task; when it returns (or raises,
+    which is logged) the session is closed. Beyond ``max_connections`` live sessions new ones are closed
+    with EXCESSIVE_LOAD. ``settings.stack`` picks the QUIC stack."""
+    stack = get_stack(settings.stack)
+    config = stack.server_configuration(settings, tls)
+    cls = protocol_class(stack.name)
     scfg = session_config or SessionConfig(is_client=False)
     ca = str(tls.ca_file) if tls.require_client_cert and tls.ca_file is not None else None
     tasks: set[asyncio.Task[None]] = set()
@@ -238,21 +226,7 @@ async def serve(
         task.add_done_callback(tasks.discard)
         return conn
 
-    if settings.stack == "aiopquic":
-        # picoquic refuses connections past its own limit before any session exists; leave room for
-        # the ones refused above with a reason. It sizes its tables by the limit up front (a relay that
-        # counts sessions itself passes 2^30, which picoquic cannot allocate).
-        config.max_connections = min(max_connections + 64, _AIOPQUIC_MAX_CONNECTIONS)
-        if port == 0:
-            # picoquic does not report the port it bound: choose a free one here.
-            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
-    if sock is not None:
-        quic_server = await quic.serve_on_socket(settings, sock, config, create_protocol)
-    else:
-        quic_server = await stack.serve(host, port, configuration=config, create_protocol=create_protocol)
-        sock = quic.server_socket(quic_server)
-        quic.apply_socket_buffers(sock, settings)
-    name = sock.getsockname() if sock is not None else (host, port)
-    return MoqtServer(quic_server, tasks, live, (name[0], name[1]))
+    server, address = await stack.listen(
+        host, port, settings, config, create_protocol, sock=sock, max_connections=max_connections
+    )
+    return MoqtServer(server, tasks, live, address)

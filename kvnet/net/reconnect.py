@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from kvnet.net.quic import parse_moqt_url
+from kvnet.net.url import parse_moqt_url
 
 DEFAULT_INITIAL_S = 0.25
 DEFAULT_CAP_S = 5.0

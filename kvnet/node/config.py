@@ -23,13 +23,8 @@ from kvnet.model.batching import DEFAULT_MAX_RUNNING_SEQUENCES
 from kvnet.model.generate import DEFAULT_PREFILL_CHUNK
 from kvnet.model.registry import MODELS, is_registered
 from kvnet.model.transformer import transformer_configs
-from kvnet.net.quic import (
-    DATAGRAM_SIZE_ETHERNET,
-    DEFAULT_STACK,
-    LINK_PRESETS,
-    TransportSettings,
-    parse_moqt_url,
-)
+from kvnet.net.settings import DATAGRAM_SIZE_ETHERNET, DEFAULT_STACK, LINK_PRESETS, TransportSettings
+from kvnet.net.url import parse_moqt_url
 from kvnet.node.abr import QUALITY_ORDER
 from kvnet.node.fetching import DEFAULT_VERIFY_WORKERS, DEFAULT_WINDOW_BYTES, MAX_VERIFY_WORKERS
 from kvnet.security.certs import check_tls_files

@@ -21,8 +21,9 @@ from kvnet.dtypes import dtype_name
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.errors import MoqtConnectionError, RequestRejected
-from kvnet.net.quic import TlsSettings, parse_moqt_url
 from kvnet.net.reconnect import redirect_target
+from kvnet.net.settings import TlsSettings
+from kvnet.net.url import parse_moqt_url
 from kvnet.node.abr import FetchDeadline, KvAbr
 from kvnet.node.blockstore import BlockStore, StoredBlock
 from kvnet.node.config import NodeConfig

@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvnet.net import quic
 from kvnet.net.connection import MoqtConnection, protocol_class
+from kvnet.net.registry import client_configuration, get_stack, server_configuration
+from kvnet.net.settings import TlsSettings, TransportSettings
 from proto.session import SessionConfig
 from tests.helpers.processes import CertDir
 
@@ -69,22 +70,22 @@ async def connection_pair(
     *,
     client_session: SessionConfig | None = None,
     server_session: SessionConfig | None = None,
-    settings: quic.TransportSettings | None = None,
+    settings: TransportSettings | None = None,
 ) -> AsyncIterator[ConnectionPair]:
     """Handshake a client (verifying the server's certificate against ``certs.ca``) with a server, in
     memory; yields once both sides completed SETUP and closes both sessions on exit."""
-    settings = settings or quic.TransportSettings(stack="aioquic")
-    stack = quic.get_stack(settings.stack)
+    settings = settings or TransportSettings(stack="aioquic")
+    stack = get_stack(settings.stack)
     cls = protocol_class(settings.stack)
-    client_tls = quic.TlsSettings(ca_file=certs.ca)
-    server_tls = quic.TlsSettings(ca_file=certs.ca, cert_file=certs.cert, key_file=certs.key)
+    client_tls = TlsSettings(ca_file=certs.ca)
+    server_tls = TlsSettings(ca_file=certs.ca, cert_file=certs.cert, key_file=certs.key)
     client_quic = stack.QuicConnection(
-        configuration=quic.client_configuration(settings, client_tls, server_name="localhost")
+        configuration=client_configuration(settings, client_tls, server_name="localhost")
     )
     # A server connection is made for the client's first Initial; aioquic's tests take the id the
     # client picked in the same way.
     server_quic = stack.QuicConnection(
-        configuration=quic.server_configuration(settings, server_tls),
+        configuration=server_configuration(settings, server_tls),
         original_destination_connection_id=client_quic._original_destination_connection_id,
     )
     client = cls(client_quic, session_config=client_session or SessionConfig(is_client=True),

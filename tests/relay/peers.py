@@ -22,7 +22,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.handles import IncomingFetch, IncomingRequest, IncomingSubscribe, IncomingTrackStatus
-from kvnet.net.quic import TlsSettings
+from kvnet.net.settings import TlsSettings
 from proto.data import ObjectStatus
 from proto.errors import RequestErrorCode
 from proto.messages import Location, MessageParameters, Setup, encode_message

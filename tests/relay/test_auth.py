@@ -13,7 +13,7 @@ import pytest
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.errors import ConnectionClosed, RequestRejected
-from kvnet.net.quic import TlsSettings
+from kvnet.net.settings import TlsSettings
 from kvnet.security.tokens import Action, IssuerKey, issue_token, make_claims
 from proto.errors import RequestErrorCode, SessionErrorCode
 from proto.messages import AliasType, AuthToken, Location, MessageParameters

@@ -14,7 +14,7 @@ import asyncio
 from kvnet.net.connection import ConnectionLimits
 from kvnet.net.endpoint import connect
 from kvnet.net.handles import Subscription
-from kvnet.net.quic import TlsSettings
+from kvnet.net.settings import TlsSettings
 from kvnet.tools.linkemu import EmulatorConfig, LinkEmulator, LinkParams
 from tests.helpers.processes import CertDir
 from tests.relay.conftest import RelayFactory

@@ -11,7 +11,7 @@ import time
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.errors import ConnectionClosed, RequestRejected, StreamResetError
-from kvnet.net.quic import TlsSettings
+from kvnet.net.settings import TlsSettings
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode, SessionErrorCode, StreamResetCode
 from proto.messages import Fetch, FetchType, Location, StandaloneFetch, TrackStatus, encode_message

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvnet.net import quic
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.handles import Subscription
+from kvnet.net.settings import STACKS, TlsSettings, TransportSettings
 from tests.helpers.processes import (
     CertDir,
     NativeQuicUnavailable,
@@ -42,7 +42,7 @@ def _relay_flags(stack: str) -> tuple[str, ...]:
 
 
 async def _client(rp: RelayProcess, cert_dir: CertDir, stack: str) -> MoqtConnection:
-    return await connect(rp.url, quic.TransportSettings(stack=stack), quic.TlsSettings(ca_file=cert_dir.ca))
+    return await connect(rp.url, TransportSettings(stack=stack), TlsSettings(ca_file=cert_dir.ca))
 
 
 async def _payloads(handle: Subscription) -> list[bytes]:
@@ -50,7 +50,7 @@ async def _payloads(handle: Subscription) -> list[bytes]:
 
 
 @pytest.mark.parametrize("peer_stack", PEER_STACKS)
-@pytest.mark.parametrize("relay_stack", quic.STACKS)
+@pytest.mark.parametrize("relay_stack", STACKS)
 async def test_relay_serves_peers_of_another_stack(
     relay_factory: RelayFactory, cert_dir: CertDir, relay_stack: str, peer_stack: str
 ) -> None:

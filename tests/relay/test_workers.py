@@ -28,7 +28,7 @@ from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.errors import MoqtConnectionError, RequestRejected
-from kvnet.net.quic import TlsSettings, TransportSettings
+from kvnet.net.settings import TlsSettings, TransportSettings
 from kvnet.node.blockstore import BlockStore
 from kvnet.node.fetching import BlockFetcher
 from kvnet.node.publishing import BlockServer

@@ -15,7 +15,7 @@ import pytest
 from kvnet.net.connection import ConnectionLimits, MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.errors import MoqtConnectionError, RequestRejected
-from kvnet.net.quic import TlsSettings
+from kvnet.net.settings import TlsSettings
 from proto.data import SubgroupHeader, encode_subgroup_header, subgroup_object_prefix
 from proto.errors import RequestErrorCode, SessionErrorCode, StreamResetCode
 from proto.messages import Location, Publish, TrackStatus, encode_message

@@ -29,7 +29,7 @@ import pytest
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.errors import ConnectionClosed, MoqtConnectionError, RequestRejected
-from kvnet.net.quic import TlsSettings
+from kvnet.net.settings import TlsSettings
 from kvnet.node.config import NodeConfig
 from kvnet.node.node import Node
 from kvnet.security.tenancy import NodeSecret

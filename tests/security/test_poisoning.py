@@ -34,7 +34,7 @@ from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import MoqtServer, connect, serve
 from kvnet.net.errors import RequestRejected
 from kvnet.net.handles import IncomingFetch, IncomingPublishNamespace, IncomingRequest, IncomingTrackStatus
-from kvnet.net.quic import TlsSettings, TransportSettings
+from kvnet.net.settings import TlsSettings, TransportSettings
 from kvnet.node.blockstore import BlockStore, StoredBlock
 from kvnet.node.config import NodeConfig
 from kvnet.node.node import Node

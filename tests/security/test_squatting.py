@@ -18,7 +18,7 @@ from pathlib import Path
 from kvnet.blocks.signing import Signer, generate_keypair
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
-from kvnet.net.quic import TlsSettings
+from kvnet.net.settings import TlsSettings
 from proto.kvobject import block_track
 from tests.helpers.waiting import async_wait_until
 from tests.nodes.cluster import Cluster

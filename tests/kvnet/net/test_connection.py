@@ -15,7 +15,6 @@ from typing import Any, cast
 
 import pytest
 
-from kvnet.net import quic
 from kvnet.net.connection import ConnectionLimits, MoqtConnection
 from kvnet.net.endpoint import connect, serve
 from kvnet.net.errors import MoqtConnectionError, RequestRejected
@@ -26,6 +25,14 @@ from kvnet.net.handles import (
     IncomingRequest,
     IncomingSubscribe,
     IncomingTrackStatus,
+)
+from kvnet.net.registry import get_stack
+from kvnet.net.settings import (
+    DATAGRAM_SIZE_ETHERNET,
+    INITIAL_DATAGRAM_SIZE_AIOPQUIC,
+    STACKS,
+    TlsSettings,
+    TransportSettings,
 )
 from kvnet.security import certs
 from kvnet.tools.linkemu import EmulatorConfig, LinkEmulator, LinkParams
@@ -67,11 +74,11 @@ async def _publisher(conn: MoqtConnection) -> None:
             req.reject(RequestErrorCode.NOT_SUPPORTED, type(ev).__name__)
 
 
-@pytest.fixture(params=quic.STACKS)
-def settings(request: pytest.FixtureRequest) -> quic.TransportSettings:
+@pytest.fixture(params=STACKS)
+def settings(request: pytest.FixtureRequest) -> TransportSettings:
     if request.param == "aiopquic" and sys.version_info < (3, 12):
         pytest.skip("aiopquic needs Python >= 3.12: test_every_connection_test_runs_on_the_native_stack")
-    return quic.TransportSettings(stack=request.param)
+    return TransportSettings(stack=request.param)
 
 
 @pytest.mark.skipif(sys.version_info >= (3, 12), reason="the aiopquic cases run directly here")
@@ -110,11 +117,11 @@ async def test_a_client_connection_gives_its_socket_back_once_it_ends(pki: Path,
     """A client's UDP socket (and the duplicates GSO sending and GRO reading hold) is closed when its
     connection ends, not when the garbage collector gets to it: a node reconnecting for days must not
     run out of descriptors."""
-    settings = quic.TransportSettings(stack=stack)
-    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), _publisher)
+    settings = TransportSettings(stack=stack)
+    server = await serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), _publisher)
     port = server.address[1]
     try:
-        client_tls = quic.TlsSettings.from_dir(pki, None)
+        client_tls = TlsSettings.from_dir(pki, None)
         async with connect(f"moqt://localhost:{port}", settings, client_tls) as conn:
             await conn.track_status(NS, b"blocks")  # the first connection's one-time costs (threads, caches)
         before = _open_descriptors()
@@ -128,11 +135,11 @@ async def test_a_client_connection_gives_its_socket_back_once_it_ends(pki: Path,
         await server.close()
 
 
-async def test_setup_and_requests_end_to_end(pki: Path, settings: quic.TransportSettings) -> None:
-    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), _publisher)
+async def test_setup_and_requests_end_to_end(pki: Path, settings: TransportSettings) -> None:
+    server = await serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), _publisher)
     port = server.address[1]
     try:
-        client_tls = quic.TlsSettings.from_dir(pki, None)
+        client_tls = TlsSettings.from_dir(pki, None)
         async with connect(f"moqt://localhost:{port}", settings, client_tls) as conn:
             assert conn.session.established
             assert await conn.publish_namespace(NS) >= 0
@@ -156,12 +163,12 @@ async def test_setup_and_requests_end_to_end(pki: Path, settings: quic.Transport
 
 
 async def test_objects_taken_as_queued_and_by_iteration_come_once_in_order(
-    pki: Path, settings: quic.TransportSettings
+    pki: Path, settings: TransportSettings
 ) -> None:
-    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), _publisher)
+    server = await serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), _publisher)
     try:
         async with connect(f"moqt://localhost:{server.address[1]}", settings,
-                           quic.TlsSettings.from_dir(pki, None)) as conn:
+                           TlsSettings.from_dir(pki, None)) as conn:
             handle = await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 5))
             await async_wait_until(lambda: handle.finished, "the whole fetch arrived")
             assert conn.receive_buffered == 5 * len(b"obj0" * 1000)
@@ -174,12 +181,12 @@ async def test_objects_taken_as_queued_and_by_iteration_come_once_in_order(
         await server.close()
 
 
-async def test_many_concurrent_requests(pki: Path, settings: quic.TransportSettings) -> None:
+async def test_many_concurrent_requests(pki: Path, settings: TransportSettings) -> None:
     # More concurrent request streams than aioquic's built-in 128 and qh3's 100-stream grant.
-    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), _publisher)
+    server = await serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), _publisher)
     try:
         async with connect(f"moqt://127.0.0.1:{server.address[1]}", settings,
-                           quic.TlsSettings.from_dir(pki, None)) as conn:
+                           TlsSettings.from_dir(pki, None)) as conn:
             results = await asyncio.wait_for(
                 asyncio.gather(*(conn.track_status(NS, b"blocks") for _ in range(600))), 30
             )
@@ -189,15 +196,15 @@ async def test_many_concurrent_requests(pki: Path, settings: quic.TransportSetti
 
 
 async def test_unknown_ca_is_a_clear_error(
-    pki: Path, tmp_path: Path, settings: quic.TransportSettings
+    pki: Path, tmp_path: Path, settings: TransportSettings
 ) -> None:
     other = tmp_path / "other"
     certs.create_ca(other)
-    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), _publisher)
+    server = await serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), _publisher)
     try:
         with pytest.raises(MoqtConnectionError, match="handshake") as info:
             await connect(f"moqt://localhost:{server.address[1]}", settings,
-                          quic.TlsSettings(ca_file=other / "ca.pem"))
+                          TlsSettings(ca_file=other / "ca.pem"))
         assert "certificate" in str(info.value).lower() or "issuer" in str(info.value).lower()
     finally:
         await server.close()
@@ -240,15 +247,15 @@ def _expired_server_cert(pki: Path) -> tuple[Path, Path]:
 
 
 async def test_expired_server_certificate_is_a_clear_error(
-    pki: Path, settings: quic.TransportSettings
+    pki: Path, settings: TransportSettings
 ) -> None:
     cert_file, key_file = _expired_server_cert(pki)
-    tls = quic.TlsSettings(ca_file=pki / "ca.pem", cert_file=cert_file, key_file=key_file)
+    tls = TlsSettings(ca_file=pki / "ca.pem", cert_file=cert_file, key_file=key_file)
     server = await serve("127.0.0.1", 0, settings, tls, _publisher)
     try:
         with pytest.raises(MoqtConnectionError, match="handshake") as info:
             await connect(
-                f"moqt://localhost:{server.address[1]}", settings, quic.TlsSettings.from_dir(pki, None)
+                f"moqt://localhost:{server.address[1]}", settings, TlsSettings.from_dir(pki, None)
             )
         assert "expired" in str(info.value).lower() or "certificate" in str(info.value).lower()
     finally:
@@ -256,12 +263,12 @@ async def test_expired_server_certificate_is_a_clear_error(
 
 
 async def test_certificate_for_another_name_is_a_clear_error(
-    pki: Path, settings: quic.TransportSettings
+    pki: Path, settings: TransportSettings
 ) -> None:
     # The server's certificate names localhost and 127.0.0.1, not the name the client dials.
-    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), _publisher)
+    server = await serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), _publisher)
     try:
-        tls = quic.TlsSettings(ca_file=pki / "ca.pem", server_name="relay.example")
+        tls = TlsSettings(ca_file=pki / "ca.pem", server_name="relay.example")
         with pytest.raises(MoqtConnectionError, match="handshake") as info:
             await connect(f"moqt://127.0.0.1:{server.address[1]}", settings, tls)
         assert "relay.example" in str(info.value) or "certificate" in str(info.value).lower()
@@ -269,22 +276,22 @@ async def test_certificate_for_another_name_is_a_clear_error(
         await server.close()
 
 
-async def test_mtls_required(pki: Path, tmp_path: Path, settings: quic.TransportSettings) -> None:
-    tls = quic.TlsSettings.from_dir(pki, "server", require_client_cert=True)
-    if not quic.get_stack(settings.stack).can_request_client_certificate:
+async def test_mtls_required(pki: Path, tmp_path: Path, settings: TransportSettings) -> None:
+    tls = TlsSettings.from_dir(pki, "server", require_client_cert=True)
+    if not get_stack(settings.stack).can_request_client_certificate:
         with pytest.raises(ValueError, match="require_client_cert"):
             await serve("127.0.0.1", 0, settings, tls, _publisher)
     # Servers that require client certificates run on aioquic; clients of either stack present one.
-    server = await serve("127.0.0.1", 0, quic.TransportSettings(stack="aioquic"), tls, _publisher)
+    server = await serve("127.0.0.1", 0, TransportSettings(stack="aioquic"), tls, _publisher)
     url = f"moqt://localhost:{server.address[1]}"
     try:
-        async with connect(url, settings, quic.TlsSettings.from_dir(pki, "client")) as conn:
+        async with connect(url, settings, TlsSettings.from_dir(pki, "client")) as conn:
             assert (await conn.track_status(NS, b"blocks")).request_id >= 0
         # A client certificate from another CA is refused.
         other = tmp_path / "other"
         certs.create_ca(other)
         certs.issue_cert(other, "intruder", ["x.local"])
-        bad = quic.TlsSettings(ca_file=pki / "ca.pem", cert_file=other / "intruder.pem",
+        bad = TlsSettings(ca_file=pki / "ca.pem", cert_file=other / "intruder.pem",
                                key_file=other / "intruder-key.pem")
         with pytest.raises(MoqtConnectionError):
             async with connect(url, settings, bad) as conn:
@@ -293,7 +300,7 @@ async def test_mtls_required(pki: Path, tmp_path: Path, settings: quic.Transport
         await server.close()
 
 
-async def test_bulk_fetch_with_back_pressure(pki: Path, settings: quic.TransportSettings) -> None:
+async def test_bulk_fetch_with_back_pressure(pki: Path, settings: TransportSettings) -> None:
     # 24 MiB through one fetch: more than the send-buffer bound, so the publisher must wait in drain()
     # and be woken by the receive path (qh3 delivers batches through datagrams_received).
     payload = bytes(range(256)) * 4096  # 1 MiB
@@ -309,11 +316,11 @@ async def test_bulk_fetch_with_back_pressure(pki: Path, settings: quic.Transport
             req.finish()
 
     limits = ConnectionLimits(max_send_buffer=4 << 20)
-    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), bulk,
+    server = await serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), bulk,
                          limits=limits)
     try:
         async with connect(f"moqt://127.0.0.1:{server.address[1]}", settings,
-                           quic.TlsSettings.from_dir(pki, None)) as conn:
+                           TlsSettings.from_dir(pki, None)) as conn:
             handle = await conn.fetch(NS, b"bulk", Location(0, 0), Location(0, count))
             got = 0
             async for obj in handle:
@@ -325,7 +332,7 @@ async def test_bulk_fetch_with_back_pressure(pki: Path, settings: quic.Transport
 
 
 async def test_wait_send_buffer_empty_wakes_once_the_peer_has_everything(
-    pki: Path, settings: quic.TransportSettings
+    pki: Path, settings: TransportSettings
 ) -> None:
     # 8 MiB written without waiting: QUIC still holds most of it, and only the receive/transmit path can
     # tell the waiter when it is gone (what RelayPeer.drain relies on before a publisher exits).
@@ -344,10 +351,10 @@ async def test_wait_send_buffer_empty_wakes_once_the_peer_has_everything(
             await conn.wait_send_buffer_empty()
             buffered["after"] = conn.send_buffered()
 
-    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), bulk)
+    server = await serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), bulk)
     try:
         async with connect(f"moqt://127.0.0.1:{server.address[1]}", settings,
-                           quic.TlsSettings.from_dir(pki, None)) as conn:
+                           TlsSettings.from_dir(pki, None)) as conn:
             handle = await conn.fetch(NS, b"bulk", Location(0, 0), Location(0, count))
             assert len(await handle.read_all()) == count
             await async_wait_until(lambda: "after" in buffered, "the publisher's wait for an empty buffer")
@@ -357,11 +364,11 @@ async def test_wait_send_buffer_empty_wakes_once_the_peer_has_everything(
 
 
 async def test_stacks_interoperate(pki: Path) -> None:
-    server = await serve("127.0.0.1", 0, quic.TransportSettings(stack="qh3"),
-                         quic.TlsSettings.from_dir(pki, "server"), _publisher)
+    server = await serve("127.0.0.1", 0, TransportSettings(stack="qh3"),
+                         TlsSettings.from_dir(pki, "server"), _publisher)
     try:
-        async with connect(f"moqt://localhost:{server.address[1]}", quic.TransportSettings(stack="aioquic"),
-                           quic.TlsSettings.from_dir(pki, None)) as conn:
+        async with connect(f"moqt://localhost:{server.address[1]}", TransportSettings(stack="aioquic"),
+                           TlsSettings.from_dir(pki, None)) as conn:
             objs = await (await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 5))).read_all()
             assert [o.payload for o in objs] == [b"obj%d" % i * 1000 for i in range(5)]
     finally:
@@ -369,7 +376,7 @@ async def test_stacks_interoperate(pki: Path) -> None:
 
 
 async def test_incoming_publish_buffers_early_objects_and_honours_stream_count(
-    pki: Path, settings: quic.TransportSettings
+    pki: Path, settings: TransportSettings
 ) -> None:
     """Objects that follow a PUBLISH before the application accepts it are kept, and PUBLISH_DONE sent
     right after the data does not end the subscription before its Stream Count of streams has ended."""
@@ -391,11 +398,11 @@ async def test_incoming_publish_buffers_early_objects_and_honours_stream_count(
             if len(got) == 2:
                 finished.set()
 
-    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), on_connection)
+    server = await serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), on_connection)
     big = [bytes([i]) * 400_000 for i in range(3)]
     try:
         async with connect(f"moqt://localhost:{server.address[1]}", settings,
-                           quic.TlsSettings.from_dir(pki, None)) as conn:
+                           TlsSettings.from_dir(pki, None)) as conn:
             # 1: objects sent right behind the PUBLISH, without waiting for PUBLISH_OK.
             pending = asyncio.ensure_future(conn.publish(NS, b"late-accept", 11))
             await async_wait_until(
@@ -423,10 +430,10 @@ async def test_incoming_publish_buffers_early_objects_and_honours_stream_count(
 
 
 async def test_keepalive_holds_an_idle_session_and_a_dead_peer_is_noticed(
-    pki: Path, settings: quic.TransportSettings
+    pki: Path, settings: TransportSettings
 ) -> None:
     # Short timers so the test is quick: 1 s idle timeout, PING after 0.25 s of silence.
-    live = quic.TransportSettings(stack=settings.stack, idle_timeout=1.0, keepalive_interval=0.25)
+    live = TransportSettings(stack=settings.stack, idle_timeout=1.0, keepalive_interval=0.25)
     closed_at: list[float] = []
 
     async def on_connection(conn: MoqtConnection) -> None:
@@ -435,9 +442,9 @@ async def test_keepalive_holds_an_idle_session_and_a_dead_peer_is_noticed(
         closed_at.append(asyncio.get_running_loop().time())
         serving.cancel()
 
-    server = await serve("127.0.0.1", 0, live, quic.TlsSettings.from_dir(pki, "server"), on_connection)
+    server = await serve("127.0.0.1", 0, live, TlsSettings.from_dir(pki, "server"), on_connection)
     url = f"moqt://127.0.0.1:{server.address[1]}"
-    tls = quic.TlsSettings.from_dir(pki, None)
+    tls = TlsSettings.from_dir(pki, None)
     try:
         conn = await connect(url, live, tls)
         # Three idle timeouts without a single request: the idle time is the behaviour under test.
@@ -459,8 +466,8 @@ async def test_keepalive_holds_an_idle_session_and_a_dead_peer_is_noticed(
         await server.close()
     # Control: with keep-alive off on both sides the same idle session is dropped by the idle timeout
     # (one side's PINGs alone would keep both alive, the ACKs refreshing the other's timer).
-    quiet = quic.TransportSettings(stack=settings.stack, idle_timeout=1.0, keepalive_interval=0)
-    server = await serve("127.0.0.1", 0, quiet, quic.TlsSettings.from_dir(pki, "server"), on_connection)
+    quiet = TransportSettings(stack=settings.stack, idle_timeout=1.0, keepalive_interval=0)
+    server = await serve("127.0.0.1", 0, quiet, TlsSettings.from_dir(pki, "server"), on_connection)
     try:
         conn = await connect(f"moqt://127.0.0.1:{server.address[1]}", quiet, tls)
         await asyncio.wait_for(conn.wait_session_closed(), 5)
@@ -472,16 +479,16 @@ async def test_keepalive_holds_an_idle_session_and_a_dead_peer_is_noticed(
 async def test_closed_by_peer_tells_the_peers_close_from_our_own_idle_timeout(pki: Path, stack: str) -> None:
     """Both end with NO_ERROR on some stacks: only ``closed_by_peer`` tells an upstream that closed the
     session on purpose from one that went silent (an edge reconnects at once after the first only)."""
-    settings = quic.TransportSettings(stack=stack, idle_timeout=1.0, keepalive_interval=0)
+    settings = TransportSettings(stack=stack, idle_timeout=1.0, keepalive_interval=0)
     accepted: asyncio.Queue[MoqtConnection] = asyncio.Queue()
 
     async def on_connection(conn: MoqtConnection) -> None:
         accepted.put_nowait(conn)
         await conn.wait_session_closed()
 
-    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), on_connection)
+    server = await serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), on_connection)
     url = f"moqt://127.0.0.1:{server.address[1]}"
-    tls = quic.TlsSettings.from_dir(pki, None)
+    tls = TlsSettings.from_dir(pki, None)
     try:
         client = await connect(url, settings, tls)
         at_server = await asyncio.wait_for(accepted.get(), 10)
@@ -499,13 +506,13 @@ async def test_closed_by_peer_tells_the_peers_close_from_our_own_idle_timeout(pk
 
 
 async def test_keepalive_is_the_clients_job_and_the_server_covers_a_silent_client(
-    pki: Path, settings: quic.TransportSettings
+    pki: Path, settings: TransportSettings
 ) -> None:
     # Counted on the wire through the link emulator (no shaping): with keep-alive on both sides an idle
     # session carries one PING and one ACK per interval, not a PING and an ACK from each side.
-    live = quic.TransportSettings(stack=settings.stack, idle_timeout=1.0, keepalive_interval=0.25)
-    server = await serve("127.0.0.1", 0, live, quic.TlsSettings.from_dir(pki, "server"), _publisher)
-    tls = quic.TlsSettings.from_dir(pki, None)
+    live = TransportSettings(stack=settings.stack, idle_timeout=1.0, keepalive_interval=0.25)
+    server = await serve("127.0.0.1", 0, live, TlsSettings.from_dir(pki, "server"), _publisher)
+    tls = TlsSettings.from_dir(pki, None)
     try:
         config = EmulatorConfig(listen=("127.0.0.1", 0), target=("127.0.0.1", server.address[1]))
         async with (
@@ -525,10 +532,10 @@ async def test_keepalive_is_the_clients_job_and_the_server_covers_a_silent_clien
         # ~2 per interval (PING + ACK); both sides pinging would make ~4. Per measured interval, so a loaded
         # machine (late timers, a longer pause) only lowers the rate. picoquic's keep-alive (aiopquic) runs
         # its own timer on each side, the server's on the longer period: ~3 per interval.
-        most = 4 if quic.get_stack(settings.stack).keeps_alive_itself else 3
+        most = 4 if get_stack(settings.stack).keeps_alive_itself else 3
         assert idle_datagrams >= 2 and idle_datagrams / intervals <= most, (idle_datagrams, intervals)
         # A client without keep-alive (another implementation, say) is kept alive by the server's PINGs.
-        quiet = quic.TransportSettings(stack=settings.stack, idle_timeout=1.0, keepalive_interval=0)
+        quiet = TransportSettings(stack=settings.stack, idle_timeout=1.0, keepalive_interval=0)
         async with connect(f"moqt://127.0.0.1:{server.address[1]}", quiet, tls) as conn:
             await asyncio.sleep(3.0)  # three idle timeouts: the idle time is the behaviour under test
             assert not conn.is_closed
@@ -538,16 +545,16 @@ async def test_keepalive_is_the_clients_job_and_the_server_covers_a_silent_clien
 
 
 def test_keepalive_settings_validation() -> None:
-    assert quic.TransportSettings().keepalive_interval < quic.TransportSettings().idle_timeout
+    assert TransportSettings().keepalive_interval < TransportSettings().idle_timeout
     with pytest.raises(ValueError, match="keepalive_interval"):
-        quic.TransportSettings(idle_timeout=5.0, keepalive_interval=5.0)
+        TransportSettings(idle_timeout=5.0, keepalive_interval=5.0)
     with pytest.raises(ValueError, match="keepalive_interval"):
-        quic.TransportSettings(keepalive_interval=0.01)
-    assert quic.TransportSettings(keepalive_interval=0).keepalive_interval == 0
+        TransportSettings(keepalive_interval=0.01)
+    assert TransportSettings(keepalive_interval=0).keepalive_interval == 0
 
 
 async def test_stop_sending_on_fetch_stream_cancels_the_incoming_fetch(
-    pki: Path, settings: quic.TransportSettings
+    pki: Path, settings: TransportSettings
 ) -> None:
     outcome: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
 
@@ -563,10 +570,10 @@ async def test_stop_sending_on_fetch_stream_cancels_the_incoming_fetch(
             else:
                 outcome.set_result(req.gone)
 
-    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), on_connection)
+    server = await serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), on_connection)
     try:
         async with connect(f"moqt://127.0.0.1:{server.address[1]}", settings,
-                           quic.TlsSettings.from_dir(pki, None)) as conn:
+                           TlsSettings.from_dir(pki, None)) as conn:
             handle = await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 100))
             first = await anext(aiter(handle))
             assert first.payload == b"first" and first.stream_id is not None
@@ -588,11 +595,11 @@ async def test_answered_incoming_requests_are_forgotten(pki: Path) -> None:
         served.append(conn)
         await _publisher(conn)
 
-    settings = quic.TransportSettings()
-    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), publisher)
+    settings = TransportSettings()
+    server = await serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), publisher)
     try:
         async with connect(f"moqt://127.0.0.1:{server.address[1]}", settings,
-                           quic.TlsSettings.from_dir(pki, None)) as conn:
+                           TlsSettings.from_dir(pki, None)) as conn:
             for _ in range(6):
                 await asyncio.wait_for(
                     asyncio.gather(*(conn.track_status(NS, b"blocks") for _ in range(200))), 30
@@ -606,7 +613,7 @@ async def test_answered_incoming_requests_are_forgotten(pki: Path) -> None:
 
 
 async def test_subscribe_namespace_and_tracks_streams_outlive_the_header_timeout(
-    pki: Path, settings: quic.TransportSettings
+    pki: Path, settings: TransportSettings
 ) -> None:
     # SUBSCRIBE_NAMESPACE (0x50) and SUBSCRIBE_TRACKS (0x51): a one-byte vi64 type that a QUIC varint
     # reads as two bytes, whose framing then promises thousands of bytes that never come; a valid
@@ -624,11 +631,11 @@ async def test_subscribe_namespace_and_tracks_streams_outlive_the_header_timeout
                 both_held.set()
 
     session_config = SessionConfig(is_client=False, request_header_timeout=0.3)
-    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), hold,
+    server = await serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), hold,
                          session_config=session_config)
     try:
         async with connect(f"moqt://127.0.0.1:{server.address[1]}", settings,
-                           quic.TlsSettings.from_dir(pki, None)) as conn:
+                           TlsSettings.from_dir(pki, None)) as conn:
             namespaces = asyncio.create_task(conn.subscribe_namespace(NS))
             tracks = asyncio.create_task(conn.subscribe_tracks(NS))
             pending.extend((namespaces, tracks))
@@ -669,8 +676,8 @@ async def _push_to_a_receiver(
             received.extend([o.payload async for o in objects if o.payload])
             finished.set()
 
-    small = quic.TransportSettings(stack=stack, max_datagram_size=quic.DATAGRAM_SIZE_ETHERNET)
-    server = await serve("127.0.0.1", 0, small, quic.TlsSettings.from_dir(pki, "server"), on_connection,
+    small = TransportSettings(stack=stack, max_datagram_size=DATAGRAM_SIZE_ETHERNET)
+    server = await serve("127.0.0.1", 0, small, TlsSettings.from_dir(pki, "server"), on_connection,
                          limits=ConnectionLimits(publish_done_timeout=2.0))
     try:
         async with contextlib.AsyncExitStack() as contexts:
@@ -679,7 +686,7 @@ async def _push_to_a_receiver(
                 config = EmulatorConfig(listen=("127.0.0.1", 0), target=("127.0.0.1", port), upstream=link)
                 port = (await contexts.enter_async_context(LinkEmulator(config))).listen_address[1]
             conn = await contexts.enter_async_context(
-                connect(f"moqt://127.0.0.1:{port}", small, quic.TlsSettings.from_dir(pki, None)))
+                connect(f"moqt://127.0.0.1:{port}", small, TlsSettings.from_dir(pki, None)))
             ok = await conn.publish(NS, track, 21)
             sid = conn.open_subgroup(21, 0, 0)
             for i, payload in enumerate(payloads):
@@ -692,7 +699,7 @@ async def _push_to_a_receiver(
 
 
 async def test_publish_done_waits_as_long_as_its_trailing_data_keeps_arriving(
-    pki: Path, settings: quic.TransportSettings
+    pki: Path, settings: TransportSettings
 ) -> None:
     """A push over 1452-byte datagrams trails its PUBLISH_DONE by seconds (about 4 s on aioquic, twice the
     timeout); the receiver's wait for the announced streams ends only after ``publish_done_timeout``
@@ -703,7 +710,7 @@ async def test_publish_done_waits_as_long_as_its_trailing_data_keeps_arriving(
 
 
 async def test_publish_done_waits_while_a_large_trailing_object_is_still_arriving(
-    pki: Path, settings: quic.TransportSettings
+    pki: Path, settings: TransportSettings
 ) -> None:
     """Bytes of an object still arriving count as progress, not only whole objects: one 5 MB object through
     a link of 1 MB/s takes 5 s, more than twice the receiver's wait after PUBLISH_DONE, and arrives whole.
@@ -721,13 +728,13 @@ async def test_aiopquic_datagrams_never_exceed_what_the_peer_advertises(pki: Pat
     the wire through the link emulator."""
     if sys.version_info < (3, 12):
         pytest.skip("aiopquic needs Python >= 3.12: test_every_connection_test_runs_on_the_native_stack")
-    settings = quic.TransportSettings(stack="aiopquic")
-    peer = quic.TransportSettings.for_link("ethernet", peer_stack)
-    server = await serve("127.0.0.1", 0, settings, quic.TlsSettings.from_dir(pki, "server"), _publisher)
+    settings = TransportSettings(stack="aiopquic")
+    peer = TransportSettings.for_link("ethernet", peer_stack)
+    server = await serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), _publisher)
     try:
         config = EmulatorConfig(listen=("127.0.0.1", 0), target=("127.0.0.1", server.address[1]))
         async with LinkEmulator(config) as emu:
-            tls = quic.TlsSettings(ca_file=pki / "ca.pem", server_name="localhost")
+            tls = TlsSettings(ca_file=pki / "ca.pem", server_name="localhost")
             async with connect(f"moqt://127.0.0.1:{emu.listen_address[1]}", peer, tls) as conn:
                 for _ in range(20):  # ~100 KB: enough packets for probing to reach its ceiling
                     handle = await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 5))
@@ -735,5 +742,5 @@ async def test_aiopquic_datagrams_never_exceed_what_the_peer_advertises(pki: Pat
             largest = emu.stats()["downstream"].largest
     finally:
         await server.close()
-    assert largest <= (quic.DATAGRAM_SIZE_ETHERNET if peer_stack == "aioquic" else 1440), largest
-    assert largest > quic.INITIAL_DATAGRAM_SIZE_AIOPQUIC  # it did probe above its first size
+    assert largest <= (DATAGRAM_SIZE_ETHERNET if peer_stack == "aioquic" else 1440), largest
+    assert largest > INITIAL_DATAGRAM_SIZE_AIOPQUIC  # it did probe above its first size

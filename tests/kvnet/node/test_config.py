@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvnet.net.quic import DATAGRAM_SIZE_ETHERNET
+from kvnet.net.settings import DATAGRAM_SIZE_ETHERNET
 from kvnet.node.config import NodeConfig, add_node_arguments, node_config_from_args
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from aioquic.asyncio import QuicConnectionProtocol, connect, serve
 
-from kvnet.net import quic
+from kvnet.net.registry import client_configuration, server_configuration
+from kvnet.net.settings import DATAGRAM_SIZE_ETHERNET, TlsSettings, TransportSettings
 from kvnet.tools.linkemu import EmulatorConfig, LinkEmulator, LinkParams, parse_hostport
 from tests.helpers.processes import make_certificates
 from tests.helpers.waiting import async_wait_until
@@ -169,15 +170,15 @@ def test_params_validation() -> None:
 
 async def test_quic_handshake_through_lossy_delayed_link(tmp_path: Path) -> None:
     issued = make_certificates(tmp_path, "server")
-    settings = quic.TransportSettings(max_datagram_size=quic.DATAGRAM_SIZE_ETHERNET)
-    server_tls = quic.TlsSettings(cert_file=issued.cert, key_file=issued.key)
-    server = await serve("127.0.0.1", 0, configuration=quic.server_configuration(settings, server_tls))
+    settings = TransportSettings(max_datagram_size=DATAGRAM_SIZE_ETHERNET)
+    server_tls = TlsSettings(cert_file=issued.cert, key_file=issued.key)
+    server = await serve("127.0.0.1", 0, configuration=server_configuration(settings, server_tls))
     port = server._transport.get_extra_info("sockname")[1]  # type: ignore[union-attr]
     params = LinkParams(delay_ms=10, jitter_ms=2, loss=0.02)
     async with LinkEmulator(EmulatorConfig(listen=("127.0.0.1", 0), target=("127.0.0.1", port),
                                            upstream=params, downstream=params, seed=3)) as emu:
         host, eport = emu.listen_address
-        client_cfg = quic.client_configuration(settings, quic.TlsSettings(ca_file=issued.ca), "localhost")
+        client_cfg = client_configuration(settings, TlsSettings(ca_file=issued.ca), "localhost")
         t0 = time.monotonic()
         async with connect(host, eport, configuration=client_cfg) as client:
             assert isinstance(client, QuicConnectionProtocol)
