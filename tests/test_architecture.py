@@ -276,3 +276,97 @@ def test_readme_layout_names_every_package() -> None:
     ]
     missing = [name for name in packages if not {name, name.removeprefix("kvnet/")} & entries]
     assert not missing, f"README's Layout section does not name {missing}"
+
+
+# -------------------------------------------------------------------------------- no circles inside a room
+
+# Rooms whose modules must not import each other in a circle (type-only imports count: a circle held
+# together by them is still two modules that cannot be read or changed apart).
+ACYCLIC_ROOMS = ("kvnet.net", "kvnet.node", "relay")
+# Circles that the restructuring of their room removes, and this table with them: relay.relay, relay.peer
+# and relay.fanout know each other through type-only imports (the relay's one direction of knowledge);
+# RelayPeer.open(node) reads Node's fields (the exchange room shared by node and connector). Each is an
+# expected failure that must fail: once the circle is gone, its entry here has to go too.
+KNOWN_CIRCLES = {
+    "relay": "relay.relay, relay.peer and relay.fanout import each other (type-only)",
+    "kvnet.node": "kvnet.node.node and kvnet.node.relay_peer import each other",
+}
+
+
+def import_graph(root: Path, room: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same room it imports (``from a import b`` counts ``a.b`` when that is
+    a module of the tree, else the package ``a``)."""
+    modules = {module_name(path, root) for path in source_files(root, (room.split(".")[0],))}
+    members = {name for name in modules if under(room)(name)}
+    graph: dict[str, set[str]] = {name: set() for name in members}
+    for path in source_files(root, (room.split(".")[0],)):
+        importer = module_name(path, root)
+        if importer not in members:
+            continue
+        for imp in imports_of(path, root):
+            if imp.imported in members and imp.imported != importer:
+                graph[importer].add(imp.imported)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+@pytest.mark.parametrize(
+    "room",
+    [
+        pytest.param(room, marks=pytest.mark.xfail(strict=True, reason=KNOWN_CIRCLES[room]))
+        if room in KNOWN_CIRCLES else room
+        for room in ACYCLIC_ROOMS
+    ],
+)
+def test_no_import_circles_inside_a_room(room: str) -> None:
+    found = circles(import_graph(REPO, room))
+    assert not found, f"import circles inside {room}:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_circle_check_finds_a_circle_through_a_function_and_a_relative_import(tmp_path: Path) -> None:
+    tree = {
+        "kvnet/__init__.py": "",
+        "kvnet/net/__init__.py": "",
+        "kvnet/net/a.py": "from kvnet.net import b\n",
+        "kvnet/net/b.py": "def f():\n    from .c import x\n",
+        "kvnet/net/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n",
+        "kvnet/net/d.py": "from kvnet.net import a\n",
+    }
+    for name, text in tree.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert circles(import_graph(tmp_path, "kvnet.net")) == [["kvnet.net.a", "kvnet.net.b", "kvnet.net.c"]]

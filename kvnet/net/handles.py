@@ -3,10 +3,11 @@
 Owns: the requester's side (``FetchHandle``, ``Subscription``: objects queued for the application with a
 terminal state) and the responder's side (``IncomingRequest`` and one subclass per request type, with the
 reply methods the peer's request allows; ``INCOMING_REQUEST_TYPES`` maps each proto event to its class).
-The handles only turn calls into session actions on their ``MoqtConnection``, through its named methods
-for them (``run_action``, ``cancel_request``, ``deliver_objects``/``stop_delivering``,
+The handles only turn calls into session actions on their connection, through its named methods for
+them (``RequestConnection``: ``run_action``, ``cancel_request``, ``deliver_objects``/``stop_delivering``,
 ``objects_queued``/``objects_consumed``, ``release_request_slot``), never its private state; the
-connection routes the session's events to them.
+connection (``kvnet.net.connection.MoqtConnection``) routes the session's events to them. The handles
+know it only through ``RequestConnection``, so that the two modules do not import each other.
 """
 
 from __future__ import annotations
@@ -14,16 +15,43 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from kvnet.net.errors import ConnectionClosed, RequestRejected
 from proto import events as me
 from proto.data import ObjectStatus
 from proto.errors import RequestErrorCode, StreamResetCode
 from proto.messages import NO_PARAMETERS, Location, MessageParameters, Properties
+from proto.session import MoqtSession
 
-if TYPE_CHECKING:
-    from kvnet.net.connection import MoqtConnection
+
+class RequestConnection(Protocol):
+    """What a handle uses of its connection (``kvnet.net.connection.MoqtConnection`` is one)."""
+
+    @property
+    def session(self) -> MoqtSession: ...
+
+    @property
+    def is_closed(self) -> bool: ...
+
+    def run_action(self, action: Any, *args: Any, **kwargs: Any) -> Any: ...
+
+    def cancel_request(self, request_id: int, code: StreamResetCode = StreamResetCode.CANCELLED) -> None: ...
+
+    def deliver_objects(self, request_id: int, objects: _ObjectStream) -> None: ...
+
+    def stop_delivering(self, request_id: int) -> None: ...
+
+    def objects_queued(self, nbytes: int) -> None: ...
+
+    def objects_consumed(self, nbytes: int) -> None: ...
+
+    def release_request_slot(self, request_id: int) -> None: ...
+
+    def is_writable(self) -> bool: ...
+
+    async def wait_writable(self) -> None: ...
+
 
 # -------------------------------------------------------------------------------- requesters' handles
 
@@ -31,7 +59,7 @@ if TYPE_CHECKING:
 class _ObjectStream:
     """Objects of one request, queued for the application, with a terminal state."""
 
-    def __init__(self, conn: MoqtConnection, request_id: int) -> None:
+    def __init__(self, conn: RequestConnection, request_id: int) -> None:
         self._conn = conn
         self.request_id = request_id
         self._objects: deque[me.ObjectReceived] = deque()
@@ -101,7 +129,7 @@ class FetchHandle(_ObjectStream):
     """A FETCH in progress: ``await handle.ok()`` for FETCH_OK, ``async for obj in handle`` for objects.
     Iteration raises ``RequestRejected`` on REQUEST_ERROR and ``StreamResetError`` on a reset fetch stream."""
 
-    def __init__(self, conn: MoqtConnection, request_id: int) -> None:
+    def __init__(self, conn: RequestConnection, request_id: int) -> None:
         super().__init__(conn, request_id)
         self._ok: asyncio.Future[me.FetchOkReceived] = asyncio.get_running_loop().create_future()
         self.data_complete = False
@@ -126,7 +154,7 @@ class Subscription(_ObjectStream):
     obj in sub`` until PUBLISH_DONE and then until as many subgroup streams as its Stream Count have
     ended (bounded by ``ConnectionLimits.publish_done_timeout``), so no object still in flight is lost."""
 
-    def __init__(self, conn: MoqtConnection, request_id: int) -> None:
+    def __init__(self, conn: RequestConnection, request_id: int) -> None:
         super().__init__(conn, request_id)
         self.ok: me.SubscribeOkReceived | None = None
         self.done: me.PublishDoneReceived | None = None
@@ -140,7 +168,7 @@ class Subscription(_ObjectStream):
 class IncomingRequest:
     """A request the peer sent us (``event`` is the proto event). Answer it exactly once."""
 
-    def __init__(self, conn: MoqtConnection, event: me.MoqtEvent) -> None:
+    def __init__(self, conn: RequestConnection, event: me.MoqtEvent) -> None:
         self.conn = conn
         self.event = event
         self.request_id: int = event.request_id  # type: ignore[attr-defined]
@@ -258,7 +286,7 @@ class IncomingPublish(IncomingRequest):
 
     event: me.PublishReceived
 
-    def __init__(self, conn: MoqtConnection, event: me.MoqtEvent) -> None:
+    def __init__(self, conn: RequestConnection, event: me.MoqtEvent) -> None:
         super().__init__(conn, event)
         self.objects = Subscription(conn, self.request_id)
         """The track's objects; iteration ends after PUBLISH_DONE (see ``Subscription``)."""
