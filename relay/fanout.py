@@ -84,6 +84,9 @@ class Fanout:
         self.ended = False
         self.track_ended = False
         """An END_OF_TRACK object arrived from the source."""
+        self._changed = asyncio.Event()
+        """Set (and replaced) whenever a PUBLISH-fed object is collected or the fan-out ends: what
+        ``wait_live`` waits on."""
 
     @property
     def holder(self) -> Peer:
@@ -184,6 +187,7 @@ class Fanout:
         subscriber that stops reading is cut off by the slow-peer rule, which ends the wait too.
         """
         self.ended = True
+        self._wake()
         if self.relay.fanouts.get(self.key) is self:
             del self.relay.fanouts[self.key]
         self._release_held()
@@ -225,6 +229,7 @@ class Fanout:
                         self.relay.metrics.inc("bytes_in_total", len(ev.payload))
                         if self.publish_objects is not None:
                             self._collect(obj)
+                            self._wake()
                         self.forward(obj)
                     if source.done is not None:
                         status, reason = source.done.status_code, source.done.reason
@@ -277,6 +282,10 @@ class Fanout:
         logger.info("upstream subscription not resumed", extra={"error": why})
         return None
 
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
     def _collect(self, obj: CachedObject) -> None:
         objs = self.publish_objects
         assert objs is not None
@@ -302,6 +311,39 @@ class Fanout:
             return
         objs.append(obj)
         self.publish_bytes += obj.size
+
+    def live_complete(self, start: tuple[int, int], end: tuple[int, int]) -> bool:
+        """Whether a PUBLISH-fed track holds every object of ``[start, end)`` its publisher has published:
+        the track ended, or an object at or past the last location the range can have arrived. That
+        location is the range's end or the track's Largest Location (the PUBLISH's, or the largest
+        object seen since), whichever is smaller: objects the publisher announced and that are still on
+        their way are waited for, a live track is not waited on past its newest object. Objects arrive
+        in order on one subgroup stream (a kvnet block track has exactly one), so the last one's arrival
+        means the earlier ones are in."""
+        if self.publish_objects is None or self.track_ended:
+            return True
+        largest = self.largest
+        last = (end[0], end[1] - 1) if end[1] > 0 else end
+        if largest is not None:
+            last = min(last, (largest.group, largest.object))
+        if last < start:
+            return True
+        return any(o.location >= last for o in reversed(self.publish_objects))
+
+    async def wait_live(self, start: tuple[int, int], end: tuple[int, int], timeout: float) -> bool:
+        """Wait until ``live_complete(start, end)``, the fan-out ends or ``timeout`` seconds pass; returns
+        ``live_complete`` then (False: the publisher's objects did not all arrive, and the range must not
+        be served as if they had)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self.live_complete(start, end) and not self.ended:
+            changed = self._changed
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), remaining)
+        return self.live_complete(start, end)
 
     def live_objects(self, start: tuple[int, int], end: tuple[int, int]) -> list[CachedObject]:
         """Objects of a PUBLISH-fed track the relay still holds in ``[start, end)``, in Location order

@@ -372,6 +372,10 @@ class Relay:
         m.counter("limit_rejections_total", "requests or sessions refused by a limit")
         m.counter("auth_refusals_total", "requests and sessions refused by authorization, by code")
         m.counter("requests_total", "requests by type and outcome")
+        m.counter(
+            "live_fetch_waits_total",
+            "FETCHes of a pushed track that waited for objects still arriving, by outcome (complete, short)",
+        )
         m.gauge_fn("requests_inflight", "requests open on all sessions", lambda: self.requests.used)
         m.gauge_fn(
             "buffered_bytes", "bytes buffered for all sessions (last sweep)", lambda: self.buffered_sample
@@ -643,6 +647,22 @@ class Relay:
             return
         objects: AsyncIterator[CachedObject]
         fan = self.fanouts.get(key)
+        wait = self.config.limits.upstream_timeout
+        short = False
+        """The range is of a pushed track whose objects did not all arrive within the wait."""
+        if fan is not None and not fan.live_complete(start, end):
+            # Objects of the range are still on their way from the publisher: wait for them (bounded)
+            # rather than end the FETCH's stream after what we hold, which reads as the whole range.
+            complete = await fan.wait_live(start, end, wait)
+            outcome = "complete" if complete else "short"
+            self.metrics.inc("live_fetch_waits_total", labels={"outcome": outcome})
+            if req.gone:
+                self.cancelled(peer, req, "fetch")
+                return
+            fan = self.fanouts.get(key)  # ended meanwhile: a complete track is in the cache now
+            short = not complete
+            if fan is not None and short:
+                fan = None  # still short: ask the routes (the publisher's namespace) like any other miss
         live = [] if fan is None else fan.live_objects(start, end)
         if live and self.cache.cached_status(key) is not None:
             live = []  # the whole track is cached: the cache answers, as for any other track
@@ -661,6 +681,12 @@ class Relay:
             try:
                 info = await handle.info()
             except RequestFailed as exc:
+                if short and exc.code == RequestErrorCode.DOES_NOT_EXIST:
+                    # It does exist, in part: TIMEOUT says "not yet" (a subscriber may ask again), where
+                    # DOES_NOT_EXIST would read as a block nobody has.
+                    reason = f"track still arriving from its publisher after {wait:g}s"
+                    self.reject(req, "fetch", RequestErrorCode.TIMEOUT, reason, int(wait * 1000) + 1)
+                    return
                 self.reject(req, "fetch", exc.code, exc.reason, exc.retry_interval)
                 return
             except (ConnectionClosed, StreamResetError) as exc:

@@ -27,8 +27,11 @@ because QUIC interleaves concurrent streams: a deep window of large blocks deliv
 (round robin) and multiplies the sender's per-packet frame work, while a window of a few MB keeps the
 link busy and blocks arriving in chain order.
 
-Any failure (timeout, reset, error reply, failed check) ends the usable prefix at that block; the caller
-recomputes the rest. A fetch problem costs time, never correctness. Verification failures carry a kind
+A block the relay does not have whole yet (a FETCH that ends before all its objects, or TIMEOUT: the
+publisher is still pushing it) is asked for again, with a short backoff, within the block's deadline.
+Any other failure (timeout, reset, error reply, failed check) ends the usable prefix at that block; the
+caller recomputes the rest. Only blocks loaded before any retry or failure make the throughput sample
+(``_SampleClock``): waiting for a publisher is not the path's speed. A fetch problem costs time, never correctness. Verification failures carry a kind
 (``BlockRejected.kind``: ``signature`` or ``content``) so the node can count them as security events.
 """
 
@@ -78,6 +81,17 @@ GIL switch (8% of its profile with one layer per task); 16 measured better than 
 TASKS_QUEUED_PER_WORKER = 2
 """Tasks a fetch hands to the pool ahead of the one it imports next, per worker: enough to keep every
 worker busy, few enough that decoded layers waiting for their turn stay a few MB."""
+
+
+RETRY_FIRST_DELAY_S = 0.02
+"""Wait before asking again for a block the relay did not have whole yet (doubled per try)."""
+RETRY_MAX_DELAY_S = 0.25
+"""Longest wait between two tries of one block."""
+
+
+class BlockIncomplete(MoqtConnectionError):
+    """A FETCH of a block ended (FIN) before all its objects: the relay answered with part of a block
+    whose objects were still arriving from the publisher. "Not yet", not "no such block": asked again."""
 
 
 class BlockRejected(Exception):
@@ -151,6 +165,12 @@ class FetchOutcome:
     rejected_kind: str | None = None
     abandoned: str | None = None
     """Why the fetch was abandoned at its deadline (``FetchDeadline.describe``); None if it was not."""
+    retries: int = 0
+    """FETCHes sent again for blocks the relay did not have whole yet (``BlockIncomplete``, or TIMEOUT
+    for a block the locate found)."""
+    sample_bytes: int = 0
+    """Bytes of the blocks that make up the throughput sample (see ``BlockFetcher.fetch``); 0: no sample."""
+    sample_s: float = 0.0
 
 
 class CacheWriter(Protocol):
@@ -339,12 +359,11 @@ class BlockFetcher:
         """
         out = FetchOutcome()
         loop = asyncio.get_running_loop()
-        end = Location(BLOCK_GROUP_ID, self.shape[0] + 1)
         handles: dict[int, FetchHandle] = {}
         window = self.window_blocks
         next_issue = 0
         pool = _LayerPool(self.verify_workers) if self.verify_workers else None
-        started = time.perf_counter()
+        clock = _SampleClock()
         try:
             for index, exp in enumerate(expected):
                 block = _LoadingBlock(index, exp, renditions[index])
@@ -352,17 +371,12 @@ class BlockFetcher:
                 try:
                     async with asyncio.timeout_at(due):
                         while next_issue < len(expected) and next_issue < index + window:
-                            e, r = expected[next_issue], renditions[next_issue]
-                            ns, name = block_track(self.fingerprint, self.namespace_id, e.block_hash, r)
-                            start = Location(BLOCK_GROUP_ID, 0)
-                            handles[next_issue] = await self.conn.fetch(ns, name, start, end)
+                            handles[next_issue] = await self._send_fetch(expected[next_issue],
+                                                                         renditions[next_issue])
                             next_issue += 1
-                        handle = handles.pop(index)
-                        try:
-                            await self._receive_block(handle, block, out, pool)
-                        finally:
-                            handle.cancel()
+                        await self._receive_with_retries(handles.pop(index), block, out, pool, clock)
                     self._finish_block(block, out)
+                    clock.block_done(block, out)
                 except _FETCH_ERRORS as exc:
                     now = loop.time()
                     if deadline is not None and isinstance(exc, TimeoutError) and now >= deadline.due(index):
@@ -380,10 +394,45 @@ class BlockFetcher:
                 h.cancel()
             if pool is not None:
                 pool.close()
-        elapsed = time.perf_counter() - started
-        if out.bytes and elapsed > 0:
-            self.abr.throughput.add(out.bytes, elapsed)
+        out.sample_bytes, out.sample_s = clock.sample(self.abr.rtt.estimate())
+        if out.sample_bytes:
+            self.abr.throughput.add(out.sample_bytes, out.sample_s)
         return out
+
+    async def _send_fetch(self, exp: BlockIdentity, rendition: str) -> FetchHandle:
+        ns, name = block_track(self.fingerprint, self.namespace_id, exp.block_hash, rendition)
+        return await self.conn.fetch(ns, name, Location(BLOCK_GROUP_ID, 0),
+                                     Location(BLOCK_GROUP_ID, self.shape[0] + 1))
+
+    async def _receive_with_retries(
+        self, handle: FetchHandle, block: _LoadingBlock, out: FetchOutcome, pool: _LayerPool | None,
+        clock: _SampleClock,
+    ) -> None:
+        """``_receive_block``, asking again while the relay does not have the block whole yet (see
+        ``_is_not_yet``): within the caller's deadline for the block, or ``timeout`` without one."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.timeout
+        delay = RETRY_FIRST_DELAY_S
+        while True:
+            try:
+                await self._receive_block(handle, block, out, pool, clock)
+                return
+            except (MoqtConnectionError, RequestRejected) as exc:
+                if not _is_not_yet(exc) or loop.time() + delay >= give_up:
+                    raise
+                clock.disturbed = True  # the time spent waiting for the publisher is not the network's
+                out.retries += 1
+                logger.info("block %d not whole at the relay yet (%s); asking again in %.0f ms",
+                            block.exp.block_index, exc, delay * 1e3)
+            finally:
+                handle.cancel()
+            if block.importing:
+                block.importing = False
+                self.cache.abort_import(block.exp.block_hash)
+            block.manifest, block.nbytes = None, 0
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, RETRY_MAX_DELAY_S)
+            handle = await self._send_fetch(block.exp, block.rendition)
 
     def _describe_failure(self, out: FetchOutcome, exp: BlockIdentity, exc: BaseException) -> None:
         if isinstance(exc, BlockRejected):
@@ -395,7 +444,8 @@ class BlockFetcher:
             out.error = f"block {exp.block_index}: {exc}"
 
     async def _receive_block(
-        self, handle: FetchHandle, block: _LoadingBlock, out: FetchOutcome, pool: _LayerPool | None
+        self, handle: FetchHandle, block: _LoadingBlock, out: FetchOutcome, pool: _LayerPool | None,
+        clock: _SampleClock,
     ) -> None:
         """Consume one FETCH: check the manifest, then verify, decode and import each layer as it arrives
         (on ``pool`` when given: the loop goes on reading while layers verify, and imports them in order)."""
@@ -415,11 +465,12 @@ class BlockFetcher:
                             obj = await anext(objects)
                     except StopAsyncIteration:
                         got = f"{next_object} of {num_layers + 1}"
-                        raise MoqtConnectionError(f"fetch ended after {got} objects") from None
+                        raise BlockIncomplete(f"fetch ended after {got} objects") from None
                 if obj.status != 0:
                     continue  # END_OF_TRACK / END_OF_GROUP markers carry nothing
                 if obj.group_id != BLOCK_GROUP_ID or obj.object_id != next_object:
                     raise BlockRejected(f"unexpected object {obj.group_id}/{obj.object_id}")
+                clock.object_arrived()
                 payload = obj.payload
                 block.nbytes += len(payload)
                 out.bytes += len(payload)
@@ -487,6 +538,36 @@ class BlockFetcher:
         assert block.manifest is not None
         raw = raw_bytes(self.shape, block.manifest.dtype)
         self.abr.renditions.add(block.rendition, raw, block.nbytes, 0.0)
+
+
+@dataclass
+class _SampleClock:
+    """What of a fetch makes a throughput sample: the bytes of the blocks loaded before anything went
+    wrong, over the time from the first object's arrival to the last of those blocks, plus one round
+    trip (the plan charges one RTT per fetch and bytes over throughput after it). Time before the first
+    object (the relay asking the publisher, or waiting for a block still being pushed) and any block that
+    needed a second FETCH or failed are left out: they measure the publisher, not the path."""
+
+    first_object: float | None = None
+    last_clean: float | None = None
+    clean_bytes: int = 0
+    disturbed: bool = False
+    """A retry or failure happened: blocks after it are not part of the sample."""
+
+    def object_arrived(self) -> None:
+        if self.first_object is None:
+            self.first_object = time.perf_counter()
+
+    def block_done(self, block: _LoadingBlock, out: FetchOutcome) -> None:
+        if not self.disturbed:
+            self.clean_bytes += block.nbytes
+            self.last_clean = time.perf_counter()
+
+    def sample(self, rtt_s: float) -> tuple[int, float]:
+        """(bytes, seconds) of the sample; (0, 0.0) when there is none."""
+        if self.clean_bytes <= 0 or self.first_object is None or self.last_clean is None:
+            return 0, 0.0
+        return self.clean_bytes, max(self.last_clean - self.first_object, 0.0) + rtt_s
 
 
 @dataclass
@@ -573,6 +654,16 @@ def raw_bytes(shape: tuple[int, int, int, int], dtype: str) -> int:
     for d in shape:
         n *= d
     return n * torch.empty((), dtype=dtype_from_name(dtype)).element_size()
+
+
+def _is_not_yet(exc: BaseException) -> bool:
+    """A block the locate found is not whole at the relay yet: its FETCH ended short (a relay that serves
+    part of a block still being pushed), or the relay answered TIMEOUT (its wait for the rest, or for an
+    upstream, ran out). Worth asking again within the deadline. DOES_NOT_EXIST is not: a block evicted
+    below a probed hit ends the usable prefix at once."""
+    if isinstance(exc, BlockIncomplete):
+        return True
+    return isinstance(exc, RequestRejected) and exc.code == RequestErrorCode.TIMEOUT
 
 
 def _is_plain_miss(exc: BaseException) -> bool:

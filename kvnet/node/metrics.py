@@ -35,6 +35,8 @@ _COUNTER_HELP = {
     "security_content_failures": (
         "security_content_failures", "Signed blocks whose manifest or payload disagreed with the prompt."),
     "fetch_fallbacks": ("fetch_fallbacks", "Fetches that stopped early; the rest was recomputed."),
+    "fetch_retries": (
+        "fetch_retries", "FETCHes sent again for blocks the relay did not have whole yet."),
     "published_blocks": ("published_blocks", "Blocks encoded, signed and stored for publishing."),
     "relay_sessions": ("relay_sessions", "Relay sessions established (the first and every reconnect)."),
     "republished_blocks": (

@@ -461,6 +461,8 @@ class Node:
         deadline = self.abr.deadline(asyncio.get_running_loop().time(), self.block_size)
         outcome = await peer.fetch(expected, chosen, deadline)
         report.abandoned = outcome.abandoned
+        report.fetch_retries = outcome.retries
+        self.counters.fetch_retries += outcome.retries
         report.timings.fetch_s = time.perf_counter() - t
         report.timings.load_s = outcome.load_s
         report.bytes_fetched = outcome.bytes

@@ -50,6 +50,8 @@ class RequestReport:
     security_events: list[dict[str, str]] = field(default_factory=list)
     """Blocks refused by verification: ``{"kind": "signature" | "content", "detail": ...}``."""
     published_blocks: int = 0
+    fetch_retries: int = 0
+    """FETCHes sent again for blocks the relay did not have whole yet (still being pushed)."""
     verified: bool | None = None
     relay_connected: bool | None = None
     """False when a relay is configured but had no session while this request was served (so no remote
@@ -74,6 +76,7 @@ class RequestReport:
             "abandoned": self.abandoned,
             "security_events": [dict(e) for e in self.security_events],
             "published_blocks": self.published_blocks,
+            "fetch_retries": self.fetch_retries,
         }
         if self.verified is not None:
             out["verified"] = self.verified
@@ -115,6 +118,8 @@ class NodeCounters:
     security_content_failures: int = 0
     """Signed blocks whose manifest or payload disagreed with our prompt (poisoning or corruption)."""
     fetch_fallbacks: int = 0
+    fetch_retries: int = 0
+    """FETCHes sent again for blocks the relay did not have whole yet."""
     published_blocks: int = 0
     relay_sessions: int = 0
     """Relay sessions established (the first one and every reconnect)."""
