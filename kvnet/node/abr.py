@@ -15,6 +15,16 @@ with ``prefill(n) = overhead + n * per_token`` measured on this machine. This is
 cut, O(n), so uneven block sizes are handled. While a fetch runs the caller re-plans the blocks not yet
 received with fresh measurements (``should_abandon``), which is what video ABR does per segment.
 
+The estimates age: every sample takes at least a fixed share of an average (``Ewma.min_share``) and
+older samples lose weight with time (``Ewma.time_half_life_s``), so what was measured recently counts
+most. Only clean transfers are samples (``kvnet.node.fetching``: blocks loaded before any retry or
+failure). An estimate can still be wrong in the direction that stops it being measured: a pessimistic
+throughput declines every hit and so fetches nothing that would correct it. So a plan that declines
+located blocks is counted (``declined_streak``), and after ``probe_after`` declining plans in a row (or
+``probe_after_s`` without a throughput sample) the next one fetches ``probe_blocks`` blocks anyway, a
+probe whose measurement replaces the throughput estimate (``KvAbr.fetch_measured``). A probe costs at
+most the fetch of a few blocks more than recomputing them, and bounds how long a wrong estimate lasts.
+
 Whatever the estimates said, a fetch also has one deadline (``FetchDeadline``): it may take at most
 ``deadline_margin_s`` plus the estimated recompute time of the blocks it has already delivered. Past that,
 finishing it can only be slower than recomputing the rest, so it is abandoned, however the relay paces its
@@ -23,10 +33,14 @@ objects (a relay trickling one object just inside the per-object timeout cannot 
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 RECOMPUTE = "recompute"
 # Higher quality first; a rendition not listed ranks after these, in name order.
@@ -70,6 +84,14 @@ class AbrConfig:
     kv_dtype: str = "float32"
     """Element dtype of the KV blocks (names of ``kvnet.dtypes``): picks the size ratios assumed before any
     block was measured."""
+    probe_after: int = 3
+    """Plans in a row that decline located blocks after which the next one probes (fetches
+    ``probe_blocks`` blocks whatever the estimates say, to measure the path again); 0 never probes."""
+    probe_after_s: float = 30.0
+    """A plan that declines located blocks also probes when the last throughput sample is older than this
+    (seconds; 0: only ``probe_after`` counts)."""
+    probe_blocks: int = 1
+    """Blocks a probe fetches (the leading ones of the located prefix)."""
     deadline_margin_s: float = 1.0
     """Seconds a fetch may cost beyond the recompute time of the blocks it delivered before it is abandoned
     (``FetchDeadline``); bounds TTFT by recompute time plus this. Generous enough that a loaded machine's
@@ -86,53 +108,83 @@ class AbrConfig:
             raise ValueError("safety must be in (0, 1]")
         if not 0 < self.deadline_margin_s <= 3600:
             raise ValueError("deadline_margin_s must be in (0, 3600] seconds")
+        if self.probe_after < 0:
+            raise ValueError("probe_after must be >= 0")
+        if self.probe_after_s < 0:
+            raise ValueError("probe_after_s must be >= 0")
+        if self.probe_blocks < 1:
+            raise ValueError("probe_blocks must be >= 1")
 
 
 class Ewma:
-    """Exponentially weighted mean where each sample carries a weight (bytes, tokens).
+    """Exponentially weighted mean where each sample carries a weight (bytes, tokens), aged by weight, by
+    count and by time.
 
     Weight-based decay (as in Shaka's estimator) keeps one huge transfer from being forgotten after a few
-    small ones, and one tiny one from swinging the estimate.
+    small ones, and one tiny one from swinging the estimate. ``min_share``: every sample takes at least
+    this share of the mean however small it is, so a handful of recent samples outweighs any history.
+    ``time_half_life_s``: what was learned that long ago weighs half as much against a new sample.
+    Kept as a weighted sum over a sum of weights (``value = S / W``), which is Shaka's zero-bias-corrected
+    estimate when no time passes.
     """
 
-    def __init__(self, half_life: float) -> None:
+    def __init__(self, half_life: float, min_share: float = 0.0, time_half_life_s: float = 0.0) -> None:
+        if not 0 <= min_share < 1:
+            raise ValueError("min_share must be in [0, 1)")
         self._alpha = math.log(0.5) / half_life
-        self._estimate = 0.0
-        self._total_weight = 0.0
+        self._min_share = min_share
+        self._time_half_life_s = time_half_life_s
+        self._sum = 0.0
+        self._weight = 0.0
+        self._last: float | None = None
 
-    def add(self, weight: float, value: float) -> None:
-        adj = math.exp(self._alpha * weight)
-        self._estimate = value * (1 - adj) + adj * self._estimate
-        self._total_weight += weight
+    def add(self, weight: float, value: float, now: float | None = None) -> None:
+        keep = min(math.exp(self._alpha * weight), 1 - self._min_share)
+        if now is not None and self._last is not None and self._time_half_life_s > 0:
+            keep *= 0.5 ** (max(now - self._last, 0.0) / self._time_half_life_s)
+        if now is not None:
+            self._last = now
+        self._sum = keep * self._sum + (1 - keep) * value
+        self._weight = keep * self._weight + (1 - keep)
 
     def value(self, default: float) -> float:
-        if self._total_weight <= 0:
-            return default
-        # Zero-bias correction: early estimates are not dragged towards the initial 0.
-        zero_factor = 1 - math.exp(self._alpha * self._total_weight)
-        return self._estimate / zero_factor
+        return default if self._weight <= 0 else self._sum / self._weight
 
     @property
     def has_samples(self) -> bool:
-        return self._total_weight > 0
+        return self._weight > 0
 
 
 @dataclass
 class ThroughputEstimator:
-    """Network throughput in bytes/s: the min of a fast and a slow EWMA (react to drops, not to spikes)."""
+    """Network throughput in bytes/s: the min of a fast and a slow EWMA (react to drops, not to spikes),
+    both aged by time (``TIME_HALF_LIFE_S``) and count (each sample a minimum share)."""
 
     prior_bps: float
-    fast: Ewma = field(default_factory=lambda: Ewma(half_life=256 * 1024))
-    slow: Ewma = field(default_factory=lambda: Ewma(half_life=4 * 1024 * 1024))
+    clock: Callable[[], float] = time.monotonic
+    fast: Ewma = field(default_factory=lambda: Ewma(256 * 1024, min_share=0.5, time_half_life_s=60.0))
+    slow: Ewma = field(default_factory=lambda: Ewma(4 * 1024 * 1024, min_share=0.25, time_half_life_s=60.0))
     samples: int = 0
+    last_sample_at: float | None = None
+    """Clock reading of the latest sample (None before the first)."""
 
     def add(self, nbytes: int, seconds: float) -> None:
         if nbytes <= 0 or seconds <= 0:
             return
         bps = nbytes / seconds
-        self.fast.add(nbytes, bps)
-        self.slow.add(nbytes, bps)
+        now = self.clock()
+        self.fast.add(nbytes, bps, now)
+        self.slow.add(nbytes, bps, now)
         self.samples += 1
+        self.last_sample_at = now
+
+    def remeasure(self, nbytes: int, seconds: float) -> None:
+        """Replace everything learned so far by this one measurement (a probe: see the module docstring)."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        self.fast = Ewma(256 * 1024, min_share=0.5, time_half_life_s=60.0)
+        self.slow = Ewma(4 * 1024 * 1024, min_share=0.25, time_half_life_s=60.0)
+        self.add(nbytes, seconds)
 
     def estimate(self) -> float:
         if not self.fast.has_samples:
@@ -158,11 +210,14 @@ class RttEstimator:
 
 @dataclass
 class PrefillEstimator:
-    """Local prefill cost ``overhead + n * per_token`` fitted by least squares over recent runs."""
+    """Local prefill cost ``overhead + n * per_token`` fitted by weighted least squares over the latest
+    ``max_samples`` runs, each run weighing ``recency`` times the next one's (the newest weighs 1), so the
+    fit follows a machine whose load changed."""
 
     per_token_s: float = 1e-3
     overhead_s: float = 0.0
     max_samples: int = 32
+    recency: float = 0.8
     _samples: list[tuple[int, float]] = field(default_factory=list)
 
     def add(self, tokens: int, seconds: float) -> None:
@@ -176,16 +231,20 @@ class PrefillEstimator:
         xs = [float(n) for n, _ in self._samples]
         ys = [s for _, s in self._samples]
         n = len(xs)
-        mx, my = sum(xs) / n, sum(ys) / n
-        var = sum((x - mx) ** 2 for x in xs)
-        if n >= 2 and var > 0:
-            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+        ws = [self.recency ** (n - 1 - i) for i in range(n)]
+        total = sum(ws)
+        mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / total
+        my = sum(w * y for w, y in zip(ws, ys, strict=True)) / total
+        var = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
+        if n >= 2 and var > 1e-9 * total * mx * mx:
+            cov = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True))
+            slope = cov / var
             intercept = my - slope * mx
             if slope > 0 and intercept >= 0:
                 self.per_token_s, self.overhead_s = slope, intercept
                 return
         # One size seen (or a fit with a negative term): attribute everything to tokens.
-        self.per_token_s = sum(ys) / sum(xs)
+        self.per_token_s = my / mx
         self.overhead_s = 0.0
 
     def estimate(self, tokens: int) -> float:
@@ -249,6 +308,10 @@ class AbrPlan:
     prefill_overhead_s: float
     est_total_s: float
     est_recompute_all_s: float
+    declined_blocks: int = 0
+    """Located blocks with an acceptable rendition that the estimates chose to recompute instead."""
+    probe: bool = False
+    """Blocks are fetched although the estimates declined them: a probe (see the module docstring)."""
 
     def rendition_of(self, index: int) -> str:
         return self.choices[index].action
@@ -268,7 +331,18 @@ class AbrPlan:
             },
             "est_total_s": round(self.est_total_s, 6),
             "est_recompute_all_s": round(self.est_recompute_all_s, 6),
+            "declined_blocks": self.declined_blocks,
+            "probe": self.probe,
         }
+
+    def describe_decline(self) -> str:
+        """One line saying what was declined and from which inputs (for the log)."""
+        inputs = self.to_json()["inputs"]
+        return (
+            f"declined {self.declined_blocks} located block(s): estimated {self.est_total_s:.4f}s fetching "
+            f"{self.fetch_blocks} vs {self.est_recompute_all_s:.4f}s recomputing all; inputs "
+            + " ".join(f"{k}={v}" for k, v in inputs.items())
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,10 +382,36 @@ class KvAbr:
     prefill: PrefillEstimator = field(default_factory=PrefillEstimator)
     renditions: RenditionStats = field(init=False)
 
+    clock: Callable[[], float] = time.monotonic
+    declined_streak: int = field(default=0, init=False)
+    """Plans in a row that declined located blocks (reset by a plan that fetched them all, or a probe)."""
+    declined_plans: int = field(default=0, init=False)
+    """Plans that declined located blocks (monotonic; exported as a metric)."""
+    declined_blocks: int = field(default=0, init=False)
+    """Located blocks declined, over all plans (monotonic)."""
+    probes: int = field(default=0, init=False)
+    """Plans that probed (monotonic)."""
+    _probe_pending: bool = field(default=False, init=False)
+
     def __post_init__(self) -> None:
         self.renditions = RenditionStats(kv_dtype=self.config.kv_dtype)
-        self.throughput = ThroughputEstimator(self.config.prior_throughput_bps)
+        self.throughput = ThroughputEstimator(self.config.prior_throughput_bps, self.clock)
         self.rtt = RttEstimator(self.config.prior_rtt_s)
+
+    def fetch_measured(self, nbytes: int, seconds: float) -> None:
+        """A clean transfer's throughput sample; the first after a probe replaces the estimate."""
+        if self._probe_pending:
+            self._probe_pending = False
+            self.throughput.remeasure(nbytes, seconds)
+        else:
+            self.throughput.add(nbytes, seconds)
+
+    def _should_probe(self) -> bool:
+        cfg = self.config
+        if cfg.probe_after and self.declined_streak >= cfg.probe_after:
+            return True
+        last = self.throughput.last_sample_at
+        return bool(cfg.probe_after_s) and last is not None and self.clock() - last > cfg.probe_after_s
 
     def fetch_cost(self, raw_bytes: int, available: Sequence[str]) -> tuple[str | None, float]:
         """Best acceptable rendition among ``available`` for a block of ``raw_bytes``, and its cost."""
@@ -357,6 +457,25 @@ class KvAbr:
                 # Ties favour fetching more (saves compute for everyone on the node).
                 if t <= best_t or not self.config.allow_recompute:
                     best_k, best_t = k, t
+        # Blocks the estimates declined: those after the cut up to the first one without an acceptable
+        # rendition (a block nobody offers acceptably is not a decision the estimates made).
+        fetchable = next((i for i, c in enumerate(fetch_costs) if math.isinf(c)), len(located))
+        declined = max(fetchable - best_k, 0) if self.config.allow_recompute else 0
+        probe = False
+        if declined and not self.config.force_recompute:
+            self.declined_plans += 1
+            self.declined_blocks += declined
+            if self._should_probe():
+                probe, self._probe_pending = True, True
+                self.probes += 1
+                self.declined_streak = 0
+                best_k = max(best_k, min(self.config.probe_blocks, fetchable))
+                acc = rtt + sum(fetch_costs[:best_k])
+                best_t = acc + self.prefill.estimate(total_tokens - best_k * block_size)
+            else:
+                self.declined_streak += 1
+        elif fetchable:
+            self.declined_streak = 0
         final = tuple(
             c if c.index < best_k else BlockChoice(c.index, RECOMPUTE, c.fetch_s, c.recompute_s)
             for c in choices
@@ -370,6 +489,8 @@ class KvAbr:
             prefill_overhead_s=self.prefill.overhead_s,
             est_total_s=best_t,
             est_recompute_all_s=recompute_all,
+            declined_blocks=declined,
+            probe=probe,
         )
 
     def deadline(self, started: float, block_size: int) -> FetchDeadline | None:

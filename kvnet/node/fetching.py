@@ -31,8 +31,9 @@ A block the relay does not have whole yet (a FETCH that ends before all its obje
 publisher is still pushing it) is asked for again, with a short backoff, within the block's deadline.
 Any other failure (timeout, reset, error reply, failed check) ends the usable prefix at that block; the
 caller recomputes the rest. Only blocks loaded before any retry or failure make the throughput sample
-(``_SampleClock``): waiting for a publisher is not the path's speed. A fetch problem costs time, never correctness. Verification failures carry a kind
-(``BlockRejected.kind``: ``signature`` or ``content``) so the node can count them as security events.
+(``_SampleClock``): waiting for a publisher is not the path's speed. A fetch problem costs time, never
+correctness. Verification failures carry a kind (``BlockRejected.kind``: ``signature`` or ``content``)
+so the node can count them as security events.
 """
 
 from __future__ import annotations
@@ -396,7 +397,7 @@ class BlockFetcher:
                 pool.close()
         out.sample_bytes, out.sample_s = clock.sample(self.abr.rtt.estimate())
         if out.sample_bytes:
-            self.abr.throughput.add(out.sample_bytes, out.sample_s)
+            self.abr.fetch_measured(out.sample_bytes, out.sample_s)
         return out
 
     async def _send_fetch(self, exp: BlockIdentity, rendition: str) -> FetchHandle:

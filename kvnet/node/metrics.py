@@ -105,6 +105,12 @@ class _NodeCollector(Collector):
                           node.abr.rtt.estimate())
         yield self._gauge("kvnet_abr_prefill_seconds_per_token", "ABR estimate of prefill time per token.",
                           node.abr.prefill.per_token_s)
+        yield self._counter("kvnet_abr_declined_hits", "Requests whose ABR plan recomputed located blocks.",
+                            node.abr.declined_plans)
+        yield self._counter("kvnet_abr_declined_blocks", "Located blocks the ABR chose to recompute.",
+                            node.abr.declined_blocks)
+        yield self._counter("kvnet_abr_probes", "Plans that fetched declined blocks to measure again.",
+                            node.abr.probes)
         peer = node.peer
         connected = peer is not None and peer.connected
         yield self._gauge("kvnet_relay_connected", "1 while the node has a session with its relay.",

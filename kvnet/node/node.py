@@ -449,6 +449,10 @@ class Node:
             located, self.block_size, self.cache.spec.bytes_per_block, len(ids) - start * self.block_size
         )
         report.abr = plan.to_json()
+        if plan.declined_blocks:
+            # Once per request, with the inputs: a node that keeps declining hits must be visible.
+            probing = f"; probing: fetching {plan.fetch_blocks} to measure again" if plan.probe else ""
+            logger.info("ABR %s%s", plan.describe_decline(), probing)
         if plan.fetch_blocks == 0:
             return
         expected = prompt_blocks(ids, self.block_size, hashes, self.root, start, start + plan.fetch_blocks)

@@ -127,3 +127,96 @@ def test_size_priors_follow_the_kv_dtype() -> None:
     # A measurement replaces the prior whatever the dtype.
     bf16.add("int8", raw_bytes=1000, encoded_bytes=400, decode_s=0.001)
     assert abs(bf16.size_ratio("int8") - 0.4) < 1e-9
+
+
+class FakeClock:
+    """Injected time for the estimators (no test sleeps)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_older_samples_weigh_less_as_time_passes() -> None:
+    clock = FakeClock()
+    fresh, aged = ThroughputEstimator(1e6, clock), ThroughputEstimator(1e6, clock)
+    for est in (fresh, aged):
+        for _ in range(10):
+            est.add(1_000_000, 1.0)  # a long slow period: 1 MB/s
+    clock.now += 300.0  # five minutes later (five half-lives) on `aged` only
+    fresh.clock = lambda: 1000.0
+    fresh.add(1_000_000, 0.01)  # then one transfer at 100 MB/s
+    aged.add(1_000_000, 0.01)
+    assert aged.estimate() > 2 * fresh.estimate()
+    assert aged.estimate() > 5e7  # the old period hardly counts any more
+
+
+def test_each_sample_takes_a_share_however_small() -> None:
+    est = ThroughputEstimator(1e6)
+    for _ in range(50):
+        est.add(100_000_000, 100.0)  # 5 GB of history at 1 MB/s
+    est.add(100_000, 0.001)  # one small transfer at 100 MB/s
+    assert est.estimate() >= 1e6 + 0.25 * (1e8 - 1e6) * 0.99
+
+
+def test_prefill_estimate_follows_the_latest_runs() -> None:
+    est = PrefillEstimator()
+    for n in (100, 200) * 10:
+        est.add(n, n * 1e-3)  # a loaded machine: 1 ms per token
+    for n in (100, 200) * 5:
+        est.add(n, n * 1e-4)  # load gone: 0.1 ms per token
+    assert est.per_token_s < 2.5e-4  # an unweighted fit of the window would say 7e-4
+
+
+def test_declined_hits_are_counted_with_their_inputs() -> None:
+    abr = _abr(per_token_s=1e-5, bps=1e6)  # recompute is far cheaper: every located block is declined
+    plan = abr.plan([["lossless"]] * 5, BLOCK, RAW, total_tokens=5 * BLOCK + 3)
+    assert (plan.fetch_blocks, plan.declined_blocks, plan.probe) == (0, 5, False)
+    assert (abr.declined_plans, abr.declined_blocks) == (1, 5)
+    assert plan.to_json()["declined_blocks"] == 5
+    line = plan.describe_decline()
+    assert "declined 5 located block(s)" in line and "throughput_bps=1000000.0" in line
+    # Blocks without an acceptable rendition are not a decision of the estimates: not declined.
+    plan = abr.plan([["int8"]] * 3, BLOCK, RAW, total_tokens=3 * BLOCK + 3)
+    assert plan.declined_blocks == 0 and abr.declined_plans == 1
+    # A node that fetches what it found declines nothing.
+    fetching = _abr(per_token_s=1e-3, bps=1e9)
+    assert fetching.plan([["lossless"]] * 5, BLOCK, RAW, total_tokens=90).declined_blocks == 0
+    assert fetching.declined_plans == 0
+
+
+def test_a_wrong_pessimistic_estimate_recovers_within_a_bounded_number_of_requests() -> None:
+    """The path is fast (1 GB/s: a block in ~1 ms against 16 ms to recompute it), but a slow period left the
+    estimate at 1 MB/s, so every hit is declined and nothing is fetched that could correct it. Probes do:
+    after ``probe_after`` declined requests one block is fetched, its measurement replaces the estimate,
+    and the next requests fetch everything."""
+    abr = _abr(per_token_s=1e-3, bps=1e9)
+    for _ in range(20):
+        abr.fetch_measured(1_000_000, 1.0)  # the slow period
+    true_bps = 1e9
+    fetched_all_at = None
+    for request in range(1, 11):
+        plan = abr.plan([["lossless"]] * 8, BLOCK, RAW, total_tokens=8 * BLOCK + 5)
+        if plan.fetch_blocks:
+            blocks = plan.fetch_blocks
+            abr.fetch_measured(blocks * RAW, blocks * RAW / true_bps)
+        if plan.fetch_blocks == 8:
+            fetched_all_at = request
+            break
+    assert abr.probes == 1
+    assert fetched_all_at is not None and fetched_all_at <= abr.config.probe_after + 2
+    assert abr.declined_plans == abr.config.probe_after + 1  # the declines, then the probe's own
+
+
+def test_a_stale_estimate_is_probed_after_a_while_without_samples() -> None:
+    clock = FakeClock()
+    abr = KvAbr(AbrConfig(prior_throughput_bps=1e9, prior_rtt_s=0.001, safety=1.0, probe_after=0,
+                          probe_after_s=30.0), clock=clock)
+    abr.prefill.add(100, 100 * 1e-5)
+    abr.fetch_measured(1_000_000, 1.0)
+    assert not abr.plan([["lossless"]] * 4, BLOCK, RAW, total_tokens=70).probe
+    clock.now += 31.0
+    plan = abr.plan([["lossless"]] * 4, BLOCK, RAW, total_tokens=70)
+    assert plan.probe and plan.fetch_blocks == abr.config.probe_blocks

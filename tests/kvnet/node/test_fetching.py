@@ -300,3 +300,35 @@ async def test_locate_stays_undecided_when_nothing_exists(
     serve([])
     assert (await f.locate(HASHES, ["lossless"])).available == []
     assert f.locate_probe is None  # no evidence against TRACK_STATUS: the next locate checks again
+
+
+async def test_a_cut_short_block_is_asked_again_and_never_a_throughput_sample(
+    pair: ConnectionPair, serve: Serve, published: Published
+) -> None:
+    """A peer whose FETCH of block 0 ends after two of its objects (FIN, as a relay serving part of a block
+    still being pushed did): the fetcher asks again until its timeout, loads nothing, and the throughput
+    estimate is untouched by the cut-short transfer."""
+    whole = published.blocks[0]
+    serve([dataclasses.replace(whole, objects=whole.objects[:2]), *published.blocks[1:]])
+    cache = empty_cache()
+    f = fetcher(pair, cache, trusting(published.signer), timeout=0.3)
+    prior = f.abr.throughput.estimate()
+    outcome = await f.fetch(published.identities[:3], LOSSLESS[:3])
+    assert outcome.loaded == 0 and outcome.retries >= 1
+    assert outcome.error is not None and "fetch ended after 2 of 4 objects" in outcome.error
+    assert f.abr.throughput.samples == 0 and f.abr.throughput.estimate() == prior
+    assert_consistent(cache, 0)
+
+
+async def test_clean_blocks_before_a_cut_short_one_are_the_sample(
+    pair: ConnectionPair, serve: Serve, published: Published
+) -> None:
+    whole = published.blocks[2]
+    serve([*published.blocks[:2], dataclasses.replace(whole, objects=whole.objects[:1])])
+    cache = empty_cache()
+    f = fetcher(pair, cache, trusting(published.signer), timeout=0.3)
+    outcome = await f.fetch(published.identities[:3], LOSSLESS[:3])
+    assert outcome.loaded == 2
+    assert outcome.sample_bytes == published.blocks[0].nbytes + published.blocks[1].nbytes
+    assert f.abr.throughput.samples == 1
+    assert_consistent(cache, 2)
