@@ -118,3 +118,29 @@ def test_concurrent_clients_refused_when_full_retried_and_equal_recompute(kv_clu
         assert text == tokenizer.decode(expected), prompt
     assert _metric(url, "kvnet_engine_refused_requests_total") >= 1  # 8 at once, 3 admitted
     assert _metric(url, "kvnet_engine_admitted_sequences") == 0
+
+
+def test_second_node_reuses_what_the_first_just_computed_every_time(kv_cluster: Cluster) -> None:
+    """Five different prompts back to back, each answered by node A and at once by node B: B reuses all of
+    A's prefix blocks every time, although A's push of them is still under way when B asks (the relay
+    waits for a block's remaining objects instead of serving part of it as if it were whole)."""
+    kv_cluster.start_relay()
+    # The small preset's blocks (64 KiB at 16 tokens) and 2k-token prompts make A's push of a prompt take
+    # long enough that B asks for blocks whose objects are still on their way to the relay.
+    node_a, url_a = kv_cluster.start_http_node("--model", "small")
+    node_b, url_b = kv_cluster.start_http_node("--model", "small", "--abr", "fetch")
+    kv_cluster.wait_http_node(node_a)
+    kv_cluster.wait_http_node(node_b)
+    greedy = {"max_tokens": 4, "temperature": 0}
+    for i in range(5):
+        prompt = f"Prompt {i}: " + SHARED_PREFIX * 8 + f"Question {i}: what does a relay cache?"
+        usable = (len(prompt) - 1) // B * B  # byte tokenizer: one token per byte; the last is computed
+        first = http_json(f"{url_a}/v1/completions", {"prompt": prompt, **greedy})
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, first["kvnet"]
+        second = http_json(f"{url_b}/v1/completions", {"prompt": prompt, **greedy})
+        details = second["usage"]["prompt_tokens_details"]
+        assert details["remote_cached_tokens"] == usable, f"prompt {i}: {second['kvnet']}"
+        assert second["kvnet"]["fallback"] == [], second["kvnet"]
+        assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    assert _metric(url_b, "kvnet_remote_hit_tokens_total") >= 5 * B
+    assert _metric(url_b, "kvnet_fetch_fallbacks_total") == 0
