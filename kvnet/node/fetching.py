@@ -201,6 +201,23 @@ class SlotCacheWriter(CacheWriter, Protocol):
     ) -> None: ...
 
 
+@runtime_checkable
+class BlockLookup(Protocol):
+    """A cache that says whether it holds a block (``PagedKVCache`` does)."""
+
+    def contains_block(self, block_hash: bytes) -> bool: ...
+
+
+@dataclass
+class FetcherStats:
+    """Counters of one fetcher (one relay session)."""
+
+    fetches: int = 0
+    """Block FETCHes sent (first tries; retries are counted per request in ``FetchOutcome.retries``)."""
+    coalesced: int = 0
+    """Blocks a request waited for because another request of this session was already fetching them."""
+
+
 BlockProbe = Callable[[Sequence[bytes], int, str], Coroutine[Any, Any, Any]]
 """Ask whether block ``i`` of a chain of hashes exists in a rendition: returns if so, raises if not."""
 
@@ -260,6 +277,12 @@ class BlockFetcher:
         that do not forward TRACK_STATUS), or None while undecided (see ``locate``)."""
         self.device = device or torch.device("cpu")
         self._slot_cache = cache if isinstance(cache, SlotCacheWriter) else None
+        self._lookup = cache if isinstance(cache, BlockLookup) else None
+        """The cache again where it says which blocks it holds: a block loaded meanwhile is not fetched."""
+        self._inflight: dict[bytes, asyncio.Future[bool]] = {}
+        """Blocks some fetch of this session is loading, by hash: concurrent requests that need the same
+        block wait for that one FETCH instead of sending their own (resolved True once it is in)."""
+        self.stats = FetcherStats()
         """The cache again where it takes decoded layers in place (see ``_load_layer``)."""
         if trust_any:
             logger.warning("trust-any: blocks signed by ANY key are accepted; anyone who can publish to the "
@@ -361,23 +384,60 @@ class BlockFetcher:
         out = FetchOutcome()
         loop = asyncio.get_running_loop()
         handles: dict[int, FetchHandle] = {}
+        joined: dict[int, asyncio.Future[bool]] = {}
+        """Blocks another fetch of this session is loading: waited for, not fetched again."""
+        owned: dict[int, asyncio.Future[bool]] = {}
+        """Our entries in ``self._inflight``, resolved when the block is in (True) or given up (False)."""
         window = self.window_blocks
         next_issue = 0
         pool = _LayerPool(self.verify_workers) if self.verify_workers else None
         clock = _SampleClock()
+
+        async def issue(i: int) -> None:
+            exp_i = expected[i]
+            if self._lookup is not None and self._lookup.contains_block(exp_i.block_hash):
+                return  # loaded meanwhile (by an earlier request): nothing to fetch or wait for
+            other = self._inflight.get(exp_i.block_hash)
+            if other is not None:
+                joined[i] = other
+                self.stats.coalesced += 1
+                return
+            handles[i] = await self._send_fetch(exp_i, renditions[i])
+            owned[i] = self._inflight[exp_i.block_hash] = loop.create_future()
+            self.stats.fetches += 1
+
+        def settle(i: int, loaded: bool) -> None:
+            fut = owned.pop(i, None)
+            if fut is None:
+                return
+            fut.set_result(loaded)
+            if self._inflight.get(expected[i].block_hash) is fut:
+                del self._inflight[expected[i].block_hash]
+
         try:
             for index, exp in enumerate(expected):
                 block = _LoadingBlock(index, exp, renditions[index])
                 due = None if deadline is None else deadline.due(index)
+                loaded = False
                 try:
                     async with asyncio.timeout_at(due):
                         while next_issue < len(expected) and next_issue < index + window:
-                            handles[next_issue] = await self._send_fetch(expected[next_issue],
-                                                                         renditions[next_issue])
+                            await issue(next_issue)
                             next_issue += 1
-                        await self._receive_with_retries(handles.pop(index), block, out, pool, clock)
+                        for _ in range(2):
+                            other = joined.pop(index, None)
+                            if other is None or await asyncio.shield(other):
+                                break  # ours to fetch, already cached, or loaded by the other fetch
+                            await issue(index)  # the other fetch gave up on it: try it ourselves
+                        if index in joined:
+                            raise MoqtConnectionError("the other fetches of this block gave up on it")
+                        ours = index in handles
+                        if ours:
+                            await self._receive_with_retries(handles.pop(index), block, out, pool, clock)
                     self._finish_block(block, out)
-                    clock.block_done(block, out)
+                    loaded = True
+                    if ours:
+                        clock.block_done(block, out)
                 except _FETCH_ERRORS as exc:
                     now = loop.time()
                     if deadline is not None and isinstance(exc, TimeoutError) and now >= deadline.due(index):
@@ -390,7 +450,10 @@ class BlockFetcher:
                     if block.importing:  # failed or interrupted: give the reserved block back
                         block.importing = False
                         self.cache.abort_import(exp.block_hash)
+                    settle(index, loaded)
         finally:
+            for i in list(owned):
+                settle(i, False)
             for h in handles.values():
                 h.cancel()
             if pool is not None:
@@ -536,7 +599,8 @@ class BlockFetcher:
             block.importing = False
         out.loaded = block.index + 1
         out.renditions[block.rendition] = out.renditions.get(block.rendition, 0) + 1
-        assert block.manifest is not None
+        if block.manifest is None:
+            return  # loaded by another fetch of this session (or already cached): nothing measured here
         raw = raw_bytes(self.shape, block.manifest.dtype)
         self.abr.renditions.add(block.rendition, raw, block.nbytes, 0.0)
 

@@ -23,6 +23,7 @@ from kvnet.node.publishing import BlockServer
 from proto.errors import RequestErrorCode
 from proto.kvobject import BlockManifest
 from tests.helpers.connections import ConnectionPair
+from tests.helpers.waiting import async_wait_until
 from tests.kvnet.node.conftest import (
     FINGERPRINT,
     HASHES,
@@ -332,3 +333,45 @@ async def test_clean_blocks_before_a_cut_short_one_are_the_sample(
     assert outcome.sample_bytes == published.blocks[0].nbytes + published.blocks[1].nbytes
     assert f.abr.throughput.samples == 1
     assert_consistent(cache, 2)
+
+
+async def test_concurrent_fetches_of_a_shared_prefix_send_one_fetch_per_block(
+    pair: ConnectionPair, published: Published
+) -> None:
+    """Four requests of one node need the same three remote blocks at once: three FETCHes go out, not
+    twelve, and every request ends with the three blocks loaded."""
+    server = block_server(pair, serving_store(published.blocks[:3]))
+    task = asyncio.create_task(server.serve())
+    try:
+        cache = empty_cache()
+        f = fetcher(pair, cache, trusting(published.signer))
+        outcomes = await asyncio.gather(
+            *(f.fetch(published.identities[:3], LOSSLESS[:3]) for _ in range(4))
+        )
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert [(o.loaded, o.error) for o in outcomes] == [(3, None)] * 4
+    assert server.stats.fetches_served == 3 and f.stats.fetches == 3
+    assert f.stats.coalesced == 9
+    assert_consistent(cache, 3)
+    assert_same_kv(cache, published.cache, HASHES[:3])
+
+
+async def test_a_request_waiting_on_a_failed_shared_fetch_fetches_the_block_itself(
+    pair: ConnectionPair, serve: Serve, published: Published
+) -> None:
+    cache = empty_cache()
+    f = fetcher(pair, cache, trusting(published.signer))
+    # Nothing serves yet: the first request's three FETCHes wait; the second joins them.
+    first = asyncio.ensure_future(f.fetch(published.identities[:3], LOSSLESS[:3]))
+    await async_wait_until(lambda: f.stats.fetches == 3, "the first request's FETCHes sent")
+    second = asyncio.ensure_future(f.fetch(published.identities[:3], LOSSLESS[:3]))
+    await async_wait_until(lambda: f.stats.coalesced == 3, "the second request joined them")
+    first.cancel()  # its client went away: the blocks it was fetching are given up
+    await asyncio.gather(first, return_exceptions=True)
+    serve(published.blocks[:3])
+    outcome = await second
+    assert (outcome.loaded, outcome.error) == (3, None)
+    assert f.stats.fetches == 6  # the second request fetched them itself
+    assert_consistent(cache, 3)
