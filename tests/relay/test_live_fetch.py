@@ -16,7 +16,7 @@ import torch
 from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
-from kvnet.net.quic import TlsSettings, TransportSettings
+from kvnet.net.settings import TlsSettings, TransportSettings
 from kvnet.node.abr import AbrConfig, FetchDeadline, KvAbr
 from kvnet.node.fetching import BlockFetcher, FetchOutcome
 from proto.data import ObjectStatus
