@@ -11,16 +11,20 @@ probe routes. Routes:
   a configured relay has no session); ``GET /metrics`` (Prometheus text exposition).
 
 It knows nothing about the model or the network beyond the ``CompletionBackend`` protocol. Every bad request
-is a 4xx with a one-line message, never a 500: bodies are size-capped and their JSON nesting depth is
-checked before parsing. Every request is admitted by the backend before anything is generated or any
-header is sent: when its KV pool (or its bound on sequences in flight) is full the answer is a 503 with
+is a 4xx with a one-line message, never a 500: bodies are size-capped, must arrive within a deadline, their
+JSON nesting depth is checked before parsing and their strings must be valid Unicode (no lone surrogates).
+Every request is admitted by the backend before anything is generated or any header is sent: when its KV
+pool (or its bound on sequences in flight) is full, the request waits in a bounded FIFO queue
+(``AdmissionQueue``) for a release; past the queue's length or its wait the answer is a 503 with
 ``Retry-After`` and the usual one-line JSON error, streaming or not. A client that leaves, streaming or not,
-ends its generation.
+ends its generation; one that leaves while sending its body is one log line. Connection limits and head
+deadlines are the server's (``kvnet.node.httpguard``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import hmac
@@ -39,10 +43,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kvnet.logs import ACCESS_LOGGER
 from kvnet.model.engine import EngineBusyError, RequestTooLargeError
 from kvnet.model.generate import SamplingParams, TokenCallback
+from kvnet.node.httpguard import ConnectionGuard, HttpLimits, guarded_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +60,10 @@ MAX_CHOICES = 16
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 DEFAULT_MAX_TOKENS = 16
-DEFAULT_MAX_CONNECTIONS = 64
+DEFAULT_MAX_CONNECTIONS = HttpLimits.max_connections
+BODY_TIMEOUT_S = 30.0
+MAX_QUEUED_REQUESTS = 64
+MAX_QUEUE_WAIT_S = 10.0
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -142,6 +151,12 @@ class ApiSettings:
     max_body_bytes: int = MAX_BODY_BYTES
     max_json_depth: int = MAX_JSON_DEPTH
     max_tokens_limit: int = MAX_TOKENS_LIMIT
+    body_timeout_s: float = BODY_TIMEOUT_S
+    """From a request's head to its complete body (408 past it)."""
+    max_queued_requests: int = MAX_QUEUED_REQUESTS
+    """Requests waiting for admission at once; past it a request is answered 503 at once."""
+    max_queue_wait_s: float = MAX_QUEUE_WAIT_S
+    """The longest a request waits for admission before its 503."""
 
     def __post_init__(self) -> None:
         # An empty key (an unset variable expanded into --api-key "$KEY") would silently open the API.
@@ -220,6 +235,28 @@ def json_depth_exceeds(raw: bytes, limit: int) -> bool:
         elif byte in (0x5D, 0x7D):
             depth -= 1
     return False
+
+
+def lone_surrogate_path(value: Any, path: str = "body") -> str | None:
+    """Where a string of parsed JSON holds a lone surrogate (``"\\ud800"`` parses, but is not text), or None.
+    Recursion is bounded: the body's nesting depth was checked before parsing."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = lone_surrogate_path(key, path) or lone_surrogate_path(item, f"{path}.{key}")
+            if found:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = lone_surrogate_path(item, f"{path}[{index}]")
+            if found:
+                return found
+    return None
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
@@ -327,6 +364,83 @@ def _error_response(
     )
 
 
+class AdmissionQueue:
+    """Requests the backend cannot admit yet wait here in arrival order (at most ``max_waiting`` of them, each
+    at most ``max_wait_s``); the first in line tries again whenever a ticket is released."""
+
+    def __init__(self, max_waiting: int, max_wait_s: float) -> None:
+        self.max_waiting = max_waiting
+        self.max_wait_s = max_wait_s
+        self._line: collections.deque[asyncio.Event] = collections.deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def waiting(self) -> int:
+        return len(self._line)
+
+    async def admit(self, try_admit: Callable[[], AdmissionTicket]) -> QueuedTicket:
+        """``try_admit()`` now if nobody is waiting, else in turn; ``EngineBusyError`` when the line is full
+        or the wait too long. The ticket returned wakes the line when it is released."""
+        self._loop = asyncio.get_running_loop()
+        why = "busy"
+        if not self._line:
+            try:
+                return QueuedTicket(try_admit(), self)
+            except EngineBusyError as exc:
+                if self.max_waiting == 0:
+                    raise
+                why = str(exc)
+        if len(self._line) >= self.max_waiting:
+            raise EngineBusyError(
+                f"busy: {len(self._line)} requests already waiting (limit {self.max_waiting}); retry later"
+            )
+        turn = asyncio.Event()
+        self._line.append(turn)
+        try:
+            async with asyncio.timeout(self.max_wait_s):
+                while True:
+                    await turn.wait()
+                    turn.clear()
+                    try:
+                        return QueuedTicket(try_admit(), self)
+                    except EngineBusyError as exc:
+                        why = str(exc)
+        except TimeoutError:
+            raise EngineBusyError(
+                f"{why.removesuffix('; retry later')}, still after waiting {self.max_wait_s:g} s; retry later"
+            ) from None
+        finally:
+            first = self._line[0] is turn
+            self._line.remove(turn)
+            if first and self._line:
+                self._line[0].set()  # one release may make room for several: the next in line tries now
+
+    def released(self) -> None:
+        """A ticket was released (from any thread): the first in line tries again."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake_first)
+
+    def _wake_first(self) -> None:
+        if self._line:
+            self._line[0].set()
+
+
+class QueuedTicket:
+    """A backend's ticket (``ticket``, what ``generate`` takes) that wakes the admission queue once
+    released."""
+
+    def __init__(self, ticket: AdmissionTicket, queue: AdmissionQueue) -> None:
+        self.ticket = ticket
+        self._queue = queue
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.ticket.release()
+            self._queue.released()
+
+
 class OpenAiApi:
     """Routes of the node's HTTP API over a ``CompletionBackend``; ``app`` is the ASGI application."""
 
@@ -335,6 +449,7 @@ class OpenAiApi:
         self.settings = settings or ApiSettings()
         self.model_name = self.settings.served_model_name or backend.model_name
         self.created = int(time.time())
+        self.queue = AdmissionQueue(self.settings.max_queued_requests, self.settings.max_queue_wait_s)
         app = FastAPI(title="kvnet node", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(ApiError, self._on_api_error)  # type: ignore[arg-type]
         app.add_exception_handler(StarletteHTTPException, self._on_http_error)  # type: ignore[arg-type]
@@ -393,18 +508,33 @@ class OpenAiApi:
             raise ApiError(413, f"request body larger than {limit} bytes")
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"request body larger than {limit} bytes")
-            chunks.append(chunk)
+        deadline = self.settings.body_timeout_s
+        try:
+            async with asyncio.timeout(deadline):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise ApiError(413, f"request body larger than {limit} bytes")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(408, f"request body not complete within {deadline:g} s",
+                           headers={"Connection": "close"}) from None
+        except ClientDisconnect:
+            client = request.client
+            logger.info("http %s: client left after %d of %s body bytes", _peer(client), size,
+                        declared if declared is not None else "?")
+            raise ApiError(499, "client left while sending the body") from None
         raw = b"".join(chunks)
         if json_depth_exceeds(raw, self.settings.max_json_depth):
             raise ApiError(400, f"JSON nested deeper than {self.settings.max_json_depth} levels")
         try:
-            return json.loads(raw)
+            payload = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"body is not JSON: {exc}") from None
+        where = lone_surrogate_path(payload)
+        if where is not None:
+            raise ApiError(400, f"{where}: a string holds a lone UTF-16 surrogate (not valid Unicode)")
+        return payload
 
     def _parse(self, model: type[_BodyT], payload: Any) -> _BodyT:
         if not isinstance(payload, dict):
@@ -458,6 +588,7 @@ class OpenAiApi:
         return out
 
     async def completions(self, request: Request) -> Response:
+        started = time.perf_counter()
         self._authorize(request)
         body = self._parse(CompletionBody, await self._read_json(request))
         max_tokens = self._max_tokens(body.max_tokens)
@@ -469,9 +600,10 @@ class OpenAiApi:
             for p, ids in enumerate(prompts)
             for i in range(body.n)
         ]
-        return await self._respond(request, body, jobs, max_tokens, chat=False)
+        return await self._respond(request, body, jobs, max_tokens, started, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
+        started = time.perf_counter()
         self._authorize(request)
         body = self._parse(ChatBody, await self._read_json(request))
         if body.max_tokens is not None and body.max_completion_tokens is not None:
@@ -494,19 +626,20 @@ class OpenAiApi:
             raise ApiError(400, str(exc), "messages") from None
         ids = self._check_prompt(ids, max_tokens)
         jobs = [_Job(i, ids, _sampling(body, i)) for i in range(body.n)]
-        return await self._respond(request, body, jobs, max_tokens, chat=True)
+        return await self._respond(request, body, jobs, max_tokens, started, chat=True)
 
-    def _admit(self, jobs: list[_Job], max_tokens: int) -> AdmissionTicket:
+    async def _admit(self, jobs: list[_Job], max_tokens: int) -> QueuedTicket:
         longest = max(len(job.prompt_ids) for job in jobs)
         try:
-            return self.backend.admit(longest, max_tokens, len(jobs))
+            admit = functools.partial(self.backend.admit, longest, max_tokens, len(jobs))
+            return await self.queue.admit(admit)
         except EngineBusyError as exc:
             raise ApiError(503, str(exc), headers={"Retry-After": str(exc.retry_after_s)}) from None
         except RequestTooLargeError as exc:
             raise ApiError(400, str(exc), "max_tokens") from None
 
     async def _run(
-        self, job: _Job, max_tokens: int, stop: list[str], admission: AdmissionTicket,
+        self, job: _Job, max_tokens: int, stop: list[str], admission: QueuedTicket,
         on_delta: Callable[[str], None] | None = None,
     ) -> tuple[GenerationOutcome, TextStream]:
         """Generate one choice; ``on_delta`` gets text as it becomes final (called on the event loop)."""
@@ -523,7 +656,7 @@ class OpenAiApi:
 
         try:
             outcome = await self.backend.generate(
-                job.prompt_ids, max_tokens, job.sampling, on_token, admission
+                job.prompt_ids, max_tokens, job.sampling, on_token, admission.ticket
             )
         except ValueError as exc:  # e.g. the prompt does not fit the model's context
             raise ApiError(400, str(exc)) from None
@@ -540,7 +673,7 @@ class OpenAiApi:
             pass
 
     async def _run_all(
-        self, jobs: list[_Job], max_tokens: int, stop: list[str], admission: AdmissionTicket
+        self, jobs: list[_Job], max_tokens: int, stop: list[str], admission: QueuedTicket
     ) -> list[tuple[GenerationOutcome, TextStream]]:
         try:
             async with asyncio.TaskGroup() as group:  # the choices run together in the batching engine
@@ -550,7 +683,8 @@ class OpenAiApi:
         return [task.result() for task in tasks]
 
     async def _respond(
-        self, request: Request, body: _SamplingFields, jobs: list[_Job], max_tokens: int, *, chat: bool
+        self, request: Request, body: _SamplingFields, jobs: list[_Job], max_tokens: int, started: float, *,
+        chat: bool,
     ) -> Response:
         stop = _stop_strings(body.stop)
         prefix = "chatcmpl" if chat else "cmpl"
@@ -558,11 +692,14 @@ class OpenAiApi:
         created = int(time.time())
         if not body.stream and body.stream_options is not None:
             raise ApiError(400, "stream_options needs stream: true", "stream_options")
-        admission = self._admit(jobs, max_tokens)
+        queued = time.perf_counter()
+        admission = await self._admit(jobs, max_tokens)
+        queue_s = time.perf_counter() - queued
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             events = self._stream(
-                request_id, created, jobs, max_tokens, stop, admission, chat=chat, usage=include_usage
+                request_id, created, jobs, max_tokens, stop, admission, chat=chat, usage=include_usage,
+                timing=(started, queue_s),
             )
             # The generator releases the admission when it ends; the background task covers a client that
             # left before the body was started.
@@ -613,8 +750,9 @@ class OpenAiApi:
 
     async def _stream(
         self, request_id: str, created: int, jobs: list[_Job], max_tokens: int, stop: list[str],
-        admission: AdmissionTicket, *, chat: bool, usage: bool,
+        admission: QueuedTicket, *, chat: bool, usage: bool, timing: tuple[float, float],
     ) -> AsyncIterator[str]:
+        """The SSE events of a streamed answer; ``timing`` is (when the request started, seconds queued)."""
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
@@ -681,6 +819,10 @@ class OpenAiApi:
         yield "data: [DONE]\n\n"
 
 
+def _peer(client: Any) -> str:
+    return f"{client.host}:{client.port}" if client else "?"
+
+
 def _put_tagged(queue: asyncio.Queue[tuple[int, str]], index: int, text: str) -> None:
     queue.put_nowait((index, text))
 
@@ -693,7 +835,7 @@ def bind_http(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(128)
+        sock.listen(1024)  # a burst waits in the kernel's queue rather than in SYN retries
         sock.setblocking(False)
     except OSError:
         sock.close()
@@ -704,21 +846,25 @@ def bind_http(host: str, port: int) -> socket.socket:
 class HttpServer:
     """uvicorn serving an ASGI app on a bound socket inside the running event loop."""
 
-    def __init__(self, server: uvicorn.Server, task: asyncio.Task[None], sock: socket.socket) -> None:
+    def __init__(
+        self, server: uvicorn.Server, task: asyncio.Task[None], sock: socket.socket, guard: ConnectionGuard
+    ) -> None:
         self._server = server
         self._task = task
+        self.guard = guard
         self.host, self.port = sock.getsockname()[:2]
 
     @classmethod
     async def start(
-        cls, app: Any, sock: socket.socket, *, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-        access_log: bool = True,
+        cls, app: Any, sock: socket.socket, *, limits: HttpLimits | None = None, access_log: bool = True,
     ) -> HttpServer:
-        """Serve ``app`` on ``sock``; returns once it listens. ``max_connections`` caps concurrent
-        connections and requests (uvicorn answers 503 past it)."""
+        """Serve ``app`` on ``sock``; returns once it listens. ``limits`` bound connections and how long a
+        client may take (``kvnet.node.httpguard``); ``guard.stats`` counts what they did."""
+        limits = limits or HttpLimits()
+        guard = ConnectionGuard(limits)
         config = uvicorn.Config(
-            app, log_config=None, access_log=access_log, limit_concurrency=max_connections,
-            timeout_keep_alive=30, h11_max_incomplete_event_size=16 * 1024, lifespan="off",
+            app, log_config=None, access_log=access_log, http=guarded_protocol(guard),
+            timeout_keep_alive=limits.idle_timeout_s, h11_max_incomplete_event_size=16 * 1024, lifespan="off",
         )
         if access_log:
             # uvicorn's access_log=False turns the access logger's propagation off for the whole process,
@@ -732,7 +878,12 @@ class HttpServer:
                 task.result()
                 raise OSError("HTTP server stopped while starting")
             await asyncio.sleep(0.01)
-        return cls(server, task, sock)
+        return cls(server, task, sock, guard)
+
+    @property
+    def requests_in_progress(self) -> int:
+        """Requests whose handler is running (uvicorn's tasks)."""
+        return len(self._server.server_state.tasks)
 
     async def stop(self) -> None:
         """Stop accepting, let requests in flight finish (uvicorn's graceful shutdown), then return."""

@@ -2,8 +2,9 @@
 
 Owns: the metric families, their HELP text, units (seconds, bytes) and labels (``model``, ``tenant``).
 Latency histograms are observed from each request's report; counters and gauges that other objects own
-(the node's counters, the cache, the block store, the ABR estimates, the publisher's stats) are read at
-scrape time by a collector, so they can never drift from their source.
+(the node's counters, the cache, the block store, the ABR estimates, the publisher's stats, the HTTP
+server's connections and admission queue) are read at scrape time by collectors, so they can never drift
+from their source.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvnet.node.httpapi import AdmissionQueue
+from kvnet.node.httpguard import ConnectionStats
 from kvnet.node.node import Node
 from kvnet.node.reports import RequestReport
 
@@ -91,7 +94,7 @@ class _NodeCollector(Collector):
                           engine.admission.requests_in_flight)
         yield self._gauge("kvnet_engine_reserved_blocks", "KV blocks reserved by admitted requests.",
                           engine.admission.reserved_blocks)
-        yield self._counter("kvnet_engine_refused_requests", "Requests refused as busy (HTTP 503).",
+        yield self._counter("kvnet_engine_refused_requests", "Admission attempts refused as busy.",
                             engine.admission.refused)
         yield self._gauge("kvnet_store_bytes", "Encoded bytes in the publisher block store.",
                           node.store.nbytes)
@@ -120,6 +123,40 @@ class _NodeCollector(Collector):
             yield self._counter(f"kvnet_publisher_{key}", help_text, float(stats_now.get(key, 0)))
 
 
+class _HttpCollector(Collector):
+    """The HTTP server's connection counts and the API's admission queue, read at scrape time."""
+
+    def __init__(self, stats: ConnectionStats, queue: AdmissionQueue, label_values: list[str]) -> None:
+        self._stats = stats
+        self._queue = queue
+        self._labels = label_values
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        def family(kind: type[CounterMetricFamily | GaugeMetricFamily], name: str, help_text: str,
+                   value: float) -> CounterMetricFamily | GaugeMetricFamily:
+            metric = kind(name, help_text, labels=LABELS)
+            metric.add_metric(self._labels, value)
+            return metric
+
+        s = self._stats
+        yield family(GaugeMetricFamily, "kvnet_http_connections", "HTTP connections open.", s.open)
+        yield family(CounterMetricFamily, "kvnet_http_evicted_connections",
+                     "Idle HTTP connections closed (answered 503) to serve a request.", s.evicted)
+        yield family(CounterMetricFamily, "kvnet_http_busy_connection_refusals",
+                     "Requests answered 503 because every served HTTP connection was busy.", s.refused)
+        yield family(CounterMetricFamily, "kvnet_http_turned_away_connections",
+                     "HTTP connections answered 503 on arrival, unread: past both connection bounds.",
+                     s.turned_away)
+        yield family(CounterMetricFamily, "kvnet_http_reset_connections",
+                     "HTTP connections reset on arrival: past both bounds, too many answers draining.",
+                     s.reset)
+        yield family(CounterMetricFamily, "kvnet_http_head_timeouts",
+                     "HTTP connections closed (408) because a request head came too slowly.", s.head_timeouts)
+        yield family(GaugeMetricFamily, "kvnet_http_queued_requests",
+                     "Requests waiting for admission (a free KV reservation or sequence slot).",
+                     self._queue.waiting)
+
+
 class NodeMetrics:
     """The node's metric registry: request latency histograms plus the scrape-time collector."""
 
@@ -135,6 +172,10 @@ class NodeMetrics:
         self.fetch = histogram("kvnet_fetch_seconds", "Fetching, verifying and loading located blocks.")
         self.prefill = histogram("kvnet_prefill_seconds", "Prefilling the prompt tokens not reused.")
         self.registry.register(_NodeCollector(node, self._labels))
+
+    def watch_http(self, stats: ConnectionStats, queue: AdmissionQueue) -> None:
+        """Export the HTTP server's connection counts and the API's admission queue."""
+        self.registry.register(_HttpCollector(stats, queue, self._labels))
 
     def observe(self, report: RequestReport) -> None:
         """Record one answered request's phase times (locate and fetch only when they happened)."""

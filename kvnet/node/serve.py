@@ -36,6 +36,7 @@ from kvnet.node.httpapi import (
     OpenAiApi,
     bind_http,
 )
+from kvnet.node.httpguard import HttpLimits
 from kvnet.node.metrics import NodeMetrics
 from kvnet.node.node import Node, NodeStartError, start_node
 from kvnet.progress import Progress
@@ -53,8 +54,8 @@ class ServeConfig:
     http_port: int = 8000
     publish: bool = True
     api: ApiSettings = field(default_factory=ApiSettings)
-    max_connections: int = DEFAULT_MAX_CONNECTIONS
-    """Concurrent HTTP connections and requests; past it the server answers 503."""
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
+    """HTTP connections served at once and client deadlines (``kvnet.node.httpguard``)."""
 
 
 class ConfigError(Exception):
@@ -140,8 +141,10 @@ async def serve(config: ServeConfig) -> int:
     except NodeStartError as exc:
         sock.close()
         raise ConfigError(str(exc)) from None
-    api = OpenAiApi(NodeBackend(node, config.publish), config.api)
-    server = await HttpServer.start(api.app, sock, max_connections=config.max_connections)
+    backend = NodeBackend(node, config.publish)
+    api = OpenAiApi(backend, config.api)
+    server = await HttpServer.start(api.app, sock, limits=config.http_limits)
+    backend.metrics.watch_http(server.guard.stats, api.queue)
     logger.info("serving http://%s:%d (model %s)", server.host, server.port, api.model_name)
     print(f"READY http://{server.host}:{server.port}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
@@ -174,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
         "keeps it out of the process list)",
     )
     p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                   help="concurrent HTTP connections before answering 503")
+                   help="HTTP connections served at once; past it, idle ones are closed first and requests "
+                   "wait in a bounded queue before a 503")
     add_node_arguments(p, relay_required=False)
     return p
 
@@ -185,6 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         node_cfg = node_config_from_cli(args, os.environ.get("KVNET_HOME"), default_models_dir(os.environ))
         api = ApiSettings(served_model_name=args.served_model_name, api_key=args.api_key)
+        limits = HttpLimits(max_connections=args.max_connections)
     except (ValueError, OSError) as exc:
         print(f"kvnet-node: error: {exc}", file=sys.stderr)
         return 2
@@ -192,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return asyncio.run(serve(ServeConfig(node=node_cfg, http_host=host, http_port=port,
                                              publish=not args.no_publish, api=api,
-                                             max_connections=args.max_connections)))
+                                             http_limits=limits)))
     except ConfigError as exc:
         print(f"kvnet-node: error: {exc}", file=sys.stderr)
         return 2

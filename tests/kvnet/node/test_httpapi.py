@@ -9,6 +9,7 @@ import json
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvnet.model.generate import generate_reference
 from kvnet.model.transformer import Transformer
 from kvnet.node.httpapi import ApiSettings, HttpServer, OpenAiApi, TextStream, bind_http, json_depth_exceeds
+from kvnet.node.httpguard import HttpLimits
 from kvnet.node.node import Node, NodeConfig
 from kvnet.node.serve import NodeBackend
 from tests.helpers.waiting import async_wait_until
@@ -28,17 +30,38 @@ MODEL = "tiny-served"
 API_KEY = "test-key"
 
 
+@dataclass
+class Served:
+    """A node behind the API, as ``kvnet-node`` serves it."""
+
+    url: str
+    node: Node
+    api: OpenAiApi
+    server: HttpServer
+
+
 @contextlib.asynccontextmanager
-async def serving(config: NodeConfig) -> AsyncIterator[tuple[str, Node]]:
-    """A tiny-model node behind the API on a free loopback port: (base URL, node)."""
+async def serving_all(
+    config: NodeConfig, limits: HttpLimits | None = None, **api_settings: Any
+) -> AsyncIterator[Served]:
+    """A tiny-model node behind the API on a free loopback port (``api_settings`` go to ``ApiSettings``)."""
     node = Node(config, Transformer.from_name("tiny", device=torch.device("cpu")))
-    api = OpenAiApi(NodeBackend(node, publish=False), ApiSettings(served_model_name=MODEL, api_key=API_KEY))
-    server = await HttpServer.start(api.app, bind_http("127.0.0.1", 0), access_log=False)
+    backend = NodeBackend(node, publish=False)
+    api = OpenAiApi(backend, ApiSettings(served_model_name=MODEL, api_key=API_KEY, **api_settings))
+    server = await HttpServer.start(api.app, bind_http("127.0.0.1", 0), limits=limits, access_log=False)
+    backend.metrics.watch_http(server.guard.stats, api.queue)
     try:
-        yield f"http://127.0.0.1:{server.port}", node
+        yield Served(f"http://127.0.0.1:{server.port}", node, api, server)
     finally:
         await server.stop()
         await node.close()
+
+
+@contextlib.asynccontextmanager
+async def serving(config: NodeConfig, **api_settings: Any) -> AsyncIterator[tuple[str, Node]]:
+    """``serving_all``'s (base URL, node)."""
+    async with serving_all(config, **api_settings) as served:
+        yield served.url, served.node
 
 
 @pytest.fixture
@@ -300,7 +323,7 @@ def _assert_busy(status: int, body: Any, headers: Any, reason: str) -> None:
 
 async def test_full_running_set_is_503_with_retry_after_until_clients_leave() -> None:
     config = NodeConfig(model="tiny", block_size=16, cache_blocks=512, max_running_sequences=2)
-    async with serving(config) as (url, node):
+    async with serving(config, max_queued_requests=0) as (url, node):  # refused at once, not queued
         client = _client(url)
         held = await _hold_streams(client, 2, "Hold the line")
         # The official client sees a 503 with Retry-After (max_retries=0, so it does not retry itself).
@@ -333,7 +356,7 @@ async def test_full_running_set_is_503_with_retry_after_until_clients_leave() ->
 async def test_full_kv_pool_is_503_and_a_request_larger_than_the_pool_is_400() -> None:
     # 16 blocks of 16 tokens: one held request reserves ceil((prompt + 200) / 16) of them.
     config = NodeConfig(model="tiny", block_size=16, cache_blocks=16, max_running_sequences=8)
-    async with serving(config) as (url, node):
+    async with serving(config, max_queued_requests=0) as (url, node):
         client = _client(url)
         stream = await client.completions.create(
             model=MODEL, prompt="Hold the pool", max_tokens=200, temperature=0, stream=True
@@ -381,4 +404,5 @@ async def test_a_client_leaving_a_non_streaming_request_ends_its_generation() ->
         admission = node.engine.admission
         await async_wait_until(lambda: admission.requests_in_flight == 0, "its generation ended")
         assert node.counters.requests == 0  # cancelled, never answered
-        assert node.cache.stats().num_sequences == 0
+        # (the engine's worker frees the cancelled sequence on its next step, after the admission is released)
+        await async_wait_until(lambda: node.cache.stats().num_sequences == 0, "its sequence freed")
