@@ -4,10 +4,11 @@ relay (``--upstream``), ``--runs`` times each way.
 Per run, for the way the origin stops (``sigterm``: GOAWAY then drain; ``sigkill``: silence, noticed by
 keep-alive loss after the node's ``--relay-idle-timeout`` and the edge's ``--upstream-idle-timeout``):
 
-- ``noticed``: from the signal until the node's ``/ready`` answers 503 and the edge's
+- ``noticed``: from the signal until the node's ``/health`` says ``relay_connected: false`` and the edge's
   ``kvnet_relay_upstreams_connected`` gauge is 0 (both have left the dead session);
-- ``back``: from the restarted origin logging ``listening`` until the node's ``/ready`` answers 200 and the
-  edge's gauge is 1 again (both reconnected; bounded by the backoff cap, 5 s, plus a handshake).
+- ``back``: from the restarted origin logging ``listening`` until the node's ``/health`` says it is
+  connected and the edge's gauge is 1 again (both reconnected; bounded by the backoff cap, 5 s, plus a
+  handshake).
 
 Medians over the runs, the load average printed with each figure. Real processes on loopback.
 
@@ -17,6 +18,7 @@ Medians over the runs, the load average printed with each figure. Real processes
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -42,12 +44,10 @@ WAIT_S = 120.0
 """Deadline of any one wait (a stuck step fails the run instead of hanging it)."""
 
 
-def _ready_status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(f"{url}/ready", timeout=10) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as exc:
-        return exc.code
+def _relay_connected(url: str) -> bool:
+    """The node's ``/health`` ``relay_connected`` (``/ready`` stays 200 without a relay: the node serves)."""
+    with urllib.request.urlopen(f"{url}/health", timeout=10) as resp:
+        return bool(json.loads(resp.read())["relay_connected"])
 
 
 def _upstreams(edge: RelayProcess) -> float:
@@ -81,16 +81,16 @@ def measure(runs: int, way: str, work: Path, certs: CertDir) -> dict[str, list[f
     noticed: list[float] = []
     back: list[float] = []
     try:
-        _until(lambda: _ready_status_safe(node_url) == 200 and _upstreams(edge) == 1, "first sessions")
+        _until(lambda: _relay_connected_safe(node_url) and _upstreams(edge) == 1, "first sessions")
         for run in range(runs):
             stopped = time.monotonic()
             origin.proc.send_signal(signal.SIGTERM if way == "sigterm" else signal.SIGKILL)
-            left = _until(lambda: _ready_status(node_url) == 503 and _upstreams(edge) == 0, "session left")
+            left = _until(lambda: not _relay_connected(node_url) and _upstreams(edge) == 0, "session left")
             noticed.append(left - stopped)
             origin.proc.wait(timeout=WAIT_S)
             origin = start_relay(certs, work, port=origin_port, log_level="info", name=f"origin-{way}-{run}")
             listening = time.monotonic()
-            joined = _until(lambda: _ready_status(node_url) == 200 and _upstreams(edge) == 1, "reconnected")
+            joined = _until(lambda: _relay_connected(node_url) and _upstreams(edge) == 1, "reconnected")
             back.append(joined - listening)
     finally:
         node.terminate()
@@ -100,12 +100,12 @@ def measure(runs: int, way: str, work: Path, certs: CertDir) -> dict[str, list[f
     return {"noticed": noticed, "back": back}
 
 
-def _ready_status_safe(url: str) -> int:
-    """``/ready``'s status, or 0 while the node is not serving HTTP yet."""
+def _relay_connected_safe(url: str) -> bool:
+    """``_relay_connected``, or False while the node is not serving HTTP yet."""
     try:
-        return _ready_status(url)
+        return _relay_connected(url)
     except OSError:
-        return 0
+        return False
 
 
 def main() -> int:

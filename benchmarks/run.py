@@ -266,9 +266,10 @@ def suite_lifecycle(res: common.SuiteResult, quick: bool) -> None:
         for way in ("sigterm", "sigkill"):
             times = br.measure(runs, way, work, certs)
             res.add(f"origin {way}: node and edge off the dead session", times["noticed"], "s",
-                    "signal -> node /ready 503 and edge upstreams_connected 0")
+                    "signal -> node /health relay_connected false and edge upstreams_connected 0")
             res.add(f"origin {way}: node and edge back on the restarted origin", times["back"], "s",
-                    "origin listening -> node /ready 200 and edge upstreams_connected 1 (backoff cap 5 s)")
+                    "origin listening -> node /health relay_connected and edge upstreams_connected 1 "
+                    "(backoff cap 5 s)")
 
 
 def suite_quality(res: common.SuiteResult, quick: bool) -> None:

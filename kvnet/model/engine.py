@@ -183,6 +183,11 @@ class BatchEngine:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def serving(self) -> bool:
+        """True while the worker thread runs and the engine takes sequences (until `close`)."""
+        return not self._closed and self._thread.is_alive()
+
     def admit(self, prompt_tokens: int, max_new_tokens: int, sequences: int = 1) -> Admission:
         """`KvAdmission.admit` on this engine's pool."""
         return self.admission.admit(prompt_tokens, max_new_tokens, sequences)

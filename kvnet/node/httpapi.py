@@ -7,8 +7,8 @@ probe routes. Routes:
   ``top_p``, ``seed``, ``stop``, ``n``; text or token-id prompts; any other parameter is a 400). Besides
   the OpenAI fields, ``usage.prompt_tokens_details`` carries ``cached_tokens`` split into
   ``local_cached_tokens`` and ``remote_cached_tokens``, and ``kvnet`` holds each choice's request report.
-- ``GET /v1/models``; ``GET /health`` (liveness: the process answers); ``GET /ready`` (readiness: 503 while
-  a configured relay has no session); ``GET /metrics`` (Prometheus text exposition).
+- ``GET /v1/models``; ``GET /health`` (liveness: the process answers); ``GET /ready`` (readiness: the
+  node serves requests; the backend says why not); ``GET /metrics`` (Prometheus text exposition).
 
 It knows nothing about the model or the network beyond the ``CompletionBackend`` protocol. Every bad request
 is a 4xx with a one-line message, never a 500: bodies are size-capped, must arrive within a deadline, their

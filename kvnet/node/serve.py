@@ -71,6 +71,8 @@ class NodeBackend:
         self.model_name = node.model_name
         self.max_context_tokens = node.model.args.max_seq_len
         self.metrics = NodeMetrics(node)
+        self.draining = False
+        """Set when the node starts shutting down: /ready turns 503 so a load balancer stops sending."""
 
     def encode_text(self, text: str) -> list[int]:
         return self.node.encode_prompt(text)
@@ -117,10 +119,12 @@ class NodeBackend:
         return self.node.health()
 
     def readiness(self) -> tuple[bool, str]:
-        if self.node.config.relay_url is None:
-            return True, ""
-        if self.node.peer is None or not self.node.peer.connected:
-            return False, f"no session with relay {self.node.config.relay_url}"
+        """Ready while requests are served. Without its relay a node still serves (it recomputes what it
+        cannot fetch), so relay state is in /health and kvnet_relay_connected, not here."""
+        if self.draining:
+            return False, "shutting down"
+        if not self.node.engine.serving:
+            return False, "the batching engine stopped"
         return True, ""
 
     def metrics_exposition(self) -> bytes:
@@ -155,6 +159,7 @@ async def serve(config: ServeConfig) -> int:
     try:
         await stop.wait()
     finally:
+        backend.draining = True
         await server.stop()
         await node.close()
     return 0

@@ -2,10 +2,11 @@
 restarted under them.
 
 Every time the nodes (and an edge relay in front of the restarted origin) reconnect on their own (capped
-backoff, ``kvnet.net.reconnect``), ``/ready`` is 503 while a node has no session, a request served
-meanwhile says so in its report, and the next request after the reconnect reuses a prefix published
-through the new relay: one published after the restart, or one published before it that the publishing
-node pushed again into the restarted, empty relay."""
+backoff, ``kvnet.net.reconnect``), ``/health`` says when a node has no session while ``/ready`` stays 200
+(the node still serves, by recompute), a request served meanwhile says so in its report, and the next
+request after the reconnect reuses a prefix published through the new relay: one published after the
+restart, or one published before it that the publishing node pushed again into the restarted, empty
+relay."""
 
 from __future__ import annotations
 
@@ -42,8 +43,12 @@ def _metric(url: str, name: str) -> float:
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
-def _all_ready(*urls: str) -> bool:
-    return all(_status(f"{u}/ready") == 200 for u in urls)
+def _connected(url: str) -> bool:
+    return bool(http_json(f"{url}/health")["relay_connected"])
+
+
+def _all_connected(*urls: str) -> bool:
+    return all(_connected(u) for u in urls)
 
 
 def _publish_then_fetch(url_a: str, url_b: str, prefix: str) -> dict[str, object]:
@@ -82,15 +87,16 @@ def test_node_started_before_relay_and_relay_restarted(kv_cluster: Cluster) -> N
     kv_cluster.wait_http_node(node_a)
     kv_cluster.wait_http_node(node_b)
 
-    # No relay yet: alive but not ready, and a request served now says it had no relay.
-    assert _status(f"{url_b}/health") == 200
-    assert _status(f"{url_b}/ready") == 503
+    # No relay yet: alive and ready (it serves by recompute); a request served now says it had no relay.
+    assert _status(f"{url_b}/health") == 200 and not _connected(url_b)
+    assert _status(f"{url_b}/ready") == 200
+    assert _metric(url_b, "kvnet_relay_connected") == 0
     offline = http_json(f"{url_b}/v1/completions", {"prompt": "offline " * 4, "max_tokens": 1})
     assert offline["kvnet"]["relay_connected"] is False, offline["kvnet"]
     assert any("relay not connected" in f for f in offline["kvnet"]["fallback"])
 
     relay = kv_cluster.start_relay()
-    wait_until(lambda: _all_ready(url_a, url_b), "both nodes connected to the late relay",
+    wait_until(lambda: _all_connected(url_a, url_b), "both nodes connected to the late relay",
                timeout=RECONNECT_TIMEOUT)
     shared = (len(SHARED_PREFIX) + 2) // B * B
     answer = _publish_then_fetch(url_a, url_b, SHARED_PREFIX)
@@ -98,9 +104,11 @@ def test_node_started_before_relay_and_relay_restarted(kv_cluster: Cluster) -> N
 
     # Restart the relay under the running nodes.
     kv_cluster.kill(relay, signal.SIGTERM)
-    wait_until(lambda: _status(f"{url_b}/ready") == 503, "node B noticed the relay left", timeout=60)
+    wait_until(lambda: not _connected(url_b), "node B noticed the relay left", timeout=60)
+    assert _status(f"{url_b}/ready") == 200  # a load balancer keeps the node through the relay outage
+    assert _metric(url_b, "kvnet_relay_connected") == 0
     kv_cluster.start_relay()
-    wait_until(lambda: _all_ready(url_a, url_b), "both nodes reconnected to the restarted relay",
+    wait_until(lambda: _all_connected(url_a, url_b), "both nodes reconnected to the restarted relay",
                timeout=RECONNECT_TIMEOUT)
     prefix = "Second document after the relay restarted. " * 3
     again = _publish_then_fetch(url_a, url_b, prefix)
@@ -139,7 +147,7 @@ def test_origin_restarted_under_a_node_and_an_edge(kv_cluster: Cluster) -> None:
         node_b, url_b = c.start_http_node("--abr", "fetch", "--relay", edge.url)
         c.wait_http_node(node_a)
         c.wait_http_node(node_b)
-        wait_until(lambda: _all_ready(url_a, url_b), "both nodes connected", timeout=RECONNECT_TIMEOUT)
+        wait_until(lambda: _all_connected(url_a, url_b), "both nodes connected", timeout=RECONNECT_TIMEOUT)
         wait_until(lambda: _edge_metric(edge, "kvnet_relay_upstreams_connected") == 1, "edge connected")
 
         # Before the restart: a remote hit through edge and origin, and a second prefix B never asks for.
@@ -154,14 +162,14 @@ def test_origin_restarted_under_a_node_and_an_edge(kv_cluster: Cluster) -> None:
                    >= pushed_before + first["kvnet"]["published_blocks"], "node A pushed the second prefix")
 
         c.kill(origin, signal.SIGTERM)
-        wait_until(lambda: _status(f"{url_a}/ready") == 503, "node A noticed the origin left", timeout=60)
+        wait_until(lambda: not _connected(url_a), "node A noticed the origin left", timeout=60)
         wait_until(lambda: _edge_metric(edge, "kvnet_relay_upstreams_connected") == 0,
                    "the edge noticed the origin left", timeout=60)
         # Served meanwhile: A says it had no relay; B (its edge is up) gets a prompt answer, not a hang.
         offline = http_json(f"{url_a}/v1/completions", {"prompt": "while the relay is away " * 3, **greedy})
         assert offline["kvnet"]["relay_connected"] is False, offline["kvnet"]
         assert any("relay not connected" in f for f in offline["kvnet"]["fallback"]), offline["kvnet"]
-        assert _status(f"{url_b}/ready") == 200
+        assert _connected(url_b) and _status(f"{url_a}/ready") == 200
         during = http_json(f"{url_b}/v1/completions", {"prompt": "Nothing published: " * 4, **greedy})
         assert during["usage"]["prompt_tokens_details"]["remote_cached_tokens"] == 0, during
         # ... and its report says the edge could not ask upstream, not merely that nothing was found.
@@ -170,7 +178,7 @@ def test_origin_restarted_under_a_node_and_an_edge(kv_cluster: Cluster) -> None:
 
         sessions_before = _edge_metric(edge, "kvnet_relay_upstream_sessions_total")
         c.start_relay()  # same port, empty cache
-        wait_until(lambda: _all_ready(url_a, url_b), "node A reconnected to the restarted origin",
+        wait_until(lambda: _all_connected(url_a, url_b), "node A reconnected to the restarted origin",
                    timeout=RECONNECT_TIMEOUT)
         wait_until(lambda: _edge_metric(edge, "kvnet_relay_upstreams_connected") == 1
                    and _edge_metric(edge, "kvnet_relay_upstream_sessions_total") > sessions_before,
@@ -198,12 +206,12 @@ def test_relay_killed_under_a_node_is_noticed_by_keepalive_loss(kv_cluster: Clus
     relay = c.start_relay()
     node, url = c.start_http_node("--relay-idle-timeout", "2")
     c.wait_http_node(node)
-    wait_until(lambda: _all_ready(url), "node connected", timeout=RECONNECT_TIMEOUT)
+    wait_until(lambda: _all_connected(url), "node connected", timeout=RECONNECT_TIMEOUT)
     c.kill(relay, signal.SIGKILL)
     # Generous for a loaded machine, yet below the 15 s a default QUIC idle timeout alone would take.
-    wait_until(lambda: _status(f"{url}/ready") == 503, "node noticed the killed relay", timeout=10)
+    wait_until(lambda: not _connected(url), "node noticed the killed relay", timeout=10)
     c.start_relay()
-    wait_until(lambda: _all_ready(url), "node reconnected", timeout=RECONNECT_TIMEOUT)
+    wait_until(lambda: _all_connected(url), "node reconnected", timeout=RECONNECT_TIMEOUT)
     assert _metric(url, "kvnet_relay_sessions_total") >= 2
 
 
@@ -219,7 +227,7 @@ def test_goaway_naming_another_relay_moves_node_and_edge_there_at_once(kv_cluste
     try:
         node, url = c.start_http_node()
         c.wait_http_node(node)
-        wait_until(lambda: _all_ready(url), "node connected", timeout=RECONNECT_TIMEOUT)
+        wait_until(lambda: _all_connected(url), "node connected", timeout=RECONNECT_TIMEOUT)
         wait_until(lambda: _edge_metric(edge, "kvnet_relay_upstreams_connected") == 1, "edge connected")
         assert standby.metrics().get("kvnet_relay_sessions", 0) == 0
 
@@ -228,7 +236,7 @@ def test_goaway_naming_another_relay_moves_node_and_edge_there_at_once(kv_cluste
                    "node and edge on the standby relay", timeout=RECONNECT_TIMEOUT)
         assert old.poll() is None, "relay A is still draining"
         assert _edge_metric(edge, "kvnet_relay_upstreams_connected") == 1
-        assert _status(f"{url}/ready") == 200
+        assert _connected(url) and _status(f"{url}/ready") == 200
         assert "moving to " + standby.url in c.log_of(node)
     finally:
         edge.stop()

@@ -206,6 +206,16 @@ async def test_api_key_probes_and_metrics(node_url: tuple[str, Node]) -> None:
     assert status == 404 and answer["error"]["message"]
 
 
+async def test_ready_while_the_engine_serves_and_503_once_it_stopped() -> None:
+    # (relay state is not readiness: tests/nodes/test_reconnect.py has /ready 200 through a relay outage)
+    async with serving(NodeConfig(model="tiny", block_size=16, cache_blocks=64)) as (url, node):
+        assert await asyncio.to_thread(_http, f"{url}/ready") == (200, {"status": "ready"})
+        await asyncio.to_thread(node.engine.close)
+        status, answer = await asyncio.to_thread(_http, f"{url}/ready")
+        assert (status, answer["reason"]) == (503, "the batching engine stopped")
+        assert (await asyncio.to_thread(_http, f"{url}/health"))[0] == 200
+
+
 async def test_metrics_parse_and_every_family_has_help_and_type(node_url: tuple[str, Node]) -> None:
     url, node = node_url
     await _client(url).completions.create(model=MODEL, prompt="metrics " * 8, max_tokens=2, temperature=0)
