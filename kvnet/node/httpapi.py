@@ -139,6 +139,11 @@ class CompletionBackend(Protocol):
 
     def metrics_exposition(self) -> bytes: ...
 
+    def observe_request(self, latency_s: float, queue_s: float) -> None:
+        """One answered request: seconds from its head to its last byte, and of those, waiting to be
+        admitted."""
+        ...
+
 
 @dataclass(frozen=True)
 class ApiSettings:
@@ -746,7 +751,9 @@ class OpenAiApi:
         }
         if len(outcomes) > 1:
             out["kvnet_choices"] = [o.report for o in outcomes]
-        return JSONResponse(out)
+        response = JSONResponse(out)
+        self.backend.observe_request(time.perf_counter() - started, queue_s)
+        return response
 
     async def _stream(
         self, request_id: str, created: int, jobs: list[_Job], max_tokens: int, stop: list[str],
@@ -814,6 +821,8 @@ class OpenAiApi:
             if usage:
                 prompt_tokens = sum(len(j.prompt_ids) for j in jobs if j.index % max(len(jobs), 1) == 0)
                 yield chunk([], usage=_usage(outcomes, prompt_tokens))
+            started, queue_s = timing
+            self.backend.observe_request(time.perf_counter() - started, queue_s)
         finally:
             admission.release()
         yield "data: [DONE]\n\n"

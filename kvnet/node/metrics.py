@@ -1,10 +1,10 @@
 """A node's Prometheus metrics (``prometheus_client``), served on the HTTP API's ``GET /metrics``.
 
 Owns: the metric families, their HELP text, units (seconds, bytes) and labels (``model``, ``tenant``).
-Latency histograms are observed from each request's report; counters and gauges that other objects own
-(the node's counters, the cache, the block store, the ABR estimates, the publisher's stats, the HTTP
-server's connections and admission queue) are read at scrape time by collectors, so they can never drift
-from their source.
+Latency histograms are observed from each request's report and, for the whole request and its wait for
+admission, from the HTTP API; counters and gauges that other objects own (the node's counters, the cache,
+the block store, the ABR estimates, the publisher's stats, the HTTP server's connections and admission queue)
+are read at scrape time by collectors, so they can never drift from their source.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ LABELS = ("model", "tenant")
 
 # Seconds: a locate is a round trip or two, a fetch and a prefill up to seconds on a CPU.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Seconds per output token: a decode step of a small model on a GPU to a large one on a CPU.
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 _COUNTER_HELP = {
     "requests": ("requests", "Completions answered."),
@@ -171,17 +173,34 @@ class NodeMetrics:
         self.locate = histogram("kvnet_locate_seconds", "Locating a prompt's prefix blocks at the relay.")
         self.fetch = histogram("kvnet_fetch_seconds", "Fetching, verifying and loading located blocks.")
         self.prefill = histogram("kvnet_prefill_seconds", "Prefilling the prompt tokens not reused.")
+        self.request = histogram(
+            "kvnet_request_duration_seconds",
+            "End-to-end latency of an answered completion: request head received to last byte sent.")
+        self.queue = histogram(
+            "kvnet_request_queue_seconds", "Time an answered completion waited for admission to the engine.")
+        self.per_token = Histogram(
+            "kvnet_time_per_output_token_seconds",
+            "Decode time per output token after the first ((last token - first token) / (tokens - 1)).",
+            LABELS, buckets=_TOKEN_BUCKETS, registry=self.registry)
         self.registry.register(_NodeCollector(node, self._labels))
 
     def watch_http(self, stats: ConnectionStats, queue: AdmissionQueue) -> None:
         """Export the HTTP server's connection counts and the API's admission queue."""
         self.registry.register(_HttpCollector(stats, queue, self._labels))
 
+    def observe_request(self, latency_s: float, queue_s: float) -> None:
+        """One answered HTTP request: its whole latency and its wait for admission."""
+        self.request.labels(*self._labels).observe(latency_s)
+        self.queue.labels(*self._labels).observe(queue_s)
+
     def observe(self, report: RequestReport) -> None:
         """Record one answered request's phase times (locate and fetch only when they happened)."""
         t = report.timings
         self.ttft.labels(*self._labels).observe(t.ttft_s)
         self.prefill.labels(*self._labels).observe(t.prefill_s)
+        tokens = len(report.output_token_ids)
+        if tokens > 1:  # the first token's time is TTFT; the rest are decode steps
+            self.per_token.labels(*self._labels).observe(max(t.total_s - t.ttft_s, 0.0) / (tokens - 1))
         if report.locate or t.locate_s > 0:
             self.locate.labels(*self._labels).observe(t.locate_s)
         if report.bytes_fetched > 0 or t.fetch_s > 0:

@@ -130,6 +130,9 @@ class NodeBackend:
     def metrics_exposition(self) -> bytes:
         return self.metrics.exposition()
 
+    def observe_request(self, latency_s: float, queue_s: float) -> None:
+        self.metrics.observe_request(latency_s, queue_s)
+
 
 async def serve(config: ServeConfig) -> int:
     try:

@@ -237,6 +237,37 @@ async def test_metrics_parse_and_every_family_has_help_and_type(node_url: tuple[
     assert families["kvnet_relay_connected"].samples[0].value == 0
 
 
+def _histogram(url: str, name: str) -> tuple[float, float]:
+    """(count, sum) of the histogram ``name`` (one model and tenant, so one series)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=60) as resp:
+        text = resp.read().decode()
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == name]
+    assert family.type == "histogram" and family.documentation, family
+    values = {s.name.removeprefix(name): s.value for s in family.samples if not s.name.endswith("_bucket")}
+    return values.get("_count", 0.0), values.get("_sum", 0.0)  # no series before the first observation
+
+
+async def test_request_latency_queue_time_and_time_per_output_token_histograms_move(
+    node_url: tuple[str, Node],
+) -> None:
+    url, _ = node_url
+    names = ("kvnet_request_duration_seconds", "kvnet_request_queue_seconds",
+             "kvnet_time_per_output_token_seconds")
+    for name in names:
+        assert await asyncio.to_thread(_histogram, url, name) == (0, 0), name
+    client = _client(url)
+    done = await client.completions.create(model=MODEL, prompt="Hold the line 0", max_tokens=8, temperature=0)
+    assert done.usage is not None and done.usage.completion_tokens == 8  # no EOS on this prompt
+    streamed = await client.completions.create(
+        model=MODEL, prompt="Hold the line 1", max_tokens=8, temperature=0, stream=True
+    )
+    assert len([c async for c in streamed]) > 1
+    latency, queue, per_token = [await asyncio.to_thread(_histogram, url, name) for name in names]
+    assert latency[0] == 2 and latency[1] > 0  # streamed or not, each answered request counts once
+    assert queue[0] == 2 and 0 <= queue[1] < latency[1]  # nobody waited long: the engine was free
+    assert per_token[0] == 2 and per_token[1] > 0
+
+
 async def test_oversized_body_is_413_before_it_is_read(node_url: tuple[str, Node]) -> None:
     url, _ = node_url
     host, port = url.removeprefix("http://").split(":")
