@@ -247,6 +247,15 @@ class DiskTier:
         self._files.move_to_end(name)
         return track
 
+    def discard(self, namespace: Sequence[bytes], track_name: bytes, reason: str) -> None:
+        """Delete a stored track its reader found invalid (intact on disk, wrong inside), and count it as
+        dropped, so it is not read and checked again on every miss."""
+        name = track_file_name(namespace, track_name)
+        if name in self._files:
+            logger.warning("dropping invalid cache file", extra={"file": name, "reason": reason})
+            self.dropped += 1
+            self._delete(name)
+
     def _fsync_directory(self) -> None:
         fd = os.open(self.directory, os.O_RDONLY)
         try:

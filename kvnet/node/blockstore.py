@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvnet.blocks.disk import DiskTier, StoredObject, StoredTrack
-from proto.kvobject import BlockManifest, KVObjectError
+from proto.kvobject import BlockManifest, KVObjectError, payload_digest
 
 DISK_NAMESPACE = (b"kvnet-block-store",)
 """Namespace of the store's files in its ``DiskTier`` (the track name is ``<block hash hex>.<rendition>``)."""
@@ -130,17 +130,20 @@ class BlockStore:
         return self._entries.get((block_hash, rendition)) or self._from_disk(block_hash, rendition)
 
     def _from_disk(self, block_hash: bytes, rendition: str) -> StoredBlock | None:
-        """A block from the persistent tier, kept in memory again; None when absent or damaged (the tier
-        deletes and counts damaged files)."""
+        """A block from the persistent tier, kept in memory again; None when absent, damaged or not this
+        block. A file that fails these checks is deleted (by the tier, counted in its ``dropped``), so a
+        planted or stale file costs one read, not one per miss."""
         if self.disk is None:
             return None
-        track = self.disk.read(DISK_NAMESPACE, _disk_name(block_hash, rendition))
-        if track is None or not track.objects:
+        name = _disk_name(block_hash, rendition)
+        track = self.disk.read(DISK_NAMESPACE, name)
+        if track is None:
             return None
         objects = tuple(o[6] for o in track.objects)
         try:
-            manifest = BlockManifest.decode(objects[0])
-        except KVObjectError:
+            manifest = _verified_manifest(block_hash, objects)
+        except KVObjectError as exc:
+            self.disk.discard(DISK_NAMESPACE, name, str(exc))
             return None
         block = StoredBlock(block_hash, rendition, objects, manifest)
         self.stats.disk_loads += 1
@@ -172,6 +175,24 @@ class BlockStore:
             _, victim = self._entries.popitem(last=False)
             self.stats.bytes -= victim.nbytes
             self.stats.evicted += 1
+
+
+def _verified_manifest(block_hash: bytes, objects: Sequence[bytes]) -> BlockManifest:
+    """The manifest of a block read back from disk, once it names ``block_hash`` and every payload matches
+    its digest; ``KVObjectError`` otherwise."""
+    if not objects:
+        raise KVObjectError("no objects")
+    manifest = BlockManifest.decode(objects[0])
+    if manifest.block_hash != block_hash:
+        named = manifest.block_hash.hex()[:16]
+        raise KVObjectError(f"manifest of block {named}..., not {block_hash.hex()[:16]}...")
+    payloads = objects[1:]
+    if len(payloads) != manifest.num_layers:
+        raise KVObjectError(f"{len(payloads)} layer objects, the manifest lists {manifest.num_layers}")
+    for layer, (payload, digest) in enumerate(zip(payloads, manifest.payload_digests, strict=True)):
+        if payload_digest(payload) != digest:
+            raise KVObjectError(f"layer {layer} payload does not match its digest")
+    return manifest
 
 
 def _disk_name(block_hash: bytes, rendition: str) -> bytes:

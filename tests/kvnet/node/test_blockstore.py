@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from kvnet.node.blockstore import BlockStore, StoredBlock
+from kvnet.blocks.disk import DiskTier, StoredObject, StoredTrack
+from kvnet.node.blockstore import DISK_NAMESPACE, BlockStore, StoredBlock, _disk_name
+from tests.kvnet.node.conftest import Published
 
 
 def _block(i: int, size: int = 100, rendition: str = "lossless") -> StoredBlock:
@@ -59,3 +63,42 @@ def test_chain_is_trimmed_from_the_tail() -> None:
     store.put(_block(100))
     store.put(_block(101))
     assert ((0).to_bytes(32, "big"), "lossless") in store
+
+
+def _plant(directory: Path, block: StoredBlock, objects: tuple[bytes, ...]) -> None:
+    """A file of the persistent tier under ``block``'s name, intact on disk (right length and digest) but
+    holding ``objects``: what another process, or a stale format, could leave there."""
+    planted: list[StoredObject] = [(0, 0, i, 0, 0, (), p) for i, p in enumerate(objects)]
+    DiskTier(directory, 1 << 24).write(StoredTrack(
+        DISK_NAMESPACE, _disk_name(block.block_hash, block.rendition), (0, len(planted)), (), planted
+    ))
+
+
+@pytest.mark.parametrize("damage", ["not a manifest", "another block's manifest", "altered payload"])
+def test_a_disk_file_that_fails_verification_is_removed_not_reread(
+    published: Published, tmp_path: Path, damage: str
+) -> None:
+    block, other = published.blocks[0], published.blocks[1]
+    objects = {
+        "not a manifest": (b"\x00junk", *block.objects[1:]),
+        "another block's manifest": (other.objects[0], *block.objects[1:]),
+        "altered payload": (block.objects[0], block.objects[1][:-1] + bytes([block.objects[1][-1] ^ 1]),
+                            *block.objects[2:]),
+    }[damage]
+    _plant(tmp_path, block, objects)
+    disk = DiskTier(tmp_path, 1 << 24)  # a restarted node finds the file
+    store = BlockStore(1 << 24, disk=disk)
+    assert len(disk) == 1
+    assert store.get(block.block_hash, block.rendition) is None
+    assert len(disk) == 0 and disk.dropped == 1
+    assert not list(tmp_path.glob("*.track"))  # deleted: the next miss does not read it again
+    assert store.get(block.block_hash, block.rendition) is None and disk.dropped == 1
+
+
+def test_a_verified_disk_file_is_served_after_a_restart(published: Published, tmp_path: Path) -> None:
+    block = published.blocks[0]
+    BlockStore(1 << 24, disk=DiskTier(tmp_path, 1 << 24)).put(block)
+    again = BlockStore(1 << 24, disk=DiskTier(tmp_path, 1 << 24))
+    loaded = again.get(block.block_hash, block.rendition)
+    assert loaded is not None and loaded.objects == block.objects
+    assert again.stats.disk_loads == 1
