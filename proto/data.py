@@ -18,7 +18,7 @@ occasionally, so multi-megabyte objects arriving in small chunks cost linear tim
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final, TypeAlias
@@ -571,9 +571,12 @@ class DataStreamReader:
     """
 
     def __init__(
-        self, max_object_size: int = 64 << 20, group_order: GroupOrder = GroupOrder.ASCENDING
+        self, max_object_size: int = 64 << 20, group_order: GroupOrder = GroupOrder.ASCENDING,
+        object_size_limits: Mapping[tuple[int, int], int] | None = None,
     ) -> None:
         self.max_object_size = max_object_size
+        self.object_size_limits: Mapping[tuple[int, int], int] = object_size_limits or {}
+        """Smaller limits for the objects at these (Group ID, Object ID) locations (e.g. a manifest)."""
         self.group_order = group_order
         self._buf = bytearray()
         self._pos = 0
@@ -729,10 +732,14 @@ class DataStreamReader:
             raise LimitExceeded(f"object properties of {length} bytes exceed the limit")
         return decode_key_value_pairs(self._take(length))
 
-    def _payload_length(self) -> int:
+    def _payload_length(self, group: int, object_id: int) -> int:
         length = self._vi()
-        if length > self.max_object_size:
-            raise LimitExceeded(f"object of {length} bytes exceeds the limit of {self.max_object_size}")
+        # Checked as the length arrives, so an oversized object is refused before any of it is buffered.
+        limit = self.object_size_limits.get((group, object_id), self.max_object_size)
+        if length > limit:
+            raise LimitExceeded(
+                f"object {group}/{object_id} of {length} bytes exceeds the limit of {limit}"
+            )
         return length
 
     def _parse(self) -> DataStreamItem | None:
@@ -800,7 +807,7 @@ class DataStreamReader:
         if object_id > VI64_MAX:
             raise ProtocolViolation("object ID larger than 2^64-1")
         properties = self._properties() if header.has_properties else ()
-        length = self._payload_length()
+        length = self._payload_length(header.group_id, object_id)
         status = ObjectStatus.NORMAL
         if length == 0:
             status = _to_status(self._vi())
@@ -870,7 +877,7 @@ class DataStreamReader:
         else:
             priority = self._f_priority
         properties = self._properties() if flags & FETCH_PROPERTIES_PRESENT else ()
-        length = self._payload_length()
+        length = self._payload_length(group, obj)
 
         def finish(payload: bytes) -> FetchObject:
             self._f_group, self._f_object = group, obj

@@ -464,6 +464,9 @@ class FetchStreamReset(MoqtEvent):
     """Request ID of our FETCH."""
     error_code: int
     """Stream Reset Error Code (StreamResetCode value or unknown)."""
+    reason: str = ""
+    """Why this side stopped reading the stream (STOP_SENDING), e.g. an object over a size limit; empty
+    when the peer reset it."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,8 @@ state; ``proto.session`` re-exports every name here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias
 
 from .messages import (
@@ -43,6 +44,10 @@ class SessionConfig:
     """Bytes held for a stream we cannot process yet (before SETUP, unknown Track Alias)."""
     max_object_size: int = 64 << 20
     """Largest object payload accepted; a larger one gets its stream stopped with EXCESSIVE_LOAD."""
+    object_size_limits: Mapping[tuple[int, int], int] = field(default_factory=dict)
+    """Smaller limits than ``max_object_size`` for the objects at these (Group ID, Object ID) locations
+    of every track (an application whose object 0 is a small header sets its bound here), enforced the
+    same way as the length arrives."""
     max_data_streams: int = 1024
     """Incoming data streams open at once; more are stopped with EXCESSIVE_LOAD."""
     max_retired_aliases: int = 1024
@@ -71,6 +76,8 @@ class SessionConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if any(limit < 0 for limit in self.object_size_limits.values()):
+            raise ValueError("object_size_limits must not be negative")
         if not 1 <= self.max_control_message_size <= MAX_MESSAGE_LENGTH:
             raise ValueError(f"max_control_message_size must be within 1..{MAX_MESSAGE_LENGTH}")
         if self.excessive_load_retry_interval < 0:

@@ -68,7 +68,9 @@ class DataStreams(SessionState):
             if stream_id in self._seen_uni:
                 return
             self._seen_uni.add(stream_id)
-            stream = IncomingStream(stream_id, DataStreamReader(self.config.max_object_size))
+            stream = IncomingStream(stream_id, DataStreamReader(
+                self.config.max_object_size, object_size_limits=self.config.object_size_limits
+            ))
             self._incoming[stream_id] = stream
         if stream.fin:
             return
@@ -90,7 +92,7 @@ class DataStreams(SessionState):
         except LimitExceeded as exc:
             # An object larger than we accept fails that stream only.
             self._log.info("abandoning stream %d: %s", stream.stream_id, exc.reason)
-            self._abandon_incoming(stream, StreamResetCode.EXCESSIVE_LOAD)
+            self._abandon_incoming(stream, StreamResetCode.EXCESSIVE_LOAD, reason=exc.reason)
 
     def _pump_data_items(self, stream: IncomingStream) -> None:
         reader = stream.reader
@@ -240,7 +242,9 @@ class DataStreams(SessionState):
             self._send(req.stream_id, b"", end_stream=True)
             req.send_closed = True
 
-    def _abandon_incoming(self, stream: IncomingStream, code: int, report: bool = True) -> None:
+    def _abandon_incoming(
+        self, stream: IncomingStream, code: int, report: bool = True, reason: str = ""
+    ) -> None:
         """Stop reading a data stream (STOP_SENDING); ``report`` tells the application if it was bound."""
         if stream.discarding:
             return
@@ -253,7 +257,7 @@ class DataStreams(SessionState):
             elif stream.kind is DataStreamKind.FETCH:
                 req = self._requests.get(stream.request_id)
                 if req is not None and req.fetch_data_stream == stream.stream_id and not req.ended:
-                    self._events.append(FetchStreamReset(stream.request_id, int(code)))
+                    self._events.append(FetchStreamReset(stream.request_id, int(code), reason))
         if stream.kind is DataStreamKind.FETCH and stream.request_id is not None:
             req = self._requests.get(stream.request_id)
             if req is not None and req.fetch_data_stream == stream.stream_id:

@@ -468,7 +468,7 @@ class MoqtConnection(_ProtocolBase):
 
     def _on_fetch_stream_reset(self, ev: me.FetchStreamReset) -> None:
         if (st := self._streams.pop(ev.request_id, None)) is not None:
-            st._finish(StreamResetError(ev.error_code))
+            st._finish(StreamResetError(ev.error_code, ev.reason))
 
     def _on_subscribe_ok(self, ev: me.SubscribeOkReceived) -> None:
         st = self._streams.get(ev.request_id)

@@ -33,11 +33,14 @@ class RequestRejected(Exception):
 
 
 class StreamResetError(Exception):
-    """The peer reset a data stream of a request (fetch stream, subgroup)."""
+    """A data stream of a request (fetch stream, subgroup) ended before its FIN: reset by the peer, or
+    abandoned by us (``reason`` says why, e.g. an object over a size limit)."""
 
-    def __init__(self, code: int) -> None:
-        super().__init__(f"data stream reset by peer (code {code:#x})")
+    def __init__(self, code: int, reason: str = "") -> None:
+        why = f"data stream abandoned: {reason}" if reason else "data stream reset by peer"
+        super().__init__(f"{why} (code {code:#x})")
         self.code = code
+        self.reason = reason
 
 
 class LimitError(Exception):

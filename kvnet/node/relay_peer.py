@@ -23,7 +23,7 @@ from kvnet.net.endpoint import connect
 from kvnet.net.errors import MoqtConnectionError, RequestRejected
 from kvnet.net.reconnect import redirect_target
 from kvnet.net.settings import TlsSettings
-from kvnet.net.url import parse_moqt_url
+from kvnet.net.url import MoqtUrl, parse_moqt_url
 from kvnet.node.abr import FetchDeadline, KvAbr
 from kvnet.node.blockstore import BlockStore, StoredBlock
 from kvnet.node.config import NodeConfig
@@ -32,7 +32,7 @@ from kvnet.node.locate import Located
 from kvnet.node.publishing import BlockServer
 from kvnet.security.tokens import KVNET_TOKEN_TYPE, read_token_file
 from proto.errors import RequestErrorCode, UsageError
-from proto.kvobject import block_track
+from proto.kvobject import BLOCK_GROUP_ID, MANIFEST_OBJECT_ID, MAX_MANIFEST_BYTES, block_track
 from proto.messages import AliasType, AuthToken
 from proto.session import SessionConfig
 
@@ -41,6 +41,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
+def node_session_config(url: MoqtUrl, tokens: tuple[AuthToken, ...] = ()) -> SessionConfig:
+    """The MoQT session settings of a node's (or an engine's) session to its relay at ``url``."""
+    return SessionConfig(
+        is_client=True, path=url.path or None, authority=f"{url.host}:{url.port}",
+        authorization_tokens=tokens,
+        # The relay forwards many requests to us at once when it serves blocks from our store.
+        max_requests_in_flight=16384,
+        # A block's object 0 is its manifest: refused as its length arrives when it cannot be one,
+        # instead of buffering up to max_object_size first.
+        object_size_limits={(BLOCK_GROUP_ID, MANIFEST_OBJECT_ID): MAX_MANIFEST_BYTES},
+    )
 
 class RelayPeer:
     """The node's one MoQT session to its relay (``kvnet.net.connection``), with the block server and fetcher.
@@ -85,12 +97,7 @@ class RelayPeer:
         if cfg.token_file is not None:
             value = read_token_file(cfg.token_file)
             tokens = (AuthToken(AliasType.USE_VALUE, token_type=KVNET_TOKEN_TYPE, value=value),)
-        session_config = SessionConfig(
-            is_client=True, path=url.path or None, authority=f"{url.host}:{url.port}",
-            authorization_tokens=tokens,
-            # The relay forwards many requests to us at once when it serves blocks from our store.
-            max_requests_in_flight=16384,
-        )
+        session_config = node_session_config(url, tokens)
         tls = TlsSettings(ca_file=cfg.ca_file, cert_file=cfg.cert_file, key_file=cfg.key_file)
         settings = cfg.transport_settings
         conn = await asyncio.wait_for(

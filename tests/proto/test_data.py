@@ -161,6 +161,31 @@ def test_subgroup_object_errors() -> None:
         encode_subgroup_header(SubgroupHeader(1, 0, 3, SubgroupIdMode.ZERO))
 
 
+def test_a_location_limit_refuses_its_object_as_the_length_arrives() -> None:
+    """``object_size_limits`` bounds the objects at given locations below ``max_object_size``, on subgroup
+    and fetch streams alike, before any payload byte is buffered; other objects keep the stream's limit."""
+    limits = {(2, 0): 100}
+    header = SubgroupHeader(7, 2, 0, SubgroupIdMode.ZERO, 0)  # track alias 7, group 2
+    head = encode_subgroup_header(header)
+    small = encode_subgroup_stream(header, [SubgroupObject(0, b"m" * 100), SubgroupObject(1, b"x" * 5000)])
+    assert read_all(small, object_size_limits=limits)[1:3] == [
+        SubgroupObject(0, b"m" * 100), SubgroupObject(1, b"x" * 5000)
+    ]
+    reader = DataStreamReader(object_size_limits=limits)
+    reader.feed(head + b"\x00" + vi64_encode(15 << 20), end_stream=False)  # only the length, no payload yet
+    assert reader.next_item() == header
+    with pytest.raises(LimitExceeded, match="object 2/0 of 15728640 bytes exceeds the limit of 100"):
+        reader.next_item()
+    enc = FetchObjectEncoder(GroupOrder.ASCENDING)
+    fetch = encode_fetch_header(FetchHeader(1)) + enc.encode(FetchObject(2, 0, 0, 0, b"m" * 101))
+    with pytest.raises(LimitExceeded):
+        read_all(fetch, object_size_limits=limits)
+    other = encode_fetch_header(FetchHeader(1)) + FetchObjectEncoder(GroupOrder.ASCENDING).encode(
+        FetchObject(3, 0, 0, 0, b"m" * 101)
+    )
+    assert read_all(other, object_size_limits=limits)[1].payload == b"m" * 101  # type: ignore[union-attr]
+
+
 def test_large_payload_small_chunks_is_linear() -> None:
     header = SubgroupHeader(1, 0, 0, SubgroupIdMode.ZERO, 0)
     payload = bytes(range(256)) * (8 << 12)  # 8 MiB

@@ -16,13 +16,16 @@ import torch
 from kvnet.blocks.signing import Signer, TrustStore
 from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.net.handles import IncomingTrackStatus
+from kvnet.net.url import parse_moqt_url
 from kvnet.node import fetching
 from kvnet.node.blockstore import StoredBlock
 from kvnet.node.fetching import BlockFetcher, FetchOutcome
 from kvnet.node.publishing import BlockServer
+from kvnet.node.relay_peer import node_session_config
 from proto.errors import RequestErrorCode
-from proto.kvobject import BlockManifest
-from tests.helpers.connections import ConnectionPair
+from proto.kvobject import MAX_MANIFEST_BYTES, BlockManifest
+from tests.helpers.connections import ConnectionPair, connection_pair
+from tests.helpers.processes import CertDir
 from tests.helpers.waiting import async_wait_until
 from tests.kvnet.node.conftest import (
     FINGERPRINT,
@@ -375,3 +378,27 @@ async def test_a_request_waiting_on_a_failed_shared_fetch_fetches_the_block_itse
     assert (outcome.loaded, outcome.error) == (3, None)
     assert f.stats.fetches == 6  # the second request fetched them itself
     assert_consistent(cache, 3)
+
+
+async def test_a_manifest_too_large_to_be_one_is_refused_as_its_length_arrives(
+    certs: CertDir, published: Published
+) -> None:
+    """A node's relay session bounds object 0 (the manifest) at ``MAX_MANIFEST_BYTES``: a peer that sends a
+    15 MiB "manifest" gets the fetch stream stopped when its length arrives, and nothing is loaded."""
+    session = node_session_config(parse_moqt_url("moqt://localhost:4443"))
+    async with connection_pair(certs, client_session=session) as pair:
+        huge = dataclasses.replace(
+            published.blocks[0], objects=(b"\x80" * (15 << 20), *published.blocks[0].objects[1:])
+        )
+        server = asyncio.create_task(block_server(pair, serving_store([huge])).serve())
+        try:
+            cache = empty_cache()
+            outcome = await fetcher(pair, cache, trusting(published.signer)).fetch(
+                published.identities[:1], LOSSLESS[:1]
+            )
+        finally:
+            server.cancel()
+            await asyncio.gather(server, return_exceptions=True)
+    assert outcome.loaded == 0 and outcome.error is not None, outcome
+    assert f"object 0/0 of {15 << 20} bytes exceeds the limit of {MAX_MANIFEST_BYTES}" in outcome.error
+    assert_consistent(cache, 0)
