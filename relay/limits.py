@@ -41,9 +41,9 @@ class LimitsConfig:
     beyond it that subject's sessions holding the most are cut off as for the per-address quota."""
     pressure_idle_timeout: float = 5.0
     """Under pressure (the session table at least 90 % full) sessions without an open request are closed
-    after this many idle seconds instead of ``session_idle_timeout``; a session refused for the session
-    limit first closes the longest-idle such session, from the address holding the most, and takes its
-    slot. 0 disables both."""
+    after this many idle seconds (idle as for ``session_idle_timeout``) instead of that timeout; a
+    session refused for the session limit first closes the longest-idle such session, from the address
+    holding the most, and takes its slot. 0 disables both."""
     max_requests_per_session: int = 8192
     """Concurrent requests a peer may have open (FETCH, SUBSCRIBE, TRACK_STATUS, ...)."""
     max_requests: int = 65536
@@ -94,8 +94,9 @@ class LimitsConfig:
     setup_timeout: float = 5.0
     """Seconds a new connection has, from its first packet, to complete the QUIC handshake and SETUP."""
     session_idle_timeout: float = 300.0
-    """Seconds a session may hold no open request and complete none before it is closed (NO_ERROR,
-    "idle timeout"); 0 disables. Independent of the QUIC idle timeout, which PINGs defeat."""
+    """Seconds a session may hold no open request, complete none and send no stream data (a request the
+    relay refused still counts) before it is closed (NO_ERROR, "idle timeout"); 0 disables. Independent
+    of the QUIC idle timeout, which PINGs defeat."""
     request_header_timeout: float = 10.0
     """Seconds a peer has to complete the first control message of a request stream it opened; late:
     the stream is reset (DELIVERY_TIMEOUT); 0 disables."""

@@ -84,7 +84,10 @@ class Peer:
         self.tasks: set[asyncio.Task[None]] = set()
         now = relay.clock()
         self.last_active = now
-        """When a request of this session last started or ended (idle timeout)."""
+        """When a request of this session last started or ended, or the relay last saw that it had sent
+        stream data (``idle_for``; idle timeouts)."""
+        self._stream_bytes_seen = 0
+        """``conn.stream_bytes_received`` when ``idle_for`` last looked."""
         self.subscriptions: dict[int, asyncio.Future[tuple[TrackKey, Location | None]]] = {}
         """This session's SUBSCRIBEs being served, by request id: resolved with the track and the Largest
         Location it started after once accepted (what a joining FETCH needs); cancelled if refused."""
@@ -207,6 +210,17 @@ class Peer:
         if n:
             self.log.warning("peer over a limit; data requests reset", extra={"limit": limit, "requests": n})
         return n
+
+    def idle_for(self, now: float) -> float:
+        """Seconds this session has been idle at ``now``. Stream data received since the last look counts
+        as activity now: requests refused at dispatch, or still queued behind a busy relay, change no
+        request's start or end, yet their session is plainly active (keep-alive PINGs are not stream data,
+        so an idle session that only keeps its connection alive stays idle)."""
+        received = self.conn.stream_bytes_received
+        if received != self._stream_bytes_seen:
+            self._stream_bytes_seen = received
+            self.last_active = max(self.last_active, now)
+        return now - self.last_active
 
     def reapable(self, idle: float) -> bool:
         """May be closed to make room when the relay is under pressure: no open request, no announced

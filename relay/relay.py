@@ -230,7 +230,7 @@ class Relay:
             if conn.is_closed:
                 continue
             self._count_session_refusals(peer)
-            idle = now - peer.last_active
+            idle = peer.idle_for(now)
             if lim.session_idle_timeout and peer.requests.used == 0 and idle >= lim.session_idle_timeout:
                 peer.close_for("idle_timeout", "idle timeout")
                 continue
@@ -289,13 +289,11 @@ class Relay:
             if not self.config.limits.pressure_idle_timeout:
                 raise
             now = self.clock()
-            idle = [
-                p for p in self.peers.values() if not p.conn.is_closed and p.reapable(now - p.last_active)
-            ]
+            idle = [p for p in self.peers.values() if not p.conn.is_closed and p.reapable(p.idle_for(now))]
             if not idle:
                 raise
             victim = max(
-                idle, key=lambda p: (self.address_sessions.used.get(p.host or "", 0), now - p.last_active)
+                idle, key=lambda p: (self.address_sessions.used.get(p.host or "", 0), p.idle_for(now))
             )
             victim.close_for("pressure_idle", "idle timeout (relay under pressure)")
             # The victim's slot is released when its session ends; until then the table is one over.

@@ -176,6 +176,9 @@ class MoqtConnection(_ProtocolBase):
         (``ConnectionLimits.max_incoming_queue``)."""
         self._log = logging.LoggerAdapter(logger, {"cid": self._quic.host_cid.hex()[:8]})
         self._last_receive = loop.time()
+        self.stream_bytes_received = 0
+        """Bytes the peer sent on MoQT streams (not keep-alive PINGs): a session's own activity, seen by
+        its application even before it handles them (e.g. the relay's idle reaping)."""
         self._keepalive: asyncio.TimerHandle | None = None
         self._session_timer: asyncio.TimerHandle | None = None
         self._session_timer_at: float | None = None
@@ -187,6 +190,7 @@ class MoqtConnection(_ProtocolBase):
         qe = self._events
         if isinstance(event, qe.StreamDataReceived):
             now = self._loop.time()
+            self.stream_bytes_received += len(event.data)
             s.receive_stream_data(event.stream_id, event.data, event.end_stream, now)
             if self._trailing and (rid := s.data_stream_request(event.stream_id)) in self._trailing:
                 self._trailing[rid] = now  # part of a large object still counts as progress

@@ -218,6 +218,61 @@ async def test_idle_session_is_closed_busy_one_is_not(
         await c.close_session()
 
 
+ASK_PACE_S = 0.2
+"""Pause between an active client's requests: its activity pattern, well inside the pressure timeout."""
+
+
+async def test_under_pressure_a_session_whose_requests_are_refused_is_not_reaped_as_idle(
+    cert_dir: CertDir, relay_factory: RelayFactory
+) -> None:
+    """The session table at 90 % and the relay's one request slot held by the publisher's namespace: every
+    request of the active client is refused at dispatch (EXCESSIVE_LOAD), so none of its requests starts or
+    ends. It keeps sending them, so it is not idle: it is kept and still answered while the sessions beside
+    it that send nothing (keep-alive PINGs are not activity) are reaped as idle."""
+    rp = relay_factory(
+        "--max-sessions", "10", "--max-sessions-per-address", "0", "--pressure-idle-timeout", "2",
+        "--max-requests", "1", "--reserved-requests-per-session", "0",
+    )
+    ca = str(cert_dir.ca)
+    pub = await Publisher(await connect_client(rp.url, ca), {b"t": track_objects(b"t")}).start()
+    active = await connect_client(rp.url, ca)
+    refused = 0
+
+    async def keep_asking() -> None:
+        nonlocal refused
+        while True:
+            try:
+                await active.track_status(NS, b"t")
+            except RequestRejected as exc:
+                assert exc.code == RequestErrorCode.EXCESSIVE_LOAD, exc
+                refused += 1
+            await asyncio.sleep(ASK_PACE_S)
+
+    asking = asyncio.ensure_future(keep_asking())
+    idle: list[MoqtConnection] = []
+    try:
+        await async_wait_until(lambda: refused >= 1 or asking.done(), "the active client's first refusal")
+        idle = [await connect_client(rp.url, ca) for _ in range(8)]  # 10 of 10 sessions: under pressure
+        reaped = 'kvnet_relay_sessions_closed_total{reason="pressure_idle"}'
+        await async_wait_until(
+            lambda: any(c.is_closed for c in idle) or asking.done(), "an idle session reaped under pressure"
+        )
+        # The active client is still answered after the reaping, however long it has gone without a request
+        # of its own starting or ending.
+        seen = refused
+        await async_wait_until(lambda: refused >= seen + 3 or asking.done(), "the active client answered")
+        assert not asking.done() and not active.is_closed, asking
+        await rp.wait_metric(reaped, 1)  # the idle ones, not the active one nor the publisher
+        assert not pub.conn.is_closed
+    finally:
+        asking.cancel()
+        await asyncio.gather(asking, return_exceptions=True)
+        for c in (active, *idle):
+            if not c.is_closed:
+                await c.close_session()
+        await pub.stop()
+
+
 async def test_slowloris_request_stream_reset_then_session_closed(
     cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
