@@ -1218,11 +1218,13 @@ async def serve(
     stop: asyncio.Event | None = None,
     sock: socket.socket | None = None,
     on_listening: Callable[[tuple[str, int], int | None], None] | None = None,
+    metrics: Metrics | None = None,
 ) -> None:
     """Run a relay until SIGTERM/SIGINT (or ``stop``), then GOAWAY, drain and close. ``sock``: serve on
     that bound UDP socket instead of binding ``config``'s address (a worker of ``relay.workers``);
-    ``on_listening(quic address, metrics port)`` is called once it serves."""
-    metrics = Metrics()
+    ``on_listening(quic address, metrics port)`` is called once it serves; ``metrics``: the relay's (with
+    families its caller added), else a new one."""
+    metrics = metrics or Metrics()
     relay = Relay(config, metrics)
     session_cfg = SessionConfig(
         is_client=False,

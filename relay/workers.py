@@ -25,8 +25,11 @@ needs by then; a worker keeps the CA in memory to verify the hub on a reconnect)
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
+import errno
+import functools
 import json
 import logging
 import math
@@ -37,10 +40,12 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvnet.logs import setup_logging
+from kvnet.net.reconnect import Backoff
 from kvnet.net.registry import server_sockets
 from kvnet.net.settings import TlsSettings
 from kvnet.security import certs
@@ -85,6 +90,8 @@ class ChildSpec:
     """The bound UDP socket it serves on (inherited)."""
     log_format: str
     log_level: str
+    restarts: int = 0
+    """Times the supervisor restarted this process of the relay (``kvnet_relay_process_restarts_total``)."""
 
 
 def _share(total: int, parts: int) -> int:
@@ -309,13 +316,58 @@ async def _start(spec: ChildSpec) -> Child:
     return Child(spec, proc)
 
 
+def bind_port_group(config: RelayConfig) -> list[socket.socket]:
+    """The ``config.workers`` SO_REUSEPORT sockets of the relay's port, or ``OSError`` (EADDRINUSE) when
+    anything holds the port already. SO_REUSEPORT lets any socket of the same user with the option join a
+    bound group, so a second ``--workers`` relay would bind too and the kernel would split the traffic
+    between the two. A plain UDP socket (neither SO_REUSEPORT nor SO_REUSEADDR) cannot bind while any
+    socket holds the address, whatever its options: that probe is the check. It must be closed before the
+    group binds (it would keep the group out), so two supervisors starting at once could both pass it;
+    ``_port_lock`` makes the probe and the bind one step among relays on this host. The lock is released
+    once the group is bound: from then on the probe alone refuses everyone else."""
+    with _port_lock(config.port):
+        if config.port:
+            family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.bind((config.host, config.port))
+        return server_sockets(config.host, config.port, config.workers, config.transport)
+
+
+LOCK_WAIT_S = 10.0
+"""Seconds a supervisor waits for another one that is binding a port group to finish (milliseconds)."""
+
+
+@contextlib.contextmanager
+def _port_lock(port: int) -> Iterator[None]:
+    """Held while a supervisor probes and binds ``port``: an abstract Unix socket name, which like a UDP
+    port belongs to the network namespace, is exclusive, and is freed when its process dies (no stale
+    lock file). Port 0 (the kernel picks a free one) needs none."""
+    if not port:
+        yield
+        return
+    lock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    deadline = time.monotonic() + LOCK_WAIT_S
+    try:
+        while True:
+            try:
+                lock.bind(f"\0kvnet-relay-udp-{port}")
+                break
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        yield
+    finally:
+        lock.close()
+
+
 def run_workers(config: RelayConfig, log_format: str, log_level: str) -> int:
     """Serve ``config`` with ``config.workers`` processes until SIGTERM/SIGINT; the exit code (1 when a
-    process of the relay exited on its own). ``OSError`` when the port cannot be bound, ``ValueError``
-    when a metrics port is taken."""
+    process of the relay kept dying). ``OSError`` when the port cannot be bound (another relay holds it),
+    ``ValueError`` when a metrics port is taken."""
     check_metrics_ports(config)
     check_metrics_ports_free(config)
-    sockets = server_sockets(config.host, config.port, config.workers, config.transport)
+    sockets = bind_port_group(config)
     try:
         hub_socket = server_sockets(HUB_HOST, 0, 1, config.transport)[0]
     except BaseException:
@@ -327,8 +379,70 @@ def run_workers(config: RelayConfig, log_format: str, log_level: str) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
+        # Held for the relay's whole life: a process that dies leaves its socket in the port's group, so
+        # the group never changes (no live connection moves to another worker) and its replacement
+        # serves on the very socket.
         for sock in (*sockets, hub_socket):
             sock.close()
+
+
+RESTART_LIMIT = 5
+"""Restarts of one process of the relay within ``RESTART_WINDOW_S`` before the supervisor gives up and
+stops the relay (a process that keeps dying is broken, not unlucky)."""
+RESTART_WINDOW_S = 300.0
+RESTART_BACKOFF = (0.5, 10.0)
+"""First and largest delay before a restart (doubling, jittered; reset once a process ran stably)."""
+STABLE_RUN_S = 60.0
+"""A process that served this long before it died restarts after the first delay again."""
+
+
+class _Secrets:
+    """The hub's credentials, in memory for the relay's life (a process restarted later needs the same
+    CA, certificate and token), written to a private temporary directory only while processes start."""
+
+    _FIELDS = ("ca", "cert", "key", "issuer_public", "token")
+
+    def __init__(self, creds: HubCredentials) -> None:
+        self._material = {f: getattr(creds, f).read_bytes() for f in self._FIELDS}
+
+    @contextlib.contextmanager
+    def written(self) -> Iterator[HubCredentials]:
+        with tempfile.TemporaryDirectory(prefix="kvnet-relay-") as directory:
+            paths = {}
+            for name, data in self._material.items():
+                path = Path(directory) / name
+                path.write_bytes(data)
+                path.chmod(0o600)
+                paths[name] = path
+            yield HubCredentials(**paths)
+
+
+class _Slot:
+    """One process of the relay over its restarts: what it runs, the socket it serves on, its restarts."""
+
+    def __init__(self, name: str, sock: socket.socket, make_config: Callable[[HubCredentials], RelayConfig],
+                 log_format: str, log_level: str) -> None:
+        self.name = name
+        self.sock = sock
+        self.make_config = make_config
+        self.log_format = log_format
+        self.log_level = log_level
+        self.child: Child | None = None
+        self.restarts = 0
+        self.recent: collections.deque[float] = collections.deque()
+        self.backoff = Backoff(*RESTART_BACKOFF)
+        self.started_at = 0.0
+
+    async def start(self, creds: HubCredentials) -> Child:
+        spec = ChildSpec(self.name, self.make_config(creds), self.sock.fileno(), self.log_format,
+                         self.log_level, self.restarts)
+        self.child = await _start(spec)
+        self.started_at = time.monotonic()
+        return self.child
+
+
+class _GaveUp(Exception):
+    """A process of the relay kept dying; the message is the one-line reason."""
 
 
 async def _supervise(
@@ -341,71 +455,135 @@ async def _supervise(
         loop.add_signal_handler(sig, stop.set)
     host, port = sockets[0].getsockname()[:2]
     hub_url = f"moqt://{HUB_HOST}:{hub_socket.getsockname()[1]}"
-    workers: list[Child] = []
-    hub: Child | None = None
-    # The hub's key and the workers' token live only until every process has read them (they read all of
-    # it before they serve): removed then, a SIGKILL of the supervisor later leaves no secret behind.
-    secrets = tempfile.TemporaryDirectory(prefix="kvnet-relay-")
-    with secrets:
-        creds = make_hub_credentials(Path(secrets.name))
+    hub = _Slot("hub", hub_socket, lambda creds: hub_config(config, creds), log_format, log_level)
+    workers = [
+        _Slot(f"worker-{i}", sock, functools.partial(worker_config, config, i, hub_url), log_format,
+              log_level)
+        for i, sock in enumerate(sockets)
+    ]
+    # The hub's key and the workers' token are files only until every process has read them (they read
+    # all of it before they serve): removed then, a SIGKILL of the supervisor later leaves no secret
+    # behind. A restarted process gets the same ones, written again while it starts.
+    with tempfile.TemporaryDirectory(prefix="kvnet-relay-") as first:
+        creds = make_hub_credentials(Path(first))
+        secrets = _Secrets(creds)
         try:
             # The hub first: a worker's first request may go to it at once.
-            hub = await _start(ChildSpec("hub", hub_config(config, creds), hub_socket.fileno(), log_format,
-                                         log_level))
-            await _serving_or_stop(hub, stop)
-            for i, sock in enumerate(sockets):
+            await _serving_or_stop(await hub.start(creds), stop)
+            for slot in workers:
                 if stop.is_set():
                     break
-                spec = ChildSpec(f"worker-{i}", worker_config(config, i, hub_url, creds), sock.fileno(),
-                                 log_format, log_level)
-                workers.append(await _start(spec))
-            for w in workers:
-                await _serving_or_stop(w, stop)
+                await slot.start(creds)
+            for slot in workers:
+                if slot.child is not None:
+                    await _serving_or_stop(slot.child, stop)
         except ChildFailed as exc:
             await _stop_all(workers, hub, config)
             if exc.exit_code == 2:
                 return 2  # a start-up error (a port taken, a file unreadable): the process said which
             print(f"kvnet-relay: error: {exc}", file=sys.stderr)
             return 1
-        secrets.cleanup()
+    if stop.is_set():
+        return await _stop_all(workers, hub, config)
+    logger.info(
+        "listening",
+        extra={
+            "quic": f"{host}:{port}",
+            "workers": len(workers),
+            "pids": ",".join(str(_pid(w)) for w in workers),
+            "metrics": ",".join(
+                "off" if w.child is None or w.child.metrics_port is None
+                else f"{config.metrics_host}:{w.child.metrics_port}"
+                for w in workers
+            ),
+            "hub": hub_url,
+            "hub_pid": _pid(hub),
+            "upstreams": ",".join(config.upstreams) or "none",
+            "cache_bytes": config.cache.max_bytes,
+        },
+    )
+    keepers = [asyncio.ensure_future(_keep(slot, secrets, stop)) for slot in (hub, *workers)]
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({stopping, *keepers}, return_when=asyncio.FIRST_COMPLETED)
+    stop.set()
+    failures = [str(exc) for exc in await asyncio.gather(*keepers, return_exceptions=True)
+                if isinstance(exc, _GaveUp)]
+    stopping.cancel()
+    if not failures:
+        logger.info("shutting down: SIGTERM to every worker, then the hub")
+        return await _stop_all(workers, hub, config)
+    await _stop_all(workers, hub, config)
+    print(f"kvnet-relay: error: {failures[0]}", file=sys.stderr)
+    return 1
+
+
+def _pid(slot: _Slot) -> int | None:
+    return None if slot.child is None else slot.child.proc.pid
+
+
+async def _keep(slot: _Slot, secrets: _Secrets, stop: asyncio.Event) -> None:
+    """Restart ``slot``'s process whenever it dies, until ``stop``: after a backoff, at most
+    ``RESTART_LIMIT`` times within ``RESTART_WINDOW_S`` (then ``_GaveUp``). The port keeps serving
+    meanwhile: the other workers serve their sessions, and datagrams for this one wait in its socket (held
+    by the supervisor) for its replacement. Its sessions are lost (their QUIC state died with it), and
+    with them what it held only in memory; its cache directory, if any, is reopened."""
+    while True:
+        child = slot.child
+        assert child is not None
+        if not await _exited_or_stop(child, stop):
+            return
+        reason = f"{slot.name} (pid {child.proc.pid}) {_exit_text(child.proc.returncode or 0)}"
+        now = time.monotonic()
+        while slot.recent and now - slot.recent[0] > RESTART_WINDOW_S:
+            slot.recent.popleft()
+        if len(slot.recent) >= RESTART_LIMIT:
+            logger.error("relay process exited: giving up", extra={"worker": slot.name, "reason": reason})
+            raise _GaveUp(
+                f"{reason}, restarted {RESTART_LIMIT} times within {RESTART_WINDOW_S:.0f} s; stopping the "
+                "relay"
+            )
+        if now - slot.started_at >= STABLE_RUN_S:
+            slot.backoff.reset()
+        delay = slot.backoff.next_delay()
+        slot.recent.append(now)
+        slot.restarts += 1
+        logger.error(
+            "relay process exited: restarting",
+            extra={"worker": slot.name, "reason": reason, "restart": slot.restarts,
+                   "recent": f"{len(slot.recent)}/{RESTART_LIMIT}", "delay_s": round(delay, 2)},
+        )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay)
         if stop.is_set():
-            return await _stop_all(workers, hub, config)
-        for sock in (*sockets, hub_socket):
-            sock.close()  # the children hold them now
-        logger.info(
-            "listening",
-            extra={
-                "quic": f"{host}:{port}",
-                "workers": len(workers),
-                "pids": ",".join(str(w.proc.pid) for w in workers),
-                "metrics": ",".join(
-                    "off" if w.metrics_port is None else f"{config.metrics_host}:{w.metrics_port}"
-                    for w in workers
-                ),
-                "hub": hub_url,
-                "hub_pid": hub.proc.pid,
-                "upstreams": ",".join(config.upstreams) or "none",
-                "cache_bytes": config.cache.max_bytes,
-            },
-        )
-        exits = {asyncio.ensure_future(c.proc.wait()): c for c in (*workers, hub)}
-        stopping = asyncio.ensure_future(stop.wait())
-        done, _ = await asyncio.wait({stopping, *exits}, return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        for fut in exits:
-            fut.cancel()
-        if stopping in done:
-            logger.info("shutting down: SIGTERM to every worker, then the hub")
-            return await _stop_all(workers, hub, config)
-        gone = next(exits[f] for f in done if f in exits)
-        reason = (
-            f"{gone.name} (pid {gone.proc.pid}) {_exit_text(gone.proc.returncode or 0)}; stopping the relay "
-            "(a new worker would move live connections between workers)"
-        )
-        logger.error("relay process exited", extra={"worker": gone.name, "reason": reason})
-        await _stop_all(workers, hub, config)
-        print(f"kvnet-relay: error: {reason}", file=sys.stderr)
-        return 1
+            return
+        with secrets.written() as creds:
+            replacement = await slot.start(creds)
+            try:
+                await _serving_or_stop(replacement, stop)
+            except ChildFailed as exc:
+                # Counted as the next death of this slot on the loop's next turn (its process has exited
+                # or is killed here).
+                logger.error(
+                    "relay process failed to restart", extra={"worker": slot.name, "reason": str(exc)}
+                )
+                replacement.signal(signal.SIGKILL)
+                continue
+        if stop.is_set():
+            return
+        logger.info("relay process restarted", extra={"worker": slot.name, "pid": replacement.proc.pid,
+                                                      "restart": slot.restarts})
+
+
+async def _exited_or_stop(child: Child, stop: asyncio.Event) -> bool:
+    """Wait until ``child`` exits (True) or ``stop`` is set (False)."""
+    exited = asyncio.ensure_future(child.proc.wait())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({exited, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if exited.done():
+        return True
+    exited.cancel()
+    return False
 
 
 async def _serving_or_stop(child: Child, stop: asyncio.Event) -> None:
@@ -422,12 +600,12 @@ async def _serving_or_stop(child: Child, stop: asyncio.Event) -> None:
         serving.cancel()
 
 
-async def _stop_all(workers: list[Child], hub: Child | None, config: RelayConfig) -> int:
+async def _stop_all(workers: list[_Slot], hub: _Slot, config: RelayConfig) -> int:
     """Stop the workers (each drains its sessions), then the hub they route through; 0 if all exited 0."""
     timeout = config.drain_timeout + STOP_GRACE_S
-    codes = await asyncio.gather(*(w.stop(timeout) for w in workers))
-    if hub is not None:
-        codes.append(await hub.stop(timeout))
+    codes = await asyncio.gather(*(w.child.stop(timeout) for w in workers if w.child is not None))
+    if hub.child is not None:
+        codes.append(await hub.child.stop(timeout))
     return 0 if all(c == 0 for c in codes) else 1
 
 
@@ -453,9 +631,15 @@ def child_main() -> int:
     setup_logging(spec.log_format, spec.log_level)
     for handler in logging.getLogger().handlers:
         handler.addFilter(_WorkerName(spec.name))
+    from relay.metrics import Metrics
     from relay.relay import run, serve
 
     sock = socket.socket(fileno=spec.fd)
+    metrics = Metrics()
+    metrics.counter_fn(
+        "process_restarts_total", "times the supervisor restarted this process of the relay (it died)",
+        lambda: spec.restarts,
+    )
 
     def listening(address: tuple[str, int], metrics_port: int | None) -> None:
         print(json.dumps({"quic": list(address), "metrics_port": metrics_port}), flush=True)
@@ -472,7 +656,7 @@ def child_main() -> int:
                 stop.set()
 
         loop.add_reader(stdin, supervisor_input)
-        await serve(spec.config, stop, sock=sock, on_listening=listening)
+        await serve(spec.config, stop, sock=sock, on_listening=listening, metrics=metrics)
 
     return run(spec.config, serve_until_stopped(), spec.name)
 

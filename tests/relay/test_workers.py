@@ -13,8 +13,10 @@ credentials behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,7 +42,14 @@ from proto.messages import Location
 from relay.cache import CacheConfig
 from relay.config import RelayConfig
 from relay.limits import LimitsConfig
-from relay.workers import HUB_HOST, hub_config, make_hub_credentials, worker_config
+from relay.workers import (
+    HUB_HOST,
+    RESTART_LIMIT,
+    RESTART_WINDOW_S,
+    hub_config,
+    make_hub_credentials,
+    worker_config,
+)
 from tests.helpers.processes import (
     REPO,
     START_TIMEOUT,
@@ -396,19 +405,191 @@ def test_sigterm_stops_every_worker_and_the_hub(cert_dir: CertDir, tmp_path: Pat
         rp.stop()
 
 
-def test_a_worker_killed_stops_the_relay_with_one_line(cert_dir: CertDir, tmp_path: Path) -> None:
+def log_lines(rp: RelayProcess, marker: str) -> list[str]:
+    return [line for line in rp.log().splitlines() if marker in line]
+
+
+RESTARTING = 'msg="relay process exited: restarting"'
+RESTARTED = 'msg="relay process restarted"'
+
+
+async def test_a_killed_worker_is_restarted_while_the_port_keeps_serving(
+    cert_dir: CertDir, tmp_path: Path
+) -> None:
+    """Worker 0 is killed while a client on worker 1 keeps locating and fetching blocks: that client is
+    served throughout (the port's socket group never changes, so its connection stays on worker 1), the
+    supervisor logs one line and restarts worker 0 on its own socket, counted in its metrics, and a new
+    session on the restarted worker reaches the blocks through the hub."""
+    prompt = make_prompt()
     rp = start_workers(cert_dir, tmp_path, "--drain-timeout", "1")
     pids = relay_pids(rp)
+    settings = TransportSettings.for_link("loopback", "aioquic")
+    tls = TlsSettings(ca_file=cert_dir.ca)
+    opened: list[MoqtConnection] = []
+    fetching: asyncio.Future[None] | None = None
     try:
-        os.kill(pids[1], signal.SIGKILL)
-        assert rp.proc.wait(timeout=30) == 1
-        wait_until(lambda: pids_gone(pids), "the other worker and the hub gone")
-        errors = [line for line in rp.log().splitlines() if line.startswith("kvnet-relay: error:")]
-        assert errors == [
-            f"kvnet-relay: error: worker-1 (pid {pids[1]}) killed by SIGKILL; stopping the relay (a new "
-            "worker would move live connections between workers)"
-        ]
+        on_0, on_1 = await one_session_per_worker(rp, settings, tls)
+        opened = [*on_0, *on_1]
+        publisher, subscriber = on_0[0], on_1[0]
+        server = BlockServer(publisher, BlockStore(4 * prompt.wire_bytes), FINGERPRINT, NAMESPACE_ID,
+                             SPEC.num_layers)
+        assert await server.push(prompt.blocks) == BLOCKS
+        await async_wait_until(
+            lambda: rp.metrics(0).get("kvnet_relay_cache_objects", 0) >= BLOCKS * (SPEC.num_layers + 1),
+            "worker 0 caching the pushed blocks",
+        )
+        served = 0
+
+        async def keep_fetching() -> None:
+            nonlocal served
+            while True:
+                await locate_and_fetch_all(subscriber, prompt)
+                served += 1
+
+        fetching = asyncio.ensure_future(keep_fetching())
+        await async_wait_until(lambda: served >= 1 or fetching.done(), "a first fetch through worker 1")
+        os.kill(pids[0], signal.SIGKILL)
+        await async_wait_until(
+            lambda: log_lines(rp, RESTARTED) or fetching.done() or rp.proc.poll() is not None,
+            "worker 0 restarted",
+        )
+        after_restart = served
+        await async_wait_until(
+            lambda: served >= after_restart + 2 or fetching.done(),
+            "fetches through worker 1 after the restart",
+        )
+        assert not fetching.done(), fetching
+        restarting = log_lines(rp, RESTARTING)
+        assert len(restarting) == 1, rp.log()[-3000:]
+        assert "worker=worker-0" in restarting[0] and f"pid {pids[0]}) killed by SIGKILL" in restarting[0]
+        assert rp.metrics(0)["kvnet_relay_process_restarts_total"] == 1
+        assert rp.metrics(1)["kvnet_relay_process_restarts_total"] == 0
+
+        # The restarted worker serves new sessions and reaches worker 1's cache through the hub.
+        fetching.cancel()
+        await asyncio.gather(fetching, return_exceptions=True)
+        again_0, again_1 = await one_session_per_worker(rp, settings, tls)
+        opened += [*again_0, *again_1]
+        await locate_and_fetch_all(again_0[0], prompt)
+        assert rp.proc.poll() is None
     finally:
+        if fetching is not None:
+            fetching.cancel()
+            await asyncio.gather(fetching, return_exceptions=True)
+        for conn in opened:
+            if not conn.is_closed:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(conn.close_session(), 5)
+        rp.stop()
+
+
+async def test_a_killed_hub_is_restarted_and_the_workers_route_through_it_again(
+    cert_dir: CertDir, tmp_path: Path
+) -> None:
+    """The hub is killed: the clients' sessions on both workers stay, the supervisor restarts the hub on
+    its own port with the same credentials, the workers reconnect to it (once their upstream idle timeout
+    says the old one is gone), and a block pushed at worker 0 is then located and fetched through
+    worker 1."""
+    prompt = make_prompt()
+    rp = start_workers(cert_dir, tmp_path, "--drain-timeout", "1")
+    hub_pid = relay_pids(rp)[-1]
+    settings = TransportSettings.for_link("loopback", "aioquic")
+    opened: list[MoqtConnection] = []
+    try:
+        on_0, on_1 = await one_session_per_worker(rp, settings, TlsSettings(ca_file=cert_dir.ca))
+        opened = [*on_0, *on_1]
+        os.kill(hub_pid, signal.SIGKILL)
+        await async_wait_until(
+            lambda: [line for line in log_lines(rp, RESTARTED) if "worker=hub" in line] or rp.proc.poll(),
+            "the hub restarted",
+        )
+        assert rp.metrics(2)["kvnet_relay_process_restarts_total"] == 1
+        # Its socket stayed open (held by the supervisor), so no error tells the workers the old hub is
+        # gone: each notices by its upstream idle timeout, then reconnects.
+        await async_wait_until(
+            lambda: rp.metrics(2).get("kvnet_relay_sessions", 0) == 2, "both workers connected to the new hub"
+        )
+        publisher, subscriber = on_0[0], on_1[0]
+        server = BlockServer(publisher, BlockStore(4 * prompt.wire_bytes), FINGERPRINT, NAMESPACE_ID,
+                             SPEC.num_layers)
+        assert await server.push(prompt.blocks) == BLOCKS
+        await async_wait_until(
+            lambda: rp.metrics(0).get("kvnet_relay_cache_objects", 0) >= BLOCKS * (SPEC.num_layers + 1),
+            "worker 0 caching the pushed blocks",
+        )
+        await locate_and_fetch_all(subscriber, prompt)
+        assert not any(conn.is_closed for conn in opened)
+    finally:
+        for conn in opened:
+            if not conn.is_closed:
+                await conn.close_session()
+        rp.stop()
+
+
+def test_a_worker_that_keeps_dying_stops_the_relay_with_one_line(cert_dir: CertDir, tmp_path: Path) -> None:
+    """Worker 1's cache directory is replaced by a file, then worker 1 is killed: every restart fails
+    (exit 2 before serving), and after ``RESTART_LIMIT`` of them the supervisor stops the relay and says
+    why in one line."""
+    cache = tmp_path / "cache"
+    rp = start_workers(cert_dir, tmp_path, "--drain-timeout", "1", "--cache-dir", str(cache))
+    pids = relay_pids(rp)
+    try:
+        shutil.rmtree(cache / "worker-1")
+        (cache / "worker-1").write_text("")
+        os.kill(pids[1], signal.SIGKILL)
+        assert rp.proc.wait(timeout=START_TIMEOUT * 2) == 1, rp.log()[-3000:]
+        wait_until(lambda: pids_gone(pids), "the other worker and the hub gone")
+        assert len(log_lines(rp, RESTARTING)) == RESTART_LIMIT
+        errors = [line for line in rp.log().splitlines() if line.startswith("kvnet-relay: error:")]
+        assert len(errors) == 1 + RESTART_LIMIT, errors  # each failed start said why, then the supervisor
+        gave_up = f"exit code 2, restarted {RESTART_LIMIT} times within {RESTART_WINDOW_S:.0f} s; stopping"
+        assert errors[-1].startswith("kvnet-relay: error: worker-1 (pid "), errors
+        assert errors[-1].endswith(f"{gave_up} the relay"), errors
+    finally:
+        rp.stop()
+
+
+@pytest.mark.parametrize("workers", [("--workers", "2"), ()], ids=["workers", "single"])
+def test_a_second_relay_on_the_occupied_port_is_refused_with_one_line(
+    cert_dir: CertDir, tmp_path: Path, workers: tuple[str, ...]
+) -> None:
+    """With SO_REUSEPORT a second group of sockets could join the port and take half its traffic; the
+    second relay is refused instead, and the first keeps serving."""
+    rp = start_workers(cert_dir, tmp_path)
+    port = int(rp.url.rsplit(":", 1)[1])
+    log = tmp_path / "second.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with open(log, "w") as out:
+        second = subprocess.Popen(
+            [sys.executable, "-m", "relay", *workers, "--listen", f"127.0.0.1:{port}", "--metrics", "",
+             "--cert", str(cert_dir.cert), "--key", str(cert_dir.key), "--trust-any"],
+            stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+        )
+    try:
+        wait_until(
+            lambda: second.poll() is not None or "msg=listening" in log.read_text(),
+            "the second relay exiting or serving", START_TIMEOUT,
+        )
+        text = log.read_text()
+        assert second.poll() == 2, text[-3000:]
+        assert text.splitlines() == [
+            f"kvnet-relay: error: --listen 127.0.0.1:{port}: cannot listen: Address already in use"
+        ], text
+        # The first relay still serves the port.
+        async def served() -> None:
+            settings = TransportSettings.for_link("loopback", "aioquic")
+            async with connect(rp.url, settings, TlsSettings(ca_file=cert_dir.ca)) as conn:
+                ns, name = block_track(FINGERPRINT, NAMESPACE_ID, bytes(32), "lossless")
+                with pytest.raises(RequestRejected) as missed:
+                    await conn.track_status(ns, name)
+                assert missed.value.code == RequestErrorCode.DOES_NOT_EXIST
+
+        asyncio.run(served())
+        assert rp.proc.poll() is None
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait()
         rp.stop()
 
 
