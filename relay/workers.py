@@ -1,13 +1,15 @@
 """``kvnet-relay --workers N``: N relay processes serving one UDP port, joined by a hub relay.
 
-Owns: ``run_workers`` (the supervisor: binds the port's socket group, starts the hub and the workers,
-forwards SIGTERM, stops the relay when one of them exits), ``worker_config`` / ``hub_config`` (each
-process's ``RelayConfig``, with the relay-wide budgets divided among them) and the entry point of one of
-those processes (``python -m relay.workers``, which reads its ``ChildSpec`` from its stdin).
+Owns: ``run_workers`` (the supervisor: binds the port's socket group, refusing a port another relay
+holds, starts the hub and the workers, restarts one that dies, forwards SIGTERM), ``worker_config`` /
+``hub_config`` (each process's ``RelayConfig``, with the relay-wide budgets divided among them) and the
+entry point of one of those processes (``python -m relay.workers``, which reads its ``ChildSpec`` from
+its stdin).
 
 Design (docs/performance.md "A relay on several cores"): the supervisor binds N UDP sockets to the port
-with SO_REUSEPORT before any worker starts, so the group never changes while the relay runs and the
-kernel keeps every QUIC connection (its 4-tuple) on one worker. Each worker is a whole relay with its own
+with SO_REUSEPORT before any worker starts and holds them until it exits, so the group never changes
+while the relay runs (not even when a worker dies and is restarted on its socket) and the kernel keeps
+every QUIC connection (its 4-tuple) on one worker. Each worker is a whole relay with its own
 cache on its own core. Routing between workers is the relay-to-relay code every relay already has: each
 worker's only upstream is the hub, a relay on a private loopback port whose upstreams are the configured
 ``--upstream`` relays. A namespace announced at a worker is announced to the hub, so a request on another
@@ -19,7 +21,8 @@ cache.
 The hub trusts only its workers: its certificate (for 127.0.0.1) comes from a CA made for this run, and
 every request must carry a token signed by a key made for this run. Both are written to a private
 temporary directory that is removed as soon as every process of the relay serves (each has read what it
-needs by then; a worker keeps the CA in memory to verify the hub on a reconnect).
+needs by then; a worker keeps the CA in memory to verify the hub on a reconnect). The supervisor keeps
+them in memory and writes them again, to a new such directory, only while a restarted process starts.
 """
 
 from __future__ import annotations
@@ -506,8 +509,11 @@ async def _supervise(
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({stopping, *keepers}, return_when=asyncio.FIRST_COMPLETED)
     stop.set()
-    failures = [str(exc) for exc in await asyncio.gather(*keepers, return_exceptions=True)
-                if isinstance(exc, _GaveUp)]
+    # _GaveUp, or what else stopped a restart (e.g. no temporary directory for the credentials).
+    failures = [
+        str(exc) if isinstance(exc, _GaveUp) else f"restarting a process of the relay failed: {exc!r}"
+        for exc in await asyncio.gather(*keepers, return_exceptions=True) if isinstance(exc, Exception)
+    ]
     stopping.cancel()
     if not failures:
         logger.info("shutting down: SIGTERM to every worker, then the hub")

@@ -5,9 +5,9 @@ Real processes and real QUIC on loopback. Client sessions from distinct source p
 (TRACK_STATUS), fetched verified, subscribed to and watched (SUBSCRIBE_NAMESPACE) through the other, which
 then serves them from its own cache. A miss never hides a block pushed at another worker a moment later,
 while the hub still spares its upstream repeated misses; the same miss at both workers at once is answered,
-not deadlocked. SIGTERM to the supervisor stops every process; a worker killed makes the supervisor stop
-the rest and exit non-zero with one line saying which; a supervisor killed leaves no process and no
-credentials behind.
+not deadlocked. SIGTERM to the supervisor stops every process; a worker or the hub killed is restarted
+while the port keeps serving, and one that keeps dying stops the relay with one line saying which; a
+second relay on the port is refused; a supervisor killed leaves no process and no credentials behind.
 """
 
 from __future__ import annotations
