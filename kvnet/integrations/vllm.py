@@ -19,7 +19,8 @@ vLLM allocates the blocks and parks the request until the worker reports the loa
 
 Worker side: each load is fetched on the worker's own event loop and relay session, verified exactly as
 kvnet's nodes verify (``kvnet.node.fetching``: trusted signature, fingerprint, chain hash, token ids,
-payload digests), decoded and written into vLLM's paged KV tensors (``kvnet.integrations.cpu_layout``).
+payload digests), decoded and written into vLLM's paged KV tensors in the layout of the CPU attention kernel
+vLLM picked (``kvnet.integrations.cpu_layout``: ``vec``, ``vec16``, ``amx``).
 Blocks from the first failure on are reported through ``get_block_ids_with_load_errors`` and recomputed
 by vLLM, never used (the connector runs vLLM with ``kv_load_failure_policy="recompute"``). After each
 forward, the prompt's newly completed full blocks are copied out at once (so vLLM may reuse them) and
@@ -62,7 +63,13 @@ from kvnet.blocks.signing import TrustStore
 from kvnet.cache.hashing import block_hashes, canonical_fingerprint, root_hash
 from kvnet.dtypes import dtype_name
 from kvnet.integrations.background import BackgroundLoop
-from kvnet.integrations.cpu_layout import CpuBlockLayout
+from kvnet.integrations.cpu_layout import (
+    CPU_LAYOUTS,
+    CpuBlockLayout,
+    LayoutError,
+    cpu_layout,
+    cpu_layout_refusal,
+)
 from kvnet.integrations.model_files import ModelFilesError, tokenizer_digest, weights_digest
 from kvnet.integrations.relay_link import ConnectorCounters, RelayLink
 from kvnet.integrations.settings import ConnectorSettings, SettingsError
@@ -72,8 +79,8 @@ from kvnet.security.tenancy import NodeSecret
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_CPU_KERNELS = ("vec", "vec16")
-"""vLLM CPU attention kernels whose KV layout ``CpuBlockLayout`` describes (checked on ``vec``)."""
+SUPPORTED_CPU_KERNELS = tuple(CPU_LAYOUTS)
+"""vLLM CPU attention kernels whose KV layout kvnet maps (``kvnet.integrations.cpu_layout``)."""
 WIRE_LAYOUT = "kvnet-canonical/v1"
 """Name of the layout blocks travel in (part of the fingerprint)."""
 MAX_REMEMBERED_PUBLISHED = 1 << 16
@@ -94,6 +101,8 @@ class EngineIdentity:
     block_shape: tuple[int, int, int, int]
     """``(num_layers, block_size, num_kv_heads, head_size)``."""
     dtype: str
+    kernel: str
+    """vLLM's CPU attention kernel, which decides the element order inside its KV tensors."""
     fields: dict[str, str | int]
 
     @property
@@ -123,11 +132,29 @@ def _file_digests(model_dir: Path, tokenizer_dir: Path) -> tuple[str, str]:
         raise SettingsError(f"kvnet: {exc}") from None
 
 
+def cpu_kernel_support(
+    dtype: torch.dtype, block_size: int, head_size: int, cache_dtype: str
+) -> tuple[str | None, str | None]:
+    """The CPU attention kernel vLLM picks on this machine for this geometry, and why kvnet cannot map it
+    (one line) or None. The kernel is None when vLLM itself refuses the configuration."""
+    from vllm.utils.torch_utils import is_quantized_kv_cache
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    if is_quantized_kv_cache(str(cache_dtype)):
+        # Quantized caches carry scales next to the values: not a layout kvnet converts.
+        reason = f"kvnet's vLLM connector does not carry quantized KV caches (kv_cache_dtype {cache_dtype!r})"
+        return None, reason
+    try:
+        kernel = _get_attn_isa(dtype, block_size, head_size, cache_dtype)
+    except NotImplementedError as exc:
+        return None, f"vLLM has no CPU attention kernel for this configuration: {exc}"
+    return kernel, cpu_layout_refusal(kernel, block_size, head_size)
+
+
 def engine_identity(vllm_config: Any, settings: ConnectorSettings) -> EngineIdentity:
     """Fingerprint, chain root, namespace and block geometry of this engine; ``SettingsError`` if kvnet
     cannot serve it (another platform, kernel or parallelism than the ones whose layout it knows)."""
     from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     if not current_platform.is_cpu():
@@ -136,9 +163,9 @@ def engine_identity(vllm_config: Any, settings: ConnectorSettings) -> EngineIden
         raise SettingsError("kvnet's vLLM connector supports tensor and pipeline parallel size 1 only")
     block_size = int(cache.block_size)
     head_size = int(model.get_head_size())
-    kernel = _get_attn_isa(model.dtype, block_size, head_size, cache.cache_dtype)
-    if kernel not in SUPPORTED_CPU_KERNELS:
-        raise SettingsError(f"kvnet does not know the KV layout of vLLM's CPU kernel {kernel!r}")
+    kernel, refusal = cpu_kernel_support(model.dtype, block_size, head_size, cache.cache_dtype)
+    if refusal is not None or kernel is None:
+        raise SettingsError(refusal or "kvnet: vLLM picked no CPU attention kernel")
     model_dir = _local_dir(model.model, model.revision, "model")
     tokenizer_dir = _local_dir(model.tokenizer, model.tokenizer_revision, "tokenizer")
     weights, tokenizer = _file_digests(model_dir, tokenizer_dir)
@@ -163,7 +190,7 @@ def engine_identity(vllm_config: Any, settings: ConnectorSettings) -> EngineIden
     node = settings.node
     secret = NodeSecret.load(node.node_secret) if node.node_secret is not None else None
     salt, namespace = tenant_salt_and_namespace(node.tenant, secret)
-    return EngineIdentity(fingerprint, root_hash(fingerprint, salt), namespace, shape, dtype, fields)
+    return EngineIdentity(fingerprint, root_hash(fingerprint, salt), namespace, shape, dtype, kernel, fields)
 
 
 # -- metadata (scheduler -> worker, every step) ------------------------------------------------------
@@ -228,6 +255,7 @@ class _CounterReport:
         self._identity = {
             "fingerprint": identity.fingerprint.hex(), "namespace_id": identity.namespace_id,
             "block_shape": list(identity.block_shape), "dtype": identity.dtype,
+            "kv_layout": identity.fields["kv_layout"],
         }
 
     def delta(self) -> KvnetConnectorStats | None:
@@ -523,9 +551,13 @@ class _WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_order)]
-        layout = CpuBlockLayout.of(self.layers[0])
         num_layers, block_size, heads, head_size = self.identity.block_shape
-        if len(self.layers) != num_layers or layout != CpuBlockLayout(heads, block_size, head_size):
+        kernel = self.identity.kernel
+        try:
+            layout = cpu_layout(kernel, self.layers[0])
+        except LayoutError as exc:
+            raise SettingsError(f"kvnet: {exc}") from None
+        if len(self.layers) != num_layers or layout != CPU_LAYOUTS[kernel](heads, block_size, head_size):
             raise SettingsError(
                 f"kvnet: vLLM's KV tensors ({len(self.layers)} x {tuple(self.layers[0].shape)}) do not match "
                 f"the model's geometry {self.identity.block_shape}"
