@@ -101,6 +101,7 @@ class RelayLink:
     _peer: RelayPeer | None = field(default=None, init=False)
     _retry_at: float = field(default=0.0, init=False)
     _connecting: asyncio.Task[RelayPeer] | None = field(default=None, init=False)
+    _attempt_started: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
         node = self.settings.node
@@ -112,17 +113,31 @@ class RelayLink:
     def acceptable(self) -> tuple[str, ...]:
         return self.abr.config.acceptable
 
-    async def peer(self) -> RelayPeer:
+    async def peer(self, *, since: float | None = None) -> RelayPeer:
         """The open session, opening it when there is none; ``RelayUnavailable`` when that fails.
 
         The attempt runs as its own task: a caller that gives up (a request past its locate deadline) does
-        not cancel it, and every caller meanwhile waits for the same attempt.
+        not cancel it, and every caller meanwhile waits for the same attempt. ``since`` (a
+        ``time.monotonic()`` stamp) is for callers that know the relay was reachable then (a fetch of blocks
+        the scheduler has just located): when the attempt they joined had begun before it and fails, one
+        new attempt is made at once, backoff or not. An attempt begun while the relay was down can outlive
+        its coming back (QUIC's handshake retransmits back off) and says nothing about it now.
         """
+        try:
+            return await self._join_attempt()
+        except RelayUnavailable:
+            if since is None or self._attempt_started >= since:
+                raise
+            self._retry_at = 0.0
+            return await self._join_attempt()
+
+    async def _join_attempt(self) -> RelayPeer:
         if self._peer is not None and self._peer.connected:
             return self._peer
         if self._connecting is None or self._connecting.done():
             if time.monotonic() < self._retry_at:
                 raise RelayUnavailable(f"relay {self.settings.node.relay_url} is unreachable")
+            self._attempt_started = time.monotonic()
             self._connecting = asyncio.get_running_loop().create_task(self._connect())
         return await asyncio.shield(self._connecting)
 
@@ -169,7 +184,7 @@ class RelayLink:
         started = time.perf_counter()
         self.counters.loads += 1
         try:
-            peer = await self.peer()
+            peer = await self.peer(since=time.monotonic())  # the scheduler located these a moment ago
             outcome = await peer.fetch(list(expected), list(renditions))
         except RelayUnavailable as exc:
             outcome = FetchOutcome(error=str(exc))

@@ -1,0 +1,139 @@
+"""``RelayLink``: an engine's relay session, opened on first use, against a real relay process.
+
+A fetch is issued only for blocks the scheduler has just located, so the relay was reachable a moment
+ago. A connect attempt that began earlier (while the relay was down) and then fails must not fail that
+fetch: ``peer(since=...)`` makes one new attempt. The attempt that fails is made to fail by a UDP path
+that drops every datagram of the first client address it sees and forwards all others to the relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvnet.blocks.signing import TrustStore
+from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
+from kvnet.integrations.relay_link import RelayLink, RelayUnavailable
+from kvnet.integrations.settings import ConnectorSettings
+from kvnet.node.config import NodeConfig
+from tests.helpers.processes import CertDir, RelayProcess, make_certificates, start_relay
+from tests.helpers.waiting import async_wait_until
+
+SPEC = CacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
+ATTEMPT_TIMEOUT = 3.0
+"""The link's connect deadline: the dropped attempt fails after this."""
+
+
+class FirstClientDropped(asyncio.DatagramProtocol):
+    """Forwards datagrams between clients and ``upstream``, except every one of the first client."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.dropped_client: tuple[str, int] | None = None
+        self.transport: asyncio.DatagramTransport | None = None
+        self._routes: dict[tuple[str, int], asyncio.DatagramTransport] = {}
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # asyncio's UDP transport is one
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        if self.dropped_client is None:
+            self.dropped_client = addr
+        if addr == self.dropped_client:
+            return
+        route = self._routes.get(addr)
+        if route is None:
+            asyncio.get_running_loop().create_task(self._open_route(addr, data))
+        else:
+            route.sendto(data)
+
+    async def _open_route(self, client: tuple[str, int], first: bytes) -> None:
+        outer = self
+
+        class Back(asyncio.DatagramProtocol):
+            def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+                assert outer.transport is not None
+                outer.transport.sendto(data, client)
+
+        route, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+            Back, remote_addr=self.upstream
+        )
+        self._routes[client] = route
+        route.sendto(first)
+
+    def close(self) -> None:
+        for route in self._routes.values():
+            route.close()
+        if self.transport is not None:
+            self.transport.close()
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> CertDir:
+    return make_certificates(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture
+def relay(certs: CertDir, tmp_path: Path) -> Iterator[RelayProcess]:
+    proc = start_relay(certs, tmp_path)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+async def path(relay: RelayProcess) -> AsyncIterator[tuple[FirstClientDropped, int]]:
+    loop = asyncio.get_running_loop()
+    transport, forwarder = await loop.create_datagram_endpoint(
+        lambda: FirstClientDropped(("127.0.0.1", relay.port)), local_addr=("127.0.0.1", 0)
+    )
+    try:
+        yield forwarder, transport.get_extra_info("sockname")[1]
+    finally:
+        forwarder.close()
+
+
+def link_to(port: int, certs: CertDir) -> RelayLink:
+    node = NodeConfig(relay_url=f"moqt://127.0.0.1:{port}", ca_file=certs.ca, request_timeout=ATTEMPT_TIMEOUT)
+    return RelayLink(
+        ConnectorSettings(node), fingerprint=bytes(32), namespace_id="t", block_shape=SPEC.block_shape,
+        dtype="float32", trust=TrustStore(), cache=PagedKVCache(SPEC, 4, torch.device("cpu")), announce=False,
+    )
+
+
+async def test_a_fetch_does_not_fail_on_a_connect_attempt_older_than_itself(
+    path: tuple[FirstClientDropped, int], certs: CertDir
+) -> None:
+    forwarder, port = path
+    link = link_to(port, certs)
+    stale = asyncio.create_task(link.peer())  # begins while the path to the relay loses everything
+    await async_wait_until(lambda: forwarder.dropped_client is not None, "the first attempt's Initial")
+    peer = await link.peer(since=time.monotonic())  # joins the stale attempt, then makes its own
+    try:
+        assert peer.connected
+        with pytest.raises(RelayUnavailable):
+            await stale
+    finally:
+        await peer.close()
+
+
+async def test_without_since_a_failed_attempt_fails_every_caller_that_joined_it(
+    path: tuple[FirstClientDropped, int], certs: CertDir
+) -> None:
+    forwarder, port = path
+    link = link_to(port, certs)
+    stale = asyncio.create_task(link.peer())
+    await async_wait_until(lambda: forwarder.dropped_client is not None, "the first attempt's Initial")
+    with pytest.raises(RelayUnavailable):
+        await link.peer()
+    with pytest.raises(RelayUnavailable):
+        await stale
+    # Spaced by the backoff: an immediate caller is refused without a new attempt.
+    with pytest.raises(RelayUnavailable, match=r"is unreachable$"):
+        await link.peer()
