@@ -82,6 +82,11 @@ class SequenceRequest:
     """Register the prompt's full blocks in the cache once prefilled (shareable, exportable)."""
     keep_sequence: bool = False
     """Leave the sequence in the cache when it finishes (its owner frees it, e.g. after exporting blocks)."""
+    prefill_limit: int | None = None
+    """Prefill only the first this many prompt tokens (None: all), for a prompt-only request
+    (``max_new_tokens == 0``): the head of a prefix computed while its tail is fetched. Moved up or down
+    while the sequence runs (`BatchScheduler.set_prefill_limit`); it finishes once it has prefilled up to
+    the limit (or past it, when the limit was lowered below what it had done)."""
 
 
 # -- events --------------------------------------------------------------------------------------------
@@ -144,14 +149,22 @@ class _Sequence:
     started_at: float | None = None
     prefill_compute_s: float = 0.0
     first_token_at: float | None = None
+    prefill_limit: int | None = None
 
     @property
     def prompt_tokens(self) -> int:
         return int(self.ids.shape[0])
 
     @property
+    def prefill_target(self) -> int:
+        """Prompt tokens this sequence prefills: all of them, or up to its limit."""
+        if self.prefill_limit is None:
+            return self.prompt_tokens
+        return min(self.prefill_limit, self.prompt_tokens)
+
+    @property
     def in_prefill(self) -> bool:
-        return self.prefilled < self.prompt_tokens
+        return self.prefilled < self.prefill_target
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +181,11 @@ def validate_request(model: Transformer, request: SequenceRequest) -> Tensor:
     """The prompt as a tensor; `InvalidTokenError` / `ContextLengthError` / `ValueError` if it cannot run."""
     ids = validate_token_ids(model, list(request.prompt_ids))
     check_context_length(model, int(ids.shape[0]), request.max_new_tokens)
+    if request.prefill_limit is not None:
+        if request.max_new_tokens != 0:
+            raise ValueError("prefill_limit is for prompt-only requests (max_new_tokens == 0)")
+        if request.prefill_limit < 0:
+            raise ValueError(f"prefill_limit must be >= 0, got {request.prefill_limit}")
     return ids
 
 
@@ -217,9 +235,21 @@ class BatchScheduler:
         ids = validate_request(self.model, request)
         hashes = tuple(block_hashes(ids.cpu().numpy(), self.cache.spec.block_size, self.root))
         self._waiting.append(
-            _Sequence(seq_id, request, ids, hashes, TokenSampler(request.sampling), self._clock())
+            _Sequence(seq_id, request, ids, hashes, TokenSampler(request.sampling), self._clock(),
+                      prefill_limit=request.prefill_limit)
         )
         self._ids.add(seq_id)
+
+    def set_prefill_limit(self, seq_id: int, tokens: int) -> bool:
+        """Move the prefill limit of a waiting or running sequence that has one (`SequenceRequest.
+        prefill_limit`); it takes effect at the next step. False when there is no such sequence."""
+        if tokens < 0:
+            raise ValueError(f"prefill limit must be >= 0, got {tokens}")
+        for seq in (*self._waiting, *self._running):
+            if seq.seq_id == seq_id and seq.prefill_limit is not None:
+                seq.prefill_limit = tokens
+                return True
+        return False
 
     def abort(self, seq_id: int) -> list[SchedulerEvent]:
         """End ``seq_id`` now, keeping the tokens it produced; [] if it is not waiting or running."""
@@ -239,6 +269,11 @@ class BatchScheduler:
         """Admit waiting sequences, run one batched forward, and return what happened."""
         events: list[SchedulerEvent] = []
         self._admit(events)
+        for seq in list(self._running):
+            if seq.prefill_limit is not None and not seq.in_prefill:
+                # Its limit was reached (or lowered below what it had done) between steps.
+                self._running.remove(seq)
+                events.append(self._finish(seq, "length"))
         batch = self._plan(events)
         if not batch:
             return events
@@ -293,7 +328,7 @@ class BatchScheduler:
                 budget -= 1
         for seq in self._running:
             if seq.in_prefill and budget > 0:
-                length = min(seq.prompt_tokens - seq.prefilled, budget)
+                length = min(seq.prefill_target - seq.prefilled, budget)
                 wanted.append((seq, seq.prefilled, length))
                 budget -= length
         batch: list[_Chunk] = []

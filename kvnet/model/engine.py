@@ -176,6 +176,7 @@ class BatchEngine:
         self._cond = threading.Condition()
         self._inbox: list[tuple[int, SequenceRequest]] = []
         self._cancels: list[int] = []
+        self._limits: list[tuple[int, int]] = []
         self._futures: dict[int, Future[SequenceFinished]] = {}
         self._callbacks: dict[int, TokenCallback] = {}
         self._seq_ids = itertools.count(1)
@@ -214,6 +215,13 @@ class BatchEngine:
             self._cancels.append(seq_id)
             self._cond.notify()
 
+    def set_prefill_limit(self, seq_id: int, tokens: int) -> None:
+        """Move the prefill limit of a sequence submitted with one (`SequenceRequest.prefill_limit`),
+        before its next step; ignored once it has finished."""
+        with self._cond:
+            self._limits.append((seq_id, tokens))
+            self._cond.notify()
+
     def close(self) -> None:
         """Stop the worker after its current step; unfinished sequences fail with `EngineClosedError`."""
         with self._cond:
@@ -228,12 +236,14 @@ class BatchEngine:
         scheduler = self.scheduler
         while True:
             with self._cond:
-                while not (self._closed or self._inbox or self._cancels or scheduler.has_work()):
+                while not (self._closed or self._inbox or self._cancels or self._limits
+                           or scheduler.has_work()):
                     self._cond.wait()
                 if self._closed:
                     break
                 inbox, self._inbox = self._inbox, []
                 cancels, self._cancels = self._cancels, []
+                limits, self._limits = self._limits, []
             events: list[SchedulerEvent] = []
             for seq_id, request in inbox:
                 try:
@@ -242,6 +252,8 @@ class BatchEngine:
                     events.append(SequenceFailed(seq_id, exc))
             for seq_id in cancels:
                 events.extend(scheduler.abort(seq_id))
+            for seq_id, tokens in limits:
+                scheduler.set_prefill_limit(seq_id, tokens)
             try:
                 if scheduler.has_work():
                     events.extend(scheduler.step())

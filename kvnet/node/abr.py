@@ -25,6 +25,18 @@ located blocks is counted (``declined_streak``), and after ``probe_after`` decli
 probe whose measurement replaces the throughput estimate (``KvAbr.fetch_measured``). A probe costs at
 most the fetch of a few blocks more than recomputing them, and bounds how long a wrong estimate lasts.
 
+Fetch and compute at once (Cake, ICML 2025). The engine can compute the head of the located prefix while the
+tail is fetched, the two meeting in the middle; the suffix after the prefix is prefilled once both are done.
+With the head ``[0, k)`` computed and ``[k, f)`` fetched, the plan's estimate is::
+
+    T_split(k) = max(prefill(k * block_size), rtt + sum(fetch_i for k <= i < f)) + prefill(rest)
+
+``f`` is every located block with an acceptable rendition: moving a block out of the serial ``rest`` into
+the parallel part never costs more than computing it there (give the head one more block instead). ``k``
+balances the two sides (``best_split``; an O(f) scan with prefix sums) and the split is chosen only where
+it beats both the fetch cut above and recomputing everything. The split is a starting point, not a
+commitment: the node moves the meeting point as the two sides actually progress (``kvnet.node.overlap``).
+
 Whatever the estimates said, a fetch also has one deadline (``FetchDeadline``): it may take at most
 ``deadline_margin_s`` plus the estimated recompute time of the blocks it has already delivered. Past that,
 finishing it can only be slower than recomputing the rest, so it is abandoned, however the relay paces its
@@ -92,6 +104,9 @@ class AbrConfig:
     (seconds; 0: only ``probe_after`` counts)."""
     probe_blocks: int = 1
     """Blocks a probe fetches (the leading ones of the located prefix)."""
+    overlap: bool = True
+    """Plans may compute the head of the located prefix while fetching the tail (see the module
+    docstring); False: fetch a prefix and recompute the rest, never both at once."""
     deadline_margin_s: float = 1.0
     """Seconds a fetch may cost beyond the recompute time of the blocks it delivered before it is abandoned
     (``FetchDeadline``); bounds TTFT by recompute time plus this. Generous enough that a loaded machine's
@@ -293,6 +308,9 @@ class BlockChoice:
     """Estimated time to fetch and decode it with the best acceptable rendition."""
     recompute_s: float
     """Estimated marginal prefill time of its tokens."""
+    best: str | None = None
+    """The best acceptable rendition on offer whatever the action (None: none acceptable); what a fetch
+    that takes more than its planned share asks for."""
 
 
 @dataclass(frozen=True)
@@ -312,6 +330,9 @@ class AbrPlan:
     """Located blocks with an acceptable rendition that the estimates chose to recompute instead."""
     probe: bool = False
     """Blocks are fetched although the estimates declined them: a probe (see the module docstring)."""
+    compute_blocks: int = 0
+    """Blocks [0, compute_blocks) are computed by the engine while [compute_blocks, fetch_blocks) are
+    fetched (0: no split). The node moves this meeting point as the two sides progress."""
 
     def rendition_of(self, index: int) -> str:
         return self.choices[index].action
@@ -322,6 +343,7 @@ class AbrPlan:
             counts[c.action] = counts.get(c.action, 0) + 1
         return {
             "fetch_blocks": self.fetch_blocks,
+            "compute_blocks": self.compute_blocks,
             "actions": counts,
             "inputs": {
                 "throughput_bps": round(self.throughput_bps, 1),
@@ -343,6 +365,28 @@ class AbrPlan:
             f"{self.fetch_blocks} vs {self.est_recompute_all_s:.4f}s recomputing all; inputs "
             + " ".join(f"{k}={v}" for k, v in inputs.items())
         )
+
+
+def best_split(
+    fetch_costs: Sequence[float], rtt_s: float, head_cost: Callable[[int], float]
+) -> tuple[int, float]:
+    """Where computing ``[0, k)`` while fetching ``[k, n)`` of ``n`` blocks finishes soonest: ``(k, T)``
+    with ``T = max(head_cost(k), rtt + sum(fetch_costs[k:]))`` (no fetch, no round trip, for ``k = n``).
+
+    The head's cost grows with ``k`` and the fetch's shrinks, so ``T`` is their crossing; every ``k`` is
+    scanned anyway (O(n), exact for uneven costs). Ties go to the smaller ``k``: fetching saves compute
+    for everyone on the node. An infinite cost (no acceptable rendition) forces the head past that block.
+    """
+    n = len(fetch_costs)
+    tail = [0.0] * (n + 1)  # tail[k] = sum(fetch_costs[k:])
+    for i in range(n - 1, -1, -1):
+        tail[i] = tail[i + 1] + fetch_costs[i]
+    best_k, best_t = n, head_cost(n)
+    for k in range(n):
+        t = max(head_cost(k), rtt_s + tail[k])
+        if t < best_t:
+            best_k, best_t = k, t
+    return best_k, best_t
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,7 +487,7 @@ class KvAbr:
         for i, avail in enumerate(located):
             r, cost = self.fetch_cost(block_raw_bytes, avail)
             fetch_costs.append(cost)
-            choices.append(BlockChoice(i, r or RECOMPUTE, cost, block_size * per_tok))
+            choices.append(BlockChoice(i, r or RECOMPUTE, cost, block_size * per_tok, r))
         rtt = self.rtt.estimate()
         best_k, best_t = 0, self.prefill.estimate(total_tokens)
         recompute_all = best_t
@@ -460,6 +504,12 @@ class KvAbr:
         # Blocks the estimates declined: those after the cut up to the first one without an acceptable
         # rendition (a block nobody offers acceptably is not a decision the estimates made).
         fetchable = next((i for i, c in enumerate(fetch_costs) if math.isinf(c)), len(located))
+        compute_k = 0
+        if self.config.overlap and self.config.allow_recompute and not self.config.force_recompute:
+            rest = self.prefill.estimate(total_tokens - fetchable * block_size)
+            k, parallel = best_split(fetch_costs[:fetchable], rtt, self.head_cost(block_size))
+            if 0 < k < fetchable and parallel + rest < best_t:
+                compute_k, best_k, best_t = k, fetchable, parallel + rest
         declined = max(fetchable - best_k, 0) if self.config.allow_recompute else 0
         probe = False
         if declined and not self.config.force_recompute:
@@ -476,8 +526,11 @@ class KvAbr:
                 self.declined_streak += 1
         elif fetchable:
             self.declined_streak = 0
+        if probe:
+            compute_k = 0  # a probe measures the path alone
         final = tuple(
-            c if c.index < best_k else BlockChoice(c.index, RECOMPUTE, c.fetch_s, c.recompute_s)
+            c if compute_k <= c.index < best_k
+            else BlockChoice(c.index, RECOMPUTE, c.fetch_s, c.recompute_s, c.best)
             for c in choices
         )
         return AbrPlan(
@@ -491,7 +544,19 @@ class KvAbr:
             est_recompute_all_s=recompute_all,
             declined_blocks=declined,
             probe=probe,
+            compute_blocks=compute_k,
         )
+
+    def head_cost(self, block_size: int, overhead: bool = True) -> Callable[[int], float]:
+        """Estimated seconds to prefill ``n`` blocks of a head (``overhead``: a new prefill, else more of
+        one already running)."""
+        per_block = block_size * self.prefill.per_token_s
+        base = self.prefill.overhead_s if overhead else 0.0
+        return lambda n: 0.0 if n <= 0 else base + n * per_block
+
+    def block_fetch_cost(self, block_raw_bytes: int, rendition: str) -> float:
+        """Estimated seconds to fetch and decode one block of ``rendition`` (``inf`` if not acceptable)."""
+        return self.fetch_cost(block_raw_bytes, [rendition])[1]
 
     def deadline(self, started: float, block_size: int) -> FetchDeadline | None:
         """The deadline of a fetch starting at ``started``; None when the fetch must not be abandoned

@@ -123,6 +123,9 @@ class NodeConfig:
     """ABR throughput prior (bytes/s) before anything was measured."""
     abr_mode: str = "auto"
     """``auto`` (fetch or recompute by estimate), ``fetch`` (always fetch located blocks), ``recompute``."""
+    abr_overlap: bool = True
+    """In ``auto`` mode, plans may compute the head of a located prefix while fetching its tail
+    (``kvnet.node.overlap``); False: fetch a prefix and recompute the rest, one after the other."""
     max_new_tokens: int = 16
     """Default generation length."""
     tenant: str = DEFAULT_TENANT
@@ -328,6 +331,10 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
         help="seconds a fetch may cost beyond recomputing what it delivered before it is abandoned",
     )
     k.add_argument("--abr", default="auto", choices=["auto", "fetch", "recompute"], help="fetch policy")
+    k.add_argument(
+        "--no-overlap", action="store_true",
+        help="--abr auto never computes the head of a located prefix while fetching its tail",
+    )
     k.add_argument("--assume-throughput", type=float, default=100e6, help="ABR prior in bytes/s")
     k.add_argument(
         "--key-dir", type=Path,
@@ -369,6 +376,7 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         fetch_margin=args.fetch_margin,
         prior_throughput_bps=args.assume_throughput,
         abr_mode=args.abr,
+        abr_overlap=not args.no_overlap,
         max_new_tokens=args.max_tokens,
         tenant=args.tenant,
         torch_threads=args.threads,

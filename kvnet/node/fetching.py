@@ -372,16 +372,24 @@ class BlockFetcher:
         expected: Sequence[BlockIdentity],
         renditions: Sequence[str],
         deadline: FetchDeadline | None = None,
+        *,
+        outcome: FetchOutcome | None = None,
+        on_loaded: Callable[[int], None] | None = None,
     ) -> FetchOutcome:
-        """Fetch, verify and import blocks in chain order with ``window_blocks`` FETCHes in flight.
+        """Fetch, verify and import blocks in the order of ``expected`` (chain order, or any other: each
+        block is checked against its own identity) with ``window_blocks`` FETCHes in flight.
 
         Each object is handled as it arrives: the manifest is checked before anything of its block is
         touched, each layer is verified, decoded and written into the block reserved for it, and the block
         becomes visible in the cache once all its layers are in, while the next FETCHes keep arriving.
         Each block must be in by ``deadline.due(index)`` (clock: the event loop's) besides the per-object
         ``timeout``; the first block past it ends the fetch (``FetchOutcome.abandoned`` says why).
+
+        ``on_loaded(i)`` is called as ``expected[i]`` is in the cache (in list order). ``outcome`` is
+        filled in place when given, so a caller that cancels the fetch (it no longer needs the rest) keeps
+        what it achieved, the throughput sample of its clean blocks included.
         """
-        out = FetchOutcome()
+        out = outcome if outcome is not None else FetchOutcome()
         loop = asyncio.get_running_loop()
         handles: dict[int, FetchHandle] = {}
         joined: dict[int, asyncio.Future[bool]] = {}
@@ -438,6 +446,8 @@ class BlockFetcher:
                     loaded = True
                     if ours:
                         clock.block_done(block, out)
+                    if on_loaded is not None:
+                        on_loaded(index)
                 except _FETCH_ERRORS as exc:
                     now = loop.time()
                     if deadline is not None and isinstance(exc, TimeoutError) and now >= deadline.due(index):
@@ -458,9 +468,10 @@ class BlockFetcher:
                 h.cancel()
             if pool is not None:
                 pool.close()
-        out.sample_bytes, out.sample_s = clock.sample(self.abr.rtt.estimate())
-        if out.sample_bytes:
-            self.abr.fetch_measured(out.sample_bytes, out.sample_s)
+            # Also when cancelled: the blocks loaded cleanly before that are a measurement like any other.
+            out.sample_bytes, out.sample_s = clock.sample(self.abr.rtt.estimate())
+            if out.sample_bytes:
+                self.abr.fetch_measured(out.sample_bytes, out.sample_s)
         return out
 
     async def _send_fetch(self, exp: BlockIdentity, rendition: str) -> FetchHandle:

@@ -25,14 +25,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvnet.blocks.disk import DiskTier
-from kvnet.blocks.identity import prompt_blocks
+from kvnet.blocks.identity import BlockIdentity, prompt_blocks
 from kvnet.blocks.signing import Signer, SigningError, TrustStore
 from kvnet.cache.hashing import block_hashes, root_hash
 from kvnet.cache.paged_cache import PagedKVCache
@@ -63,6 +63,8 @@ from kvnet.node.config import (
     load_signer_and_trust,
     tenant_salt_and_namespace,
 )
+from kvnet.node.fetching import FetchOutcome
+from kvnet.node.overlap import OverlapResult, fetch_and_compute
 from kvnet.node.publishing import encode_blocks
 from kvnet.node.relay_peer import RelayPeer
 from kvnet.node.reports import NodeCounters, PublishReport, RequestReport
@@ -161,6 +163,7 @@ class Node:
                 force_recompute=config.abr_mode == "recompute",
                 deadline_margin_s=config.fetch_margin,
                 kv_dtype=dtype_name(spec.dtype),
+                overlap=config.abr_overlap,
             )
         )
         self.counters = NodeCounters()
@@ -371,8 +374,9 @@ class Node:
             if not report.relay_connected:
                 why = f" ({self.relay_problem})" if self.relay_problem else ""
                 report.fallback.append(f"relay not connected{why}: no remote prefix lookup")
+        head: OverlapResult | None = None
         if remote and self.peer is not None and local_blocks < usable:
-            await self._remote_prefix(ids, hashes, local_blocks, usable, report)
+            head = await self._remote_prefix(ids, hashes, local_blocks, usable, report)
         request = SequenceRequest(
             tuple(ids), max_new, sampling, frozenset((self.tokenizer.eos_id,)), keep_sequence=publish
         )
@@ -385,10 +389,15 @@ class Node:
                 self.abr.prefill.add(result.computed_tokens, finished.prefill_compute_seconds)
             # What the cache actually reused is the truth (a block evicted meanwhile is recomputed).
             hit_tokens = result.cached_tokens
-            report.remote_hit_tokens = max(hit_tokens - report.local_hit_tokens, 0)
+            # A head computed while the tail was fetched is in the cache too, but it is this request's work.
+            head_tokens = head_computed = 0
+            if head is not None:
+                head_tokens = max(min(head.head_end_tokens, hit_tokens) - local_blocks * b, 0)
+                head_computed = head.head_computed_tokens
+            report.remote_hit_tokens = max(hit_tokens - report.local_hit_tokens - head_tokens, 0)
             if hit_tokens < report.local_hit_tokens:
                 report.local_hit_tokens = hit_tokens
-            report.computed_tokens = result.computed_tokens
+            report.computed_tokens = result.computed_tokens + head_computed
             report.timings.prefill_s = result.prefill_seconds
             report.timings.decode_s = result.decode_seconds
             first_token = finished.first_token_time if finished.first_token_time is not None else gen_done
@@ -423,8 +432,10 @@ class Node:
 
     async def _remote_prefix(
         self, ids: list[int], hashes: list[bytes], start: int, usable: int, report: RequestReport
-    ) -> None:
-        """Locate, plan and fetch blocks ``start..usable-1`` into the cache (others compute meanwhile)."""
+    ) -> OverlapResult | None:
+        """Locate, plan and fetch blocks ``start..usable-1`` into the cache (others compute meanwhile); with
+        a split plan, compute the head of them in the engine while fetching the tail, and return what that
+        did (None without a split)."""
         peer = self.peer
         assert peer is not None
         renditions = list(self.abr.config.acceptable)
@@ -435,7 +446,7 @@ class Node:
             logger.warning("locate failed (%r); recomputing the whole prompt", exc)
             report.fallback.append(f"locate failed: {exc!r}")
             report.timings.locate_s = time.perf_counter() - t
-            return
+            return None
         report.timings.locate_s = time.perf_counter() - t
         located = found.available
         report.located_blocks = len(located)
@@ -444,7 +455,7 @@ class Node:
             # Counted as misses (so recomputed), but not "nobody has it": the report says what failed.
             report.fallback.append(f"locate: {count} probe(s) failed: {error}")
         if not located:
-            return
+            return None
         plan: AbrPlan = self.abr.plan(
             located, self.block_size, self.cache.spec.bytes_per_block, len(ids) - start * self.block_size
         )
@@ -454,8 +465,10 @@ class Node:
             probing = f"; probing: fetching {plan.fetch_blocks} to measure again" if plan.probe else ""
             logger.info("ABR %s%s", plan.describe_decline(), probing)
         if plan.fetch_blocks == 0:
-            return
+            return None
         expected = prompt_blocks(ids, self.block_size, hashes, self.root, start, start + plan.fetch_blocks)
+        if plan.compute_blocks:
+            return await self._fetch_and_compute(peer, plan, ids, hashes, start, expected, report)
         chosen = [plan.rendition_of(i) for i in range(plan.fetch_blocks)]
         logger.info(
             "located %d of %d missing blocks; fetching %d (%s)", len(located), usable - start,
@@ -472,22 +485,66 @@ class Node:
         report.bytes_fetched = outcome.bytes
         report.renditions = dict(outcome.renditions)
         if outcome.error is not None:
-            self.counters.fetch_fallbacks += 1
-            if outcome.rejected:
-                kind = outcome.rejected_kind or "content"
-                self.counters.blocks_rejected += 1
-                if kind == "signature":
-                    self.counters.security_signature_failures += 1
-                else:
-                    self.counters.security_content_failures += 1
-                report.security_events.append({"kind": kind, "detail": outcome.error or ""})
-                logger.warning("SECURITY: fetched block refused (%s): %s", kind, outcome.error)
+            self._fetch_failed(outcome, report)
             msg = (
                 f"fetch stopped at block {start + outcome.loaded} of {start + plan.fetch_blocks}: "
                 f"{outcome.error}; recomputing from there"
             )
             logger.warning(msg)
             report.fallback.append(msg)
+        return None
+
+    def _fetch_failed(self, outcome: FetchOutcome, report: RequestReport) -> None:
+        """Count a fetch that ended early and record a refused block as a security event."""
+        self.counters.fetch_fallbacks += 1
+        if outcome.rejected:
+            kind = outcome.rejected_kind or "content"
+            self.counters.blocks_rejected += 1
+            if kind == "signature":
+                self.counters.security_signature_failures += 1
+            else:
+                self.counters.security_content_failures += 1
+            report.security_events.append({"kind": kind, "detail": outcome.error or ""})
+            logger.warning("SECURITY: fetched block refused (%s): %s", kind, outcome.error)
+
+    async def _fetch_and_compute(
+        self, peer: RelayPeer, plan: AbrPlan, ids: list[int], hashes: list[bytes], start: int,
+        expected: list[BlockIdentity], report: RequestReport,
+    ) -> OverlapResult:
+        """Run a split plan (``kvnet.node.overlap``) and account for it in ``report``."""
+        logger.info(
+            "located %d blocks; computing the first %d while fetching the other %d (the split moves as "
+            "both progress)", plan.fetch_blocks, plan.compute_blocks, plan.fetch_blocks - plan.compute_blocks,
+        )
+
+        def fetch(
+            exp: list[BlockIdentity], renditions: list[str], out: FetchOutcome,
+            on_loaded: Callable[[int], None],
+        ) -> Awaitable[FetchOutcome]:
+            return peer.fetch(exp, renditions, None, outcome=out, on_loaded=on_loaded)
+
+        t = time.perf_counter()
+        done = await fetch_and_compute(
+            engine=self.engine, fetch=fetch, cached_prefix=self.cache.match_prefix, abr=self.abr, plan=plan,
+            ids=ids, hashes=hashes, start=start, expected=expected, block_size=self.block_size,
+            block_raw_bytes=self.cache.spec.bytes_per_block,
+        )
+        if done.head_computed_tokens > 0 and done.head_compute_s > 0:
+            self.abr.prefill.add(done.head_computed_tokens, done.head_compute_s)
+        outcome = done.fetch
+        report.timings.fetch_s = time.perf_counter() - t
+        report.timings.load_s = outcome.load_s
+        report.bytes_fetched = outcome.bytes
+        report.renditions = dict(outcome.renditions)
+        report.fetch_retries = outcome.retries
+        self.counters.fetch_retries += outcome.retries
+        report.head_computed_blocks = done.head_blocks
+        report.tail_fetched_blocks = done.fetched_blocks
+        report.overlap = done.to_json()
+        if outcome.error is not None:
+            self._fetch_failed(outcome, report)
+            report.fallback.append(f"fetch of the tail stopped: {outcome.error}; the head computed the rest")
+        return done
 
     async def connect(self) -> None:
         """Keep a session with the relay: returns after the first attempt, successful or not, and reconnects

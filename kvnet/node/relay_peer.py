@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -156,10 +157,11 @@ class RelayPeer:
         return await self.fetcher.locate(hashes, renditions)
 
     async def fetch(
-        self, expected: list[BlockIdentity], renditions: list[str], deadline: FetchDeadline | None = None
+        self, expected: list[BlockIdentity], renditions: list[str], deadline: FetchDeadline | None = None,
+        *, outcome: FetchOutcome | None = None, on_loaded: Callable[[int], None] | None = None,
     ) -> FetchOutcome:
         """Fetch, verify and load ``expected`` into the cache (``BlockFetcher.fetch``)."""
-        return await self.fetcher.fetch(expected, renditions, deadline)
+        return await self.fetcher.fetch(expected, renditions, deadline, outcome=outcome, on_loaded=on_loaded)
 
     async def push(self, blocks: list[StoredBlock]) -> int:
         if not self.connected or not blocks:

@@ -52,6 +52,13 @@ class RequestReport:
     published_blocks: int = 0
     fetch_retries: int = 0
     """FETCHes sent again for blocks the relay did not have whole yet (still being pushed)."""
+    head_computed_blocks: int = 0
+    """Blocks of the located prefix the engine computed while the tail was fetched (``kvnet.node.overlap``;
+    0 without a split)."""
+    tail_fetched_blocks: int = 0
+    """Blocks of the located prefix fetched while the head was computed (0 without a split)."""
+    overlap: dict[str, Any] = field(default_factory=dict)
+    """What fetching and computing at once did (``OverlapResult.to_json``); empty without a split."""
     verified: bool | None = None
     relay_connected: bool | None = None
     """False when a relay is configured but had no session while this request was served (so no remote
@@ -77,6 +84,9 @@ class RequestReport:
             "security_events": [dict(e) for e in self.security_events],
             "published_blocks": self.published_blocks,
             "fetch_retries": self.fetch_retries,
+            "head_computed_blocks": self.head_computed_blocks,
+            "tail_fetched_blocks": self.tail_fetched_blocks,
+            "overlap": dict(self.overlap),
         }
         if self.verified is not None:
             out["verified"] = self.verified

@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from kvnet.node.abr import RECOMPUTE, AbrConfig, KvAbr, PrefillEstimator, ThroughputEstimator
+from kvnet.node.abr import (
+    RECOMPUTE,
+    AbrConfig,
+    AbrPlan,
+    KvAbr,
+    PrefillEstimator,
+    ThroughputEstimator,
+    best_split,
+)
 
 BLOCK = 16
 RAW = 1_000_000  # raw bytes per block
 
 
 def _abr(per_token_s: float, bps: float, acceptable: tuple[str, ...] = ("lossless",)) -> KvAbr:
-    abr = KvAbr(AbrConfig(acceptable=acceptable, prior_throughput_bps=bps, prior_rtt_s=0.001, safety=1.0))
+    """An ABR choosing between fetching a prefix and recomputing (the split has its own tests below)."""
+    abr = KvAbr(AbrConfig(acceptable=acceptable, prior_throughput_bps=bps, prior_rtt_s=0.001, safety=1.0,
+                          overlap=False))
     abr.prefill.add(100, 100 * per_token_s)
     return abr
 
@@ -220,3 +230,51 @@ def test_a_stale_estimate_is_probed_after_a_while_without_samples() -> None:
     clock.now += 31.0
     plan = abr.plan([["lossless"]] * 4, BLOCK, RAW, total_tokens=70)
     assert plan.probe and plan.fetch_blocks == abr.config.probe_blocks
+
+
+# -- fetch and compute at once ----------------------------------------------------------------------------
+
+def _split_plan(per_token_s: float, bps: float, blocks: int = 8, **config: bool) -> AbrPlan:
+    abr = KvAbr(AbrConfig(prior_throughput_bps=bps, prior_rtt_s=0.001, safety=1.0, **config))
+    abr.prefill.add(100, 100 * per_token_s)
+    return abr.plan([["lossless"]] * blocks, BLOCK, RAW, total_tokens=blocks * BLOCK + 5)
+
+
+def test_split_balances_computing_the_head_with_fetching_the_tail() -> None:
+    # A lossless block: 0.85 MB at 100 MB/s + 1 ms decode = 9.5 ms; its prefill: 16 x 0.6 ms = 9.6 ms.
+    # Fetching all (~81 ms) and recomputing all (~80 ms) cost the same; computing 4 while fetching 4 ~42 ms.
+    plan = _split_plan(per_token_s=6e-4, bps=1e8)
+    assert (plan.compute_blocks, plan.fetch_blocks) == (4, 8)
+    assert [c.action for c in plan.choices] == [RECOMPUTE] * 4 + ["lossless"] * 4
+    assert plan.est_total_s < 0.6 * plan.est_recompute_all_s
+    assert plan.to_json()["compute_blocks"] == 4 and plan.declined_blocks == 0
+
+
+def test_split_follows_the_rates() -> None:
+    base = _split_plan(per_token_s=6e-4, bps=1e8, blocks=32).compute_blocks
+    faster_compute = _split_plan(per_token_s=3e-4, bps=1e8, blocks=32).compute_blocks
+    faster_network = _split_plan(per_token_s=6e-4, bps=3e8, blocks=32).compute_blocks
+    assert 0 < faster_network < base < faster_compute < 32
+    # Far apart, one side alone wins: no split.
+    fast_net = _split_plan(per_token_s=1e-2, bps=1e10)
+    assert (fast_net.compute_blocks, fast_net.fetch_blocks) == (0, 8)
+    slow_net = _split_plan(per_token_s=1e-5, bps=1e6)
+    assert (slow_net.compute_blocks, slow_net.fetch_blocks) == (0, 0)
+
+
+def test_no_split_when_overlap_is_off_or_the_mode_forbids_it() -> None:
+    assert _split_plan(per_token_s=6e-4, bps=1e8, overlap=False).compute_blocks == 0
+    fetch_all = _split_plan(per_token_s=6e-4, bps=1e8, allow_recompute=False)
+    assert (fetch_all.compute_blocks, fetch_all.fetch_blocks) == (0, 8)
+    assert _split_plan(per_token_s=6e-4, bps=1e8, force_recompute=True).fetch_blocks == 0
+
+
+def test_best_split_is_the_exact_argmin() -> None:
+    costs = [0.010, 0.010, 0.030, 0.010, 0.010]
+    k, t = best_split(costs, 0.005, lambda n: 0.012 * n)
+    brute = min(
+        (max(0.012 * j, (0.005 + sum(costs[j:])) if j < len(costs) else 0.0), j)
+        for j in range(len(costs) + 1)
+    )
+    assert (k, t) == (brute[1], pytest.approx(brute[0]))
+    assert best_split([], 0.005, lambda n: 0.0) == (0, 0.0)
