@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -51,7 +52,8 @@ class OverlapResult:
     head_blocks: int = 0
     """Blocks the engine computed (the head), including any it reached while the fetch delivered them too."""
     fetched_blocks: int = 0
-    """Blocks the fetch delivered, as one run ending at the last planned block."""
+    """Blocks taken from the fetch: the run it delivered ending at the last planned block, less any the
+    head reached too (computed, so counted there)."""
     head_end_tokens: int = 0
     """Prompt position the head computed up to (absolute, floored to a block)."""
     head_computed_tokens: int = 0
@@ -59,15 +61,21 @@ class OverlapResult:
     """The head's share of the engine's forwards (``SequenceFinished.prefill_compute_seconds``)."""
     fetch_extensions: int = 0
     """Times the fetch took more than its planned share (it reached the split before the head did)."""
+    head_s: float = 0.0
+    """Seconds until the head reached the fetched run (or failed)."""
+    fetch_s: float = 0.0
+    """Seconds until the fetch side ended: done, failed, or cancelled once the head reached it."""
     fetch: FetchOutcome = field(default_factory=FetchOutcome)
     head_error: str | None = None
 
-    def to_json(self) -> dict[str, int | str | None]:
+    def to_json(self) -> dict[str, int | float | str | None]:
         return {
             "planned_head_blocks": self.planned_head_blocks,
             "head_blocks": self.head_blocks,
             "fetched_blocks": self.fetched_blocks,
             "fetch_extensions": self.fetch_extensions,
+            "head_s": round(self.head_s, 6),
+            "fetch_s": round(self.fetch_s, 6),
             "head_error": self.head_error,
         }
 
@@ -132,7 +140,15 @@ async def fetch_and_compute(
             result.fetch_extensions += 1
             top, lo = lo, done + k
 
-    fetch_task = asyncio.ensure_future(fetch_side())
+    started = time.perf_counter()
+
+    async def timed_fetch_side() -> None:
+        try:
+            await fetch_side()
+        finally:
+            result.fetch_s = time.perf_counter() - started
+
+    fetch_task = asyncio.ensure_future(timed_fetch_side())
     try:
         finished: SequenceFinished | None = None
         try:
@@ -140,6 +156,7 @@ async def fetch_and_compute(
         except Exception as exc:  # the engine failed the head: the request's own prefill computes it
             result.head_error = str(exc) or type(exc).__name__
             logger.warning("head of the prefix failed (%s); the request computes it", result.head_error)
+        result.head_s = time.perf_counter() - started
     except BaseException:
         engine.cancel(head.seq_id)
         raise
@@ -153,7 +170,8 @@ async def fetch_and_compute(
         result.head_compute_s = finished.prefill_compute_seconds
         result.head_end_tokens = min((r.cached_tokens + r.computed_tokens) // b * b, hi * b)
         result.head_blocks = max(result.head_end_tokens // b - start, 0)
-    result.fetched_blocks = hi - frontier
+    # Blocks the head reached were computed whoever else delivered them: the fetch's share is the rest.
+    result.fetched_blocks = max(hi - max(frontier, result.head_end_tokens // b), 0)
     return result
 
 

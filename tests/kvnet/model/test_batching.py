@@ -241,3 +241,33 @@ def test_at_most_max_running_sequences_run_at_once(model: Transformer, root: byt
     assert scheduler.num_running == 2 and scheduler.num_waiting == 3
     Run(scheduler).until_idle()
     assert not scheduler.has_work()
+
+
+def test_prefill_limit_moves_while_the_head_runs(model: Transformer, root: bytes) -> None:
+    """A prompt-only sequence with a prefill limit stops there; raised, it goes on; lowered below what it
+    has done, it finishes at once. What it committed is what a later sequence reuses."""
+    cache = new_cache(model)
+    scheduler = BatchScheduler(model, cache, root=root, config=SchedulerConfig(4, 16))
+    head = prompt(96, seed=5)
+    run = Run(scheduler)
+    scheduler.add(1, SequenceRequest(head, 0, prefill_limit=32))
+    run.step()
+    assert scheduler.set_prefill_limit(1, 64)  # raised before it got there: it goes on
+    run.until_idle()
+    assert run.finished(1).result.computed_tokens == 64
+    assert cache.match_prefix(run.finished(1).result.block_hashes) == 4
+    scheduler.add(2, SequenceRequest(head, 0, prefill_limit=96))
+    run.step()  # 16 more tokens: 80 of 96
+    assert scheduler.set_prefill_limit(2, 64)  # lowered below what it did: finished before another forward
+    run.step()
+    finished = run.finished(2)
+    assert finished.finish_reason == "length"
+    assert (finished.result.cached_tokens, finished.result.computed_tokens) == (64, 16)
+    assert not scheduler.set_prefill_limit(2, 96)  # gone
+    full = SequenceRequest((*head, 9, 9), 5)
+    scheduler.add(3, full)
+    run.until_idle()
+    assert run.finished(3).result.cached_tokens == 80
+    assert run.tokens(3) == alone(model, root, full)
+    with pytest.raises(ValueError, match="prompt-only"):
+        scheduler.add(4, SequenceRequest(head, 3, prefill_limit=16))

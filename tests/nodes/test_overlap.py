@@ -1,0 +1,53 @@
+"""Fetch and compute at once (``kvnet.node.overlap``) between real processes: a publisher, a relay behind a
+link emulator, and a subscriber whose ABR splits the located prefix.
+
+The ``small`` preset (4 KiB of fp32 KV per token, 16-token blocks: 64 KiB a block) and a throughput prior
+near its prefill speed make the plan split the prefix; the emulator sets what the fetch really gets. The
+output must equal the node's own cold recompute (``--verify``), as for every remote hit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster
+
+B = TEST_BLOCK_SIZE
+PROMPT = (SHARED_PREFIX * 8)[:1900]
+MODEL = ("--model", "small")
+
+
+def _split_subscriber(c: Cluster, *link: str) -> dict[str, Any]:
+    c.start_relay()
+    c.publish_and_exit([PROMPT], *MODEL)
+    port = c.start_linkemu(*link)
+    args = ("--verify", *MODEL, "--abr", "auto", "--assume-throughput", "1e7", "--max-tokens", "6")
+    (report,) = c.subscribe([PROMPT + " and a question?"], *args, relay_port=port, timeout=180)
+    assert report["verified"] is True, report
+    plan = report["abr"]
+    assert 0 < plan["compute_blocks"] < plan["fetch_blocks"] == report["located_blocks"], plan
+    usable = (len(PROMPT) + 1) // B
+    assert report["located_blocks"] == usable
+    return report
+
+
+def test_head_is_computed_while_the_tail_is_fetched(kv_cluster: Cluster) -> None:
+    report = _split_subscriber(kv_cluster, "--delay-ms", "5", "--down-rate", "1e7")
+    head, tail = report["head_computed_blocks"], report["tail_fetched_blocks"]
+    assert head > 0 and tail > 0, report
+    assert report["overlap"]["head_blocks"] == head and report["overlap"]["fetched_blocks"] == tail
+    # Between them the two sides covered the located prefix; what the request reused from the relay are
+    # fetched blocks only (the head is this node's own work, counted as computed).
+    assert head + tail >= report["located_blocks"], report
+    assert 0 < report["remote_hit_tokens"] <= tail * B, report
+    assert report["remote_hit_tokens"] + report["computed_tokens"] >= report["prompt_tokens"], report
+    assert report["renditions"].get("lossless", 0) >= tail and report["bytes_fetched"] > 0
+
+
+def test_a_stalled_fetch_leaves_the_rest_to_the_head(kv_cluster: Cluster) -> None:
+    """The link trickles at 20 kB/s (a 56 kB block takes seconds): the head goes on past its planned
+    share instead of waiting, and the fetch is cancelled once the head has reached what it delivered."""
+    report = _split_subscriber(kv_cluster, "--down-rate", "20000")
+    assert report["head_computed_blocks"] > report["abr"]["compute_blocks"], report
+    assert report["head_computed_blocks"] + report["tail_fetched_blocks"] >= report["located_blocks"]
+    assert report["remote_hit_tokens"] <= report["tail_fetched_blocks"] * B
