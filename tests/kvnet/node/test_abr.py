@@ -234,8 +234,12 @@ def test_a_stale_estimate_is_probed_after_a_while_without_samples() -> None:
 
 # -- fetch and compute at once ----------------------------------------------------------------------------
 
-def _split_plan(per_token_s: float, bps: float, blocks: int = 8, **config: bool) -> AbrPlan:
-    abr = KvAbr(AbrConfig(prior_throughput_bps=bps, prior_rtt_s=0.001, safety=1.0, **config))
+def _split_plan(
+    per_token_s: float, bps: float, blocks: int = 8, *, overlap: bool = True, allow_recompute: bool = True,
+    force_recompute: bool = False,
+) -> AbrPlan:
+    abr = KvAbr(AbrConfig(prior_throughput_bps=bps, prior_rtt_s=0.001, safety=1.0, overlap=overlap,
+                          allow_recompute=allow_recompute, force_recompute=force_recompute))
     abr.prefill.add(100, 100 * per_token_s)
     return abr.plan([["lossless"]] * blocks, BLOCK, RAW, total_tokens=blocks * BLOCK + 5)
 

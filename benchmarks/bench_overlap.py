@@ -1,0 +1,128 @@
+"""TTFT of cold, fetch-only and fetch-and-compute over an emulated link, at several link rates.
+
+Starts a real relay and a publisher (``benchmarks/bench_ttft.py``'s ``Bench``) that publishes a warm-up
+prompt and a shared prefix, then for each rate puts ``kvnet linkemu`` (rate limit both ways, ``--rtt-ms``
+round trip) in front of the relay and runs one-shot subscribers through it (separate processes, real QUIC):
+
+* cold            — ``--abr recompute`` (no network; measured once per run, the link does not matter);
+* fetch-only      — ``--abr fetch``: the whole located prefix is fetched, then the suffix prefilled;
+* fetch+compute   — ``--abr auto``: the ABR may compute the head while fetching the tail
+  (``kvnet.node.overlap``), or choose one side alone where that is faster.
+
+Each subscriber first answers the warm-up prompt (its blocks also on the relay), so its kernels are warm
+and, in ``auto``, the ABR has measured the link before the timed request, as a running node would have.
+Medians over ``--runs``; the load average of the machine is printed with each run (other work on the same
+cores moves these figures a lot):
+
+    python benchmarks/bench_overlap.py --model small --prefix-tokens 2048 --rates 10,30,100,300 --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import common  # noqa: E402
+
+MODES = ("cold", "fetch-only", "fetch+compute")
+
+
+def _linkemu(bench: Any, rate_mbps: float, rtt_ms: float) -> tuple[Any, int]:
+    """Start ``kvnet linkemu`` in front of the bench's relay; (process, its port) once it forwards."""
+    port = common.free_port()
+    proc = bench.spawn(
+        ["-m", "kvnet.cli", "linkemu", "--listen", f"127.0.0.1:{port}", "--target", f"127.0.0.1:{bench.port}",
+         "--rate", str(rate_mbps * 1e6), "--delay-ms", str(rtt_ms / 2), "--queue-packets", "4000"],
+        f"linkemu-{rate_mbps:g}",
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if b"forwarding" not in line:
+        raise RuntimeError(f"linkemu did not start: {line!r}")
+    return proc, port
+
+
+def _timed(bench: Any, warm: str, prompt: str, port: int, *extra: str) -> dict[str, Any]:
+    """The report of ``prompt``, answered by a fresh subscriber after ``warm`` (through ``port``)."""
+    relay = ["--relay", f"moqt://127.0.0.1:{port}"]
+    _, report = bench.subscribe([warm, prompt], *relay, *extra)
+    return dict(report)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--prefix-tokens", type=int, default=2048)
+    ap.add_argument("--warm-tokens", type=int, default=512)
+    ap.add_argument("--rates", default="10,30,100,300", help="link rates in MB/s, comma-separated")
+    ap.add_argument("--rtt-ms", type=float, default=20.0)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads per node (one node runs at a time)")
+    args = ap.parse_args()
+    ttft = common.load_bench("bench_ttft")
+    assert ttft is not None, "benchmarks/bench_ttft.py is needed (relay and publisher set-up)"
+    rates = [float(r) for r in args.rates.split(",")]
+    prefix = ttft._prefix(args.prefix_tokens)
+    warm = "warm-up " + ttft._prefix(args.warm_tokens)[::-1]
+    times: dict[tuple[str, float], list[float]] = {}
+    splits: dict[float, list[str]] = {r: [] for r in rates}
+    loads: list[str] = []
+    n = str(args.max_tokens)
+    with tempfile.TemporaryDirectory() as d:
+        bench = ttft.Bench(Path(d), args.model, args.threads, [])
+        try:
+            print(f"publishing {args.prefix_tokens} tokens on model {args.model} ...", file=sys.stderr)
+            bench.start(prefix)
+            publish_warm = ["-m", "publisher", *bench.node_args(), "--prompt", warm, "--exit-after-publish"]
+            pub = bench.spawn(publish_warm, "publisher-warm")
+            if pub.wait(timeout=600) != 0:
+                raise RuntimeError("publishing the warm-up prompt failed")
+            for run in range(args.runs):
+                prompt = f"{prefix} Q{run}: why?"
+                cold = _timed(bench, warm, prompt, bench.port, "--abr", "recompute", "--max-tokens", n)
+                reference = cold["output_token_ids"]
+                for rate in rates:
+                    emu, port = _linkemu(bench, rate, args.rtt_ms)
+                    try:
+                        fetch = _timed(bench, warm, prompt, port, "--abr", "fetch", "--max-tokens", n)
+                        both = _timed(bench, warm, prompt, port, "--abr", "auto", "--max-tokens", n)
+                    finally:
+                        emu.terminate()
+                        emu.wait(timeout=10)
+                    for mode, report in (("cold", cold), ("fetch-only", fetch), ("fetch+compute", both)):
+                        assert report["output_token_ids"] == reference, f"{mode} changed the output"
+                        times.setdefault((mode, rate), []).append(report["timings"]["ttft_s"])
+                    plan = both["abr"]
+                    split = (f"{both['head_computed_blocks']}c/{both['tail_fetched_blocks']}f"
+                             if plan.get("compute_blocks") else
+                             ("fetch" if plan.get("fetch_blocks") else "recompute"))
+                    splits[rate].append(split)
+                    print(f"run {run + 1} {rate:g} MB/s: cold {cold['timings']['ttft_s']:.3f}s fetch-only "
+                          f"{fetch['timings']['ttft_s']:.3f}s fetch+compute {both['timings']['ttft_s']:.3f}s "
+                          f"({split}, planned {plan.get('compute_blocks', 0)} computed of "
+                          f"{plan.get('fetch_blocks', 0)}) load {common.load_average()}", file=sys.stderr)
+                loads.append(common.load_average().split()[0])
+        finally:
+            bench.close()
+    print(f"model={args.model} prefix_tokens={args.prefix_tokens} rtt={args.rtt_ms:g} ms runs={args.runs} "
+          f"(medians; load average after each run: {', '.join(loads)})")
+    print(f"{'MB/s':>6}{'cold s':>9}{'fetch s':>9}{'f+c s':>9}{'f+c/min':>9}  head computed / tail fetched")
+    for rate in rates:
+        med = {m: statistics.median(times[(m, rate)]) for m in MODES}
+        ratio = med["fetch+compute"] / min(med["cold"], med["fetch-only"])
+        print(f"{rate:>6g}{med['cold']:>9.3f}{med['fetch-only']:>9.3f}{med['fetch+compute']:>9.3f}"
+              f"{ratio:>9.2f}  {' '.join(splits[rate])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
