@@ -34,7 +34,7 @@ With the head ``[0, k)`` computed and ``[k, f)`` fetched, the plan's estimate is
 ``f`` is every located block with an acceptable rendition: moving a block out of the serial ``rest`` into
 the parallel part never costs more than computing it there (give the head one more block instead). ``k``
 balances the two sides (``best_split``; an O(f) scan with prefix sums) and the split is chosen only where
-it beats both the fetch cut above and recomputing everything. The split is a starting point, not a
+it beats both the fetch cut above and recomputing everything by ``SPLIT_MIN_GAIN``. The split is a starting point, not a
 commitment: the node moves the meeting point as the two sides actually progress (``kvnet.node.overlap``).
 
 Whatever the estimates said, a fetch also has one deadline (``FetchDeadline``): it may take at most
@@ -55,6 +55,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 RECOMPUTE = "recompute"
+SPLIT_MIN_GAIN = 0.1
+"""A split plan must be estimated this much faster (a fraction) than the best plan without one: it costs a
+second prefill's overhead and CPU that the fetch shares, and a near-tie gains nothing measurable."""
 # Higher quality first; a rendition not listed ranks after these, in name order.
 QUALITY_ORDER: tuple[str, ...] = ("lossless", "int8", "int4")
 # Encoded size / raw size before anything was measured, by KV dtype. Measured on SmolLM2's KV (docs/
@@ -508,7 +511,7 @@ class KvAbr:
         if self.config.overlap and self.config.allow_recompute and not self.config.force_recompute:
             rest = self.prefill.estimate(total_tokens - fetchable * block_size)
             k, parallel = best_split(fetch_costs[:fetchable], rtt, self.head_cost(block_size))
-            if 0 < k < fetchable and parallel + rest < best_t:
+            if 0 < k < fetchable and parallel + rest < (1 - SPLIT_MIN_GAIN) * best_t:
                 compute_k, best_k, best_t = k, fetchable, parallel + rest
         declined = max(fetchable - best_k, 0) if self.config.allow_recompute else 0
         probe = False

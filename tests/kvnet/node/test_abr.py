@@ -282,3 +282,10 @@ def test_best_split_is_the_exact_argmin() -> None:
     )
     assert (k, t) == (brute[1], pytest.approx(brute[0]))
     assert best_split([], 0.005, lambda n: 0.0) == (0, 0.0)
+
+
+def test_no_split_for_a_near_tie() -> None:
+    # 64 blocks: fetching one costs ~1.1 ms (mostly decode), computing one 60 ms. Computing the first
+    # block while the other 63 arrive would save ~1 ms of ~89: not worth a second prefill.
+    plan = _split_plan(per_token_s=3.75e-3, bps=1e10, blocks=64)
+    assert (plan.compute_blocks, plan.fetch_blocks) == (0, 64)
