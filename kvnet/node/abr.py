@@ -34,8 +34,9 @@ With the head ``[0, k)`` computed and ``[k, f)`` fetched, the plan's estimate is
 ``f`` is every located block with an acceptable rendition: moving a block out of the serial ``rest`` into
 the parallel part never costs more than computing it there (give the head one more block instead). ``k``
 balances the two sides (``best_split``; an O(f) scan with prefix sums) and the split is chosen only where
-it beats both the fetch cut above and recomputing everything by ``SPLIT_MIN_GAIN``. The split is a starting point, not a
-commitment: the node moves the meeting point as the two sides actually progress (``kvnet.node.overlap``).
+it beats both the fetch cut above and recomputing everything by ``SPLIT_MIN_GAIN``. The split is a
+starting point, not a commitment: the node moves the meeting point as the two sides actually progress
+(``kvnet.node.overlap``).
 
 Whatever the estimates said, a fetch also has one deadline (``FetchDeadline``): it may take at most
 ``deadline_margin_s`` plus the estimated recompute time of the blocks it has already delivered. Past that,
