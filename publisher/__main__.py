@@ -23,18 +23,21 @@ from dataclasses import dataclass
 
 from kvnet.errors import ContextLengthError
 from kvnet.logs import setup_logging_from_args
-from kvnet.model.engine import RequestTooLargeError
 from kvnet.model.registry import default_models_dir
 from kvnet.node.config import (
     NodeConfig,
+    RelayUnreachableError,
     add_node_arguments,
     add_prompt_arguments,
+    explain_relay_problem,
     node_config_from_cli,
     prompts_from_args,
 )
-from kvnet.node.node import NodeStartError, start_node
 from kvnet.progress import Progress
 from kvnet.settings import parse_settings, settings_parser
+
+# kvnet.node.node and kvnet.model.engine import torch (seconds): they are imported once the flags are parsed
+# and checked, so --help and a mistyped flag answer at once (tests/kvnet/test_cli_startup.py).
 
 logger = logging.getLogger("publisher")
 
@@ -47,6 +50,8 @@ class PublisherConfig:
     prompts: tuple[str, ...]
     exit_after_publish: bool = False
     json_output: bool = False
+    best_effort: bool = False
+    """Keep serving when the relay cannot be reached (the node keeps retrying) instead of failing."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,11 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit once the blocks are pushed into the relay's cache instead of serving until interrupted",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt on stdout")
+    p.add_argument(
+        "--best-effort", action="store_true",
+        help="when --relay cannot be reached, prefill anyway and keep serving while retrying it (without it "
+        "an unreachable relay is an error, exit status 1; --exit-after-publish always needs the relay)",
+    )
     add_node_arguments(p, relay_required=True)
     return p
 
 
 async def run(config: PublisherConfig) -> int:
+    from kvnet.model.engine import RequestTooLargeError
+    from kvnet.node.node import start_node
+
     progress = Progress.for_command(config.json_output)
     async with progress.activity(f"loading model {config.node.checkpoint or config.node.model}"):
         node = await start_node(config.node)
@@ -70,10 +83,18 @@ async def run(config: PublisherConfig) -> int:
     except (ContextLengthError, RequestTooLargeError):
         await node.close()
         raise
-    if config.exit_after_publish and node.peer is None:
-        # Nothing would outlive this process: say so rather than exit as if the blocks were published.
-        await node.close()
-        raise ConnectionError(f"relay {config.node.relay_url} unreachable; nothing published")
+    if node.peer is None:
+        problem = explain_relay_problem(config.node, node.relay_problem or "no session")
+        if config.exit_after_publish:
+            # Nothing would outlive this process: say so rather than exit as if the blocks were published.
+            await node.close()
+            raise RelayUnreachableError(f"{problem}; nothing published")
+        if not config.best_effort:
+            await node.close()
+            raise RelayUnreachableError(
+                f"{problem}; nothing published (--best-effort keeps serving and retries)"
+            )
+        logger.warning("%s; --best-effort: serving and retrying", problem)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -124,8 +145,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     config = PublisherConfig(
         node=node_cfg, prompts=tuple(prompts), exit_after_publish=args.exit_after_publish,
-        json_output=args.json,
+        json_output=args.json, best_effort=args.best_effort,
     )
+    from kvnet.model.engine import RequestTooLargeError  # torch: once every flag is checked
+    from kvnet.node.node import NodeStartError
+
     try:
         return asyncio.run(run(config))
     except KeyboardInterrupt:
@@ -133,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (NodeStartError, ContextLengthError, RequestTooLargeError) as exc:
         print(f"kvnet-publisher: error: {exc}", file=sys.stderr)
         return 2
-    except (ConnectionError, TimeoutError, OSError) as exc:
+    except (RelayUnreachableError, ConnectionError, TimeoutError, OSError) as exc:
         print(f"kvnet-publisher: error: {exc}", file=sys.stderr)
         return 1
 

@@ -23,18 +23,21 @@ from itertools import count
 
 from kvnet.errors import ContextLengthError
 from kvnet.logs import setup_logging_from_args
-from kvnet.model.engine import RequestTooLargeError
 from kvnet.model.registry import default_models_dir
 from kvnet.node.config import (
     NodeConfig,
+    RelayUnreachableError,
     add_node_arguments,
     add_prompt_arguments,
+    explain_relay_problem,
     node_config_from_cli,
     prompts_from_args,
 )
-from kvnet.node.node import NodeStartError, start_node
 from kvnet.progress import Activity, Progress
 from kvnet.settings import parse_settings, settings_parser
+
+# kvnet.node.node and kvnet.model.engine import torch (seconds): they are imported once the flags are parsed
+# and checked, so --help and a mistyped flag answer at once (tests/kvnet/test_cli_startup.py).
 
 logger = logging.getLogger("subscriber")
 
@@ -48,6 +51,8 @@ class SubscriberConfig:
     json_output: bool = False
     verify: bool = False
     publish: bool = False
+    best_effort: bool = False
+    """Answer without the relay when it cannot be reached (recomputing) instead of failing."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt on stdout")
     p.add_argument("--verify", action="store_true", help="check the output against a full local recompute")
     p.add_argument("--publish", action="store_true", help="also publish the blocks this prompt computed")
+    p.add_argument(
+        "--best-effort", action="store_true",
+        help="answer even when --relay cannot be reached, recomputing every prompt locally (without it "
+        "an unreachable relay is an error, exit status 1)",
+    )
     add_node_arguments(p, relay_required=False)
     return p
 
@@ -82,11 +92,18 @@ def _human(report: dict[str, object]) -> str:
 
 
 async def run(config: SubscriberConfig) -> int:
+    from kvnet.node.node import start_node
+
     progress = Progress.for_command(config.json_output)
     async with progress.activity(f"loading model {config.node.checkpoint or config.node.model}"):
         node = await start_node(config.node)
     ok = True
     try:
+        if config.node.relay_url is not None and node.peer is None:
+            problem = explain_relay_problem(config.node, node.relay_problem or "no session")
+            if not config.best_effort:
+                raise RelayUnreachableError(f"{problem} (--best-effort answers without it)")
+            logger.warning("%s; --best-effort: answering without it", problem)
         node.check_prompts(config.prompts, config.node.max_new_tokens)
         for i, prompt in enumerate(config.prompts):
             tokens = len(node.encode_prompt(prompt))
@@ -125,8 +142,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvnet-subscriber: error: {exc}", file=sys.stderr)
         return 2
     config = SubscriberConfig(
-        node=node_cfg, prompts=tuple(prompts), json_output=args.json, verify=args.verify, publish=args.publish
+        node=node_cfg, prompts=tuple(prompts), json_output=args.json, verify=args.verify,
+        publish=args.publish, best_effort=args.best_effort,
     )
+    from kvnet.model.engine import RequestTooLargeError  # torch: once every flag is checked
+    from kvnet.node.node import NodeStartError
+
     try:
         return asyncio.run(run(config))
     except KeyboardInterrupt:
@@ -134,6 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (NodeStartError, ContextLengthError, RequestTooLargeError) as exc:
         print(f"kvnet-subscriber: error: {exc}", file=sys.stderr)
         return 2
+    except RelayUnreachableError as exc:
+        print(f"kvnet-subscriber: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

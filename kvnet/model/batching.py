@@ -28,8 +28,8 @@ from kvnet.cache.hashing import block_hashes
 from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.errors import KVCacheError
 from kvnet.model.attention import BatchSegment
+from kvnet.model.defaults import DEFAULT_MAX_RUNNING_SEQUENCES, DEFAULT_PREFILL_CHUNK
 from kvnet.model.generate import (
-    DEFAULT_PREFILL_CHUNK,
     GREEDY,
     GenerationResult,
     SamplingParams,
@@ -40,8 +40,6 @@ from kvnet.model.generate import (
     validate_token_ids,
 )
 from kvnet.model.transformer import Transformer
-
-DEFAULT_MAX_RUNNING_SEQUENCES = 16
 
 
 @dataclass(frozen=True)

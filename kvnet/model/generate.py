@@ -24,10 +24,8 @@ from torch import Tensor
 from kvnet.cache.hashing import block_hashes, root_hash
 from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
 from kvnet.errors import CacheUsageError, ContextLengthError, InvalidTokenError
+from kvnet.model.defaults import DEFAULT_PREFILL_CHUNK
 from kvnet.model.transformer import Transformer
-
-DEFAULT_PREFILL_CHUNK = 512
-"""Prompt tokens per prefill forward pass: bounds the [T, S] attention mask and activations."""
 
 TokenIdsLike = Sequence[int] | Tensor
 """Token ids as a sequence of ints or a 1-D integer tensor."""

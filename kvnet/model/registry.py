@@ -5,6 +5,8 @@ SHA-256) and the models cache directory where their conversions live. Resolving 
 packaged GGUF once (`kvnet.model.gguf`) under a file lock, so processes started together convert it only
 once; later resolutions reuse the directory after checking it was made from the expected file. The caller
 passes the cache directory (`default_models_dir` reads the environment); nothing here downloads anything.
+The table and `default_models_dir` load no torch (commands check ``--model`` before importing it); the
+converter and checkpoint reader are imported where a name is resolved.
 """
 
 from __future__ import annotations
@@ -15,9 +17,6 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
-from kvnet.model.checkpoint import CONFIG_FILE
-from kvnet.model.gguf import CONVERTER, SOURCE_KEY, convert_gguf
 
 
 class ModelNotAvailableError(ValueError):
@@ -78,6 +77,9 @@ def packaged_file(model: RegisteredModel) -> Path:
 
 
 def _converted_from(directory: Path, model: RegisteredModel) -> bool:
+    from kvnet.model.checkpoint import CONFIG_FILE
+    from kvnet.model.gguf import SOURCE_KEY
+
     try:
         source = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8")).get(SOURCE_KEY, {})
     except (OSError, ValueError):
@@ -89,6 +91,8 @@ def resolve_model(
     name: str, models_dir: Path, *, progress: Callable[[str], None] = lambda message: None
 ) -> Path:
     """The checkpoint directory of model `name` in `models_dir`, converting the packaged GGUF on first use."""
+    from kvnet.model.gguf import CONVERTER, convert_gguf
+
     model = MODELS.get(name)
     if model is None:
         raise ModelNotAvailableError(f"unknown model {name!r}; known: {sorted(MODELS)}")

@@ -3,7 +3,9 @@
 Owns: ``NodeConfig`` (model, cache, relay, signing/trust and ABR knobs), ``add_node_arguments`` /
 ``node_config_from_cli`` (the flags of ``kvnet-publisher``, ``kvnet-subscriber`` and ``kvnet-node``), the
 key-directory defaults (``resolve_keys``) and the token-file reader. Nothing here
-builds a model or opens a connection; ``main()`` functions read the environment and pass it in.
+builds a model or opens a connection; ``main()`` functions read the environment and pass it in. Nor does
+it import torch (only ``--device`` other than cpu is checked with it), so the commands parse and check
+their flags before they load it (tests/kvnet/test_cli_startup.py).
 """
 
 from __future__ import annotations
@@ -14,23 +16,18 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from kvnet.blocks.signing import Signer, SigningError, TrustStore, generate_keypair, load_signer
-from kvnet.dtypes import DTYPE_BY_NAME
 from kvnet.logs import add_log_arguments
-from kvnet.model.batching import DEFAULT_MAX_RUNNING_SEQUENCES
-from kvnet.model.generate import DEFAULT_PREFILL_CHUNK
+from kvnet.model.defaults import DEFAULT_MAX_RUNNING_SEQUENCES, DEFAULT_PREFILL_CHUNK, PRESET_NAMES
 from kvnet.model.registry import MODELS, is_registered
-from kvnet.model.transformer import transformer_configs
 from kvnet.net.settings import DATAGRAM_SIZE_ETHERNET, DEFAULT_STACK, LINK_PRESETS, TransportSettings
 from kvnet.net.url import parse_moqt_url
 from kvnet.node.abr import QUALITY_ORDER
-from kvnet.node.fetching import DEFAULT_VERIFY_WORKERS, DEFAULT_WINDOW_BYTES, MAX_VERIFY_WORKERS
 from kvnet.security.certs import check_tls_files
 from kvnet.security.tenancy import NodeSecret, TenancyError
 from kvnet.security.tokens import read_token_file
 from kvnet.settings import size_arg
+from proto.kvobject import DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +40,20 @@ MAX_DEFAULT_CACHE_BLOCKS = 2048
 # at the cost of recomputing up to 63 shared tokens past the last full block.
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_TENANT = "default"
+DEFAULT_MODEL = "smollm2"
+"""The trained model every node command runs unless told otherwise (``--model``)."""
+DTYPE_NAMES = sorted(DTYPES)
+"""``--dtype`` values: the element dtypes a KV block can carry (``kvnet.dtypes.DTYPE_BY_NAME``'s names)."""
+DEFAULT_WINDOW_BYTES = 4 << 20
+"""Raw block bytes a fetch keeps requested ahead of the block being loaded (``kvnet.node.fetching``)."""
+DEFAULT_VERIFY_WORKERS = 0
+"""Threads that check digests and decode layers during a fetch; 0 does it on the event loop. Chosen by
+measurement (docs/performance.md, "Verify and decode off the event loop")."""
+MAX_VERIFY_WORKERS = 64
+
+
+class RelayUnreachableError(Exception):
+    """A one-shot command's relay could not be reached and ``--best-effort`` was not given (exit status 1)."""
 
 
 @dataclass(frozen=True)
@@ -60,11 +71,10 @@ class NodeConfig:
     token_file: Path | None = None
     """File holding the authorization token (``kvnet token issue``) presented in SETUP's AUTHORIZATION TOKEN
     option; read at every connect, so a renewed token is picked up by the next session."""
-    model: str = "small"
-    """A trained model's name (``smollm2``, `kvnet.model.registry`: converted on first use) or a built-in
-    preset of random weights of a given shape (``tiny``, ``small``, ``bench``). ``small`` by default: on
-    ``tiny`` a CPU prefills faster than any network fetch, so the ABR would (rightly) never reuse a remote
-    prefix."""
+    model: str = DEFAULT_MODEL
+    """A trained model's name (``smollm2``, the default: `kvnet.model.registry`, converted on first use) or
+    a built-in preset of random weights of a given shape (``tiny``, ``small``, ``bench``: tests and
+    benchmarks that want speed over meaning name one)."""
     checkpoint: Path | None = None
     """A local Llama-layout checkpoint directory used instead of ``model``."""
     models_dir: Path | None = None
@@ -156,8 +166,8 @@ class NodeConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.cache_blocks is not None and self.cache_blocks <= 0:
             raise ValueError(f"cache_blocks must be positive, got {self.cache_blocks}")
-        if self.dtype is not None and self.dtype not in DTYPE_BY_NAME:
-            raise ValueError(f"dtype must be one of {list(DTYPE_BY_NAME)}, got {self.dtype!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         for name in ("publish_renditions", "acceptable_renditions"):
             values = getattr(self, name)
             if not values:
@@ -258,13 +268,14 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
     size.add_argument("--ethernet", action="store_true", help="same as --link ethernet")
     m = parser.add_argument_group("model and cache")
     m.add_argument(
-        "--model", default="small",
-        help="trained model name (smollm2) or built-in preset of random weights: tiny, small, bench",
+        "--model", default=DEFAULT_MODEL,
+        help="trained model name (smollm2) or built-in preset of random weights (tiny, small, bench: "
+        "quick to start, meaningless output)",
     )
     m.add_argument("--checkpoint", type=Path, help="local checkpoint directory instead of --model")
     m.add_argument("--seed", type=int, default=0, help="seed of the built-in weights")
     m.add_argument(
-        "--dtype", choices=list(DTYPE_BY_NAME),
+        "--dtype", choices=DTYPE_NAMES,
         help="model and KV dtype (none given: the model's own, bfloat16 for smollm2; float32 for presets)",
     )
     m.add_argument("--device", default="cpu", help="torch device")
@@ -455,26 +466,32 @@ def resolve_keys(config: NodeConfig, key_dir: Path | None) -> NodeConfig:
 def check_startup_inputs(config: NodeConfig) -> None:
     """Refuse, before anything starts, what would only fail later: a bad relay URL, unreadable or non-PEM
     TLS files, an unknown preset or device, a missing checkpoint, unreadable keys. ``ValueError`` naming
-    the flag, the file and the reason."""
+    the flag, the file and the reason. Imports no torch unless ``--device`` names something but ``cpu``."""
     if config.relay_url is not None:
         parse_moqt_url(config.relay_url)
     check_tls_files(config.ca_file, config.cert_file, config.key_file)
     if config.checkpoint is not None:
         if not config.checkpoint.is_dir():
             raise ValueError(f"--checkpoint {config.checkpoint}: not a directory")
-    elif config.model not in transformer_configs and not is_registered(config.model):
-        known = ", ".join(sorted([*transformer_configs, *MODELS]))
+    elif config.model not in PRESET_NAMES and not is_registered(config.model):
+        known = ", ".join(sorted([*PRESET_NAMES, *MODELS]))
         raise ValueError(f"--model {config.model!r}: unknown preset; known: {known}")
-    try:
-        torch.device(config.device)
-    except RuntimeError:
-        raise ValueError(f"--device {config.device!r}: not a torch device (cpu, cuda, cuda:1, ...)") from None
     try:
         if config.signing_key is not None:
             load_signer(config.signing_key)
         TrustStore.from_paths(config.trust)
     except SigningError as exc:
         raise ValueError(str(exc)) from None
+    if config.device != "cpu":
+        # Only torch knows its device names; every check above ran without importing it (seconds).
+        import torch
+
+        try:
+            torch.device(config.device)
+        except RuntimeError:
+            raise ValueError(
+                f"--device {config.device!r}: not a torch device (cpu, cuda, cuda:1, ...)"
+            ) from None
 
 
 def load_signer_and_trust(config: NodeConfig) -> tuple[Signer | None, TrustStore]:
@@ -498,6 +515,38 @@ def tenant_salt_and_namespace(tenant: str, node_secret: NodeSecret | None) -> tu
     if tenant != DEFAULT_TENANT:
         raise ValueError("a tenant other than the default needs a node secret")
     return b"", tenant
+
+
+# What TLS libraries say when a peer's certificate does not verify (OpenSSL through aioquic, qh3's rustls).
+_CERTIFICATE_FAILURES = ("certificate", "unknownissuer", "unknown issuer", "badsignature")
+_NO_ANSWER = ("idle timeout", "timed out", "connection refused")
+
+
+def explain_relay_problem(config: NodeConfig, problem: str) -> str:
+    """``problem`` (``Node.relay_problem``: the relay URL and why the last attempt failed) with what to do
+    about it: a certificate that does not verify names ``--ca`` and its file, silence names the UDP
+    address that was tried and how long it was given."""
+    url = config.relay_url or "(none)"
+    lowered = problem.lower()
+    if any(marker in lowered for marker in _CERTIFICATE_FAILURES):
+        cause = problem.rpartition(": ")[2] or problem
+        return (
+            f"relay {url}: its TLS certificate does not verify against --ca {config.ca_file} ({cause}); "
+            "pass --ca the CA certificate that issued the relay's (ca.pem of the relay's 'kvnet certs' "
+            "directory)"
+        )
+    if any(marker in lowered for marker in _NO_ANSWER):
+        try:
+            target = parse_moqt_url(url)
+            where = f"UDP {target.host}:{target.port}"
+        except ValueError:
+            where = url
+        return (
+            f"relay {url} unreachable: a QUIC handshake to {where} got no answer within "
+            f"{config.relay_idle_timeout:g} s (--relay-idle-timeout); is kvnet-relay listening there "
+            "(its --listen)?"
+        )
+    return problem
 
 
 def default_key_dir(kvnet_home: str | None) -> Path:

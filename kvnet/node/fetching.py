@@ -60,22 +60,19 @@ from kvnet.net.connection import MoqtConnection
 from kvnet.net.errors import LimitError, MoqtConnectionError, RequestRejected, StreamResetError
 from kvnet.net.handles import FetchHandle
 from kvnet.node.abr import AbrConfig, FetchDeadline, KvAbr
+from kvnet.node.config import DEFAULT_VERIFY_WORKERS, DEFAULT_WINDOW_BYTES, MAX_VERIFY_WORKERS
 from kvnet.node.locate import DEFAULT_LOCATE_FAN_OUT, DEFAULT_STRAGGLER_GRACE, Located, locate_prefix
 from proto.errors import RequestErrorCode
 from proto.kvobject import BLOCK_GROUP_ID, MANIFEST_OBJECT_ID, BlockManifest, KVObjectError, block_track
 from proto.messages import Location
 
 logger = logging.getLogger(__name__)
+# DEFAULT_WINDOW_BYTES, DEFAULT_VERIFY_WORKERS and MAX_VERIFY_WORKERS live with the node's flags
+# (kvnet.node.config), which commands parse before torch loads.
 
-DEFAULT_WINDOW_BYTES = 4 << 20
-"""Raw block bytes a fetch keeps requested ahead of the block being loaded (see the module docstring)."""
 MAX_FETCHES_IN_FLIGHT = 128
 """FETCHes a fetch keeps open at most, however small the blocks: peers refuse more than
 ``SessionConfig.max_requests_in_flight`` (256 by default) unanswered requests of one session."""
-DEFAULT_VERIFY_WORKERS = 0
-"""Threads that check digests and decode layers during a fetch; 0 does it on the event loop. Chosen by
-measurement (docs/performance.md, "Verify and decode off the event loop")."""
-MAX_VERIFY_WORKERS = 64
 LAYERS_PER_TASK = 16
 """Layers of one block handed to a worker together: each hand-off to a thread costs the event loop a
 GIL switch (8% of its profile with one layer per task); 16 measured better than 1, 4 and 8."""

@@ -19,30 +19,33 @@ import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvnet.logs import setup_logging_from_args
-from kvnet.model.engine import Admission
-from kvnet.model.generate import SamplingParams, TokenCallback
 from kvnet.model.registry import default_models_dir
 from kvnet.node.config import NodeConfig, add_node_arguments, node_config_from_cli
-from kvnet.node.httpapi import (
-    DEFAULT_MAX_CONNECTIONS,
-    AdmissionTicket,
-    ApiSettings,
-    ChatUnsupportedError,
-    GenerationOutcome,
-    HttpServer,
-    OpenAiApi,
-    bind_http,
-)
 from kvnet.node.httpguard import HttpLimits
-from kvnet.node.metrics import NodeMetrics
-from kvnet.node.node import Node, NodeStartError, start_node
 from kvnet.progress import Progress
 from kvnet.settings import parse_settings, settings_parser
 
+# The model, the node and the HTTP API import torch (seconds): they are imported once the flags are
+# parsed and checked, so --help and a mistyped flag answer at once (tests/kvnet/test_cli_startup.py).
+if TYPE_CHECKING:
+    from kvnet.model.engine import Admission
+    from kvnet.model.generate import SamplingParams, TokenCallback
+    from kvnet.node.httpapi import AdmissionTicket, ApiSettings, GenerationOutcome
+    from kvnet.node.node import Node
+
 logger = logging.getLogger("kvnet-node")
+
+DEFAULT_MAX_CONNECTIONS = HttpLimits.max_connections
+"""``--max-connections``: HTTP connections served at once."""
+
+
+def _default_api_settings() -> ApiSettings:
+    from kvnet.node.httpapi import ApiSettings
+
+    return ApiSettings()
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class ServeConfig:
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     publish: bool = True
-    api: ApiSettings = field(default_factory=ApiSettings)
+    api: ApiSettings = field(default_factory=_default_api_settings)
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     """HTTP connections served at once and client deadlines (``kvnet.node.httpguard``)."""
 
@@ -70,6 +73,8 @@ class NodeBackend:
         self.publish = publish
         self.model_name = node.model_name
         self.max_context_tokens = node.model.args.max_seq_len
+        from kvnet.node.metrics import NodeMetrics
+
         self.metrics = NodeMetrics(node)
         self.draining = False
         """Set when the node starts shutting down: /ready turns 503 so a load balancer stops sending."""
@@ -80,6 +85,8 @@ class NodeBackend:
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         encode_chat = getattr(self.node.tokenizer, "encode_chat", None)
         if encode_chat is None or getattr(self.node.tokenizer, "chat_template", None) is None:
+            from kvnet.node.httpapi import ChatUnsupportedError
+
             raise ChatUnsupportedError("its tokenizer has no chat template; use /v1/completions")
         ids: list[int] = encode_chat(messages)
         return ids
@@ -100,6 +107,9 @@ class NodeBackend:
         self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, on_token: TokenCallback,
         admission: AdmissionTicket,
     ) -> GenerationOutcome:
+        from kvnet.model.engine import Admission
+        from kvnet.node.httpapi import GenerationOutcome
+
         assert isinstance(admission, Admission)  # what admit() returned
         report = await self.node.complete(
             "", max_tokens, prompt_ids=prompt_ids, sampling=sampling, on_token=on_token, publish=self.publish,
@@ -135,6 +145,9 @@ class NodeBackend:
 
 
 async def serve(config: ServeConfig) -> int:
+    from kvnet.node.httpapi import HttpServer, OpenAiApi, bind_http
+    from kvnet.node.node import NodeStartError, start_node
+
     try:
         sock = bind_http(config.http_host, config.http_port)
     except (OSError, OverflowError) as exc:
@@ -196,6 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging_from_args(args)
     try:
         node_cfg = node_config_from_cli(args, os.environ.get("KVNET_HOME"), default_models_dir(os.environ))
+        from kvnet.node.httpapi import ApiSettings  # torch: after every check that does not need it
+
         api = ApiSettings(served_model_name=args.served_model_name, api_key=args.api_key)
         limits = HttpLimits(max_connections=args.max_connections)
     except (ValueError, OSError) as exc:

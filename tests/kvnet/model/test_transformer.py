@@ -177,3 +177,10 @@ def test_tied_embeddings_share_one_tensor() -> None:
     model = Transformer(args, device=CPU)
     assert model.output.weight is model.tok_embeddings.weight
     assert sum(p.numel() for p in model.parameters()) == args.num_parameters
+
+
+def test_the_preset_names_commands_check_are_the_presets() -> None:
+    # Commands check --model against kvnet.model.defaults (no torch) before they load this module.
+    from kvnet.model.defaults import PRESET_NAMES
+
+    assert tuple(transformer_configs) == PRESET_NAMES
