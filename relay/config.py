@@ -274,7 +274,19 @@ def startup_reason(exc: Exception, config: RelayConfig) -> str:
     if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
         # asyncio's TCP server (the metrics endpoint) words its bind errors so; the QUIC socket is UDP.
         if "while attempting to bind" in exc.strerror:
-            where = f"--metrics {config.metrics_host}:{config.metrics_port}"
-            return f"{where}: cannot listen: {exc.strerror.rpartition(': ')[2]}"
-        return f"--listen {config.host}:{config.port}: cannot listen: {exc.strerror}"
+            return metrics_port_unusable(config.metrics_host, config.metrics_port, exc.strerror)
+        return (
+            f"--listen {config.host}:{config.port}: cannot listen: {exc.strerror} (--listen HOST:PORT "
+            "moves the relay)"
+        )
     return exc.strerror
+
+
+def metrics_port_unusable(host: str, port: int, reason: str) -> str:
+    """The one line for a metrics port that cannot be bound (9464 by default: another relay or an exporter
+    may hold it), naming the flag that moves it."""
+    reason = reason.rpartition(": ")[2].lower()
+    return (
+        f"--metrics {host}:{port}: cannot listen: {reason} (--metrics HOST:PORT moves the metrics endpoint, "
+        '--metrics "" turns it off)'
+    )

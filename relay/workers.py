@@ -54,7 +54,7 @@ from kvnet.net.settings import TlsSettings
 from kvnet.security import certs
 from kvnet.security.tokens import Action, IssuerKey, issue_token, make_claims
 from relay.cache import CacheConfig
-from relay.config import RelayConfig
+from relay.config import RelayConfig, metrics_port_unusable
 
 logger = logging.getLogger(__name__)
 
@@ -224,8 +224,9 @@ def check_metrics_ports_free(config: RelayConfig) -> None:
             with socket.socket(socket.AF_INET6 if ":" in config.metrics_host else socket.AF_INET) as s:
                 s.bind((config.metrics_host, port))
         except OSError as exc:
-            reason = (exc.strerror or str(exc)).lower()
-            raise ValueError(f"--metrics {config.metrics_host}:{port}: cannot listen: {reason}") from None
+            raise ValueError(
+                metrics_port_unusable(config.metrics_host, port, exc.strerror or str(exc))
+            ) from None
 
 
 def make_hub_credentials(directory: Path) -> HubCredentials:

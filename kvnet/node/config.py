@@ -543,8 +543,8 @@ def explain_relay_problem(config: NodeConfig, problem: str) -> str:
             where = url
         return (
             f"relay {url} unreachable: a QUIC handshake to {where} got no answer within "
-            f"{config.relay_idle_timeout:g} s (--relay-idle-timeout); is kvnet-relay listening there "
-            "(its --listen)?"
+            f"{config.relay_idle_timeout:g} s (--relay-idle-timeout); check that kvnet-relay listens "
+            "there (its --listen)"
         )
     return problem
 

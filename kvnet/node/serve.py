@@ -153,7 +153,7 @@ async def serve(config: ServeConfig) -> int:
     except (OSError, OverflowError) as exc:
         where = f"{config.http_host}:{config.http_port}"
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ConfigError(f"--http {where}: cannot listen: {reason}") from None
+        raise ConfigError(f"--http {where}: cannot listen: {reason} (--http HOST:PORT moves it)") from None
     try:
         model = config.node.checkpoint or config.node.model
         async with Progress.for_command().activity(f"loading model {model}"):
