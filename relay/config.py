@@ -282,7 +282,7 @@ def startup_reason(exc: Exception, config: RelayConfig) -> str:
     return exc.strerror
 
 
-def metrics_port_unusable(host: str, port: int, reason: str) -> str:
+def metrics_port_unusable(host: str, port: int | None, reason: str) -> str:
     """The one line for a metrics port that cannot be bound (9464 by default: another relay or an exporter
     may hold it), naming the flag that moves it."""
     reason = reason.rpartition(": ")[2].lower()
