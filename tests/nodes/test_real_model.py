@@ -3,10 +3,16 @@ tokenizer) through a real relay; the remote hit is lossless and its output equal
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
+import openai
 import pytest
 
+from tests.helpers.processes import REPO, free_port, wait_for_output
 from tests.nodes import cluster as cluster_module
 from tests.nodes.cluster import TEST_BLOCK_SIZE, cluster
 
@@ -36,3 +42,30 @@ def test_remote_hit_on_smollm2_equals_recompute(
     # Real text from the model's own tokenizer, not bytes of a 259-token vocabulary.
     assert remote["output_text"].strip() and max(remote["output_token_ids"]) >= 259
     assert remote["prompt_tokens"] < len(ask) // 2
+
+
+@pytest.mark.slow
+def test_a_default_node_answers_with_the_trained_model(smollm2_dir: Path, tmp_path: Path) -> None:
+    # kvnet-node as a new user starts it: no --model (SmolLM2, not random weights), no relay.
+    port = free_port(socket.SOCK_STREAM)
+    log = tmp_path / "node.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVNET_")}
+    env["KVNET_HOME"] = str(tmp_path / "home")
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvnet.node.serve", "--http", f"127.0.0.1:{port}"], cwd=REPO, env=env,
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+    try:
+        wait_for_output(proc, lambda: log.read_text(errors="replace"), "READY http://", "kvnet-node",
+                        timeout=REAL_MODEL_START_TIMEOUT)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
+        (model,) = [m.id for m in client.models.list()]
+        answer = client.completions.create(
+            model=model, prompt="The capital of France is", max_tokens=4, temperature=0
+        )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert "smollm2" in model.lower(), model
+    assert answer.choices[0].text.strip().startswith("Paris"), answer.choices[0].text
