@@ -524,16 +524,27 @@ _NO_ANSWER = ("idle timeout", "timed out", "connection refused")
 
 def explain_relay_problem(config: NodeConfig, problem: str) -> str:
     """``problem`` (``Node.relay_problem``: the relay URL and why the last attempt failed) with what to do
-    about it: a certificate that does not verify names ``--ca`` and its file, silence names the UDP
-    address that was tried and how long it was given."""
+    about it: a certificate that does not verify names ``--ca`` and its file, one that does not name the
+    host dialled says how to issue one that does, silence names the UDP address that was tried and how long
+    it was given. Anything else is returned as it is."""
     url = config.relay_url or "(none)"
     lowered = problem.lower()
+    if "doesn't match" in lowered or "hostname mismatch" in lowered or "notvalidforname" in lowered:
+        cause = problem.rpartition("failed: ")[2] or problem
+        try:
+            host = parse_moqt_url(url).host
+        except ValueError:
+            host = url
+        return (
+            f"relay {url}: its TLS certificate does not name {host} ({cause}); dial a name it lists "
+            f"('kvnet certs show' prints them) or issue it with 'kvnet certs issue ... --host {host}'"
+        )
     if any(marker in lowered for marker in _CERTIFICATE_FAILURES):
         cause = problem.rpartition(": ")[2] or problem
         return (
             f"relay {url}: its TLS certificate does not verify against --ca {config.ca_file} ({cause}); "
             "pass --ca the CA certificate that issued the relay's (ca.pem of the relay's 'kvnet certs' "
-            "directory)"
+            "directory) and dial a host name the certificate was issued for"
         )
     if any(marker in lowered for marker in _NO_ANSWER):
         try:

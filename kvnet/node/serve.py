@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvnet.logs import setup_logging_from_args
 from kvnet.model.registry import default_models_dir
-from kvnet.node.config import NodeConfig, add_node_arguments, node_config_from_cli
+from kvnet.node.config import NodeConfig, add_node_arguments, explain_relay_problem, node_config_from_cli
 from kvnet.node.httpguard import HttpLimits
 from kvnet.progress import Progress
 from kvnet.settings import parse_settings, settings_parser
@@ -161,6 +161,10 @@ async def serve(config: ServeConfig) -> int:
     except NodeStartError as exc:
         sock.close()
         raise ConfigError(str(exc)) from None
+    if config.node.relay_url is not None and node.peer is None:
+        # A server starts anyway (its relay may come up later); say once what to fix, in the user's terms.
+        problem = explain_relay_problem(config.node, node.relay_problem or "no session")
+        logger.warning("%s; serving without it (recomputing) and reconnecting in the background", problem)
     backend = NodeBackend(node, config.publish)
     api = OpenAiApi(backend, config.api)
     server = await HttpServer.start(api.app, sock, limits=config.http_limits)

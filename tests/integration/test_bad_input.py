@@ -17,7 +17,7 @@ import pytest
 
 from kvnet.blocks.signing import generate_keypair
 from kvnet.security import certs
-from tests.helpers.processes import REPO, CertDir, make_certificates, start_relay
+from tests.helpers.processes import REPO, CertDir, start_relay
 
 TABLE = REPO / "docs" / "bad-input.md"
 COMMANDS = {
@@ -52,7 +52,8 @@ def table_rows() -> list[Row]:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("bad-input")
-    make_certificates(d / "certs")
+    certs.create_ca(d / "certs")
+    certs.issue_cert(d / "certs", "relay", ["127.0.0.1"])  # not localhost: a row dials a name it lacks
     certs.create_ca(d / "other-ca")  # a CA that did not issue the relay's certificate
     (d / "ca.txt").write_text("this is not a certificate\n")
     (d / "bad.yaml").write_text("cache-blocks: [1\n")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvnet.net.settings import DATAGRAM_SIZE_ETHERNET
-from kvnet.node.config import NodeConfig, add_node_arguments, node_config_from_args
+from kvnet.node.config import NodeConfig, add_node_arguments, explain_relay_problem, node_config_from_args
 
 
 @pytest.mark.parametrize(
@@ -107,3 +107,21 @@ def test_processes_sharing_a_key_directory_agree_on_one_signing_key(tmp_path: Pa
             t.join()
         assert results == [key_dir / "publisher.key"] * 8, results
         assert sorted(p.name for p in key_dir.iterdir()) == ["publisher.key", "publisher.pub"]
+
+
+@pytest.mark.parametrize(
+    ("reason", "expected"),
+    [
+        # aioquic (OpenSSL's words) and qh3 (rustls's), as Node.relay_problem words them.
+        ("self-signed certificate in certificate chain", "does not verify against --ca ca.pem"),
+        ("the server certificate is unacceptable", "does not verify against --ca ca.pem"),
+        ("hostname 'localhost' doesn't match IPAddressPattern(...)", "--host localhost'"),
+        ("Idle timeout", "a QUIC handshake to UDP localhost:4443 got no answer within 2 s"),
+    ],
+)
+def test_relay_problems_say_what_to_do(reason: str, expected: str) -> None:
+    config = NodeConfig(relay_url="moqt://localhost:4443", ca_file=Path("ca.pem"), relay_idle_timeout=2.0)
+    url = "moqt://localhost:4443"
+    problem = f"cannot reach relay {url}: QUIC/TLS handshake with {url} failed: {reason}"
+    assert expected in explain_relay_problem(config, problem)
+    assert explain_relay_problem(config, f"relay {url}: GOAWAY") == f"relay {url}: GOAWAY"  # nothing to add
