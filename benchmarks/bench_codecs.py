@@ -1,8 +1,9 @@
 """KV block codecs on the reference model's K/V: compression ratio, speed and quality.
 
 Runs the reference model's prefill over a prompt, cuts the paged cache into blocks and, per codec and
-dtype, prints the compression ratio, encode and decode MB/s (uncompressed bytes per second of wall
-time on one thread, median of ``--runs`` runs over all (block, layer) payloads) and, for lossy
+dtype, prints the compression ratio, encode and decode MB/s and ms/MB (uncompressed bytes per second of
+wall time on one thread, median of ``--runs`` runs over all (block, layer) payloads; ``decode`` into new
+tensors and ``decode_into`` preallocated ones, as the fetch path writes the cache's slots) and, for lossy
 renditions, the quality after loading the decoded prefix into a fresh cache in place of the exact one:
 
 - greedy agreement: fraction of ``--steps`` free-running greedy tokens equal to the exact run's tokens,
@@ -30,6 +31,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -108,17 +110,45 @@ def median_seconds(fn: Callable[[], object], runs: int) -> float:
     return statistics.median(durations)
 
 
-def measure_codec(codec: Codec, blocks: Blocks, runs: int) -> tuple[float, float, float, list[list[bytes]]]:
-    """(ratio, encode MB/s, decode MB/s, payloads) over all (block, layer) pairs."""
+class CodecSpeed(NamedTuple):
+    """One codec's figures over all (block, layer) pairs; MB are uncompressed (raw K/V) megabytes."""
+
+    ratio: float
+    encode_mbps: float
+    decode_mbps: float
+    """``decode``: a new pair of tensors per layer."""
+    into_mbps: float
+    """``decode_into`` preallocated tensors: what the fetch path does with the paged cache's slots."""
+
+    def columns(self) -> str:
+        ms = [1000 / x for x in (self.encode_mbps, self.decode_mbps, self.into_mbps)]
+        return (f"{self.ratio:6.3f} {self.encode_mbps:9.0f} {self.decode_mbps:9.0f} {self.into_mbps:9.0f} "
+                f"{ms[0]:8.3f} {ms[1]:8.3f} {ms[2]:8.3f}")
+
+
+SPEED_HEADER = (f"{'ratio':>6} {'enc MB/s':>9} {'dec MB/s':>9} {'into MB/s':>9} {'enc ms/MB':>8} "
+                f"{'dec ms/MB':>8} {'into ms/MB':>8}")
+
+
+def measure_codec(codec: Codec, blocks: Blocks, runs: int) -> tuple[CodecSpeed, list[list[bytes]]]:
+    """The codec's ratio and speeds (median of ``runs``), and its payloads."""
     pairs = [kv for layers in blocks for kv in layers]
     raw = sum(2 * k.numel() * k.element_size() for k, _ in pairs)
     payloads = [[codec.encode(k, v) for k, v in layers] for layers in blocks]
     flat = [p for layer_payloads in payloads for p in layer_payloads]
     shape = tuple(pairs[0][0].shape)
     dtype = pairs[0][0].dtype
+    k_out, v_out = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
     enc = median_seconds(lambda: [codec.encode(k, v) for k, v in pairs], runs)
     dec = median_seconds(lambda: [codec.decode(p, shape, dtype) for p in flat], runs)  # type: ignore[arg-type]
-    return raw / sum(map(len, flat)), raw / enc / 1e6, raw / dec / 1e6, payloads
+
+    def decode_all_into() -> None:
+        for p in flat:
+            codec.decode_into(p, k_out, v_out)
+
+    into = median_seconds(decode_all_into, runs)
+    speed = CodecSpeed(raw / sum(map(len, flat)), raw / enc / 1e6, raw / dec / 1e6, raw / into / 1e6)
+    return speed, payloads
 
 
 def load_prefix(
@@ -207,8 +237,9 @@ def real_kv_quality(
         targets = torch.tensor(scored[1:])
         reference: torch.Tensor | None = None
         for name, codec in CODECS.items():  # lossless first: the others are compared with it
-            ratio, enc, dec, payloads = measure_codec(codec, blocks, runs)
-            print(f"    {name}: ratio {ratio:.3f}, encode {enc:.0f} MB/s, decode {dec:.0f} MB/s", flush=True)
+            speed, payloads = measure_codec(codec, blocks, runs)
+            ratio = speed.ratio
+            print(f"    {name}: {SPEED_HEADER}\n    {name}: {speed.columns()}", flush=True)
             log_probs = torch.log_softmax(held_out_logits(
                 model, decoded_blocks(codec, payloads, blocks), block_size, scored)[:-1], dim=-1)
             if reference is None:
@@ -287,7 +318,7 @@ def main() -> None:
         capture = HiddenCapture(model)
         blocks = prefill_blocks(model, prefix, args.block_size)
         print(f"\n== {dtype_name} ==")
-        print(f"{'codec':>9} {'ratio':>6} {'enc MB/s':>9} {'dec MB/s':>9}  quality vs exact prefix")
+        print(f"{'codec':>9} {SPEED_HEADER}  quality vs exact prefix")
         reference_tokens: list[int] = []
         reference_hidden: torch.Tensor | None = None
         if not args.no_quality:
@@ -295,7 +326,7 @@ def main() -> None:
             reference_hidden = hidden_states(model, capture, blocks, args.block_size,
                                              suffix + reference_tokens)
         for name, codec in CODECS.items():
-            ratio, enc, dec, payloads = measure_codec(codec, blocks, args.runs)
+            speed, payloads = measure_codec(codec, blocks, args.runs)
             quality = ""
             if not args.no_quality and reference_hidden is not None:
                 loaded = decoded_blocks(codec, payloads, blocks)
@@ -307,7 +338,7 @@ def main() -> None:
                 cos = torch.nn.functional.cosine_similarity(hidden, reference_hidden, dim=-1)
                 quality = (f"greedy agree {agree:.3f} (first diff {first}/{len(got)}), cosine mean "
                            f"{float(cos.mean()):.6f} min {float(cos.min()):.6f}")
-            print(f"{name:>9} {ratio:6.3f} {enc:9.0f} {dec:9.0f}  {quality}")
+            print(f"{name:>9} {speed.columns()}  {quality}")
         int8_layouts(blocks)
 
 

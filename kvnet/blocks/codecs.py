@@ -6,6 +6,10 @@ appears in track names (see proto/KVOBJECT.md), so a name, once published, never
 
 - ``lossless``: byte-plane shuffle + zstd (``_LOSSLESS_ZSTD``), bit-exact for every float dtype (NaN
   payloads, -0.0, subnormals and infinities included).
+- ``plain``: the elements' own little-endian bytes, K then V, uncompressed: bit-exact like ``lossless``
+  and larger on the wire, but decoding is one copy of each half straight into the destination (the
+  paged cache's slots, or a new tensor). For links fast enough that zstd's decode costs more than the
+  bytes it saves (the ABR weighs the two, ``kvnet.node.abr``).
 - ``int8``: symmetric 8-bit quantization. Keys per channel, values per (token, head), chosen by measurement
   (benchmarks/bench_codecs.py), each followed by an optional zstd stage that is kept only where it pays.
 - ``int4``: asymmetric 4-bit grouped quantization in the KIVI style: keys per channel (the group is the
@@ -49,6 +53,7 @@ __all__ = [
     "Int8Codec",
     "LosslessCodec",
     "PayloadHeader",
+    "PlainCodec",
     "get_codec",
     "read_header",
 ]
@@ -154,6 +159,8 @@ class Codec(ABC):
     """Numeric id written in each payload header."""
     lossless: ClassVar[bool]
     """True if decode(encode(k, v)) reproduces k and v bit for bit."""
+    compresses: ClassVar[bool] = True
+    """False: every section is raw, and a payload with a zstd section is malformed (``plain``)."""
 
     def __init__(self) -> None:
         # zstd contexts are reusable but not thread-safe, so each thread gets its own pair.
@@ -299,6 +306,8 @@ class Codec(ABC):
                     raise CodecError(f"section {i}: raw section stores {stored_len} of {raw_len} bytes")
             elif mode != _MODE_ZSTD:
                 raise CodecError(f"section {i}: unknown mode {mode}")
+            elif not self.compresses:
+                raise CodecError(f"section {i}: compressed, but {self.name} payloads are stored raw")
             if offset + stored_len > len(view):
                 raise CodecError(f"payload truncated in section {i}")
             sections.append((mode, raw_len, view[offset : offset + stored_len]))
@@ -413,6 +422,60 @@ def _join_planes(planes: list[np.ndarray], words: np.ndarray, start: int = 0) ->
     interleaved = words.view(np.uint8).reshape(words.size, len(planes))
     for p, plane in enumerate(planes):
         interleaved[:, p] = plane[start:stop]
+
+
+# ---------------------------------------------------------------------------------------------------
+# plain
+# ---------------------------------------------------------------------------------------------------
+
+
+class PlainCodec(Codec):
+    """The elements' little-endian bytes, uncompressed: bit-exact, decoded by one copy per half.
+
+    Two raw sections: K's elements, then V's (``n * itemsize`` bytes each, the tensors' memory as is on
+    a little-endian host). A zstd section is malformed. ``decode_into`` validates the header and table,
+    then copies each section straight from the payload into the output's memory: the only work a plain
+    layer costs a receiver besides its digest.
+    """
+
+    name = "plain"
+    codec_id = 4
+    lossless = True
+    compresses = False
+
+    def _encode_sections(self, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, list[_Section]]:
+        return 0, 0, [self._section(_as_uint(x).view(np.uint8), try_zstd=False) for x in (k, v)]
+
+    def _section_sizes(self, header: PayloadHeader) -> list[int]:
+        if header.flags or header.param:
+            raise CodecError("plain payload has non-zero flags or param")
+        t, h, d = header.shape
+        return [t * h * d * header.dtype.itemsize] * 2
+
+    def _decode_sections(
+        self, header: PayloadHeader, raw: list[np.ndarray]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        k = torch.empty(header.shape, dtype=header.dtype)
+        v = torch.empty(header.shape, dtype=header.dtype)
+        self._decode_sections_into(header, raw, k, v)
+        return k, v
+
+    def _decode_sections_into(
+        self, header: PayloadHeader, raw: list[np.ndarray], k_out: torch.Tensor, v_out: torch.Tensor
+    ) -> None:
+        for section, out in zip(raw, (k_out, v_out), strict=True):
+            if _LITTLE_ENDIAN and out.is_contiguous():
+                # One memcpy from the payload into the destination's memory, through flat uint8 views
+                # (~2 us per 64 KiB; Tensor.copy_ from a read-only array, or assigning into a memoryview
+                # cast from the 3-d array, took 25-40x longer).
+                np.copyto(out.view(torch.uint8).numpy().reshape(-1), section)
+            else:
+                _, np_dtype, np_signed = _INT_VIEW[header.dtype.itemsize]
+                words = section.view(np_dtype)
+                if not _LITTLE_ENDIAN:
+                    words = words.byteswap()
+                out.copy_(torch.from_numpy(words.view(np_signed).reshape(header.shape).copy())
+                          .view(header.dtype))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -611,7 +674,7 @@ class Int4Codec(Codec):
         return k.to(header.dtype), v.view(t, h, d).to(header.dtype)
 
 
-CODECS: dict[str, Codec] = {c.name: c for c in (LosslessCodec(), Int8Codec(), Int4Codec())}
+CODECS: dict[str, Codec] = {c.name: c for c in (LosslessCodec(), PlainCodec(), Int8Codec(), Int4Codec())}
 """Registered renditions by name; the names are part of the wire format (track names)."""
 
 

@@ -16,12 +16,14 @@ from kvnet.blocks.codecs import (
     Int4Codec,
     Int8Codec,
     LosslessCodec,
+    PlainCodec,
     get_codec,
     read_header,
 )
 
 FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 SHAPE = (16, 4, 32)
+EXACT = sorted(name for name, codec in CODECS.items() if codec.lossless)
 
 
 def _kv(shape: tuple[int, int, int], dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,16 +50,17 @@ def _special_values(dtype: torch.dtype) -> torch.Tensor:
 
 
 def test_registry() -> None:
-    assert set(CODECS) == {"lossless", "int8", "int4"}
-    assert get_codec("lossless").lossless
+    assert set(CODECS) == {"lossless", "plain", "int8", "int4"}
+    assert EXACT == ["lossless", "plain"]
     assert not get_codec("int8").lossless and not get_codec("int4").lossless
     assert len({c.codec_id for c in CODECS.values()}) == len(CODECS)
     with pytest.raises(CodecError):
         get_codec("zstd-99")
 
 
+@pytest.mark.parametrize("name", EXACT)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_lossless_bit_exact_with_special_values(dtype: torch.dtype) -> None:
+def test_exact_renditions_are_bit_exact_with_special_values(name: str, dtype: torch.dtype) -> None:
     k, v = _kv(SHAPE, dtype)
     flat_k = k.view(-1)
     specials = _special_values(dtype)
@@ -65,7 +68,8 @@ def test_lossless_bit_exact_with_special_values(dtype: torch.dtype) -> None:
     # A NaN with a non-default payload must survive too.
     nan_bits = _bits(torch.tensor([float("nan")], dtype=dtype)) ^ 1
     _bits(v).view(-1)[0] = nan_bits[0]
-    codec = get_codec("lossless")
+    _bits(v).view(-1)[1] = (_bits(torch.tensor([-float("nan")], dtype=dtype)) ^ 2)[0]  # signed NaN payload
+    codec = get_codec(name)
     payload = codec.encode(k, v)
     k2, v2 = codec.decode(payload, SHAPE, dtype, torch.device("cpu"))
     assert k2.dtype == dtype and v2.dtype == dtype
@@ -345,7 +349,7 @@ def test_key_outlier_channel_does_not_swamp_other_channels(name: str) -> None:
 def test_decode_into_writes_what_decode_returns(name: str, dtype: torch.dtype) -> None:
     codec = get_codec(name)
     k, v = _kv(SHAPE, dtype)
-    if name == "lossless":
+    if codec.lossless:
         k.view(-1)[: len(_special_values(dtype))] = _special_values(dtype)
     payload = codec.encode(k, v)
     want_k, want_v = codec.decode(payload, SHAPE, dtype)
@@ -377,3 +381,79 @@ def test_decode_into_rejects_outputs_that_do_not_match_the_payload() -> None:
             codec.decode_into(payload, k_out, v_out)
     with pytest.raises(CodecError):
         codec.decode_into(payload[:-1], out, out.clone())
+
+
+# -- plain ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_plain_payload_is_the_elements_little_endian_bytes(dtype: torch.dtype) -> None:
+    k, v = _kv(SHAPE, dtype)
+    payload = PlainCodec().encode(k, v)
+    n = k.numel() * k.element_size()
+    header = read_header(payload)
+    assert (header.codec_id, header.flags, header.param, header.num_sections) == (4, 0, 0, 2)
+    assert struct.unpack_from("<BIIBII", payload, 20) == (0, n, n, 0, n, n)  # two raw sections
+    body = payload[38:]
+    assert body == _bits(k).numpy().astype("<i" + str(k.element_size())).tobytes() + \
+        _bits(v).numpy().astype("<i" + str(v.element_size())).tobytes()
+
+
+def test_plain_non_contiguous_input_and_output() -> None:
+    base = torch.randn(SHAPE[1], SHAPE[0], SHAPE[2]).to(torch.bfloat16)
+    k, v = base.transpose(0, 1), (base * 3).transpose(0, 1)
+    codec = get_codec("plain")
+    payload = codec.encode(k, v)
+    k2, v2 = codec.decode(payload, SHAPE, torch.bfloat16)
+    assert torch.equal(_bits(k2), _bits(k.contiguous())) and torch.equal(_bits(v2), _bits(v.contiguous()))
+    k_out = torch.empty(SHAPE[1], SHAPE[0], SHAPE[2], dtype=torch.bfloat16).transpose(0, 1)
+    v_out = torch.empty_like(k_out)
+    codec.decode_into(payload, k_out, v_out)
+    assert torch.equal(_bits(k_out), _bits(k.contiguous()))
+    assert torch.equal(_bits(v_out), _bits(v.contiguous()))
+
+
+def test_plain_decode_owns_its_tensors() -> None:
+    # The payload may be a receive buffer that is reused: decode must copy, never alias it.
+    k, v = _kv(SHAPE, torch.float16)
+    payload = bytearray(get_codec("plain").encode(k, v))
+    k2, v2 = get_codec("plain").decode(payload, SHAPE, torch.float16)
+    payload[38:] = bytes(len(payload) - 38)
+    assert torch.equal(_bits(k2), _bits(k)) and torch.equal(_bits(v2), _bits(v))
+
+
+def test_plain_rejects_compressed_sections_flags_and_param() -> None:
+    k = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    codec = get_codec("plain")
+    payload = codec.encode(k, k)
+    n = k.numel() * 2
+    header = payload[:20]
+    zeros = zstandard.ZstdCompressor(level=1).compress(bytes(n))
+    # A zstd section holding exactly the right bytes is still not a plain payload.
+    with pytest.raises(CodecError, match="stored raw"):
+        codec.decode(_rebuild([(1, n, zeros), (0, n, bytes(n))], header), SHAPE, torch.bfloat16)
+    for offset, value in ((5, 1), (16, 3)):  # flags, param
+        bad = bytearray(payload)
+        bad[offset] = value
+        with pytest.raises(CodecError, match="flags or param"):
+            codec.decode(bytes(bad), SHAPE, torch.bfloat16)
+    one_section = bytearray(_rebuild([(0, 2 * n, payload[38:])], header))
+    one_section[6] = 1
+    with pytest.raises(CodecError, match="sections"):
+        codec.decode(bytes(one_section), SHAPE, torch.bfloat16)
+
+
+@given(blob=st.binary(max_size=200), keep=st.integers(0, 38))
+@settings(max_examples=300, deadline=None)
+def test_plain_random_bytes_after_a_valid_prefix_are_rejected_in_one_line(blob: bytes, keep: int) -> None:
+    k = torch.zeros((2, 2, 4), dtype=torch.float32)
+    valid = get_codec("plain").encode(k, k)
+    data = valid[:keep] + blob
+    try:
+        k2, v2 = get_codec("plain").decode(data, (2, 2, 4), torch.float32)
+    except CodecError as exc:
+        assert "\n" not in str(exc)
+        return
+    # Only a payload of exactly the right length with a valid header and table decodes.
+    assert len(data) == len(valid) and data[:38] == valid[:38]
+    assert k2.shape == v2.shape == (2, 2, 4)
