@@ -6,8 +6,9 @@ measurements (bytes and seconds) and ask for a plan; the plan records its inputs
 
 The decision. Blocks form a chain, and a fetched block is only useful if every block before it is present, so
 the plan is "fetch blocks [0, k) and recompute the rest". For each block the cheapest acceptable rendition is
-the one with the smallest estimated ``bytes / throughput + decode time`` (ties go to the higher quality). The
-cut ``k`` minimises::
+the one with the smallest estimated ``bytes / throughput + decode time`` (ties go to the higher quality), so a
+fast link takes ``plain`` (every byte, decoded by a copy) and a slow one ``lossless`` (fewer bytes, zstd to
+undo), each weighed with the throughput and decode speeds this node measured. The cut ``k`` minimises::
 
     T(k) = (rtt if k > 0) + sum(fetch_i for i < k) + prefill(tokens_total - k * block_size)
 
@@ -51,7 +52,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 logger = logging.getLogger(__name__)
 
@@ -59,19 +60,23 @@ RECOMPUTE = "recompute"
 SPLIT_MIN_GAIN = 0.1
 """A split plan must be estimated this much faster (a fraction) than the best plan without one: it costs a
 second prefill's overhead and CPU that the fetch shares, and a near-tie gains nothing measurable."""
-# Higher quality first; a rendition not listed ranks after these, in name order.
-QUALITY_ORDER: tuple[str, ...] = ("lossless", "int8", "int4")
+# Higher quality first; a rendition not listed ranks after these, in name order. ``plain`` is exact like
+# ``lossless`` (so accepting it lowers no floor); it ranks after it so that a tie in cost goes to the
+# smaller payload (less for relays to cache and links to carry).
+QUALITY_ORDER: tuple[str, ...] = ("lossless", "plain", "int8", "int4")
 # Encoded size / raw size before anything was measured, by KV dtype. Measured on SmolLM2's KV (docs/
 # performance.md, "Codec quality on real KV"): int8 and int4 are fixed fractions of the element size plus
 # scales, so they save half as much on bf16 as on fp32, while bf16's short mantissas compress better
 # losslessly. A dtype not listed uses the fp32 row.
 DEFAULT_SIZE_RATIO: Mapping[str, Mapping[str, float]] = {
-    "float32": {"lossless": 0.85, "int8": 0.25, "int4": 0.14},
-    "bfloat16": {"lossless": 0.69, "int8": 0.50, "int4": 0.28},
-    "float16": {"lossless": 0.90, "int8": 0.50, "int4": 0.28},
+    "float32": {"lossless": 0.85, "plain": 1.0, "int8": 0.25, "int4": 0.14},
+    "bfloat16": {"lossless": 0.69, "plain": 1.0, "int8": 0.50, "int4": 0.28},
+    "float16": {"lossless": 0.90, "plain": 1.0, "int8": 0.50, "int4": 0.28},
 }
-# Decode speed in raw bytes produced per second before anything was measured.
-DEFAULT_DECODE_BPS: Mapping[str, float] = {"lossless": 1.0e9, "int8": 6.0e8, "int4": 4.0e8}
+# Verify + decode speed (a layer's digest and its decode into the cache) in raw bytes per second before
+# anything was measured; the node's own fetches replace these (``RenditionStats``). ``plain`` is a digest
+# and a copy; with lossless at 1e9 the bf16 crossover is ~620 MB/s of link (docs/nodes.md, "Renditions").
+DEFAULT_DECODE_BPS: Mapping[str, float] = {"lossless": 1.0e9, "plain": 2.0e9, "int8": 6.0e8, "int4": 4.0e8}
 
 
 def quality_rank(rendition: str) -> tuple[int, str]:
@@ -276,18 +281,29 @@ class PrefillEstimator:
 
 @dataclass
 class RenditionStats:
-    """Per rendition: encoded/raw size ratio and decode speed, learned from received blocks."""
+    """Per rendition: encoded/raw size ratio and verify + decode speed (raw bytes per second of the node's
+    digest checks and decodes of a block's layers), learned from the blocks this node fetched. Each is a
+    per-block average aged like the throughput (``Ewma``): a half-life of 8 blocks and of
+    ``TIME_HALF_LIFE_S`` seconds, so the latest blocks decide (a host whose load changed is re-measured
+    within a prompt or two)."""
 
     kv_dtype: str = "float32"
+    clock: Callable[[], float] = time.monotonic
     ratio: dict[str, Ewma] = field(default_factory=dict)
     decode: dict[str, Ewma] = field(default_factory=dict)
+
+    TIME_HALF_LIFE_S: ClassVar[float] = 60.0
 
     def add(self, rendition: str, raw_bytes: int, encoded_bytes: int, decode_s: float) -> None:
         if raw_bytes <= 0:
             return
-        self.ratio.setdefault(rendition, Ewma(half_life=8.0)).add(1.0, encoded_bytes / raw_bytes)
+        now = self.clock()
+        self.ratio.setdefault(rendition, self._average()).add(1.0, encoded_bytes / raw_bytes, now)
         if decode_s > 0:
-            self.decode.setdefault(rendition, Ewma(half_life=8.0)).add(1.0, raw_bytes / decode_s)
+            self.decode.setdefault(rendition, self._average()).add(1.0, raw_bytes / decode_s, now)
+
+    def _average(self) -> Ewma:
+        return Ewma(8.0, time_half_life_s=self.TIME_HALF_LIFE_S)
 
     def size_ratio(self, rendition: str) -> float:
         priors = DEFAULT_SIZE_RATIO.get(self.kv_dtype, DEFAULT_SIZE_RATIO["float32"])
@@ -442,7 +458,7 @@ class KvAbr:
     _probe_pending: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        self.renditions = RenditionStats(kv_dtype=self.config.kv_dtype)
+        self.renditions = RenditionStats(kv_dtype=self.config.kv_dtype, clock=self.clock)
         self.throughput = ThroughputEstimator(self.config.prior_throughput_bps, self.clock)
         self.rtt = RttEstimator(self.config.prior_rtt_s)
 

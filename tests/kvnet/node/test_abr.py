@@ -8,6 +8,7 @@ from kvnet.node.abr import (
     RECOMPUTE,
     AbrConfig,
     AbrPlan,
+    Ewma,
     KvAbr,
     PrefillEstimator,
     ThroughputEstimator,
@@ -289,3 +290,67 @@ def test_no_split_for_a_near_tie() -> None:
     # block while the other 63 arrive would save ~1 ms of ~89: not worth a second prefill.
     plan = _split_plan(per_token_s=3.75e-3, bps=1e10, blocks=64)
     assert (plan.compute_blocks, plan.fetch_blocks) == (0, 64)
+
+
+def _exact(bps: float, kv_dtype: str = "bfloat16") -> KvAbr:
+    abr = KvAbr(AbrConfig(acceptable=("lossless", "plain"), prior_throughput_bps=bps, prior_rtt_s=0.001,
+                          safety=1.0, kv_dtype=kv_dtype))
+    abr.prefill.add(100, 100 * 1e-2)  # recompute is far slower than either: only the rendition is at stake
+    return abr
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float32"])
+def test_fast_links_take_plain_and_slow_links_keep_lossless(kv_dtype: str) -> None:
+    both = [["lossless", "plain"]] * 4
+    fast = _exact(bps=5e9, kv_dtype=kv_dtype).plan(both, BLOCK, RAW, total_tokens=70)
+    assert fast.fetch_blocks == 4 and {c.action for c in fast.choices} == {"plain"}
+    slow = _exact(bps=100e6, kv_dtype=kv_dtype).plan(both, BLOCK, RAW, total_tokens=70)
+    assert slow.fetch_blocks == 4 and {c.action for c in slow.choices} == {"lossless"}
+    # The cost weighed is bytes over the link plus verify + decode: plain saves the decode, lossless bytes.
+    abr = _exact(bps=1e9, kv_dtype=kv_dtype)
+    ratio = abr.renditions.size_ratio("lossless")
+    for r, size in (("plain", 1.0), ("lossless", ratio)):
+        want = RAW * size / 1e9 + RAW / abr.renditions.decode_bps(r)
+        assert abr.fetch_cost(RAW, [r])[1] == pytest.approx(want)
+
+
+def test_plain_only_where_accepted_and_offered() -> None:
+    lossless_only = _abr(per_token_s=1e-2, bps=5e9)
+    plan = lossless_only.plan([["lossless", "plain"]] * 2, BLOCK, RAW, 40)
+    assert {c.action for c in plan.choices} == {"lossless"}
+    plan = _exact(bps=5e9).plan([["lossless"]] * 2, BLOCK, RAW, 40)
+    assert {c.action for c in plan.choices} == {"lossless"}
+    # Exact renditions tie on quality: equal costs go to lossless, the smaller payload.
+    abr = _exact(bps=1e9)
+    abr.renditions.ratio["lossless"] = Ewma(half_life=8.0)
+    abr.renditions.ratio["lossless"].add(1.0, 1.0)
+    abr.renditions.decode["lossless"] = Ewma(half_life=8.0)
+    abr.renditions.decode["lossless"].add(1.0, abr.renditions.decode_bps("plain"))
+    assert abr.fetch_cost(RAW, ["plain", "lossless"])[0] == "lossless"
+
+
+def test_measured_decode_speed_moves_the_crossover() -> None:
+    """The node's own decodes replace the priors: a host whose lossless decode is fast (or whose digest
+    of plain's extra bytes is slow) keeps lossless on a link where the priors said plain, and back."""
+    abr = _exact(bps=2e9)
+    both = [["lossless", "plain"]] * 2
+    assert {c.action for c in abr.plan(both, BLOCK, RAW, 40).choices} == {"plain"}
+    for _ in range(30):
+        abr.renditions.add("lossless", RAW, int(0.69 * RAW), RAW / 8e9)  # lossless decodes at 8 GB/s
+        abr.renditions.add("plain", RAW, RAW, RAW / 1e9)  # plain's digest + copy at 1 GB/s
+    assert abr.renditions.decode_bps("lossless") == pytest.approx(8e9, rel=1e-6)
+    assert {c.action for c in abr.plan(both, BLOCK, RAW, 40).choices} == {"lossless"}
+    for _ in range(30):  # the host got busy decompressing: recent samples decide
+        abr.renditions.add("lossless", RAW, int(0.69 * RAW), RAW / 3e8)
+        abr.renditions.add("plain", RAW, RAW, RAW / 4e9)
+    assert {c.action for c in abr.plan(both, BLOCK, RAW, 40).choices} == {"plain"}
+
+
+def test_decode_speed_ages_with_time() -> None:
+    clock = FakeClock()
+    abr = KvAbr(AbrConfig(acceptable=("lossless", "plain")), clock=clock)
+    for _ in range(30):
+        abr.renditions.add("plain", RAW, RAW, RAW / 4e9)
+    clock.now += 300.0  # five half-lives: what was learned then weighs ~3% against a new sample
+    abr.renditions.add("plain", RAW, RAW, RAW / 1e9)
+    assert abr.renditions.decode_bps("plain") < 1.2e9
