@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import torch
 
+from kvnet.blocks.codecs import get_codec
 from kvnet.blocks.identity import BlockIdentity
 from kvnet.blocks.signing import TrustStore
 from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
@@ -104,10 +106,10 @@ def prompt_spec() -> CacheSpec:
                      block_size=BLOCK_SIZE, dtype=torch.bfloat16)
 
 
-def make_prompt(tokens: int) -> Prompt:
+def make_prompt(tokens: int, rendition: str = "lossless") -> Prompt:
     """Seeded random bf16 K/V for ``tokens`` tokens (whole blocks) in the ``bench`` model's shape."""
     return signed_prompt(prompt_spec(), max(1, tokens // BLOCK_SIZE), fingerprint=FINGERPRINT, salt=b"bench",
-                         seed=0)
+                         seed=0, rendition=rendition)
 
 
 # ---------------------------------------------------------------- cases
@@ -782,40 +784,77 @@ def profile(tokens: int, stack: str, link: str, peer_stack: str | None, top: int
     return out.getvalue()
 
 
-def layer_work(tokens: int, runs: int) -> str:
+def layer_work(tokens: int, runs: int, renditions: Sequence[str] = ("lossless",),
+               workers: Sequence[int] = (0,)) -> str:
     """The node's per-layer work of a verified fetch without the network, as ``BlockFetcher`` does it: each
     layer object's digest checked against its manifest, then decoded into the block reserved for it
-    (``import_layer_with`` + ``decode_into``). This thread's CPU per layer and per MB, median of ``runs``
-    passes over the prompt's layers (one cache, each block's import aborted after its pass)."""
-    from kvnet.blocks.codecs import get_codec
-    from proto.kvobject import BlockManifest
+    (``import_layer_with`` + ``decode_into``), on this thread (0 workers) or on N threads taking
+    ``LAYERS_PER_TASK`` layers of a block at a time, as the fetcher's pool does. Per rendition and worker
+    count: wall time and process CPU per wire MB, and raw K/V MB/s (what a node can take in at most, with
+    nothing else to do), median of ``runs`` passes over the prompt's layers (one cache, each block's import
+    aborted after its pass)."""
+    lines = [f"digest + decode into the slots, {tokens} tokens of bf16 KV, median of {runs} passes; load "
+             f"{common.load_average()}; cores {os.cpu_count()}",
+             "| rendition | workers | wire MB | wall ms/MB | CPU ms/MB | raw MB/s | passes (wall ms/MB) |",
+             "|---|---|---|---|---|---|---|"]
+    for rendition in renditions:
+        work = _LayerWork(make_prompt(tokens, rendition), rendition)
+        mb = work.prompt.wire_bytes / 1e6
+        raw_mb = len(work.prompt.blocks) * work.prompt.spec.bytes_per_block / 1e6
+        for n in workers:
+            pool = ThreadPoolExecutor(n) if n else None
+            try:
+                work.one_pass(pool)  # warm: the cache's pages, the codec's contexts, the threads
+                passes = [work.one_pass(pool) for _ in range(runs)]
+            finally:
+                if pool is not None:
+                    pool.shutdown()
+            wall = common.median([w for w, _ in passes])
+            cpu = common.median([c for _, c in passes])
+            lines.append(f"| {rendition} | {n} | {mb:.1f} | {1000 * wall / mb:.2f} | {1000 * cpu / mb:.2f} | "
+                         f"{raw_mb / wall:.0f} | {' '.join(f'{1000 * w / mb:.2f}' for w, _ in passes)} |")
+    return "\n".join(lines)
 
-    prompt = make_prompt(tokens)
-    mb = prompt.wire_bytes / 1e6
-    codec = get_codec("lossless")
-    blocks = [(b.block_hash, BlockManifest.decode(b.objects[0]), b.objects[1:]) for b in prompt.blocks]
-    layers = sum(len(objects) for _, _, objects in blocks)
-    cache = empty_cache(prompt.spec, len(prompt.blocks))
 
-    def one_pass() -> float:
-        c0 = time.thread_time()
-        for block_hash, manifest, objects in blocks:
-            if not cache.begin_import(block_hash):
+class _LayerWork:
+    """One prompt's layer objects in one rendition and a cache to decode them into (``layer_work``)."""
+
+    def __init__(self, prompt: Prompt, rendition: str) -> None:
+        from proto.kvobject import BlockManifest
+
+        self.prompt = prompt
+        self.codec = get_codec(rendition)
+        self.blocks = [(b.block_hash, BlockManifest.decode(b.objects[0]), b.objects[1:])
+                       for b in prompt.blocks]
+        self.cache = empty_cache(prompt.spec, len(prompt.blocks))
+
+    def check_and_decode(
+        self, block_hash: bytes, manifest: Any, first: int, objects: Sequence[bytes]
+    ) -> None:
+        for object_id, payload in enumerate(objects, first):
+            if not manifest.verify_payload(object_id, payload):
+                raise RuntimeError(f"digest of layer {object_id - 1} differs")
+            write = functools.partial(self.codec.decode_into, payload)
+            self.cache.import_layer_with(block_hash, object_id - 1, write)
+
+    def one_pass(self, pool: ThreadPoolExecutor | None) -> tuple[float, float]:
+        """(wall, process CPU) seconds of one pass over every layer."""
+        per_task = fetching.LAYERS_PER_TASK
+        t0, c0 = time.perf_counter(), time.process_time()
+        for block_hash, manifest, objects in self.blocks:
+            if not self.cache.begin_import(block_hash):
                 raise RuntimeError("block already cached")
-            for object_id, payload in enumerate(objects, 1):
-                if not manifest.verify_payload(object_id, payload):
-                    raise RuntimeError(f"digest of layer {object_id - 1} differs")
-                write = functools.partial(codec.decode_into, payload)
-                cache.import_layer_with(block_hash, object_id - 1, write)
-            cache.abort_import(block_hash)
-        return time.thread_time() - c0
-
-    one_pass()  # warm: the cache's pages and the codec's contexts
-    seconds = [one_pass() for _ in range(runs)]
-    median = common.median(seconds)
-    return (f"digest + decode into the slots + import, {layers} layers ({mb:.1f} MB on the wire), median of "
-            f"{runs}: {1e6 * median / layers:.1f} us per layer, {1000 * median / mb:.2f} ms/MB (passes "
-            f"{' '.join(f'{1000 * x / mb:.2f}' for x in seconds)}); load {common.load_average()}")
+            if pool is None:
+                self.check_and_decode(block_hash, manifest, 1, objects)
+            else:
+                tasks = [
+                    pool.submit(self.check_and_decode, block_hash, manifest, 1 + i, objects[i:i + per_task])
+                    for i in range(0, len(objects), per_task)
+                ]
+                for task in tasks:
+                    task.result()
+            self.cache.abort_import(block_hash)
+        return time.perf_counter() - t0, time.process_time() - c0
 
 
 @contextmanager
@@ -939,8 +978,10 @@ def main() -> int:
                          "under cProfile), first stack, link and node stack given")
     ap.add_argument("--layer-work", action="store_true",
                     help="instead: the node's per-layer work of a verified fetch without the network "
-                         "(digest, decode into the cache's slots, import), CPU per layer, median of RUNS "
-                         "passes")
+                         "(digest, decode into the cache's slots, import) for each of --renditions, on "
+                         "this thread and on each --verify-workers count of threads, median of RUNS passes")
+    ap.add_argument("--renditions", default="lossless,plain", metavar="R,R,...",
+                    help="with --layer-work: the renditions measured (default lossless,plain)")
     ap.add_argument("--transport-counts", action="store_true",
                     help="instead: verified fetches and raw transfers alternating from the first stack and "
                          "link to this process on qh3, counting qh3's datagrams in and out (its ACKs) and "
@@ -981,7 +1022,11 @@ def main() -> int:
                      *fanout(args.tokens, args.runs, counts, stacks[0], links[0], relay_workers))
         return 0
     if args.layer_work:
-        print(layer_work(args.tokens, args.runs))
+        try:
+            counts = [int(w.partition("/")[0]) for w in args.verify_workers.split(",") if w] or [0]
+        except ValueError:
+            ap.error(f"--verify-workers takes comma-separated integers, got {args.verify_workers!r}")
+        print(layer_work(args.tokens, args.runs, [r for r in args.renditions.split(",") if r], counts))
         return 0
     if args.transport_counts:
         print(transport_counts(args.tokens, args.runs, stacks[0], links[0]))

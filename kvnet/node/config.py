@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,10 +47,29 @@ DTYPE_NAMES = sorted(DTYPES)
 """``--dtype`` values: the element dtypes a KV block can carry (``kvnet.dtypes.DTYPE_BY_NAME``'s names)."""
 DEFAULT_WINDOW_BYTES = 4 << 20
 """Raw block bytes a fetch keeps requested ahead of the block being loaded (``kvnet.node.fetching``)."""
-DEFAULT_VERIFY_WORKERS = 0
-"""Threads that check digests and decode layers during a fetch; 0 does it on the event loop. Chosen by
-measurement (docs/performance.md, "Verify and decode off the event loop")."""
 MAX_VERIFY_WORKERS = 64
+MAX_AUTO_VERIFY_WORKERS = 8
+"""Most threads ``auto_verify_workers`` picks: at the per-core rate measured here (~400 MB/s of raw KV
+for lossless) 8 would take in ~3 GB/s, past the 1.8 GB/s a GPU's prefill needs, if the Python between
+the GIL-free calls lets them (not measured on a many-core host yet)."""
+
+
+def auto_verify_workers(cores: int | None = None) -> int:
+    """Verify threads for a host with ``cores`` usable cores (None: this process's): every core but two,
+    one for the event loop's network work and one for the node's model, at most
+    ``MAX_AUTO_VERIFY_WORKERS``. 0 on 2 cores, where the pool measured no faster than the event loop
+    (docs/performance.md, "Verify and decode off the event loop")."""
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            cores = os.cpu_count() or 1
+    return max(0, min(cores - 2, MAX_AUTO_VERIFY_WORKERS))
+
+
+DEFAULT_VERIFY_WORKERS = auto_verify_workers()
+"""Threads that check digests and decode layers during a fetch (``kvnet.node.fetching``), sized to this
+host's cores; 0 does it on the event loop."""
 
 
 class RelayUnreachableError(Exception):
@@ -123,7 +143,8 @@ class NodeConfig:
     LAN links busy without interleaving every block's delivery)."""
     fetch_verify_workers: int = DEFAULT_VERIFY_WORKERS
     """Threads that check digests and decode fetched layers while the event loop keeps reading the network
-    (0: on the event loop; ``kvnet.node.fetching``)."""
+    (0: on the event loop); by default sized to the host's cores
+    (``auto_verify_workers``)."""
     request_timeout: float = 10.0
     """Seconds to wait for one locate or fetch before giving up (and recomputing)."""
     fetch_margin: float = 1.0
@@ -236,6 +257,16 @@ def parse_renditions(text: str) -> tuple[str, ...]:
     return tuple(r.strip() for r in text.split(",") if r.strip())
 
 
+def verify_workers_arg(text: str) -> int:
+    """``--fetch-verify-workers``: a thread count, or ``auto`` (``auto_verify_workers``)."""
+    if text.strip() == "auto":
+        return auto_verify_workers()
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a thread count or 'auto', got {text!r}") from None
+
+
 def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool) -> None:
     """Flags shared by the node commands."""
     g = parser.add_argument_group("relay")
@@ -304,11 +335,11 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
     k = parser.add_argument_group("blocks, signing, ABR")
     k.add_argument(
         "--renditions", type=parse_renditions, default=("lossless",),
-        help="publisher: renditions to publish, comma-separated (lossless,int8,int4)",
+        help="publisher: renditions to publish, comma-separated (lossless,plain,int8,int4)",
     )
     k.add_argument(
         "--accept", type=parse_renditions, default=("lossless",),
-        help="subscriber: acceptable renditions, comma-separated (default lossless only)",
+        help="subscriber: acceptable renditions, comma-separated (default lossless only; plain is exact too)",
     )
     k.add_argument("--store-bytes", type=size_arg, default="512M", help="publisher block store budget")
     k.add_argument("--cache-dir", type=Path, help="also keep published blocks on disk here (default: memory)")
@@ -333,8 +364,9 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
         help="raw block bytes requested ahead while fetching",
     )
     k.add_argument(
-        "--fetch-verify-workers", type=int, default=DEFAULT_VERIFY_WORKERS, metavar="N",
-        help="threads that verify and decode fetched layers (0, the default: on the event loop)",
+        "--fetch-verify-workers", type=verify_workers_arg, default=DEFAULT_VERIFY_WORKERS, metavar="N",
+        help=f"threads that verify and decode fetched layers (0: on the event loop; auto: every core but "
+             f"two, at most {MAX_AUTO_VERIFY_WORKERS}; default auto, {DEFAULT_VERIFY_WORKERS} on this host)",
     )
     k.add_argument("--timeout", type=float, default=10.0, help="seconds per locate/fetch before recompute")
     k.add_argument(

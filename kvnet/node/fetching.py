@@ -14,15 +14,17 @@ Owns:
   failure.
 
 Where the time goes (profiled on the bench preset, 2 cores): the transport's per-packet work dominates,
-and the per-layer work (SHA-256 of the payload, zstd + numpy decode; ~0.3 ms per 128 KiB layer) runs
-either on the event loop as each layer arrives (``verify_workers=0``, the default) or on a bounded pool of
-``verify_workers`` threads (hashlib, zstd and torch release the GIL inside their calls), a block's layers
-per task, while the loop keeps reading the network. Either way the layers are written into the cache on
-the event loop, in object order, and a layer that fails its digest or decode ends the fetch at its block
-exactly as before. The pool costs the loop a GIL hand-off per task and the process more CPU per MB; on
-aioquic it only won on a machine so overloaded that extra threads took CPU share from other processes,
-so it is off by default (docs/performance.md, "Verify and decode off the event loop"). Payload bytes are
-never copied on the way: the decoder reads them through views. The window is in bytes rather than blocks
+and the per-layer work (SHA-256 of the payload and the decode: ~2.5 ms per raw MB for ``lossless``'s zstd
+and plane join, ~1.5 for ``plain``'s copy, on one core here) runs either on the event loop as each layer
+arrives (``verify_workers=0``) or on a bounded pool of ``verify_workers`` threads (hashlib, zstd and numpy
+release the GIL inside their calls), a block's layers per task, while the loop keeps reading the network.
+The default pool is sized to the host's cores (``auto_verify_workers``: none on 2 cores, where it
+measured no faster and cost 5-12% more CPU per MB; docs/performance.md, "Verify and decode off the event
+loop"). A cache that lends its slots on the CPU (``PagedKVCache``) has each layer decoded straight into
+them, by whichever thread checks it; otherwise the decoded layers are written into the cache on the event
+loop, in object order. Either way a block becomes visible only once the event loop saw all its layers
+in, and a layer that fails its digest or decode ends the fetch at its block. Payload bytes are never
+copied on the way: the decoder reads them through views. The window is in bytes rather than blocks
 because QUIC interleaves concurrent streams: a deep window of large blocks delivers every block late
 (round robin) and multiplies the sender's per-packet frame work, while a window of a few MB keeps the
 link busy and blocks arriving in chain order.
@@ -39,6 +41,7 @@ so the node can count them as security events.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -60,7 +63,11 @@ from kvnet.net.connection import MoqtConnection
 from kvnet.net.errors import LimitError, MoqtConnectionError, RequestRejected, StreamResetError
 from kvnet.net.handles import FetchHandle
 from kvnet.node.abr import AbrConfig, FetchDeadline, KvAbr
-from kvnet.node.config import DEFAULT_VERIFY_WORKERS, DEFAULT_WINDOW_BYTES, MAX_VERIFY_WORKERS
+from kvnet.node.config import (
+    DEFAULT_VERIFY_WORKERS,
+    DEFAULT_WINDOW_BYTES,
+    MAX_VERIFY_WORKERS,
+)
 from kvnet.node.locate import DEFAULT_LOCATE_FAN_OUT, DEFAULT_STRAGGLER_GRACE, Located, locate_prefix
 from proto.errors import RequestErrorCode
 from proto.kvobject import BLOCK_GROUP_ID, MANIFEST_OBJECT_ID, BlockManifest, KVObjectError, block_track
@@ -274,13 +281,16 @@ class BlockFetcher:
         that do not forward TRACK_STATUS), or None while undecided (see ``locate``)."""
         self.device = device or torch.device("cpu")
         self._slot_cache = cache if isinstance(cache, SlotCacheWriter) else None
+        """The cache again where it takes decoded layers in place (see ``_load_layer``)."""
         self._lookup = cache if isinstance(cache, BlockLookup) else None
         """The cache again where it says which blocks it holds: a block loaded meanwhile is not fetched."""
         self._inflight: dict[bytes, asyncio.Future[bool]] = {}
         """Blocks some fetch of this session is loading, by hash: concurrent requests that need the same
         block wait for that one FETCH instead of sending their own (resolved True once it is in)."""
         self.stats = FetcherStats()
-        """The cache again where it takes decoded layers in place (see ``_load_layer``)."""
+        self._pool_slots = self._slot_cache if self.device.type == "cpu" else None
+        """The cache where verify workers decode straight into its slots: a CPU cache's slots are its own
+        memory, while an accelerator's cache stages each layer in one host buffer (one writer at a time)."""
         if trust_any:
             logger.warning("trust-any: blocks signed by ANY key are accepted; anyone who can publish to the "
                            "relay decides what this node computes")
@@ -395,7 +405,7 @@ class BlockFetcher:
         """Our entries in ``self._inflight``, resolved when the block is in (True) or given up (False)."""
         window = self.window_blocks
         next_issue = 0
-        pool = _LayerPool(self.verify_workers) if self.verify_workers else None
+        pool = _LayerPool(self.verify_workers, self._pool_slots) if self.verify_workers else None
         clock = _SampleClock()
 
         async def issue(i: int) -> None:
@@ -501,7 +511,7 @@ class BlockFetcher:
             if block.importing:
                 block.importing = False
                 self.cache.abort_import(block.exp.block_hash)
-            block.manifest, block.nbytes = None, 0
+            block.manifest, block.nbytes, block.decode_s = None, 0, 0.0
             await asyncio.sleep(delay)
             delay = min(2 * delay, RETRY_MAX_DELAY_S)
             handle = await self._send_fetch(block.exp, block.rendition)
@@ -560,45 +570,49 @@ class BlockFetcher:
                     assert block.manifest is not None
                     layer = _LayerPayload(block.manifest, rendition, obj.object_id, payload, self.device)
                     if pool is None:
-                        self._load_layer(exp.block_hash, layer, out)
+                        block.decode_s += self._load_layer(exp.block_hash, layer, out)
                     else:
                         batch.append(layer)
                         if len(batch) >= LAYERS_PER_TASK or obj.object_id == num_layers:
-                            decoding.append(pool.submit(batch))
+                            decoding.append(pool.submit(exp.block_hash, batch))
                             batch = []
                         if len(decoding) >= pool.queued_max:
-                            self._import(exp.block_hash, await decoding.popleft(), out)
+                            block.decode_s += self._import(exp.block_hash, await decoding.popleft(), out)
                 next_object += 1
             while decoding:
-                self._import(exp.block_hash, await decoding.popleft(), out)
+                block.decode_s += self._import(exp.block_hash, await decoding.popleft(), out)
         finally:
             for pending in decoding:  # the block failed: whatever the workers still make is dropped
                 if pending.done() and not pending.cancelled():
                     pending.exception()  # retrieved, so that asyncio does not log it as lost
                 pending.cancel()
+            if decoding and pool is not None:
+                # Workers may be writing this block's reserved slots; the caller gives the block back
+                # (abort_import) only after they stopped, or a late write could land in a reused block.
+                pool.wait_idle()
 
-    def _load_layer(self, block_hash: bytes, layer: _LayerPayload, out: FetchOutcome) -> None:
+    def _load_layer(self, block_hash: bytes, layer: _LayerPayload, out: FetchOutcome) -> float:
         """Check one layer's digest, then decode it into the block reserved for it: in place where the cache
         offers its slots (no intermediate tensor, no copy; a payload that fails to decode leaves bytes
-        only in the reserved block, which the failed fetch gives back unseen), else through ``_import``."""
+        only in the reserved block, which the failed fetch gives back unseen), else through ``_import``.
+        Returns the seconds the digest and decode took."""
         if self._slot_cache is None:
-            self._import(block_hash, [_decode_layer(layer)], out)
-            return
-        t = time.perf_counter()
-        _check_digest(layer)
-        codec = get_codec(layer.rendition)
-        payload = layer.payload
-        self._slot_cache.import_layer_with(
-            block_hash, layer.object_id - 1, lambda k, v: codec.decode_into(payload, k, v)
-        )
-        out.load_s += time.perf_counter() - t
+            return self._import(block_hash, [_decode_layer(layer)], out)
+        seconds = _decode_layer_into(self._slot_cache, block_hash, layer).seconds
+        out.load_s += seconds
+        return seconds
 
-    def _import(self, block_hash: bytes, layers: list[_DecodedLayer], out: FetchOutcome) -> None:
+    def _import(self, block_hash: bytes, layers: list[_DecodedLayer], out: FetchOutcome) -> float:
+        """Write decoded layers into the cache in order (those decoded in place are in already); returns
+        the seconds their digests and decodes took."""
         t = time.perf_counter()
+        decode_s = 0.0
         for layer in layers:
-            self.cache.import_layer(block_hash, layer.index, layer.k, layer.v)
-            out.load_s += layer.seconds
-        out.load_s += time.perf_counter() - t
+            if layer.k is not None and layer.v is not None:
+                self.cache.import_layer(block_hash, layer.index, layer.k, layer.v)
+            decode_s += layer.seconds
+        out.load_s += decode_s + time.perf_counter() - t
+        return decode_s
 
     def _finish_block(self, block: _LoadingBlock, out: FetchOutcome) -> None:
         """Make a block whose layers are all in visible in the cache and account for it."""
@@ -610,7 +624,7 @@ class BlockFetcher:
         if block.manifest is None:
             return  # loaded by another fetch of this session (or already cached): nothing measured here
         raw = raw_bytes(self.shape, block.manifest.dtype)
-        self.abr.renditions.add(block.rendition, raw, block.nbytes, 0.0)
+        self.abr.renditions.add(block.rendition, raw, block.nbytes, block.decode_s)
 
 
 @dataclass
@@ -654,15 +668,19 @@ class _LoadingBlock:
     importing: bool = False
     """``begin_import`` reserved a cache block that is neither finished nor aborted yet."""
     nbytes: int = 0
+    decode_s: float = 0.0
+    """Seconds this node spent checking the layers' digests and decoding them (on whichever thread): the
+    ABR's measure of the rendition's verify + decode speed."""
 
 
 @dataclass
 class _DecodedLayer:
-    """A layer whose digest matched, decoded and ready to be written into the cache."""
+    """A layer whose digest matched, decoded and ready to be written into the cache (``k`` and ``v``), or
+    decoded into the cache's slots already (both None)."""
 
     index: int
-    k: torch.Tensor
-    v: torch.Tensor
+    k: torch.Tensor | None
+    v: torch.Tensor | None
     seconds: float
     """Time the digest check and decode took (on whichever thread ran them)."""
 
@@ -689,28 +707,54 @@ def _decode_layer(layer: _LayerPayload) -> _DecodedLayer:
     return _DecodedLayer(layer.object_id - 1, k, v, time.perf_counter() - t)
 
 
+def _decode_layer_into(cache: SlotCacheWriter, block_hash: bytes, layer: _LayerPayload) -> _DecodedLayer:
+    """Check one layer's digest and decode it straight into the slots ``cache`` reserved for it (any thread
+    may run it for a CPU cache: each layer has slots of its own)."""
+    t = time.perf_counter()
+    _check_digest(layer)
+    codec = get_codec(layer.rendition)
+    payload = layer.payload
+    cache.import_layer_with(block_hash, layer.object_id - 1, lambda k, v: codec.decode_into(payload, k, v))
+    return _DecodedLayer(layer.object_id - 1, None, None, time.perf_counter() - t)
+
+
 def _check_digest(layer: _LayerPayload) -> None:
     if not layer.manifest.verify_payload(layer.object_id, layer.payload):
         raise BlockRejected(f"payload digest of layer {layer.object_id - 1} differs")
 
 
-def _decode_layers(layers: list[_LayerPayload]) -> list[_DecodedLayer]:
-    return [_decode_layer(layer) for layer in layers]
-
-
 class _LayerPool:
-    """The threads of one fetch that run ``_decode_layers``; the caller bounds what it queues by
-    ``queued_max`` tasks (one is imported before more are handed over)."""
+    """The threads of one fetch that check and decode layers, a task of up to ``LAYERS_PER_TASK`` layers of
+    one block at a time: into the cache's slots where ``slots`` is given, else into new tensors that the
+    event loop writes into the cache in order. The caller bounds what it queues by ``queued_max`` tasks
+    (one is imported before more are handed over)."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, slots: SlotCacheWriter | None = None) -> None:
         self.queued_max = workers * TASKS_QUEUED_PER_WORKER
+        self._slots = slots
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="kvnet-verify")
+        self._tasks: set[concurrent.futures.Future[list[_DecodedLayer]]] = set()
 
-    def submit(self, layers: list[_LayerPayload]) -> asyncio.Future[list[_DecodedLayer]]:
-        return asyncio.get_running_loop().run_in_executor(self._executor, _decode_layers, layers)
+    def submit(self, block_hash: bytes, layers: list[_LayerPayload]) -> asyncio.Future[list[_DecodedLayer]]:
+        task = self._executor.submit(self._run, block_hash, layers)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return asyncio.wrap_future(task)
+
+    def _run(self, block_hash: bytes, layers: list[_LayerPayload]) -> list[_DecodedLayer]:
+        if self._slots is None:
+            return [_decode_layer(layer) for layer in layers]
+        return [_decode_layer_into(self._slots, block_hash, layer) for layer in layers]
+
+    def wait_idle(self) -> None:
+        """Drop the tasks that have not started and wait (blocking: at most one task per worker, a few
+        ms) for those that have, so nothing writes a block's slots after its import was given up."""
+        for task in list(self._tasks):
+            task.cancel()
+        concurrent.futures.wait(list(self._tasks))
 
     def close(self) -> None:
-        # Layers of a failed block may still be decoding: drop what has not started, do not wait for it.
+        # Nothing of a finished block is still running (its tasks were awaited, or ``wait_idle`` ran).
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 

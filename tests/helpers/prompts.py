@@ -1,5 +1,5 @@
 """A publisher's signed prompt, shared by tests and benchmarks: seeded random K/V in a paged cache, the
-blocks' identities and their lossless objects signed by a fresh key."""
+blocks' identities and their objects (lossless unless asked otherwise) signed by a fresh key."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class SignedPrompt:
     hashes: list[bytes]
     identities: list[BlockIdentity]
     blocks: list[StoredBlock]
-    """One lossless entry per block, in chain order."""
+    """One entry per block (lossless unless asked otherwise), in chain order."""
     signer: Signer
 
     @property
@@ -57,9 +57,9 @@ def prompt_identities(
 
 
 def signed_prompt(
-    spec: CacheSpec, n_blocks: int, *, fingerprint: bytes, salt: bytes, seed: int
+    spec: CacheSpec, n_blocks: int, *, fingerprint: bytes, salt: bytes, seed: int, rendition: str = "lossless"
 ) -> SignedPrompt:
-    """Seeded random K/V (``spec.dtype``) for ``n_blocks`` blocks, encoded lossless and signed."""
+    """Seeded random K/V (``spec.dtype``) for ``n_blocks`` blocks, encoded in ``rendition`` and signed."""
     hashes, identities = prompt_identities(spec.block_size, n_blocks, fingerprint=fingerprint, salt=salt)
     source = PagedKVCache(spec, num_blocks=n_blocks, device=torch.device("cpu"))
     gen = torch.Generator().manual_seed(seed)
@@ -72,6 +72,6 @@ def signed_prompt(
         source.finish_import(block_hash)
     signer = Signer.generate()
     blocks = encode_blocks(
-        source, identities, fingerprint=fingerprint, renditions=("lossless",), signer=signer
+        source, identities, fingerprint=fingerprint, renditions=(rendition,), signer=signer
     )
     return SignedPrompt(spec, source, hashes, identities, blocks, signer)

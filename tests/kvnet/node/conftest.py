@@ -65,6 +65,16 @@ def published() -> Published:
 
 
 @pytest.fixture(scope="module")
+def plain_published(published: Published) -> Published:
+    """The same blocks in the ``plain`` rendition."""
+    blocks = encode_blocks(
+        published.cache, published.identities, fingerprint=FINGERPRINT, renditions=("plain",),
+        signer=published.signer,
+    )
+    return Published(published.cache, published.identities, blocks, published.signer)
+
+
+@pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> CertDir:
     directory: Path = tmp_path_factory.mktemp("certs")
     return make_certificates(directory, "server")

@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from kvnet.net.settings import DATAGRAM_SIZE_ETHERNET
-from kvnet.node.config import NodeConfig, add_node_arguments, explain_relay_problem, node_config_from_args
+from kvnet.node.config import (
+    NodeConfig,
+    add_node_arguments,
+    auto_verify_workers,
+    explain_relay_problem,
+    node_config_from_args,
+)
 
 
 @pytest.mark.parametrize(
@@ -125,3 +131,19 @@ def test_relay_problems_say_what_to_do(reason: str, expected: str) -> None:
     problem = f"cannot reach relay {url}: QUIC/TLS handshake with {url} failed: {reason}"
     assert expected in explain_relay_problem(config, problem)
     assert explain_relay_problem(config, f"relay {url}: GOAWAY") == f"relay {url}: GOAWAY"  # nothing to add
+
+
+def test_verify_workers_default_to_the_host_cores_and_take_auto(capsys: pytest.CaptureFixture[str]) -> None:
+    assert [auto_verify_workers(n) for n in (1, 2, 3, 4, 16, 64)] == [0, 0, 1, 2, 8, 8]
+    parser = argparse.ArgumentParser()
+    add_node_arguments(parser, relay_required=False)
+    assert node_config_from_args(parser.parse_args([])).fetch_verify_workers == auto_verify_workers()
+    args = parser.parse_args(["--fetch-verify-workers", "auto", "--renditions", "lossless,plain",
+                              "--accept", "plain,lossless"])
+    config = node_config_from_args(args)
+    assert config.fetch_verify_workers == auto_verify_workers()
+    assert (config.publish_renditions, config.acceptable_renditions) == (("lossless", "plain"),
+                                                                          ("plain", "lossless"))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--fetch-verify-workers", "many"])
+    assert "expected a thread count or 'auto', got 'many'" in capsys.readouterr().err

@@ -192,15 +192,43 @@ async def test_a_signed_layer_that_does_not_decode_leaves_its_slots_unused(
 
 
 class RecordingCache(PagedKVCache):
-    """A paged cache that records which thread wrote which layer of which block, in call order."""
+    """A paged cache that records which thread wrote which layer of which block, in call order, through
+    ``import_layer`` (a decoded tensor) or ``import_layer_with`` (decoded into its slots)."""
 
     def __init__(self) -> None:
         super().__init__(SPEC, num_blocks=16, device=torch.device("cpu"))
         self.writes: list[tuple[bytes, int, int]] = []
+        self.in_place: list[tuple[bytes, int, int]] = []
 
     def import_layer(self, block_hash: bytes, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.writes.append((block_hash, layer, threading.get_ident()))
         super().import_layer(block_hash, layer, k, v)
+
+    def import_layer_with(
+        self, block_hash: bytes, layer: int, write: Callable[[torch.Tensor, torch.Tensor], None]
+    ) -> None:
+        self.in_place.append((block_hash, layer, threading.get_ident()))
+        super().import_layer_with(block_hash, layer, write)
+
+
+class TensorsOnly:
+    """A cache that takes whole decoded layers only (no slots lent, as vLLM's writer): the fetcher has to
+    write them itself."""
+
+    def __init__(self, cache: RecordingCache) -> None:
+        self.cache = cache
+
+    def begin_import(self, block_hash: bytes) -> bool:
+        return self.cache.begin_import(block_hash)
+
+    def import_layer(self, block_hash: bytes, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.cache.import_layer(block_hash, layer, k, v)
+
+    def finish_import(self, block_hash: bytes) -> object:
+        return self.cache.finish_import(block_hash)
+
+    def abort_import(self, block_hash: bytes) -> None:
+        self.cache.abort_import(block_hash)
 
 
 @pytest.mark.parametrize(("verify_workers", "layers_per_task"), [(1, 1), (2, 2), (5, 16)])
@@ -211,15 +239,46 @@ async def test_layers_verified_on_workers_are_written_in_order_on_the_event_loop
     monkeypatch.setattr(fetching, "LAYERS_PER_TASK", layers_per_task)  # 3 layers: 3, 2 and 1 tasks a block
     serve(published.blocks)
     cache = RecordingCache()
-    f = fetcher(pair, cache, trusting(published.signer), verify_workers=verify_workers)
+    f = BlockFetcher(pair.client, TensorsOnly(cache), trusting(published.signer), fingerprint=FINGERPRINT,
+                     namespace_id=NAMESPACE_ID, shape=SPEC.block_shape, dtype="float32",
+                     verify_workers=verify_workers)
     outcome = await f.fetch(published.identities, LOSSLESS)
     assert (outcome.loaded, outcome.error) == (len(HASHES), None)
     assert outcome.load_s > 0
     want = [(h, layer) for h in HASHES for layer in range(SPEC.num_layers)]
-    assert [(h, layer) for h, layer, _ in cache.writes] == want
+    assert [(h, layer) for h, layer, _ in cache.writes] == want and not cache.in_place
     assert {thread for _, _, thread in cache.writes} == {threading.get_ident()}
     assert_consistent(cache, len(HASHES))
     assert_same_kv(cache, published.cache, HASHES)
+
+
+@pytest.mark.parametrize("rendition", ["lossless", "plain"])
+@pytest.mark.parametrize("verify_workers", [0, 2])
+async def test_layers_are_decoded_straight_into_the_slots_of_a_cpu_cache(
+    pair: ConnectionPair, serve: Serve, published: Published, plain_published: Published,
+    verify_workers: int, rendition: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the event loop or on the workers, each layer is checked and decoded into its reserved slots once
+    (no decoded tensor is written); the block is published on the event loop once all its layers are in,
+    and the ABR learns the rendition's verify + decode speed from these decodes."""
+    monkeypatch.setattr(fetching, "LAYERS_PER_TASK", 1)  # one layer a task: layers of a block in parallel
+    source = published if rendition == "lossless" else plain_published
+    serve(source.blocks)
+    cache = RecordingCache()
+    f = fetcher(pair, cache, trusting(source.signer), verify_workers=verify_workers)
+    outcome = await f.fetch(source.identities, [rendition] * len(HASHES))
+    assert (outcome.loaded, outcome.error) == (len(HASHES), None)
+    assert outcome.renditions == {rendition: len(HASHES)}
+    assert not cache.writes
+    assert sorted((h, layer) for h, layer, _ in cache.in_place) == sorted(
+        (h, layer) for h in HASHES for layer in range(SPEC.num_layers))
+    threads = {thread for _, _, thread in cache.in_place}
+    assert (threading.get_ident() in threads) == (verify_workers == 0)
+    assert_consistent(cache, len(HASHES))
+    assert_same_kv(cache, source.cache, HASHES)
+    assert f.abr.renditions.decode[rendition].has_samples
+    assert f.abr.renditions.size_ratio(rendition) == pytest.approx(
+        sum(b.nbytes for b in source.blocks) / (len(HASHES) * SPEC.bytes_per_block), rel=0.2)
 
 
 async def test_verify_workers_out_of_range_is_refused(pair: ConnectionPair) -> None:
