@@ -2,7 +2,7 @@
 
 Runs the reference model's prefill over a prompt, cuts the paged cache into blocks and, per codec and
 dtype, prints the compression ratio, encode and decode MB/s and ms/MB (uncompressed bytes per second of
-wall time on one thread, median of ``--runs`` runs over all (block, layer) payloads; ``decode`` into new
+this thread's CPU time, median of ``--runs`` runs over all (block, layer) payloads; ``decode`` into new
 tensors and ``decode_into`` preallocated ones, as the fetch path writes the cache's slots) and, for lossy
 renditions, the quality after loading the decoded prefix into a fresh cache in place of the exact one:
 
@@ -102,11 +102,13 @@ def prefill_blocks(model: Transformer, prefix: list[int], block_size: int) -> Bl
 
 
 def median_seconds(fn: Callable[[], object], runs: int) -> float:
+    """Median CPU seconds of this thread over ``runs`` calls (wall time would count other work on a
+    shared machine; the codecs run on this thread only, ``torch.set_num_threads(1)``)."""
     durations = []
     for _ in range(runs):
-        start = time.perf_counter()
+        start = time.thread_time()
         fn()
-        durations.append(time.perf_counter() - start)
+        durations.append(time.thread_time() - start)
     return statistics.median(durations)
 
 

@@ -169,15 +169,16 @@ class CopyingCache:
 
 async def verified_fetch(conn: MoqtConnection, cache: PagedKVCache, identities: list[BlockIdentity],
                          trust: TrustStore, verify_workers: int = DEFAULT_VERIFY_WORKERS,
-                         into_slots: bool = True) -> None:
-    """Fetch, verify, decode and import the whole prompt into ``cache`` (empty), decoding straight into
-    its slots unless ``into_slots`` is False (``CopyingCache``); raises unless every block loaded."""
+                         into_slots: bool = True, rendition: str = "lossless") -> None:
+    """Fetch, verify, decode and import the whole prompt (in ``rendition``) into ``cache`` (empty), decoding
+    straight into its slots unless ``into_slots`` is False (``CopyingCache``); raises unless every block
+    loaded."""
     spec = cache.spec
     writer = cache if into_slots else CopyingCache(cache)
     fetcher = BlockFetcher(conn, writer, trust, fingerprint=FINGERPRINT, namespace_id=NAMESPACE_ID,
                            shape=spec.block_shape, dtype="bfloat16", timeout=FETCH_TIMEOUT,
                            verify_workers=verify_workers)
-    outcome = await fetcher.fetch(identities, ["lossless"] * len(identities))
+    outcome = await fetcher.fetch(identities, [rendition] * len(identities))
     if outcome.loaded != len(identities) or outcome.error is not None:
         raise RuntimeError(f"verified fetch loaded {outcome.loaded} blocks: {outcome.error}")
 
@@ -270,7 +271,8 @@ class RelayFetch:
     async def _fetch(self, conn: MoqtConnection, verify_workers: int = DEFAULT_VERIFY_WORKERS,
                      cache: PagedKVCache | None = None, into_slots: bool = True) -> None:
         cache = cache or empty_cache(self.prompt.spec, len(self.prompt.blocks))
-        await verified_fetch(conn, cache, self.prompt.identities, self.trust, verify_workers, into_slots)
+        await verified_fetch(conn, cache, self.prompt.identities, self.trust, verify_workers, into_slots,
+                             self.prompt.blocks[0].rendition)
 
     def fetch(self, verify_workers: int = DEFAULT_VERIFY_WORKERS, receive_offload: bool = True,
               layers_per_task: int | None = None, into_slots: bool = True) -> Sample:
@@ -615,7 +617,7 @@ class Figure:
 def run(tokens: int, runs: int, stacks: list[str], links: list[str],
         compare_gso: bool = True, verify_workers: tuple[tuple[int, int | None], ...] = (),
         node_stacks: tuple[str, ...] = NODE_STACKS, compare_gro: bool = False,
-        compare_slots: bool = False) -> tuple[Prompt, list[Figure]]:
+        compare_slots: bool = False, rendition: str = "lossless") -> tuple[Prompt, list[Figure]]:
     """Every case ``runs`` times, interleaved; one ``Figure`` per case. ``compare_gso`` adds aioquic
     verified fetches with ``TransportSettings.udp_segmentation`` off on both sides, ``compare_gro`` ones
     whose client reads without ``udp_receive_offload``, ``compare_slots`` ones whose fetcher decodes into
@@ -623,8 +625,9 @@ def run(tokens: int, runs: int, stacks: list[str], links: list[str],
     ``verify_workers`` (threads, layers per task or None) adds verified fetches from the same relay with
     that many verify threads (``BlockFetcher.verify_workers``; the plain case uses the default). A relay
     (and raw sender) on aiopquic runs in the Python 3.12 environment, with subscribers here on each of
-    ``node_stacks``; it is left out, said so, where that environment cannot be made."""
-    prompt = make_prompt(tokens)
+    ``node_stacks``; it is left out, said so, where that environment cannot be made. The prompt's blocks
+    are in ``rendition``."""
+    prompt = make_prompt(tokens, rendition)
     size = prompt.wire_bytes
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -981,7 +984,8 @@ def main() -> int:
                          "(digest, decode into the cache's slots, import) for each of --renditions, on "
                          "this thread and on each --verify-workers count of threads, median of RUNS passes")
     ap.add_argument("--renditions", default="lossless,plain", metavar="R,R,...",
-                    help="with --layer-work: the renditions measured (default lossless,plain)")
+                    help="with --layer-work: the renditions measured; otherwise the verified fetches move "
+                         "the first one (default lossless,plain)")
     ap.add_argument("--transport-counts", action="store_true",
                     help="instead: verified fetches and raw transfers alternating from the first stack and "
                          "link to this process on qh3, counting qh3's datagrams in and out (its ACKs) and "
@@ -1044,10 +1048,11 @@ def main() -> int:
     for s in node_stacks:
         if s not in NODE_STACKS:
             ap.error(f"unknown node stack {s!r}; choose from {', '.join(NODE_STACKS)}")
+    rendition = next((r for r in args.renditions.split(",") if r), "lossless")
     prompt, figures = run(args.tokens, args.runs, stacks, links, not args.no_gso_comparison, workers,
-                          node_stacks, args.gro_comparison, args.slots_comparison)
+                          node_stacks, args.gro_comparison, args.slots_comparison, rendition)
     print(f"{prompt.tokens} tokens, {len(prompt.blocks)} blocks, {prompt.wire_bytes / 1e6:.1f} MB on the "
-          f"wire, median of {args.runs}, interleaved; load {common.load_average()}")
+          f"wire ({rendition}), median of {args.runs}, interleaved; load {common.load_average()}")
     print(f"{'case':42s} {'MB/s':>7s} {'tok/s':>8s} {'srv ms/MB':>9s} {'cli ms/MB':>9s}")
     for f in figures:
         if f.failures:

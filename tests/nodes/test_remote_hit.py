@@ -82,3 +82,19 @@ def test_tenants_are_isolated_by_node_secret_salts(kv_cluster: Cluster) -> None:
     proc = kv_cluster.start_subscriber([prompt], "--salt", "chosen-by-a-client")
     proc.wait(timeout=60)
     assert proc.returncode == 2  # no such flag: salts are derived, never given
+
+
+def test_plain_on_a_fast_link_lossless_on_a_slow_one_both_bit_exact(kv_cluster: Cluster) -> None:
+    """A publisher of both exact renditions; the subscriber's ABR takes plain where it believes the link
+    fast (zstd's decode costs more than the bytes it saves) and lossless where it believes it slow, and
+    either way the output equals a full recompute."""
+    kv_cluster.start_relay()
+    kv_cluster.start_publisher([SHARED_PREFIX], "--renditions", "lossless,plain")
+    prompt = SHARED_PREFIX + "which rendition?"
+    shared = (len(SHARED_PREFIX) + 1) // B
+    for assumed, rendition in (("1e11", "plain"), ("2e7", "lossless")):
+        (report,) = kv_cluster.subscribe([prompt], "--accept", "lossless,plain", "--abr", "fetch",
+                                         "--assume-throughput", assumed, "--verify", "--max-tokens", "4")
+        assert report["verified"] is True, report
+        assert report["remote_hit_tokens"] == shared * B
+        assert report["renditions"] == {rendition: shared}, (assumed, report)
