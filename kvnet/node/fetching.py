@@ -616,13 +616,16 @@ class BlockFetcher:
 
     def _finish_block(self, block: _LoadingBlock, out: FetchOutcome) -> None:
         """Make a block whose layers are all in visible in the cache and account for it."""
+        imported = block.importing
         if block.importing:
             self.cache.finish_import(block.exp.block_hash)
             block.importing = False
         out.loaded = block.index + 1
         out.renditions[block.rendition] = out.renditions.get(block.rendition, 0) + 1
-        if block.manifest is None:
-            return  # loaded by another fetch of this session (or already cached): nothing measured here
+        if block.manifest is None or not imported:
+            # Loaded by another fetch of this session, or cached meanwhile (only its manifest came, which
+            # is no size or decode sample): nothing measured here.
+            return
         raw = raw_bytes(self.shape, block.manifest.dtype)
         self.abr.renditions.add(block.rendition, raw, block.nbytes, block.decode_s)
 

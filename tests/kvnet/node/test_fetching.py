@@ -301,6 +301,22 @@ async def test_blocks_already_cached_are_kept_not_imported_again(
     assert_same_kv(cache, published.cache, HASHES[1:3])
 
 
+async def test_a_block_cached_while_its_fetch_was_under_way_is_no_abr_sample(
+    pair: ConnectionPair, serve: Serve, published: Published
+) -> None:
+    """A cache that cannot say what it holds (no ``contains_block``) gets block 0 fetched although it has
+    it; only its manifest comes (``begin_import`` says no), which is no sample of the rendition's size."""
+    serve(published.blocks[:3])
+    cache = RecordingCache()
+    fill_cache(cache, HASHES[:1], seed=99)
+    f = BlockFetcher(pair.client, TensorsOnly(cache), trusting(published.signer), fingerprint=FINGERPRINT,
+                     namespace_id=NAMESPACE_ID, shape=SPEC.block_shape, dtype="float32")
+    outcome = await f.fetch(published.identities[:3], LOSSLESS[:3])
+    assert (outcome.loaded, outcome.error) == (3, None)
+    full = sum(b.nbytes for b in published.blocks[1:3]) / (2 * SPEC.bytes_per_block)
+    assert f.abr.renditions.size_ratio("lossless") == pytest.approx(full, rel=1e-3)
+
+
 async def test_a_silent_peer_times_out_and_leaves_the_cache_alone(
     pair: ConnectionPair, published: Published
 ) -> None:
