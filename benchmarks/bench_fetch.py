@@ -163,6 +163,7 @@ async def _raw_sender_main(settings: TransportSettings, port: int, certdir: Path
                 await asyncio.sleep(0)
 
     config = stack.server_configuration(settings, TlsSettings.from_dir(certdir, "server"))
+    assert stack.serve is not None  # a QUIC stack
     server = await stack.serve("127.0.0.1", port, configuration=config, create_protocol=Source)
     if not stack.binds_own_socket:  # picoquic sizes its own socket's buffers from the configuration
         apply_socket_buffers(server._transport.get_extra_info("socket"), settings)
@@ -190,6 +191,7 @@ async def _raw_receive_once(settings: TransportSettings, port: int, certdir: Pat
                     done.set_result(None)
 
     config = stack.client_configuration(settings, TlsSettings.from_dir(certdir, None), "localhost")
+    assert stack.connect is not None  # a QUIC stack
     async with stack.connect("127.0.0.1", port, configuration=config, create_protocol=Sink) as proto:
         if settings.stack != "aiopquic":  # picoquic sizes its own socket's buffers from the configuration
             apply_socket_buffers(proto._transport.get_extra_info("socket"), settings)

@@ -105,6 +105,8 @@ async def _serve_quic(settings: TransportSettings | None, port: int, certdir: Pa
             elif isinstance(event, events.ConnectionTerminated):
                 done.set()
 
+    assert stack.serve is not None  # a QUIC stack
+
     server = await stack.serve(
         "127.0.0.1", port, configuration=_quic_config(settings, False, certdir), create_protocol=Sink
     )
@@ -187,6 +189,7 @@ async def _client_quic(settings: TransportSettings | None, port: int, certdir: P
         return stack.unsent_bytes(proto._quic, [proto.stream_id])[proto.stream_id]
 
     chunk = memoryview(b"\x5a" * CHUNK)
+    assert stack.connect is not None  # a QUIC stack
     async with stack.connect(
         "127.0.0.1", port, configuration=_quic_config(settings, True, certdir), create_protocol=Source
     ) as proto:

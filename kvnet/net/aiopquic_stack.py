@@ -347,6 +347,7 @@ class AiopquicStack(Stack):
             with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
                 s.bind((host, 0))
                 port = s.getsockname()[1]
+        assert self.serve is not None
         server = await self.serve(host, port, configuration=configuration, create_protocol=create_protocol)
         return server, (host, port)
 

@@ -1,5 +1,5 @@
-"""The asyncio glue between a transport stack (aioquic, qh3 or aiopquic, see ``kvnet.net.stack``) and the
-sans-I/O ``proto.session.MoqtSession``.
+"""The asyncio glue between a transport stack (aioquic, qh3, aiopquic or QMux, see ``kvnet.net.stack``) and
+the sans-I/O ``proto.session.MoqtSession``.
 
 Owns: one ``MoqtConnection`` (on the stack's ``QuicConnectionProtocol``) per connection, holding one
 ``MoqtSession``; the async request helpers (``track_status``, ``fetch``, ``subscribe``,
@@ -223,19 +223,26 @@ class MoqtConnection(_ProtocolBase):
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         self._last_receive = self._loop.time()
-        closing = self._quic._close_event is not None
+        closing = self.stack.close_event(self._quic) is not None
         super().datagram_received(data, addr)
-        self._after_datagrams(closing)
+        self._after_receive(closing)
 
     def datagrams_received(self, data: list[bytes], addr: Any) -> None:
         """Batched receive (qh3's client transport calls only this, never ``datagram_received``)."""
         self._last_receive = self._loop.time()
-        closing = self._quic._close_event is not None
+        closing = self.stack.close_event(self._quic) is not None
         super().datagrams_received(data, addr)  # type: ignore[misc]
-        self._after_datagrams(closing)
+        self._after_receive(closing)
 
-    def _after_datagrams(self, closing: bool) -> None:
-        if not closing and (ended := self._quic._close_event) is not None:
+    def buffer_updated(self, nbytes: int) -> None:
+        """Bytes of a byte-stream transport arrived (QMux: ``kvnet.net.qmux_stack.QMuxProtocol``)."""
+        self._last_receive = self._loop.time()
+        closing = self.stack.close_event(self._quic) is not None
+        super().buffer_updated(nbytes)  # type: ignore[misc]
+        self._after_receive(closing)
+
+    def _after_receive(self, closing: bool) -> None:
+        if not closing and (ended := self.stack.close_event(self._quic)) is not None:
             self._closed_by_peer(ended)
         if self._send_waiters():
             self._check_writable()
@@ -248,9 +255,9 @@ class MoqtConnection(_ProtocolBase):
             self._check_writable()
 
     def _closed_by_peer(self, ended: Any) -> None:
-        """What the peer sent just ended the connection (aioquic and qh3 both record the close they
-        begin, a ``ConnectionTerminated``, in ``_close_event``; one that began while receiving came from
-        the peer's packets)."""
+        """What the peer sent just ended the connection (aioquic, qh3 and QMux record the close they
+        begin, a ``ConnectionTerminated``, in ``Stack.close_event``; one that began while receiving came
+        from the peer's packets or records)."""
         self.closed_by_peer = True
         if self.session.closed is None:
             self.session.connection_lost(ended.error_code, ended.reason_phrase)

@@ -71,7 +71,8 @@ def connect(
     limits: ConnectionLimits | None = None,
     local_host: str | None = None,
 ) -> _Connector:
-    """Connect to ``moqt://host:port[/path]``, complete the QUIC+TLS handshake and the MoQT SETUP exchange.
+    """Connect to ``moqt://host:port[/path]`` (QUIC, on ``settings.stack``) or ``moqt+qmux://host:port[/path]``
+    (QMux over TLS/TCP), complete the transport's handshake and the MoQT SETUP exchange.
 
     ``local_host`` binds the client socket to that source address (the wildcard address by default)."""
     settings = settings or TransportSettings()
@@ -83,7 +84,7 @@ def connect(
         loop = asyncio.get_running_loop()
         stack = stack_for(target, settings)
         config = stack.client_configuration(settings, tls, server_name=target.host)
-        infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_DGRAM)
+        infos = await loop.getaddrinfo(target.host, target.port, type=stack.socket_type)
         if not infos:
             raise MoqtConnectionError(f"cannot resolve {target.host}")
         family, _, _, _, addr = infos[0]
@@ -173,14 +174,16 @@ async def serve(
     limits: ConnectionLimits | None = None,
     max_connections: int = 1024,
     sock: socket.socket | None = None,
+    stack: str | None = None,
 ) -> MoqtServer:
     """Listen on host:port (or on ``sock``, bound beforehand by ``kvnet.net.registry.server_sockets``).
     After SETUP completes, ``on_connection(conn)`` runs in its own task; when it returns (or raises,
     which is logged) the session is closed. Beyond ``max_connections`` live sessions new ones are closed
-    with EXCESSIVE_LOAD. ``settings.stack`` picks the QUIC stack."""
-    stack = get_stack(settings.stack)
-    config = stack.server_configuration(settings, tls)
-    cls = protocol_class(stack.name)
+    with EXCESSIVE_LOAD. ``stack`` picks the transport stack (``kvnet.net.registry``: "qmux" serves
+    ``moqt+qmux://``), by default ``settings.stack``, the QUIC one."""
+    transport_stack = get_stack(stack or settings.stack)
+    config = transport_stack.server_configuration(settings, tls)
+    cls = protocol_class(transport_stack.name)
     scfg = session_config or SessionConfig(is_client=False)
     ca = str(tls.ca_file) if tls.require_client_cert and tls.ca_file is not None else None
     tasks: set[asyncio.Task[None]] = set()
@@ -226,7 +229,7 @@ async def serve(
         task.add_done_callback(tasks.discard)
         return conn
 
-    server, address = await stack.listen(
+    server, address = await transport_stack.listen(
         host, port, settings, config, create_protocol, sock=sock, max_connections=max_connections
     )
     return MoqtServer(server, tasks, live, address)

@@ -25,6 +25,7 @@ _MODULES: dict[str, Callable[[], ModuleType]] = {
     "aioquic": lambda: importlib.import_module("kvnet.net.aioquic_stack"),
     "qh3": lambda: importlib.import_module("kvnet.net.qh3_stack"),
     "aiopquic": lambda: importlib.import_module("kvnet.net.aiopquic_stack"),
+    "qmux": lambda: importlib.import_module("kvnet.net.qmux_stack"),
 }
 """Each stack's module, which defines ``STACK``."""
 
@@ -38,7 +39,9 @@ def get_stack(name: str) -> Stack:
     with a one-line reason for an unknown name or a stack this interpreter cannot load."""
     load = _MODULES.get(name)
     if load is None:
-        raise ValueError(f"unknown QUIC stack {name!r}; choose from {STACKS}")
+        raise ValueError(
+            f"unknown QUIC stack {name!r}; choose from {STACKS} (or qmux, named by moqt+qmux:// URLs)"
+        )
     needs = _NEEDS_PYTHON.get(name)
     if needs is not None and sys.version_info < needs:
         raise ValueError(

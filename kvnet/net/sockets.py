@@ -1,8 +1,9 @@
 """The sockets kvnet opens itself: buffer sizing, a client's UDP socket, a group of UDP server sockets.
 
-Owns: ``apply_socket_buffers`` (SO_RCVBUF/SO_SNDBUF from ``TransportSettings``, any socket) and the UDP
+Owns: ``apply_socket_buffers`` (SO_RCVBUF/SO_SNDBUF from ``TransportSettings``, any socket), the UDP
 sockets of the stacks that leave the socket to kvnet (``kvnet.net.stack.UdpStack``): one bound client
-socket per connection, and ``count`` server sockets sharing one port with ``SO_REUSEPORT``.
+socket per connection, and ``count`` server sockets sharing one port with ``SO_REUSEPORT``; and the same
+group of listening TCP sockets for the QMux stack (``tcp_server_sockets``).
 """
 
 from __future__ import annotations
@@ -81,6 +82,32 @@ def udp_server_sockets(host: str, port: int, count: int, settings: TransportSett
             sock.bind((host, port))
             port = sock.getsockname()[1]
             apply_socket_buffers(sock, settings)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def tcp_server_sockets(host: str, port: int, count: int, settings: TransportSettings) -> list[socket.socket]:
+    """``count`` listening TCP sockets bound to one ``host:port`` (port 0: the first chooses, the rest join
+    it), for servers in separate processes (``relay.workers``). With more than one, each has
+    ``SO_REUSEPORT``: the kernel spreads new connections over the group, and a connection stays with the
+    process that accepted it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if count > 1:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+            port = sock.getsockname()[1]
+            apply_socket_buffers(sock, settings)
+            sock.listen(1024)
             sock.setblocking(False)
     except BaseException:
         for sock in sockets:

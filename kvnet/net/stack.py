@@ -71,10 +71,12 @@ class Stack:
     """The protocol ``MoqtConnection`` is built on: the stack's, or kvnet's adaptation of it."""
     events: ModuleType
     """Module with ``StreamDataReceived``, ``StreamReset``, ``HandshakeCompleted``, ... classes."""
-    connect: Callable[..., Any]
-    serve: Callable[..., Any]
+    connect: Callable[..., Any] | None
+    """The stack's own asyncio ``connect`` and ``serve`` helpers (benchmarks drive the stack with them);
+    None for a stack that has none (QMux)."""
+    serve: Callable[..., Any] | None
     max_datagram_size: int
-    """Largest datagram size the stack handles correctly."""
+    """Largest datagram size the stack handles correctly (0: the stack sends no datagrams of its own)."""
     can_request_client_certificate: bool = False
     keeps_alive_itself: bool = False
     """The stack sends keep-alive PINGs itself (aiopquic: picoquic's keep-alive, configured from
@@ -84,6 +86,8 @@ class Stack:
     accepts_ca_pem: bool = True
     """Clients can verify servers against a CA held in memory (``TlsSettings.ca_pem``)."""
     alpn: str = ALPN_MOQT
+    socket_type: int = socket.SOCK_DGRAM
+    """What a peer's address is resolved for: UDP for QUIC, TCP for a byte-stream transport."""
 
     # ---- configuration
 
@@ -141,6 +145,11 @@ class Stack:
     def peer_address(self, quic: Any) -> tuple[str, int] | None:
         """The peer's address, or None while the stack does not know it."""
         raise NotImplementedError
+
+    def close_event(self, quic: Any) -> Any:
+        """How the connection ended (its ``ConnectionTerminated``) once it has begun to, else None.
+        aioquic and qh3 record it in ``_close_event``."""
+        return quic._close_event
 
     def release_client_transport(self, transport: Any) -> None:
         """A client connection's own transport is going away: free what kvnet attached to it."""
@@ -236,6 +245,7 @@ class UdpStack(Stack):
                 lambda: server_class(configuration=configuration, create_protocol=create_protocol), sock=sock
             )
         else:
+            assert self.serve is not None
             server = await self.serve(
                 host, port, configuration=configuration, create_protocol=create_protocol
             )

@@ -15,7 +15,11 @@ DEFAULT_PORT = 4443
 QUIC = "quic"
 """The transport family of ``moqt://``: QUIC, on the stack ``TransportSettings.stack`` names."""
 
-SCHEMES: dict[str, str] = {"moqt": QUIC}
+QMUX = "qmux"
+"""The transport family of ``moqt+qmux://``: MoQT over QMux over TLS 1.3 over TCP
+(``kvnet.net.qmux_stack``)."""
+
+SCHEMES: dict[str, str] = {"moqt": QUIC, "moqt+qmux": QMUX}
 """Accepted URL schemes and the transport family each names (``kvnet.net.registry.stack_for``)."""
 
 _MAX_URL = 2048
@@ -33,8 +37,8 @@ class MoqtUrl:
 
 
 def parse_moqt_url(url: str) -> MoqtUrl:
-    """Parse ``SCHEME://host[:port][/path]`` for a scheme of ``SCHEMES`` (``moqt``); IPv6 hosts in
-    brackets. Port defaults to ``DEFAULT_PORT``. Raises ``ValueError`` with a one-line reason."""
+    """Parse ``SCHEME://host[:port][/path]`` for a scheme of ``SCHEMES`` (``moqt``, ``moqt+qmux``); IPv6
+    hosts in brackets. Port defaults to ``DEFAULT_PORT``. Raises ``ValueError`` with a one-line reason."""
     if len(url) > _MAX_URL:
         raise ValueError("URL too long")
     parts = urlsplit(url)
