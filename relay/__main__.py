@@ -16,8 +16,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvnet.logs import add_log_arguments, setup_logging_from_args
-from kvnet.net.registry import server_configuration
+from kvnet.net.registry import get_stack, server_configuration
 from kvnet.net.settings import LINK_PRESETS, STACKS, TransportSettings
+from kvnet.net.url import QMUX
 from kvnet.security.certs import check_tls_files
 from kvnet.security.tokens import DEFAULT_CLOCK_SKEW_S
 from kvnet.settings import format_size, parse_settings, settings_parser, size_arg
@@ -86,8 +87,8 @@ SECTION_FLAGS: dict[str, str] = {
 }
 # Flags read as they are (argparse default = the real default), named as load_config's top-level keys.
 TOP_FLAGS = (
-    "listen", "cert", "key", "ca", "require_client_cert", "upstream", "metrics", "log_format", "log_level",
-    "drain_timeout", "goaway_uri", "auth_issuer_keys", "auth_clock_skew", "upstream_token", "trust",
+    "listen", "listen_qmux", "cert", "key", "ca", "require_client_cert", "upstream", "metrics", "log_format",
+    "log_level", "drain_timeout", "goaway_uri", "auth_issuer_keys", "auth_clock_skew", "upstream_token", "trust",
     "trust_any", "workers",
 )
 
@@ -106,12 +107,19 @@ def _show_default(action: argparse.Action) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = settings_parser("kvnet-relay", "MoQT draft-18 caching relay (native QUIC, ALPN moqt-18)")
     p.add_argument("--listen", default=DEFAULT_LISTEN, help="UDP host:port to listen on (port 0 = any)")
+    p.add_argument(
+        "--listen-qmux", metavar="HOST:PORT",
+        help="also serve MoQT over QMux (TLS 1.3 over TCP, moqt+qmux:// URLs, ALPN moqt-18-qmux-01) on this "
+        "TCP host:port, with the same cache, limits and metrics (port 0 = any)",
+    )
     p.add_argument("--cert", help="TLS certificate chain (PEM; required)")
     p.add_argument("--key", help="TLS private key (PEM; required)")
     p.add_argument("--ca", help="CA certificate(s) to verify upstream relays and client certificates")
     p.add_argument("--require-client-cert", action="store_true", help="reject clients without a cert")
     p.add_argument(
-        "--upstream", action="append", help="moqt://host:port of an upstream relay (repeatable, in order)"
+        "--upstream", action="append",
+        help="moqt://host:port (QUIC) or moqt+qmux://host:port (QMux) of an upstream relay (repeatable, "
+        "in order)",
     )
     p.add_argument(
         "--auth-issuer-key", dest="auth_issuer_keys", action="append", metavar="PEM",
@@ -281,6 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A stack that cannot load (aiopquic needs Python >= 3.12) or cannot do the TLS asked (client
         # certificates: aioquic only) is a usage error, before anything starts.
         server_configuration(config.transport, config.tls)
+        if config.qmux_host is not None:
+            get_stack(QMUX).server_configuration(config.transport, config.tls)
         if config.workers > 1:
             from relay.workers import check_metrics_ports
 

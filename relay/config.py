@@ -8,10 +8,11 @@ File format (``--config relay.yaml``; the nodes' format: every flag by name, eve
 command line and the environment win; a ``.toml`` file with the same keys is read too)::
 
     listen: 127.0.0.1:4443           # host:port (IPv6 as [::1]:4443)
+    listen-qmux: 127.0.0.1:4443      # TCP host:port serving moqt+qmux:// beside it (absent: QUIC only)
     cert: certs/relay.pem            # TLS chain and key (required)
     key: certs/relay-key.pem
     ca: certs/ca.pem                 # verifies upstream relays (and client certs with require-client-cert)
-    upstream: [moqt://origin:4443]   # relays to forward misses to, tried in order
+    upstream: [moqt://origin:4443]   # relays to forward misses to, tried in order (moqt+qmux:// too)
     metrics: 127.0.0.1:9464          # Prometheus endpoint; "" disables (worker i: port + i)
     workers: 1                       # processes serving the port (relay.workers)
     log-format: kv                   # kv (key=value) or json
@@ -50,6 +51,7 @@ MAX_WORKERS = 64
 """Most relay worker processes: past the cores of any one host, more only add scheduling and hub load."""
 _TOP_KEYS = {
     "listen",
+    "listen_qmux",
     "cert",
     "key",
     "ca",
@@ -98,8 +100,14 @@ class RelayConfig:
     """Address to listen on (UDP)."""
     port: int = 4443
     """UDP port; 0 picks a free one (the chosen port is logged)."""
+    qmux_host: str | None = None
+    """Address to serve MoQT over QMux on (TCP, ``moqt+qmux://``) beside QUIC, with the same cache,
+    limits and metrics; None: QUIC only."""
+    qmux_port: int = 0
+    """TCP port of the QMux listener; 0 picks a free one (logged)."""
     upstreams: tuple[str, ...] = ()
-    """``moqt://host:port`` relays that misses are forwarded to when no local publisher matches."""
+    """``moqt://host:port`` (QUIC) or ``moqt+qmux://host:port`` (QMux over TLS/TCP) relays that misses are
+    forwarded to when no local publisher matches."""
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 9464
     """TCP port of the Prometheus endpoint; None disables it, 0 picks a free one."""
@@ -143,6 +151,8 @@ class RelayConfig:
             raise ValueError("tls: a relay needs cert and key")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not 0 <= self.qmux_port <= 65535:
+            raise ValueError(f"qmux_port must be in 0..65535, got {self.qmux_port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         for url in self.upstreams:
@@ -164,6 +174,10 @@ class RelayConfig:
             raise ValueError("--trust-any contradicts --trust (give publisher keys or accept any, not both)")
         if not 1 <= self.workers <= MAX_WORKERS:
             raise ValueError(f"workers must be in 1..{MAX_WORKERS}, got {self.workers}")
+        if self.workers > 1 and self.qmux_host is not None:
+            raise ValueError(
+                "--workers > 1 does not cover --listen-qmux yet: run one relay process per QMux port"
+            )
         if self.workers > 1 and self.transport.stack == "aiopquic":
             raise ValueError(
                 "workers > 1 needs a QUIC stack whose socket kvnet binds (aioquic, qh3): "
@@ -221,6 +235,9 @@ def load_config(file_data: Mapping[str, Any], overrides: Mapping[str, Any]) -> R
         require_client_cert=bool(top.get("require_client_cert", False)),
     )
     host, port = parse_hostport(str(top.get("listen", DEFAULT_LISTEN)), "listen")
+    qmux_host, qmux_port = None, 0
+    if top.get("listen_qmux"):
+        qmux_host, qmux_port = parse_hostport(str(top["listen_qmux"]), "listen-qmux")
     metrics = str(top.get("metrics", DEFAULT_METRICS))
     metrics_host, metrics_port = ("127.0.0.1", None) if not metrics else parse_hostport(metrics, "metrics")
     upstream = top.get("upstream", ())
@@ -237,6 +254,8 @@ def load_config(file_data: Mapping[str, Any], overrides: Mapping[str, Any]) -> R
         tls=tls,
         host=host,
         port=port,
+        qmux_host=qmux_host,
+        qmux_port=qmux_port,
         upstreams=tuple(str(u) for u in upstream),
         metrics_host=metrics_host,
         metrics_port=metrics_port,

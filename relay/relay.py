@@ -38,6 +38,8 @@ from kvnet.net.handles import (
     IncomingSubscribe,
     IncomingTrackStatus,
 )
+from kvnet.net.sockets import tcp_server_sockets
+from kvnet.net.url import QMUX
 from kvnet.security.tokens import KVNET_TOKEN_TYPE, AuthError, read_token_file
 from proto import events as me
 from proto.data import ObjectStatus
@@ -1219,11 +1221,13 @@ async def serve(
     sock: socket.socket | None = None,
     on_listening: Callable[[tuple[str, int], int | None], None] | None = None,
     metrics: Metrics | None = None,
+    qmux_sock: socket.socket | None = None,
 ) -> None:
     """Run a relay until SIGTERM/SIGINT (or ``stop``), then GOAWAY, drain and close. ``sock``: serve on
-    that bound UDP socket instead of binding ``config``'s address (a worker of ``relay.workers``);
-    ``on_listening(quic address, metrics port)`` is called once it serves; ``metrics``: the relay's (with
-    families its caller added), else a new one."""
+    that bound UDP socket instead of binding ``config``'s address (a worker of ``relay.workers``), and
+    ``qmux_sock`` the same for the QMux listener (``config.qmux_host``), which serves beside QUIC into the
+    same ``Relay`` (one cache, one set of limits and metrics); ``on_listening(quic address, metrics port)``
+    is called once it serves; ``metrics``: the relay's (with families its caller added), else a new one."""
     metrics = metrics or Metrics()
     relay = Relay(config, metrics)
     session_cfg = SessionConfig(
@@ -1246,6 +1250,20 @@ async def serve(
         max_connections=1 << 30,
         sock=sock,
     )
+    qmux_server = None
+    if config.qmux_host is not None:
+        if qmux_sock is None:
+            try:
+                (qmux_sock,) = tcp_server_sockets(config.qmux_host, config.qmux_port, 1, config.transport)
+            except OSError as exc:
+                await server.close()
+                where = f"--listen-qmux {config.qmux_host}:{config.qmux_port}"
+                raise ValueError(f"{where}: cannot listen: {exc.strerror}") from exc
+        qmux_server = await serve_moqt(
+            config.qmux_host, config.qmux_port, config.transport, config.tls, relay.on_connection,
+            session_config=session_cfg, limits=relay.connection_limits(), max_connections=1 << 30,
+            sock=qmux_sock, stack=QMUX,
+        )
     metrics_server: MetricsServer | None = None
     if config.metrics_port is not None:
         metrics_server = MetricsServer(metrics, config.metrics_host, config.metrics_port)
@@ -1263,6 +1281,7 @@ async def serve(
         "listening",
         extra={
             "quic": f"{host}:{port}",
+            "qmux": "off" if qmux_server is None else "{}:{}".format(*qmux_server.address),
             "metrics": f"{config.metrics_host}:{metrics_server.port}" if metrics_server else "off",
             "upstreams": ",".join(config.upstreams) or "none",
             "cache_bytes": config.cache.max_bytes,
@@ -1277,7 +1296,10 @@ async def serve(
         extra={"sessions": len(relay.peers), "drain_timeout": config.drain_timeout},
     )
     relay.going_away = True
-    await server.shutdown(config.goaway_uri, config.drain_timeout)
+    await asyncio.gather(
+        server.shutdown(config.goaway_uri, config.drain_timeout),
+        *([] if qmux_server is None else [qmux_server.shutdown(config.goaway_uri, config.drain_timeout)]),
+    )
     watchdog.cancel()
     await relay.close()
     if metrics_server is not None:

@@ -181,3 +181,23 @@ def test_a_relay_without_trust_or_trust_any_does_not_start(cert_dir: CertDir) ->
     )
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines() == [f"kvnet-relay: error: {NO_TRUST}"]
+
+
+def test_listen_qmux_and_qmux_upstreams_from_file_and_flags(cert_dir: CertDir, tmp_path: Path) -> None:
+    f = tmp_path / "relay.toml"
+    f.write_text(
+        f'cert = "{cert_dir.cert}"\nkey = "{cert_dir.key}"\nca = "{cert_dir.ca}"\n'
+        'listen_qmux = "127.0.0.1:5001"\nupstream = ["moqt+qmux://origin:4443", "moqt://backup:4443"]\n'
+    )
+    cfg = config_from_args(_args(["--config", str(f)]))
+    assert (cfg.qmux_host, cfg.qmux_port) == ("127.0.0.1", 5001)
+    assert cfg.upstreams == ("moqt+qmux://origin:4443", "moqt://backup:4443")
+    cfg = config_from_args(_args(["--config", str(f), "--listen-qmux", "[::1]:0"]))
+    assert (cfg.qmux_host, cfg.qmux_port) == ("::1", 0)
+    plain = config_from_args(_args(["--cert", str(cert_dir.cert), "--key", str(cert_dir.key)]))
+    assert plain.qmux_host is None
+    base = {"cert": str(cert_dir.cert), "key": str(cert_dir.key)}
+    with pytest.raises(ValueError, match="listen-qmux"):
+        load_config({**base, "listen_qmux": "nowhere"}, {})
+    with pytest.raises(ValueError, match="listen-qmux"):
+        load_config({**base, "listen_qmux": "127.0.0.1:1", "workers": 2}, {})

@@ -1,20 +1,28 @@
 """The relay on each QUIC stack kvnet ships, with peers on the other stacks: a relay process on aioquic,
 qh3 or aiopquic (the latter from the Python 3.12 environment of ``scripts/setup-py312``) and publisher
-and subscriber sessions on aioquic and qh3, the stacks nodes run on (Python 3.11)."""
+and subscriber sessions on aioquic and qh3, the stacks nodes run on (Python 3.11); and QMux over TLS/TCP
+(``--listen-qmux``, ``moqt+qmux://``) beside QUIC, in relay chains either way and with tokens."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
+from kvnet.net.errors import RequestRejected
 from kvnet.net.handles import Subscription
 from kvnet.net.settings import STACKS, TlsSettings, TransportSettings
+from kvnet.security.tokens import IssuerKey, issue_token, make_claims
+from proto.errors import RequestErrorCode
+from proto.messages import AliasType, AuthToken
+from proto.session import SessionConfig
 from tests.helpers.processes import (
     CertDir,
     NativeQuicUnavailable,
@@ -128,3 +136,106 @@ async def test_edge_and_origin_on_different_stacks(
     finally:
         await pub.stop()
         await sub.close_session()
+
+
+# -------------------------------------------------------------------------------- QMux beside QUIC
+
+
+def _qmux_flags() -> tuple[str, str]:
+    return ("--listen-qmux", f"127.0.0.1:{free_port(socket.SOCK_STREAM)}")
+
+
+def _qmux_url(rp: RelayProcess) -> str:
+    """The ``moqt+qmux://`` URL of a relay started with ``_qmux_flags``."""
+    port = rp.args[rp.args.index("--listen-qmux") + 1].rpartition(":")[2]
+    return f"moqt+qmux://127.0.0.1:{port}"
+
+
+async def _qmux_client(
+    rp: RelayProcess, cert_dir: CertDir, session_config: SessionConfig | None = None
+) -> MoqtConnection:
+    return await connect(_qmux_url(rp), TransportSettings(), TlsSettings(ca_file=cert_dir.ca),
+                         session_config=session_config)
+
+
+async def test_one_relay_serves_quic_and_qmux_from_one_cache(
+    relay_factory: RelayFactory, cert_dir: CertDir
+) -> None:
+    """--listen-qmux serves beside --listen: a publisher over QUIC, subscribers over QMux and QUIC share
+    one cache (the publisher is asked once) and one set of metrics; a bulk track crosses QMux whole."""
+    rp = relay_factory(*_qmux_flags(), name="relay-both")
+    small = track_objects(b"block-q", 5)
+    bulk = track_objects(b"bulk-q", BULK_OBJECTS, BULK_OBJECT_BYTES)
+    live = track_objects(b"live-q", 4)
+    pub = await Publisher(await _client(rp, cert_dir, "aioquic"),
+                          {b"block-q": small, b"bulk-q": bulk, b"live-q": live}).start()
+    over_qmux = await _qmux_client(rp, cert_dir)
+    over_quic = await _client(rp, cert_dir, "aioquic")
+    try:
+        assert await fetch_track(over_qmux, b"block-q", 5) == small
+        assert await fetch_track(over_quic, b"block-q", 5) == small  # from the cache the QMux miss filled
+        assert await fetch_track(over_qmux, b"block-q", 5) == small
+        assert pub.counts["fetch"] == 1
+        assert await asyncio.wait_for(fetch_track(over_qmux, b"bulk-q", BULK_OBJECTS), 120) == bulk
+        handles = [await s.subscribe(NS, b"live-q") for s in (over_qmux, over_quic)]
+        pub.live.set()
+        assert await asyncio.wait_for(asyncio.gather(*(_payloads(h) for h in handles)), 30) == [live, live]
+        m = await rp.ametrics()
+        assert m['kvnet_relay_requests_total{outcome="cache_hit",type="fetch"}'] == 2
+    finally:
+        await pub.stop()
+        for s in (over_qmux, over_quic):
+            await s.close_session()
+
+
+@pytest.mark.parametrize("upstream_transport", ["qmux", "quic"])
+async def test_relays_chain_over_qmux_and_quic_in_either_direction(
+    relay_factory: RelayFactory, cert_dir: CertDir, upstream_transport: str
+) -> None:
+    """An edge reaches its origin over QMux (and is reached over QUIC), or over QUIC (and is reached over
+    QMux): a FETCH crosses the chain once and is served from the edge's cache after."""
+    origin = relay_factory(*_qmux_flags(), name="origin")
+    upstream = _qmux_url(origin) if upstream_transport == "qmux" else origin.url
+    edge = relay_factory(*_qmux_flags(), "--upstream", upstream, name=f"edge-via-{upstream_transport}")
+    objs = track_objects(b"chain", 4, 64 << 10)
+    pub = await Publisher(await _client(origin, cert_dir, "aioquic"), {b"chain": objs}).start()
+    sub = await (_client(edge, cert_dir, "aioquic") if upstream_transport == "qmux"
+                 else _qmux_client(edge, cert_dir))
+    try:
+        assert await fetch_track(sub, b"chain", 4) == objs
+        assert await fetch_track(sub, b"chain", 4) == objs
+        assert pub.counts["fetch"] == 1
+        em = await edge.ametrics()
+        assert em['kvnet_relay_upstream_requests_total{type="fetch"}'] == 1
+    finally:
+        await pub.stop()
+        await sub.close_session()
+
+
+async def test_tokens_over_qmux(relay_factory: RelayFactory, cert_dir: CertDir, tmp_path: Path) -> None:
+    """Authorization tokens in SETUP work over QMux as over QUIC: in scope served, out of scope refused
+    with UNAUTHORIZED."""
+    key = IssuerKey.generate()
+    key.save_public(tmp_path / "issuer.pub")
+    rp = relay_factory(*_qmux_flags(), "--auth-issuer-key", str(tmp_path / "issuer.pub"), name="relay-auth")
+    ns = (b"kvnet", b"v1", b"fp", b"tenant-q")
+
+    def session(actions: list[str], prefixes: list[tuple[bytes, ...]]) -> SessionConfig:
+        token = issue_token(key, make_claims("test", "t", actions, prefixes, now=time.time(), lifetime_s=600))
+        tokens = (AuthToken(AliasType.USE_VALUE, token_type=0, value=token),)
+        return SessionConfig(is_client=True, authorization_tokens=tokens)
+
+    objs = track_objects(b"tok", 3)
+    pub = await Publisher(await _qmux_client(rp, cert_dir, session(["publish"], [ns])), {b"tok": objs},
+                          namespace=ns).start()
+    allowed = await _qmux_client(rp, cert_dir, session(["subscribe"], [ns]))
+    other = await _qmux_client(rp, cert_dir, session(["subscribe"], [(b"kvnet", b"v1", b"fp", b"other")]))
+    try:
+        assert await fetch_track(allowed, b"tok", 3, ns=ns) == objs
+        with pytest.raises(RequestRejected) as refused:
+            await other.track_status(ns, b"tok")
+        assert refused.value.code == RequestErrorCode.UNAUTHORIZED
+    finally:
+        await pub.stop()
+        for c in (allowed, other):
+            await c.close_session()
