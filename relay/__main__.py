@@ -88,8 +88,8 @@ SECTION_FLAGS: dict[str, str] = {
 # Flags read as they are (argparse default = the real default), named as load_config's top-level keys.
 TOP_FLAGS = (
     "listen", "listen_qmux", "cert", "key", "ca", "require_client_cert", "upstream", "metrics", "log_format",
-    "log_level", "drain_timeout", "goaway_uri", "auth_issuer_keys", "auth_clock_skew", "upstream_token", "trust",
-    "trust_any", "workers",
+    "log_level", "drain_timeout", "goaway_uri", "auth_issuer_keys", "auth_clock_skew", "upstream_token",
+    "trust", "trust_any", "workers",
 )
 
 
