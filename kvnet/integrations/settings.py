@@ -9,7 +9,7 @@ commands) plus the few settings only an engine connector has. Unknown keys and b
 Keys (all optional except ``relay`` and ``ca``; the node flag each mirrors in brackets):
 
 =================== =================================================================================
-relay               ``moqt://HOST:PORT`` of the relay [--relay]
+relay               ``moqt://HOST:PORT`` (QUIC) or ``moqt+qmux://HOST:PORT`` (QMux) of the relay [--relay]
 ca                  CA certificate (PEM) the relay's certificate must chain to [--ca]
 cert, key           client certificate and its key for mTLS [--cert, --key]
 token               authorization token file presented in SETUP [--token]
@@ -88,7 +88,7 @@ class ConnectorSettings:
             except (TypeError, ValueError) as exc:
                 raise SettingsError(f"kvnet setting {key!r}: {exc}") from None
         if not extra.get("relay"):
-            raise SettingsError("kvnet setting 'relay' is required (moqt://HOST:PORT)")
+            raise SettingsError("kvnet setting 'relay' is required (moqt://HOST:PORT or moqt+qmux://HOST:PORT)")
         try:
             node = NodeConfig(**fields)
             if resolve_key_files:

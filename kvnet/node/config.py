@@ -81,7 +81,8 @@ class NodeConfig:
     """Everything a node needs: model, cache, relay, signing/trust and ABR knobs."""
 
     relay_url: str | None = None
-    """``moqt://HOST:PORT`` of the relay; None runs the node without a network (local cache only)."""
+    """``moqt://HOST:PORT`` (QUIC) or ``moqt+qmux://HOST:PORT`` (QMux over TLS/TCP) of the relay; None runs
+    the node without a network (local cache only)."""
     ca_file: Path | None = None
     """CA certificate that the relay's certificate must chain to."""
     cert_file: Path | None = None
@@ -270,7 +271,10 @@ def verify_workers_arg(text: str) -> int:
 def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool) -> None:
     """Flags shared by the node commands."""
     g = parser.add_argument_group("relay")
-    g.add_argument("--relay", required=relay_required, help="relay URL, moqt://HOST:PORT")
+    g.add_argument(
+        "--relay", required=relay_required,
+        help="relay URL: moqt://HOST:PORT (QUIC) or moqt+qmux://HOST:PORT (QMux over TLS/TCP)",
+    )
     g.add_argument("--ca", type=Path, help="CA certificate (PEM) the relay's certificate must chain to")
     g.add_argument("--cert", type=Path, help="client certificate (PEM) for mTLS")
     g.add_argument("--key", type=Path, help="private key of --cert")

@@ -114,8 +114,12 @@ class Cluster:
         assert self._relay_process is not None, "start_relay first"
         return self._relay_process.metrics()
 
-    def node_args(self, prompts: Sequence[str], extra: Sequence[str], relay_port: int | None) -> list[str]:
-        args = ["--relay", self.url(relay_port), "--ca", str(self.ca), *self._block_size(extra)]
+    def node_args(
+        self, prompts: Sequence[str], extra: Sequence[str], relay_port: int | None,
+        relay_url: str | None = None,
+    ) -> list[str]:
+        """A node's flags; ``--relay`` is ``relay_url`` when given (a ``moqt+qmux://`` one, say)."""
+        args = ["--relay", relay_url or self.url(relay_port), "--ca", str(self.ca), *self._block_size(extra)]
         for p in prompts:
             args += ["--prompt", p]
         return [*args, *extra]
@@ -145,20 +149,22 @@ class Cluster:
         assert rc == 0, self.log_of(proc)[-3000:]
 
     def start_subscriber(
-        self, prompts: Sequence[str], *extra: str, relay_port: int | None = None
+        self, prompts: Sequence[str], *extra: str, relay_port: int | None = None, relay_url: str | None = None
     ) -> subprocess.Popen[bytes]:
         # On the tiny model recomputing is cheaper than fetching, so the ABR would (rightly) recompute;
         # tests about remote hits pin the policy to fetch unless they choose one.
         policy = [] if "--abr" in extra else ["--abr", "fetch"]
         return self._spawn(
-            ["-m", "subscriber", "--json", *policy, *self.node_args(prompts, extra, relay_port)], "subscriber"
+            ["-m", "subscriber", "--json", *policy, *self.node_args(prompts, extra, relay_port, relay_url)],
+            "subscriber",
         )
 
     def subscribe(
-        self, prompts: Sequence[str], *extra: str, relay_port: int | None = None, timeout: float = 120.0
+        self, prompts: Sequence[str], *extra: str, relay_port: int | None = None, timeout: float = 120.0,
+        relay_url: str | None = None,
     ) -> list[dict[str, Any]]:
         """Run a one-shot subscriber to completion; one report per prompt."""
-        proc = self.start_subscriber(prompts, *extra, relay_port=relay_port)
+        proc = self.start_subscriber(prompts, *extra, relay_port=relay_port, relay_url=relay_url)
         out, _ = proc.communicate(timeout=timeout)
         assert proc.returncode == 0, f"subscriber rc={proc.returncode}: {self.log_of(proc)[-3000:]}"
         return [json.loads(line) for line in out.decode().splitlines() if line.strip()]

@@ -6,6 +6,9 @@ inside blocks, so the usable remote prefix is the floor of the shared tokens to 
 
 from __future__ import annotations
 
+import socket
+
+from tests.helpers.processes import free_port, start_relay
 from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster
 
 B = TEST_BLOCK_SIZE
@@ -98,3 +101,25 @@ def test_plain_on_a_fast_link_lossless_on_a_slow_one_both_bit_exact(kv_cluster: 
         assert report["verified"] is True, report
         assert report["remote_hit_tokens"] == shared * B
         assert report["renditions"] == {rendition: shared}, (assumed, report)
+
+
+def test_a_node_fetches_over_qmux_through_an_edge_whose_upstream_is_quic(kv_cluster: Cluster) -> None:
+    """The subscriber's relay session is QMux over TLS/TCP (``moqt+qmux://``) to an edge relay that serves
+    both transports and reaches the origin (where the publisher published, over QUIC) over QUIC: the blocks
+    cross both, verified, and the output is bit-exact."""
+    kv_cluster.start_relay()
+    kv_cluster.start_publisher([SHARED_PREFIX])
+    qmux_port = free_port(socket.SOCK_STREAM)
+    edge = start_relay(
+        kv_cluster.cert_dir, kv_cluster.tmp, "--upstream", kv_cluster.url(),
+        "--listen-qmux", f"127.0.0.1:{qmux_port}", log_level=None, env=kv_cluster.env, name="edge",
+    )
+    kv_cluster.procs.append(edge.proc)
+    (report,) = kv_cluster.subscribe(
+        [SHARED_PREFIX + "Question over QMux?"], "--verify", "--max-tokens", "4",
+        relay_url=f"moqt+qmux://127.0.0.1:{qmux_port}",
+    )
+    shared = (len(SHARED_PREFIX) + 1) // B * B
+    assert report["verified"] is True and report["remote_hit_tokens"] == shared, report
+    assert report["bytes_fetched"] > 0
+    assert edge.metrics()['kvnet_relay_upstream_requests_total{type="fetch"}'] >= 1

@@ -78,3 +78,11 @@ def test_relay_and_a_usable_ca_are_required(tmp_path: Path, base: dict[str, obje
         ConnectorSettings.from_extra_config({"relay": RELAY}, str(tmp_path))
     with pytest.raises(SettingsError, match="not a usable PEM CA"):
         ConnectorSettings.from_extra_config({"relay": RELAY, "ca": str(tmp_path / "missing.pem")}, None)
+
+
+def test_the_relay_key_takes_a_qmux_url(tmp_path: Path, base: dict[str, object]) -> None:
+    qmux = "moqt+qmux://127.0.0.1:4443"
+    settings = ConnectorSettings.from_extra_config(
+        {**base, "relay": qmux}, str(tmp_path), resolve_key_files=False
+    )
+    assert settings.node.relay_url == qmux
