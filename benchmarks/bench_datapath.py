@@ -67,7 +67,7 @@ from kvnet.node import fetching
 from kvnet.node.blockstore import BlockStore
 from kvnet.node.fetching import DEFAULT_VERIFY_WORKERS, BlockFetcher
 from kvnet.node.publishing import BlockServer
-from tests.helpers.processes import CertDir, free_port_run, start_relay
+from tests.helpers.processes import CertDir, free_port, free_port_run, start_relay
 from tests.helpers.prompts import SignedPrompt, prompt_identities, signed_prompt
 
 MODEL = "bench"
@@ -80,6 +80,8 @@ CHUNK = 1 << 20
 LLAMA3_8B_BF16_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
 DEFAULT_LAYERS_PER_TASK = fetching.LAYERS_PER_TASK
 TLS_TCP_CASE = "TLS 1.3 over TCP (blocking)"
+QMUX = "qmux"
+QMUX_CASE = "verified fetch QMux (TLS 1.3/TCP)"
 # Stacks a node (Python 3.11, torch) runs on: an aiopquic relay's subscribers use these.
 NODE_STACKS = ("qh3", "aioquic")
 # Seconds a verified fetch may wait for an object; a transfer stalled longer counts as a failed run.
@@ -191,9 +193,14 @@ class RelayFetch:
                  udp_segmentation: bool = True, peer_stack: str | None = None, workers: int = 1):
         """``peer_stack``: the stack of the publisher and subscriber sessions in this process (default:
         the relay's; an aiopquic relay runs in the Python 3.12 environment, its peers here on 3.11).
-        ``workers``: the relay's ``--workers``; with more than one, every worker's cache is filled."""
+        ``workers``: the relay's ``--workers``; with more than one, every worker's cache is filled.
+        ``stack`` "qmux": the relay (on aioquic) serves ``--listen-qmux`` too, and every session here,
+        the publisher's included, is QMux over TLS/TCP (``moqt+qmux://``); ``link`` does not apply."""
         self.prompt = prompt
         self.certdir = certdir
+        qmux = stack == QMUX
+        if qmux:
+            stack, link, peer_stack = "aioquic", "loopback", None
         self.settings = dataclasses.replace(TransportSettings.for_link(link, peer_stack or stack),
                                             udp_segmentation=udp_segmentation)
         self.loop = loop
@@ -201,16 +208,20 @@ class RelayFetch:
         cert_dir = CertDir(certdir, certdir / "ca.pem", certdir / "server.pem", certdir / "server-key.pem")
         name = f"relay-{stack}-{link}{'' if udp_segmentation else '-nogso'}"
         name += f"-w{workers}" if workers > 1 else ""
+        name += "-qmux" if qmux else ""
+        qmux_port = free_port(socket.SOCK_STREAM) if qmux else 0
+        qmux_flags = ["--listen-qmux", f"127.0.0.1:{qmux_port}"] if qmux else []
         self.workers = workers
         toml = certdir / f"{name}.toml"
         toml.write_text(f"[transport]\nudp_segmentation = {str(udp_segmentation).lower()}\n")
         self.relay = start_relay(cert_dir, certdir, "--config", str(toml), "--quic-stack", stack,
                                  "--link", link, "--cache-bytes", cache_bytes,
-                                 "--cache-track-bytes", cache_bytes, "--workers", str(workers), name=name,
+                                 "--cache-track-bytes", cache_bytes, "--workers", str(workers), *qmux_flags,
+                                 name=name,
                                  metrics_port=free_port_run(workers + 1) if workers > 1 else 0,
                                  log_level="warning", ready_marker=None)
         self.proc = self.relay.proc
-        self.url = self.relay.url
+        self.url = f"moqt+qmux://127.0.0.1:{qmux_port}" if qmux else self.relay.url
         self.tls = TlsSettings(ca_file=certdir / "ca.pem")
         self.publisher: MoqtConnection | None = None
         self.serving: asyncio.Task[None] | None = None
@@ -636,6 +647,11 @@ def run(tokens: int, runs: int, stacks: list[str], links: list[str],
         with common.test_certificates() as certdir, ExitStack() as stack:
             cases: list[Case] = []
             for s in stacks:
+                if s == QMUX:
+                    relay = RelayFetch(prompt, certdir, s, "loopback", loop)
+                    stack.callback(relay.close)
+                    cases.append(Case(QMUX_CASE, relay.fetch))
+                    continue
                 peers: tuple[str, ...] = (s,)
                 if s == "aiopquic":
                     try:
@@ -956,7 +972,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=2048, help="prompt length (whole 64-token blocks)")
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--stacks", default=",".join(STACKS))
+    ap.add_argument("--stacks", default=",".join((*STACKS, QMUX)),
+                    help="QUIC stacks, and qmux: a verified fetch over QMux (TLS/TCP) from a relay's cache")
     ap.add_argument("--node-stacks", default=",".join(NODE_STACKS),
                     help="stacks of the subscribers (this process) of an aiopquic relay")
     ap.add_argument("--links", default=",".join(LINK_PRESETS))
@@ -1003,8 +1020,8 @@ def main() -> int:
     stacks = [s for s in args.stacks.split(",") if s]
     links = [x for x in args.links.split(",") if x]
     for s in stacks:
-        if s not in STACKS:
-            ap.error(f"unknown stack {s!r}; choose from {', '.join(STACKS)}")
+        if s not in (*STACKS, QMUX):
+            ap.error(f"unknown stack {s!r}; choose from {', '.join((*STACKS, QMUX))}")
     for x in links:
         if x not in LINK_PRESETS:
             ap.error(f"unknown link {x!r}; choose from {', '.join(LINK_PRESETS)}")
@@ -1062,7 +1079,25 @@ def main() -> int:
         print(f"{f.name:42s} {common.median(f.mbps):7.1f} {common.median(f.tokens_per_s):8.0f} "
               f"{common.median(f.server_ms_per_mb):9.2f} {common.median(f.client_ms_per_mb):9.2f}   "
               f"(runs {' '.join(f'{x:.0f}' for x in f.mbps)})")
+    print(ratios(figures))
     return 0
+
+
+def ratios(figures: list[Figure]) -> str:
+    """The verified fetch over QMux and the best verified fetch over QUIC, each against TLS 1.3 over TCP
+    moving the same bytes in the same run (the issue's target: QMux >= 0.5x)."""
+    rate = {f.name: common.median(f.mbps) for f in figures if f.mbps}
+    tls = rate.get(TLS_TCP_CASE)
+    if not tls:
+        return "no TLS 1.3 over TCP figure to compare with"
+    quic = {n: r for n, r in rate.items() if n.startswith("verified fetch") and n != QMUX_CASE}
+    lines = []
+    if QMUX_CASE in rate:
+        lines.append(f"{QMUX_CASE} / {TLS_TCP_CASE}: {rate[QMUX_CASE] / tls:.2f}x")
+    if quic:
+        best = max(quic, key=quic.__getitem__)
+        lines.append(f"best QUIC ({best}) / {TLS_TCP_CASE}: {quic[best] / tls:.2f}x")
+    return "\n".join(lines)
 
 
 def print_fanout(tokens: int, runs: int, prompt: Prompt, figures: list[FanoutFigure]) -> None:
