@@ -174,10 +174,6 @@ class RelayConfig:
             raise ValueError("--trust-any contradicts --trust (give publisher keys or accept any, not both)")
         if not 1 <= self.workers <= MAX_WORKERS:
             raise ValueError(f"workers must be in 1..{MAX_WORKERS}, got {self.workers}")
-        if self.workers > 1 and self.qmux_host is not None:
-            raise ValueError(
-                "--workers > 1 does not cover --listen-qmux yet: run one relay process per QMux port"
-            )
         if self.workers > 1 and self.transport.stack == "aiopquic":
             raise ValueError(
                 "workers > 1 needs a QUIC stack whose socket kvnet binds (aioquic, qh3): "

@@ -9,7 +9,9 @@ its stdin).
 Design (docs/performance.md "A relay on several cores"): the supervisor binds N UDP sockets to the port
 with SO_REUSEPORT before any worker starts and holds them until it exits, so the group never changes
 while the relay runs (not even when a worker dies and is restarted on its socket) and the kernel keeps
-every QUIC connection (its 4-tuple) on one worker. Each worker is a whole relay with its own
+every QUIC connection (its 4-tuple) on one worker; with ``--listen-qmux`` it binds N listening TCP
+sockets to that port the same way, and each worker accepts its share of the QMux connections (the hub
+serves QUIC only: only the workers reach it). Each worker is a whole relay with its own
 cache on its own core. Routing between workers is the relay-to-relay code every relay already has: each
 worker's only upstream is the hub, a relay on a private loopback port whose upstreams are the configured
 ``--upstream`` relays. A namespace announced at a worker is announced to the hub, so a request on another
@@ -49,8 +51,9 @@ from pathlib import Path
 
 from kvnet.logs import setup_logging
 from kvnet.net.reconnect import Backoff
-from kvnet.net.registry import server_sockets
+from kvnet.net.registry import get_stack, server_sockets
 from kvnet.net.settings import TlsSettings
+from kvnet.net.url import QMUX
 from kvnet.security import certs
 from kvnet.security.tokens import Action, IssuerKey, issue_token, make_claims
 from relay.cache import CacheConfig
@@ -95,6 +98,8 @@ class ChildSpec:
     log_level: str
     restarts: int = 0
     """Times the supervisor restarted this process of the relay (``kvnet_relay_process_restarts_total``)."""
+    qmux_fd: int | None = None
+    """The listening TCP socket it serves QMux on (inherited; ``--listen-qmux``), if any."""
 
 
 def _share(total: int, parts: int) -> int:
@@ -188,6 +193,7 @@ def hub_config(config: RelayConfig, creds: HubCredentials) -> RelayConfig:
         upstream_tls=config.upstream_tls or config.tls,
         host=HUB_HOST,
         port=0,
+        qmux_host=None,  # the workers serve QMux; the hub is reached by them alone, over QUIC
         auth_issuer_keys=(creds.issuer_public,),
         metrics_port=_metrics_port(config, n),
         goaway_uri="",
@@ -311,7 +317,8 @@ def _exit_text(code: int) -> str:
 async def _start(spec: ChildSpec) -> Child:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "relay.workers",
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, pass_fds=(spec.fd,),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        pass_fds=(spec.fd,) if spec.qmux_fd is None else (spec.fd, spec.qmux_fd),
     )
     assert proc.stdin is not None
     # The pipe stays open: the child stops when it reads end-of-file (the supervisor is gone).
@@ -335,6 +342,28 @@ def bind_port_group(config: RelayConfig) -> list[socket.socket]:
             with socket.socket(family, socket.SOCK_DGRAM) as probe:
                 probe.bind((config.host, config.port))
         return server_sockets(config.host, config.port, config.workers, config.transport)
+
+
+def bind_qmux_group(config: RelayConfig) -> list[socket.socket]:
+    """The ``config.workers`` SO_REUSEPORT listening TCP sockets of ``--listen-qmux`` (none without it),
+    refused like the UDP group's when anything listens on the port already: a probe with SO_REUSEADDR but
+    not SO_REUSEPORT cannot bind beside a listener (yet can beside connections in TIME_WAIT). Bind errors
+    are ``ValueError`` naming the flag."""
+    if config.qmux_host is None:
+        return []
+    where = f"--listen-qmux {config.qmux_host}:{config.qmux_port}"
+    try:
+        if config.qmux_port:
+            family = socket.AF_INET6 if ":" in config.qmux_host else socket.AF_INET
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((config.qmux_host, config.qmux_port))
+        sockets: list[socket.socket] = get_stack(QMUX).server_sockets(
+            config.qmux_host, config.qmux_port, config.workers, config.transport
+        )
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot listen: {exc.strerror}") from exc
+    return sockets
 
 
 LOCK_WAIT_S = 10.0
@@ -372,21 +401,23 @@ def run_workers(config: RelayConfig, log_format: str, log_level: str) -> int:
     check_metrics_ports(config)
     check_metrics_ports_free(config)
     sockets = bind_port_group(config)
+    qmux_sockets: list[socket.socket] = []
     try:
+        qmux_sockets = bind_qmux_group(config)
         hub_socket = server_sockets(HUB_HOST, 0, 1, config.transport)[0]
     except BaseException:
-        for sock in sockets:
+        for sock in (*sockets, *qmux_sockets):
             sock.close()
         raise
     try:
-        return asyncio.run(_supervise(config, sockets, hub_socket, log_format, log_level))
+        return asyncio.run(_supervise(config, sockets, hub_socket, log_format, log_level, qmux_sockets))
     except KeyboardInterrupt:
         return 130
     finally:
         # Held for the relay's whole life: a process that dies leaves its socket in the port's group, so
         # the group never changes (no live connection moves to another worker) and its replacement
         # serves on the very socket.
-        for sock in (*sockets, hub_socket):
+        for sock in (*sockets, *qmux_sockets, hub_socket):
             sock.close()
 
 
@@ -425,9 +456,10 @@ class _Slot:
     """One process of the relay over its restarts: what it runs, the socket it serves on, its restarts."""
 
     def __init__(self, name: str, sock: socket.socket, make_config: Callable[[HubCredentials], RelayConfig],
-                 log_format: str, log_level: str) -> None:
+                 log_format: str, log_level: str, qmux_sock: socket.socket | None = None) -> None:
         self.name = name
         self.sock = sock
+        self.qmux_sock = qmux_sock
         self.make_config = make_config
         self.log_format = log_format
         self.log_level = log_level
@@ -439,7 +471,8 @@ class _Slot:
 
     async def start(self, creds: HubCredentials) -> Child:
         spec = ChildSpec(self.name, self.make_config(creds), self.sock.fileno(), self.log_format,
-                         self.log_level, self.restarts)
+                         self.log_level, self.restarts,
+                         None if self.qmux_sock is None else self.qmux_sock.fileno())
         self.child = await _start(spec)
         self.started_at = time.monotonic()
         return self.child
@@ -451,18 +484,19 @@ class _GaveUp(Exception):
 
 async def _supervise(
     config: RelayConfig, sockets: list[socket.socket], hub_socket: socket.socket, log_format: str,
-    log_level: str,
+    log_level: str, qmux_sockets: list[socket.socket],
 ) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     host, port = sockets[0].getsockname()[:2]
+    qmux_address = "{}:{}".format(*qmux_sockets[0].getsockname()[:2]) if qmux_sockets else "off"
     hub_url = f"moqt://{HUB_HOST}:{hub_socket.getsockname()[1]}"
     hub = _Slot("hub", hub_socket, lambda creds: hub_config(config, creds), log_format, log_level)
     workers = [
         _Slot(f"worker-{i}", sock, functools.partial(worker_config, config, i, hub_url), log_format,
-              log_level)
+              log_level, qmux_sockets[i] if qmux_sockets else None)
         for i, sock in enumerate(sockets)
     ]
     # The hub's key and the workers' token are files only until every process has read them (they read
@@ -493,6 +527,7 @@ async def _supervise(
         "listening",
         extra={
             "quic": f"{host}:{port}",
+            "qmux": qmux_address,
             "workers": len(workers),
             "pids": ",".join(str(_pid(w)) for w in workers),
             "metrics": ",".join(
@@ -642,6 +677,7 @@ def child_main() -> int:
     from relay.relay import run, serve
 
     sock = socket.socket(fileno=spec.fd)
+    qmux_sock = None if spec.qmux_fd is None else socket.socket(fileno=spec.qmux_fd)
     metrics = Metrics()
     metrics.counter_fn(
         "process_restarts_total", "times the supervisor restarted this process of the relay (it died)",
@@ -663,7 +699,8 @@ def child_main() -> int:
                 stop.set()
 
         loop.add_reader(stdin, supervisor_input)
-        await serve(spec.config, stop, sock=sock, on_listening=listening, metrics=metrics)
+        await serve(spec.config, stop, sock=sock, on_listening=listening, metrics=metrics,
+                    qmux_sock=qmux_sock)
 
     return run(spec.config, serve_until_stopped(), spec.name)
 

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -104,14 +105,15 @@ async def counted_once_more(rp: RelayProcess, before: list[float]) -> list[float
 
 
 async def one_session_per_worker(
-    rp: RelayProcess, settings: TransportSettings, tls: TlsSettings
+    rp: RelayProcess, settings: TransportSettings, tls: TlsSettings, url: str | None = None
 ) -> tuple[list[MoqtConnection], list[MoqtConnection]]:
-    """Open sessions (each from its own source port) one at a time until each worker holds one; returns
-    ``(on worker 0, on worker 1)``, every session opened, by the worker it landed on."""
+    """Open sessions (each from its own source port) to ``url`` (default the relay's QUIC one) one at a
+    time until each worker holds one; returns ``(on worker 0, on worker 1)``, every session opened, by
+    the worker it landed on."""
     landed: tuple[list[MoqtConnection], list[MoqtConnection]] = ([], [])
     for _ in range(MAX_SESSIONS_TRIED):
         before = await sessions_per_worker(rp)
-        conn = await connect(rp.url, settings, tls)
+        conn = await connect(url or rp.url, settings, tls)
         after = await counted_once_more(rp, before)
         landed[0 if after[0] > before[0] else 1].append(conn)
         if landed[0] and landed[1]:
@@ -342,6 +344,36 @@ async def test_the_same_miss_at_two_workers_at_once_is_answered_by_both(
                 codes = [a.code if isinstance(a, RequestRejected) else a for a in answers]
                 assert codes == [RequestErrorCode.DOES_NOT_EXIST] * 2, codes
     finally:
+        for conn in opened:
+            await conn.close_session()
+        rp.stop()
+
+
+async def test_the_workers_serve_the_qmux_port_too(cert_dir: CertDir, tmp_path: Path) -> None:
+    """``--listen-qmux`` with ``--workers 2``: QMux sessions land on both workers (one TCP port,
+    SO_REUSEPORT), and blocks pushed through one are located and fetched, verified, through the other."""
+    prompt = make_prompt()
+    qmux_port = free_port(socket.SOCK_STREAM)
+    rp = start_workers(cert_dir, tmp_path, "--listen-qmux", f"127.0.0.1:{qmux_port}")
+    assert listening_field(rp, "qmux") == f"127.0.0.1:{qmux_port}"
+    opened: list[MoqtConnection] = []
+    serving: asyncio.Task[None] | None = None
+    try:
+        on_0, on_1 = await one_session_per_worker(rp, TransportSettings(), TlsSettings(ca_file=cert_dir.ca),
+                                                  f"moqt+qmux://127.0.0.1:{qmux_port}")
+        opened = [*on_0, *on_1]
+        publisher, subscriber = on_0[0], on_1[0]
+        server = BlockServer(publisher, BlockStore(4 * prompt.wire_bytes), FINGERPRINT, NAMESPACE_ID,
+                             SPEC.num_layers)
+        server.store.put_chain(prompt.blocks)
+        serving = asyncio.ensure_future(server.serve())
+        await server.announce()
+        assert await server.push(prompt.blocks) == BLOCKS
+        await locate_and_fetch_all(subscriber, prompt)
+        assert rp.metrics(1)["kvnet_relay_cache_misses_total"] >= BLOCKS  # went to worker 0 via the hub
+    finally:
+        if serving is not None:
+            serving.cancel()
         for conn in opened:
             await conn.close_session()
         rp.stop()
