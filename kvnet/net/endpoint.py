@@ -100,6 +100,7 @@ def connect(
         conn: MoqtConnection = protocol
         # A socket made for this connection is closed with it; a stack that binds its own stops it.
         conn.owns_transport = not stack.binds_own_socket
+        handshake = "QUIC/TLS handshake" if stack.socket_type == socket.SOCK_DGRAM else "TCP/TLS handshake"
         try:
             conn.connect(addr)
             try:
@@ -109,9 +110,9 @@ def connect(
                 if conn.session.closed:
                     code, phrase = conn.session.closed
                     reason = phrase or f"closed with error {code:#x}"
-                raise MoqtConnectionError(f"QUIC/TLS handshake with {url} failed: {reason}") from exc
+                raise MoqtConnectionError(f"{handshake} with {url} failed: {reason}") from exc
             except TimeoutError as exc:
-                raise MoqtConnectionError(f"QUIC/TLS handshake with {url} timed out") from exc
+                raise MoqtConnectionError(f"{handshake} with {url} timed out") from exc
             try:
                 await conn.wait_setup()
             except TimeoutError as exc:

@@ -108,8 +108,9 @@ def _failure(exc: BaseException | None) -> str:
         return f"TLS: {exc.reason or exc}"
     if isinstance(exc, TimeoutError):
         return "TLS handshake timed out"
-    text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-    return text or type(exc).__name__
+    if isinstance(exc, OSError) and exc.errno:
+        return os.strerror(exc.errno)  # asyncio words a refused connect "Connect call failed (address)"
+    return str(exc) or type(exc).__name__
 
 
 class QMuxProtocol(asyncio.BufferedProtocol):
@@ -162,6 +163,8 @@ class QMuxProtocol(asyncio.BufferedProtocol):
             raise self._handshake_error
         if self._connected_waiter is None:
             self._connected_waiter = self._loop.create_future()
+            # A caller that gave up waiting (its handshake timeout) is not told again by asyncio's log.
+            self._connected_waiter.add_done_callback(lambda f: f.cancelled() or f.exception())
         await asyncio.shield(self._connected_waiter)
 
     async def wait_closed(self) -> None:

@@ -828,3 +828,27 @@ async def test_aiopquic_datagrams_never_exceed_what_the_peer_advertises(pki: Pat
         await server.close()
     assert largest <= (DATAGRAM_SIZE_ETHERNET if peer_stack == "aioquic" else 1440), largest
     assert largest > INITIAL_DATAGRAM_SIZE_AIOPQUIC  # it did probe above its first size
+
+
+async def test_qmux_to_something_else_is_a_clear_error(pki: Path) -> None:
+    """A ``moqt+qmux://`` URL naming a QUIC relay's port (UDP only: nothing listens on TCP) or a TCP server
+    that does not speak TLS fails with one line naming the handshake and why."""
+    settings = TransportSettings(handshake_timeout=5)
+    tls = TlsSettings.from_dir(pki, None)
+    quic = await serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), _publisher)
+
+    async def not_tls(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    http = await asyncio.start_server(not_tls, "127.0.0.1", 0)
+    try:
+        with pytest.raises(MoqtConnectionError, match=r"TCP/TLS handshake .* failed: Connection refused"):
+            await connect(f"moqt+qmux://127.0.0.1:{quic.address[1]}", settings, tls)
+        http_port = http.sockets[0].getsockname()[1]
+        with pytest.raises(MoqtConnectionError, match=r"TCP/TLS handshake .* failed: TLS: "):
+            await connect(f"moqt+qmux://127.0.0.1:{http_port}", settings, tls)
+    finally:
+        http.close()
+        await quic.close()
