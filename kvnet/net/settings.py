@@ -3,8 +3,9 @@
 Owns: the tuned transport knobs and their limits (which QUIC stack, datagram sizes and the link presets,
 socket buffers, flow-control windows, stream limits, timeouts, keep-alive), TLS material, and the rules
 derived from the knobs alone (``choose_datagram_size``, ``keepalive_period``). Imports no transport:
-the stack modules (``kvnet.net.aioquic_stack``, ``kvnet.net.qh3_stack``, ``kvnet.net.aiopquic_stack``)
-turn these settings into their own configuration.
+the stack modules (``kvnet.net.aioquic_stack``, ``kvnet.net.qh3_stack``, ``kvnet.net.aiopquic_stack``, and
+``kvnet.net.qmux_stack`` for ``moqt+qmux://``: windows, stream limits, timeouts and socket buffers apply
+there too) turn these settings into their own configuration.
 
 Why the defaults are what they are (2 cores, loopback, bulk one-way transfer, see
 ``benchmarks/bench_transport.py``): aioquic's defaults (1200-byte datagrams, 1 MiB windows, the kernel's

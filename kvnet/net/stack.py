@@ -15,7 +15,9 @@ only these, aioquic's ``QuicConnection`` API): ``send_stream_data``, ``reset_str
 ``QuicConnectionProtocol`` (``connect``, ``wait_connected``, ``transmit``, ``close``, ``wait_closed``,
 ``quic_event_received``), and its events module has aioquic's event classes (``StreamDataReceived``,
 ``StreamReset``, ``StopSendingReceived``, ``DatagramFrameReceived``, ``HandshakeCompleted``,
-``ConnectionTerminated``). A byte-stream transport that presents the same API is one more module.
+``ConnectionTerminated``). A byte-stream transport that presents the same API is one more module:
+``kvnet.net.qmux_stack`` (QMux over TLS 1.3/TCP), whose protocol is an asyncio ``BufferedProtocol``
+(``MoqtConnection.buffer_updated``) and whose peer addresses resolve for TCP (``socket_type``).
 
 How the QUIC stacks differ (aioquic 1.7 / qh3 2.x / aiopquic 0.6), each handled in its own module:
 
