@@ -418,6 +418,9 @@ class ObjectReceived(MoqtEvent):
     """QUIC stream it arrived on (None for datagrams)."""
     end_of_group: bool = False
     """Datagrams only: the END_OF_GROUP bit (no larger Object ID in this group)."""
+    first_object: bool = False
+    """Subgroups only: the first object on its stream, whose header has the FIRST_OBJECT bit: the first
+    object the original publisher sent in the subgroup (a relay forwarding it sets the bit too)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -194,11 +194,12 @@ class DataStreams(SessionState):
         if isinstance(item, SubgroupObject):
             header = stream.header
             assert header is not None
+            stream.objects += 1
             self._events.append(
                 ObjectReceived(
                     rid, header.track_alias, header.group_id, stream.reader.subgroup_id, item.object_id,
                     header.publisher_priority, int(item.status), item.properties, item.payload, "subgroup",
-                    stream.stream_id,
+                    stream.stream_id, first_object=header.first_object and stream.objects == 1,
                 )
             )  # fmt: skip
         elif isinstance(item, FetchObject):

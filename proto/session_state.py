@@ -157,6 +157,8 @@ class IncomingStream:
     """We sent STOP_SENDING (or the stream is over for us): ignore anything further."""
     fin: bool = False
     counted: bool = False
+    objects: int = 0
+    """Objects read from it so far."""
 
 
 @dataclass(eq=False)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,6 +19,7 @@ from kvnet.net.handles import (
 from kvnet.net.reconnect import DEFAULT_CAP_S, Backoff
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, StreamResetCode
+from proto.events import SubgroupClosed
 from proto.messages import Location, Properties
 from relay.cache import CachedObject, FetchInfo, RequestFailed, TrackKey
 from relay.tasks import spawn
@@ -35,19 +36,60 @@ RECENT_STREAMS = 64
 """Closed subgroup streams per subscriber that PUBLISH_DONE waits for. Older groups left the per-session
 send buffer (``max_buffered_bytes_per_session``) long before the track ends, or the subscriber was cut."""
 
+OPEN_SUBGROUPS = 64
+"""Subgroup streams one subscription may hold open toward its subscriber. Groups overlap (a publisher
+opens the next group before the last one's FIN), so older groups' streams stay open until their upstream
+stream ends; past this many the oldest is reset (EXCESSIVE_LOAD) and the rest of its subgroup is not
+forwarded (it can be FETCHed)."""
+
+RETIRED_SUBGROUPS = 1024
+"""Ended subgroups remembered per subscriber, so that a late object of one never reopens it on a new
+stream; objects of groups older than every forgotten one are not forwarded either."""
+
+
+@dataclass
+class SubgroupStream:
+    """One subgroup stream toward a subscriber and where its objects come from."""
+
+    stream_id: int
+    upstream_stream: int | None
+    """The upstream stream its objects arrived on (None: datagrams)."""
+    last_object: int
+    """Object ID of the last object sent on it."""
+
+    def takes(self, object_id: int, upstream_stream: int | None) -> bool:
+        """Whether an object of this subgroup is the next one on this stream (draft "Closing Subgroup
+        Streams": one greater than the previous, or from the same upstream stream with nothing between)."""
+        same_upstream = upstream_stream is not None and upstream_stream == self.upstream_stream
+        return object_id > self.last_object and (same_upstream or object_id == self.last_object + 1)
+
+
+SubgroupKey = tuple[int, int | None]
+"""(Group ID, Subgroup ID) of a subgroup (Subgroup ID None: objects that came as datagrams)."""
+
 
 @dataclass
 class DownstreamSubscriber:
     """One downstream subscriber of a fan-out: a SUBSCRIBE it sent us, or a PUBLISH we sent it (after its
-    SUBSCRIBE_TRACKS); either way ``request_id`` is the request the objects belong to."""
+    SUBSCRIBE_TRACKS); either way ``request_id`` is the request the objects belong to.
+
+    Draft "Subgroups" and "Closing Subgroup Streams": the objects of one subgroup go on one stream, which
+    ends with FIN only once the whole subgroup is on it (its upstream stream ended with FIN, or an
+    END_OF_GROUP / END_OF_TRACK object); a stream closed before that is reset, and that subgroup is not
+    reopened on another stream."""
 
     peer: Peer
     request_id: int
     alias: int
-    streams: dict[tuple[int, int | None], int] = field(default_factory=dict)
-    """(group, subgroup) -> our stream id toward this subscriber."""
+    streams: dict[SubgroupKey, SubgroupStream] = field(default_factory=dict)
+    """Open subgroup streams toward this subscriber."""
+    retired: OrderedDict[SubgroupKey, None] = field(default_factory=OrderedDict)
+    """Subgroups whose stream ended (FIN, or reset by a limit): their late objects are not forwarded."""
+    retired_floor: int = -1
+    """Objects of groups up to this one that have no open stream are not forwarded (``RETIRED_SUBGROUPS``
+    forgot which of their subgroups ended)."""
     closed_streams: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_STREAMS))
-    """Streams of earlier groups we FINed, whose bytes may still be queued (the latest few)."""
+    """Streams we FINed, whose bytes may still be queued (the latest few)."""
     dropped: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when the relay ended this subscription (upstream done, or the subscriber was cut off)."""
@@ -55,6 +97,29 @@ class DownstreamSubscriber:
     def cancel(self, code: StreamResetCode) -> None:
         """Reset the subscription's request and data streams with ``code``."""
         self.peer.conn.cancel_request(self.request_id, code)
+
+    def retire(self, key: SubgroupKey) -> None:
+        self.retired[key] = None
+        if len(self.retired) > RETIRED_SUBGROUPS:
+            forgotten, _ = self.retired.popitem(last=False)
+            self.retired_floor = max(self.retired_floor, forgotten[0])
+
+    def is_retired(self, key: SubgroupKey) -> bool:
+        return key in self.retired or (key[0] <= self.retired_floor and key not in self.streams)
+
+    def fin(self, key: SubgroupKey) -> None:
+        """The whole subgroup is on its stream: close it normally."""
+        st = self.streams.pop(key)
+        self.peer.conn.close_subgroup(st.stream_id)
+        self.closed_streams.append(st.stream_id)
+        self.retire(key)
+
+    def reset(self, key: SubgroupKey, code: StreamResetCode, retire: bool) -> None:
+        """Close a stream whose subgroup was not sent whole; ``retire``: send no more of that subgroup."""
+        st = self.streams.pop(key)
+        self.peer.conn.reset_subgroup(st.stream_id, code)
+        if retire:
+            self.retire(key)
 
 
 class Fanout:
@@ -121,12 +186,18 @@ class Fanout:
             if self.relay.fanouts.get(self.key) is self:  # not a newer fan-out of the same track
                 del self.relay.fanouts[self.key]
 
-    def forward(self, obj: CachedObject) -> None:
+    def forward(
+        self, obj: CachedObject, upstream_stream: int | None = None, first_object: bool = False
+    ) -> None:
+        """Send one object to every subscriber, on the stream of its subgroup (``upstream_stream``: the
+        stream it arrived on, None for a datagram; ``first_object``: the first object the original
+        publisher sent in its subgroup, so a stream that starts with it says so)."""
         loc = Location(obj.group, obj.object_id)
         if self.largest is None or (loc.group, loc.object) > (self.largest.group, self.largest.object):
             self.largest = loc
         relay = self.relay
         limit = relay.config.limits.max_buffered_bytes_per_session
+        key: SubgroupKey = (obj.group, obj.subgroup)
         for sub in list(self.subs.values()):
             if sub.dropped or sub.peer.conn.is_closed:
                 continue
@@ -140,32 +211,62 @@ class Fanout:
                 self.drop(sub, StreamResetCode.EXCESSIVE_LOAD, "buffered_bytes_global")
                 continue
             try:
-                sid = sub.streams.get((obj.group, obj.subgroup))
-                if sid is None:
-                    for k in [k for k in sub.streams if k[0] < obj.group]:
-                        conn.close_subgroup(closed := sub.streams.pop(k))
-                        sub.closed_streams.append(closed)
+                st = sub.streams.get(key)
+                if st is not None and not st.takes(obj.object_id, upstream_stream):
+                    # Not known to be the next object of the stream: reset it and open a new one.
+                    sub.reset(key, StreamResetCode.INTERNAL_ERROR, retire=False)
+                    st = None
+                if st is None:
+                    if sub.is_retired(key):
+                        continue  # that subgroup's stream ended; the object is served by FETCH
+                    if len(sub.streams) >= OPEN_SUBGROUPS:
+                        sub.reset(min(sub.streams, key=_oldest), StreamResetCode.EXCESSIVE_LOAD, retire=True)
                     sid = conn.open_subgroup(
                         sub.alias,
                         obj.group,
                         obj.subgroup or 0,
                         obj.priority,
                         has_properties=bool(obj.properties),
+                        first_object=first_object,
                     )
-                    sub.streams[(obj.group, obj.subgroup)] = sid
+                    st = sub.streams[key] = SubgroupStream(sid, upstream_stream, obj.object_id)
                 end = obj.status in (ObjectStatus.END_OF_GROUP, ObjectStatus.END_OF_TRACK)
                 conn.send_subgroup_object(
-                    sid, obj.object_id, obj.payload, obj.properties, ObjectStatus(obj.status), end
+                    st.stream_id, obj.object_id, obj.payload, obj.properties, ObjectStatus(obj.status), end
                 )
+                st.last_object = obj.object_id
                 if end:
-                    sub.closed_streams.append(sub.streams.pop((obj.group, obj.subgroup)))
+                    sub.streams.pop(key)
+                    sub.closed_streams.append(st.stream_id)
+                    sub.retire(key)
                 sub.peer.written += len(obj.payload)
                 relay.buffered_since += len(obj.payload)
                 relay.metrics.inc("bytes_out_total", len(obj.payload))
             except Exception as exc:  # a broken subscriber session must not stop the others
-                sub.peer.log.info("dropping subscriber", extra={"error": repr(exc)})
-                sub.dropped = True
-                sub.ended.set()
+                self._broken(sub, exc)
+
+    def stream_ended(self, ev: SubgroupClosed) -> None:
+        """An upstream subgroup stream ended: FIN (every object of it is in) closes the subscribers'
+        stream of that subgroup normally; a reset resets theirs (with the upstream's code), and a new
+        upstream stream of the subgroup may open a new one."""
+        key: SubgroupKey = (ev.group_id, ev.subgroup_id)
+        for sub in list(self.subs.values()):
+            st = sub.streams.get(key)
+            if sub.dropped or sub.peer.conn.is_closed or st is None or st.upstream_stream != ev.stream_id:
+                continue
+            try:
+                if ev.error_code is None:
+                    sub.fin(key)
+                else:
+                    sub.reset(key, _reset_code(ev.error_code), retire=False)
+            except Exception as exc:
+                self._broken(sub, exc)
+
+    @staticmethod
+    def _broken(sub: DownstreamSubscriber, exc: Exception) -> None:
+        sub.peer.log.info("dropping subscriber", extra={"error": repr(exc)})
+        sub.dropped = True
+        sub.ended.set()
 
     def drop(self, sub: DownstreamSubscriber, code: StreamResetCode, limit: str) -> None:
         """Cut one subscriber off (its request and subgroup streams reset with ``code``), counted under
@@ -178,8 +279,9 @@ class Fanout:
             sub.cancel(code)
 
     def finish(self, status: int, reason: str) -> None:
-        """Upstream ended: FIN every subscriber's streams, and send each PUBLISH_DONE with the same status
-        once its streams' bytes are delivered.
+        """Upstream ended: reset every subscriber's streams still open (their upstream streams never
+        ended, so their subgroups are not known to be whole), and send each PUBLISH_DONE with the same
+        status once its FINed streams' bytes are delivered.
 
         Not at once: a subscriber waits for the streams PUBLISH_DONE's Stream Count announces only
         ``publish_done_timeout`` without any of the track's bytes, and over a slow link the objects
@@ -196,10 +298,9 @@ class Fanout:
                 sub.ended.set()
                 continue
             with contextlib.suppress(Exception):
-                for sid in sub.streams.values():
-                    sub.peer.conn.close_subgroup(sid)
-                    sub.closed_streams.append(sid)
-                sub.streams.clear()
+                for key in list(sub.streams):
+                    sub.reset(key, StreamResetCode.CANCELLED, retire=True)
+            sub.streams.clear()
             spawn(self._publish_done(sub, status, reason), sub.peer.tasks, "PUBLISH_DONE to a subscriber")
         self.subs.clear()
 
@@ -221,7 +322,10 @@ class Fanout:
         try:
             while True:
                 try:
-                    async for ev in source:
+                    async for ev in source.events():
+                        if isinstance(ev, SubgroupClosed):
+                            self.stream_ended(ev)
+                            continue
                         obj = cached_object(ev)
                         if forwarded_before is not None and obj.location <= forwarded_before:
                             continue
@@ -230,7 +334,7 @@ class Fanout:
                         if self.publish_objects is not None:
                             self._collect(obj)
                             self._wake()
-                        self.forward(obj)
+                        self.forward(obj, ev.stream_id, ev.first_object)
                     if source.done is not None:
                         status, reason = source.done.status_code, source.done.reason
                     return
@@ -352,3 +456,15 @@ class Fanout:
             return []
         held = [o for o in self.publish_objects if start <= o.location < end]
         return sorted(held, key=lambda o: o.location)
+
+
+def _oldest(key: SubgroupKey) -> tuple[int, int]:
+    return key[0], -1 if key[1] is None else key[1]
+
+
+def _reset_code(code: int) -> StreamResetCode:
+    """The upstream's reset code passed on, where it is one the draft defines."""
+    try:
+        return StreamResetCode(code)
+    except ValueError:
+        return StreamResetCode.INTERNAL_ERROR

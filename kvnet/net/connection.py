@@ -462,6 +462,8 @@ class MoqtConnection(_ProtocolBase):
         st = self._streams.get(ev.request_id)
         if isinstance(st, Subscription):
             st.streams_closed += 1
+            if not st.finished:
+                st._push_stream_end(ev)
             if st.done is not None and st.streams_closed >= st.done.stream_count:
                 self._end_subscription(st)
         else:
@@ -858,11 +860,13 @@ class MoqtConnection(_ProtocolBase):
 
     def open_subgroup(
         self, track_alias: int, group_id: int, subgroup_id: int, publisher_priority: int | None = None,
-        *, has_properties: bool = False,
+        *, has_properties: bool = False, first_object: bool = False,
     ) -> int:
-        """Open a subgroup stream; returns its stream id."""
+        """Open a subgroup stream; returns its stream id. ``first_object``: its first object will be the
+        first the original publisher sent in the subgroup (the draft's FIRST_OBJECT bit, a MUST then)."""
         sid: int = self.run_action(self.session.open_subgroup, track_alias, group_id, subgroup_id,
-                                   publisher_priority, has_properties=has_properties)
+                                   publisher_priority, has_properties=has_properties,
+                                   first_object=first_object)
         return sid
 
     def send_subgroup_object(
@@ -874,8 +878,12 @@ class MoqtConnection(_ProtocolBase):
                         end_stream)
 
     def close_subgroup(self, stream_id: int) -> None:
-        """FIN a subgroup stream."""
+        """FIN a subgroup stream: every object of its subgroup has been sent on it."""
         self.run_action(self.session.close_subgroup, stream_id)
+
+    def reset_subgroup(self, stream_id: int, code: StreamResetCode = StreamResetCode.CANCELLED) -> None:
+        """Reset a subgroup stream whose subgroup was not sent whole (draft "Closing Subgroup Streams")."""
+        self.run_action(self.session.reset_subgroup, stream_id, code)
 
     def publish_done(self, request_id: int, status_code: int, reason: str = "") -> None:
         """PUBLISH_DONE for a subscription we publish (its subgroup streams must be closed first)."""

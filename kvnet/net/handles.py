@@ -62,7 +62,8 @@ class _ObjectStream:
     def __init__(self, conn: RequestConnection, request_id: int) -> None:
         self._conn = conn
         self.request_id = request_id
-        self._objects: deque[me.ObjectReceived] = deque()
+        self._objects: deque[me.ObjectReceived | me.SubgroupClosed] = deque()
+        """Objects, and for a subscription the ends of its subgroup streams, in arrival order."""
         self._wakeup = asyncio.Event()
         self._error: BaseException | None = None
         self._finished = False
@@ -70,6 +71,10 @@ class _ObjectStream:
     def _push(self, obj: me.ObjectReceived) -> None:
         self._objects.append(obj)
         self._conn.objects_queued(len(obj.payload))
+        self._wakeup.set()
+
+    def _push_stream_end(self, ev: me.SubgroupClosed) -> None:
+        self._objects.append(ev)
         self._wakeup.set()
 
     def _finish(self, error: BaseException | None = None) -> None:
@@ -95,15 +100,28 @@ class _ObjectStream:
     def next_queued(self) -> me.ObjectReceived | None:
         """The next object if one has arrived already (None otherwise, also at the end): a reader that
         arms a timer per wait skips it for objects that need none. Iteration goes on after it."""
+        while (ev := self.next_queued_event()) is not None:
+            if isinstance(ev, me.ObjectReceived):
+                return ev
+        return None
+
+    def next_queued_event(self) -> me.ObjectReceived | me.SubgroupClosed | None:
+        """``next_queued``, also returning the ends of subgroup streams (``Subscription.events``)."""
         if not self._objects:
             return None
-        obj = self._objects.popleft()
-        self._conn.objects_consumed(len(obj.payload))
-        return obj
+        ev = self._objects.popleft()
+        if isinstance(ev, me.ObjectReceived):
+            self._conn.objects_consumed(len(ev.payload))
+        return ev
 
     async def _iterate(self) -> AsyncIterator[me.ObjectReceived]:
+        async for ev in self._iterate_events():
+            if isinstance(ev, me.ObjectReceived):
+                yield ev
+
+    async def _iterate_events(self) -> AsyncIterator[me.ObjectReceived | me.SubgroupClosed]:
         while True:
-            while (obj := self.next_queued()) is not None:
+            while (obj := self.next_queued_event()) is not None:
                 yield obj
             if self._finished:
                 if self._error is not None:
@@ -122,7 +140,9 @@ class _ObjectStream:
     def _discard(self) -> None:
         """Drop unread objects, giving their bytes back to the connection's receive budget."""
         while self._objects:
-            self._conn.objects_consumed(len(self._objects.popleft().payload))
+            ev = self._objects.popleft()
+            if isinstance(ev, me.ObjectReceived):
+                self._conn.objects_consumed(len(ev.payload))
 
 
 class FetchHandle(_ObjectStream):
@@ -160,6 +180,12 @@ class Subscription(_ObjectStream):
         self.done: me.PublishDoneReceived | None = None
         self.streams_closed = 0
         """Subgroup streams of this subscription that ended (FIN or reset)."""
+
+    def events(self) -> AsyncIterator[me.ObjectReceived | me.SubgroupClosed]:
+        """Like ``async for obj in sub``, with the end of each subgroup stream (``SubgroupClosed``: FIN or
+        reset) after its last object: what a relay needs to close its own streams exactly when the
+        upstream's end (draft "Closing Subgroup Streams")."""
+        return self._iterate_events()
 
 
 # -------------------------------------------------------------------------------- incoming requests

@@ -240,7 +240,7 @@ class BlockServer:
             req.reject(RequestErrorCode.DOES_NOT_EXIST, "no such block")
             return
         req.accept_subscribe(self._alias(), MessageParameters(largest_object=self._largest()))
-        stream_id = req.open_subgroup(BLOCK_GROUP_ID, 0)
+        stream_id = req.open_subgroup(BLOCK_GROUP_ID, 0, first_object=True)  # it starts at object 0
         for object_id, payload in enumerate(block.objects):
             if req.cancelled.is_set():
                 return
@@ -301,7 +301,7 @@ class BlockServer:
     def _send_pushed_track(self, alias: int, block: StoredBlock) -> int:
         """All objects of one pushed block, then END_OF_TRACK + FIN (KVOBJECT.md section 3); returns the
         subgroup stream's id."""
-        stream_id = self.conn.open_subgroup(alias, BLOCK_GROUP_ID, 0)
+        stream_id = self.conn.open_subgroup(alias, BLOCK_GROUP_ID, 0, first_object=True)
         for object_id, payload in enumerate(block.objects):
             self.conn.send_subgroup_object(stream_id, object_id, payload)
             self.stats.objects_sent += 1

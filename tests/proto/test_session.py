@@ -136,6 +136,25 @@ def test_subscribe_objects_on_subgroup_streams() -> None:
     assert pair.server._requests == {} and pair.client._requests == {}
 
 
+def test_first_object_bit_marks_only_the_first_object_of_its_stream() -> None:
+    pair = make_pair()
+    rid = pair.client.subscribe(NS, b"t")
+    pair.run()
+    pair.server.accept_subscribe(rid, 1)
+    pair.run()
+    first = pair.server.open_subgroup(1, 0, 0, first_object=True)
+    later = pair.server.open_subgroup(1, 1, 0)
+    for sid in (first, later):
+        pair.server.send_subgroup_object(sid, 0, b"a")
+        pair.server.send_subgroup_object(sid, 1, b"b")
+        pair.server.close_subgroup(sid)
+    pair.run()
+    objs = of_type(pair.client_events, ObjectReceived)
+    assert [(o.group_id, o.object_id, o.first_object) for o in objs] == [
+        (0, 0, True), (0, 1, False), (1, 0, False), (1, 1, False)
+    ]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_objects_of_various_sizes_in_random_fragments(seed: int) -> None:
     rng = random.Random(seed)
