@@ -19,7 +19,7 @@ import signal
 import socket
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Protocol
@@ -124,6 +124,9 @@ class Relay:
         """By session id: its tracks holding objects (``hold``), oldest first."""
         self._freed_since_trim = 0
         self.fanouts: dict[TrackKey, Fanout] = {}
+        self.published_tracks: Counter[tuple[bytes, ...]] = Counter()
+        """By namespace: its live tracks that reached us by PUBLISH. Such a namespace is published to us
+        as much as one a PUBLISH_NAMESPACE announced, so SUBSCRIBE_NAMESPACE watchers hear of it too."""
         self.ns_watchers: dict[tuple[int, int], tuple[Peer, IncomingRequest, tuple[bytes, ...]]] = {}
         self.track_watchers: dict[tuple[int, int], tuple[Peer, tuple[bytes, ...]]] = {}
         """SUBSCRIBE_TRACKS by (session id, request id): (session, namespace prefix)."""
@@ -827,7 +830,7 @@ class Relay:
         req.accept()
         self.count("publish_namespace", "ok")
         peer.log.info("namespace published", extra={"namespace": _ns_text(ns)})
-        if self._announcers(ns) == 1 and not self._known_upstream(ns):
+        if self._namespace_sources(ns) == 1:
             self._notify_namespace(ns, added=True)
         self._propagate(ns, peer, added=True)
         # The registration lives until the publisher withdraws it or its session ends.
@@ -836,7 +839,7 @@ class Relay:
         finally:
             self.router.remove(ns, peer)
             peer.namespaces.discard(ns)
-            if self._announcers(ns) == 0 and not self._known_upstream(ns):
+            if self._namespace_sources(ns) == 0:
                 self._notify_namespace(ns, added=False)
             self._propagate(ns, peer, added=False)
             peer.log.info("namespace withdrawn", extra={"namespace": _ns_text(ns)})
@@ -863,11 +866,16 @@ class Relay:
         """Upstream relays that told us of ``ns`` (NAMESPACE on our forwarded SUBSCRIBE_NAMESPACE)."""
         return sum(ns in up.remote_namespaces for up in self.upstreams)
 
+    def _namespace_sources(self, ns: tuple[bytes, ...]) -> int:
+        """Why ``ns`` is published to us: local PUBLISH_NAMESPACEs, upstream relays that know it and live
+        PUBLISHed tracks in it. Watchers get NAMESPACE when this becomes 1 and NAMESPACE_DONE at 0."""
+        return self._announcers(ns) + self._known_upstream(ns) + self.published_tracks[ns]
+
     def upstream_namespace(self, ns: tuple[bytes, ...], added: bool) -> None:
         """An upstream relay announced ``ns`` to us (or withdrew it, or its session ended): tell the
         SUBSCRIBE_NAMESPACE watchers, unless it is known here from elsewhere too (then they already were
         told, and it has not gone)."""
-        elsewhere = self._announcers(ns) + self._known_upstream(ns) - (1 if added else 0)
+        elsewhere = self._namespace_sources(ns) - (1 if added else 0)
         if elsewhere == 0:
             self._notify_namespace(ns, added)
 
@@ -900,7 +908,8 @@ class Relay:
         self.count("subscribe_namespace", "ok")
         seen: set[tuple[bytes, ...]] = set()
         remote = (ns for up in self.upstreams for ns in up.remote_namespaces if ns[: len(prefix)] == prefix)
-        for ns in itertools.chain((ns for ns, _ in self.router.under(prefix)), remote):
+        pushed = [ns for ns in self.published_tracks if ns[: len(prefix)] == prefix]
+        for ns in itertools.chain((ns for ns, _ in self.router.under(prefix)), remote, pushed):
             if ns not in seen:
                 seen.add(ns)
                 peer.conn.namespace(req.request_id, ns[len(prefix) :])
@@ -1121,15 +1130,32 @@ class Relay:
             if key[0][: len(prefix)] == prefix and watcher is not peer and not watcher.conn.is_closed:
                 self.offer_track(fan, watcher)
         fan.task = spawn(fan.pump(source), what="published track fan-out")
+        self._track_published(key[0], added=True)
         cancelled = asyncio.ensure_future(req.cancelled.wait())
         try:
             await asyncio.wait({fan.task, cancelled}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            cancelled.cancel()
-            if not fan.task.done():
-                fan.task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await fan.task
+            try:
+                cancelled.cancel()
+                if not fan.task.done():
+                    fan.task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await fan.task
+            finally:
+                self._track_published(key[0], added=False)
+
+    def _track_published(self, ns: tuple[bytes, ...], added: bool) -> None:
+        """A PUBLISHed track of ``ns`` started or ended: the first one makes ``ns`` known to namespace
+        watchers (NAMESPACE), the last one's end withdraws it (NAMESPACE_DONE) unless it is known
+        otherwise (draft "Subscribing to Namespaces": namespaces published to the relay are echoed)."""
+        if added:
+            self.published_tracks[ns] += 1
+        else:
+            self.published_tracks[ns] -= 1
+            if self.published_tracks[ns] <= 0:
+                del self.published_tracks[ns]
+        if self._namespace_sources(ns) == (1 if added else 0):
+            self._notify_namespace(ns, added)
 
     async def _collect_contender(self, peer: Peer, req: IncomingPublish, key: TrackKey) -> None:
         """Accept a PUBLISH of a block track another session is already publishing, collect its objects

@@ -1,8 +1,11 @@
 """The third-party MoQT stack aiomoqt against kvnet-relay on its defaults: its conformance client, and its
-publisher and subscriber exchanging objects of 100 B to 64 KiB through kvnet-relay."""
+publisher and subscriber exchanging objects of 100 B to 64 KiB through kvnet-relay, and its subscriber
+discovering a track published to kvnet-relay by PUBLISH alone."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
 import subprocess
@@ -10,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from kvnet.net.endpoint import connect
+from kvnet.net.settings import TlsSettings
 from tests.helpers.processes import (
     CertDir,
     NativeQuicUnavailable,
@@ -101,3 +106,44 @@ def test_conformance_client_passes_every_case_against_a_relay_on_aiopquic(
         assert not failed and len(results) == DEFAULT_CASES + 2, (failed, relay.log()[-3000:])
     finally:
         relay.stop()
+
+
+DISCOVERY_DURATION_S = 10
+"""How long aiomoqt's subscriber runs: discovery, then objects for the rest."""
+
+
+async def test_aiomoqt_subscriber_discovers_a_bare_published_track(
+    aiomoqt: Aiomoqt, kvnet_relay: RelayProcess, cert_dir: CertDir
+) -> None:
+    """aiomoqt's own subscriber without ``-T`` (draft 18: SUBSCRIBE_NAMESPACE, wait for NAMESPACE, then
+    SUBSCRIBE_TRACKS and PUBLISH) receives a track that reached kvnet-relay by PUBLISH alone, with no
+    PUBLISH_NAMESPACE: the relay must announce that namespace to it."""
+    pub = await connect(kvnet_relay.url, tls=TlsSettings(ca_file=cert_dir.ca))
+    ok = await pub.publish((b"interop", b"bare"), b"stream", 1)
+    subscriber = await asyncio.create_subprocess_exec(
+        str(aiomoqt.python), "-m", "aiomoqt.examples.sub_example", kvnet_relay.url, "-k", "--draft", "18",
+        "-N", "interop/bare", "-t", str(DISCOVERY_DURATION_S),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    sent = 0
+    try:
+        group = 0
+        while subscriber.returncode is None:  # a steady live track for as long as the subscriber runs
+            sid = pub.open_subgroup(1, group, 0, first_object=True)
+            for i in range(10):
+                pub.send_subgroup_object(sid, i, f"g{group}o{i}".encode().ljust(500, b"."))
+            pub.close_subgroup(sid)
+            sent += 10
+            group += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(subscriber.wait(), 0.2)  # paces the track: 50 objects/s
+        output = (await subscriber.communicate())[0].decode(errors="replace")
+    finally:
+        if subscriber.returncode is None:
+            subscriber.kill()
+            await subscriber.wait()
+        pub.publish_done(ok.request_id, 0x2, "done")
+        await pub.close_session()
+    assert "Discovered: interop/bare/stream" in output, output[-3000:] + kvnet_relay.log()[-2000:]
+    total = re.search(r"Total: ([\d,]+) objects", output)
+    assert total is not None and int(total[1].replace(",", "")) >= 10, output[-3000:]

@@ -4,6 +4,7 @@ PREFIX_OVERLAP and FETCH of a PUBLISH-fed track, against the real relay process 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
@@ -11,7 +12,7 @@ from kvnet.net.errors import RequestRejected
 from kvnet.net.handles import IncomingPublish
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode
-from proto.events import RequestOkReceived
+from proto.events import NamespaceDoneReceived, NamespaceReceived, RequestOkReceived
 from proto.messages import Location, MessageParameters
 from tests.helpers.processes import CertDir, RelayProcess
 from tests.helpers.waiting import async_wait_until
@@ -139,3 +140,52 @@ async def test_fetch_of_a_live_published_track_is_served_by_the_relay(
     finally:
         await fetcher.close_session()
         await pub.close_session()
+
+
+async def test_subscribe_namespace_hears_of_namespaces_known_only_by_publish(
+    cert_dir: CertDir, relay: RelayProcess
+) -> None:
+    # Draft "Subscribing to Namespaces": the relay echoes namespaces under the prefix that were published
+    # to it, also those that only a PUBLISH (no PUBLISH_NAMESPACE) brought; NAMESPACE_DONE once the last
+    # such track ended.
+    front, back = (b"demo", b"cams", b"front"), (b"demo", b"cams", b"back")
+    heard: list[tuple[str, tuple[bytes, ...]]] = []
+    early_heard: list[tuple[str, tuple[bytes, ...]]] = []
+
+    def listener(into: list[tuple[str, tuple[bytes, ...]]]) -> Callable[[object], None]:
+        def on_namespace(ev: object) -> None:
+            assert isinstance(ev, NamespaceReceived | NamespaceDoneReceived)
+            kind = "done" if isinstance(ev, NamespaceDoneReceived) else "ns"
+            into.append((kind, ev.track_namespace_suffix))
+
+        return on_namespace
+
+    def end_track(alias: int, request_id: int) -> None:
+        sid = pub.open_subgroup(alias, 0, 0)
+        pub.send_subgroup_object(sid, 0, b"", status=ObjectStatus.END_OF_TRACK, end_stream=True)
+        pub.publish_done(request_id, PublishDoneCode.TRACK_ENDED, "done")
+
+    early = await connect_client(relay.url, str(cert_dir.ca))
+    late = await connect_client(relay.url, str(cert_dir.ca))
+    pub = await connect_client(relay.url, str(cert_dir.ca))
+    try:
+        await early.subscribe_namespace((b"demo",), on_namespace=listener(early_heard))
+        cam0 = await pub.publish(front, b"cam-0", 1)
+        cam1 = await pub.publish(front, b"cam-1", 2)
+        await async_wait_until(lambda: early_heard, "NAMESPACE to the watcher that was there first")
+        await late.subscribe_namespace((b"demo", b"cams"), on_namespace=listener(heard))
+        await async_wait_until(lambda: heard, "NAMESPACE to the watcher that came after the PUBLISH")
+        end_track(1, cam0.request_id)  # cam-1 is still live: the namespace stays
+        await relay.wait_metrics(lambda m: m.get("kvnet_relay_fanouts") == 1, "cam-0 ended at the relay")
+        cam2 = await pub.publish(back, b"cam-2", 3)
+        await async_wait_until(lambda: len(heard) == 2 and len(early_heard) == 2, "NAMESPACE of the 2nd")
+        end_track(2, cam1.request_id)
+        end_track(3, cam2.request_id)
+        await async_wait_until(lambda: len(heard) == 4 and len(early_heard) == 4, "NAMESPACE_DONE of both")
+        assert sorted(early_heard[2:]) == [("done", (b"cams", b"back")), ("done", (b"cams", b"front"))]
+        assert early_heard[:2] == [("ns", (b"cams", b"front")), ("ns", (b"cams", b"back"))]
+        assert heard[:2] == [("ns", (b"front",)), ("ns", (b"back",))]
+        assert sorted(heard[2:]) == [("done", (b"back",)), ("done", (b"front",))]
+    finally:
+        for conn in (pub, early, late):
+            await conn.close_session()
