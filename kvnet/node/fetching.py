@@ -279,6 +279,8 @@ class BlockFetcher:
         self.locate_probe: str | None = None
         """How this session's locates probe: "track_status", "fetch" (of the manifest object, for relays
         that do not forward TRACK_STATUS), or None while undecided (see ``locate``)."""
+        self._probe_reads: set[asyncio.Task[None]] = set()
+        """Manifest probes being read to their end (``_probe_manifest``)."""
         self.device = device or torch.device("cpu")
         self._slot_cache = cache if isinstance(cache, SlotCacheWriter) else None
         """The cache again where it takes decoded layers in place (see ``_load_layer``)."""
@@ -363,14 +365,33 @@ class BlockFetcher:
 
     async def _probe_manifest(self, hashes: Sequence[bytes], i: int, rendition: str) -> None:
         """Returns when block ``i`` exists in ``rendition``: FETCH_OK for its manifest object (object 0
-        only; the stream is cancelled at once, so at most the manifest travels). Raises otherwise."""
+        only). Raises otherwise.
+
+        The FETCH is not cancelled after FETCH_OK (nor when the locate no longer needs the answer): its
+        range is the manifest alone, so reading it to its end costs one small object, while a cancel
+        reaches a relay that may serve the FETCH by pulling the block upstream, and leaves it with a
+        cut-short block the next full FETCH waits for. The rest is read in the background, cancelled only
+        after ``timeout`` (a relay that does not finish it by then is not harmed by the cancel any more)."""
         ns, name = block_track(self.fingerprint, self.namespace_id, hashes[i], rendition)
         start = Location(BLOCK_GROUP_ID, MANIFEST_OBJECT_ID)
         handle = await self.conn.fetch(ns, name, start, Location(BLOCK_GROUP_ID, MANIFEST_OBJECT_ID + 1))
         try:
-            await handle.ok()
+            await handle.ok()  # shielded: a cancelled probe leaves the answer to the background read
         finally:
-            handle.cancel()
+            self._read_to_end(handle)
+
+    def _read_to_end(self, handle: FetchHandle) -> None:
+        """Read a FETCH to its end (FIN, reset or refusal) in the background, for at most ``timeout``."""
+
+        async def read() -> None:
+            try:
+                await asyncio.wait_for(handle.read_all(), self.timeout)
+            except (TimeoutError, MoqtConnectionError, RequestRejected, StreamResetError, LimitError):
+                handle.cancel()  # a no-op once it ended
+
+        task = asyncio.ensure_future(read())
+        self._probe_reads.add(task)
+        task.add_done_callback(self._probe_reads.discard)
 
     # -- fetch ------------------------------------------------------------------------------------
 
