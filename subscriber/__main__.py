@@ -59,7 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = settings_parser("kvnet-subscriber", __doc__.split("\n\n")[0])
     add_prompt_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt on stdout")
-    p.add_argument("--verify", action="store_true", help="check the output against a full local recompute")
+    p.add_argument(
+        "--verify", action="store_true",
+        help="check the output against this node's own with the same prefix held locally (exit 3 if it "
+        "differs) and report whether it also equals a cold recompute",
+    )
     p.add_argument("--publish", action="store_true", help="also publish the blocks this prompt computed")
     p.add_argument(
         "--best-effort", action="store_true",
@@ -83,8 +87,11 @@ def _human(report: dict[str, object]) -> str:
         f"{t['fetch_s'] * 1e3:.1f}, prefill {t['prefill_s'] * 1e3:.1f})",
         f"output           {report['output_text']!r}",
     ]
+    lines.append(f"kv exact         {report['kv_exact']}")
     if "verified" in report:
         lines.append(f"verified         {report['verified']}")
+    if "equals_recompute" in report:
+        lines.append(f"equals recompute {report['equals_recompute']}")
     fallback = report["fallback"]
     assert isinstance(fallback, list)
     lines.extend(f"fallback         {why}" for why in fallback)

@@ -68,6 +68,7 @@ from kvnet.node.overlap import OverlapResult, fetch_and_compute
 from kvnet.node.publishing import encode_blocks
 from kvnet.node.relay_peer import RelayPeer
 from kvnet.node.reports import NodeCounters, PublishReport, RequestReport
+from kvnet.node.verification import PrefixBlock, Verification, kv_exact, run_alone, snapshot_prefix
 from kvnet.security.tenancy import NodeSecret
 
 logger = logging.getLogger(__name__)
@@ -341,13 +342,19 @@ class Node:
         report.prompt_tokens = len(ids)
         held = admission if admission is not None else self.engine.admit(len(ids), max_new)
         try:
-            await self._complete(ids, max_new, report, t0, publish, use_remote, sampling, on_token)
+            prefix = await self._complete(
+                ids, max_new, report, t0, publish, use_remote, sampling, on_token, keep_prefix=verify
+            )
         finally:
             if admission is None:
                 held.release()
         if verify:
-            output = report.output_token_ids
-            report.verified = await asyncio.to_thread(self.verify_output, ids, max_new, output)
+            found = await asyncio.to_thread(
+                self.verify_output, ids, max_new, report.output_token_ids, prefix,
+                sampling=sampling, kv_exact=report.kv_exact,
+            )
+            report.verified = found.verified
+            report.equals_recompute = found.equals_recompute
         c = self.counters
         c.requests += 1
         c.prompt_tokens += report.prompt_tokens
@@ -359,8 +366,10 @@ class Node:
 
     async def _complete(
         self, ids: list[int], max_new: int, report: RequestReport, t0: float, publish: bool, use_remote: bool,
-        sampling: SamplingParams, on_token: TokenCallback | None,
-    ) -> None:
+        sampling: SamplingParams, on_token: TokenCallback | None, *, keep_prefix: bool = False,
+    ) -> list[PrefixBlock]:
+        """Serve one request into ``report``; with ``keep_prefix``, return copies of the cached blocks it
+        reused (what ``verify_output`` holds in its local-hit reference), else []."""
         b = self.block_size
         hashes = block_hashes(ids, b, self.root)
         usable = max(len(ids) - 1, 0) // b  # the last prompt token is always computed (its logits)
@@ -377,13 +386,19 @@ class Node:
         head: OverlapResult | None = None
         if remote and self.peer is not None and local_blocks < usable:
             head = await self._remote_prefix(ids, hashes, local_blocks, usable, report)
+        # A kept sequence holds its blocks, so the reused prefix (local hits, fetched blocks and a head
+        # computed while the tail was fetched alike) cannot be evicted before it is copied.
+        keep = publish or keep_prefix
         request = SequenceRequest(
-            tuple(ids), max_new, sampling, frozenset((self.tokenizer.eos_id,)), keep_sequence=publish
+            tuple(ids), max_new, sampling, frozenset((self.tokenizer.eos_id,)), keep_sequence=keep
         )
         finished = await self._run_sequence(request, on_token)
         gen_done = time.perf_counter()
         result = finished.result
+        prefix: list[PrefixBlock] = []
         try:
+            if keep_prefix:
+                prefix = snapshot_prefix(self.cache, result.block_hashes[: result.cached_tokens // b])
             if result.computed_tokens > 0:
                 # The model's cost of this prefill, not the wall time it shared with other sequences.
                 self.abr.prefill.add(result.computed_tokens, finished.prefill_compute_seconds)
@@ -417,18 +432,30 @@ class Node:
                     # Pushing is an optimisation: it must not delay this request's answer.
                     self._background(self.peer.push(to_push))
         finally:
-            if publish:
+            if keep:
                 self._free_sequence(finished.seq_id)
         report.timings.total_s = gen_done - t0
+        return prefix
 
-    def verify_output(self, ids: list[int], max_new: int, output: list[int]) -> bool:
-        """True when ``output`` equals a full local recompute in a fresh cache (no reuse at all)."""
-        fresh = PagedKVCache(self.cache.spec, -(-(len(ids) + max_new) // self.block_size) + 1, self.device)
-        reference = generate(
-            self.model, fresh, ids, max_new, root=self.root, stop_token_ids=(self.tokenizer.eos_id,),
-            commit_prompt=False,
-        )
-        return reference.token_ids == output
+    def verify_output(
+        self, ids: list[int], max_new: int, output: list[int], prefix: Sequence[PrefixBlock] = (), *,
+        sampling: SamplingParams = GREEDY, kv_exact: bool = True,
+    ) -> Verification:
+        """Compare ``output`` with this node's own output for ``ids`` with ``prefix`` (the blocks the request
+        reused) held locally, and with a cold recompute; both run alone through this engine's scheduler
+        settings in fresh caches (``kvnet.node.verification`` says what each means)."""
+
+        def reference(held: Sequence[PrefixBlock]) -> list[int]:
+            return run_alone(
+                self.model, self.cache, root=self.root, config=self.engine.config, prompt_ids=ids,
+                max_new_tokens=max_new, prefix=held, sampling=sampling,
+                stop_token_ids=(self.tokenizer.eos_id,),
+            )
+
+        local_hit = reference(prefix)
+        recompute = local_hit if not prefix else reference(())
+        return Verification(kv_exact=kv_exact, equals_local_hit=output == local_hit,
+                            equals_recompute=output == recompute)
 
     async def _remote_prefix(
         self, ids: list[int], hashes: list[bytes], start: int, usable: int, report: RequestReport
@@ -484,6 +511,7 @@ class Node:
         report.timings.load_s = outcome.load_s
         report.bytes_fetched = outcome.bytes
         report.renditions = dict(outcome.renditions)
+        report.kv_exact = kv_exact(outcome.renditions)
         if outcome.error is not None:
             self._fetch_failed(outcome, report)
             msg = (

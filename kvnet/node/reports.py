@@ -59,7 +59,15 @@ class RequestReport:
     """Blocks of the located prefix fetched while the head was computed (0 without a split)."""
     overlap: dict[str, Any] = field(default_factory=dict)
     """What fetching and computing at once did (``OverlapResult.to_json``); empty without a split."""
+    kv_exact: bool = True
+    """Every block loaded from a relay is the publisher's K/V bit for bit: its layers matched the signed
+    payload digests on arrival (always checked) and it came lossless (``kvnet.node.verification``)."""
     verified: bool | None = None
+    """With ``--verify``: ``kv_exact`` and the output equals this node's own output with the same prefix
+    K/V held locally (the local-hit reference); None without ``--verify``."""
+    equals_recompute: bool | None = None
+    """With ``--verify``: the output equals a cold recompute of the whole prompt. Not verification: on CPUs
+    whose bfloat16 kernels round by batch shape (AMX) it can be False when ``verified`` is True."""
     relay_connected: bool | None = None
     """False when a relay is configured but had no session while this request was served (so no remote
     prefix could be looked up); None without a relay."""
@@ -87,9 +95,12 @@ class RequestReport:
             "head_computed_blocks": self.head_computed_blocks,
             "tail_fetched_blocks": self.tail_fetched_blocks,
             "overlap": dict(self.overlap),
+            "kv_exact": self.kv_exact,
         }
         if self.verified is not None:
             out["verified"] = self.verified
+        if self.equals_recompute is not None:
+            out["equals_recompute"] = self.equals_recompute
         if self.relay_connected is not None:
             out["relay_connected"] = self.relay_connected
         return out

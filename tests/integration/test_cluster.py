@@ -87,7 +87,7 @@ def publish(cluster: NetnsCluster, node: str, text: str) -> dict[str, Any]:
 
 
 def subscribe(cluster: NetnsCluster, service: str, edge: str, text: str, *extra: str) -> list[dict[str, Any]]:
-    """The one-shot subscriber, verified against a recompute. These tests check what crosses the relays, so
+    """The one-shot subscriber, with ``--verify``. These tests check what crosses the relays, so
     they fetch whatever is located (``--abr fetch``; ``extra`` may say ``--abr auto``): with the compose
     nodes' small preset the ABR would rightly recompute (test_the_abr_fetches_a_long_prefix_over_the_wan
     checks its own choice)."""
@@ -112,7 +112,8 @@ def origin_requests(cluster: NetnsCluster, kind: str) -> float:
 
 
 def assert_verified_hit(cluster: NetnsCluster, report: dict[str, Any], tokens: int) -> None:
-    """Exactly ``tokens`` prompt tokens came from the network, with output equal to a full recompute."""
+    """Exactly ``tokens`` prompt tokens came from the network, with the output verified (K/V exact, output
+    equal to the subscriber's own with the same prefix held locally)."""
     ok = report["verified"] is True and report["remote_hit_tokens"] == tokens and report["fallback"] == []
     assert ok, f"expected a verified remote hit of {tokens} tokens: {json.dumps(report)}" + logs(cluster)
 
@@ -269,8 +270,9 @@ def test_killing_one_edge_leaves_the_other_half_working(ready: NetnsCluster) -> 
 def test_the_abr_fetches_a_long_prefix_over_the_wan(ready: NetnsCluster) -> None:
     # The documented demo (docs/cluster.md, scripts/netns-cluster smoke): SmolLM2 at both sites, the ABR
     # deciding. run_smoke raises unless the ABR fetched the prefix over the emulated WAN without falling
-    # back and the output equals the same request recomputed. How much faster it was is reported (and
-    # measured in docs/cluster.md), not asserted.
+    # back and the output is verified (equality with the same request recomputed depends on the CPU's
+    # bfloat16 kernels, so it is reported). How much faster it was is reported (and measured in
+    # docs/cluster.md), not asserted.
     demo = run_smoke(ready, tag="test-wan")
     print(demo.summary())
     assert demo.fetched["remote_hit_tokens"] >= demo.fetched["prompt_tokens"] // 2, demo.fetched

@@ -1,5 +1,7 @@
 """Cross-node reuse on a trained model: publisher and subscriber processes on SmolLM2 (bf16, its own
-tokenizer) through a real relay; the remote hit is lossless and its output equals a full local recompute."""
+tokenizer) through a real relay; the remote hit is lossless, its K/V exactly the publisher's, and its output
+equals the subscriber's own with that prefix held locally (``verified``). Equality with a cold recompute is
+not asserted: on a CPU with AMX, bf16 prefill rounds by batch shape (docs/nodes.md)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ REAL_MODEL_START_TIMEOUT = 600.0
 
 
 @pytest.mark.slow
-def test_remote_hit_on_smollm2_equals_recompute(
+def test_remote_hit_on_smollm2_is_verified(
     smollm2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(cluster_module, "START_TIMEOUT", REAL_MODEL_START_TIMEOUT)
@@ -35,7 +37,8 @@ def test_remote_hit_on_smollm2_equals_recompute(
         c.start_publisher([prefix], *model)
         flags = ("--abr", "fetch", "--verify", "--max-tokens", "12")
         (remote,) = c.subscribe([ask], *model, *flags, timeout=REAL_MODEL_START_TIMEOUT)
-    assert remote["verified"] is True, remote
+    assert remote["verified"] is True and remote["kv_exact"] is True, remote
+    assert isinstance(remote["equals_recompute"], bool), remote  # reported, its value depends on the CPU
     assert remote["remote_hit_tokens"] >= 4 * TEST_BLOCK_SIZE and remote["local_hit_tokens"] == 0
     assert remote["renditions"] == {"lossless": remote["remote_hit_tokens"] // TEST_BLOCK_SIZE}
     assert remote["fallback"] == [] and remote["security_events"] == []

@@ -1,4 +1,6 @@
-"""Remote hits through a real relay: output equals a full recompute (lossless, bit-exact tokens).
+"""Remote hits through a real relay: lossless, the loaded K/V exactly the publisher's, the output verified.
+The cluster's tiny model runs in float32, whose prefill rows do not depend on the batch shape, so the output
+also equals a cold recompute (``equals_recompute``; docs/nodes.md, "What `verified` means").
 
 Byte tokenizer: one token per byte plus BOS, 16-token blocks (the cluster's). Shares are chosen to end
 inside blocks, so the usable remote prefix is the floor of the shared tokens to a block boundary.
@@ -6,6 +8,7 @@ inside blocks, so the usable remote prefix is the floor of the shared tokens to 
 
 from __future__ import annotations
 
+import json
 import socket
 
 from tests.helpers.processes import free_port, start_relay
@@ -35,7 +38,8 @@ def test_remote_hit_is_bit_exact_for_zero_partial_and_full_shares(kv_cluster: Cl
     for name, prompt in cases.items():
         (report,) = kv_cluster.subscribe([prompt], "--verify", "--max-tokens", "8")
         expected_blocks = _blocks_shared(published, prompt)
-        assert report["verified"] is True, (name, report)
+        assert report["verified"] is True and report["kv_exact"] is True, (name, report)
+        assert report["equals_recompute"] is True, (name, report)
         assert report["local_hit_tokens"] == 0
         assert report["remote_hit_tokens"] == expected_blocks * B, (name, report)
         assert report["computed_tokens"] == report["prompt_tokens"] - expected_blocks * B
@@ -59,6 +63,21 @@ def test_local_hit_after_remote_hit_in_one_process(kv_cluster: Cluster) -> None:
     assert second["local_hit_tokens"] == shared and second["remote_hit_tokens"] == 0
     assert second["bytes_fetched"] == 0
     assert first["verified"] and second["verified"]
+
+
+def test_a_hit_loaded_in_a_lossy_rendition_is_not_kv_exact_so_not_verified(kv_cluster: Cluster) -> None:
+    """int8 K/V is the publisher's signed bytes but not its K/V: the report says so and ``--verify`` fails
+    (exit 3), whatever the output."""
+    kv_cluster.start_relay()
+    kv_cluster.start_publisher([SHARED_PREFIX], "--renditions", "int8")
+    proc = kv_cluster.start_subscriber([SHARED_PREFIX + "Q: lossy?"], "--accept", "int8", "--verify")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 3, kv_cluster.log_of(proc)[-3000:]
+    (report,) = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
+    shared = (len(SHARED_PREFIX) + 1) // B
+    assert report["remote_hit_tokens"] == shared * B and report["renditions"] == {"int8": shared}, report
+    assert report["kv_exact"] is False and report["verified"] is False, report
+    assert report["security_events"] == [], report
 
 
 def test_tenants_are_isolated_by_node_secret_salts(kv_cluster: Cluster) -> None:

@@ -1,7 +1,10 @@
 """The smoke check of a running namespace cluster (also the demo of docs/cluster.md): a long shared document
 published at site a is asked for at site b, and the subscriber's ABR, on its own, fetches it over the
-emulated WAN (edge-b -> origin -> edge-a) rather than recompute it; the same request recomputed gives the
-same output. Returns both reports, so the figure (time to first token fetched vs recomputed) is measured.
+emulated WAN (edge-b -> origin -> edge-a) rather than recompute it, and its output is verified (the loaded
+K/V is the publisher's, the output what this node computes from it: docs/nodes.md, "What `verified`
+means"). The same request is then recomputed; both reports are returned, so the figure (time to first token
+fetched vs recomputed) is measured. Equal outputs of the two are reported, not required: a CPU with AMX
+rounds bfloat16 prefill by batch shape, so there a cold recompute may differ in the last bits.
 
 The trained SmolLM2 model (``--model smollm2``) in its own dtype, bfloat16: on a CPU without bfloat16
 matrix units it prefills slowly enough (tens of ms per token) that fetching its KV over a WAN wins for a
@@ -51,7 +54,8 @@ class WanDemo:
         return (
             f"remote hit {f['remote_hit_tokens']} of {f['prompt_tokens']} tokens fetched over the WAN "
             f"({f['bytes_fetched'] / 1e6:.1f} MB), time to first token {f['timings']['ttft_s']:.1f} s; "
-            f"recomputed {r['timings']['ttft_s']:.1f} s ({self.speedup:.1f}x); same output"
+            f"recomputed {r['timings']['ttft_s']:.1f} s ({self.speedup:.1f}x); output verified, "
+            f"{'equal to' if f.get('equals_recompute') else 'differs from'} a cold recompute"
         )
 
 
@@ -84,7 +88,8 @@ def _subscribe(cluster: NetnsCluster, prompt: str, *extra: str) -> dict[str, Any
 def run_smoke(cluster: NetnsCluster, tag: str = "smoke") -> WanDemo:
     """Publish the demo document at pub-a (site a), ask for it plus a question at sub-b (site b) with the
     ABR deciding, then recompute the same request; raise ``ClusterError`` unless the ABR fetched the
-    prefix, nothing was abandoned and both outputs are equal. ``tag`` keeps runs' documents apart."""
+    prefix, nothing was abandoned and the fetched request's output is verified. ``tag`` keeps runs'
+    documents apart."""
     document = f"[{tag} {time.time_ns()}] {DEMO_DOCUMENT}"
     log_name = f"{tag}-publisher"
     argv = publisher_argv("edge-a", "/keys/pub-a", document, *DEMO_MODEL)
@@ -98,7 +103,7 @@ def run_smoke(cluster: NetnsCluster, tag: str = "smoke") -> WanDemo:
             time.sleep(0.5)
         logger.info("pub-a published the demo document; asking for it at sub-b")
         prompt = document + DEMO_QUESTION
-        fetched = _subscribe(cluster, prompt, *DEMO_MODEL, "--fetch-margin", DEMO_FETCH_MARGIN_S)
+        fetched = _subscribe(cluster, prompt, *DEMO_MODEL, "--fetch-margin", DEMO_FETCH_MARGIN_S, "--verify")
         logger.info("fetched: %s", json.dumps({k: fetched[k] for k in ("remote_hit_tokens", "timings")}))
         recomputed = _subscribe(cluster, prompt, *DEMO_MODEL, "--abr", "recompute")
     finally:
@@ -109,6 +114,6 @@ def run_smoke(cluster: NetnsCluster, tag: str = "smoke") -> WanDemo:
         raise ClusterError("the ABR did not fetch the shared prefix" + context)
     if fetched["abandoned"] is not None or fetched["fallback"]:
         raise ClusterError("the fetch fell back to recomputing" + context)
-    if fetched["output_token_ids"] != recomputed["output_token_ids"]:
-        raise ClusterError("fetched and recomputed outputs differ" + context)
+    if fetched.get("verified") is not True:
+        raise ClusterError("the fetched request's output is not verified" + context)
     return demo

@@ -87,9 +87,12 @@ def test_fp32_greedy_tokens_and_logits_equal_transformers(
 
 
 @pytest.mark.slow
-def test_bf16_kv_through_lossless_codec_equals_recompute_bit_for_bit(
+def test_bf16_kv_through_lossless_codec_is_the_publishers_bit_for_bit(
     smollm2_dir: Path, tokenizer: HFTokenizer, prompts: dict[str, list[int]]
 ) -> None:
+    # Compared with the publisher's own K/V and with the publisher's K/V held locally, never with a
+    # recompute of the longer prompt: on a CPU with AMX, bfloat16 prefill rounds by batch shape, so the
+    # same tokens computed inside another prompt differ in the last bits (docs/nodes.md).
     model = load_checkpoint(smollm2_dir, device=CPU, tokenizer_identity=tokenizer.identity())
     assert model.dtype == torch.bfloat16  # the model's own dtype: KV is kept as engines keep it
     block = 16
@@ -113,10 +116,12 @@ def test_bf16_kv_through_lossless_codec_equals_recompute_bit_for_bit(
         )
     remote = generate(model, subscriber, shared + question, 4, root=root, keep_sequence=True)
     assert remote.cached_tokens == len(shared) // block * block
-    recompute_cache = PagedKVCache(spec, 32, CPU)
-    recompute = generate(model, recompute_cache, shared + question, 4, root=root, keep_sequence=True)
-    assert remote.token_ids == recompute.token_ids
+    local_hit_cache = PagedKVCache(spec, 32, CPU)
     for block_hash in published.block_hashes:
-        fetched, own = subscriber.export_block(block_hash), recompute_cache.export_block(block_hash)
+        local_hit_cache.import_block(block_hash, publisher.export_block(block_hash))
+    local_hit = generate(model, local_hit_cache, shared + question, 4, root=root)
+    assert local_hit.cached_tokens == remote.cached_tokens and remote.token_ids == local_hit.token_ids
+    for block_hash in published.block_hashes:
+        fetched, own = subscriber.export_block(block_hash), publisher.export_block(block_hash)
         assert torch.equal(fetched.k.view(torch.int16), own.k.view(torch.int16))
         assert torch.equal(fetched.v.view(torch.int16), own.v.view(torch.int16))

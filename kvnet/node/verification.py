@@ -1,0 +1,126 @@
+"""What ``--verify`` checks of a completion, and the references it compares the output with.
+
+A completion is ``verified`` when both hold:
+
+* ``kv_exact``: every block it loaded from a relay is the publisher's K/V bit for bit. Each layer's payload
+  matched the digest in the publisher's signed manifest as it arrived (``kvnet.node.fetching``: a block
+  that fails is refused and recomputed, never loaded), and it came in the ``lossless`` rendition (``int8``
+  and ``int4`` are approximations by design, so a block loaded in them makes this False).
+* The output equals the **local-hit reference**: this node's own output with the same prefix held locally.
+  A fresh cache holds exactly the prefix blocks the request reused (local and remote hits, the very K/V it
+  attended to), then the rest of the prompt is prefilled and the output decoded by the same scheduler, step
+  budget and sampling the request ran with. It is the reference a vLLM engine gives for its own prefix-cache
+  hit: reuse is correct when the output is what this node computes from that K/V.
+
+``equals_recompute`` is reported beside them, and is not verification: the output equals a cold recompute
+(an empty cache, the whole prompt prefilled here). On CPUs whose kernels give each row the same bits
+whatever the batch shape (float32 and bfloat16 on AVX2 and AVX-512 without AMX, as measured for the models
+kvnet ships) it is True whenever ``verified`` is. On CPUs with AMX, bfloat16 prefill rounds differently for
+a different number of rows: the publisher computed the prefix as part of its own prompt, the cold recompute
+as part of this longer one, so the prefix K/V differs in the last bits and the outputs may differ although
+the loaded K/V is exactly the publisher's.
+
+The references run the request alone. A request the engine batched with other requests had other batch
+shapes; on shape-dependent kernels its output may then differ from the reference, and ``verified`` says so.
+The references sample as the request did, so only greedy or seeded sampling gives a comparable output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvnet.cache.paged_cache import BlockKV, PagedKVCache
+from kvnet.errors import KVCacheError
+from kvnet.model.batching import (
+    BatchScheduler,
+    SchedulerConfig,
+    SequenceFailed,
+    SequenceFinished,
+    SequenceRequest,
+)
+from kvnet.model.generate import GREEDY, SamplingParams
+from kvnet.model.transformer import Transformer
+
+EXACT_RENDITION = "lossless"
+"""The only rendition whose decoded K/V is the publisher's bit for bit."""
+
+
+class VerificationError(KVCacheError):
+    """A reference output could not be computed as specified (a bug, not a property of the output)."""
+
+
+@dataclass(frozen=True)
+class PrefixBlock:
+    """One cached block a request reused, copied out of the cache before anything can evict it."""
+
+    block_hash: bytes
+    kv: BlockKV
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What ``--verify`` found for one completion (the report's ``kv_exact``, ``verified``,
+    ``equals_recompute``)."""
+
+    kv_exact: bool
+    equals_local_hit: bool
+    """The output equals the local-hit reference."""
+    equals_recompute: bool
+    """The output equals a cold recompute (not part of ``verified``; see the module docstring)."""
+
+    @property
+    def verified(self) -> bool:
+        return self.kv_exact and self.equals_local_hit
+
+
+def kv_exact(renditions: Mapping[str, int]) -> bool:
+    """Whether the blocks a fetch loaded (rendition -> count, ``FetchOutcome.renditions``) are the
+    publisher's K/V bit for bit: their digests were checked on arrival, so it is a matter of rendition."""
+    return all(name == EXACT_RENDITION for name, count in renditions.items() if count > 0)
+
+
+def snapshot_prefix(cache: PagedKVCache, hashes: Sequence[bytes]) -> list[PrefixBlock]:
+    """Copies of the cached blocks ``hashes`` (a sequence that still references them keeps them cached)."""
+    return [PrefixBlock(h, cache.export_block(h)) for h in hashes]
+
+
+def run_alone(
+    model: Transformer,
+    cache_like: PagedKVCache,
+    *,
+    root: bytes,
+    config: SchedulerConfig,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    prefix: Sequence[PrefixBlock] = (),
+    sampling: SamplingParams = GREEDY,
+    stop_token_ids: Collection[int] = (),
+) -> list[int]:
+    """The tokens a scheduler with ``config`` generates for the prompt alone, in a fresh cache shaped like
+    ``cache_like`` that holds exactly ``prefix`` (which the prompt's hashes then reuse)."""
+    block_size = cache_like.spec.block_size
+    num_blocks = len(prefix) + -(-(len(prompt_ids) + max_new_tokens) // block_size) + 1
+    fresh = PagedKVCache(cache_like.spec, num_blocks, cache_like.device)
+    for block in prefix:
+        fresh.import_block(block.block_hash, block.kv)
+    scheduler = BatchScheduler(model, fresh, root=root, config=config)
+    request = SequenceRequest(
+        tuple(prompt_ids), max_new_tokens, sampling, frozenset(stop_token_ids), commit_prompt=False
+    )
+    scheduler.add(0, request)
+    with torch.no_grad():
+        while scheduler.has_work():
+            for event in scheduler.step():
+                if isinstance(event, SequenceFailed):
+                    raise event.error
+                if isinstance(event, SequenceFinished):
+                    reused = event.result.cached_tokens
+                    if reused != len(prefix) * block_size:  # the reference must reuse exactly the prefix
+                        raise VerificationError(
+                            f"the reference reused {reused} tokens, not the {len(prefix)} blocks it holds"
+                        )
+                    return list(event.result.token_ids)
+    raise VerificationError("the reference sequence never finished")
