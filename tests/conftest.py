@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvnet.model.registry import ModelNotAvailableError, default_models_dir, resolve_model
+from tests.helpers.waiting import load_factor
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +19,9 @@ def smollm2_dir() -> Path:
         return resolve_model("smollm2", default_models_dir(os.environ))
     except ModelNotAvailableError as exc:
         pytest.skip(f"SmolLM2 is not installed: {exc}")
+
+
+def pytest_report_header() -> str:
+    """The factor test deadlines are scaled by at the start (``tests.helpers.waiting``: it is read again at
+    every wait, so it follows the load as the run goes on)."""
+    return f"test deadlines: x{load_factor():.2f} for the load (1-minute average {os.getloadavg()[0]:.2f})"

@@ -6,12 +6,16 @@ the other side's ``datagram_received`` on the next loop iteration. Everything ab
 production code path (handshake with certificates the project makes, SETUP, request helpers, timers), so
 role code that takes a ``MoqtConnection`` (the block server, the fetcher) can be tested without a relay,
 a process or a port.
+
+``client_settings`` is the ``TransportSettings`` every test's QUIC client connects with: the handshake
+deadline is the product's default scaled by the load (``tests.helpers.waiting.scaled``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,12 +25,24 @@ from kvnet.net.registry import client_configuration, get_stack, server_configura
 from kvnet.net.settings import TlsSettings, TransportSettings
 from proto.session import SessionConfig
 from tests.helpers.processes import CertDir
+from tests.helpers.waiting import scaled
 
 CLIENT_ADDRESS = ("127.0.0.1", 40001)
 SERVER_ADDRESS = ("127.0.0.1", 40002)
 """Nominal addresses: nothing binds them, they only label the two ends for QUIC's path checks."""
 
-__all__ = ["ConnectionPair", "MemoryDatagramTransport", "connection_pair"]
+MAX_HANDSHAKE_TIMEOUT_S = 600.0
+"""The largest ``handshake_timeout`` ``TransportSettings`` accepts."""
+
+__all__ = ["ConnectionPair", "MemoryDatagramTransport", "client_settings", "connection_pair"]
+
+
+def client_settings(settings: TransportSettings | None = None) -> TransportSettings:
+    """``settings`` (default: ``TransportSettings()``) for a test's client, its ``handshake_timeout`` scaled
+    by the machine's load: a handshake under load is slow, not failed."""
+    settings = settings or TransportSettings()
+    timeout = min(MAX_HANDSHAKE_TIMEOUT_S, scaled(settings.handshake_timeout))
+    return dataclasses.replace(settings, handshake_timeout=timeout)
 
 
 class MemoryDatagramTransport(asyncio.DatagramTransport):
@@ -99,13 +115,13 @@ async def connection_pair(
     server.connection_made(server_transport)
     try:
         client.connect(SERVER_ADDRESS)
-        async with asyncio.timeout(settings.handshake_timeout):
+        async with asyncio.timeout(scaled(settings.handshake_timeout)):
             await client.wait_connected()
         await asyncio.gather(client.wait_setup(), server.wait_setup())
         yield ConnectionPair(client, server)
     finally:
         for conn in (client, server):
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.close_session(), 5)
+                await asyncio.wait_for(conn.close_session(), scaled(5))
         client_transport.close()
         server_transport.close()

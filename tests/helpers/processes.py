@@ -23,7 +23,7 @@ from pathlib import Path
 
 from kvnet.security import certs
 from relay.metrics import parse_prometheus
-from tests.helpers.waiting import DEFAULT_TIMEOUT, async_wait_until, wait_until
+from tests.helpers.waiting import DEFAULT_TIMEOUT, async_wait_until, scaled, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 60.0
@@ -90,7 +90,7 @@ def native_quic_python() -> Path:
         return Path(sys.executable)
     try:
         done = subprocess.run([str(REPO / "scripts" / "setup-py312")], capture_output=True, text=True,
-                              timeout=NATIVE_QUIC_SETUP_TIMEOUT)
+                              timeout=scaled(NATIVE_QUIC_SETUP_TIMEOUT))
     except subprocess.TimeoutExpired as exc:
         raise RuntimeError(f"scripts/setup-py312 took more than {NATIVE_QUIC_SETUP_TIMEOUT:g} s") from exc
     reason = (done.stderr.strip().splitlines() or [""])[-1]
@@ -159,7 +159,8 @@ class RelayProcess:
 
     def metrics(self, worker: int = 0) -> dict[str, float]:
         """The metrics endpoint's values (of worker ``worker`` of a relay with ``--workers``: port + i)."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port + worker}/metrics", timeout=5) as r:
+        url = f"http://127.0.0.1:{self.metrics_port + worker}/metrics"
+        with urllib.request.urlopen(url, timeout=scaled(5)) as r:
             return parse_prometheus(r.read().decode())
 
     async def ametrics(self) -> dict[str, float]:
@@ -207,7 +208,7 @@ class RelayProcess:
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.wait(timeout=10)
+        self.proc.wait(timeout=scaled(10))
 
 
 def start_relay(

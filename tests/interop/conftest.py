@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.processes import REPO, CertDir, RelayProcess, make_certificates, start_relay
+from tests.helpers.waiting import scaled
 
 SETUP_TIMEOUT = 1200.0
 """Seconds the first (uncached) set-up may take to download and install aiomoqt."""
@@ -39,7 +40,7 @@ def aiomoqt() -> Aiomoqt:
     installed (no package index)."""
     try:
         done = subprocess.run([str(REPO / "scripts" / "setup-aiomoqt")], capture_output=True, text=True,
-                              timeout=SETUP_TIMEOUT)
+                              timeout=scaled(SETUP_TIMEOUT))
     except subprocess.TimeoutExpired:
         pytest.fail(f"scripts/setup-aiomoqt took more than {SETUP_TIMEOUT:g} s")
     reason = done.stderr.strip().splitlines()[-1:] or [""]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -23,9 +24,12 @@ from tests.helpers.processes import (
     start_relay,
     wait_for_output,
 )
+from tests.helpers.waiting import scaled
 from tests.interop.conftest import PEER_SCRIPT, Aiomoqt
 
 CLIENT_TIMEOUT = 300.0
+PEER_DEADLINE_S = 60.0
+"""The aiomoqt subscriber's own deadline for every object to arrive, on an idle machine."""
 DEFAULT_CASES = 12
 """Cases ``moq-interop-client`` runs without ``-t``; ``fetch`` and ``join`` run only when named."""
 OBJECT_SIZES = (100, 1200, 1400, 1500, 4096, 16384, 65536)
@@ -37,7 +41,7 @@ def interop_client(aiomoqt: Aiomoqt, relay: RelayProcess, *extra: str) -> dict[s
     done = subprocess.run(
         [str(aiomoqt.script("moq-interop-client")), "--draft", "18", "-r", relay.url, "--tls-disable-verify",
          *extra],
-        capture_output=True, text=True, timeout=CLIENT_TIMEOUT,
+        capture_output=True, text=True, timeout=scaled(CLIENT_TIMEOUT),
     )
     results = {m[2]: m[1] is None for m in re.finditer(r"^(not )?ok \d+ - (\S+)", done.stdout, re.M)}
     assert results, done.stdout[-3000:] + done.stderr[-3000:]
@@ -68,13 +72,14 @@ def test_aiomoqt_objects_of_every_size_arrive_intact(
         done = subprocess.run(
             [str(aiomoqt.python), str(PEER_SCRIPT), "subscribe", kvnet_relay.url, "interop/sizes",
              str(OBJECTS_PER_SIZE), *sizes],
-            capture_output=True, text=True, timeout=CLIENT_TIMEOUT,
+            capture_output=True, text=True, timeout=scaled(CLIENT_TIMEOUT),
+            env=dict(os.environ, AIOMOQT_PEER_DEADLINE_S=str(scaled(PEER_DEADLINE_S))),
         )
     finally:
         assert publisher.stdin is not None
         publisher.stdin.close()
         try:
-            publisher.wait(timeout=30)
+            publisher.wait(timeout=scaled(30))
         except subprocess.TimeoutExpired:
             publisher.kill()
             publisher.wait()

@@ -30,6 +30,7 @@ from tests.helpers.processes import (
     start_relay,
     wait_for_output,
 )
+from tests.helpers.waiting import scaled
 
 TEST_BLOCK_SIZE = 16
 
@@ -38,7 +39,7 @@ def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60.
     """GET (no body) or POST a JSON body; the decoded JSON answer."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
+    with urllib.request.urlopen(req, timeout=scaled(timeout)) as resp:
         raw = resp.read()
     return json.loads(raw) if raw.startswith((b"{", b"[")) else raw.decode()
 
@@ -145,7 +146,7 @@ class Cluster:
         proc = self._spawn(
             ["-m", "publisher", *self.node_args(prompts, ["--exit-after-publish", *extra], None)], "publisher"
         )
-        rc = proc.wait(timeout=START_TIMEOUT)
+        rc = proc.wait(timeout=scaled(START_TIMEOUT))
         assert rc == 0, self.log_of(proc)[-3000:]
 
     def start_subscriber(
@@ -165,7 +166,7 @@ class Cluster:
     ) -> list[dict[str, Any]]:
         """Run a one-shot subscriber to completion; one report per prompt."""
         proc = self.start_subscriber(prompts, *extra, relay_port=relay_port, relay_url=relay_url)
-        out, _ = proc.communicate(timeout=timeout)
+        out, _ = proc.communicate(timeout=scaled(timeout))
         assert proc.returncode == 0, f"subscriber rc={proc.returncode}: {self.log_of(proc)[-3000:]}"
         return [json.loads(line) for line in out.decode().splitlines() if line.strip()]
 
@@ -184,7 +185,7 @@ class Cluster:
         if proc.poll() is None:
             proc.send_signal(sig)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
+                proc.wait(timeout=scaled(10))
 
     def close(self) -> None:
         for proc in reversed(self.procs):
@@ -192,7 +193,7 @@ class Cluster:
                 proc.send_signal(signal.SIGTERM)
         for proc in self.procs:
             try:
-                proc.wait(timeout=5)
+                proc.wait(timeout=scaled(5))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

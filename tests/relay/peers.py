@@ -26,7 +26,8 @@ from kvnet.net.settings import TlsSettings
 from proto.data import ObjectStatus
 from proto.errors import RequestErrorCode
 from proto.messages import Location, MessageParameters, Setup, encode_message
-from tests.helpers.waiting import async_wait_until
+from tests.helpers.connections import client_settings
+from tests.helpers.waiting import async_wait_until, scaled
 
 NS = (b"kvnet", b"v1", b"fp-test", b"tenant")
 
@@ -37,7 +38,7 @@ def track_objects(name: bytes, n: int = 4, size: int = 1000) -> list[bytes]:
 
 
 async def connect_client(url: str, ca: str) -> MoqtConnection:
-    return await connect(url, tls=TlsSettings(ca_file=ca))  # type: ignore[arg-type]
+    return await connect(url, client_settings(), TlsSettings(ca_file=ca))  # type: ignore[arg-type]
 
 
 @dataclass
@@ -131,7 +132,7 @@ class Publisher:
         if self.task is not None:
             self.task.cancel()
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.conn.close_session(), 2)
+            await asyncio.wait_for(self.conn.close_session(), scaled(2))
 
 
 async def fetch_track(conn: MoqtConnection, name: bytes, n: int, ns: tuple[bytes, ...] = NS) -> list[bytes]:

@@ -17,7 +17,7 @@ from proto.data import SubgroupHeader, encode_subgroup_header, subgroup_object_p
 from proto.errors import SessionErrorCode, StreamResetCode
 from proto.messages import Location, Publish, Setup, TrackStatus, encode_message
 from tests.helpers.processes import CertDir, RelayProcess
-from tests.helpers.waiting import async_wait_until
+from tests.helpers.waiting import async_wait_until, scaled
 from tests.relay.conftest import RelayFactory
 from tests.relay.peers import (
     NS,
@@ -34,7 +34,7 @@ RSS_LIMIT = 400 * 1024 * 1024
 
 
 async def expect_close(peer: RawPeer, code: int) -> str:
-    err, reason = await asyncio.wait_for(peer.terminated, 10)
+    err, reason = await asyncio.wait_for(peer.terminated, scaled(10))
     assert err == code, (err, reason)
     return reason
 

@@ -15,7 +15,7 @@ from proto.errors import PublishDoneCode, RequestErrorCode
 from proto.events import NamespaceDoneReceived, NamespaceReceived, RequestOkReceived
 from proto.messages import Location, MessageParameters
 from tests.helpers.processes import CertDir, RelayProcess
-from tests.helpers.waiting import async_wait_until
+from tests.helpers.waiting import async_wait_until, scaled
 from tests.relay.peers import NS, Publisher, connect_client, track_objects
 
 
@@ -47,7 +47,7 @@ async def test_rendezvous_routes_to_a_publisher_that_comes_later(
         assert not pending.done()
         pub_conn = await connect_client(relay.url, str(cert_dir.ca))
         pub = await Publisher(pub_conn, {b"late": track_objects(b"late")}).start()
-        subscription = await asyncio.wait_for(pending, 10)
+        subscription = await asyncio.wait_for(pending, scaled(10))
         pub.live.set()
         got = [ev.payload async for ev in subscription if ev.payload]
         assert got == pub.tracks[b"late"]
@@ -66,7 +66,7 @@ async def test_subscribe_tracks_gets_publish(cert_dir: CertDir, relay: RelayProc
         objs = track_objects(b"pushed", 5)
         ok = asyncio.ensure_future(pub.publish(NS, b"pushed", 7))
         # The relay offers the track to the SUBSCRIBE_TRACKS subscriber with a PUBLISH of its own.
-        offered = await asyncio.wait_for(sub.next_request(), 10)
+        offered = await asyncio.wait_for(sub.next_request(), scaled(10))
         assert isinstance(offered, IncomingPublish)
         assert (offered.event.track_namespace, offered.event.track_name) == (NS, b"pushed")
         objects = offered.accept_publish(MessageParameters(forward=1))
@@ -95,7 +95,7 @@ async def test_overlapping_subscribe_namespace_gets_prefix_overlap(
             watcher._pending[rid] = answer  # the glue resolves it with REQUEST_OK or REQUEST_ERROR
             answers.append(answer)
         first, overlapping, disjoint = await asyncio.wait_for(
-            asyncio.gather(*answers, return_exceptions=True), 10
+            asyncio.gather(*answers, return_exceptions=True), scaled(10)
         )
         assert isinstance(first, RequestOkReceived) and isinstance(disjoint, RequestOkReceived)
         assert isinstance(overlapping, RequestRejected)

@@ -16,7 +16,9 @@ from kvnet.net.endpoint import connect
 from kvnet.net.handles import Subscription
 from kvnet.net.settings import TlsSettings
 from kvnet.tools.linkemu import EmulatorConfig, LinkEmulator, LinkParams
+from tests.helpers.connections import client_settings
 from tests.helpers.processes import CertDir
+from tests.helpers.waiting import scaled
 from tests.relay.conftest import RelayFactory
 from tests.relay.peers import NS, Publisher, connect_client, track_objects
 
@@ -47,13 +49,14 @@ async def test_a_live_track_ending_upstream_reaches_a_slow_subscriber_whole(
             LinkEmulator(link) as emu,
             connect(
                 f"moqt://127.0.0.1:{emu.listen_address[1]}",
-                tls=TlsSettings(ca_file=cert_dir.ca),
+                client_settings(),
+                TlsSettings(ca_file=cert_dir.ca),
                 limits=ConnectionLimits(publish_done_timeout=DONE_WAIT_S),
             ) as sub,
         ):
             handle = await sub.subscribe(NS, b"slow-live")
             pub.live.set()  # the publisher sends the whole track and its PUBLISH_DONE at once
-            got = await asyncio.wait_for(_payloads(handle), 120)
+            got = await asyncio.wait_for(_payloads(handle), scaled(120))
             assert got == objs
             assert handle.done is not None and handle.done.status_code == 0x2  # TRACK_ENDED
     finally:

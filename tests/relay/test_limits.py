@@ -15,8 +15,9 @@ from kvnet.net.settings import TlsSettings
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode, SessionErrorCode, StreamResetCode
 from proto.messages import Fetch, FetchType, Location, StandaloneFetch, TrackStatus, encode_message
+from tests.helpers.connections import client_settings
 from tests.helpers.processes import CertDir
-from tests.helpers.waiting import DEFAULT_TIMEOUT, async_wait_until
+from tests.helpers.waiting import DEFAULT_TIMEOUT, async_wait_until, scaled
 from tests.relay.conftest import RelayFactory
 from tests.relay.peers import (
     NS,
@@ -102,7 +103,7 @@ async def test_per_address_buffered_bytes_quota_cuts_that_address_only(
     big = track_objects(b"big", 8, 500_000)
     pub = Publisher(await connect_client(rp.url, str(cert_dir.ca)), {b"big": big, b"s": track_objects(b"s")})
     await pub.start()
-    other = await connect(rp.url, tls=TlsSettings(ca_file=cert_dir.ca), local_host="127.0.0.3")
+    other = await connect(rp.url, client_settings(), TlsSettings(ca_file=cert_dir.ca), local_host="127.0.0.3")
     try:
         assert await fetch_track(other, b"big", 8) == big  # cached, and read by a peer that reads
         async with raw_peer(rp.port, cert_dir.ca) as hog:
@@ -202,7 +203,7 @@ async def test_idle_session_is_closed_busy_one_is_not(
     pub = await Publisher(await connect_client(rp.url, str(cert_dir.ca)), {b"t": track_objects(b"t")}).start()
     idle = await connect_client(rp.url, str(cert_dir.ca))
     started = time.monotonic()
-    code, reason = await asyncio.wait_for(idle.wait_session_closed(), DEFAULT_TIMEOUT)
+    code, reason = await asyncio.wait_for(idle.wait_session_closed(), scaled(DEFAULT_TIMEOUT))
     assert code == SessionErrorCode.NO_ERROR and "idle" in reason
     # Not before the timeout; how much later depends on the machine's load, so no upper bound.
     assert time.monotonic() - started > 0.9
@@ -295,7 +296,7 @@ async def test_slowloris_request_stream_reset_then_session_closed(
         # Doing it again and again: after two timeouts the next one closes the session.
         for _ in range(2):
             peer.send(peer.new_stream(False), b"\x0d")
-        err, _reason = await asyncio.wait_for(peer.terminated, 5)
+        err, _reason = await asyncio.wait_for(peer.terminated, scaled(5))
         assert err == SessionErrorCode.CONTROL_MESSAGE_TIMEOUT
     c = await connect_client(rp.url, str(cert_dir.ca))
     try:
@@ -333,7 +334,7 @@ async def test_slow_reader_is_cut_off_other_subscriber_gets_everything(
                 if len(got) == len(objs):
                     return
 
-        await asyncio.wait_for(read_good(), 10)
+        await asyncio.wait_for(read_good(), scaled(10))
         assert got == objs
         cut = await rp.wait_metric('kvnet_relay_limit_rejections_total{limit="slow_peer"}', 1)
         assert cut == 1
@@ -346,7 +347,7 @@ async def test_slow_reader_is_cut_off_other_subscriber_gets_everything(
         slow_got = 0
         failure: BaseException | None = None
         try:
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(scaled(10)):
                 async for _obj in slow_sub:
                     slow_got += 1
         except (ConnectionClosed, StreamResetError) as exc:
@@ -366,7 +367,7 @@ async def test_setup_must_complete_within_the_deadline(
     rp = relay_factory("--setup-timeout", "1")
     async with raw_peer(rp.port, cert_dir.ca) as peer:
         started = time.monotonic()  # QUIC handshake done; no SETUP from us
-        await asyncio.wait_for(peer.terminated, DEFAULT_TIMEOUT)
+        await asyncio.wait_for(peer.terminated, scaled(DEFAULT_TIMEOUT))
         # Closed for the missing SETUP, not before the deadline (no upper bound: it moves with the load).
         assert time.monotonic() - started > 0.9
 

@@ -16,7 +16,7 @@ from proto.errors import PublishDoneCode, RequestErrorCode, SessionErrorCode
 from proto.events import NamespaceReceived
 from proto.messages import Location, TrackStatus, encode_message
 from tests.helpers.processes import CertDir, RelayProcess
-from tests.helpers.waiting import async_wait_until
+from tests.helpers.waiting import async_wait_until, scaled
 from tests.relay.conftest import RelayFactory
 from tests.relay.peers import (
     NS,
@@ -37,7 +37,7 @@ async def test_session_limit(cert_dir: CertDir, relay_factory: RelayFactory) -> 
         extra = None
         try:
             extra = await connect_client(rp.url, str(cert_dir.ca))
-            code, reason = await asyncio.wait_for(extra.wait_session_closed(), 5)
+            code, reason = await asyncio.wait_for(extra.wait_session_closed(), scaled(5))
         except MoqtConnectionError as exc:
             code, reason = SessionErrorCode.INTERNAL_ERROR, str(exc)
         assert code == SessionErrorCode.INTERNAL_ERROR and "sessions" in reason
@@ -132,7 +132,7 @@ async def test_going_away_requests_refused_after_sigterm(
     async with raw_peer(rp.port, cert_dir.ca) as raw:
         await raw.setup_done()
         rp.proc.send_signal(15)
-        await asyncio.wait_for(client.goaway_event.wait(), 5)
+        await asyncio.wait_for(client.goaway_event.wait(), scaled(5))
         sid = raw.new_stream(False)
         raw.send(sid, encode_message(TrackStatus(0, NS, b"anything")))
         await async_wait_until(lambda: raw.data.get(sid), "the relay's answer to a request after GOAWAY")
@@ -150,26 +150,27 @@ def test_json_logs_and_metrics_endpoint(
     lines = [json.loads(line) for line in rp.log().splitlines() if line.startswith("{")]
     listening = [e for e in lines if e["msg"] == "listening"]
     assert listening and listening[0]["quic"] == f"127.0.0.1:{rp.port}"
-    text = urllib.request.urlopen(f"http://127.0.0.1:{rp.metrics_port}/metrics", timeout=5).read().decode()
+    metrics_url = f"http://127.0.0.1:{rp.metrics_port}/metrics"
+    text = urllib.request.urlopen(metrics_url, timeout=scaled(5)).read().decode()
     assert "# TYPE kvnet_relay_cache_bytes gauge" in text
     assert "# TYPE kvnet_relay_requests_total counter" in text
     with pytest.raises(urllib.error.HTTPError) as ei:
-        urllib.request.urlopen(f"http://127.0.0.1:{rp.metrics_port}/other", timeout=5)
+        urllib.request.urlopen(f"http://127.0.0.1:{rp.metrics_port}/other", timeout=scaled(5))
     assert ei.value.code == 404
     # HEAD answers the headers only; other methods and garbage get a status, never a hang or a crash.
     head = urllib.request.urlopen(
-        urllib.request.Request(f"http://127.0.0.1:{rp.metrics_port}/metrics", method="HEAD"), timeout=5
+        urllib.request.Request(metrics_url, method="HEAD"), timeout=scaled(5)
     )
     assert head.status == 200 and int(head.headers["Content-Length"]) > 0 and head.read() == b""
     with pytest.raises(urllib.error.HTTPError) as ei:
         urllib.request.urlopen(
             urllib.request.Request(f"http://127.0.0.1:{rp.metrics_port}/metrics", data=b"x", method="POST"),
-            timeout=5,
+            timeout=scaled(5),
         )
     assert ei.value.code == 405
-    with socket.create_connection(("127.0.0.1", rp.metrics_port), timeout=5) as raw:
+    with socket.create_connection(("127.0.0.1", rp.metrics_port), timeout=scaled(5)) as raw:
         raw.sendall(b"NOT HTTP AT ALL\r\n\r\n")
         assert raw.recv(100).startswith(b"HTTP/1.1 400"), "a malformed request gets 400"
     assert "# TYPE kvnet_relay_cache_bytes gauge" in urllib.request.urlopen(
-        f"http://127.0.0.1:{rp.metrics_port}/metrics", timeout=5
+        f"http://127.0.0.1:{rp.metrics_port}/metrics", timeout=scaled(5)
     ).read().decode()

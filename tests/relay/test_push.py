@@ -21,6 +21,7 @@ from kvnet.net.settings import TlsSettings, TransportSettings
 from kvnet.node.blockstore import BlockStore
 from kvnet.node.fetching import BlockFetcher
 from kvnet.node.publishing import BlockServer
+from tests.helpers.connections import client_settings
 from tests.helpers.processes import CertDir
 from tests.helpers.prompts import SignedPrompt, signed_prompt
 from tests.helpers.waiting import async_wait_until
@@ -65,7 +66,7 @@ async def test_a_push_at_ethernet_datagrams_is_cached_whole_and_served_verified(
     blocks, wire_bytes = prompt.blocks, prompt.wire_bytes
     cache_bytes = str(2 * wire_bytes)
     relay = relay_factory("--link", LINK, "--cache-bytes", cache_bytes, "--cache-track-bytes", cache_bytes)
-    settings = TransportSettings.for_link(LINK, "aioquic")
+    settings = client_settings(TransportSettings.for_link(LINK, "aioquic"))
     tls = TlsSettings(ca_file=cert_dir.ca)
 
     publisher = await connect(relay.url, settings, tls)
@@ -100,7 +101,7 @@ async def test_concurrent_subscribers_each_load_the_cached_prompt_verified(
     prompt = make_prompt(8)
     cache_bytes = str(2 * prompt.wire_bytes)
     relay = relay_factory("--cache-bytes", cache_bytes, "--cache-track-bytes", cache_bytes)
-    settings = TransportSettings.for_link("loopback", "aioquic")
+    settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
     tls = TlsSettings(ca_file=cert_dir.ca)
     publisher = await connect(relay.url, settings, tls)
     try:

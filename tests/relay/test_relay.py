@@ -11,7 +11,7 @@ from kvnet.net.errors import RequestRejected
 from proto.errors import RequestErrorCode
 from proto.messages import Location
 from tests.helpers.processes import CertDir, RelayProcess, sigterm
-from tests.helpers.waiting import DEFAULT_TIMEOUT
+from tests.helpers.waiting import DEFAULT_TIMEOUT, scaled
 from tests.relay.conftest import RelayFactory
 from tests.relay.peers import NS, Publisher, connect_client, fetch_track, track_objects
 
@@ -84,7 +84,7 @@ async def test_publish_subscribe_fanout_publisher_sends_once(relay: RelayProcess
         assert pub.counts["subscribe"] == 1  # one upstream subscription for three subscribers
         pub.live.set()
 
-        results = await asyncio.wait_for(asyncio.gather(*(_payloads(h) for h in handles)), 20)
+        results = await asyncio.wait_for(asyncio.gather(*(_payloads(h) for h in handles)), scaled(20))
         for r in results:
             assert r == objs
         assert pub.objects_sent == len(objs)
@@ -144,7 +144,7 @@ async def test_edge_origin_chain(
         handle = await sub.subscribe(NS, b"chained")
         assert pub.counts["subscribe"] == 1
         pub.live.set()
-        got = await asyncio.wait_for(_payloads(handle), 20)
+        got = await asyncio.wait_for(_payloads(handle), scaled(20))
         assert got == objs
     finally:
         await pub.stop()
@@ -178,10 +178,10 @@ async def test_goaway_on_sigterm(
     client = await connect_client(rp.url, str(cert_dir.ca))
     t0 = time.monotonic()
     sigterm(rp)
-    await asyncio.wait_for(client.goaway_event.wait(), 5)
+    await asyncio.wait_for(client.goaway_event.wait(), scaled(5))
     assert client.goaway is not None and client.goaway.timeout == 2000
     # The client does not leave; the relay closes it at the deadline and exits.
-    code = await asyncio.to_thread(rp.proc.wait, DEFAULT_TIMEOUT)
+    code = await asyncio.to_thread(rp.proc.wait, scaled(DEFAULT_TIMEOUT))
     elapsed = time.monotonic() - t0
     assert code == 0
     assert elapsed > 1.9, elapsed  # it waited for the drain deadline (no upper bound: load moves it)

@@ -11,6 +11,7 @@ import time
 from kvnet.net.errors import RequestRejected
 from proto.messages import Location
 from tests.helpers.processes import CertDir, RelayProcess
+from tests.helpers.waiting import scaled
 from tests.relay.conftest import RelayFactory
 from tests.relay.peers import NS, Publisher, connect_client, track_objects
 
@@ -107,6 +108,6 @@ async def test_killed_edge_is_routed_around_then_withdrawn(
     finally:
         for c in (at_origin, at_b):
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(c.close_session(), 2)
+                await asyncio.wait_for(c.close_session(), scaled(2))
         await pub_b.stop()
         await pub_a.stop()

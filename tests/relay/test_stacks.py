@@ -23,6 +23,7 @@ from kvnet.security.tokens import IssuerKey, issue_token, make_claims
 from proto.errors import RequestErrorCode
 from proto.messages import AliasType, AuthToken
 from proto.session import SessionConfig
+from tests.helpers.connections import client_settings
 from tests.helpers.processes import (
     CertDir,
     NativeQuicUnavailable,
@@ -30,6 +31,7 @@ from tests.helpers.processes import (
     free_port,
     native_quic_python,
 )
+from tests.helpers.waiting import scaled
 from tests.relay.conftest import RelayFactory
 from tests.relay.peers import NS, Publisher, fetch_track, track_objects
 
@@ -50,7 +52,8 @@ def _relay_flags(stack: str) -> tuple[str, ...]:
 
 
 async def _client(rp: RelayProcess, cert_dir: CertDir, stack: str) -> MoqtConnection:
-    return await connect(rp.url, TransportSettings(stack=stack), TlsSettings(ca_file=cert_dir.ca))
+    settings = client_settings(TransportSettings(stack=stack))
+    return await connect(rp.url, settings, TlsSettings(ca_file=cert_dir.ca))
 
 
 async def _payloads(handle: Subscription) -> list[bytes]:
@@ -75,11 +78,11 @@ async def test_relay_serves_peers_of_another_stack(
         assert await fetch_track(subs[0], b"block-a", 5) == small
         assert await fetch_track(subs[1], b"block-a", 5) == small  # from the relay's cache
         assert pub.counts["fetch"] == 1
-        assert await asyncio.wait_for(fetch_track(subs[0], b"bulk", BULK_OBJECTS), 120) == bulk
-        assert await asyncio.wait_for(fetch_track(subs[1], b"bulk", BULK_OBJECTS), 120) == bulk
+        assert await asyncio.wait_for(fetch_track(subs[0], b"bulk", BULK_OBJECTS), scaled(120)) == bulk
+        assert await asyncio.wait_for(fetch_track(subs[1], b"bulk", BULK_OBJECTS), scaled(120)) == bulk
         handles = [await s.subscribe(NS, b"live") for s in subs]
         pub.live.set()
-        got = await asyncio.wait_for(asyncio.gather(*(_payloads(h) for h in handles)), 30)
+        got = await asyncio.wait_for(asyncio.gather(*(_payloads(h) for h in handles)), scaled(30))
         assert got == [live, live]
         m = await rp.ametrics()
         assert m['kvnet_relay_requests_total{outcome="cache_hit",type="fetch"}'] == 2
@@ -105,7 +108,7 @@ def test_relay_on_a_stack_without_client_certificates_refuses_require_client_cer
             [python, "-m", "relay", "--listen", f"127.0.0.1:{free_port()}", "--metrics", "",
              "--cert", str(cert_dir.cert), "--key", str(cert_dir.key), "--ca", str(cert_dir.ca),
              "--require-client-cert", "--quic-stack", stack],
-            capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2],
+            capture_output=True, text=True, timeout=scaled(60), cwd=Path(__file__).resolve().parents[2],
         )
         assert done.returncode == 2, done.stderr
         lines = done.stderr.strip().splitlines()
@@ -130,7 +133,7 @@ async def test_edge_and_origin_on_different_stacks(
         assert pub.counts["fetch"] == 1
         handle = await sub.subscribe(NS, b"chained")
         pub.live.set()
-        assert await asyncio.wait_for(_payloads(handle), 20) == objs
+        assert await asyncio.wait_for(_payloads(handle), scaled(20)) == objs
         em = await edge.ametrics()
         assert em['kvnet_relay_upstream_requests_total{type="fetch"}'] == 1
     finally:

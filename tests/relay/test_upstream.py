@@ -22,7 +22,7 @@ from kvnet.net.reconnect import DEFAULT_CAP_S, STABLE_SESSION_S
 from proto import events as me
 from proto.errors import RequestErrorCode
 from tests.helpers.processes import CertDir, RelayProcess, free_port, start_relay
-from tests.helpers.waiting import async_wait_until
+from tests.helpers.waiting import async_wait_until, scaled
 from tests.relay.conftest import RelayFactory
 from tests.relay.peers import NS, Publisher, connect_client, fetch_track, track_objects
 
@@ -128,7 +128,7 @@ class LivePublisher:
     async def stop(self) -> None:
         if self.task is not None:
             self.task.cancel()
-        await asyncio.wait_for(self.conn.close_session(), 5)
+        await asyncio.wait_for(self.conn.close_session(), scaled(5))
 
 
 async def test_a_live_subscription_through_edges_resumes_after_the_origin_restarts(

@@ -51,6 +51,7 @@ from relay.workers import (
     make_hub_credentials,
     worker_config,
 )
+from tests.helpers.connections import client_settings
 from tests.helpers.processes import (
     REPO,
     START_TIMEOUT,
@@ -61,7 +62,7 @@ from tests.helpers.processes import (
     start_relay,
 )
 from tests.helpers.prompts import SignedPrompt, signed_prompt
-from tests.helpers.waiting import async_wait_until, wait_until
+from tests.helpers.waiting import async_wait_until, scaled, wait_until
 
 SPEC = CacheSpec(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.bfloat16)
 BLOCKS = 4
@@ -132,7 +133,7 @@ def make_other_prompt() -> SignedPrompt:
 def fetcher_for(conn: MoqtConnection, prompt: SignedPrompt) -> tuple[BlockFetcher, PagedKVCache]:
     cache = PagedKVCache(SPEC, num_blocks=BLOCKS, device=torch.device("cpu"))
     fetcher = BlockFetcher(conn, cache, prompt.trust(), fingerprint=FINGERPRINT, namespace_id=NAMESPACE_ID,
-                           shape=SPEC.block_shape, dtype="bfloat16", timeout=30.0)
+                           shape=SPEC.block_shape, dtype="bfloat16", timeout=scaled(30.0))
     return fetcher, cache
 
 
@@ -161,7 +162,7 @@ async def test_blocks_pushed_through_one_worker_are_located_fetched_and_watched_
     whose client connections on qh3 are exercised by the stack tests."""
     prompt = make_prompt()
     rp = start_workers(cert_dir, tmp_path, "--quic-stack", stack)
-    settings = TransportSettings.for_link("loopback", "aioquic")
+    settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
     tls = TlsSettings(ca_file=cert_dir.ca)
     opened: list[MoqtConnection] = []
     serving: asyncio.Task[None] | None = None
@@ -226,7 +227,7 @@ async def test_blocks_pushed_into_one_worker_stay_reachable_from_the_other_after
     miss reaches worker 0's cache, because the hub asks every other worker when no route answers."""
     prompt = make_prompt()
     rp = start_workers(cert_dir, tmp_path)
-    settings = TransportSettings.for_link("loopback", "aioquic")
+    settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
     tls = TlsSettings(ca_file=cert_dir.ca)
     opened: list[MoqtConnection] = []
     try:
@@ -263,7 +264,7 @@ async def test_a_miss_does_not_hide_a_block_pushed_at_another_worker_a_moment_la
     the hub (its upstreams are spared the repeat). The long negative TTL makes the window unmissable."""
     prompt = make_prompt()
     rp = start_workers(cert_dir, tmp_path, "--negative-ttl", "600")
-    settings = TransportSettings.for_link("loopback", "aioquic")
+    settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
     tls = TlsSettings(ca_file=cert_dir.ca)
     opened: list[MoqtConnection] = []
     try:
@@ -302,7 +303,7 @@ async def test_a_miss_of_the_whole_relay_is_asked_of_its_upstream_once_within_th
     misses of one block reach the origin once."""
     origin = start_relay(cert_dir, tmp_path, name="origin")
     rp = start_workers(cert_dir, tmp_path, "--upstream", origin.url, "--negative-ttl", "600")
-    settings = TransportSettings.for_link("loopback", "aioquic")
+    settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
     ns, name = block_track(FINGERPRINT, NAMESPACE_ID, bytes(32), "lossless")
     try:
         async with connect(rp.url, settings, TlsSettings(ca_file=cert_dir.ca)) as conn:
@@ -325,7 +326,7 @@ async def test_the_same_miss_at_two_workers_at_once_is_answered_by_both(
     own question to the hub (which waits for that answer), so both clients hear DOES_NOT_EXIST, not
     TIMEOUT."""
     rp = start_workers(cert_dir, tmp_path, "--upstream-timeout", "5")
-    settings = TransportSettings.for_link("loopback", "aioquic")
+    settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
     opened: list[MoqtConnection] = []
     try:
         on_0, on_1 = await one_session_per_worker(rp, settings, TlsSettings(ca_file=cert_dir.ca))
@@ -383,7 +384,7 @@ async def test_mutual_tls_holds_on_every_worker(cert_dir: CertDir, tmp_path: Pat
     """``--require-client-cert`` applies to each worker as to one relay: sessions with a client certificate
     are served on both (their requests reach the hub), one without is refused."""
     rp = start_workers(cert_dir, tmp_path, "--require-client-cert")
-    settings = TransportSettings.for_link("loopback", "aioquic")
+    settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
     with_cert = TlsSettings(ca_file=cert_dir.ca, cert_file=cert_dir.cert, key_file=cert_dir.key)
     opened: list[MoqtConnection] = []
     try:
@@ -396,7 +397,7 @@ async def test_mutual_tls_holds_on_every_worker(cert_dir: CertDir, tmp_path: Pat
             assert refused.value.code == RequestErrorCode.DOES_NOT_EXIST  # asked the hub, nobody has it
         with pytest.raises(MoqtConnectionError):
             async with connect(rp.url, settings, TlsSettings(ca_file=cert_dir.ca)) as conn:
-                await asyncio.wait_for(conn.track_status(ns, name), 10)
+                await asyncio.wait_for(conn.track_status(ns, name), scaled(10))
     finally:
         for conn in opened:
             await conn.close_session()
@@ -430,7 +431,7 @@ def test_sigterm_stops_every_worker_and_the_hub(cert_dir: CertDir, tmp_path: Pat
     assert len(pids) == 3
     try:
         rp.proc.send_signal(signal.SIGTERM)
-        assert rp.proc.wait(timeout=30) == 0, rp.log()[-3000:]
+        assert rp.proc.wait(timeout=scaled(30)) == 0, rp.log()[-3000:]
         wait_until(lambda: pids_gone(pids), "every worker and the hub gone")
         assert rp.log().count("msg=stopped") == 3
     finally:
@@ -455,7 +456,7 @@ async def test_a_killed_worker_is_restarted_while_the_port_keeps_serving(
     prompt = make_prompt()
     rp = start_workers(cert_dir, tmp_path, "--drain-timeout", "1")
     pids = relay_pids(rp)
-    settings = TransportSettings.for_link("loopback", "aioquic")
+    settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
     tls = TlsSettings(ca_file=cert_dir.ca)
     opened: list[MoqtConnection] = []
     fetching: asyncio.Future[None] | None = None
@@ -511,7 +512,7 @@ async def test_a_killed_worker_is_restarted_while_the_port_keeps_serving(
         for conn in opened:
             if not conn.is_closed:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(conn.close_session(), 5)
+                    await asyncio.wait_for(conn.close_session(), scaled(5))
         rp.stop()
 
 
@@ -525,7 +526,7 @@ async def test_a_killed_hub_is_restarted_and_the_workers_route_through_it_again(
     prompt = make_prompt()
     rp = start_workers(cert_dir, tmp_path, "--drain-timeout", "1")
     hub_pid = relay_pids(rp)[-1]
-    settings = TransportSettings.for_link("loopback", "aioquic")
+    settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
     opened: list[MoqtConnection] = []
     try:
         on_0, on_1 = await one_session_per_worker(rp, settings, TlsSettings(ca_file=cert_dir.ca))
@@ -569,7 +570,7 @@ def test_a_worker_that_keeps_dying_stops_the_relay_with_one_line(cert_dir: CertD
         shutil.rmtree(cache / "worker-1")
         (cache / "worker-1").write_text("")
         os.kill(pids[1], signal.SIGKILL)
-        assert rp.proc.wait(timeout=START_TIMEOUT * 2) == 1, rp.log()[-3000:]
+        assert rp.proc.wait(timeout=scaled(START_TIMEOUT * 2)) == 1, rp.log()[-3000:]
         wait_until(lambda: pids_gone(pids), "the other worker and the hub gone")
         assert len(log_lines(rp, RESTARTING)) == RESTART_LIMIT
         errors = [line for line in rp.log().splitlines() if line.startswith("kvnet-relay: error:")]
@@ -609,7 +610,7 @@ def test_a_second_relay_on_the_occupied_port_is_refused_with_one_line(
         ], text
         # The first relay still serves the port.
         async def served() -> None:
-            settings = TransportSettings.for_link("loopback", "aioquic")
+            settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
             async with connect(rp.url, settings, TlsSettings(ca_file=cert_dir.ca)) as conn:
                 ns, name = block_track(FINGERPRINT, NAMESPACE_ID, bytes(32), "lossless")
                 with pytest.raises(RequestRejected) as missed:
@@ -645,7 +646,7 @@ def test_the_supervisor_killed_leaves_no_worker_and_no_secret_behind(
     rp = start_workers(cert_dir, tmp_path, "--drain-timeout", "1", env=env)
     pids = relay_pids(rp)
     rp.proc.kill()
-    rp.proc.wait(timeout=10)
+    rp.proc.wait(timeout=scaled(10))
     wait_until(lambda: pids_gone(pids), "every worker and the hub gone after the supervisor")
     assert rp.log().count("supervisor gone: stopping") == 3
     assert credentials_left(tmp) == []
@@ -662,7 +663,7 @@ def test_a_failed_start_leaves_no_secret_behind(cert_dir: CertDir, tmp_path: Pat
         [sys.executable, "-m", "relay", "--workers", "2", "--listen", f"127.0.0.1:{free_port()}",
          "--metrics", "", "--cert", str(cert_dir.cert), "--key", str(cert_dir.key), "--ca", str(cert_dir.ca),
          "--cache-dir", str(in_the_way), "--trust-any"],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=START_TIMEOUT,
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=scaled(START_TIMEOUT),
     )
     errors = [line for line in done.stderr.splitlines() if line.startswith("kvnet-relay: error:")]
     assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr

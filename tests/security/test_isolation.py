@@ -38,6 +38,7 @@ from proto.errors import RequestErrorCode, SessionErrorCode
 from proto.kvobject import block_namespace
 from proto.messages import AliasType, AuthToken, Location
 from proto.session import SessionConfig
+from tests.helpers.connections import client_settings
 from tests.helpers.processes import CertDir, RelayProcess
 from tests.helpers.waiting import async_wait_until
 from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster
@@ -170,7 +171,7 @@ def token(
 async def connect_with(rp: RelayProcess, ca: Path, value: bytes | None) -> MoqtConnection:
     tokens = () if value is None else (AuthToken(AliasType.USE_VALUE, token_type=0, value=value),)
     cfg = SessionConfig(is_client=True, authority=f"127.0.0.1:{rp.port}", authorization_tokens=tokens)
-    return await connect(rp.url, tls=TlsSettings(ca_file=ca), session_config=cfg)
+    return await connect(rp.url, client_settings(), TlsSettings(ca_file=ca), session_config=cfg)
 
 
 async def refusal(rp: RelayProcess, ca: Path, value: bytes | None) -> int:

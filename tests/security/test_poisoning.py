@@ -42,6 +42,7 @@ from kvnet.node.publishing import BlockServer
 from proto.errors import RequestErrorCode
 from proto.kvobject import MANIFEST_OBJECT_ID, BlockManifest
 from proto.session import SessionConfig
+from tests.helpers.connections import client_settings
 from tests.nodes.cluster import SHARED_PREFIX, Cluster
 
 PROMPT = SHARED_PREFIX + "Question: what does a relay do with a KV block?"
@@ -99,7 +100,7 @@ def forge_blocks(prompt: str, signer: Signer) -> tuple[Node, list[StoredBlock]]:
 
 async def serve_forged(c: Cluster, node: Node, blocks: list[StoredBlock]) -> tuple[MoqtConnection, Any]:
     """Announce the namespace, answer requests from the forged store, and push every block."""
-    conn = await connect(c.url(), tls=TlsSettings(ca_file=c.ca))
+    conn = await connect(c.url(), client_settings(), TlsSettings(ca_file=c.ca))
     store = BlockStore(64 << 20)
     store.put_chain(blocks)
     server = BlockServer(conn, store, node.fingerprint, "default", node.cache.spec.num_layers)
@@ -195,7 +196,7 @@ class TamperingRelay:
             await self.server.close()
 
     async def _session(self, conn: MoqtConnection) -> None:
-        async with connect(self.c.url(), tls=TlsSettings(ca_file=self.c.ca)) as up:
+        async with connect(self.c.url(), client_settings(), TlsSettings(ca_file=self.c.ca)) as up:
             tasks: set[asyncio.Task[None]] = set()
             async for req in conn.incoming_requests():
                 t = asyncio.create_task(self._handle(up, req))

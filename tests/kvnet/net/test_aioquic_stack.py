@@ -15,6 +15,7 @@ from kvnet.net.settings import (
 )
 from kvnet.tools import linkemu
 from proto.errors import PublishDoneCode
+from tests.helpers.connections import client_settings as scaled_client_settings
 from tests.helpers.processes import make_certificates, start_relay
 from tests.helpers.waiting import async_wait_until
 
@@ -33,7 +34,9 @@ async def test_peer_max_udp_payload_size_caps_what_we_send(
     try:
         async with linkemu.LinkEmulator(config) as link:
             host, port = link.listen_address
-            client_settings = TransportSettings(max_datagram_size=DATAGRAM_SIZE_LOOPBACK)
+            client_settings = scaled_client_settings(
+                TransportSettings(max_datagram_size=DATAGRAM_SIZE_LOOPBACK)
+            )
             tls = TlsSettings(ca_file=cert_dir.ca)
             conn = await connect_moqt(f"moqt://{host}:{port}", client_settings, tls)
             try:

@@ -44,8 +44,9 @@ from proto.errors import PublishDoneCode, RequestErrorCode
 from proto.events import SubscribeNamespaceReceived, SubscribeTracksReceived
 from proto.messages import Location, MessageParameters
 from proto.session import SessionConfig
+from tests.helpers.connections import client_settings
 from tests.helpers.processes import REPO, NativeQuicUnavailable, native_quic_python
-from tests.helpers.waiting import async_wait_until
+from tests.helpers.waiting import async_wait_until, scaled
 
 NS = (b"kvnet", b"test")
 
@@ -97,7 +98,9 @@ class Transport:
 
     def configure(self, **fields: Any) -> TransportSettings:
         """Settings with ``fields``; the QUIC stack is ours, or the default one under QMux (unused there)."""
-        return TransportSettings(stack=self.stack if self.is_quic else DEFAULT_STACK, **fields)
+        # Test clients get a handshake deadline scaled to the machine's load (tests.helpers.connections).
+        stack = self.stack if self.is_quic else DEFAULT_STACK
+        return client_settings(TransportSettings(stack=stack, **fields))
 
     @property
     def settings(self) -> TransportSettings:
@@ -132,7 +135,7 @@ def test_every_connection_test_runs_on_the_native_stack() -> None:
     done = subprocess.run(
         [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-k", "aiopquic",
          str(Path(__file__).relative_to(REPO))],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=scaled(900),
     )
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     assert " passed" in done.stdout.splitlines()[-1] and "skipped" not in done.stdout.splitlines()[-1], \
@@ -232,7 +235,7 @@ async def test_many_concurrent_requests(
         async with connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", settings,
                            TlsSettings.from_dir(pki, None)) as conn:
             results = await asyncio.wait_for(
-                asyncio.gather(*(conn.track_status(NS, b"blocks") for _ in range(600))), 30
+                asyncio.gather(*(conn.track_status(NS, b"blocks") for _ in range(600))), scaled(30)
             )
             assert len({r.request_id for r in results}) == 600
     finally:
@@ -344,7 +347,7 @@ async def test_mtls_required(
                                key_file=other / "intruder-key.pem")
         with pytest.raises(MoqtConnectionError):
             async with connect(url, settings, bad) as conn:
-                await asyncio.wait_for(conn.track_status(NS, b"blocks"), 5)
+                await asyncio.wait_for(conn.track_status(NS, b"blocks"), scaled(5))
     finally:
         await server.close()
 
@@ -418,7 +421,8 @@ async def test_stacks_interoperate(pki: Path) -> None:
     server = await serve("127.0.0.1", 0, TransportSettings(stack="qh3"),
                          TlsSettings.from_dir(pki, "server"), _publisher)
     try:
-        async with connect(f"moqt://localhost:{server.address[1]}", TransportSettings(stack="aioquic"),
+        aioquic = client_settings(TransportSettings(stack="aioquic"))
+        async with connect(f"moqt://localhost:{server.address[1]}", aioquic,
                            TlsSettings.from_dir(pki, None)) as conn:
             objs = await (await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 5))).read_all()
             assert [o.payload for o in objs] == [b"obj%d" % i * 1000 for i in range(5)]
@@ -473,7 +477,7 @@ async def test_incoming_publish_buffers_early_objects_and_honours_stream_count(
                 for i, payload in enumerate(big):
                     conn.send_subgroup_object(sid, i, payload, end_stream=i == len(big) - 1)
             conn.publish_done(ok.request_id, PublishDoneCode.TRACK_ENDED, "done")
-            await asyncio.wait_for(finished.wait(), 20)
+            await asyncio.wait_for(finished.wait(), scaled(20))
     finally:
         await server.close()
     assert got[b"late-accept"] == [(0, ObjectStatus.NORMAL, b"early"), (1, ObjectStatus.END_OF_TRACK, b"")]
@@ -523,7 +527,7 @@ async def test_keepalive_holds_an_idle_session_and_a_dead_peer_is_noticed(
     server = await transport.serve("127.0.0.1", 0, quiet, TlsSettings.from_dir(pki, "server"), on_connection)
     try:
         conn = await connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", quiet, tls)
-        await asyncio.wait_for(conn.wait_session_closed(), 5)
+        await asyncio.wait_for(conn.wait_session_closed(), scaled(5))
     finally:
         await server.close()
 
@@ -547,15 +551,15 @@ async def test_closed_by_peer_tells_the_peers_close_from_our_own_idle_timeout(pk
     tls = TlsSettings.from_dir(pki, None)
     try:
         client = await connect(url, settings, tls)
-        at_server = await asyncio.wait_for(accepted.get(), 10)
+        at_server = await asyncio.wait_for(accepted.get(), scaled(10))
         await at_server.close_session(reason="idle timeout")
-        assert await asyncio.wait_for(client.wait_session_closed(), 10) == (0, "idle timeout")
+        assert await asyncio.wait_for(client.wait_session_closed(), scaled(10)) == (0, "idle timeout")
         assert client.closed_by_peer and not at_server.closed_by_peer
         # Keep-alive off: the same quiet session ends by each side's QUIC idle timeout, nobody's close.
         client = await connect(url, settings, tls)
-        at_server = await asyncio.wait_for(accepted.get(), 10)
-        await asyncio.wait_for(client.wait_session_closed(), 10)
-        await asyncio.wait_for(at_server.wait_session_closed(), 10)
+        at_server = await asyncio.wait_for(accepted.get(), scaled(10))
+        await asyncio.wait_for(client.wait_session_closed(), scaled(10))
+        await asyncio.wait_for(at_server.wait_session_closed(), scaled(10))
         assert not client.closed_by_peer and not at_server.closed_by_peer
     finally:
         await server.close()
@@ -644,7 +648,7 @@ async def test_stop_sending_on_fetch_stream_cancels_the_incoming_fetch(
             req.accept_fetch(end_of_track=True, end_location=Location(0, 100))
             req.send_object(0, 0, 0, b"first")
             try:
-                await asyncio.wait_for(req.cancelled.wait(), 5)
+                await asyncio.wait_for(req.cancelled.wait(), scaled(5))
             except TimeoutError:
                 outcome.set_result(False)
             else:
@@ -663,7 +667,7 @@ async def test_stop_sending_on_fetch_stream_cancels_the_incoming_fetch(
             # stream, so the requester wants nothing more.
             conn._quic.stop_stream(first.stream_id, 0x0)
             conn.transmit()
-            assert await asyncio.wait_for(outcome, 10)
+            assert await asyncio.wait_for(outcome, scaled(10))
     finally:
         await server.close()
 
@@ -677,14 +681,14 @@ async def test_answered_incoming_requests_are_forgotten(pki: Path) -> None:
         served.append(conn)
         await _publisher(conn)
 
-    settings = TransportSettings()
+    settings = client_settings(TransportSettings())
     server = await serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), publisher)
     try:
         async with connect(f"moqt://127.0.0.1:{server.address[1]}", settings,
                            TlsSettings.from_dir(pki, None)) as conn:
             for _ in range(6):
                 await asyncio.wait_for(
-                    asyncio.gather(*(conn.track_status(NS, b"blocks") for _ in range(200))), 30
+                    asyncio.gather(*(conn.track_status(NS, b"blocks") for _ in range(200))), scaled(30)
                 )
             handle = await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 5))
             assert len(await handle.read_all()) == 5
@@ -721,7 +725,7 @@ async def test_subscribe_namespace_and_tracks_streams_outlive_the_header_timeout
             namespaces = asyncio.create_task(conn.subscribe_namespace(NS))
             tracks = asyncio.create_task(conn.subscribe_tracks(NS))
             pending.extend((namespaces, tracks))
-            await asyncio.wait_for(both_held.wait(), 10)
+            await asyncio.wait_for(both_held.wait(), scaled(10))
             # A third request stream, opened after both, that never completes its first message: once
             # it has been reset, the header deadlines of the two before it have passed too.
             slow = conn._quic.get_next_available_stream_id()
@@ -734,7 +738,7 @@ async def test_subscribe_namespace_and_tracks_streams_outlive_the_header_timeout
             assert {type(req.event) for req in held} == {SubscribeNamespaceReceived, SubscribeTracksReceived}
             for req in held:
                 req.accept()
-            assert len(set(await asyncio.wait_for(asyncio.gather(namespaces, tracks), 10))) == 2
+            assert len(set(await asyncio.wait_for(asyncio.gather(namespaces, tracks), scaled(10)))) == 2
     finally:
         for task in pending:
             task.cancel()
@@ -774,7 +778,7 @@ async def _push_to_a_receiver(
             for i, payload in enumerate(payloads):
                 conn.send_subgroup_object(sid, i, payload, end_stream=i == len(payloads) - 1)
             conn.publish_done(ok.request_id, PublishDoneCode.TRACK_ENDED, "done")
-            await asyncio.wait_for(finished.wait(), 120)
+            await asyncio.wait_for(finished.wait(), scaled(120))
     finally:
         await server.close()
     return received
@@ -812,8 +816,8 @@ async def test_aiopquic_datagrams_never_exceed_what_the_peer_advertises(pki: Pat
     the wire through the link emulator."""
     if sys.version_info < (3, 12):
         pytest.skip("aiopquic needs Python >= 3.12: test_every_connection_test_runs_on_the_native_stack")
-    settings = TransportSettings(stack="aiopquic")
-    peer = TransportSettings.for_link("ethernet", peer_stack)
+    settings = client_settings(TransportSettings(stack="aiopquic"))
+    peer = client_settings(TransportSettings.for_link("ethernet", peer_stack))
     server = await serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), _publisher)
     try:
         config = EmulatorConfig(listen=("127.0.0.1", 0), target=("127.0.0.1", server.address[1]))

@@ -14,6 +14,7 @@ from kvnet.net.settings import (
     TlsSettings,
     TransportSettings,
 )
+from tests.helpers.connections import client_settings
 from tests.helpers.processes import make_certificates
 
 
@@ -35,7 +36,7 @@ async def test_a_qh3_server_sends_what_it_built_before_a_packet_it_could_not_bui
     try:
         for _ in range(3):
             async with connect_moqt(f"moqt://localhost:{server.address[1]}",
-                                    TransportSettings(stack="aioquic"),
+                                    client_settings(TransportSettings(stack="aioquic")),
                                     TlsSettings.from_dir(tmp_path, None)) as conn:
                 assert not conn.is_closed
     finally:
