@@ -176,6 +176,9 @@ class FetchOutcome:
     sample_bytes: int = 0
     """Bytes of the blocks that make up the throughput sample (see ``BlockFetcher.fetch``); 0: no sample."""
     sample_s: float = 0.0
+    untrusted: int = 0
+    """Loaded blocks signed by a key outside the trust store (accepted only under ``trust_any``): their K/V
+    is their signer's, but no trusted publisher's."""
 
 
 class CacheWriter(Protocol):
@@ -647,6 +650,8 @@ class BlockFetcher:
             # Loaded by another fetch of this session, or cached meanwhile (only its manifest came, which
             # is no size or decode sample): nothing measured here.
             return
+        if block.manifest.key_id not in self.trust:
+            out.untrusted += 1
         raw = raw_bytes(self.shape, block.manifest.dtype)
         self.abr.renditions.add(block.rendition, raw, block.nbytes, block.decode_s)
 

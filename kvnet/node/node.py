@@ -511,7 +511,7 @@ class Node:
         report.timings.load_s = outcome.load_s
         report.bytes_fetched = outcome.bytes
         report.renditions = dict(outcome.renditions)
-        report.kv_exact = kv_exact(outcome.renditions)
+        report.kv_exact = kv_exact(outcome.renditions, outcome.untrusted)
         if outcome.error is not None:
             self._fetch_failed(outcome, report)
             msg = (

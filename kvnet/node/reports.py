@@ -60,8 +60,9 @@ class RequestReport:
     overlap: dict[str, Any] = field(default_factory=dict)
     """What fetching and computing at once did (``OverlapResult.to_json``); empty without a split."""
     kv_exact: bool = True
-    """Every block loaded from a relay is the publisher's K/V bit for bit: its layers matched the signed
-    payload digests on arrival (always checked) and it came lossless (``kvnet.node.verification``)."""
+    """Every block loaded from a relay is a trusted publisher's K/V bit for bit: its layers matched the
+    signed payload digests on arrival (always checked), its signer is trusted (not only accepted under
+    ``--trust-any``) and it came lossless (``kvnet.node.verification``)."""
     verified: bool | None = None
     """With ``--verify``: ``kv_exact`` and the output equals this node's own output with the same prefix
     K/V held locally (the local-hit reference); None without ``--verify``."""

@@ -2,10 +2,11 @@
 
 A completion is ``verified`` when both hold:
 
-* ``kv_exact``: every block it loaded from a relay is the publisher's K/V bit for bit. Each layer's payload
-  matched the digest in the publisher's signed manifest as it arrived (``kvnet.node.fetching``: a block
-  that fails is refused and recomputed, never loaded), and it came in the ``lossless`` rendition (``int8``
-  and ``int4`` are approximations by design, so a block loaded in them makes this False).
+* ``kv_exact``: every block it loaded from a relay is a trusted publisher's K/V bit for bit. Each layer's
+  payload matched the digest in the publisher's signed manifest as it arrived (``kvnet.node.fetching``: a
+  block that fails is refused and recomputed, never loaded), the signer is in the trust store (a block
+  accepted only under ``--trust-any`` is its signer's, not a trusted publisher's), and it came in the
+  ``lossless`` rendition (``int8`` and ``int4`` are approximations by design).
 * The output equals the **local-hit reference**: this node's own output with the same prefix held locally.
   A fresh cache holds exactly the prefix blocks the request reused (local and remote hits, the very K/V it
   attended to), then the rest of the prompt is prefilled and the output decoded by the same scheduler, step
@@ -76,10 +77,12 @@ class Verification:
         return self.kv_exact and self.equals_local_hit
 
 
-def kv_exact(renditions: Mapping[str, int]) -> bool:
-    """Whether the blocks a fetch loaded (rendition -> count, ``FetchOutcome.renditions``) are the
-    publisher's K/V bit for bit: their digests were checked on arrival, so it is a matter of rendition."""
-    return all(name == EXACT_RENDITION for name, count in renditions.items() if count > 0)
+def kv_exact(renditions: Mapping[str, int], untrusted: int = 0) -> bool:
+    """Whether the blocks a fetch loaded (rendition -> count and blocks from untrusted signers, as in
+    ``FetchOutcome``) are a trusted publisher's K/V bit for bit: their digests were checked on arrival, so
+    it is a matter of rendition and signer."""
+    lossless = all(name == EXACT_RENDITION for name, count in renditions.items() if count > 0)
+    return lossless and untrusted == 0
 
 
 def snapshot_prefix(cache: PagedKVCache, hashes: Sequence[bytes]) -> list[PrefixBlock]:

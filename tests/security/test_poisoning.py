@@ -132,9 +132,12 @@ async def test_untrusted_publisher_cannot_poison(kv_cluster: Cluster) -> None:
         ), log[-3000:]
 
         # Control: a subscriber told to accept any signature loads the forged K/V, and its output is wrong.
-        # This shows the forgery really steers generation, so the rejection above is what protects.
+        # This shows the forgery really steers generation, so the rejection above is what protects. The
+        # forged K/V is far from the model's own, not a rounding difference, so it differs from a cold
+        # recompute on every CPU; and no trusted key signed it, so it is not kv_exact, hence not verified.
         rc, report, log = await asyncio.to_thread(run_subscriber, c, PROMPT, "--trust-any")
         assert report["remote_hit_tokens"] > 0, report
+        assert report["kv_exact"] is False and report["equals_recompute"] is False, report
         assert report["verified"] is False and rc == 3, (rc, report)
     finally:
         task.cancel()

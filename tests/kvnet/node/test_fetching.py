@@ -93,6 +93,7 @@ async def test_locate_then_fetch_loads_the_served_prefix(
     assert located.available == [["lossless"]] * 4
     outcome = await f.fetch(published.identities[:4], LOSSLESS[:4])
     assert (outcome.loaded, outcome.error, outcome.renditions) == (4, None, {"lossless": 4})
+    assert outcome.untrusted == 0
     assert outcome.bytes == sum(b.nbytes for b in published.blocks[:4])
     assert_consistent(cache, 4)
     assert_same_kv(cache, published.cache, HASHES[:4])
@@ -129,6 +130,7 @@ async def test_trust_any_accepts_a_correctly_signed_unknown_key(
         published.identities[:2], LOSSLESS[:2]
     )
     assert (outcome.loaded, outcome.error) == (2, None)
+    assert outcome.untrusted == 2  # loaded, but their K/V is no trusted publisher's (kv_exact is false)
     assert_same_kv(cache, published.cache, HASHES[:2])
 
 

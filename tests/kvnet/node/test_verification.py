@@ -121,8 +121,9 @@ async def test_a_wrong_output_is_not_verified(node: Node) -> None:
     assert not found.verified
 
 
-def test_kv_exact_only_for_lossless_blocks() -> None:
+def test_kv_exact_only_for_lossless_blocks_of_trusted_signers() -> None:
     assert kv_exact({}) and kv_exact({EXACT_RENDITION: 3}) and kv_exact({"int8": 0, EXACT_RENDITION: 1})
     assert not kv_exact({EXACT_RENDITION: 2, "int8": 1}) and not kv_exact({"int4": 1})
+    assert not kv_exact({EXACT_RENDITION: 3}, untrusted=1)
     assert not Verification(kv_exact=False, equals_local_hit=True, equals_recompute=True).verified
     assert Verification(kv_exact=True, equals_local_hit=True, equals_recompute=False).verified
