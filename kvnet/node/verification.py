@@ -14,12 +14,12 @@ A completion is ``verified`` when both hold:
   hit: reuse is correct when the output is what this node computes from that K/V.
 
 ``equals_recompute`` is reported beside them, and is not verification: the output equals a cold recompute
-(an empty cache, the whole prompt prefilled here). On CPUs whose kernels give each row the same bits
-whatever the batch shape (float32 and bfloat16 on AVX2 and AVX-512 without AMX, as measured for the models
-kvnet ships) it is True whenever ``verified`` is. On CPUs with AMX, bfloat16 prefill rounds differently for
-a different number of rows: the publisher computed the prefix as part of its own prompt, the cold recompute
-as part of this longer one, so the prefix K/V differs in the last bits and the outputs may differ although
-the loaded K/V is exactly the publisher's.
+(an empty cache, the whole prompt prefilled here). Where the kernels give each row the same bits whatever
+the batch shape it is True whenever ``verified`` is: float32 on the CPUs the suite has run on (AMD EPYC with
+AVX2, Intel Xeon with AMX), bfloat16 on the AVX2 one. On CPUs with AMX, bfloat16 prefill rounds differently
+for a different number of rows: the publisher computed the prefix as part of its own prompt, the cold
+recompute as part of this longer one, so the prefix K/V differs in the last bits and the outputs may differ
+although the loaded K/V is exactly the publisher's.
 
 The references run the request alone. A request the engine batched with other requests had other batch
 shapes; on shape-dependent kernels its output may then differ from the reference, and ``verified`` says so.
