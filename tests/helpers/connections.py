@@ -7,8 +7,9 @@ production code path (handshake with certificates the project makes, SETUP, requ
 role code that takes a ``MoqtConnection`` (the block server, the fetcher) can be tested without a relay,
 a process or a port.
 
-``client_settings`` is the ``TransportSettings`` every test's QUIC client connects with: the handshake
-deadline is the product's default scaled by the load (``tests.helpers.waiting.scaled``).
+``client_settings`` and ``client_limits`` are the ``TransportSettings`` and ``ConnectionLimits`` every test's
+MoQT client connects with: the handshake and SETUP deadlines are the product's defaults scaled by the load
+(``tests.helpers.waiting.scaled``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvnet.net.connection import MoqtConnection, protocol_class
+from kvnet.net.connection import ConnectionLimits, MoqtConnection, protocol_class
 from kvnet.net.registry import client_configuration, get_stack, server_configuration
 from kvnet.net.settings import TlsSettings, TransportSettings
 from proto.session import SessionConfig
@@ -34,7 +35,7 @@ SERVER_ADDRESS = ("127.0.0.1", 40002)
 MAX_HANDSHAKE_TIMEOUT_S = 600.0
 """The largest ``handshake_timeout`` ``TransportSettings`` accepts."""
 
-__all__ = ["ConnectionPair", "MemoryDatagramTransport", "client_settings", "connection_pair"]
+__all__ = ["ConnectionPair", "MemoryDatagramTransport", "client_limits", "client_settings", "connection_pair"]
 
 
 def client_settings(settings: TransportSettings | None = None) -> TransportSettings:
@@ -43,6 +44,13 @@ def client_settings(settings: TransportSettings | None = None) -> TransportSetti
     settings = settings or TransportSettings()
     timeout = min(MAX_HANDSHAKE_TIMEOUT_S, scaled(settings.handshake_timeout))
     return dataclasses.replace(settings, handshake_timeout=timeout)
+
+
+def client_limits(limits: ConnectionLimits | None = None) -> ConnectionLimits:
+    """``limits`` (default: ``ConnectionLimits()``) for a test's client, its ``setup_timeout`` (the wait for
+    the peer's SETUP after the handshake) scaled by the machine's load."""
+    limits = limits or ConnectionLimits()
+    return dataclasses.replace(limits, setup_timeout=scaled(limits.setup_timeout))
 
 
 class MemoryDatagramTransport(asyncio.DatagramTransport):

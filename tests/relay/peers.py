@@ -26,7 +26,7 @@ from kvnet.net.settings import TlsSettings
 from proto.data import ObjectStatus
 from proto.errors import RequestErrorCode
 from proto.messages import Location, MessageParameters, Setup, encode_message
-from tests.helpers.connections import client_settings
+from tests.helpers.connections import client_limits, client_settings
 from tests.helpers.waiting import async_wait_until, scaled
 
 NS = (b"kvnet", b"v1", b"fp-test", b"tenant")
@@ -38,7 +38,7 @@ def track_objects(name: bytes, n: int = 4, size: int = 1000) -> list[bytes]:
 
 
 async def connect_client(url: str, ca: str) -> MoqtConnection:
-    return await connect(url, client_settings(), TlsSettings(ca_file=ca))  # type: ignore[arg-type]
+    return await connect(url, client_settings(), TlsSettings(ca_file=ca), limits=client_limits())  # type: ignore[arg-type]
 
 
 @dataclass

@@ -18,7 +18,7 @@ from kvnet.security.tokens import Action, IssuerKey, issue_token, make_claims
 from proto.errors import RequestErrorCode, SessionErrorCode
 from proto.messages import AliasType, AuthToken, Location, MessageParameters
 from proto.session import SessionConfig
-from tests.helpers.connections import client_settings
+from tests.helpers.connections import client_limits, client_settings
 from tests.helpers.processes import CertDir, RelayProcess
 from tests.relay.conftest import RelayFactory
 from tests.relay.peers import Publisher, fetch_track, track_objects
@@ -57,7 +57,8 @@ def _params(value: bytes) -> MessageParameters:
 
 async def _client(rp: RelayProcess, cert_dir: CertDir, token: bytes | None = None) -> MoqtConnection:
     cfg = SessionConfig(is_client=True, authorization_tokens=_tok(token) if token else ())
-    return await connect(rp.url, client_settings(), TlsSettings(ca_file=cert_dir.ca), session_config=cfg)
+    return await connect(rp.url, client_settings(), TlsSettings(ca_file=cert_dir.ca), session_config=cfg,
+                         limits=client_limits())
 
 
 async def _code(coro: object) -> int:

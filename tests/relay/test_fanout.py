@@ -16,7 +16,7 @@ from kvnet.net.endpoint import connect
 from kvnet.net.handles import Subscription
 from kvnet.net.settings import TlsSettings
 from kvnet.tools.linkemu import EmulatorConfig, LinkEmulator, LinkParams
-from tests.helpers.connections import client_settings
+from tests.helpers.connections import client_limits, client_settings
 from tests.helpers.processes import CertDir
 from tests.helpers.waiting import scaled
 from tests.relay.conftest import RelayFactory
@@ -51,7 +51,7 @@ async def test_a_live_track_ending_upstream_reaches_a_slow_subscriber_whole(
                 f"moqt://127.0.0.1:{emu.listen_address[1]}",
                 client_settings(),
                 TlsSettings(ca_file=cert_dir.ca),
-                limits=ConnectionLimits(publish_done_timeout=DONE_WAIT_S),
+                limits=client_limits(ConnectionLimits(publish_done_timeout=DONE_WAIT_S)),
             ) as sub,
         ):
             handle = await sub.subscribe(NS, b"slow-live")

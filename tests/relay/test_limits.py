@@ -15,7 +15,7 @@ from kvnet.net.settings import TlsSettings
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode, SessionErrorCode, StreamResetCode
 from proto.messages import Fetch, FetchType, Location, StandaloneFetch, TrackStatus, encode_message
-from tests.helpers.connections import client_settings
+from tests.helpers.connections import client_limits, client_settings
 from tests.helpers.processes import CertDir
 from tests.helpers.waiting import DEFAULT_TIMEOUT, async_wait_until, scaled
 from tests.relay.conftest import RelayFactory
@@ -103,7 +103,8 @@ async def test_per_address_buffered_bytes_quota_cuts_that_address_only(
     big = track_objects(b"big", 8, 500_000)
     pub = Publisher(await connect_client(rp.url, str(cert_dir.ca)), {b"big": big, b"s": track_objects(b"s")})
     await pub.start()
-    other = await connect(rp.url, client_settings(), TlsSettings(ca_file=cert_dir.ca), local_host="127.0.0.3")
+    other = await connect(rp.url, client_settings(), TlsSettings(ca_file=cert_dir.ca), local_host="127.0.0.3",
+                          limits=client_limits())
     try:
         assert await fetch_track(other, b"big", 8) == big  # cached, and read by a peer that reads
         async with raw_peer(rp.port, cert_dir.ca) as hog:

@@ -21,7 +21,7 @@ from kvnet.net.settings import TlsSettings, TransportSettings
 from kvnet.node.blockstore import BlockStore
 from kvnet.node.fetching import BlockFetcher
 from kvnet.node.publishing import BlockServer
-from tests.helpers.connections import client_settings
+from tests.helpers.connections import client_limits, client_settings
 from tests.helpers.processes import CertDir
 from tests.helpers.prompts import SignedPrompt, signed_prompt
 from tests.helpers.waiting import async_wait_until
@@ -69,7 +69,7 @@ async def test_a_push_at_ethernet_datagrams_is_cached_whole_and_served_verified(
     settings = client_settings(TransportSettings.for_link(LINK, "aioquic"))
     tls = TlsSettings(ca_file=cert_dir.ca)
 
-    publisher = await connect(relay.url, settings, tls)
+    publisher = await connect(relay.url, settings, tls, limits=client_limits())
     try:
         store = BlockStore(2 * wire_bytes)
         store.put_chain(blocks)
@@ -80,7 +80,7 @@ async def test_a_push_at_ethernet_datagrams_is_cached_whole_and_served_verified(
     finally:
         await publisher.close_session()  # what follows comes from the relay's cache, not the publisher
 
-    subscriber = await connect(relay.url, settings, tls)
+    subscriber = await connect(relay.url, settings, tls, limits=client_limits())
     try:
         fetched = await fetch_verified(subscriber, prompt, verify_workers=2)
         # The relay's GSO sends reached the subscriber's socket whole and were cut back into datagrams.
@@ -103,7 +103,7 @@ async def test_concurrent_subscribers_each_load_the_cached_prompt_verified(
     relay = relay_factory("--cache-bytes", cache_bytes, "--cache-track-bytes", cache_bytes)
     settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
     tls = TlsSettings(ca_file=cert_dir.ca)
-    publisher = await connect(relay.url, settings, tls)
+    publisher = await connect(relay.url, settings, tls, limits=client_limits())
     try:
         server = BlockServer(publisher, BlockStore(2 * prompt.wire_bytes), FINGERPRINT, NAMESPACE_ID,
                              SPEC.num_layers)
@@ -112,7 +112,7 @@ async def test_concurrent_subscribers_each_load_the_cached_prompt_verified(
     finally:
         await publisher.close_session()
     misses = (await relay.ametrics()).get("kvnet_relay_cache_misses_total", 0.0)
-    subscribers = [await connect(relay.url, settings, tls) for _ in range(4)]
+    subscribers = [await connect(relay.url, settings, tls, limits=client_limits()) for _ in range(4)]
     try:
         fetched = await asyncio.gather(
             *(fetch_verified(conn, prompt, verify_workers=2 * (i % 2)) for i, conn in enumerate(subscribers))

@@ -23,7 +23,7 @@ from kvnet.security.tokens import IssuerKey, issue_token, make_claims
 from proto.errors import RequestErrorCode
 from proto.messages import AliasType, AuthToken
 from proto.session import SessionConfig
-from tests.helpers.connections import client_settings
+from tests.helpers.connections import client_limits, client_settings
 from tests.helpers.processes import (
     CertDir,
     NativeQuicUnavailable,
@@ -53,7 +53,7 @@ def _relay_flags(stack: str) -> tuple[str, ...]:
 
 async def _client(rp: RelayProcess, cert_dir: CertDir, stack: str) -> MoqtConnection:
     settings = client_settings(TransportSettings(stack=stack))
-    return await connect(rp.url, settings, TlsSettings(ca_file=cert_dir.ca))
+    return await connect(rp.url, settings, TlsSettings(ca_file=cert_dir.ca), limits=client_limits())
 
 
 async def _payloads(handle: Subscription) -> list[bytes]:

@@ -51,7 +51,7 @@ from relay.workers import (
     make_hub_credentials,
     worker_config,
 )
-from tests.helpers.connections import client_settings
+from tests.helpers.connections import client_limits, client_settings
 from tests.helpers.processes import (
     REPO,
     START_TIMEOUT,
@@ -114,7 +114,7 @@ async def one_session_per_worker(
     landed: tuple[list[MoqtConnection], list[MoqtConnection]] = ([], [])
     for _ in range(MAX_SESSIONS_TRIED):
         before = await sessions_per_worker(rp)
-        conn = await connect(url or rp.url, settings, tls)
+        conn = await connect(url or rp.url, settings, tls, limits=client_limits())
         after = await counted_once_more(rp, before)
         landed[0 if after[0] > before[0] else 1].append(conn)
         if landed[0] and landed[1]:
@@ -306,7 +306,8 @@ async def test_a_miss_of_the_whole_relay_is_asked_of_its_upstream_once_within_th
     settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
     ns, name = block_track(FINGERPRINT, NAMESPACE_ID, bytes(32), "lossless")
     try:
-        async with connect(rp.url, settings, TlsSettings(ca_file=cert_dir.ca)) as conn:
+        async with connect(rp.url, settings, TlsSettings(ca_file=cert_dir.ca),
+                           limits=client_limits()) as conn:
             for _ in range(3):
                 with pytest.raises(RequestRejected) as missed:
                     await conn.track_status(ns, name)
@@ -396,7 +397,8 @@ async def test_mutual_tls_holds_on_every_worker(cert_dir: CertDir, tmp_path: Pat
                 await conn.track_status(ns, name)
             assert refused.value.code == RequestErrorCode.DOES_NOT_EXIST  # asked the hub, nobody has it
         with pytest.raises(MoqtConnectionError):
-            async with connect(rp.url, settings, TlsSettings(ca_file=cert_dir.ca)) as conn:
+            async with connect(rp.url, settings, TlsSettings(ca_file=cert_dir.ca),
+                               limits=client_limits()) as conn:
                 await asyncio.wait_for(conn.track_status(ns, name), scaled(10))
     finally:
         for conn in opened:
@@ -611,7 +613,8 @@ def test_a_second_relay_on_the_occupied_port_is_refused_with_one_line(
         # The first relay still serves the port.
         async def served() -> None:
             settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
-            async with connect(rp.url, settings, TlsSettings(ca_file=cert_dir.ca)) as conn:
+            async with connect(rp.url, settings, TlsSettings(ca_file=cert_dir.ca),
+                               limits=client_limits()) as conn:
                 ns, name = block_track(FINGERPRINT, NAMESPACE_ID, bytes(32), "lossless")
                 with pytest.raises(RequestRejected) as missed:
                     await conn.track_status(ns, name)

@@ -19,9 +19,9 @@ from kvnet.net.settings import TlsSettings
 from proto.data import SubgroupHeader, encode_subgroup_header, subgroup_object_prefix
 from proto.errors import RequestErrorCode, SessionErrorCode, StreamResetCode
 from proto.messages import Location, Publish, TrackStatus, encode_message
-from tests.helpers.connections import client_settings
+from tests.helpers.connections import client_limits, client_settings
 from tests.helpers.processes import CertDir, RelayProcess
-from tests.helpers.waiting import DEFAULT_TIMEOUT, async_wait_until
+from tests.helpers.waiting import DEFAULT_TIMEOUT, async_wait_until, scaled
 from tests.nodes.cluster import SHARED_PREFIX, Cluster
 from tests.relay.conftest import RelayFactory
 from tests.relay.peers import (
@@ -59,15 +59,15 @@ async def start_good(rp: RelayProcess, ca: Path) -> tuple[Publisher, MoqtConnect
 
 async def still_served(client: MoqtConnection, pub: Publisher) -> None:
     """The well-behaved client gets the cached track and its status (not starved by the attack)."""
-    got = await asyncio.wait_for(fetch_track(client, b"good", 4), SERVED_WITHIN)
-    st = await asyncio.wait_for(client.track_status(NS, b"good"), SERVED_WITHIN)
+    got = await asyncio.wait_for(fetch_track(client, b"good", 4), scaled(SERVED_WITHIN))
+    st = await asyncio.wait_for(client.track_status(NS, b"good"), scaled(SERVED_WITHIN))
     assert got == pub.tracks[b"good"]
     assert st.parameters.largest_object == Location(0, 3)
 
 
 async def stop_good(pub: Publisher, client: MoqtConnection) -> None:
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(client.close_session(), 5)
+        await asyncio.wait_for(client.close_session(), scaled(5))
     await pub.stop()
 
 
@@ -84,7 +84,7 @@ async def test_thousand_concurrent_sessions(cert_dir: CertDir, relay_factory: Re
         "--pressure-idle-timeout",
         "0",
         "--setup-timeout",
-        str(SESSIONS_WITHIN),
+        str(scaled(SESSIONS_WITHIN)),
         "--log-level",
         "info",
     )
@@ -100,7 +100,7 @@ async def test_thousand_concurrent_sessions(cert_dir: CertDir, relay_factory: Re
             peers.append(peer)
 
         for batch in range(1, n // 50 + 1):  # bounded: 20 batches of 50 handshakes
-            await asyncio.wait_for(asyncio.gather(*(open_one() for _ in range(50))), SESSIONS_WITHIN)
+            await asyncio.wait_for(asyncio.gather(*(open_one() for _ in range(50))), scaled(SESSIONS_WITHIN))
             # The relay holds this batch's sessions before the next starts: handshakes never pile up.
             await rp.wait_metric("kvnet_relay_sessions", batch * 50 + 2, timeout=SESSIONS_WITHIN)
         m = await rp.ametrics()
@@ -116,7 +116,7 @@ async def test_thousand_concurrent_sessions(cert_dir: CertDir, relay_factory: Re
         )
         for p in peers:  # close all at once (leaving the stack closes them one by one)
             p.close()
-        await asyncio.wait_for(asyncio.gather(*(p.wait_closed() for p in peers)), SESSIONS_WITHIN)
+        await asyncio.wait_for(asyncio.gather(*(p.wait_closed() for p in peers)), scaled(SESSIONS_WITHIN))
     with contextlib.suppress(TimeoutError):  # the assertion below says what is left
         await rp.wait_metrics(
             lambda m: m.get("kvnet_relay_sessions", 0) <= 2, "raw sessions gone", SESSIONS_WITHIN
@@ -160,13 +160,13 @@ async def test_request_floods_per_session_and_global(cert_dir: CertDir, relay_fa
     pub.fetch_gate = asyncio.Event()  # every flooded FETCH holds a request slot until the gate opens
     tls = TlsSettings(ca_file=cert_dir.ca)
     limits = ConnectionLimits(max_outstanding_requests=4000)
-    flooders = [await connect(rp.url, client_settings(), tls, limits=limits) for _ in range(2)]
+    flooders = [await connect(rp.url, client_settings(), tls, limits=client_limits(limits)) for _ in range(2)]
     codes: list[dict[int, int]] = [{}, {}]
 
     async def one(f: int, i: int) -> None:
         try:
             h = await flooders[f].fetch(NS, b"flood-%d-%d" % (f, i), Location(0, 0), Location(0, 4))
-            await asyncio.wait_for(h.read_all(), 30)
+            await asyncio.wait_for(h.read_all(), scaled(30))
         except RequestRejected as exc:
             codes[f][exc.code] = codes[f].get(exc.code, 0) + 1
 
@@ -192,7 +192,7 @@ async def test_request_floods_per_session_and_global(cert_dir: CertDir, relay_fa
         await async_wait_until(second_flood_settled, "every request of the second flooder refused or held")
         await still_served(client, pub)  # during the flood: the client's requests are reserved ones
         pub.fetch_gate.set()
-        await asyncio.wait_for(asyncio.gather(*flood), 60)
+        await asyncio.wait_for(asyncio.gather(*flood), scaled(60))
         excessive = [c.get(RequestErrorCode.EXCESSIVE_LOAD, 0) for c in codes]
         global_refused = metric_sum(rp, 'kvnet_relay_limit_rejections_total{limit="requests_global"')
         # First flooder: exactly the requests over its session's cap (100) are refused. Second flooder:
@@ -219,7 +219,7 @@ async def test_request_floods_per_session_and_global(cert_dir: CertDir, relay_fa
     finally:
         for flooder in flooders:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(flooder.close_session(), 5)
+                await asyncio.wait_for(flooder.close_session(), scaled(5))
         await stop_good(pub, client)
 
 
@@ -282,7 +282,7 @@ async def test_slowloris_streams_and_sessions(cert_dir: CertDir, relay_factory: 
         closed = [p.terminated.result()[0] for p, _ in dribblers if p.terminated.done()]
         assert closed == [SessionErrorCode.CONTROL_MESSAGE_TIMEOUT] * n_dribblers, closed
         # A session without SETUP is closed after the setup timeout (2 s here).
-        await asyncio.wait_for(asyncio.gather(*(p.terminated for p in silent)), DEFAULT_TIMEOUT)
+        await asyncio.wait_for(asyncio.gather(*(p.terminated for p in silent)), scaled(DEFAULT_TIMEOUT))
         assert rp.rss_bytes() < base_rss + 64 * 1024 * 1024
         m = await rp.ametrics()
         assert m['kvnet_relay_sessions_closed_total{reason="request_header_timeout"}'] == n_dribblers, m
@@ -342,7 +342,8 @@ def test_idle_publisher_outlives_the_quic_idle_timeout(kv_cluster: Cluster) -> N
 
 async def connect_from(rp: RelayProcess, ca: Path, host: str) -> MoqtConnection:
     """A session from source address ``host`` (any 127.0.0.x is a distinct local address on loopback)."""
-    return await connect(rp.url, client_settings(), TlsSettings(ca_file=ca), local_host=host)
+    return await connect(rp.url, client_settings(), TlsSettings(ca_file=ca), local_host=host,
+                         limits=client_limits())
 
 
 def refusal_reason(conn: MoqtConnection | str) -> str | None:
@@ -366,7 +367,7 @@ async def close_all(conns: list[MoqtConnection | str]) -> None:
     for conn in conns:
         if not isinstance(conn, str):
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.close_session(), 5)
+                await asyncio.wait_for(conn.close_session(), scaled(5))
 
 
 async def test_one_address_over_its_session_quota_cannot_lock_out_others(
@@ -387,7 +388,7 @@ async def test_one_address_over_its_session_quota_cannot_lock_out_others(
         "info",
     )
     pub, client = await start_good(rp, cert_dir.ca)  # both from 127.0.0.1; pub announced a namespace
-    await asyncio.wait_for(client.close_session(), 5)
+    await asyncio.wait_for(client.close_session(), scaled(5))
     conns: list[MoqtConnection | str] = []
     try:
         conns += [await attempt(rp, cert_dir.ca, "127.0.0.2") for _ in range(10)]
@@ -401,7 +402,7 @@ async def test_one_address_over_its_session_quota_cannot_lock_out_others(
         assert metric_sum(rp, 'kvnet_relay_limit_rejections_total{limit="sessions_per_address"') == 6
         honest = await connect_from(rp, cert_dir.ca, "127.0.0.3")
         await still_served(honest, pub)
-        await asyncio.wait_for(honest.close_session(), 5)
+        await asyncio.wait_for(honest.close_session(), scaled(5))
 
         # 1 publisher + 4 sessions of 127.0.0.2 + 5 more from two other addresses: the table is full.
         conns += [await attempt(rp, cert_dir.ca, f"127.0.0.{4 + i // 4}") for i in range(5)]
@@ -411,7 +412,7 @@ async def test_one_address_over_its_session_quota_cannot_lock_out_others(
         )
         newcomer = await connect_from(rp, cert_dir.ca, "127.0.0.9")
         await still_served(newcomer, pub)
-        await asyncio.wait_for(newcomer.close_session(), 5)
+        await asyncio.wait_for(newcomer.close_session(), scaled(5))
         assert not pub.conn.is_closed  # an idle publisher with an announced namespace is never reaped
         assert metric_sum(rp, 'kvnet_relay_limit_rejections_total{limit="sessions"') == 0
     finally:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 from tests.helpers.processes import REPO
+from tests.helpers.waiting import scaled
 
 
 def test_fuzz_relay_short_pass() -> None:
@@ -26,7 +27,7 @@ def test_fuzz_relay_short_pass() -> None:
         "--seed",
         "3",
     ]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=scaled(120))
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-5000:]
     tried = int(re.search(r"inputs tried: (\d+)", text).group(1))  # type: ignore[union-attr]

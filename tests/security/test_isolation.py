@@ -38,9 +38,9 @@ from proto.errors import RequestErrorCode, SessionErrorCode
 from proto.kvobject import block_namespace
 from proto.messages import AliasType, AuthToken, Location
 from proto.session import SessionConfig
-from tests.helpers.connections import client_settings
+from tests.helpers.connections import client_limits, client_settings
 from tests.helpers.processes import CertDir, RelayProcess
-from tests.helpers.waiting import async_wait_until
+from tests.helpers.waiting import async_wait_until, scaled
 from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster
 from tests.relay.conftest import RelayFactory
 from tests.relay.peers import Publisher, fetch_track, track_objects
@@ -58,7 +58,7 @@ def secret_file(path: Path) -> str:
 
 def finish(c: Cluster, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
     """The single JSON report of a one-prompt ``--verify`` subscriber that must exit 0."""
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=scaled(120))
     assert proc.returncode == 0, f"subscriber rc={proc.returncode}: {c.log_of(proc)[-3000:]}"
     (report,) = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
     assert report["verified"] is True, report
@@ -90,19 +90,19 @@ def test_tenant_needs_a_node_secret_and_salts_are_not_flags(kv_cluster: Cluster,
     c = kv_cluster
     # Without a secret only the default tenant exists: another tenant would share its unsalted hashes.
     proc = c.start_subscriber([PROMPT], "--tenant", "b")
-    proc.communicate(timeout=120)
+    proc.communicate(timeout=scaled(120))
     assert proc.returncode != 0
     assert "needs --node-secret" in c.log_of(proc), c.log_of(proc)[-2000:]
     # A salt cannot be given, only derived.
     proc = c.start_subscriber([PROMPT], "--salt", "chosen-by-the-client")
-    proc.communicate(timeout=120)
+    proc.communicate(timeout=scaled(120))
     assert proc.returncode == 2 and "unrecognized arguments: --salt" in c.log_of(proc)
     # A secret file others can read is refused before anything starts.
     loose = tmp_path / "loose-secret"
     NodeSecret.generate(loose)
     os.chmod(loose, 0o644)
     proc = c.start_subscriber([PROMPT], "--node-secret", str(loose), "--tenant", "a")
-    proc.communicate(timeout=120)
+    proc.communicate(timeout=scaled(120))
     assert proc.returncode != 0 and "group or others" in c.log_of(proc), c.log_of(proc)[-2000:]
 
 
@@ -171,7 +171,8 @@ def token(
 async def connect_with(rp: RelayProcess, ca: Path, value: bytes | None) -> MoqtConnection:
     tokens = () if value is None else (AuthToken(AliasType.USE_VALUE, token_type=0, value=value),)
     cfg = SessionConfig(is_client=True, authority=f"127.0.0.1:{rp.port}", authorization_tokens=tokens)
-    return await connect(rp.url, client_settings(), TlsSettings(ca_file=ca), session_config=cfg)
+    return await connect(rp.url, client_settings(), TlsSettings(ca_file=ca), session_config=cfg,
+                         limits=client_limits())
 
 
 async def refusal(rp: RelayProcess, ca: Path, value: bytes | None) -> int:
@@ -183,14 +184,14 @@ async def refusal(rp: RelayProcess, ca: Path, value: bytes | None) -> int:
         assert isinstance(cause, ConnectionClosed), exc
         return cause.error_code
     try:
-        await asyncio.wait_for(conn.track_status(NS_A, b"cached"), 10)
+        await asyncio.wait_for(conn.track_status(NS_A, b"cached"), scaled(10))
     except RequestRejected as exc:
         return exc.code
     except ConnectionClosed as exc:
         return exc.error_code
     finally:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(conn.close_session(), 5)
+            await asyncio.wait_for(conn.close_session(), scaled(5))
     raise AssertionError("the relay served a request with this token")
 
 
@@ -221,9 +222,9 @@ async def probe(conn: MoqtConnection, name: bytes, fetch: bool) -> tuple[int, fl
     try:
         if fetch:
             h = await conn.fetch(NS_A, name, Location(0, 0), Location(0, 4))
-            await asyncio.wait_for(h.read_all(), 10)
+            await asyncio.wait_for(h.read_all(), scaled(10))
         else:
-            await asyncio.wait_for(conn.track_status(NS_A, name), 10)
+            await asyncio.wait_for(conn.track_status(NS_A, name), scaled(10))
     except RequestRejected as exc:
         return exc.code, time.perf_counter() - started
     raise AssertionError(f"tenant B got tenant A's track {name!r}")
@@ -260,7 +261,7 @@ async def test_scoped_token_cannot_locate_or_time_probe(
         assert dict(pub.counts) == asked_before
     finally:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(b.close_session(), 5)
+            await asyncio.wait_for(b.close_session(), scaled(5))
         await pub.stop()
 
 
@@ -321,7 +322,7 @@ async def test_token_is_refused_after_expiry_plus_the_clock_skew(
             nonlocal last_served
             asked_at = time.time()
             try:
-                await asyncio.wait_for(conn.track_status(NS_A, b"cached"), 10)
+                await asyncio.wait_for(conn.track_status(NS_A, b"cached"), scaled(10))
             except RequestRejected as exc:
                 # The relay refused no later than now: refusing before ``refused_from`` would show here.
                 answered_at = time.time()
@@ -337,7 +338,7 @@ async def test_token_is_refused_after_expiry_plus_the_clock_skew(
         assert last_served > 0, "the token was never accepted while valid"
     finally:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(conn.close_session(), 5)
+            await asyncio.wait_for(conn.close_session(), scaled(5))
     # A new session presenting the same token in SETUP is closed with the session code.
     assert await refusal(rp, cert_dir.ca, value) == SessionErrorCode.EXPIRED_AUTH_TOKEN
     await pub.stop()

@@ -42,7 +42,8 @@ from kvnet.node.publishing import BlockServer
 from proto.errors import RequestErrorCode
 from proto.kvobject import MANIFEST_OBJECT_ID, BlockManifest
 from proto.session import SessionConfig
-from tests.helpers.connections import client_settings
+from tests.helpers.connections import client_limits, client_settings
+from tests.helpers.waiting import scaled
 from tests.nodes.cluster import SHARED_PREFIX, Cluster
 
 PROMPT = SHARED_PREFIX + "Question: what does a relay do with a KV block?"
@@ -58,7 +59,7 @@ def run_subscriber(
     """One ``--verify`` subscriber run: exit code, its JSON report, its log."""
     args = ("--verify", "--timeout", "5", "--model", MODEL, "--block-size", str(BLOCK), *extra)
     proc = c.start_subscriber([prompt], *args, relay_port=relay_port)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=scaled(120))
     lines = [line for line in out.decode().splitlines() if line.strip()]
     assert lines, f"no report (rc={proc.returncode}): {c.log_of(proc)[-3000:]}"
     return proc.returncode, json.loads(lines[-1]), c.log_of(proc)
@@ -100,7 +101,7 @@ def forge_blocks(prompt: str, signer: Signer) -> tuple[Node, list[StoredBlock]]:
 
 async def serve_forged(c: Cluster, node: Node, blocks: list[StoredBlock]) -> tuple[MoqtConnection, Any]:
     """Announce the namespace, answer requests from the forged store, and push every block."""
-    conn = await connect(c.url(), client_settings(), TlsSettings(ca_file=c.ca))
+    conn = await connect(c.url(), client_settings(), TlsSettings(ca_file=c.ca), limits=client_limits())
     store = BlockStore(64 << 20)
     store.put_chain(blocks)
     server = BlockServer(conn, store, node.fingerprint, "default", node.cache.spec.num_layers)
@@ -142,7 +143,7 @@ async def test_untrusted_publisher_cannot_poison(kv_cluster: Cluster) -> None:
     finally:
         task.cancel()
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(conn.close_session(), 5)
+            await asyncio.wait_for(conn.close_session(), scaled(5))
 
 
 # -- a relay that tampers with what it forwards ---------------------------------------------------------
@@ -199,7 +200,8 @@ class TamperingRelay:
             await self.server.close()
 
     async def _session(self, conn: MoqtConnection) -> None:
-        async with connect(self.c.url(), client_settings(), TlsSettings(ca_file=self.c.ca)) as up:
+        async with connect(self.c.url(), client_settings(), TlsSettings(ca_file=self.c.ca),
+                           limits=client_limits()) as up:
             tasks: set[asyncio.Task[None]] = set()
             async for req in conn.incoming_requests():
                 t = asyncio.create_task(self._handle(up, req))

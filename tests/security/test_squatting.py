@@ -20,8 +20,8 @@ from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.settings import TlsSettings
 from proto.kvobject import block_track
-from tests.helpers.connections import client_settings
-from tests.helpers.waiting import async_wait_until
+from tests.helpers.connections import client_limits, client_settings
+from tests.helpers.waiting import async_wait_until, scaled
 from tests.nodes.cluster import Cluster
 from tests.security.test_poisoning import BLOCK, MODEL, PROMPT, forge_blocks, run_subscriber, serve_forged
 
@@ -32,7 +32,7 @@ def relay_metric(c: Cluster, prefix: str) -> float:
 
 async def squat_empty(c: Cluster, tracks: list[tuple[tuple[bytes, ...], bytes]]) -> MoqtConnection:
     """PUBLISH every track and send nothing: the relay holds each as a live track of this session."""
-    conn = await connect(c.url(), client_settings(), TlsSettings(ca_file=c.ca))
+    conn = await connect(c.url(), client_settings(), TlsSettings(ca_file=c.ca), limits=client_limits())
     for alias, (ns, name) in enumerate(tracks, start=1):
         await conn.publish(ns, name, alias)
     return conn
@@ -75,4 +75,4 @@ async def test_attacker_first_cannot_squat_a_trusted_prefix(kv_cluster: Cluster,
         task.cancel()
         for conn in (squatter, poisoner):
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.close_session(), 5)
+                await asyncio.wait_for(conn.close_session(), scaled(5))

@@ -15,6 +15,7 @@ from kvnet.net.settings import (
 )
 from kvnet.tools import linkemu
 from proto.errors import PublishDoneCode
+from tests.helpers.connections import client_limits
 from tests.helpers.connections import client_settings as scaled_client_settings
 from tests.helpers.processes import make_certificates, start_relay
 from tests.helpers.waiting import async_wait_until
@@ -38,7 +39,7 @@ async def test_peer_max_udp_payload_size_caps_what_we_send(
                 TransportSettings(max_datagram_size=DATAGRAM_SIZE_LOOPBACK)
             )
             tls = TlsSettings(ca_file=cert_dir.ca)
-            conn = await connect_moqt(f"moqt://{host}:{port}", client_settings, tls)
+            conn = await connect_moqt(f"moqt://{host}:{port}", client_settings, tls, limits=client_limits())
             try:
                 payloads = [bytes([i]) * 60_000 for i in range(8)]
                 ok = await conn.publish((b"kvnet", b"dgram"), b"big", 1)

@@ -44,7 +44,7 @@ from proto.errors import PublishDoneCode, RequestErrorCode
 from proto.events import SubscribeNamespaceReceived, SubscribeTracksReceived
 from proto.messages import Location, MessageParameters
 from proto.session import SessionConfig
-from tests.helpers.connections import client_settings
+from tests.helpers.connections import client_limits, client_settings
 from tests.helpers.processes import REPO, NativeQuicUnavailable, native_quic_python
 from tests.helpers.waiting import async_wait_until, scaled
 
@@ -165,12 +165,13 @@ async def test_a_client_connection_gives_its_socket_back_once_it_ends(pki: Path,
     port = server.address[1]
     try:
         client_tls = TlsSettings.from_dir(pki, None)
-        async with connect(f"{transport.scheme}://localhost:{port}", settings, client_tls) as conn:
+        async with connect(f"{transport.scheme}://localhost:{port}", settings, client_tls, limits=client_limits()) as conn:
             await conn.track_status(NS, b"blocks")  # the first connection's one-time costs (threads, caches)
         before = _open_descriptors()
         held = []
         for _ in range(5):
-            async with connect(f"{transport.scheme}://localhost:{port}", settings, client_tls) as conn:
+            async with connect(f"{transport.scheme}://localhost:{port}", settings, client_tls,
+                               limits=client_limits()) as conn:
                 await conn.track_status(NS, b"blocks")
             held.append(conn)  # still referenced: only closing, not collection, can give the sockets back
         await async_wait_until(lambda: _open_descriptors() <= before, "the client sockets closed")
@@ -185,7 +186,7 @@ async def test_setup_and_requests_end_to_end(
     port = server.address[1]
     try:
         client_tls = TlsSettings.from_dir(pki, None)
-        async with connect(f"{transport.scheme}://localhost:{port}", settings, client_tls) as conn:
+        async with connect(f"{transport.scheme}://localhost:{port}", settings, client_tls, limits=client_limits()) as conn:
             assert conn.session.established
             assert await conn.publish_namespace(NS) >= 0
             ok = await conn.track_status(NS, b"blocks")
@@ -213,7 +214,7 @@ async def test_objects_taken_as_queued_and_by_iteration_come_once_in_order(
     server = await transport.serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), _publisher)
     try:
         async with connect(f"{transport.scheme}://localhost:{server.address[1]}", settings,
-                           TlsSettings.from_dir(pki, None)) as conn:
+                           TlsSettings.from_dir(pki, None), limits=client_limits()) as conn:
             handle = await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 5))
             await async_wait_until(lambda: handle.finished, "the whole fetch arrived")
             assert conn.receive_buffered == 5 * len(b"obj0" * 1000)
@@ -233,7 +234,7 @@ async def test_many_concurrent_requests(
     server = await transport.serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), _publisher)
     try:
         async with connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", settings,
-                           TlsSettings.from_dir(pki, None)) as conn:
+                           TlsSettings.from_dir(pki, None), limits=client_limits()) as conn:
             results = await asyncio.wait_for(
                 asyncio.gather(*(conn.track_status(NS, b"blocks") for _ in range(600))), scaled(30)
             )
@@ -251,7 +252,7 @@ async def test_unknown_ca_is_a_clear_error(
     try:
         with pytest.raises(MoqtConnectionError, match="handshake") as info:
             await connect(f"{transport.scheme}://localhost:{server.address[1]}", settings,
-                          TlsSettings(ca_file=other / "ca.pem"))
+                          TlsSettings(ca_file=other / "ca.pem"), limits=client_limits())
         assert "certificate" in str(info.value).lower() or "issuer" in str(info.value).lower()
     finally:
         await server.close()
@@ -302,8 +303,8 @@ async def test_expired_server_certificate_is_a_clear_error(
     try:
         with pytest.raises(MoqtConnectionError, match="handshake") as info:
             await connect(
-                f"{transport.scheme}://localhost:{server.address[1]}", settings,
-                TlsSettings.from_dir(pki, None),
+                f"{transport.scheme}://localhost:{server.address[1]}", settings, TlsSettings.from_dir(pki, None),
+                limits=client_limits()
             )
         assert "expired" in str(info.value).lower() or "certificate" in str(info.value).lower()
     finally:
@@ -318,7 +319,7 @@ async def test_certificate_for_another_name_is_a_clear_error(
     try:
         tls = TlsSettings(ca_file=pki / "ca.pem", server_name="relay.example")
         with pytest.raises(MoqtConnectionError, match="handshake") as info:
-            await connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", settings, tls)
+            await connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", settings, tls, limits=client_limits())
         assert "relay.example" in str(info.value) or "certificate" in str(info.value).lower()
     finally:
         await server.close()
@@ -337,7 +338,8 @@ async def test_mtls_required(
     server = await serve("127.0.0.1", 0, TransportSettings(), tls, _publisher, stack=server_stack)
     url = f"{transport.scheme}://localhost:{server.address[1]}"
     try:
-        async with connect(url, settings, TlsSettings.from_dir(pki, "client")) as conn:
+        async with connect(url, settings, TlsSettings.from_dir(pki, "client"),
+                           limits=client_limits()) as conn:
             assert (await conn.track_status(NS, b"blocks")).request_id >= 0
         # A client certificate from another CA is refused.
         other = tmp_path / "other"
@@ -346,7 +348,7 @@ async def test_mtls_required(
         bad = TlsSettings(ca_file=pki / "ca.pem", cert_file=other / "intruder.pem",
                                key_file=other / "intruder-key.pem")
         with pytest.raises(MoqtConnectionError):
-            async with connect(url, settings, bad) as conn:
+            async with connect(url, settings, bad, limits=client_limits()) as conn:
                 await asyncio.wait_for(conn.track_status(NS, b"blocks"), scaled(5))
     finally:
         await server.close()
@@ -374,7 +376,7 @@ async def test_bulk_fetch_with_back_pressure(
                          limits=limits)
     try:
         async with connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", settings,
-                           TlsSettings.from_dir(pki, None)) as conn:
+                           TlsSettings.from_dir(pki, None), limits=client_limits()) as conn:
             handle = await conn.fetch(NS, b"bulk", Location(0, 0), Location(0, count))
             got = 0
             async for obj in handle:
@@ -408,7 +410,7 @@ async def test_wait_send_buffer_empty_wakes_once_the_peer_has_everything(
     server = await transport.serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), bulk)
     try:
         async with connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", settings,
-                           TlsSettings.from_dir(pki, None)) as conn:
+                           TlsSettings.from_dir(pki, None), limits=client_limits()) as conn:
             handle = await conn.fetch(NS, b"bulk", Location(0, 0), Location(0, count))
             assert len(await handle.read_all()) == count
             await async_wait_until(lambda: "after" in buffered, "the publisher's wait for an empty buffer")
@@ -423,7 +425,7 @@ async def test_stacks_interoperate(pki: Path) -> None:
     try:
         aioquic = client_settings(TransportSettings(stack="aioquic"))
         async with connect(f"moqt://localhost:{server.address[1]}", aioquic,
-                           TlsSettings.from_dir(pki, None)) as conn:
+                           TlsSettings.from_dir(pki, None), limits=client_limits()) as conn:
             objs = await (await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 5))).read_all()
             assert [o.payload for o in objs] == [b"obj%d" % i * 1000 for i in range(5)]
     finally:
@@ -459,7 +461,7 @@ async def test_incoming_publish_buffers_early_objects_and_honours_stream_count(
     big = [bytes([i]) * 400_000 for i in range(3)]
     try:
         async with connect(f"{transport.scheme}://localhost:{server.address[1]}", settings,
-                           TlsSettings.from_dir(pki, None)) as conn:
+                           TlsSettings.from_dir(pki, None), limits=client_limits()) as conn:
             # 1: objects sent right behind the PUBLISH, without waiting for PUBLISH_OK.
             pending = asyncio.ensure_future(conn.publish(NS, b"late-accept", 11))
             await async_wait_until(
@@ -503,7 +505,7 @@ async def test_keepalive_holds_an_idle_session_and_a_dead_peer_is_noticed(
     url = f"{transport.scheme}://127.0.0.1:{server.address[1]}"
     tls = TlsSettings.from_dir(pki, None)
     try:
-        conn = await connect(url, live, tls)
+        conn = await connect(url, live, tls, limits=client_limits())
         # Three idle timeouts without a single request: the idle time is the behaviour under test.
         await asyncio.sleep(3.0)
         assert not conn.is_closed and not closed_at
@@ -526,7 +528,7 @@ async def test_keepalive_holds_an_idle_session_and_a_dead_peer_is_noticed(
     quiet = transport.configure(idle_timeout=1.0, keepalive_interval=0)
     server = await transport.serve("127.0.0.1", 0, quiet, TlsSettings.from_dir(pki, "server"), on_connection)
     try:
-        conn = await connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", quiet, tls)
+        conn = await connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", quiet, tls, limits=client_limits())
         await asyncio.wait_for(conn.wait_session_closed(), scaled(5))
     finally:
         await server.close()
@@ -550,13 +552,13 @@ async def test_closed_by_peer_tells_the_peers_close_from_our_own_idle_timeout(pk
     url = f"{transport.scheme}://127.0.0.1:{server.address[1]}"
     tls = TlsSettings.from_dir(pki, None)
     try:
-        client = await connect(url, settings, tls)
+        client = await connect(url, settings, tls, limits=client_limits())
         at_server = await asyncio.wait_for(accepted.get(), scaled(10))
         await at_server.close_session(reason="idle timeout")
         assert await asyncio.wait_for(client.wait_session_closed(), scaled(10)) == (0, "idle timeout")
         assert client.closed_by_peer and not at_server.closed_by_peer
         # Keep-alive off: the same quiet session ends by each side's QUIC idle timeout, nobody's close.
-        client = await connect(url, settings, tls)
+        client = await connect(url, settings, tls, limits=client_limits())
         at_server = await asyncio.wait_for(accepted.get(), scaled(10))
         await asyncio.wait_for(client.wait_session_closed(), scaled(10))
         await asyncio.wait_for(at_server.wait_session_closed(), scaled(10))
@@ -583,7 +585,8 @@ async def test_keepalive_is_the_clients_job_and_the_server_covers_a_silent_clien
         if not transport.is_quic:
             # No UDP to count on a link: QMux's own QX_PING counters tell who pings. The client pings
             # about every interval; the server, hearing from it, never does.
-            async with connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", live, tls) as conn:
+            async with connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", live, tls,
+                               limits=client_limits()) as conn:
                 await asyncio.sleep(2.0)  # about 8 keep-alive intervals of an idle session
                 assert not conn.is_closed
                 client_pings = cast(Any, conn._quic)._ping_sent_seq
@@ -593,7 +596,8 @@ async def test_keepalive_is_the_clients_job_and_the_server_covers_a_silent_clien
             await _count_keepalive_datagrams(transport, live, server.address[1], tls)
         # A client without keep-alive (another implementation, say) is kept alive by the server's PINGs.
         quiet = transport.configure(idle_timeout=1.0, keepalive_interval=0)
-        async with connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", quiet, tls) as conn:
+        async with connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", quiet, tls,
+                           limits=client_limits()) as conn:
             await asyncio.sleep(3.0)  # three idle timeouts: the idle time is the behaviour under test
             assert not conn.is_closed
             assert (await conn.track_status(NS, b"blocks")).request_id >= 0
@@ -659,7 +663,7 @@ async def test_stop_sending_on_fetch_stream_cancels_the_incoming_fetch(
     )
     try:
         async with connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", settings,
-                           TlsSettings.from_dir(pki, None)) as conn:
+                           TlsSettings.from_dir(pki, None), limits=client_limits()) as conn:
             handle = await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 100))
             first = await anext(aiter(handle))
             assert first.payload == b"first" and first.stream_id is not None
@@ -685,7 +689,7 @@ async def test_answered_incoming_requests_are_forgotten(pki: Path) -> None:
     server = await serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), publisher)
     try:
         async with connect(f"moqt://127.0.0.1:{server.address[1]}", settings,
-                           TlsSettings.from_dir(pki, None)) as conn:
+                           TlsSettings.from_dir(pki, None), limits=client_limits()) as conn:
             for _ in range(6):
                 await asyncio.wait_for(
                     asyncio.gather(*(conn.track_status(NS, b"blocks") for _ in range(200))), scaled(30)
@@ -721,7 +725,7 @@ async def test_subscribe_namespace_and_tracks_streams_outlive_the_header_timeout
                          session_config=session_config)
     try:
         async with connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", settings,
-                           TlsSettings.from_dir(pki, None)) as conn:
+                           TlsSettings.from_dir(pki, None), limits=client_limits()) as conn:
             namespaces = asyncio.create_task(conn.subscribe_namespace(NS))
             tracks = asyncio.create_task(conn.subscribe_tracks(NS))
             pending.extend((namespaces, tracks))
@@ -772,7 +776,8 @@ async def _push_to_a_receiver(
                 config = EmulatorConfig(listen=("127.0.0.1", 0), target=("127.0.0.1", port), upstream=link)
                 port = (await contexts.enter_async_context(LinkEmulator(config))).listen_address[1]
             conn = await contexts.enter_async_context(
-                connect(f"{transport.scheme}://127.0.0.1:{port}", small, TlsSettings.from_dir(pki, None)))
+                connect(f"{transport.scheme}://127.0.0.1:{port}", small, TlsSettings.from_dir(pki, None),
+                        limits=client_limits()))
             ok = await conn.publish(NS, track, 21)
             sid = conn.open_subgroup(21, 0, 0)
             for i, payload in enumerate(payloads):
@@ -823,7 +828,8 @@ async def test_aiopquic_datagrams_never_exceed_what_the_peer_advertises(pki: Pat
         config = EmulatorConfig(listen=("127.0.0.1", 0), target=("127.0.0.1", server.address[1]))
         async with LinkEmulator(config) as emu:
             tls = TlsSettings(ca_file=pki / "ca.pem", server_name="localhost")
-            async with connect(f"moqt://127.0.0.1:{emu.listen_address[1]}", peer, tls) as conn:
+            async with connect(f"moqt://127.0.0.1:{emu.listen_address[1]}", peer, tls,
+                               limits=client_limits()) as conn:
                 for _ in range(20):  # ~100 KB: enough packets for probing to reach its ceiling
                     handle = await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 5))
                     assert len(await handle.read_all()) == 5

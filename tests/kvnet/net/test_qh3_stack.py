@@ -14,7 +14,7 @@ from kvnet.net.settings import (
     TlsSettings,
     TransportSettings,
 )
-from tests.helpers.connections import client_settings
+from tests.helpers.connections import client_limits, client_settings
 from tests.helpers.processes import make_certificates
 
 
@@ -37,7 +37,8 @@ async def test_a_qh3_server_sends_what_it_built_before_a_packet_it_could_not_bui
         for _ in range(3):
             async with connect_moqt(f"moqt://localhost:{server.address[1]}",
                                     client_settings(TransportSettings(stack="aioquic")),
-                                    TlsSettings.from_dir(tmp_path, None)) as conn:
+                                    TlsSettings.from_dir(tmp_path, None),
+                                    limits=client_limits()) as conn:
                 assert not conn.is_closed
     finally:
         await server.close()
