@@ -564,6 +564,9 @@ class Node:
         report.timings.load_s = outcome.load_s
         report.bytes_fetched = outcome.bytes
         report.renditions = dict(outcome.renditions)
+        # Every block the tail loaded counts, also one the head then reached: which copy the cache kept is
+        # not known here. The head's blocks are this node's own K/V.
+        report.kv_exact = kv_exact(outcome.renditions, outcome.untrusted)
         report.fetch_retries = outcome.retries
         self.counters.fetch_retries += outcome.retries
         report.head_computed_blocks = done.head_blocks

@@ -62,7 +62,8 @@ class RequestReport:
     kv_exact: bool = True
     """Every block loaded from a relay is a trusted publisher's K/V bit for bit: its layers matched the
     signed payload digests on arrival (always checked), its signer is trusted (not only accepted under
-    ``--trust-any``) and it came lossless (``kvnet.node.verification``)."""
+    ``--trust-any``) and it came in a bit-exact rendition, ``lossless`` or ``plain``
+    (``kvnet.node.verification``)."""
     verified: bool | None = None
     """With ``--verify``: ``kv_exact`` and the output equals this node's own output with the same prefix
     K/V held locally (the local-hit reference); None without ``--verify``."""

@@ -5,12 +5,15 @@ A completion is ``verified`` when both hold:
 * ``kv_exact``: every block it loaded from a relay is a trusted publisher's K/V bit for bit. Each layer's
   payload matched the digest in the publisher's signed manifest as it arrived (``kvnet.node.fetching``: a
   block that fails is refused and recomputed, never loaded), the signer is in the trust store (a block
-  accepted only under ``--trust-any`` is its signer's, not a trusted publisher's), and it came in the
-  ``lossless`` rendition (``int8`` and ``int4`` are approximations by design).
+  accepted only under ``--trust-any`` is its signer's, not a trusted publisher's), and it came in a
+  bit-exact rendition (``Codec.lossless``: ``lossless`` and ``plain``; ``int8`` and ``int4`` are
+  approximations by design).
 * The output equals the **local-hit reference**: this node's own output with the same prefix held locally.
   A fresh cache holds exactly the prefix blocks the request reused (local and remote hits, the very K/V it
-  attended to), then the rest of the prompt is prefilled and the output decoded by the same scheduler, step
-  budget and sampling the request ran with. It is the reference a vLLM engine gives for its own prefix-cache
+  attended to; with fetch and compute at once, ``kvnet.node.overlap``, also the head this node computed
+  while the tail was fetched, since the request found it in the cache like any hit), then the rest of the
+  prompt is prefilled and the output decoded by the same scheduler, step budget and sampling the request
+  ran with. It is the reference a vLLM engine gives for its own prefix-cache
   hit: reuse is correct when the output is what this node computes from that K/V.
 
 ``equals_recompute`` is reported beside them, and is not verification: the output equals a cold recompute
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvnet.blocks.codecs import CODECS
 from kvnet.cache.paged_cache import BlockKV, PagedKVCache
 from kvnet.errors import KVCacheError
 from kvnet.model.batching import (
@@ -45,8 +49,8 @@ from kvnet.model.batching import (
 from kvnet.model.generate import GREEDY, SamplingParams
 from kvnet.model.transformer import Transformer
 
-EXACT_RENDITION = "lossless"
-"""The only rendition whose decoded K/V is the publisher's bit for bit."""
+EXACT_RENDITIONS: frozenset[str] = frozenset(name for name, codec in CODECS.items() if codec.lossless)
+"""The renditions whose decoded K/V is the publisher's bit for bit (``lossless``, ``plain``)."""
 
 
 class VerificationError(KVCacheError):
@@ -81,8 +85,8 @@ def kv_exact(renditions: Mapping[str, int], untrusted: int = 0) -> bool:
     """Whether the blocks a fetch loaded (rendition -> count and blocks from untrusted signers, as in
     ``FetchOutcome``) are a trusted publisher's K/V bit for bit: their digests were checked on arrival, so
     it is a matter of rendition and signer."""
-    lossless = all(name == EXACT_RENDITION for name, count in renditions.items() if count > 0)
-    return lossless and untrusted == 0
+    exact = all(name in EXACT_RENDITIONS for name, count in renditions.items() if count > 0)
+    return exact and untrusted == 0
 
 
 def snapshot_prefix(cache: PagedKVCache, hashes: Sequence[bytes]) -> list[PrefixBlock]:

@@ -14,11 +14,12 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
+from kvnet.blocks.codecs import CODECS
 from kvnet.cache.paged_cache import BlockKV, PagedKVCache
 from kvnet.model.generate import generate
 from kvnet.model.transformer import Transformer
 from kvnet.node.node import Node, NodeConfig
-from kvnet.node.verification import EXACT_RENDITION, PrefixBlock, Verification, kv_exact, run_alone
+from kvnet.node.verification import EXACT_RENDITIONS, PrefixBlock, Verification, kv_exact, run_alone
 
 BLOCK = 16
 PROMPT = "A shared document that several users ask about, long enough for a few blocks. Question?"
@@ -121,9 +122,27 @@ async def test_a_wrong_output_is_not_verified(node: Node) -> None:
     assert not found.verified
 
 
-def test_kv_exact_only_for_lossless_blocks_of_trusted_signers() -> None:
-    assert kv_exact({}) and kv_exact({EXACT_RENDITION: 3}) and kv_exact({"int8": 0, EXACT_RENDITION: 1})
-    assert not kv_exact({EXACT_RENDITION: 2, "int8": 1}) and not kv_exact({"int4": 1})
-    assert not kv_exact({EXACT_RENDITION: 3}, untrusted=1)
+def test_kv_exact_only_for_bit_exact_blocks_of_trusted_signers() -> None:
+    assert {"lossless", "plain"} == EXACT_RENDITIONS
+    assert kv_exact({}) and kv_exact({"lossless": 3}) and kv_exact({"plain": 2})
+    assert kv_exact({"lossless": 2, "plain": 1}) and kv_exact({"int8": 0, "plain": 1})
+    assert not kv_exact({"lossless": 2, "int8": 1}) and not kv_exact({"plain": 2, "int4": 1})
+    assert not kv_exact({"int4": 1}) and not kv_exact({"unknown": 1})
+    assert not kv_exact({"lossless": 3}, untrusted=1) and not kv_exact({"plain": 3}, untrusted=1)
     assert not Verification(kv_exact=False, equals_local_hit=True, equals_recompute=True).verified
     assert Verification(kv_exact=True, equals_local_hit=True, equals_recompute=False).verified
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_exact_renditions_are_the_codecs_that_decode_bit_for_bit(dtype: torch.dtype) -> None:
+    """``kv_exact`` trusts the codecs' own ``lossless`` flag: each codec's round trip of one layer (with a
+    negative zero, a subnormal and a large value) agrees with it."""
+    gen = torch.Generator().manual_seed(7)
+    k, v = (torch.randn(BLOCK, 2, 32, generator=gen).to(dtype) for _ in range(2))
+    k[0, 0, :3] = torch.tensor([-0.0, torch.finfo(dtype).tiny / 4, 1e30]).to(dtype)
+    for name, codec in CODECS.items():
+        dk, dv = codec.decode(codec.encode(k, v), (BLOCK, 2, 32), dtype)
+        same = all(torch.equal(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+                   for a, b in ((dk, k), (dv, v)))
+        assert same == (name in EXACT_RENDITIONS), name
