@@ -3,7 +3,8 @@ link emulator, and a subscriber whose ABR splits the located prefix.
 
 The ``small`` preset (4 KiB of fp32 KV per token, 16-token blocks: 64 KiB a block) and a throughput prior
 near its prefill speed make the plan split the prefix; the emulator sets what the fetch really gets. The
-output must equal the node's own cold recompute (``--verify``), as for every remote hit.
+output must be verified (``--verify``) as for every remote hit: the local-hit reference then holds the
+head the node computed and the tail it fetched, exactly the blocks the request found in its cache.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def _split_subscriber(c: Cluster, *link: str) -> dict[str, Any]:
     port = c.start_linkemu(*link)
     args = ("--verify", *MODEL, "--abr", "auto", "--assume-throughput", "1e7", "--max-tokens", "6")
     (report,) = c.subscribe([PROMPT + " and a question?"], *args, relay_port=port, timeout=180)
-    assert report["verified"] is True, report
+    assert report["verified"] is True and report["kv_exact"] is True, report
     plan = report["abr"]
     assert 0 < plan["compute_blocks"] < plan["fetch_blocks"] == report["located_blocks"], plan
     usable = (len(PROMPT) + 1) // B
