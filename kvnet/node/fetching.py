@@ -289,7 +289,7 @@ class BlockFetcher:
         """The cache again where it takes decoded layers in place (see ``_load_layer``)."""
         self._lookup = cache if isinstance(cache, BlockLookup) else None
         """The cache again where it says which blocks it holds: a block loaded meanwhile is not fetched."""
-        self._inflight: dict[bytes, asyncio.Future[bool]] = {}
+        self._inflight: dict[bytes, asyncio.Future[_Loaded | None]] = {}
         """Blocks some fetch of this session is loading, by hash: concurrent requests that need the same
         block wait for that one FETCH instead of sending their own (resolved True once it is in)."""
         self.stats = FetcherStats()
@@ -423,10 +423,11 @@ class BlockFetcher:
         out = outcome if outcome is not None else FetchOutcome()
         loop = asyncio.get_running_loop()
         handles: dict[int, FetchHandle] = {}
-        joined: dict[int, asyncio.Future[bool]] = {}
+        joined: dict[int, asyncio.Future[_Loaded | None]] = {}
         """Blocks another fetch of this session is loading: waited for, not fetched again."""
-        owned: dict[int, asyncio.Future[bool]] = {}
-        """Our entries in ``self._inflight``, resolved when the block is in (True) or given up (False)."""
+        owned: dict[int, asyncio.Future[_Loaded | None]] = {}
+        """Our entries in ``self._inflight``, resolved when the block is in (how it came) or given up
+        (None)."""
         window = self.window_blocks
         next_issue = 0
         pool = _LayerPool(self.verify_workers, self._pool_slots) if self.verify_workers else None
@@ -445,7 +446,7 @@ class BlockFetcher:
             owned[i] = self._inflight[exp_i.block_hash] = loop.create_future()
             self.stats.fetches += 1
 
-        def settle(i: int, loaded: bool) -> None:
+        def settle(i: int, loaded: _Loaded | None) -> None:
             fut = owned.pop(i, None)
             if fut is None:
                 return
@@ -457,7 +458,7 @@ class BlockFetcher:
             for index, exp in enumerate(expected):
                 block = _LoadingBlock(index, exp, renditions[index])
                 due = None if deadline is None else deadline.due(index)
-                loaded = False
+                loaded: _Loaded | None = None
                 try:
                     async with asyncio.timeout_at(due):
                         while next_issue < len(expected) and next_issue < index + window:
@@ -465,16 +466,18 @@ class BlockFetcher:
                             next_issue += 1
                         for _ in range(2):
                             other = joined.pop(index, None)
-                            if other is None or await asyncio.shield(other):
-                                break  # ours to fetch, already cached, or loaded by the other fetch
+                            if other is None:
+                                break  # ours to fetch, or already cached
+                            block.by_other = await asyncio.shield(other)
+                            if block.by_other is not None:
+                                break  # loaded by the other fetch
                             await issue(index)  # the other fetch gave up on it: try it ourselves
                         if index in joined:
                             raise MoqtConnectionError("the other fetches of this block gave up on it")
                         ours = index in handles
                         if ours:
                             await self._receive_with_retries(handles.pop(index), block, out, pool, clock)
-                    self._finish_block(block, out)
-                    loaded = True
+                    loaded = self._finish_block(block, out)
                     if ours:
                         clock.block_done(block, out)
                     if on_loaded is not None:
@@ -494,7 +497,7 @@ class BlockFetcher:
                     settle(index, loaded)
         finally:
             for i in list(owned):
-                settle(i, False)
+                settle(i, None)
             for h in handles.values():
                 h.cancel()
             if pool is not None:
@@ -638,22 +641,29 @@ class BlockFetcher:
         out.load_s += decode_s + time.perf_counter() - t
         return decode_s
 
-    def _finish_block(self, block: _LoadingBlock, out: FetchOutcome) -> None:
-        """Make a block whose layers are all in visible in the cache and account for it."""
+    def _finish_block(self, block: _LoadingBlock, out: FetchOutcome) -> _Loaded:
+        """Make a block whose layers are all in visible in the cache and account for it; returns how it
+        came, for the other fetches of this session that waited for it."""
         imported = block.importing
         if block.importing:
             self.cache.finish_import(block.exp.block_hash)
             block.importing = False
         out.loaded = block.index + 1
-        out.renditions[block.rendition] = out.renditions.get(block.rendition, 0) + 1
+        if block.by_other is not None:
+            # The cache holds what the other fetch loaded: its rendition and signer, not the ones asked for.
+            loaded = block.by_other
+        else:
+            signer = block.manifest.key_id if imported and block.manifest is not None else None
+            loaded = _Loaded(block.rendition, untrusted=signer is not None and signer not in self.trust)
+        out.renditions[loaded.rendition] = out.renditions.get(loaded.rendition, 0) + 1
+        out.untrusted += loaded.untrusted
         if block.manifest is None or not imported:
             # Loaded by another fetch of this session, or cached meanwhile (only its manifest came, which
             # is no size or decode sample): nothing measured here.
-            return
-        if block.manifest.key_id not in self.trust:
-            out.untrusted += 1
+            return loaded
         raw = raw_bytes(self.shape, block.manifest.dtype)
         self.abr.renditions.add(block.rendition, raw, block.nbytes, block.decode_s)
+        return loaded
 
 
 @dataclass
@@ -686,6 +696,16 @@ class _SampleClock:
         return self.clean_bytes, max(self.last_clean - self.first_object, 0.0) + rtt_s
 
 
+@dataclass(frozen=True)
+class _Loaded:
+    """How a block came into the cache, as far as this session's fetches know: what ``kv_exact`` of every
+    request that used it depends on (``FetchOutcome.renditions`` and ``untrusted``)."""
+
+    rendition: str
+    untrusted: bool
+    """Signed by a key outside the trust store (accepted only under ``trust_any``)."""
+
+
 @dataclass
 class _LoadingBlock:
     """A block whose FETCH is being consumed."""
@@ -700,6 +720,8 @@ class _LoadingBlock:
     decode_s: float = 0.0
     """Seconds this node spent checking the layers' digests and decoding them (on whichever thread): the
     ABR's measure of the rendition's verify + decode speed."""
+    by_other: _Loaded | None = None
+    """Set when another fetch of this session loaded the block and this one waited for it."""
 
 
 @dataclass

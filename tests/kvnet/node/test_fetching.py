@@ -438,6 +438,25 @@ async def test_concurrent_fetches_of_a_shared_prefix_send_one_fetch_per_block(
     assert_same_kv(cache, published.cache, HASHES[:3])
 
 
+async def test_a_request_that_waited_for_another_fetch_counts_what_that_fetch_loaded(
+    pair: ConnectionPair, serve: Serve, published: Published
+) -> None:
+    """``kv_exact`` of every request that used a shared block depends on how the block came: a request
+    that joined another request's FETCH counts that fetch's rendition and signer, not the ones it asked
+    for (here: it asked for int8, and the blocks came lossless from a key trusted only by --trust-any)."""
+    serve(published.blocks[:3])
+    cache = empty_cache()
+    f = fetcher(pair, cache, TrustStore(), trust_any=True)
+    first, second = await asyncio.gather(
+        f.fetch(published.identities[:3], LOSSLESS[:3]), f.fetch(published.identities[:3], ["int8"] * 3)
+    )
+    assert f.stats.fetches == 3 and f.stats.coalesced == 3  # the second request waited for the first's
+    for outcome in (first, second):
+        assert (outcome.loaded, outcome.error) == (3, None)
+        assert outcome.renditions == {"lossless": 3} and outcome.untrusted == 3
+    assert_same_kv(cache, published.cache, HASHES[:3])
+
+
 async def test_a_request_waiting_on_a_failed_shared_fetch_fetches_the_block_itself(
     pair: ConnectionPair, serve: Serve, published: Published
 ) -> None:
