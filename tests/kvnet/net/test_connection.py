@@ -165,7 +165,8 @@ async def test_a_client_connection_gives_its_socket_back_once_it_ends(pki: Path,
     port = server.address[1]
     try:
         client_tls = TlsSettings.from_dir(pki, None)
-        async with connect(f"{transport.scheme}://localhost:{port}", settings, client_tls, limits=client_limits()) as conn:
+        async with connect(f"{transport.scheme}://localhost:{port}", settings, client_tls,
+                           limits=client_limits()) as conn:
             await conn.track_status(NS, b"blocks")  # the first connection's one-time costs (threads, caches)
         before = _open_descriptors()
         held = []
@@ -186,7 +187,8 @@ async def test_setup_and_requests_end_to_end(
     port = server.address[1]
     try:
         client_tls = TlsSettings.from_dir(pki, None)
-        async with connect(f"{transport.scheme}://localhost:{port}", settings, client_tls, limits=client_limits()) as conn:
+        async with connect(f"{transport.scheme}://localhost:{port}", settings, client_tls,
+                           limits=client_limits()) as conn:
             assert conn.session.established
             assert await conn.publish_namespace(NS) >= 0
             ok = await conn.track_status(NS, b"blocks")
@@ -303,7 +305,8 @@ async def test_expired_server_certificate_is_a_clear_error(
     try:
         with pytest.raises(MoqtConnectionError, match="handshake") as info:
             await connect(
-                f"{transport.scheme}://localhost:{server.address[1]}", settings, TlsSettings.from_dir(pki, None),
+                f"{transport.scheme}://localhost:{server.address[1]}", settings,
+                TlsSettings.from_dir(pki, None),
                 limits=client_limits()
             )
         assert "expired" in str(info.value).lower() or "certificate" in str(info.value).lower()
@@ -319,7 +322,8 @@ async def test_certificate_for_another_name_is_a_clear_error(
     try:
         tls = TlsSettings(ca_file=pki / "ca.pem", server_name="relay.example")
         with pytest.raises(MoqtConnectionError, match="handshake") as info:
-            await connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", settings, tls, limits=client_limits())
+            await connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", settings, tls,
+                          limits=client_limits())
         assert "relay.example" in str(info.value) or "certificate" in str(info.value).lower()
     finally:
         await server.close()
@@ -528,7 +532,8 @@ async def test_keepalive_holds_an_idle_session_and_a_dead_peer_is_noticed(
     quiet = transport.configure(idle_timeout=1.0, keepalive_interval=0)
     server = await transport.serve("127.0.0.1", 0, quiet, TlsSettings.from_dir(pki, "server"), on_connection)
     try:
-        conn = await connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", quiet, tls, limits=client_limits())
+        conn = await connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", quiet, tls,
+                             limits=client_limits())
         await asyncio.wait_for(conn.wait_session_closed(), scaled(5))
     finally:
         await server.close()
