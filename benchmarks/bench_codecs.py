@@ -26,6 +26,7 @@ Run: ``python benchmarks/bench_codecs.py [--model bench|smollm2] [--prefix 256] 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -36,6 +37,15 @@ from typing import NamedTuple
 import torch
 
 from kvnet.blocks.codecs import CODECS, Codec, Int8Codec
+from kvnet.blocks.signing import Signer, TrustStore
+from kvnet.blocks.transform_codec import TransformCodec
+from kvnet.blocks.transform_tables import (
+    TransformTables,
+    calibrate,
+    parse_tables_body,
+    sign_tables,
+    verify_tables,
+)
 from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
 from kvnet.model.checkpoint import load_checkpoint
 from kvnet.model.registry import default_models_dir, is_registered, resolve_model
@@ -132,8 +142,58 @@ SPEED_HEADER = (f"{'ratio':>6} {'enc MB/s':>9} {'dec MB/s':>9} {'into MB/s':>9} 
                 f"{'dec ms/MB':>8} {'into ms/MB':>8}")
 
 
+KVTC_TABLES: TransformTables | None = None
+"""The model's kvtc tables for this run (``kvtc_tables``); kvtc is skipped without them."""
+
+
+def kvtc_tables(model: Transformer, tokenizer: Tokenizer, block_size: int, path: Path, tokens: int,
+                rel_step: float) -> TransformTables:
+    """kvtc tables calibrated on the project's docs (never the scored documents); their body is cached at
+    ``path``. Signed here under a throwaway key and verified as a node would (signature, digest, model
+    fingerprint): the benchmark checks the codec, not the trust chain."""
+    fingerprint = model.fingerprint(block_size)
+    if path.is_file():
+        tables = parse_tables_body(path.read_bytes())
+    else:
+        docs = sorted((DOCUMENTS.parent.parent / "docs").glob("*.md"))
+        ids = tokenizer.encode("\n".join(p.read_text(encoding="utf-8") for p in docs))[:tokens]
+        print(f"  calibrating kvtc tables on {len(ids)} tokens of docs/*.md", flush=True)
+        blocks = prefill_blocks(model, ids[: len(ids) // block_size * block_size], block_size)
+        layers = range(model.args.n_layers)
+        k = torch.stack([torch.cat([b[layer][0] for b in blocks]) for layer in layers])
+        v = torch.stack([torch.cat([b[layer][1] for b in blocks]) for layer in layers])
+        tables = calibrate(k.float(), v.float(), fingerprint, rel_step)
+        path.write_bytes(tables.body())
+    signer = Signer.generate()
+    trust = TrustStore()
+    trust.add(signer.public_key)
+    return verify_tables(sign_tables(tables, signer), trust, fingerprint, tables.digest)
+
+
+def measure_kvtc(codec: TransformCodec, blocks: Blocks, runs: int) -> tuple[CodecSpeed, list[list[bytes]]]:
+    """``measure_codec`` for kvtc: encoded per layer with the tables; decoded a block's layers at once
+    (``decode_block``), which also stands for ``decode_into``."""
+    assert KVTC_TABLES is not None
+    tables = KVTC_TABLES
+    raw = sum(2 * k.numel() * k.element_size() for layers in blocks for k, _ in layers)
+
+    def encode() -> list[list[bytes]]:
+        return [[codec.encode_layer(k, v, layer, tables) for layer, (k, v) in enumerate(layers)]
+                for layers in blocks]
+
+    payloads = encode()
+    shape = tuple(blocks[0][0][0].shape)
+    dtype = blocks[0][0][0].dtype
+    enc = median_seconds(encode, runs)
+    dec = median_seconds(lambda: [codec.decode_block(p, shape, dtype) for p in payloads], runs)  # type: ignore[arg-type]
+    ratio = raw / sum(len(p) for ps in payloads for p in ps)
+    return CodecSpeed(ratio, raw / enc / 1e6, raw / dec / 1e6, raw / dec / 1e6), payloads
+
+
 def measure_codec(codec: Codec, blocks: Blocks, runs: int) -> tuple[CodecSpeed, list[list[bytes]]]:
     """The codec's ratio and speeds (median of ``runs``), and its payloads."""
+    if isinstance(codec, TransformCodec):
+        return measure_kvtc(codec, blocks, runs)
     pairs = [kv for layers in blocks for kv in layers]
     raw = sum(2 * k.numel() * k.element_size() for k, _ in pairs)
     payloads = [[codec.encode(k, v) for k, v in layers] for layers in blocks]
@@ -192,6 +252,9 @@ def hidden_states(
 def decoded_blocks(codec: Codec, payloads: list[list[bytes]], like: Blocks) -> Blocks:
     shape = tuple(like[0][0][0].shape)
     dtype = like[0][0][0].dtype
+    if isinstance(codec, TransformCodec):
+        return [codec.decode_block(layer_payloads, shape, dtype)  # type: ignore[arg-type]
+                for layer_payloads in payloads]
     return [[codec.decode(p, shape, dtype) for p in layer_payloads]  # type: ignore[arg-type]
             for layer_payloads in payloads]
 
@@ -225,10 +288,12 @@ def held_out_logits(model: Transformer, blocks: Blocks, block_size: int, held_ou
 
 def real_kv_quality(
     model: Transformer, tokenizer: Tokenizer, block_size: int, held_out: int, runs: int
-) -> list[tuple[str, float, float, float, float, int]]:
+) -> list[tuple[str, float, float, float, float, int, float, float]]:
     """Per rendition over all documents: (name, size vs raw, mean KL vs lossless, delta log-loss, top-1
-    agreement, positions scored). Log-loss is the mean NLL of each held-out token's successor."""
-    totals: dict[str, list[float]] = {name: [0.0, 0.0, 0.0, 0.0, 0.0] for name in CODECS}
+    agreement, positions scored, encode MB/s, decode MB/s). Log-loss is the mean NLL of each held-out
+    token's successor; the speeds are position-weighted means over the documents."""
+    totals: dict[str, list[float]] = {name: [0.0] * 7 for name in CODECS
+                                      if name != "kvtc" or KVTC_TABLES is not None}
     positions = 0
     for path in sorted(DOCUMENTS.glob("*.txt")):
         ids = tokenizer.encode(path.read_text(encoding="utf-8"))
@@ -239,6 +304,8 @@ def real_kv_quality(
         targets = torch.tensor(scored[1:])
         reference: torch.Tensor | None = None
         for name, codec in CODECS.items():  # lossless first: the others are compared with it
+            if name not in totals:
+                continue
             speed, payloads = measure_codec(codec, blocks, runs)
             ratio = speed.ratio
             print(f"    {name}: {SPEED_HEADER}\n    {name}: {speed.columns()}", flush=True)
@@ -252,11 +319,13 @@ def real_kv_quality(
             agree = (log_probs.argmax(-1) == reference.argmax(-1)).float()
             n = len(targets)
             for index, value in enumerate((ratio * n, float(kl.sum()), float((nll - ref_nll).sum()),
-                                           float(agree.sum()), float(nll.sum()))):
+                                           float(agree.sum()), float(nll.sum()), speed.encode_mbps * n,
+                                           speed.decode_mbps * n)):
                 totals[name][index] += value
         positions += len(targets)
     return [
-        (name, t[0] / positions, t[1] / positions, t[2] / positions, t[3] / positions, positions)
+        (name, t[0] / positions, t[1] / positions, t[2] / positions, t[3] / positions, positions,
+         t[5] / positions, t[6] / positions)
         for name, t in totals.items()
     ]
 
@@ -273,18 +342,30 @@ def load_trained(name: str, dtype_name: str) -> tuple[Transformer, Tokenizer]:
 def main_real(args: argparse.Namespace) -> None:
     print(f"model {args.model}; block size {args.block_size}; {args.held_out} held-out tokens per document "
           f"scored after its prompt KV went through each rendition; load average {os.getloadavg()[0]:.1f}")
+    global KVTC_TABLES
     rows = []
     for dtype_name in args.dtypes.split(","):
         model, tokenizer = load_trained(args.model, dtype_name)
         print(f"== {dtype_name}", flush=True)
+        KVTC_TABLES = None
+        if args.kvtc_tables:
+            KVTC_TABLES = kvtc_tables(model, tokenizer, args.block_size,
+                                      Path(f"{args.kvtc_tables}.{dtype_name}"), args.kvtc_calibration_tokens,
+                                      args.kvtc_rel_step)
         rows += [(dtype_name, *row) for row in real_kv_quality(model, tokenizer, args.block_size,
                                                                args.held_out, args.runs)]
     print("\n| model dtype | rendition | size vs raw | mean KL vs lossless | Δ log-loss (nats/token) "
-          "| top-1 agreement |")
-    print("|---|---|---|---|---|---|")
-    for dtype_name, name, ratio, kl, delta, agree, _ in rows:
-        print(f"| {dtype_name} | {name} | {ratio:.2f}x | {kl:.1e} | {delta:+.4f} | {agree:.3f} |")
-    print(f"\n(positions scored per dtype: {rows[0][-1]}; load average {os.getloadavg()[0]:.1f})")
+          "| top-1 agreement | encode MB/s | decode MB/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for dtype_name, name, ratio, kl, delta, agree, _, enc, dec in rows:
+        print(f"| {dtype_name} | {name} | {ratio:.2f}x | {kl:.1e} | {delta:+.4f} | {agree:.3f} | {enc:.0f} "
+              f"| {dec:.0f} |")
+    print(f"\n(positions scored per dtype: {rows[0][6]}; load average {os.getloadavg()[0]:.1f})")
+    if args.json:
+        for dtype_name, name, ratio, kl, delta, agree, _, enc, dec in rows:
+            print(json.dumps({"dtype": dtype_name, "rendition": name, "ratio": ratio, "kl": kl,
+                              "delta_log_loss": delta, "top1": agree, "encode_mb_s": enc,
+                              "decode_mb_s": dec}))
 
 
 def main() -> None:
@@ -298,6 +379,12 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--runs", type=int, default=5, help="timed runs per measurement (median)")
     parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--json", action="store_true",
+                        help="trained model: also one JSON line per (dtype, rendition)")
+    parser.add_argument("--kvtc-tables", default="", help="trained model: kvtc tables file prefix "
+                        "(calibrated and written when missing; kvtc is skipped without it)")
+    parser.add_argument("--kvtc-calibration-tokens", type=int, default=1024)
+    parser.add_argument("--kvtc-rel-step", type=float, default=0.15)
     parser.add_argument("--no-quality", action="store_true", help="skip the model quality check")
     parser.add_argument("--held-out", type=int, default=256, help="trained model: tokens scored per document")
     args = parser.parse_args()
@@ -328,6 +415,8 @@ def main() -> None:
             reference_hidden = hidden_states(model, capture, blocks, args.block_size,
                                              suffix + reference_tokens)
         for name, codec in CODECS.items():
+            if isinstance(codec, TransformCodec):
+                continue  # kvtc's tables are calibrated on a trained model's KV (--model smollm2)
             speed, payloads = measure_codec(codec, blocks, args.runs)
             quality = ""
             if not args.no_quality and reference_hidden is not None:

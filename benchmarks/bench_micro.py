@@ -72,7 +72,7 @@ def codecs(res: common.SuiteResult, prefix: int = 256, runs: int = 5, model_name
                         seed=0)
     model.eval()
     blocks = bc.prefill_blocks(model, bc.prompt_tokens(prefix), 16)
-    for name, codec in CODECS.items():
+    for name, codec in ((n, c) for n, c in CODECS.items() if n != "kvtc"):  # kvtc needs tables
         ratio, enc, dec, _ = bc.measure_codec(codec, blocks, runs)
         note = f"model {model_name} bf16, {len(blocks)} blocks of 16, ratio {ratio:.3f}"
         res.add(f"codec {name} encode", [enc], "MB/s", note)

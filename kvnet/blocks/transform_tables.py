@@ -1,0 +1,226 @@
+"""The tables of the ``kvtc`` rendition: a per-model, per-layer PCA basis and quantizer/coder parameters.
+
+Owns: calibrating the tables from a model's K/V, their byte format, their content address (SHA-256 of the
+body), signing them, verifying a received table object (signature, digest, model fingerprint) and a
+directory store that keeps verified table objects beside a node's blocks. Nothing here knows the network.
+
+A table object is, all integers little-endian::
+
+    body       magic "KVTT", version u8, model fingerprint (32), num_layers u16, num_kv_heads u16,
+               head_dim u16, then float32 arrays: mean [L, 2, C], basis [L, 2, C, C] (columns are the
+               components, strongest first), step [L, 2], spread [L, 2, C]    (C = num_kv_heads * head_dim;
+               index 0 of the "2" axis is K, 1 is V)
+    key id     u8 length, then that many bytes
+    signature  64 bytes, Ed25519 over "kvnet-kvtc-tables-v1" || 0x00 || SHA-256(body)
+
+The digest (the tables' name, carried in every ``kvtc`` payload) is SHA-256 of the body, so it binds the
+basis, the quantizer steps and the model fingerprint; the signature binds them to a publisher key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvnet.blocks.codecs import CodecError
+from kvnet.blocks.signing import SIGNATURE_LEN, Signer, TrustStore
+
+__all__ = ["TableStore", "TransformTables", "calibrate", "parse_tables_body", "sign_tables", "verify_tables"]
+
+TABLES_VERSION = 1
+_MAGIC = b"KVTT"
+_BODY_HEADER = struct.Struct("<4sB32sHHH")
+_SIGNING_PREFIX = b"kvnet-kvtc-tables-v1\x00"
+# Largest table object accepted: 1024 layers of 8 KiB components would be absurd; this bounds the parse.
+MAX_TABLES_BYTES = 256 * 1024 * 1024
+# Laplace scales below this (in quantizer steps) are raised to it: a component that was always zero in
+# calibration can still be coded, at a few bits, if a block ever has it non-zero.
+_MIN_SPREAD = 0.02
+
+
+@dataclass(frozen=True, eq=False)
+class TransformTables:
+    """What a ``kvtc`` decoder needs beyond the block, for one model (all float32, CPU)."""
+
+    fingerprint: bytes
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    mean: torch.Tensor
+    """[L, 2, C] per-layer mean of K and V rows (a token's heads concatenated)."""
+    basis: torch.Tensor
+    """[L, 2, C, C] orthonormal PCA basis; column j is component j."""
+    step: torch.Tensor
+    """[L, 2] uniform quantizer step of the coefficients."""
+    spread: torch.Tensor
+    """[L, 2, C] Laplace scale of each component's quantized coefficient, in steps (the entropy model)."""
+
+    @property
+    def channels(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def body(self) -> bytes:
+        header = _BODY_HEADER.pack(_MAGIC, TABLES_VERSION, self.fingerprint, self.num_layers,
+                                   self.num_kv_heads, self.head_dim)
+        arrays = (self.mean, self.basis, self.step, self.spread)
+        return header + b"".join(a.to(torch.float32).contiguous().numpy().astype("<f4").tobytes()
+                                 for a in arrays)
+
+    @property
+    def digest(self) -> bytes:
+        cached: bytes | None = self.__dict__.get("_digest")
+        if cached is None:
+            cached = hashlib.sha256(self.body()).digest()
+            object.__setattr__(self, "_digest", cached)
+        return cached
+
+
+def parse_tables_body(body: bytes) -> TransformTables:
+    """Tables from a body (unverified: a received object goes through ``verify_tables``)."""
+    if len(body) < _BODY_HEADER.size:
+        raise CodecError("kvtc tables: body shorter than its header")
+    magic, version, fingerprint, layers, heads, head_dim = _BODY_HEADER.unpack_from(body, 0)
+    if magic != _MAGIC or version != TABLES_VERSION:
+        raise CodecError(f"kvtc tables: bad magic {magic!r} or version {version}")
+    if not (layers and heads and head_dim):
+        raise CodecError("kvtc tables: empty model shape")
+    c = heads * head_dim
+    counts = (layers * 2 * c, layers * 2 * c * c, layers * 2, layers * 2 * c)
+    if _BODY_HEADER.size + 4 * sum(counts) != len(body):
+        raise CodecError(f"kvtc tables: body of {len(body)} bytes does not match its shape")
+    flat = np.frombuffer(body, dtype="<f4", offset=_BODY_HEADER.size).astype(np.float32)
+    if not np.isfinite(flat).all():
+        raise CodecError("kvtc tables: non-finite value")
+    parts, offset = [], 0
+    for n in counts:
+        parts.append(torch.from_numpy(flat[offset:offset + n].copy()))
+        offset += n
+    step, spread = parts[2].view(layers, 2), parts[3].view(layers, 2, c)
+    if bool((step <= 0).any()) or bool((spread <= 0).any()):
+        raise CodecError("kvtc tables: non-positive quantizer step or spread")
+    return TransformTables(fingerprint, layers, heads, head_dim, parts[0].view(layers, 2, c),
+                           parts[1].view(layers, 2, c, c), step, spread)
+
+
+def sign_tables(tables: TransformTables, signer: Signer) -> bytes:
+    """The table object: body, key id and signature over the body's digest."""
+    kid = signer.key_id
+    signature = signer.sign(_SIGNING_PREFIX + tables.digest)
+    return tables.body() + bytes([len(kid)]) + kid + signature
+
+
+def verify_tables(data: bytes, trust: TrustStore, fingerprint: bytes,
+                  digest: bytes | None = None) -> TransformTables:
+    """Parse a table object and check it: signed by a trusted key, for the model ``fingerprint``, and (when
+    given) named ``digest``. Any failure raises ``CodecError`` with one line."""
+    if len(data) > MAX_TABLES_BYTES or len(data) < _BODY_HEADER.size + 1 + SIGNATURE_LEN:
+        raise CodecError(f"kvtc tables: object of {len(data)} bytes out of bounds")
+    signature = data[-SIGNATURE_LEN:]
+    # The key id length byte sits just before the key id; find it by trying the body length the header
+    # implies (the body's shape fixes its size).
+    layers, heads, head_dim = _BODY_HEADER.unpack_from(data, 0)[3:]
+    c = heads * head_dim
+    body_len = _BODY_HEADER.size + 4 * (layers * 2 * c * (c + 2) + layers * 2)
+    if body_len >= len(data) - SIGNATURE_LEN:
+        raise CodecError("kvtc tables: object truncated")
+    kid_len = data[body_len]
+    if body_len + 1 + kid_len + SIGNATURE_LEN != len(data):
+        raise CodecError("kvtc tables: key id length does not match the object size")
+    body = bytes(data[:body_len])
+    kid = bytes(data[body_len + 1:body_len + 1 + kid_len])
+    body_digest = hashlib.sha256(body).digest()
+    if digest is not None and body_digest != digest:
+        raise CodecError(f"kvtc tables: content digest {body_digest.hex()[:16]} is not the requested "
+                         f"{digest.hex()[:16]}")
+    if not trust.verify(kid, _SIGNING_PREFIX + body_digest, bytes(signature)):
+        raise CodecError("kvtc tables: signature does not verify under a trusted key")
+    tables = parse_tables_body(body)
+    if tables.fingerprint != fingerprint:
+        raise CodecError(f"kvtc tables are bound to model {tables.fingerprint.hex()[:16]}, not "
+                         f"{fingerprint.hex()[:16]}")
+    return tables
+
+
+def calibrate(k: torch.Tensor, v: torch.Tensor, fingerprint: bytes, rel_step: float = 0.04,
+              key_rel_step: float | None = None) -> TransformTables:
+    """Tables from calibration K/V ``[L, N, H, D]`` (N tokens of ordinary text, not the evaluation text).
+
+    Per layer and for K and V apart: the rows' mean, the eigenvectors of their covariance (PCA), and one
+    uniform step for all components, ``rel_step * sqrt(12) * rms`` of the centred rows. One step for
+    every component is the MSE-optimal allocation of an entropy-coded uniform quantizer (reverse water-
+    filling): weak components round to zero and cost almost nothing, strong ones get the bits. Tying the
+    step to each layer's RMS gives every layer the same relative error. ``spread`` is each component's
+    mean absolute quantized value, the Laplace scale the entropy coder models it with.
+    """
+    if k.dim() != 4 or k.shape != v.shape:
+        raise CodecError("calibration K/V must both be [layers, tokens, heads, head_dim]")
+    layers, n, heads, head_dim = (int(x) for x in k.shape)
+    c = heads * head_dim
+    mean = torch.empty(layers, 2, c)
+    basis = torch.empty(layers, 2, c, c)
+    step = torch.empty(layers, 2)
+    spread = torch.empty(layers, 2, c)
+    for layer in range(layers):
+        for kind, x in enumerate((k[layer], v[layer])):
+            rows = x.reshape(n, c).to(torch.float64)
+            mu = rows.mean(0)
+            centred = rows - mu
+            _, vectors = torch.linalg.eigh(centred.T @ centred / n)
+            vectors = vectors.flip(1)  # strongest component first
+            rel = key_rel_step if (kind == 0 and key_rel_step is not None) else rel_step
+            s = rel * math.sqrt(12.0) * float(centred.pow(2).mean().sqrt()) or 1.0
+            q = torch.round(centred @ vectors / s)
+            mean[layer, kind] = mu.float()
+            basis[layer, kind] = vectors.float()
+            step[layer, kind] = s
+            spread[layer, kind] = q.abs().mean(0).clamp(min=_MIN_SPREAD).float()
+    return TransformTables(bytes(fingerprint), layers, heads, head_dim, mean, basis, step, spread)
+
+
+class TableStore:
+    """Verified table objects kept in a directory (``<digest hex>.kvtt``) and in memory by digest.
+
+    ``add`` verifies before it stores; ``get`` re-verifies what it reads from disk (a file may have been
+    altered since), so nothing unverified is ever handed to the decoder.
+    """
+
+    def __init__(self, directory: Path | str, trust: TrustStore, fingerprint: bytes) -> None:
+        self.directory = Path(directory)
+        self.trust = trust
+        self.fingerprint = fingerprint
+        self._loaded: dict[bytes, TransformTables] = {}
+        self._lock = threading.Lock()
+
+    def _path(self, digest: bytes) -> Path:
+        return self.directory / f"{digest.hex()}.kvtt"
+
+    def add(self, data: bytes) -> TransformTables:
+        tables = verify_tables(data, self.trust, self.fingerprint)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = self._path(tables.digest).with_suffix(".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, self._path(tables.digest))
+        with self._lock:
+            self._loaded[tables.digest] = tables
+        return tables
+
+    def get(self, digest: bytes) -> TransformTables | None:
+        with self._lock:
+            tables = self._loaded.get(digest)
+        if tables is not None:
+            return tables
+        path = self._path(digest)
+        if not path.is_file() or path.stat().st_size > MAX_TABLES_BYTES:
+            return None
+        tables = verify_tables(path.read_bytes(), self.trust, self.fingerprint, digest)
+        with self._lock:
+            self._loaded[digest] = tables
+        return tables

@@ -1,0 +1,144 @@
+"""Tests of the kvtc rendition (kvnet.blocks.transform_codec) and its tables (transform_tables)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvnet.blocks.codecs import CODECS, CodecError
+from kvnet.blocks.signing import Signer, TrustStore
+from kvnet.blocks.transform_codec import TransformCodec
+from kvnet.blocks.transform_tables import TableStore, TransformTables, calibrate, sign_tables, verify_tables
+
+LAYERS, TOKENS, HEADS, DIM = 3, 16, 2, 8
+SHAPE = (TOKENS, HEADS, DIM)
+FP_A = hashlib.sha256(b"model a").digest()
+FP_B = hashlib.sha256(b"model b").digest()
+
+
+def _kv(seed: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Correlated K/V ``[L, tokens, H, D]``: a few latent factors mixed into every channel, plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(LAYERS, 2, 4, HEADS * DIM, generator=torch.Generator().manual_seed(99))
+    latent = torch.randn(LAYERS, 2, tokens, 4, generator=g)
+    x = latent @ mix + 0.05 * torch.randn(LAYERS, 2, tokens, HEADS * DIM, generator=g)
+    x = x.view(LAYERS, 2, tokens, HEADS, DIM)
+    return x[:, 0], x[:, 1]
+
+
+def _tables(fp: bytes = FP_A, rel_step: float = 0.02) -> TransformTables:
+    k, v = _kv(0, 512)
+    return calibrate(k, v, fp, rel_step)
+
+
+def test_registered() -> None:
+    assert isinstance(CODECS["kvtc"], TransformCodec)
+    assert not CODECS["kvtc"].lossless
+
+
+def test_round_trip_within_bound() -> None:
+    tables = _tables(rel_step=0.02)
+    codec = TransformCodec().for_model(FP_A)
+    k, v = _kv(1, TOKENS)  # not the calibration tokens
+    payloads = codec.encode_block(k, v, tables)
+    decoded = codec.decode_block(payloads, SHAPE, torch.float32)
+    raw = 2 * k.numel() * 4
+    assert sum(map(len, payloads)) < raw / 3
+    for layer, (k2, v2) in enumerate(decoded):
+        for kind, (x, y) in enumerate(((k[layer], k2), (v[layer], v2))):
+            # Orthonormal basis: the error is the coefficients' rounding, at most step / 2 each.
+            bound = float(tables.step[layer, kind]) / 2 * (HEADS * DIM) ** 0.5 * 1.001
+            assert float((x - y).reshape(TOKENS, -1).norm(dim=1).max()) <= bound
+        # decode of one payload equals the batched decode of the block
+        single = codec.decode(payloads[layer], SHAPE, torch.float32)
+        torch.testing.assert_close(single[0], k2)
+    bf = codec.decode(codec.encode_layer(k[0].bfloat16(), v[0].bfloat16(), 0, tables), SHAPE, torch.bfloat16)
+    assert bf[0].dtype == torch.bfloat16
+
+
+def test_tables_signed_and_bound_to_fingerprint(tmp_path: Path) -> None:
+    signer, other = Signer.generate(), Signer.generate()
+    trust = TrustStore()
+    trust.add(signer.public_key)
+    tables = _tables()
+    data = sign_tables(tables, signer)
+    assert verify_tables(data, trust, FP_A).digest == tables.digest
+    with pytest.raises(CodecError, match="bound to model"):
+        verify_tables(data, trust, FP_B)
+    with pytest.raises(CodecError, match="signature"):
+        verify_tables(sign_tables(tables, other), trust, FP_A)
+    tampered = bytearray(data)
+    tampered[200] ^= 1
+    with pytest.raises(CodecError, match="signature"):
+        verify_tables(bytes(tampered), trust, FP_A)
+    with pytest.raises(CodecError, match="digest"):
+        verify_tables(data, trust, FP_A, digest=bytes(32))
+    store = TableStore(tmp_path, trust, FP_A)
+    store.add(data)
+    fresh = TableStore(tmp_path, trust, FP_A)  # a restarted node reads (and re-verifies) from disk
+    loaded = fresh.get(tables.digest)
+    assert loaded is not None and loaded.digest == tables.digest
+    (tmp_path / f"{tables.digest.hex()}.kvtt").write_bytes(bytes(tampered))
+    with pytest.raises(CodecError):
+        TableStore(tmp_path, trust, FP_A).get(tables.digest)
+    with pytest.raises(CodecError, match="bound to model"):
+        TableStore(tmp_path / "b", trust, FP_B).add(data)
+
+
+def test_block_with_another_models_tables_refused() -> None:
+    shared = TransformCodec()
+    tables_b = _tables(FP_B)
+    k, v = _kv(2, TOKENS)
+    payload = shared.encode_layer(k[0], v[0], 0, tables_b)
+    with pytest.raises(CodecError, match="model"):
+        shared.for_model(FP_A).decode(payload, SHAPE, torch.float32)
+    with pytest.raises(CodecError, match="not installed"):
+        TransformCodec().decode(payload, SHAPE, torch.float32)
+
+
+def test_corrupted_bitstream_rejected() -> None:
+    codec = TransformCodec()
+    tables = _tables()
+    k, v = _kv(3, TOKENS)
+    payload = codec.encode_layer(k[1], v[1], 1, tables)
+    body_start = 20 + 3 * 9 + 32
+    for position in range(body_start, len(payload)):
+        bad = bytearray(payload)
+        bad[position] ^= 0x5A
+        with pytest.raises(CodecError):
+            codec.decode(bytes(bad), SHAPE, torch.float32)
+    for cut in (1, 4, len(payload) - 30):
+        with pytest.raises(CodecError):
+            codec.decode(payload[:-cut], SHAPE, torch.float32)
+    with pytest.raises(CodecError):
+        codec.decode(payload + b"\x00", SHAPE, torch.float32)
+    with pytest.raises(CodecError):
+        codec.encode(k[0], v[0])
+    with pytest.raises(CodecError):
+        codec.encode_layer(k[0], v[0], LAYERS, tables)
+
+
+_FUZZ_TABLES = _tables()
+_FUZZ_CODEC = TransformCodec()
+_FUZZ_PAYLOAD = _FUZZ_CODEC.encode_layer(*(x[2] for x in _kv(4, TOKENS)), 2, _FUZZ_TABLES)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, len(_FUZZ_PAYLOAD) - 1), st.integers(1, 255)), min_size=1,
+                max_size=4), st.integers(0, 8))
+def test_fuzz_decoder(flips: list[tuple[int, int]], trim: int) -> None:
+    data = bytearray(_FUZZ_PAYLOAD)
+    for position, mask in flips:
+        data[position] ^= mask
+    data = data[: len(data) - trim]
+    try:
+        k, v = _FUZZ_CODEC.decode(bytes(data), SHAPE, torch.float32)
+    except CodecError:
+        return
+    # Only a change the checks cannot see survives (none expected); it must still be the right shape.
+    assert k.shape == SHAPE and v.shape == SHAPE
