@@ -33,7 +33,6 @@ This module knows nothing about tracks, manifests or the network; it only maps t
 
 from __future__ import annotations
 
-import importlib
 import struct
 import sys
 import threading
@@ -678,8 +677,6 @@ class Int4Codec(Codec):
 CODECS: dict[str, Codec] = {c.name: c for c in (LosslessCodec(), PlainCodec(), Int8Codec(), Int4Codec())}
 """Registered renditions by name; the names are part of the wire format (track names)."""
 
-# kvtc (transform-coded, kvnet.blocks.transform_codec) builds on this module and registers itself in CODECS.
-importlib.import_module("kvnet.blocks.transform_codec")
 
 
 def get_codec(name: str) -> Codec:

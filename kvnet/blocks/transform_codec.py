@@ -30,7 +30,6 @@ from kvnet.blocks.codecs import (
     _MAGIC,
     _MODE_RAW,
     _SECTION,
-    CODECS,
     FORMAT_VERSION,
     Codec,
     CodecError,
@@ -243,5 +242,3 @@ class TransformCodec(Codec):
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         raise CodecError("kvtc payloads are parsed by TransformCodec._parse")
 
-
-CODECS[TransformCodec.name] = TransformCodec()

@@ -52,7 +52,7 @@ def _special_values(dtype: torch.dtype) -> torch.Tensor:
 
 
 def test_registry() -> None:
-    assert set(CODECS) == {"lossless", "plain", "int8", "int4", "kvtc"}
+    assert set(CODECS) == {"lossless", "plain", "int8", "int4"}
     assert EXACT == ["lossless", "plain"]
     assert not get_codec("int8").lossless and not get_codec("int4").lossless
     assert len({c.codec_id for c in CODECS.values()}) == len(CODECS)

@@ -36,9 +36,11 @@ def _tables(fp: bytes = FP_A, rel_step: float = 0.02) -> TransformTables:
     return calibrate(k, v, fp, rel_step)
 
 
-def test_registered() -> None:
-    assert isinstance(CODECS["kvtc"], TransformCodec)
-    assert not CODECS["kvtc"].lossless
+def test_not_a_network_rendition_yet() -> None:
+    """kvtc's tables do not travel over MoQT yet, so nodes cannot publish or accept it: it is measured in
+    bench_codecs only, and its codec id is reserved."""
+    assert "kvtc" not in CODECS and not TransformCodec().lossless
+    assert TransformCodec.codec_id not in {c.codec_id for c in CODECS.values()}
 
 
 def test_round_trip_within_bound() -> None:
@@ -125,7 +127,8 @@ def test_corrupted_bitstream_rejected() -> None:
 
 _FUZZ_TABLES = _tables()
 _FUZZ_CODEC = TransformCodec()
-_FUZZ_PAYLOAD = _FUZZ_CODEC.encode_layer(*(x[2] for x in _kv(4, TOKENS)), 2, _FUZZ_TABLES)
+_FUZZ_K, _FUZZ_V = _kv(4, TOKENS)
+_FUZZ_PAYLOAD = _FUZZ_CODEC.encode_layer(_FUZZ_K[2], _FUZZ_V[2], 2, _FUZZ_TABLES)
 
 
 @settings(max_examples=150, deadline=None)
