@@ -136,8 +136,19 @@ def test_smollm2_relay_killed_mid_load_is_recomputed_and_counted(runs: dict[str,
     cold = runs["A"]["steps"]["killed"]
     recomputed = runs["B"]["steps"]["killed"]
     assert cold["num_cached_tokens"] == 0
-    assert recomputed["token_ids"] == cold["token_ids"]
-    assert recomputed["logprobs"] == cold["logprobs"]
+    if runs["kernel"] == "amx":
+        # The loaded blocks are A's bytes, but B recomputed the rest in another batch shape than A's cold
+        # run, and AMX's bf16 kernels round by batch shape (docs/nodes.md, "What verified means"): no
+        # reference shares B's exact computation, so the first token, which the loaded prefix decides,
+        # must agree closely instead of bit for bit.
+        assert recomputed["token_ids"][0] == cold["token_ids"][0]
+        first = dict(recomputed["logprobs"][0])
+        for token, logprob in cold["logprobs"][0]:
+            if token in first:
+                assert abs(float.fromhex(first[token]) - float.fromhex(logprob)) < 0.05, (token, first)
+    else:
+        assert recomputed["token_ids"] == cold["token_ids"]
+        assert recomputed["logprobs"] == cold["logprobs"]
     b_worker = counters(runs["setup"], "B", "worker")
     assert b_worker["load_failures_transfer"] == 1  # the one load the kill cut short
     assert b_worker["blocks_load_failed"] >= 1
