@@ -44,7 +44,7 @@ def parse_moqt_url(url: str) -> MoqtUrl:
     parts = urlsplit(url)
     transport = SCHEMES.get(parts.scheme)
     if transport is None:
-        accepted = ", ".join(f"{scheme}://" for scheme in SCHEMES)
+        accepted = " or ".join(f"{scheme}://" for scheme in SCHEMES)
         raise ValueError(f"expected a {accepted} URL, got {url!r}")
     if not parts.hostname:
         raise ValueError(f"URL {url!r} has no host")

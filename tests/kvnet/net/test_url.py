@@ -20,7 +20,7 @@ def test_the_scheme_names_the_transport_family() -> None:
     assert parse_moqt_url("moqt://h:1").transport == QUIC
     assert set(SCHEMES.values()) >= {QUIC}
     # An unknown scheme is refused with the accepted ones named, in one line.
-    with pytest.raises(ValueError, match=r"expected a moqt://, moqt\+qmux:// URL, got 'tcp://h:1'"):
+    with pytest.raises(ValueError, match=r"expected a moqt:// or moqt\+qmux:// URL, got 'tcp://h:1'"):
         parse_moqt_url("tcp://h:1")
 
 
