@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kvnet.blocks.signing import generate_keypair
 from kvnet.security import tokens as auth
+from tests.helpers.waiting import scaled
 from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster
 
 B = TEST_BLOCK_SIZE
@@ -43,10 +44,12 @@ def test_untrusted_signer_is_a_security_event_unless_trust_any(kv_cluster: Clust
     (refused,) = kv_cluster.subscribe([prompt], "--verify")
     assert refused["remote_hit_tokens"] == 0 and refused["verified"]
     assert [e["kind"] for e in refused["security_events"]] == ["signature"]
-    proc = kv_cluster.start_subscriber([prompt, prompt + "y"], "--trust-any", "--verify")
-    out, _ = proc.communicate(timeout=120)
+    proc = kv_cluster.start_subscriber([prompt, prompt + "y"], "--trust-any")
+    out, _ = proc.communicate(timeout=scaled(120))
     assert proc.returncode == 0
     accepted = json.loads(out.decode().splitlines()[0])
     assert accepted["remote_hit_tokens"] == (len(SHARED_PREFIX) + 1) // B * B
-    assert accepted["security_events"] == [] and accepted["verified"]
+    # Accepted, but no trusted publisher vouches for these K/V: never reported exact (nor, with --verify,
+    # verified; docs/nodes.md "What verified means").
+    assert accepted["security_events"] == [] and accepted["kv_exact"] is False
     assert "trust-any" in kv_cluster.log_of(proc) and "ANY key" in kv_cluster.log_of(proc)
