@@ -653,9 +653,11 @@ class Relay:
         wait = self.config.limits.upstream_timeout
         short = False
         """The range is of a pushed track whose objects did not all arrive within the wait."""
-        if fan is not None and not fan.live_complete(start, end):
+        if fan is not None and self.cache.cached_status(key) is None and not fan.live_complete(start, end):
             # Objects of the range are still on their way from the publisher: wait for them (bounded)
-            # rather than end the FETCH's stream after what we hold, which reads as the whole range.
+            # rather than end the FETCH's stream after what we hold, which reads as the whole range. A
+            # track the cache holds whole is served from it: a session that PUBLISHed the same name and
+            # sends nothing (a squatter) must not hold its FETCHes.
             complete = await fan.wait_live(start, end, wait)
             outcome = "complete" if complete else "short"
             self.metrics.inc("live_fetch_waits_total", labels={"outcome": outcome})

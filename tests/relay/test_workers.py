@@ -609,6 +609,7 @@ def test_a_second_relay_on_the_occupied_port_is_refused_with_one_line(
         assert second.poll() == 2, text[-3000:]
         assert text.splitlines() == [
             f"kvnet-relay: error: --listen 127.0.0.1:{port}: cannot listen: Address already in use"
+            " (--listen HOST:PORT moves the relay)"
         ], text
         # The first relay still serves the port.
         async def served() -> None:
