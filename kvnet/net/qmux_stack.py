@@ -411,18 +411,22 @@ def qmux_configuration(settings: TransportSettings, is_client: bool) -> QMuxConf
 class QMuxStack(Stack):
     """QMux over TLS 1.3 over TCP behind ``kvnet.net.stack.Stack``."""
 
+    def base_configuration(self, settings: TransportSettings, is_client: bool) -> Any:
+        """The QMux core's configuration; TLS is the ssl context's (``client_configuration``)."""
+        return qmux_configuration(settings, is_client=is_client)
+
     def client_configuration(
         self, settings: TransportSettings, tls: TlsSettings, server_name: str | None = None
     ) -> Any:
         return QMuxTlsConfiguration(
-            qmux=qmux_configuration(settings, is_client=True),
+            qmux=self.base_configuration(settings, is_client=True),
             ssl_context=client_ssl_context(tls, self.alpn), settings=settings,
             server_name=tls.server_name or server_name,
         )
 
     def server_configuration(self, settings: TransportSettings, tls: TlsSettings) -> Any:
         return QMuxTlsConfiguration(
-            qmux=qmux_configuration(settings, is_client=False),
+            qmux=self.base_configuration(settings, is_client=False),
             ssl_context=server_ssl_context(tls, self.alpn), settings=settings,
         )
 

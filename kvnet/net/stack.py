@@ -44,6 +44,7 @@ import asyncio
 import logging
 import socket
 import ssl
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
@@ -62,9 +63,10 @@ ProtocolFactory = Callable[[Any], Any]
 
 
 @dataclass(frozen=True, eq=False)
-class Stack:
+class Stack(ABC):
     """One transport stack: its own classes (which benchmarks and tests also drive directly) and the
-    hooks ``kvnet.net.connection`` and ``kvnet.net.endpoint`` call. Subclasses override the hooks."""
+    hooks ``kvnet.net.connection`` and ``kvnet.net.endpoint`` call. Each stack implements the abstract
+    hooks; the others have a default that fits most stacks."""
 
     name: str
     QuicConfiguration: type
@@ -93,9 +95,9 @@ class Stack:
 
     # ---- configuration
 
+    @abstractmethod
     def base_configuration(self, settings: TransportSettings, is_client: bool) -> Any:
         """The stack's configuration object for ``settings``, without TLS material."""
-        raise NotImplementedError
 
     def client_configuration(
         self, settings: TransportSettings, tls: TlsSettings, server_name: str | None = None
@@ -130,7 +132,9 @@ class Stack:
 
     # ---- one connection
 
-    def prepare_connection(self, protocol: Any, settings: TransportSettings, *, verify_client: bool) -> None:
+    def prepare_connection(  # noqa: B027 (a default that does nothing: stacks that need no adapting)
+        self, protocol: Any, settings: TransportSettings, *, verify_client: bool
+    ) -> None:
         """Adapt a new connection (``protocol`` and its connection object ``protocol._quic``) to
         ``settings`` before its handshake (stream limits, datagram size); ``verify_client``: a server
         that asks for client certificates (``verify_client_certificate`` checks them)."""
@@ -140,24 +144,25 @@ class Stack:
         failure."""
         raise ValueError(f"QUIC stack {self.name} cannot verify client certificates")
 
+    @abstractmethod
     def unsent_bytes(self, quic: Any, stream_ids: Iterable[int]) -> dict[int, int]:
         """Bytes still held by the stack per stream (the back-pressure measure)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def peer_address(self, quic: Any) -> tuple[str, int] | None:
         """The peer's address, or None while the stack does not know it."""
-        raise NotImplementedError
 
     def close_event(self, quic: Any) -> Any:
         """How the connection ended (its ``ConnectionTerminated``) once it has begun to, else None.
         aioquic and qh3 record it in ``_close_event``."""
         return quic._close_event
 
-    def release_client_transport(self, transport: Any) -> None:
+    def release_client_transport(self, transport: Any) -> None:  # noqa: B027 (nothing attached by default)
         """A client connection's own transport is going away: free what kvnet attached to it."""
 
     # ---- endpoints
 
+    @abstractmethod
     async def open_client(
         self, settings: TransportSettings, configuration: Any, family: int, local_host: str | None,
         protocol_factory: ProtocolFactory,
@@ -165,8 +170,8 @@ class Stack:
         """The client transport and the protocol ``protocol_factory(connection)`` made for a new
         connection with ``configuration``, ready for ``protocol.connect(address)``; ``local_host`` is
         the source address (None: the wildcard address)."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def listen(
         self, host: str, port: int, settings: TransportSettings, configuration: Any,
         create_protocol: Callable[..., Any], *, sock: socket.socket | None, max_connections: int,
@@ -174,7 +179,6 @@ class Stack:
         """A listening server on ``host:port`` (or on ``sock``, bound beforehand by ``server_sockets``)
         whose connections get ``create_protocol``; returns it (it has ``close()``) and the address it
         listens on."""
-        raise NotImplementedError
 
     def server_sockets(
         self, host: str, port: int, count: int, settings: TransportSettings
