@@ -105,6 +105,17 @@ async def counted_once_more(rp: RelayProcess, before: list[float]) -> list[float
     return after
 
 
+async def push_to_worker_0(rp: RelayProcess, publisher: MoqtConnection, prompt: SignedPrompt) -> None:
+    """Push every block of ``prompt`` over ``publisher`` (a session on worker 0) and wait until worker 0
+    caches them all."""
+    server = BlockServer(publisher, BlockStore(4 * prompt.wire_bytes), FINGERPRINT, NAMESPACE_ID,
+                         SPEC.num_layers)
+    assert await server.push(prompt.blocks) == BLOCKS
+    await async_wait_until(
+        lambda: rp.metrics(0).get("kvnet_relay_cache_objects", 0) >= BLOCKS * (SPEC.num_layers + 1),
+        "worker 0 caching the pushed blocks",
+    )
+
 async def one_session_per_worker(
     rp: RelayProcess, settings: TransportSettings, tls: TlsSettings, url: str | None = None
 ) -> tuple[list[MoqtConnection], list[MoqtConnection]]:
@@ -234,13 +245,7 @@ async def test_blocks_pushed_into_one_worker_stay_reachable_from_the_other_after
         on_0, on_1 = await one_session_per_worker(rp, settings, tls)
         opened = [*on_0, *on_1]
         publisher, subscriber = on_0[0], on_1[0]
-        server = BlockServer(publisher, BlockStore(4 * prompt.wire_bytes), FINGERPRINT, NAMESPACE_ID,
-                             SPEC.num_layers)
-        assert await server.push(prompt.blocks) == BLOCKS
-        await async_wait_until(
-            lambda: rp.metrics(0).get("kvnet_relay_cache_objects", 0) >= BLOCKS * (SPEC.num_layers + 1),
-            "worker 0 caching the pushed blocks",
-        )
+        await push_to_worker_0(rp, publisher, prompt)
         for conn in on_0:
             await conn.close_session()
         await locate_and_fetch_all(subscriber, prompt)
@@ -275,13 +280,7 @@ async def test_a_miss_does_not_hide_a_block_pushed_at_another_worker_a_moment_la
         before = await early.locate(prompt.hashes, ["lossless"])
         assert before.available == [] and before.probe_errors == {}, before
 
-        server = BlockServer(publisher, BlockStore(4 * prompt.wire_bytes), FINGERPRINT, NAMESPACE_ID,
-                             SPEC.num_layers)
-        assert await server.push(prompt.blocks) == BLOCKS
-        await async_wait_until(
-            lambda: rp.metrics(0).get("kvnet_relay_cache_objects", 0) >= BLOCKS * (SPEC.num_layers + 1),
-            "worker 0 caching the pushed blocks",
-        )
+        await push_to_worker_0(rp, publisher, prompt)
         await locate_and_fetch_all(subscriber, prompt)
 
         other = make_other_prompt()
@@ -466,13 +465,7 @@ async def test_a_killed_worker_is_restarted_while_the_port_keeps_serving(
         on_0, on_1 = await one_session_per_worker(rp, settings, tls)
         opened = [*on_0, *on_1]
         publisher, subscriber = on_0[0], on_1[0]
-        server = BlockServer(publisher, BlockStore(4 * prompt.wire_bytes), FINGERPRINT, NAMESPACE_ID,
-                             SPEC.num_layers)
-        assert await server.push(prompt.blocks) == BLOCKS
-        await async_wait_until(
-            lambda: rp.metrics(0).get("kvnet_relay_cache_objects", 0) >= BLOCKS * (SPEC.num_layers + 1),
-            "worker 0 caching the pushed blocks",
-        )
+        await push_to_worker_0(rp, publisher, prompt)
         served = 0
 
         async def keep_fetching() -> None:
@@ -545,13 +538,7 @@ async def test_a_killed_hub_is_restarted_and_the_workers_route_through_it_again(
             lambda: rp.metrics(2).get("kvnet_relay_sessions", 0) == 2, "both workers connected to the new hub"
         )
         publisher, subscriber = on_0[0], on_1[0]
-        server = BlockServer(publisher, BlockStore(4 * prompt.wire_bytes), FINGERPRINT, NAMESPACE_ID,
-                             SPEC.num_layers)
-        assert await server.push(prompt.blocks) == BLOCKS
-        await async_wait_until(
-            lambda: rp.metrics(0).get("kvnet_relay_cache_objects", 0) >= BLOCKS * (SPEC.num_layers + 1),
-            "worker 0 caching the pushed blocks",
-        )
+        await push_to_worker_0(rp, publisher, prompt)
         await locate_and_fetch_all(subscriber, prompt)
         assert not any(conn.is_closed for conn in opened)
     finally:
