@@ -38,8 +38,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvnet-node")
 
-DEFAULT_MAX_CONNECTIONS = HttpLimits.max_connections
-"""``--max-connections``: HTTP connections served at once."""
 
 
 def _default_api_settings() -> ApiSettings:
@@ -201,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: no key; KVNET_API_KEY "
         "keeps it out of the process list)",
     )
-    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+    p.add_argument("--max-connections", type=int, default=HttpLimits.max_connections,
                    help="HTTP connections served at once; past it, idle ones are closed first and requests "
                    "wait in a bounded queue before a 503")
     add_node_arguments(p, relay_required=False)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from kvnet.node import httpapi, serve
+from kvnet.node.httpguard import HttpLimits
 
 
-def test_max_connections_default_is_the_http_servers() -> None:
-    # serve.py cannot import httpapi before the flags are parsed (it imports torch), so it keeps a copy.
-    assert serve.DEFAULT_MAX_CONNECTIONS == httpapi.DEFAULT_MAX_CONNECTIONS
+def test_defaults_are_the_http_servers() -> None:
+    assert serve.build_parser().parse_args([]).max_connections == HttpLimits.max_connections
     assert serve.ServeConfig(node=serve.NodeConfig()).api == httpapi.ApiSettings()
 
 
