@@ -15,7 +15,7 @@ import secrets
 import statistics
 import time
 
-from kvnet.blocks.signing import Signer, TrustStore
+from kvnet.security.signing import Signer, TrustStore
 from proto.kvobject import BlockManifest, block_track
 from relay.admission import BlockAdmission
 from relay.cache import CachedObject

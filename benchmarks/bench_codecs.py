@@ -37,7 +37,6 @@ from typing import NamedTuple
 import torch
 
 from kvnet.blocks.codecs import CODECS, Codec, Int8Codec
-from kvnet.blocks.signing import Signer, TrustStore
 from kvnet.blocks.transform_codec import TransformCodec
 from kvnet.blocks.transform_tables import (
     TransformTables,
@@ -51,6 +50,7 @@ from kvnet.model.checkpoint import load_checkpoint
 from kvnet.model.registry import default_models_dir, is_registered, resolve_model
 from kvnet.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvnet.model.transformer import ModelArgs, Transformer
+from kvnet.security.signing import Signer, TrustStore
 
 DOCUMENTS = Path(__file__).resolve().parent / "documents"
 
@@ -64,7 +64,7 @@ Blocks = list[list[tuple[torch.Tensor, torch.Tensor]]]  # [block][layer] -> (k, 
 
 
 def prompt_tokens(n: int) -> list[int]:
-    ids = ByteTokenizer().encode(TEXT * (n // len(TEXT) + 2))
+    ids = ByteTokenizer().tokenize(TEXT * (n // len(TEXT) + 2))
     return ids[:n]
 
 
@@ -146,23 +146,68 @@ KVTC_TABLES: TransformTables | None = None
 """The model's kvtc tables for this run (``kvtc_tables``); kvtc is skipped without them."""
 
 
+def calibrate_step_scale(model: Transformer, blocks: Blocks, block_size: int, scored: list[int],
+                         tables: TransformTables, group: int) -> torch.Tensor:
+    """Per (layer, K/V) step factors ``[L, 2]`` from the model's measured sensitivity, for ``calibrate``.
+
+    The calibration prefix goes through kvtc with ``tables`` (equal relative step everywhere); then, for
+    each group of ``group`` consecutive layers and K or V apart, only that group's decoded K (or V)
+    replaces the exact one and the mean KL of the ``scored`` tokens' outputs from the exact run is
+    measured. With the KL of a group ~ a_g * step_g**2 and its rate ~ -log2(step_g) per component,
+    minimising the sum of KLs at a fixed rate gives equal a_g * step_g**2 (reverse water-filling across
+    groups): step_g scales by (KL_g / geometric mean)**-1/2, which keeps the mean log step, hence the
+    rate, about where it was."""
+    codec = TransformCodec()
+    shape, dtype = tuple(blocks[0][0][0].shape), blocks[0][0][0].dtype
+    decoded = [
+        codec.decode_block(codec.encode_block(torch.stack([k for k, _ in layers]),
+                                              torch.stack([v for _, v in layers]), tables,
+                                              sink_rows=int(index == 0)),
+                           shape, dtype)  # type: ignore[arg-type]
+        for index, layers in enumerate(blocks)]
+    reference = torch.log_softmax(held_out_logits(model, blocks, block_size, scored)[:-1], dim=-1)
+    num_layers = model.args.n_layers
+    kl = torch.empty(num_layers, 2)
+    for start in range(0, num_layers, group):
+        members = range(start, min(start + group, num_layers))
+        for kind in range(2):
+            mixed: Blocks = [
+                [(dec[layer][0] if layer in members and kind == 0 else exact[layer][0],
+                  dec[layer][1] if layer in members and kind == 1 else exact[layer][1])
+                 for layer in range(num_layers)]
+                for exact, dec in zip(blocks, decoded, strict=True)]
+            log_probs = torch.log_softmax(held_out_logits(model, mixed, block_size, scored)[:-1], dim=-1)
+            kl[start:start + group, kind] = float((reference.exp() * (reference - log_probs)).sum(-1).mean())
+    kl = kl.clamp(min=1e-9)
+    return (kl / kl.log().mean().exp()).pow(-0.5).clamp(0.25, 4.0)
+
+
 def kvtc_tables(model: Transformer, tokenizer: Tokenizer, block_size: int, path: Path, tokens: int,
-                rel_step: float) -> TransformTables:
+                rel_step: float, layer_group: int = 0) -> TransformTables:
     """kvtc tables calibrated on the project's docs (never the scored documents); their body is cached at
-    ``path``. Signed here under a throwaway key and verified as a node would (signature, digest, model
-    fingerprint): the benchmark checks the codec, not the trust chain."""
+    ``path``. With ``layer_group`` the steps are allocated by measured sensitivity
+    (``calibrate_step_scale``): the first ``tokens`` are calibrated on, the next 256 scored. Signed here
+    under a throwaway key and verified as a node would (signature, digest, model fingerprint): the
+    benchmark checks the codec, not the trust chain."""
     fingerprint = model.fingerprint(block_size)
     if path.is_file():
         tables = parse_tables_body(path.read_bytes())
     else:
         docs = sorted((DOCUMENTS.parent.parent / "docs").glob("*.md"))
-        ids = tokenizer.encode("\n".join(p.read_text(encoding="utf-8") for p in docs))[:tokens]
+        all_ids = tokenizer.tokenize("\n".join(p.read_text(encoding="utf-8") for p in docs))
+        ids = all_ids[:tokens]
         print(f"  calibrating kvtc tables on {len(ids)} tokens of docs/*.md", flush=True)
         blocks = prefill_blocks(model, ids[: len(ids) // block_size * block_size], block_size)
         layers = range(model.args.n_layers)
         k = torch.stack([torch.cat([b[layer][0] for b in blocks]) for layer in layers])
         v = torch.stack([torch.cat([b[layer][1] for b in blocks]) for layer in layers])
         tables = calibrate(k.float(), v.float(), fingerprint, rel_step)
+        if layer_group:
+            scored = all_ids[len(blocks) * block_size:len(blocks) * block_size + 256]
+            scale = calibrate_step_scale(model, blocks, block_size, scored, tables, layer_group)
+            print("  kvtc step scale (K; V) per layer: " + "; ".join(
+                " ".join(f"{x:.2f}" for x in scale[:, kind].tolist()) for kind in range(2)), flush=True)
+            tables = calibrate(k.float(), v.float(), fingerprint, rel_step, step_scale=scale)
         path.write_bytes(tables.body())
     signer = Signer.generate()
     trust = TrustStore()
@@ -178,8 +223,9 @@ def measure_kvtc(codec: TransformCodec, blocks: Blocks, runs: int) -> tuple[Code
     raw = sum(2 * k.numel() * k.element_size() for layers in blocks for k, _ in layers)
 
     def encode() -> list[list[bytes]]:
-        return [[codec.encode_layer(k, v, layer, tables) for layer, (k, v) in enumerate(layers)]
-                for layers in blocks]
+        # The first block's first row is the sequence's first token, the attention sink: coded finer.
+        return [[codec.encode_layer(k, v, layer, tables, sink_rows=int(index == 0))
+                 for layer, (k, v) in enumerate(layers)] for index, layers in enumerate(blocks)]
 
     payloads = encode()
     shape = tuple(blocks[0][0][0].shape)
@@ -287,18 +333,22 @@ def held_out_logits(model: Transformer, blocks: Blocks, block_size: int, held_ou
 
 
 def real_kv_quality(
-    model: Transformer, tokenizer: Tokenizer, block_size: int, held_out: int, runs: int
+    model: Transformer, tokenizer: Tokenizer, block_size: int, held_out: int, runs: int,
+    renditions: set[str] | None = None,
 ) -> list[tuple[str, float, float, float, float, int, float, float]]:
     """Per rendition over all documents: (name, size vs raw, mean KL vs lossless, delta log-loss, top-1
-    agreement, positions scored, encode MB/s, decode MB/s). Log-loss is the mean NLL of each held-out
+    agreement, positions scored, encode MB/s, decode MB/s), for ``renditions`` (all when None; lossless,
+    the reference, always). Log-loss is the mean NLL of each held-out
     token's successor; the speeds are position-weighted means over the documents."""
-    codecs = dict(CODECS)
-    if KVTC_TABLES is not None:  # not a network rendition yet (docs/performance.md): measured here only
+    codecs = {name: codec for name, codec in CODECS.items() if name == "lossless" or renditions is None
+              or name in renditions}
+    # kvtc is not a network rendition yet (docs/performance.md): measured here only
+    if KVTC_TABLES is not None and (renditions is None or TransformCodec.name in renditions):
         codecs[TransformCodec.name] = TransformCodec()
     totals: dict[str, list[float]] = {name: [0.0] * 7 for name in codecs}
     positions = 0
     for path in sorted(DOCUMENTS.glob("*.txt")):
-        ids = tokenizer.encode(path.read_text(encoding="utf-8"))
+        ids = tokenizer.tokenize(path.read_text(encoding="utf-8"))
         num_prefix = (len(ids) - held_out) // block_size * block_size
         prefix, scored = ids[:num_prefix], ids[num_prefix:num_prefix + held_out]
         print(f"  {path.name}: {len(ids)} tokens, prefix {num_prefix}, scoring {len(scored) - 1}", flush=True)
@@ -351,9 +401,10 @@ def main_real(args: argparse.Namespace) -> None:
         if args.kvtc_tables:
             KVTC_TABLES = kvtc_tables(model, tokenizer, args.block_size,
                                       Path(f"{args.kvtc_tables}.{dtype_name}"), args.kvtc_calibration_tokens,
-                                      args.kvtc_rel_step)
+                                      args.kvtc_rel_step, args.kvtc_layer_group)
+        renditions = set(args.renditions.split(",")) if args.renditions else None
         rows += [(dtype_name, *row) for row in real_kv_quality(model, tokenizer, args.block_size,
-                                                               args.held_out, args.runs)]
+                                                               args.held_out, args.runs, renditions)]
     print("\n| model dtype | rendition | size vs raw | mean KL vs lossless | Δ log-loss (nats/token) "
           "| top-1 agreement | encode MB/s | decode MB/s |")
     print("|---|---|---|---|---|---|---|---|")
@@ -385,6 +436,10 @@ def main() -> None:
                         "(calibrated and written when missing; kvtc is skipped without it)")
     parser.add_argument("--kvtc-calibration-tokens", type=int, default=1024)
     parser.add_argument("--kvtc-rel-step", type=float, default=0.15)
+    parser.add_argument("--kvtc-layer-group", type=int, default=0, help="trained model: allocate kvtc's "
+                        "steps by the KL measured per group of this many layers, K and V apart (0: equal)")
+    parser.add_argument("--renditions", default="", help="trained model: comma-separated renditions to "
+                        "measure besides lossless (default all; kvtc needs --kvtc-tables)")
     parser.add_argument("--no-quality", action="store_true", help="skip the model quality check")
     parser.add_argument("--held-out", type=int, default=256, help="trained model: tokens scored per document")
     args = parser.parse_args()

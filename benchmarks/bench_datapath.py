@@ -12,7 +12,7 @@ bytes moved by
 - TLS 1.3 over TCP with blocking ``ssl`` sockets, and HTTPS (``http.server`` / ``http.client``, one
   keep-alive connection), both with a server child process.
 
-Links are ``kvnet.net.settings.LINK_PRESETS``: ethernet (1452-byte datagrams), jumbo (8952) and loopback (the
+Links are ``kvnet.net.config.LINK_PRESETS``: ethernet (1452-byte datagrams), jumbo (8952) and loopback (the
 stack's loopback size). Every figure is the median of RUNS runs; the cases are interleaved (run 1 of every
 case, then run 2, ...) so that a change in load hits all of them alike, and the load is printed with
 each. Reported per case: MB/s (10^6 bytes/s of wire bytes), goodput in tokens/s of the prompt, and CPU
@@ -20,6 +20,10 @@ ms per MB on the server side (relay or child, from /proc) and the client side (t
 
     python benchmarks/bench_datapath.py --tokens 2048 --runs 5
     python benchmarks/bench_datapath.py --tokens 512 --runs 3 --links ethernet,loopback --stacks aioquic
+
+``--fetch-connections 1,2,4`` instead measures verified fetches over QMux striped over that many sessions
+(a node's ``--fetch-connections``), for each of ``--renditions``, interleaved (``stripes``; also what
+``benchmarks/device/bench_stripes.py`` runs).
 """
 
 from __future__ import annotations
@@ -57,16 +61,20 @@ import torch
 
 from kvnet.blocks.codecs import get_codec
 from kvnet.blocks.identity import BlockIdentity
-from kvnet.blocks.signing import TrustStore
 from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
+from kvnet.exchange import fetching
+from kvnet.exchange.abr import KvAbr
+from kvnet.exchange.blockstore import BlockStore
+from kvnet.exchange.config import DEFAULT_VERIFY_WORKERS, MAX_FETCH_CONNECTIONS
+from kvnet.exchange.fetching import BlockFetcher
+from kvnet.exchange.publishing import BlockServer
+from kvnet.exchange.striping import fetch_striped
 from kvnet.model.transformer import transformer_configs
+from kvnet.net.config import LINK_PRESETS, STACKS, TlsConfig, TransportConfig
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
-from kvnet.net.settings import LINK_PRESETS, STACKS, TlsSettings, TransportSettings
-from kvnet.node import fetching
-from kvnet.node.blockstore import BlockStore
-from kvnet.node.fetching import DEFAULT_VERIFY_WORKERS, BlockFetcher
-from kvnet.node.publishing import BlockServer
+from kvnet.security.signing import TrustStore
+from tests.helpers.caches import TensorsOnlyCache
 from tests.helpers.processes import CertDir, free_port, free_port_run, start_relay
 from tests.helpers.prompts import SignedPrompt, prompt_identities, signed_prompt
 
@@ -135,52 +143,46 @@ class Case:
     """Why runs failed (a stalled transfer runs into the fetch timeout); reported next to the figure."""
 
 
-def timed_sample(server_pid: int, move: Callable[[], None]) -> Sample:
-    s0, c0, t0 = proc_cpu_seconds(server_pid), time.process_time(), time.perf_counter()
+def timed_sample(server: int | Callable[[], dict[int, float]], move: Callable[[], None]) -> Sample:
+    """Time ``move`` and the CPU it cost here and in ``server``: a pid, or a function giving CPU seconds by
+    pid of several processes (a relay with ``--workers``; summed)."""
+
+    def server_cpu() -> float:
+        return proc_cpu_seconds(server) if isinstance(server, int) else sum(server().values())
+
+    s0, c0, t0 = server_cpu(), time.process_time(), time.perf_counter()
     move()
-    t1, c1, s1 = time.perf_counter(), time.process_time(), proc_cpu_seconds(server_pid)
+    t1, c1, s1 = time.perf_counter(), time.process_time(), server_cpu()
     return Sample(t1 - t0, s1 - s0, c1 - c0)
 
 
-def empty_cache(spec: CacheSpec, blocks: int) -> PagedKVCache:
+def empty_cache(spec: CacheSpec, blocks: int, device: torch.device | None = None) -> PagedKVCache:
     """A paged cache for one verified fetch, made before the timed part: a node allocates its cache once
-    at start, not per fetch (zeroing 23 MB costs ~0.2 ms of CPU per MB fetched)."""
-    return PagedKVCache(spec, num_blocks=blocks, device=torch.device("cpu"))
+    at start, not per fetch (zeroing 23 MB costs ~0.2 ms of CPU per MB fetched). On ``cuda`` the cache is
+    on the GPU and each layer is staged through pinned host memory, as a node with ``--device cuda``."""
+    return PagedKVCache(spec, num_blocks=blocks, device=device or torch.device("cpu"))
 
 
-class CopyingCache:
-    """A ``CacheWriter`` over a paged cache that does not lend its slots (as vLLM's does not): the fetcher
-    decodes each layer into new tensors and the cache copies them in (the path before decoding into
-    slots), for ``--slots-comparison``."""
-
-    def __init__(self, cache: PagedKVCache) -> None:
-        self.cache = cache
-
-    def begin_import(self, block_hash: bytes) -> bool:
-        return self.cache.begin_import(block_hash)
-
-    def import_layer(self, block_hash: bytes, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.cache.import_layer(block_hash, layer, k, v)
-
-    def finish_import(self, block_hash: bytes) -> object:
-        return self.cache.finish_import(block_hash)
-
-    def abort_import(self, block_hash: bytes) -> None:
-        self.cache.abort_import(block_hash)
-
-
-async def verified_fetch(conn: MoqtConnection, cache: PagedKVCache, identities: list[BlockIdentity],
-                         trust: TrustStore, verify_workers: int = DEFAULT_VERIFY_WORKERS,
-                         into_slots: bool = True, rendition: str = "lossless") -> None:
+async def verified_fetch(conn: MoqtConnection | Sequence[MoqtConnection], cache: PagedKVCache,
+                         identities: list[BlockIdentity], trust: TrustStore,
+                         verify_workers: int = DEFAULT_VERIFY_WORKERS, into_slots: bool = True,
+                         rendition: str = "lossless") -> None:
     """Fetch, verify, decode and import the whole prompt (in ``rendition``) into ``cache`` (empty), decoding
-    straight into its slots unless ``into_slots`` is False (``CopyingCache``); raises unless every block
-    loaded."""
+    straight into its slots unless ``into_slots`` is False (``TensorsOnlyCache``); raises unless every block
+    loaded. Several connections: the blocks are striped over them as a node with ``--fetch-connections``
+    does (``kvnet.exchange.striping``), each with its own fetcher and ``verify_workers`` threads."""
     spec = cache.spec
-    writer = cache if into_slots else CopyingCache(cache)
-    fetcher = BlockFetcher(conn, writer, trust, fingerprint=FINGERPRINT, namespace_id=NAMESPACE_ID,
-                           shape=spec.block_shape, dtype="bfloat16", timeout=FETCH_TIMEOUT,
-                           verify_workers=verify_workers)
-    outcome = await fetcher.fetch(identities, [rendition] * len(identities))
+    writer = cache if into_slots else TensorsOnlyCache(cache)
+    conns = [conn] if isinstance(conn, MoqtConnection) else list(conn)
+    abr = KvAbr()
+    fetchers: list[BlockFetcher] = []
+    for c in conns:
+        fetchers.append(BlockFetcher(
+            c, writer, trust, fingerprint=FINGERPRINT, namespace_id=NAMESPACE_ID, shape=spec.block_shape,
+            dtype="bfloat16", abr=abr, timeout=FETCH_TIMEOUT, verify_workers=verify_workers,
+            device=cache.device, inflight=fetchers[0].inflight if fetchers else None,
+        ))
+    outcome = await fetch_striped(fetchers, identities, [rendition] * len(identities), abr=abr)
     if outcome.loaded != len(identities) or outcome.error is not None:
         raise RuntimeError(f"verified fetch loaded {outcome.loaded} blocks: {outcome.error}")
 
@@ -201,7 +203,7 @@ class RelayFetch:
         qmux = stack == QMUX
         if qmux:
             stack, link, peer_stack = "aioquic", "loopback", None
-        self.settings = dataclasses.replace(TransportSettings.for_link(link, peer_stack or stack),
+        self.settings = dataclasses.replace(TransportConfig.for_link(link, peer_stack or stack),
                                             udp_segmentation=udp_segmentation)
         self.loop = loop
         cache_bytes = str(4 * prompt.wire_bytes + (64 << 20))
@@ -222,7 +224,7 @@ class RelayFetch:
                                  log_level="warning", ready_marker=None)
         self.proc = self.relay.proc
         self.url = f"moqt+qmux://127.0.0.1:{qmux_port}" if qmux else self.relay.url
-        self.tls = TlsSettings(ca_file=certdir / "ca.pem")
+        self.tls = TlsConfig(ca_file=certdir / "ca.pem")
         self.publisher: MoqtConnection | None = None
         self.serving: asyncio.Task[None] | None = None
         self.trust = TrustStore()
@@ -279,27 +281,30 @@ class RelayFetch:
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
         return {p: proc_cpu_seconds(p) for p in (pid, *map(int, children))}
 
-    async def _fetch(self, conn: MoqtConnection, verify_workers: int = DEFAULT_VERIFY_WORKERS,
-                     cache: PagedKVCache | None = None, into_slots: bool = True) -> None:
+    async def _fetch(self, conn: MoqtConnection | Sequence[MoqtConnection],
+                     verify_workers: int = DEFAULT_VERIFY_WORKERS, cache: PagedKVCache | None = None,
+                     into_slots: bool = True) -> None:
         cache = cache or empty_cache(self.prompt.spec, len(self.prompt.blocks))
         await verified_fetch(conn, cache, self.prompt.identities, self.trust, verify_workers, into_slots,
                              self.prompt.blocks[0].rendition)
 
     def fetch(self, verify_workers: int = DEFAULT_VERIFY_WORKERS, receive_offload: bool = True,
-              layers_per_task: int | None = None, into_slots: bool = True) -> Sample:
-        # A fresh session per run, set up outside the timed part (as in the other cases): the fetch only.
+              layers_per_task: int | None = None, into_slots: bool = True, connections: int = 1,
+              device: torch.device | None = None) -> Sample:
+        # Fresh sessions per run, set up outside the timed part (as in the other cases): the fetch only.
         # layers_per_task: the fetcher's module setting for this fetch only (the loop thread reads it
-        # while this thread waits for the fetch).
+        # while this thread waits for the fetch). connections: sessions the fetch is striped over.
         fetching.LAYERS_PER_TASK = layers_per_task or DEFAULT_LAYERS_PER_TASK
-        conn = self._call(self._connect(receive_offload))
-        cache = empty_cache(self.prompt.spec, len(self.prompt.blocks))
-        misses = self.relay.metric("kvnet_relay_cache_misses_total")
+        conns = [self._call(self._connect(receive_offload)) for _ in range(connections)]
+        cache = empty_cache(self.prompt.spec, len(self.prompt.blocks), device)
+        misses = self.worker_metric("kvnet_relay_cache_misses_total")
         try:
-            sample = timed_sample(self.proc.pid,
-                                  lambda: self._call(self._fetch(conn, verify_workers, cache, into_slots)))
+            sample = timed_sample(self.cpu_seconds,
+                                  lambda: self._call(self._fetch(conns, verify_workers, cache, into_slots)))
         finally:
-            self._call(conn.close_session())
-        if self.relay.metric("kvnet_relay_cache_misses_total") != misses:
+            for conn in conns:
+                self._call(conn.close_session())
+        if self.worker_metric("kvnet_relay_cache_misses_total") != misses:
             raise RuntimeError("the relay went upstream: not a fetch from its cache")
         return sample
 
@@ -319,8 +324,8 @@ def raw_quic(
     same)."""
     bench_fetch = common.load_bench("bench_fetch")
     assert bench_fetch is not None
-    settings = TransportSettings.for_link(link, stack)
-    receiver = TransportSettings.for_link(link, peer_stack or stack)
+    settings = TransportConfig.for_link(link, stack)
+    receiver = TransportConfig.for_link(link, peer_stack or stack)
     sender = bench_fetch.Publisher(settings, certdir, 0, 0, raw=True)
     with sender as port:
         pid = sender.proc.pid
@@ -463,9 +468,10 @@ def tls_cases(certdir: Path, size: int) -> Iterator[list[Case]]:
 def _fanout_child(certdir: Path, stack: str, link: str, tokens: int, key_hex: str) -> None:
     """One subscriber process of the fan-out: on ``connect URL`` it opens a session to that relay, on ``go``
     it makes a verified fetch of the prompt and answers ``done SECONDS CPU_SECONDS`` (or ``failed WHY``);
-    anything else (or EOF) ends it."""
-    settings = TransportSettings.for_link(link, stack)
-    tls = TlsSettings(ca_file=certdir / "ca.pem")
+    anything else (or EOF) ends it. Stack ``qmux``: the URL (``moqt+qmux://``) picks QMux; the transport
+    settings are the relay's defaults, as ``RelayFetch`` uses them."""
+    settings = TransportConfig() if stack == QMUX else TransportConfig.for_link(link, stack)
+    tls = TlsConfig(ca_file=certdir / "ca.pem")
     spec = prompt_spec()
     _, identities = prompt_identities(BLOCK_SIZE, max(1, tokens // BLOCK_SIZE), fingerprint=FINGERPRINT,
                                       salt=b"bench")
@@ -612,6 +618,105 @@ def _fanout_round(relay: RelayFetch, subs: list[FanoutSubscriber], fig: FanoutFi
     fig.relay_busiest_core.append(max(used) / elapsed)
 
 
+# ---------------------------------------------------------------- striping over sessions
+
+
+@dataclass
+class StripeFigure:
+    """Verified fetches of one rendition's prompt from a relay's cache, striped over ``connections``
+    QMux sessions (``kvnet.exchange.striping``, as a node with ``--fetch-connections``)."""
+
+    rendition: str
+    connections: int
+    prompt: Prompt
+    samples: list[Sample] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def wire_mb(self) -> float:
+        return self.prompt.wire_bytes / 1e6
+
+    @property
+    def kv_mb(self) -> float:
+        """Decoded K/V written into the cache per fetch (MB)."""
+        return len(self.prompt.blocks) * self.prompt.spec.bytes_per_block / 1e6
+
+
+def stripes(
+    tokens: int, runs: int, counts: Sequence[int], renditions: Sequence[str] = ("lossless", "plain"),
+    relay_workers: int = 1, device: torch.device | None = None,
+    verify_workers: int = DEFAULT_VERIFY_WORKERS, budget_s: float | None = None,
+) -> list[StripeFigure]:
+    """For each rendition a relay (``--listen-qmux``, ``relay_workers`` workers, each one's cache filled)
+    holding the prompt, and verified fetches over QMux striped over each of ``counts`` sessions into a
+    paged cache on ``device`` (on ``cuda``: the GPU's cache through pinned staging buffers), each session
+    with ``verify_workers`` verify threads; ``runs`` rounds, every (rendition, count) interleaved; no round
+    starts after ``budget_s`` seconds (the first always runs)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    figures: list[StripeFigure] = []
+    try:
+        with common.test_certificates() as certdir, ExitStack() as stack:
+            relays: dict[str, RelayFetch] = {}
+            for rendition in renditions:
+                prompt = make_prompt(tokens, rendition)
+                relays[rendition] = RelayFetch(prompt, certdir, QMUX, "loopback", loop, workers=relay_workers)
+                stack.callback(relays[rendition].close)
+                figures.extend(StripeFigure(rendition, n, prompt) for n in counts)
+            started = time.perf_counter()
+            for round_ in range(runs):
+                if round_ and budget_s is not None and time.perf_counter() - started > budget_s:
+                    print(f"time budget of {budget_s:.0f} s spent: {round_} of {runs} rounds", flush=True)
+                    break
+                for fig in figures:
+                    try:
+                        fig.samples.append(relays[fig.rendition].fetch(
+                            verify_workers, connections=fig.connections, device=device))
+                    except Exception as exc:  # one stalled run is a finding, not the end of the others
+                        fig.failures.append(f"{type(exc).__name__}: {exc}"[:200])
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+    return figures
+
+
+STRIPE_COLUMNS = ("rendition", "sessions", "wire MB/s", "KV GB/s", "tok/s", "relay ms/MB", "node ms/MB")
+
+
+def stripe_rows(figures: Sequence[StripeFigure]) -> list[tuple[str, ...]]:
+    """One row per figure (medians; ms/MB per wire MB), the columns of ``STRIPE_COLUMNS``; a figure whose
+    runs all failed says why."""
+    rows: list[tuple[str, ...]] = []
+    for f in figures:
+        if not f.samples:
+            failed = f"all {len(f.failures)} runs failed: {f.failures[0]}"
+            rows.append((f.rendition, str(f.connections), failed))
+            continue
+        seconds = common.median([x.seconds for x in f.samples])
+        rows.append((
+            f.rendition, str(f.connections), f"{f.wire_mb / seconds:.1f}", f"{f.kv_mb / 1e3 / seconds:.3f}",
+            f"{f.prompt.tokens / seconds:.0f}",
+            f"{common.median([1e3 * x.server_cpu / f.wire_mb for x in f.samples]):.2f}",
+            f"{common.median([1e3 * x.client_cpu / f.wire_mb for x in f.samples]):.2f}",
+        ))
+    return rows
+
+
+def print_stripes(figures: Sequence[StripeFigure], runs: int) -> None:
+    if figures:
+        p = figures[0].prompt
+        runs = max(len(f.samples) + len(f.failures) for f in figures)
+        print(f"striped verified fetch over QMux: {p.tokens} tokens, {len(p.blocks)} blocks, median of "
+              f"{runs}, interleaved; load {common.load_average()}")
+    print("  ".join(f"{c:>11s}" for c in STRIPE_COLUMNS))
+    for row in stripe_rows(figures):
+        print("  ".join(f"{c:>11s}" for c in row))
+    for f in figures:
+        if f.failures and f.samples:
+            print(f"{f.rendition} x{f.connections}: {len(f.failures)} of {runs} runs failed: {f.failures[0]}")
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -630,9 +735,9 @@ def run(tokens: int, runs: int, stacks: list[str], links: list[str],
         node_stacks: tuple[str, ...] = NODE_STACKS, compare_gro: bool = False,
         compare_slots: bool = False, rendition: str = "lossless") -> tuple[Prompt, list[Figure]]:
     """Every case ``runs`` times, interleaved; one ``Figure`` per case. ``compare_gso`` adds aioquic
-    verified fetches with ``TransportSettings.udp_segmentation`` off on both sides, ``compare_gro`` ones
+    verified fetches with ``TransportConfig.udp_segmentation`` off on both sides, ``compare_gro`` ones
     whose client reads without ``udp_receive_offload``, ``compare_slots`` ones whose fetcher decodes into
-    new tensors that the cache copies (``CopyingCache``) instead of into the cache's slots; each of
+    new tensors that the cache copies (``TensorsOnlyCache``) instead of into the cache's slots; each of
     ``verify_workers`` (threads, layers per task or None) adds verified fetches from the same relay with
     that many verify threads (``BlockFetcher.verify_workers``; the plain case uses the default). A relay
     (and raw sender) on aiopquic runs in the Python 3.12 environment, with subscribers here on each of
@@ -640,6 +745,20 @@ def run(tokens: int, runs: int, stacks: list[str], links: list[str],
     are in ``rendition``."""
     prompt = make_prompt(tokens, rendition)
     size = prompt.wire_bytes
+
+    def verified_fetches(relay: RelayFetch, label: str) -> list[Case]:
+        """The verified fetches from one relay: with the default settings, then copying (``compare_slots``)
+        and with each of ``verify_workers``."""
+        out = [Case(f"verified fetch {label}", relay.fetch)]
+        if compare_slots:
+            copying = functools.partial(relay.fetch, into_slots=False)
+            out.append(Case(f"verified fetch {label} copying", copying))
+        for n, k in verify_workers:
+            per_task = "" if k is None else f", {k} layers per task"
+            name = f"verified fetch {label} verify workers {n}{per_task}"
+            out.append(Case(name, functools.partial(relay.fetch, n, layers_per_task=k)))
+        return out
+
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -665,26 +784,12 @@ def run(tokens: int, runs: int, stacks: list[str], links: list[str],
                 for link, peer in ((link, peer) for link in links for peer in peers if peer != s):
                     relay = RelayFetch(prompt, certdir, s, link, loop, peer_stack=peer)
                     stack.callback(relay.close)
-                    cases.append(Case(f"verified fetch {_pair(s, peer)} {link}", relay.fetch))
-                    if compare_slots:
-                        cases.append(Case(f"verified fetch {_pair(s, peer)} {link} copying",
-                                          lambda relay=relay: relay.fetch(into_slots=False)))  # type: ignore[misc]
-                    for n, k in verify_workers:
-                        per_task = "" if k is None else f", {k} layers per task"
-                        name = f"verified fetch {_pair(s, peer)} {link} verify workers {n}{per_task}"
-                        cases.append(Case(name, functools.partial(relay.fetch, n, layers_per_task=k)))
+                    cases.extend(verified_fetches(relay, f"{_pair(s, peer)} {link}"))
                     cases.append(stack.enter_context(raw_quic(certdir, s, link, size, peer)))
                 for link in links if s != "aiopquic" else ():
                     relay = RelayFetch(prompt, certdir, s, link, loop)
                     stack.callback(relay.close)
-                    cases.append(Case(f"verified fetch {s} {link}", relay.fetch))
-                    if compare_slots:
-                        cases.append(Case(f"verified fetch {s} {link} copying",
-                                          lambda relay=relay: relay.fetch(into_slots=False)))  # type: ignore[misc]
-                    for n, k in verify_workers:
-                        per_task = "" if k is None else f", {k} layers per task"
-                        cases.append(Case(f"verified fetch {s} {link} verify workers {n}{per_task}",
-                                          lambda relay=relay, n=n, k=k: relay.fetch(n, layers_per_task=k)))  # type: ignore[misc]
+                    cases.extend(verified_fetches(relay, f"{s} {link}"))
                     if compare_gro and s == "aioquic":  # qh3's client reads in batches itself
                         cases.append(Case(f"verified fetch {s} {link} without GRO",
                                           lambda relay=relay: relay.fetch(receive_offload=False)))  # type: ignore[misc]
@@ -727,12 +832,12 @@ PROFILE_PARTS = (
     ("digest (SHA-256 per layer)", ("_hashlib", "payload_digest", "verify_payload", "compare_digest")),
     ("decode (zstd, byte planes)", ("kvnet/blocks/codecs.py", "zstandard", "numpy")),
     ("import into the paged cache", ("kvnet/cache/", "torch")),
-    ("manifest checks (Ed25519, chain)", ("ed25519", "kvnet/blocks/signing.py", "proto/kvobject.py",
+    ("manifest checks (Ed25519, chain)", ("ed25519", "kvnet/security/signing.py", "proto/kvobject.py",
                                           "msgpack", "verify_manifest")),
     ("transport (QUIC stack, UDP, ACKs)", ("qh3", "aioquic", "aiopquic", "UdpSocketState", "kvnet/net/gso.py",
                                            "socket")),
     ("MoQT (parse, reassembly, routing)", ("proto/", "kvnet/net/")),
-    ("fetcher (kvnet/node/fetching.py)", ("kvnet/node/",)),
+    ("fetcher (kvnet/exchange/fetching.py)", ("kvnet/exchange/",)),
     ("waiting (epoll)", ("select.epoll",)),
     ("event loop, other", ("",)),
 )
@@ -753,11 +858,12 @@ def profile_parts(stats: pstats.Stats, mb: float) -> str:
     return "\n".join(lines)
 
 
-def profile(tokens: int, stack: str, link: str, peer_stack: str | None, top: int = 14) -> str:
-    """Where one verified fetch from a relay's cache spends CPU: the relay's CPU per thread (an aiopquic
-    relay's picoquic thread apart from its event loop), and cProfile of the fetching event loop (this
-    process; the verify threads apart)."""
-    prompt = make_prompt(tokens)
+def profile(tokens: int, stack: str, link: str, peer_stack: str | None, rendition: str = "lossless",
+            top: int = 14) -> str:
+    """Where one verified fetch of ``rendition`` from a relay's cache spends CPU: the relay's CPU per thread
+    (an aiopquic relay's picoquic thread apart from its event loop), and cProfile of the fetching event
+    loop (this process; the verify threads apart)."""
+    prompt = make_prompt(tokens, rendition)
     mb = prompt.wire_bytes / 1e6
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -791,7 +897,8 @@ def profile(tokens: int, stack: str, link: str, peer_stack: str | None, top: int
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
-    print(f"verified fetch {_pair(stack, peer_stack)} {link}: {mb / seconds:.1f} MB/s under cProfile; "
+    print(f"verified fetch {_pair(stack, peer_stack)} {link} ({rendition}): {mb / seconds:.1f} MB/s under "
+          f"cProfile; "
           f"fetching process {1000 * client_cpu / mb:.2f} ms/MB; relay CPU ms/MB by thread:", file=out)
     for name, total in after.items():
         print(f"  {name:24s} {1000 * (total - before[name]) / mb:7.2f}", file=out)
@@ -993,9 +1100,13 @@ def main() -> int:
     ap.add_argument("--relay-workers", default="1", metavar="W,W,...",
                     help="with --fanout: the relay's --workers, each W interleaved with the counts (worker "
                          "caches all filled; relay CPU summed over its processes)")
+    ap.add_argument("--fetch-connections", default="", metavar="N,N,...",
+                    help="instead: verified fetches over QMux from a relay's cache striped over N sessions "
+                         "(a node's --fetch-connections), for each N and each of --renditions, interleaved "
+                         "(--relay-workers: the relay's workers, first value)")
     ap.add_argument("--profile", action="store_true",
                     help="instead: where one verified fetch spends CPU (relay per thread, the fetching loop "
-                         "under cProfile), first stack, link and node stack given")
+                         "under cProfile), first stack, link, node stack and rendition given")
     ap.add_argument("--layer-work", action="store_true",
                     help="instead: the node's per-layer work of a verified fetch without the network "
                          "(digest, decode into the cache's slots, import) for each of --renditions, on "
@@ -1042,6 +1153,19 @@ def main() -> int:
         print_fanout(args.tokens, args.runs,
                      *fanout(args.tokens, args.runs, counts, stacks[0], links[0], relay_workers))
         return 0
+    if args.fetch_connections:
+        try:
+            conns = [int(n) for n in args.fetch_connections.split(",") if n]
+            relay_workers = [int(n) for n in args.relay_workers.split(",") if n]
+        except ValueError:
+            ap.error("--fetch-connections and --relay-workers take comma-separated integers")
+        if not conns or not 1 <= min(conns) <= max(conns) <= MAX_FETCH_CONNECTIONS:
+            ap.error(f"--fetch-connections needs session counts in [1, {MAX_FETCH_CONNECTIONS}]")
+        if not relay_workers or min(relay_workers) < 1:
+            ap.error("--relay-workers needs worker counts of at least 1")
+        renditions = [r for r in args.renditions.split(",") if r]
+        print_stripes(stripes(args.tokens, args.runs, conns, renditions, relay_workers[0]), args.runs)
+        return 0
     if args.layer_work:
         try:
             counts = [int(w.partition("/")[0]) for w in args.verify_workers.split(",") if w] or [0]
@@ -1054,7 +1178,8 @@ def main() -> int:
         return 0
     if args.profile:
         peer = args.node_stacks.split(",")[0] if stacks[0] == "aiopquic" else None
-        print(profile(args.tokens, stacks[0], links[0], peer))
+        first = next((r for r in args.renditions.split(",") if r), "lossless")
+        print(profile(args.tokens, stacks[0], links[0], peer, first))
         return 0
     try:
         workers = tuple((int(n), int(k) if k else None)

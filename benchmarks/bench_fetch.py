@@ -38,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
 
+from kvnet.net.config import DEFAULT_STACK, STACKS, TlsConfig, TransportConfig
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect, serve
 from kvnet.net.handles import IncomingFetch
-from kvnet.net.settings import DEFAULT_STACK, STACKS, TlsSettings, TransportSettings
 from kvnet.net.sockets import apply_socket_buffers
 from proto.errors import RequestErrorCode
 from proto.messages import Location
@@ -75,7 +75,7 @@ def kv_payloads(codec_name: str, objects: int) -> tuple[list[bytes], int]:
 # ---------------------------------------------------------------- publisher (child process)
 
 
-async def _publisher_main(settings: TransportSettings, port: int, certdir: Path, objects: int,
+async def _publisher_main(settings: TransportConfig, port: int, certdir: Path, objects: int,
                           object_bytes: int, codec: str | None) -> None:
     if codec:
         payloads, _ = kv_payloads(codec, objects)
@@ -101,7 +101,7 @@ async def _publisher_main(settings: TransportSettings, port: int, certdir: Path,
                 req.reject(RequestErrorCode.NOT_SUPPORTED, "bench publisher serves FETCH only")
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    server = await serve("127.0.0.1", port, settings, TlsSettings.from_dir(certdir, "server"),
+    server = await serve("127.0.0.1", port, settings, TlsConfig.from_dir(certdir, "server"),
                          on_connection)
     print("ready", flush=True)
     try:
@@ -110,11 +110,11 @@ async def _publisher_main(settings: TransportSettings, port: int, certdir: Path,
         await server.close()
 
 
-async def _raw_sender_main(settings: TransportSettings, port: int, certdir: Path) -> None:
+async def _raw_sender_main(settings: TransportConfig, port: int, certdir: Path) -> None:
     """Raw QUIC in the fetch's direction: the client opens a stream and writes its size in ASCII; we
     answer with that many bytes on the same stream (server -> client), with the same back-pressure bound
     as ``MoqtConnection`` (``ConnectionLimits.max_send_buffer``)."""
-    from kvnet.net.connection import ConnectionLimits
+    from kvnet.net.limits import ConnectionLimits
     from kvnet.net.registry import get_stack
 
     stack = get_stack(settings.stack)
@@ -162,7 +162,7 @@ async def _raw_sender_main(settings: TransportSettings, port: int, certdir: Path
                 sent += n
                 await asyncio.sleep(0)
 
-    config = stack.server_configuration(settings, TlsSettings.from_dir(certdir, "server"))
+    config = stack.server_configuration(settings, TlsConfig.from_dir(certdir, "server"))
     assert stack.serve is not None  # a QUIC stack
     server = await stack.serve("127.0.0.1", port, configuration=config, create_protocol=Source)
     if not stack.binds_own_socket:  # picoquic sizes its own socket's buffers from the configuration
@@ -174,7 +174,7 @@ async def _raw_sender_main(settings: TransportSettings, port: int, certdir: Path
         server.close()
 
 
-async def _raw_receive_once(settings: TransportSettings, port: int, certdir: Path, size: int) -> float:
+async def _raw_receive_once(settings: TransportConfig, port: int, certdir: Path, size: int) -> float:
     from kvnet.net.registry import get_stack
 
     stack = get_stack(settings.stack)
@@ -190,7 +190,7 @@ async def _raw_receive_once(settings: TransportSettings, port: int, certdir: Pat
                 if event.end_stream and not done.done():
                     done.set_result(None)
 
-    config = stack.client_configuration(settings, TlsSettings.from_dir(certdir, None), "localhost")
+    config = stack.client_configuration(settings, TlsConfig.from_dir(certdir, None), "localhost")
     assert stack.connect is not None  # a QUIC stack
     async with stack.connect("127.0.0.1", port, configuration=config, create_protocol=Sink) as proto:
         if settings.stack != "aiopquic":  # picoquic sizes its own socket's buffers from the configuration
@@ -206,7 +206,7 @@ async def _raw_receive_once(settings: TransportSettings, port: int, certdir: Pat
     return elapsed
 
 
-def raw_receive_child(settings: TransportSettings, port: int, certdir: Path, size: int) -> list[float]:
+def raw_receive_child(settings: TransportConfig, port: int, certdir: Path, size: int) -> list[float]:
     """In a receiver child process (an aiopquic receiver runs in the Python 3.12 environment): one raw
     transfer; returns [seconds, CPU seconds of this process during it]."""
     c0 = time.process_time()
@@ -215,7 +215,7 @@ def raw_receive_child(settings: TransportSettings, port: int, certdir: Path, siz
 
 
 def raw_receive_in_child(
-    settings: TransportSettings, port: int, certdir: Path, size: int
+    settings: TransportConfig, port: int, certdir: Path, size: int
 ) -> list[float]:
     """``raw_receive_child`` run in a child process on the interpreter ``settings.stack`` needs."""
     python = str(common.native_quic_python()) if settings.stack == "aiopquic" else sys.executable
@@ -230,18 +230,18 @@ def raw_receive_in_child(
     return result
 
 
-def raw_server_to_client(settings: TransportSettings, size: int, runs: int, certdir: Path,
-                         client_settings: TransportSettings | None = None) -> list[float]:
+def raw_server_to_client(settings: TransportConfig, size: int, runs: int, certdir: Path,
+                         client_config: TransportConfig | None = None) -> list[float]:
     """MB/s of ``runs`` raw one-way QUIC transfers of ``size`` bytes from a server (child process) to a
     client, i.e. in the direction a FETCH response travels, with ``settings`` on the server and
-    ``client_settings`` (default: the same) on the client, e.g. a relay on aioquic and a node on qh3."""
+    ``client_config`` (default: the same) on the client, e.g. a relay on aioquic and a node on qh3."""
     with Publisher(settings, certdir, 0, 0, raw=True) as port:
-        return [size / asyncio.run(_raw_receive_once(client_settings or settings, port, certdir, size)) / 1e6
+        return [size / asyncio.run(_raw_receive_once(client_config or settings, port, certdir, size)) / 1e6
                 for _ in range(runs)]
 
 
 def _serve_child(args: argparse.Namespace) -> None:
-    settings = TransportSettings(**json.loads(args.settings))
+    settings = TransportConfig(**json.loads(args.settings))
     prof = cProfile.Profile() if args.profile else None
     if prof:
         prof.enable()
@@ -260,7 +260,7 @@ def _serve_child(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------- subscriber (this process)
 
 
-async def _fetch_once(settings: TransportSettings, port: int, certdir: Path, objects: int,
+async def _fetch_once(settings: TransportConfig, port: int, certdir: Path, objects: int,
                       codec: str | None) -> tuple[float, int, int]:
     """(seconds, payload bytes on the wire, bytes after decoding) of one FETCH on a fresh connection."""
     dec = None
@@ -270,7 +270,7 @@ async def _fetch_once(settings: TransportSettings, port: int, certdir: Path, obj
         from kvnet.blocks.codecs import get_codec
 
         dec = get_codec(codec)
-    tls = TlsSettings.from_dir(certdir, None)
+    tls = TlsConfig.from_dir(certdir, None)
     async with connect(f"moqt://127.0.0.1:{port}", settings, tls) as conn:
         t0 = time.perf_counter()
         handle = await conn.fetch(NS, b"bulk", Location(0, 0), Location(0, objects))
@@ -294,7 +294,7 @@ def print_profile(prof: cProfile.Profile, title: str, top: int = 22) -> None:
 class Publisher:
     """The publisher child process, for ``with Publisher(...) as port:``."""
 
-    def __init__(self, settings: TransportSettings, certdir: Path, objects: int, object_bytes: int,
+    def __init__(self, settings: TransportConfig, certdir: Path, objects: int, object_bytes: int,
                  codec: str | None = None, profile: bool = False, raw: bool = False) -> None:
         self.port = common.free_port()
         # aiopquic runs in the Python 3.12 environment (tests/helpers/processes.native_quic_python).
@@ -327,7 +327,7 @@ class Publisher:
             self.proc.wait()
 
 
-def fetch_goodput(settings: TransportSettings, objects: int = 64, object_bytes: int = 1 << 20,
+def fetch_goodput(settings: TransportConfig, objects: int = 64, object_bytes: int = 1 << 20,
                   runs: int = 3, codec: str | None = None, certdir: Path | None = None,
                   profile: bool = False, raw: bool = True) -> dict[str, Any]:
     """FETCH goodput next to raw QUIC, runs interleaved so that load changes hit all alike.
@@ -387,7 +387,7 @@ def main() -> int:
         _serve_child(args)
         return 0
     if args.raw_receive:
-        print(json.dumps(raw_receive_child(TransportSettings(**json.loads(args.settings)), args.port,
+        print(json.dumps(raw_receive_child(TransportConfig(**json.loads(args.settings)), args.port,
                                            args.certdir, args.raw_receive)))
         return 0
     object_bytes = args.object_kib << 10
@@ -395,7 +395,7 @@ def main() -> int:
     print(f"FETCH {args.objects} x {args.object_kib} KiB, stack {args.stack}, codec {args.codec or 'none'}, "
           f"median of {runs}, cores={os.cpu_count()}, load {common.load_average()}", flush=True)
     for size in args.datagram_size or [None]:
-        settings = TransportSettings(stack=args.stack, max_datagram_size=size)
+        settings = TransportConfig(stack=args.stack, max_datagram_size=size)
         with common.test_certificates() as certdir:
             res = fetch_goodput(settings, args.objects, object_bytes, runs, args.codec, certdir, args.profile,
                                 raw=not (args.no_raw or args.profile))

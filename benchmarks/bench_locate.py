@@ -1,4 +1,4 @@
-"""Locate latency vs prompt length, in round trips: kvnet's locate (``kvnet.node.locate.locate_prefix``, a
+"""Locate latency vs prompt length, in round trips: kvnet's locate (``kvnet.exchange.locate.locate_prefix``, a
 bounded fan-out search with TRACK_STATUS probes) over one ``MoqtConnection`` through kvnet's userspace
 link emulator, N = 16 .. 4096 blocks.
 
@@ -42,13 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
 
+from kvnet.exchange.blockstore import BlockStore, StoredBlock
+from kvnet.exchange.locate import DEFAULT_LOCATE_FAN_OUT, locate_prefix
+from kvnet.exchange.publishing import BlockServer
+from kvnet.net.config import DEFAULT_STACK, STACKS, TlsConfig, TransportConfig
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect, serve
 from kvnet.net.errors import RequestRejected
-from kvnet.net.settings import DEFAULT_STACK, STACKS, TlsSettings, TransportSettings
-from kvnet.node.blockstore import BlockStore, StoredBlock
-from kvnet.node.locate import DEFAULT_LOCATE_FAN_OUT, locate_prefix
-from kvnet.node.publishing import BlockServer
 from proto.errors import RequestErrorCode
 from proto.kvobject import block_track
 
@@ -84,18 +84,18 @@ def _block_server(conn: MoqtConnection, blocks: list[StoredBlock]) -> BlockServe
     return BlockServer(conn, store, FINGERPRINT, NAMESPACE_ID, num_layers=1)
 
 
-async def _publisher_main(settings: TransportSettings, certdir: Path, cached: int, port: int,
+async def _publisher_main(settings: TransportConfig, certdir: Path, cached: int, port: int,
                           relay_url: str | None, push: bool) -> None:
     stop = asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # parent closes stdin
     blocks = _blocks(cached)
     if relay_url is None:
-        server = await serve("127.0.0.1", port, settings, TlsSettings.from_dir(certdir, "server"),
+        server = await serve("127.0.0.1", port, settings, TlsConfig.from_dir(certdir, "server"),
                              lambda conn: _block_server(conn, blocks).serve())
         print("ready", flush=True)
         await stop
         await server.close()
         return
-    async with connect(relay_url, settings, TlsSettings.from_dir(certdir, None)) as conn:
+    async with connect(relay_url, settings, TlsConfig.from_dir(certdir, None)) as conn:
         block_server = _block_server(conn, blocks)
         await block_server.announce()
         task = asyncio.create_task(block_server.serve())
@@ -126,7 +126,7 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 
 @contextlib.contextmanager
-def topology(settings: TransportSettings, certdir: Path, cached: int, rtt_ms: float,
+def topology(settings: TransportConfig, certdir: Path, cached: int, rtt_ms: float,
              relay: bool, push: bool = False) -> Iterator[str]:
     """Start (relay,) publisher and link emulator; yields the URL the subscriber connects to. ``push``:
     the publisher PUBLISHes its blocks into the relay before it reports ready."""
@@ -167,7 +167,7 @@ def topology(settings: TransportSettings, certdir: Path, cached: int, rtt_ms: fl
 # ---------------------------------------------------------------- subscriber (this process)
 
 
-def locate_round_trips(settings: TransportSettings, blocks: list[int], runs: int = 3,
+def locate_round_trips(settings: TransportConfig, blocks: list[int], runs: int = 3,
                        rtts_ms: tuple[float, float] = (20.0, 120.0), relay: bool = False,
                        certdir: Path | None = None, fan_out: int | None = DEFAULT_LOCATE_FAN_OUT,
                        push: bool = False) -> dict[str, Any]:
@@ -199,14 +199,14 @@ def locate_round_trips(settings: TransportSettings, blocks: list[int], runs: int
     return result
 
 
-async def _measure(url: str, settings: TransportSettings, certdir: Path, blocks: list[int],
+async def _measure(url: str, settings: TransportConfig, certdir: Path, blocks: list[int],
                    runs: int, cached: int, fan_out: int | None,
                    cost: dict[int, tuple[int, int]]) -> dict[int, list[float]]:
     """Locate seconds per N over one connection, after a warm-up: the search runs over tracks
     cached - N/2 .. cached + N/2 - 1, of which exactly the first N/2 exist. Records (probes, rounds)
     per N in ``cost``."""
     out: dict[int, list[float]] = {}
-    async with connect(url, settings, TlsSettings.from_dir(certdir, None)) as conn:
+    async with connect(url, settings, TlsConfig.from_dir(certdir, None)) as conn:
 
         async def one(i: int) -> bool:
             try:
@@ -262,14 +262,14 @@ def main() -> int:
     ap.add_argument("--relay-url", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
-        settings = TransportSettings(**json.loads(args.settings))
+        settings = TransportConfig(**json.loads(args.settings))
         asyncio.run(
             _publisher_main(settings, args.certdir, args.cached, args.port, args.relay_url, args.push)
         )
         return 0
     blocks = [int(x) for x in args.blocks.split(",") if x]
     r1, r2 = (float(x) for x in args.rtts_ms.split(","))
-    settings = TransportSettings(stack=args.stack)
+    settings = TransportConfig(stack=args.stack)
     fan_out = args.fan_out if args.mode == "search" else None
     mode = f"search, fan-out {fan_out}" if fan_out else "all at once"
     path = ("relay, blocks pushed" if args.push else "relay, cache cold") if args.relay else "direct"

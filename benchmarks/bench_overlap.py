@@ -50,10 +50,11 @@ def _linkemu(bench: Any, rate_mbps: float, rtt_ms: float) -> tuple[Any, int]:
     return proc, port
 
 
-def _timed(bench: Any, warm: str, prompt: str, port: int, *extra: str) -> dict[str, Any]:
-    """The report of ``prompt``, answered by a fresh subscriber after ``warm`` (through ``port``)."""
+def _timed(bench: Any, warm: str, prompts: list[str], port: int, *extra: str) -> dict[str, Any]:
+    """The report of the last of ``prompts``, answered by a fresh subscriber after ``warm`` and the others
+    (through ``port``): with several, the ABR has learned from the earlier ones, as a running node has."""
     relay = ["--relay", f"moqt://127.0.0.1:{port}"]
-    _, report = bench.subscribe([warm, prompt], *relay, *extra)
+    *_, report = bench.subscribe([warm, *prompts], *relay, *extra)
     return dict(report)
 
 
@@ -67,6 +68,9 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="torch threads per node (one node runs at a time)")
+    ap.add_argument("--requests", type=int, default=1,
+                    help="prompts each subscriber answers after the warm-up, each on a prefix of its own; "
+                         "the last is timed (more than 1: the ABR plans from what the earlier ones measured)")
     args = ap.parse_args()
     ttft = common.load_bench("bench_ttft")
     assert ttft is not None, "benchmarks/bench_ttft.py is needed (relay and publisher set-up)"
@@ -82,19 +86,24 @@ def main() -> int:
         try:
             print(f"publishing {args.prefix_tokens} tokens on model {args.model} ...", file=sys.stderr)
             bench.start(prefix)
+            # Each request after the first on a prefix of its own (a different first word changes every
+            # block's chain hash), so no request hits what an earlier one loaded.
+            prefixes = [prefix] + [f"v{j} {prefix}"[: len(prefix)] for j in range(1, args.requests)]
             publish_warm = ["-m", "publisher", *bench.node_args(), "--prompt", warm, "--exit-after-publish"]
+            for extra_prefix in prefixes[1:]:
+                publish_warm += ["--prompt", extra_prefix]
             pub = bench.spawn(publish_warm, "publisher-warm")
             if pub.wait(timeout=600) != 0:
                 raise RuntimeError("publishing the warm-up prompt failed")
             for run in range(args.runs):
-                prompt = f"{prefix} Q{run}: why?"
-                cold = _timed(bench, warm, prompt, bench.port, "--abr", "recompute", "--max-tokens", n)
+                prompts = [f"{p} Q{run}: why?" for p in prefixes[1:]] + [f"{prefix} Q{run}: why?"]
+                cold = _timed(bench, warm, prompts, bench.port, "--abr", "recompute", "--max-tokens", n)
                 reference = cold["output_token_ids"]
                 for rate in rates:
                     emu, port = _linkemu(bench, rate, args.rtt_ms)
                     try:
-                        fetch = _timed(bench, warm, prompt, port, "--abr", "fetch", "--max-tokens", n)
-                        both = _timed(bench, warm, prompt, port, "--abr", "auto", "--max-tokens", n)
+                        fetch = _timed(bench, warm, prompts, port, "--abr", "fetch", "--max-tokens", n)
+                        both = _timed(bench, warm, prompts, port, "--abr", "auto", "--max-tokens", n)
                     finally:
                         emu.terminate()
                         emu.wait(timeout=10)
@@ -106,14 +115,22 @@ def main() -> int:
                              if plan.get("compute_blocks") else
                              ("fetch" if plan.get("fetch_blocks") else "recompute"))
                     splits[rate].append(split)
+                    inputs = plan.get("inputs", {})
                     print(f"run {run + 1} {rate:g} MB/s: cold {cold['timings']['ttft_s']:.3f}s fetch-only "
                           f"{fetch['timings']['ttft_s']:.3f}s fetch+compute {both['timings']['ttft_s']:.3f}s "
                           f"({split}, planned {plan.get('compute_blocks', 0)} computed of "
-                          f"{plan.get('fetch_blocks', 0)}) load {common.load_average()}", file=sys.stderr)
+                          f"{plan.get('fetch_blocks', 0)}, estimated {plan.get('est_total_s', 0):.3f}s "
+                          f"against "
+                          f"{plan.get('est_recompute_all_s', 0):.3f}s recomputing, from "
+                          f"{inputs.get('throughput_bps', 0) / 1e6:.1f} MB/s and rtt "
+                          f"{1000 * inputs.get('rtt_s', 0):.0f} ms; locate "
+                          f"{1000 * both['timings'].get('locate_s', 0):.0f} ms) load {common.load_average()}",
+                          file=sys.stderr)
                 loads.append(common.load_average().split()[0])
         finally:
             bench.close()
     print(f"model={args.model} prefix_tokens={args.prefix_tokens} rtt={args.rtt_ms:g} ms runs={args.runs} "
+          f"requests={args.requests} "
           f"(medians; load average after each run: {', '.join(loads)})")
     print(f"{'MB/s':>6}{'cold s':>9}{'fetch s':>9}{'f+c s':>9}{'f+c/min':>9}  head computed / tail fetched")
     for rate in rates:

@@ -6,7 +6,7 @@ Scenarios per N, each the median of RUNS runs, in MB/s (10^6 bytes/s) of payload
   fetch-warm   N subscribers FETCH a track the relay already caches
   subscribe    N subscribers SUBSCRIBE; the publisher sends the track once and the relay fans it out
 The raw baseline is ``benchmarks/bench_transport.py``'s ``raw_quic_throughput`` with the same
-``TransportSettings`` (one-way, same size), measured in the same run.
+``TransportConfig`` (one-way, same size), measured in the same run.
 
     python benchmarks/bench_relay.py --size-mib 32 --runs 3
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import itertools
 import os
 import statistics
@@ -28,11 +27,14 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
+import common  # noqa: E402
+
+from kvnet.net.config import TlsConfig, TransportConfig  # noqa: E402
 from kvnet.net.connection import MoqtConnection  # noqa: E402
 from kvnet.net.endpoint import connect  # noqa: E402
 from kvnet.net.handles import IncomingFetch, IncomingSubscribe  # noqa: E402
-from kvnet.net.settings import TlsSettings, TransportSettings  # noqa: E402
 from proto.data import ObjectStatus  # noqa: E402
 from proto.messages import Location  # noqa: E402
 from tests.helpers.processes import CertDir, make_certificates  # noqa: E402
@@ -40,16 +42,6 @@ from tests.helpers.processes import start_relay as start_relay_process  # noqa: 
 
 NS = (b"kvnet", b"bench")
 OBJECT_BYTES = 1 << 20
-
-
-def _load_transport_bench() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "bench_transport", REPO / "benchmarks" / "bench_transport.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def start_relay(certdir: Path, cache_bytes: int) -> tuple[subprocess.Popen[bytes], int]:
@@ -121,7 +113,7 @@ async def _drain_sub(sub: Any, last: list[float]) -> int:
 
 async def run_relay_scenarios(url: str, ca: Path, size: int, ns: list[int], runs: int) -> dict[str, float]:
     n_obj = max(1, size // OBJECT_BYTES)
-    tls = TlsSettings(ca_file=ca)
+    tls = TlsConfig(ca_file=ca)
     payloads = [os.urandom(1024) * (OBJECT_BYTES // 1024) for _ in range(n_obj)]
     pub = BenchPublisher(await connect(url, tls=tls), payloads)
     await pub.start()
@@ -169,14 +161,15 @@ def main() -> int:
     args = ap.parse_args()
     size = args.size_mib << 20
     ns = [int(x) for x in args.subscribers.split(",")]
-    bt = _load_transport_bench()
+    bt = common.load_bench("bench_transport")
+    assert bt is not None
     with tempfile.TemporaryDirectory() as tmp:
         certdir = make_certificates(Path(tmp), "server").dir
         print(
             f"{args.size_mib} MiB track, 1 MiB objects, loopback, "
             f"median of {args.runs}, cores={os.cpu_count()}"
         )
-        settings = TransportSettings()  # what the relay and the peers below use
+        settings = TransportConfig()  # what the relay and the peers below use
         raw = bt.raw_quic_throughput(settings, size, args.runs)
         print(
             f"raw QUIC    one-way  {raw:8.1f} MB/s   (bench_transport, stack={settings.stack}, "

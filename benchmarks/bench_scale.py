@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
 
+from kvnet.net.config import TlsConfig
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
-from kvnet.net.settings import TlsSettings
 from proto.messages import Location
 
 OBJECTS_PER_TRACK = 1000
@@ -51,7 +51,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def _sessions(url: str, ca: Path, pid: int, n: int, idle: float, batch: int = 25) -> dict[str, float]:
-    tls = TlsSettings(ca_file=ca)
+    tls = TlsConfig(ca_file=ca)
     await asyncio.sleep(0.5)
     rss0, cpu0 = rss_bytes(pid), cpu_seconds(pid)
     conns: list[MoqtConnection] = []
@@ -75,7 +75,7 @@ async def _sessions(url: str, ca: Path, pid: int, n: int, idle: float, batch: in
 async def _objects(url: str, ca: Path, pid: int, n: int, object_bytes: int) -> dict[str, float]:
     br = common.load_bench("bench_relay")
     assert br is not None
-    tls = TlsSettings(ca_file=ca)
+    tls = TlsConfig(ca_file=ca)
     per_track = min(n, OBJECTS_PER_TRACK)
     payloads = [os.urandom(object_bytes) for _ in range(per_track)]
     pub = br.BenchPublisher(await connect(url, tls=tls), payloads)

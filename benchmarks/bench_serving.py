@@ -99,9 +99,9 @@ async def run(args: argparse.Namespace) -> int:
                 tokens = 0
                 for prompt, (_, text) in zip(prompts, results, strict=True):
                     if prompt not in expected:
-                        ids = generate_reference(model, tokenizer.encode(prompt), args.max_tokens,
+                        ids = generate_reference(model, tokenizer.tokenize(prompt), args.max_tokens,
                                                  stop_token_ids=(tokenizer.eos_id,))
-                        expected[prompt] = (tokenizer.decode(ids), len(ids))
+                        expected[prompt] = (tokenizer.detokenize(ids), len(ids))
                     want, count = expected[prompt]
                     tokens += count
                     if text != want:

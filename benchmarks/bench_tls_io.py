@@ -1,9 +1,9 @@
-"""Which I/O model receives TLS 1.3 over TCP cheapest inside an asyncio process (the choice behind
-``kvnet.net.qmux_stack``).
+"""Which I/O model receives, and which sends, TLS 1.3 over TCP cheapest inside an asyncio process (the
+choice behind ``kvnet.net.qmux_stack``).
 
-One connection over loopback; the sender is a child process writing 1 MiB ``sendall`` calls on a
-blocking ``ssl`` socket, so only the receiver's model varies. Receivers, all in this process on one
-event loop:
+One connection over loopback; the other end is a child process on a blocking ``ssl`` socket (writing
+1 MiB ``sendall`` calls, or reading with ``recv_into`` one buffer), so only this process's model varies.
+Receivers, all in this process on one event loop:
 
 - ``streams``: ``asyncio.open_connection(ssl=...)``, ``reader.read(1 MiB)`` (a new ``bytes`` each);
 - ``buffered``: ``loop.create_connection(ssl=...)`` with a ``BufferedProtocol`` reading into one
@@ -13,10 +13,19 @@ event loop:
 - ``thread``: a reader thread doing blocking ``recv_into`` and handing each read's bytes to the event
   loop with ``call_soon_threadsafe``.
 
-Reported per model: MB/s and the receiving process's CPU ms per MB (threads included), medians over
+Senders (``send-*``), 1 MiB of stream data at a time, as a relay serving cached objects writes:
+
+- ``send-buffered``: ``loop.create_server(ssl=...)``, ``transport.write`` with asyncio's
+  ``pause_writing``/``resume_writing`` back-pressure (4 MiB high water, what the QMux stack sets);
+  asyncio's SSL layer encrypts into a memory BIO and its socket transport writes that out;
+- ``send-nonblocking``: a non-blocking ``ssl.SSLSocket`` under ``loop.add_writer``, ``send`` of the
+  same buffer until ``SSLWantWriteError`` (OpenSSL encrypts and writes the socket itself).
+
+Reported per model: MB/s and this process's CPU ms per MB (threads included), medians over
 interleaved runs, with the load average.
 
     python benchmarks/bench_tls_io.py --mib 256 --runs 3
+    python benchmarks/bench_tls_io.py --mib 256 --runs 5 --models send-buffered,send-nonblocking
 """
 
 from __future__ import annotations
@@ -41,7 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvnet.security import certs
 
 CHUNK = 1 << 20
-MODELS = ("streams", "buffered", "nonblocking", "thread")
+MODELS = ("streams", "buffered", "nonblocking", "thread", "send-buffered", "send-nonblocking")
+# Bytes asyncio's SSL transport may hold before it pauses the sender (kvnet.net.qmux_stack's high water).
+SEND_HIGH_WATER = 4 << 20
 
 
 def _sender(port: int, ca: str, total: int) -> None:
@@ -57,6 +68,17 @@ def _sender(port: int, ca: str, total: int) -> None:
             s.sendall(block[:n])
             sent += n
         s.recv(1)
+
+
+def _receiver(port: int, ca: str) -> None:
+    """Child: connect, read into one buffer until the sender closes."""
+    ctx = ssl.create_default_context(cafile=ca)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    raw = socket.create_connection(("127.0.0.1", port))
+    with ctx.wrap_socket(raw, server_hostname="localhost") as s:
+        buf = memoryview(bytearray(CHUNK))
+        while s.recv_into(buf):
+            pass
 
 
 def _server_context(d: Path) -> ssl.SSLContext:
@@ -178,18 +200,89 @@ async def _thread(listener: socket.socket, ctx: ssl.SSLContext, total: int) -> N
     tls.close()
 
 
-RECEIVERS: dict[str, Callable[[socket.socket, ssl.SSLContext, int], Coroutine[Any, Any, None]]] = {
+class _BufferedSender(asyncio.Protocol):
+    """Writes ``total`` bytes in 1 MiB writes while asyncio's SSL transport takes them, then closes."""
+
+    def __init__(self, total: int, done: asyncio.Future[int]) -> None:
+        self.block = os.urandom(CHUNK)
+        self.sent = 0
+        self.total = total
+        self.done = done
+        self.paused = False
+        self.transport: asyncio.WriteTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        self.transport = transport
+        transport.set_write_buffer_limits(SEND_HIGH_WATER, SEND_HIGH_WATER // 4)
+        self._write()
+
+    def _write(self) -> None:
+        assert self.transport is not None
+        while not self.paused and self.sent < self.total:
+            self.transport.write(self.block)
+            self.sent += CHUNK
+        if self.sent >= self.total and not self.paused:
+            self.transport.close()
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        self._write()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_result(self.sent)
+
+
+async def _send_buffered(listener: socket.socket, ctx: ssl.SSLContext, total: int) -> None:
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[int] = loop.create_future()
+    server = await loop.create_server(lambda: _BufferedSender(total, done), sock=listener, ssl=ctx)
+    await done
+    server.close()
+
+
+async def _send_nonblocking(listener: socket.socket, ctx: ssl.SSLContext, total: int) -> None:
+    loop = asyncio.get_running_loop()
+    tls = await _accept_tls(listener, ctx)
+    tls.setblocking(False)
+    block = memoryview(os.urandom(CHUNK))
+    done: asyncio.Future[int] = loop.create_future()
+    sent = 0
+
+    def writable() -> None:
+        nonlocal sent
+        while sent < total:
+            try:
+                sent += tls.send(block)  # all of it, or SSLWantWriteError (retried with the same buffer)
+            except (ssl.SSLWantWriteError, BlockingIOError):
+                return
+        loop.remove_writer(tls.fileno())
+        done.set_result(sent)
+
+    loop.add_writer(tls.fileno(), writable)
+    await done
+    tls.close()
+
+
+MODEL_RUNS: dict[str, Callable[[socket.socket, ssl.SSLContext, int], Coroutine[Any, Any, None]]] = {
     "streams": _streams, "buffered": _buffered, "nonblocking": _nonblocking, "thread": _thread,
+    "send-buffered": _send_buffered, "send-nonblocking": _send_nonblocking,
 }
 
 
 def _one(model: str, d: Path, total: int) -> tuple[float, float]:
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    child = subprocess.Popen([sys.executable, __file__, "--send", str(port), str(d / "ca.pem"), str(total)])
+    other = ["--receive", str(port), str(d / "ca.pem")] if model.startswith("send-") else [
+        "--send", str(port), str(d / "ca.pem"), str(total)]
+    child = subprocess.Popen([sys.executable, __file__, *other])
     try:
         cpu0, t0 = time.process_time(), time.perf_counter()
-        asyncio.run(RECEIVERS[model](listener, _server_context(d), total))
+        asyncio.run(MODEL_RUNS[model](listener, _server_context(d), total))
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     finally:
         child.wait(60)
@@ -204,9 +297,13 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--send", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--receive", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.send:
         _sender(int(args.send[0]), args.send[1], int(args.send[2]))
+        return
+    if args.receive:
+        _receiver(int(args.receive[0]), args.receive[1])
         return
     models = args.models.split(",")
     results: dict[str, list[tuple[float, float]]] = {m: [] for m in models}
@@ -217,12 +314,14 @@ def main() -> None:
         for _ in range(args.runs):
             for m in models:
                 results[m].append(_one(m, d, args.mib << 20))
-    print(f"TLS 1.3 receive, one loopback connection, {args.mib} MiB, median of {args.runs} "
+    print(f"TLS 1.3, one loopback connection, {args.mib} MiB, median of {args.runs} "
           f"(load {os.getloadavg()[0]:.1f})")
     for m, rs in results.items():
         rate = statistics.median(r[0] for r in rs)
         cpu = statistics.median(r[1] for r in rs)
-        print(f"  {m:12s} {rate:7.0f} MB/s  {cpu:5.2f} ms/MB receiver CPU")
+        side = "sender" if m.startswith("send-") else "receiver"
+        runs = " ".join(f"{r[1]:.2f}" for r in rs)
+        print(f"  {m:16s} {rate:7.0f} MB/s  {cpu:5.2f} ms/MB {side} CPU  (runs {runs})")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ that byte. Prints the median of RUNS runs per mode in MB/s (10^6 bytes/s), the r
     python benchmarks/bench_transport.py --size-mib 128 --runs 3
     python benchmarks/bench_transport.py --modes aioquic-tuned --profile   # cProfile both sides
 
-Modes: aioquic-tuned (``TransportSettings(stack="aioquic")``), aioquic-default (aioquic's own defaults,
-same certificates), qh3-tuned (``TransportSettings(stack="qh3")``), tcp-tls (asyncio streams over TLS 1.3).
+Modes: aioquic-tuned (``TransportConfig(stack="aioquic")``), aioquic-default (aioquic's own defaults,
+same certificates), qh3-tuned (``TransportConfig(stack="qh3")``), tcp-tls (asyncio streams over TLS 1.3).
 Diagnostic modes: aioquic-rttexit (tuned, but aioquic's RTT-increase slow-start exit on), qh3-16384,
 qh3-9000, qh3-1452 (qh3 with that datagram size).
 
@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import free_port, test_certificates
 
+from kvnet.net.config import TlsConfig, TransportConfig
 from kvnet.net.registry import client_configuration, get_stack, server_configuration
-from kvnet.net.settings import TlsSettings, TransportSettings
 from kvnet.net.sockets import apply_socket_buffers
 from kvnet.net.stack import ALPN_MOQT, Stack
 
@@ -47,29 +47,29 @@ CHUNK = 1 << 20
 # Bytes the client keeps queued in the QUIC stack (aioquic: unacknowledged, qh3: unsent): enough to keep
 # the window full, bounded so we measure the transport rather than buffer growth.
 HIGH_WATER = 16 << 20
-MODES: dict[str, TransportSettings | None] = {
-    "aioquic-tuned": TransportSettings(stack="aioquic"),
+MODES: dict[str, TransportConfig | None] = {
+    "aioquic-tuned": TransportConfig(stack="aioquic"),
     "aioquic-default": None,
-    "qh3-tuned": TransportSettings(stack="qh3"),
+    "qh3-tuned": TransportConfig(stack="qh3"),
     "tcp-tls": None,
-    "aioquic-rttexit": TransportSettings(stack="aioquic", slow_start_rtt_exit=True),
-    "qh3-16384": TransportSettings(stack="qh3", max_datagram_size=16384),
-    "qh3-9000": TransportSettings(stack="qh3", max_datagram_size=9000),
-    "qh3-1452": TransportSettings(stack="qh3", max_datagram_size=1452),
+    "aioquic-rttexit": TransportConfig(stack="aioquic", slow_start_rtt_exit=True),
+    "qh3-16384": TransportConfig(stack="qh3", max_datagram_size=16384),
+    "qh3-9000": TransportConfig(stack="qh3", max_datagram_size=9000),
+    "qh3-1452": TransportConfig(stack="qh3", max_datagram_size=1452),
 }
 DEFAULT_MODES = ("aioquic-tuned", "aioquic-default", "qh3-tuned", "tcp-tls")
 
 
-def _settings_to_json(settings: TransportSettings | None) -> str:
+def _config_to_json(settings: TransportConfig | None) -> str:
     return "null" if settings is None else json.dumps(dataclasses.asdict(settings))
 
 
-def _settings_from_json(text: str) -> TransportSettings | None:
+def _config_from_json(text: str) -> TransportConfig | None:
     fields = json.loads(text)
-    return None if fields is None else TransportSettings(**fields)
+    return None if fields is None else TransportConfig(**fields)
 
 
-def _quic_config(settings: TransportSettings | None, is_client: bool, certdir: Path) -> Any:
+def _quic_config(settings: TransportConfig | None, is_client: bool, certdir: Path) -> Any:
     if settings is None:  # aioquic's own defaults, same certificates
         from aioquic.quic.configuration import QuicConfiguration
 
@@ -81,18 +81,18 @@ def _quic_config(settings: TransportSettings | None, is_client: bool, certdir: P
             cfg.load_cert_chain(certdir / "server.pem", certdir / "server-key.pem")
         return cfg
     if is_client:
-        return client_configuration(settings, TlsSettings.from_dir(certdir, None), "localhost")
-    return server_configuration(settings, TlsSettings.from_dir(certdir, "server"))
+        return client_configuration(settings, TlsConfig.from_dir(certdir, None), "localhost")
+    return server_configuration(settings, TlsConfig.from_dir(certdir, "server"))
 
 
-def _stack(settings: TransportSettings | None) -> Stack:
+def _stack(settings: TransportConfig | None) -> Stack:
     return get_stack("aioquic" if settings is None else settings.stack)
 
 
 # ---------------------------------------------------------------- server side (child process)
 
 
-async def _serve_quic(settings: TransportSettings | None, port: int, certdir: Path) -> None:
+async def _serve_quic(settings: TransportConfig | None, port: int, certdir: Path) -> None:
     stack = _stack(settings)
     events = stack.events
     done = asyncio.Event()
@@ -142,7 +142,7 @@ async def _serve_tcp(port: int, certdir: Path, size: int) -> None:
 
 
 def _server_main(mode: str, settings_json: str, port: int, certdir: Path, size: int, profile: bool) -> None:
-    settings = _settings_from_json(settings_json)
+    settings = _config_from_json(settings_json)
     prof = cProfile.Profile() if profile else None
     if prof:
         prof.enable()
@@ -158,7 +158,7 @@ def _server_main(mode: str, settings_json: str, port: int, certdir: Path, size: 
 # ---------------------------------------------------------------- client side
 
 
-async def _client_quic(settings: TransportSettings | None, port: int, certdir: Path, size: int) -> float:
+async def _client_quic(settings: TransportConfig | None, port: int, certdir: Path, size: int) -> float:
     stack = _stack(settings)
     events = stack.events
     loop = asyncio.get_running_loop()
@@ -242,12 +242,12 @@ def _print_profile(prof: cProfile.Profile, title: str) -> None:
 # ---------------------------------------------------------------- reusable API
 
 
-def run_once(mode: str, settings: TransportSettings | None, certdir: Path, size: int,
+def run_once(mode: str, settings: TransportConfig | None, certdir: Path, size: int,
              profile: bool = False) -> float:
     """One transfer of ``size`` bytes; returns seconds. ``mode`` is "tcp-tls" or anything else for QUIC
     with ``settings`` (None: aioquic's own defaults)."""
     port = free_port()
-    cmd = [sys.executable, __file__, "--serve", mode, "--settings", _settings_to_json(settings),
+    cmd = [sys.executable, __file__, "--serve", mode, "--settings", _config_to_json(settings),
            "--port", str(port), "--certdir", str(certdir), "--size", str(size)]
     if profile:
         cmd.append("--profile")
@@ -275,7 +275,7 @@ def run_once(mode: str, settings: TransportSettings | None, certdir: Path, size:
 
 
 def measure(mode: str, size: int = 128 << 20, runs: int = 3, certdir: Path | None = None,
-            settings: TransportSettings | None = None) -> list[float]:
+            settings: TransportConfig | None = None) -> list[float]:
     """MB/s of each of ``runs`` one-way transfers of ``size`` bytes in ``mode`` (a ``MODES`` key, or any
     name with explicit ``settings``)."""
     if settings is None and mode in MODES:
@@ -286,11 +286,11 @@ def measure(mode: str, size: int = 128 << 20, runs: int = 3, certdir: Path | Non
     return [size / run_once(mode, settings, certdir, size) / 1e6 for _ in range(runs)]
 
 
-def raw_quic_throughput(settings: TransportSettings | None = None, size: int = 128 << 20,
+def raw_quic_throughput(settings: TransportConfig | None = None, size: int = 128 << 20,
                         runs: int = 3) -> float:
     """Median MB/s of raw one-way QUIC bulk transfer with ``settings`` (default: kvnet's defaults, i.e.
     the default stack tuned). The yardstick for "ratio to raw QUIC" in the relay and node benchmarks."""
-    return statistics.median(measure("raw", size, runs, settings=settings or TransportSettings()))
+    return statistics.median(measure("raw", size, runs, settings=settings or TransportConfig()))
 
 
 def load_average() -> str:

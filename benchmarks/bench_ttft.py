@@ -34,8 +34,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import common  # noqa: E402
 
-from kvnet.blocks.signing import generate_keypair  # noqa: E402
 from kvnet.security import certs  # noqa: E402
+from kvnet.security.signing import generate_keypair  # noqa: E402
 
 
 def _prefix(tokens: int) -> str:
@@ -113,11 +113,11 @@ def _raw_quic_mbps(certdir: Path, nbytes: int, node_stack: str | None) -> float:
     the relay's transport settings to a client with the nodes' (``bench_fetch.raw_server_to_client``)."""
     mod = common.load_bench("bench_fetch")
     assert mod is not None, "benchmarks/bench_fetch.py is needed for the raw baseline"
-    from kvnet.net.settings import TransportSettings
+    from kvnet.net.config import TransportConfig
     from kvnet.node.config import NodeConfig
 
-    client = TransportSettings(stack=node_stack or NodeConfig.quic_stack)
-    (rate,) = mod.raw_server_to_client(TransportSettings(), nbytes, 1, certdir, client)
+    client = TransportConfig(stack=node_stack or NodeConfig.quic_stack)
+    (rate,) = mod.raw_server_to_client(TransportConfig(), nbytes, 1, certdir, client)
     return float(rate)
 
 

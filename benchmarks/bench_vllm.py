@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
 
-from tests.helpers.processes import REPO, make_certificates, start_relay
+from tests.helpers.processes import REPO, free_port, make_certificates, start_relay
 
 ENGINE = REPO / "tests" / "integrations" / "vllm_engine.py"
 MODEL = REPO / "tests" / "integrations" / "vllm_model.py"
@@ -78,6 +79,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--transport", choices=("quic", "qmux"), default="quic",
+                        help="how the engines reach the relay: moqt:// (QUIC) or moqt+qmux:// (TLS/TCP)")
     parser.add_argument("--work-dir", type=Path, help="keep the engines' logs and counters here (default: a "
                         "temporary directory, removed)")
     args = parser.parse_args()
@@ -97,20 +100,26 @@ def main() -> None:
         (work / "certs").mkdir()
         certs = make_certificates(work / "certs")
         # Room for every run's blocks (the default budget would evict the first runs' prefixes).
-        relay = start_relay(certs, work, "--cache-bytes", "2G", log_level="warning", ready_marker=None)
+        qmux = args.transport == "qmux"
+        qmux_port = free_port(socket.SOCK_STREAM) if qmux else 0
+        listen_qmux = ["--listen-qmux", f"127.0.0.1:{qmux_port}"] if qmux else []
+        relay = start_relay(certs, work, "--cache-bytes", "2G", *listen_qmux, log_level="warning",
+                            ready_marker=None)
+        relay_url = f"moqt+qmux://127.0.0.1:{qmux_port}" if qmux else relay.url
         try:
             a_steps: list[dict[str, Any]] = []
             for (n, r), prompt in prompts.items():
                 a_steps.append({"name": f"cold-{n}-{r}", "prompt_token_ids": prompt})
                 a_steps.append({"name": f"local-{n}-{r}", "prompt_token_ids": prompt})
             b_steps = [{"name": f"remote-{n}-{r}", "prompt_token_ids": p} for (n, r), p in prompts.items()]
-            a = run_engine(python, work, "A", model, relay.url, certs.ca, a_steps, max_model_len)
-            b = run_engine(python, work, "B", model, relay.url, certs.ca, b_steps, max_model_len)
+            a = run_engine(python, work, "A", model, relay_url, certs.ca, a_steps, max_model_len)
+            b = run_engine(python, work, "B", model, relay_url, certs.ca, b_steps, max_model_len)
         finally:
             relay.stop()
     engine = a["worker"]
     print(f"model: random Llama hidden {args.hidden}, {args.layers} layers; dtype {engine['dtype']}, "
-          f"KV layout {engine['kv_layout']} (vLLM's CPU kernel); runs {args.runs}")
+          f"KV layout {engine['kv_layout']} (vLLM's CPU kernel); relay over {args.transport}; "
+          f"runs {args.runs}")
     print(f"{'tokens':>7} {'cold s':>8} {'remote s':>9} {'local s':>8} {'remote/cold':>12} {'cached':>7}")
     for n in sizes:
         cold = common.median([a["steps"][f"cold-{n}-{r}"]["ttft"] for r in range(args.runs)])
@@ -119,8 +128,10 @@ def main() -> None:
         cached = b["steps"][f"remote-{n}-0"]["num_cached_tokens"]
         print(f"{n:>7} {cold:>8.3f} {remote:>9.3f} {local:>8.3f} {remote / cold:>12.2f} {cached:>7}")
     published = a["worker"]
-    print(f"A published {published['blocks_published']} blocks, pushed {published['blocks_pushed']} into "
-          f"the relay ({published['publish_failures']} publish failures)")
+    print(f"A published {published['blocks_published']} blocks, the relay accepted "
+          f"{published['blocks_pushed']} pushed (refused {published['push_failures_refused']}, not sent "
+          f"{published['push_failures_transfer']}, dropped at a full backlog "
+          f"{published['blocks_save_dropped']}, {published['publish_failures']} failed saves)")
     w = b["worker"]
     goodput = w["bytes_fetched"] / w["fetch_seconds"] if w["fetch_seconds"] else 0.0
     print(f"fetch goodput (B): {goodput / 1e6:.1f} MB/s over {w['blocks_loaded']} blocks, "

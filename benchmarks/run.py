@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
 
-from kvnet.net.settings import DEFAULT_STACK, LINK_PRESETS, STACKS, TransportSettings
+from kvnet.net.config import DEFAULT_STACK, LINK_PRESETS, STACKS, TransportConfig
 
 
 def _need(name: str) -> Any:
@@ -107,7 +107,7 @@ def suite_fetch(res: common.SuiteResult, quick: bool) -> None:
         cases = [("aioquic", None), ("aioquic", "lossless"), ("qh3", None)]
     with common.test_certificates() as certdir:
         for stack, codec in cases:
-            settings = TransportSettings(stack=stack)
+            settings = TransportConfig(stack=stack)
             out = bf.fetch_goodput(settings, objects, 1 << 20, runs, codec, certdir)
             tag = f"{stack} {codec or 'plain'}"
             good = common.median(out["fetch"])
@@ -192,7 +192,7 @@ def suite_locate(res: common.SuiteResult, quick: bool) -> None:
     bl = _need("bench_locate")
     blocks = [16, 256, 1024] if quick else [16, 64, 256, 1024, 4096]
     runs = 3
-    settings = TransportSettings()
+    settings = TransportConfig()
     # direct; relay with the blocks pushed into its cache (the nodes' default); relay with a cold cache
     for path, relay, push in (("direct", False, False), ("relay", True, True), ("relay-cold", True, False)):
         try:

@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from kvnet.config import config_parser, parse_config
 from kvnet.logs import add_log_arguments, setup_logging_from_args
 from kvnet.progress import Progress
 from kvnet.security import certs
-from kvnet.settings import parse_settings, settings_parser
 
 logger = logging.getLogger("kvnet")
 T = TypeVar("T")
@@ -148,6 +148,7 @@ def _cmd_linkemu(args: argparse.Namespace) -> int:
         loss_burst=args.loss_burst,
         reorder=args.reorder,
         rate_bps=args.rate,
+        burst_bytes=args.burst,
         queue_packets=args.queue_packets,
     )
     down = linkemu.LinkParams(
@@ -157,6 +158,7 @@ def _cmd_linkemu(args: argparse.Namespace) -> int:
         loss_burst=args.loss_burst,
         reorder=args.reorder,
         rate_bps=args.rate if args.down_rate is None else args.down_rate,
+        burst_bytes=args.burst,
         queue_packets=args.queue_packets,
     )
     config = linkemu.EmulatorConfig(
@@ -186,6 +188,8 @@ def _add_linkemu(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     p.add_argument("--reorder", type=float, default=0.0, help="probability a packet skips the delay queue")
     p.add_argument("--rate", type=float, default=0.0, help="rate limit in bytes/s (0 = unlimited)")
+    p.add_argument("--burst", type=float, default=0.0,
+                   help="token bucket depth of the rate in bytes, sent at once after idling (0 = none)")
     p.add_argument("--queue-packets", type=int, default=1000, help="per-direction queue bound")
     p.add_argument("--down-delay-ms", type=float, default=None)
     p.add_argument("--down-loss", type=float, default=None)
@@ -264,7 +268,7 @@ def _add_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = settings_parser("kvnet", "kvnet tools", config_file=False)
+    parser = config_parser("kvnet", "kvnet tools", config_file=False)
     add_log_arguments(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_certs(sub)
@@ -275,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_settings(build_parser(), argv)
+    args = parse_config(build_parser(), argv)
     setup_logging_from_args(args)
     try:
         rc: int = args.func(args)

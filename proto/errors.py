@@ -36,7 +36,7 @@ __all__ = [
     "ProtocolViolation",
     "PublishDoneCode",
     "RequestErrorCode",
-    "RequestRejected",
+    "RequestRefusal",
     "SessionErrorCode",
     "StreamResetCode",
     "StreamTruncated",
@@ -279,8 +279,10 @@ class MalformedAuthority(ProtocolError):
     error_code = SessionErrorCode.MALFORMED_AUTHORITY
 
 
-class RequestRejected(Exception):
-    """A failure that belongs to one request: answer with REQUEST_ERROR, keep the session."""
+class RequestRefusal(Exception):
+    """A failure that belongs to one request: what to answer it with in REQUEST_ERROR (code, reason, retry
+    interval), keeping the session. (``kvnet.net.errors.RequestRejected`` is a peer's REQUEST_ERROR as
+    the requester sees it.)"""
 
     def __init__(self, error_code: RequestErrorCode, reason: str = "", retry_interval: int = 0) -> None:
         super().__init__(reason)

@@ -281,14 +281,10 @@ class Goaway(ControlMessage):
 
 
 @dataclass(frozen=True, slots=True)
-class Subscribe(ControlMessage):
-    """SUBSCRIBE (section "SUBSCRIBE"), first message of a request stream."""
+class _TrackRequest(ControlMessage):
+    """The layout SUBSCRIBE and TRACK_STATUS share: Request ID, Full Track Name, Message Parameters.
+    Not a message itself; each subclass is one (never an instance of the other)."""
 
-    TYPE: ClassVar[int] = 0x3
-    ALLOWED_PARAMETERS: ClassVar[frozenset[ParameterType]] = _allowed(
-        _AUTH, _P.SUBGROUP_DELIVERY_TIMEOUT, _P.OBJECT_DELIVERY_TIMEOUT, _P.RENDEZVOUS_TIMEOUT,
-        _P.SUBSCRIBER_PRIORITY, _P.GROUP_ORDER, _P.SUBSCRIPTION_FILTER, _P.FORWARD, _P.NEW_GROUP_REQUEST,
-    )  # fmt: skip
     request_id: int
     track_namespace: TrackNamespace
     track_name: bytes
@@ -304,6 +300,17 @@ class Subscribe(ControlMessage):
         request_id = buf.pull_vi64()
         namespace, name = pull_full_track_name(buf)
         return cls(request_id, namespace, name, pull_parameters(buf, cls.ALLOWED_PARAMETERS))
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribe(_TrackRequest):
+    """SUBSCRIBE (section "SUBSCRIBE"), first message of a request stream."""
+
+    TYPE: ClassVar[int] = 0x3
+    ALLOWED_PARAMETERS: ClassVar[frozenset[ParameterType]] = _allowed(
+        _AUTH, _P.SUBGROUP_DELIVERY_TIMEOUT, _P.OBJECT_DELIVERY_TIMEOUT, _P.RENDEZVOUS_TIMEOUT,
+        _P.SUBSCRIBER_PRIORITY, _P.GROUP_ORDER, _P.SUBSCRIPTION_FILTER, _P.FORWARD, _P.NEW_GROUP_REQUEST,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -522,27 +529,12 @@ class FetchOk(ControlMessage):
 
 
 @dataclass(frozen=True, slots=True)
-class TrackStatus(ControlMessage):
+class TrackStatus(_TrackRequest):
     """TRACK_STATUS (section "TRACK_STATUS"): laid out as SUBSCRIBE; answered by REQUEST_OK
     (TRACK_STATUS_OK) or REQUEST_ERROR."""
 
     TYPE: ClassVar[int] = 0xD
     ALLOWED_PARAMETERS: ClassVar[frozenset[ParameterType]] = _allowed(_AUTH)
-    request_id: int
-    track_namespace: TrackNamespace
-    track_name: bytes
-    parameters: MessageParameters = NO_PARAMETERS
-
-    def _push_payload(self, buf: Buffer) -> None:
-        buf.push_vi64(self.request_id)
-        push_full_track_name(buf, self.track_namespace, self.track_name)
-        push_parameters(buf, self.parameters, self.ALLOWED_PARAMETERS)
-
-    @classmethod
-    def _pull_payload(cls, buf: Buffer) -> Self:
-        request_id = buf.pull_vi64()
-        namespace, name = pull_full_track_name(buf)
-        return cls(request_id, namespace, name, pull_parameters(buf, cls.ALLOWED_PARAMETERS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -557,7 +549,6 @@ class PublishNamespace(ControlMessage):
 
     def _push_payload(self, buf: Buffer) -> None:
         buf.push_vi64(self.request_id)
-        validate_track_namespace(self.track_namespace)
         push_track_namespace(buf, self.track_namespace)
         push_parameters(buf, self.parameters, self.ALLOWED_PARAMETERS)
 
@@ -569,81 +560,69 @@ class PublishNamespace(ControlMessage):
 
 
 @dataclass(frozen=True, slots=True)
-class SubscribeNamespace(ControlMessage):
+class _PrefixRequest(ControlMessage):
+    """The layout SUBSCRIBE_NAMESPACE and SUBSCRIBE_TRACKS share: Request ID, Track Namespace Prefix,
+    Message Parameters. Not a message itself; each subclass is one (never an instance of the other)."""
+
+    request_id: int
+    track_namespace_prefix: TrackNamespace
+    parameters: MessageParameters = NO_PARAMETERS
+
+    def _push_payload(self, buf: Buffer) -> None:
+        buf.push_vi64(self.request_id)
+        push_track_namespace(buf, self.track_namespace_prefix)
+        push_parameters(buf, self.parameters, self.ALLOWED_PARAMETERS)
+
+    @classmethod
+    def _pull_payload(cls, buf: Buffer) -> Self:
+        request_id = buf.pull_vi64()
+        prefix = pull_track_namespace(buf)
+        return cls(request_id, prefix, pull_parameters(buf, cls.ALLOWED_PARAMETERS))
+
+
+@dataclass(frozen=True, slots=True)
+class SubscribeNamespace(_PrefixRequest):
     """SUBSCRIBE_NAMESPACE (section "SUBSCRIBE_NAMESPACE")."""
 
     TYPE: ClassVar[int] = 0x50
     ALLOWED_PARAMETERS: ClassVar[frozenset[ParameterType]] = _allowed(_AUTH)
-    request_id: int
-    track_namespace_prefix: TrackNamespace
-    parameters: MessageParameters = NO_PARAMETERS
-
-    def _push_payload(self, buf: Buffer) -> None:
-        buf.push_vi64(self.request_id)
-        validate_track_namespace(self.track_namespace_prefix)
-        push_track_namespace(buf, self.track_namespace_prefix)
-        push_parameters(buf, self.parameters, self.ALLOWED_PARAMETERS)
-
-    @classmethod
-    def _pull_payload(cls, buf: Buffer) -> Self:
-        request_id = buf.pull_vi64()
-        prefix = pull_track_namespace(buf)
-        return cls(request_id, prefix, pull_parameters(buf, cls.ALLOWED_PARAMETERS))
 
 
 @dataclass(frozen=True, slots=True)
-class SubscribeTracks(ControlMessage):
+class SubscribeTracks(_PrefixRequest):
     """SUBSCRIBE_TRACKS (section "SUBSCRIBE_TRACKS")."""
 
     TYPE: ClassVar[int] = 0x51
     ALLOWED_PARAMETERS: ClassVar[frozenset[ParameterType]] = _allowed(_AUTH, _P.FORWARD)
-    request_id: int
-    track_namespace_prefix: TrackNamespace
-    parameters: MessageParameters = NO_PARAMETERS
-
-    def _push_payload(self, buf: Buffer) -> None:
-        buf.push_vi64(self.request_id)
-        validate_track_namespace(self.track_namespace_prefix)
-        push_track_namespace(buf, self.track_namespace_prefix)
-        push_parameters(buf, self.parameters, self.ALLOWED_PARAMETERS)
-
-    @classmethod
-    def _pull_payload(cls, buf: Buffer) -> Self:
-        request_id = buf.pull_vi64()
-        prefix = pull_track_namespace(buf)
-        return cls(request_id, prefix, pull_parameters(buf, cls.ALLOWED_PARAMETERS))
 
 
 @dataclass(frozen=True, slots=True)
-class Namespace(ControlMessage):
+class _SuffixMessage(ControlMessage):
+    """The layout NAMESPACE and NAMESPACE_DONE share: one Track Namespace Suffix. Not a message itself;
+    each subclass is one (never an instance of the other)."""
+
+    track_namespace_suffix: TrackNamespace
+
+    def _push_payload(self, buf: Buffer) -> None:
+        push_track_namespace(buf, self.track_namespace_suffix)
+
+    @classmethod
+    def _pull_payload(cls, buf: Buffer) -> Self:
+        return cls(pull_track_namespace(buf))
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace(_SuffixMessage):
     """NAMESPACE (section "NAMESPACE"): a namespace suffix after the subscribed prefix."""
 
     TYPE: ClassVar[int] = 0x8
-    track_namespace_suffix: TrackNamespace
-
-    def _push_payload(self, buf: Buffer) -> None:
-        validate_track_namespace(self.track_namespace_suffix)
-        push_track_namespace(buf, self.track_namespace_suffix)
-
-    @classmethod
-    def _pull_payload(cls, buf: Buffer) -> Self:
-        return cls(pull_track_namespace(buf))
 
 
 @dataclass(frozen=True, slots=True)
-class NamespaceDone(ControlMessage):
+class NamespaceDone(_SuffixMessage):
     """NAMESPACE_DONE (section "NAMESPACE_DONE")."""
 
     TYPE: ClassVar[int] = 0xE
-    track_namespace_suffix: TrackNamespace
-
-    def _push_payload(self, buf: Buffer) -> None:
-        validate_track_namespace(self.track_namespace_suffix)
-        push_track_namespace(buf, self.track_namespace_suffix)
-
-    @classmethod
-    def _pull_payload(cls, buf: Buffer) -> Self:
-        return cls(pull_track_namespace(buf))
 
 
 @dataclass(frozen=True, slots=True)

@@ -248,7 +248,13 @@ def validate_track_namespace(
 
 
 def push_track_namespace(buf: Buffer, namespace: TrackNamespace) -> None:
-    """Write a Track Namespace (section "Track Naming")."""
+    """Write a Track Namespace (section "Track Naming"), first checked against the draft's limits: a
+    message we send never breaks them (``UsageError``)."""
+    validate_track_namespace(namespace)
+    _push_namespace_fields(buf, namespace)
+
+
+def _push_namespace_fields(buf: Buffer, namespace: TrackNamespace) -> None:
     buf.push_vi64(len(namespace))
     for ns_field in namespace:
         buf.push_vi64(len(ns_field))
@@ -283,7 +289,7 @@ def pull_full_track_name(buf: Buffer) -> tuple[TrackNamespace, bytes]:
 
 def push_full_track_name(buf: Buffer, namespace: TrackNamespace, name: bytes) -> None:
     validate_track_namespace(namespace, name)
-    push_track_namespace(buf, namespace)
+    _push_namespace_fields(buf, namespace)
     buf.push_vi64(len(name))
     buf.push_bytes(name)
 
@@ -497,7 +503,6 @@ def push_parameters(buf: Buffer, params: MessageParameters, allowed: frozenset[P
             push_location(buf, value)
         elif kind == "namespace":
             assert isinstance(value, tuple)
-            validate_track_namespace(value)
             push_track_namespace(buf, value)
         else:
             if kind == "token":

@@ -11,33 +11,23 @@ TRACK_STATUS for as long as the process runs; they are also pushed into the rela
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import logging
-import os
-import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvnet.errors import ContextLengthError
+from kvnet.config import config_parser, parse_config
 from kvnet.logs import setup_logging_from_args
-from kvnet.model.registry import default_models_dir
+from kvnet.node import command
 from kvnet.node.config import (
     NodeConfig,
     RelayUnreachableError,
     add_node_arguments,
     add_prompt_arguments,
     explain_relay_problem,
-    node_config_from_cli,
-    prompts_from_args,
 )
 from kvnet.progress import Progress
-from kvnet.settings import parse_settings, settings_parser
-
-# kvnet.node.node and kvnet.model.engine import torch (seconds): they are imported once the flags are parsed
-# and checked, so --help and a mistyped flag answer at once (tests/kvnet/test_cli_startup.py).
 
 logger = logging.getLogger("publisher")
 
@@ -55,7 +45,7 @@ class PublisherConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = settings_parser("kvnet-publisher", __doc__.split("\n\n")[0])
+    p = config_parser("kvnet-publisher", __doc__.split("\n\n")[0])
     add_prompt_arguments(p)
     p.add_argument(
         "--exit-after-publish", action="store_true",
@@ -72,15 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def run(config: PublisherConfig) -> int:
-    from kvnet.model.engine import RequestTooLargeError
-    from kvnet.node.node import start_node
-
     progress = Progress.for_command(config.json_output)
-    async with progress.activity(f"loading model {config.node.checkpoint or config.node.model}"):
-        node = await start_node(config.node)
+    node = await command.load_node(config.node, progress)
     try:
         node.check_prompts(config.prompts, 0)  # a publisher prefills its prompts and generates nothing
-    except (ContextLengthError, RequestTooLargeError):
+    except Exception:
         await node.close()
         raise
     if node.peer is None:
@@ -95,16 +81,12 @@ async def run(config: PublisherConfig) -> int:
                 f"{problem}; nothing published (--best-effort keeps serving and retries)"
             )
         logger.warning("%s; --best-effort: serving and retrying", problem)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+    stop = command.stop_event()
     try:
         blocks = pushed = 0
         for i, prompt in enumerate(config.prompts):
             logger.info("prompt %d/%d: prefill ...", i + 1, len(config.prompts))
-            tokens = len(node.encode_prompt(prompt))
+            tokens = len(node.tokenize_prompt(prompt))
             step = f"prompt {i + 1}/{len(config.prompts)}: prefill {tokens} tokens, publish"
             async with progress.activity(step, estimate_s=node.abr.prefill.estimate(tokens)):
                 report = await node.publish_prompt(prompt)
@@ -132,34 +114,18 @@ async def run(config: PublisherConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_settings(build_parser(), argv)
+    args = parse_config(build_parser(), argv)
     setup_logging_from_args(args)
-    try:
-        prompts = prompts_from_args(args)
-        if not prompts:
-            print("kvnet-publisher: error: give at least one --prompt or --prompt-file", file=sys.stderr)
-            return 2
-        node_cfg = node_config_from_cli(args, os.environ.get("KVNET_HOME"), default_models_dir(os.environ))
-    except (ValueError, OSError) as exc:
-        print(f"kvnet-publisher: error: {exc}", file=sys.stderr)
-        return 2
-    config = PublisherConfig(
-        node=node_cfg, prompts=tuple(prompts), exit_after_publish=args.exit_after_publish,
-        json_output=args.json, best_effort=args.best_effort,
-    )
-    from kvnet.model.engine import RequestTooLargeError  # torch: once every flag is checked
-    from kvnet.node.node import NodeStartError
 
-    try:
-        return asyncio.run(run(config))
-    except KeyboardInterrupt:
-        return 130
-    except (NodeStartError, ContextLengthError, RequestTooLargeError) as exc:
-        print(f"kvnet-publisher: error: {exc}", file=sys.stderr)
-        return 2
-    except (RelayUnreachableError, ConnectionError, TimeoutError, OSError) as exc:
-        print(f"kvnet-publisher: error: {exc}", file=sys.stderr)
-        return 1
+    async def start() -> int:
+        prompts = command.prompts(args)
+        config = PublisherConfig(
+            node=command.node_config(args), prompts=prompts,
+            exit_after_publish=args.exit_after_publish, json_output=args.json, best_effort=args.best_effort,
+        )
+        return await run(config)
+
+    return command.run_command("kvnet-publisher", start)
 
 
 if __name__ == "__main__":

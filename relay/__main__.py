@@ -2,7 +2,7 @@
 
 Every flag also comes from ``KVNET_RELAY_<FLAG>`` and from the config file (``--config FILE``, YAML as for
 the nodes: flag names as keys, plus ``cache:``, ``limits:`` and ``transport:`` mappings for the
-``CacheConfig`` / ``LimitsConfig`` / ``TransportSettings`` fields that have no flag; a ``.toml`` file with
+``CacheConfig`` / ``LimitsConfig`` / ``TransportConfig`` fields that have no flag; a ``.toml`` file with
 the same keys is still read). This is the only place that reads the command line, files named on it, or
 the environment.
 """
@@ -15,13 +15,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvnet.config import config_parser, format_size, parse_config, size_arg
 from kvnet.logs import add_log_arguments, setup_logging_from_args
+from kvnet.net.config import LINK_PRESETS, STACKS, TransportConfig
 from kvnet.net.registry import get_stack, server_configuration
-from kvnet.net.settings import LINK_PRESETS, STACKS, TransportSettings
 from kvnet.net.url import QMUX
 from kvnet.security.certs import check_tls_files
 from kvnet.security.tokens import DEFAULT_CLOCK_SKEW_S
-from kvnet.settings import format_size, parse_settings, settings_parser, size_arg
 from relay.cache import CacheConfig
 from relay.config import (
     CONFIG_SECTIONS,
@@ -36,7 +36,7 @@ from relay.config import (
 from relay.limits import LimitsConfig
 
 _SECTION_CLASSES: dict[str, type[Any]] = {
-    "cache": CacheConfig, "limits": LimitsConfig, "transport": TransportSettings,
+    "cache": CacheConfig, "limits": LimitsConfig, "transport": TransportConfig,
 }
 
 # Flags that set a field of a config section: argparse default None ("not given"), so that the file's
@@ -105,7 +105,7 @@ def _show_default(action: argparse.Action) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = settings_parser("kvnet-relay", "MoQT draft-18 caching relay (native QUIC, ALPN moqt-18)")
+    p = config_parser("kvnet-relay", "MoQT draft-18 caching relay (native QUIC, ALPN moqt-18)")
     p.add_argument("--listen", default=DEFAULT_LISTEN, help="UDP host:port to listen on (port 0 = any)")
     p.add_argument(
         "--listen-qmux", metavar="HOST:PORT",
@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--socket-buffer", type=size_arg,
         help="UDP SO_RCVBUF/SO_SNDBUF bytes "
-        f"(default: {format_size(TransportSettings().socket_receive_buffer)})",
+        f"(default: {format_size(TransportConfig().socket_receive_buffer)})",
     )
     g.add_argument("--max-data", type=size_arg, help="connection flow-control window")
     g.add_argument("--max-stream-data", type=size_arg, help="per-stream flow-control window")
@@ -277,7 +277,7 @@ def parse_args(
     parser: argparse.ArgumentParser, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> argparse.Namespace:
     """The command line over ``KVNET_RELAY_*`` (``env``, default ``os.environ``) over the config file."""
-    return parse_settings(parser, argv, env=env, env_prefix="KVNET_RELAY_", config_sections=CONFIG_SECTIONS)
+    return parse_config(parser, argv, env=env, env_prefix="KVNET_RELAY_", config_sections=CONFIG_SECTIONS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -310,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             print(f"kvnet-relay: error: {startup_reason(exc, config)}", file=sys.stderr)
             return 2
-    from relay.relay import run, serve  # after logging, so import-time warnings are formatted too
+    from relay.server import run, serve  # after logging, so import-time warnings are formatted too
 
     return run(config, serve(config))
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvnet.blocks.signing import TrustStore
 from kvnet.cache.hashing import hash_block
+from kvnet.security.signing import TrustStore
 from proto.data import ObjectStatus
 from proto.kvobject import BLOCK_GROUP_ID, MANIFEST_OBJECT_ID, BlockManifest, KVObjectError, parse_block_track
 from relay.cache import CachedObject, TrackKey

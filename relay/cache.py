@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from kvnet.blocks.disk import DiskTier, StoredTrack
+from kvnet.storage.disk import DiskTier, StoredTrack
 from proto.errors import RequestErrorCode
 from proto.messages import Properties
 
@@ -171,7 +171,7 @@ class CacheConfig:
     """Share of ``max_bytes`` one group may hold when ``share_bytes`` is 0 (1.0: no cap of its own; the
     equal-share rule still makes a flooding group evict its own tracks once the cache is full)."""
     dir: str = ""
-    """Directory of the persistent tier (``kvnet.blocks.disk``): complete tracks are also kept there and
+    """Directory of the persistent tier (``kvnet.storage.disk``): complete tracks are also kept there and
     served after a restart. Empty: memory only."""
     dir_bytes: int = 1024 * 1024 * 1024
     """Most bytes of files the persistent tier keeps (least recently used evicted first)."""
@@ -543,21 +543,21 @@ class ObjectCache:
 
     def fetch(
         self, key: TrackKey, start: Location, end: Location, upstream: Upstream, from_upstream: bool = False
-    ) -> FetchHandle:
+    ) -> CachedFetch:
         """Serve ``[start, end)`` from cache, an in-flight fill, or one new upstream FETCH (in that order);
         ``from_upstream``: see rule 6."""
         hit = self.lookup(key, start, end)
         if hit is not None:
-            return FetchHandle(start, end, cached=hit)
+            return CachedFetch(start, end, cached=hit)
         fill = self._find_fill(key, start, end, from_upstream)
         if fill is not None:
             self.stats.coalesced += 1
-            return FetchHandle(start, end, fill=fill, coalesced=True)
+            return CachedFetch(start, end, fill=fill, coalesced=True)
         self.stats.misses += 1
         self.stats.upstream_fetches += 1
         fill = Fill(key, start, end, self.config.max_track_bytes, self._inflight, from_upstream)
         self._fills.setdefault(key, []).append(fill)
-        handle = FetchHandle(start, end, fill=fill)
+        handle = CachedFetch(start, end, fill=fill)
         handle.task = asyncio.get_running_loop().create_task(self._run_fill(fill, upstream))
         self._tasks.add(handle.task)
         handle.task.add_done_callback(self._tasks.discard)
@@ -782,8 +782,9 @@ class ObjectCache:
         return result
 
 
-class FetchHandle:
-    """One requester's view of a fetch: FETCH_OK info, then the objects."""
+class CachedFetch:
+    """One requester's view of a fetch the cache serves (from its objects, or from a fill it joined or
+    started): FETCH_OK info, then the objects. (``kvnet.net.handles.FetchHandle`` is a FETCH on a session.)"""
 
     def __init__(
         self,

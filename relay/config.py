@@ -2,7 +2,7 @@
 
 Owns: ``RelayConfig`` and ``load_config``, which merges the config file's sections with the flag values.
 Only ``relay.__main__`` reads the command line, the environment (``KVNET_RELAY_*``) or files
-(``kvnet.settings``); everything below receives a ``RelayConfig``.
+(``kvnet.config``); everything below receives a ``RelayConfig``.
 
 File format (``--config relay.yaml``; the nodes' format: every flag by name, every key optional, the
 command line and the environment win; a ``.toml`` file with the same keys is read too)::
@@ -24,7 +24,7 @@ command line and the environment win; a ``.toml`` file with the same keys is rea
       max_negative_entries: 65536
     limits:                          # relay.limits.LimitsConfig fields
       max_subscribers_per_track: 4096
-    transport:                       # kvnet.net.settings.TransportSettings fields
+    transport:                       # kvnet.net.config.TransportConfig fields
       udp_segmentation: false
 """
 
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvnet.logs import LOG_FORMATS, LOG_LEVELS
-from kvnet.net.settings import TlsSettings, TransportSettings
+from kvnet.net.config import TlsConfig, TransportConfig
 from kvnet.net.url import parse_moqt_url
 from kvnet.security.tokens import DEFAULT_CLOCK_SKEW_S
 from relay.cache import CacheConfig
@@ -94,7 +94,7 @@ def parse_hostport(value: str, what: str) -> tuple[str, int]:
 class RelayConfig:
     """Everything one relay process needs."""
 
-    tls: TlsSettings
+    tls: TlsConfig
     """Our certificate and key (required) and the CA used to verify upstream relays."""
     host: str = "127.0.0.1"
     """Address to listen on (UDP)."""
@@ -134,7 +134,7 @@ class RelayConfig:
     ``kvnet-relay`` refuses to start with neither ``trust`` nor this (``NO_TRUST``)."""
     upstream_token: Path | None = None
     """File with the token this relay presents to its upstream relays in SETUP."""
-    upstream_tls: TlsSettings | None = None
+    upstream_tls: TlsConfig | None = None
     """TLS toward the upstream relays (CA that verifies them, certificate we present); None: ``tls``.
     Set by ``relay.workers``, whose workers verify their hub with a CA of its own."""
     workers: int = 1
@@ -144,7 +144,7 @@ class RelayConfig:
     of every other session (each a worker with its own cache) before the upstream relays."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
-    transport: TransportSettings = field(default_factory=TransportSettings)
+    transport: TransportConfig = field(default_factory=TransportConfig)
 
     def __post_init__(self) -> None:
         if self.tls.cert_file is None:
@@ -224,7 +224,7 @@ def load_config(file_data: Mapping[str, Any], overrides: Mapping[str, Any]) -> R
             top[key] = value
     if "cert" not in top or "key" not in top:
         raise ValueError("cert and key are required (flags --cert/--key or the config file)")
-    tls = TlsSettings(
+    tls = TlsConfig(
         ca_file=Path(top["ca"]) if top.get("ca") else None,
         cert_file=Path(top["cert"]),
         key_file=Path(top["key"]),
@@ -267,7 +267,7 @@ def load_config(file_data: Mapping[str, Any], overrides: Mapping[str, Any]) -> R
         workers=_integer(top.get("workers", 1), "workers"),
         cache=_section(CacheConfig, sections["cache"], "cache"),
         limits=_section(LimitsConfig, sections["limits"], "limits"),
-        transport=_section(TransportSettings, sections["transport"], "transport"),
+        transport=_section(TransportConfig, sections["transport"], "transport"),
     )
 
 

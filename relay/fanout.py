@@ -10,7 +10,7 @@ import contextlib
 import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvnet.net.errors import ConnectionClosed, LimitError, RequestRejected, StreamResetError
 from kvnet.net.handles import (
@@ -21,13 +21,12 @@ from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, StreamResetCode
 from proto.events import SubgroupClosed
 from proto.messages import Location, Properties
-from relay.cache import CachedObject, FetchInfo, RequestFailed, TrackKey
+from relay.cache import CachedObject, FetchInfo, ObjectCache, RequestFailed, TrackKey
+from relay.config import RelayConfig
+from relay.metrics import Metrics
+from relay.peer import Peer
 from relay.tasks import spawn
-from relay.upstream import cached_object
-
-if TYPE_CHECKING:
-    from relay.peer import Peer
-    from relay.relay import Relay
+from relay.upstream import RoutedUpstream, cached_object
 
 logger = logging.getLogger(__name__)
 
@@ -122,10 +121,52 @@ class DownstreamSubscriber:
             self.retire(key)
 
 
+class Holding(Protocol):
+    """Objects of one pushed track held for the session that pushed it (a PUBLISH-fed ``Fanout``, a
+    contending copy): what ``FanoutHost.hold`` charges and may drop."""
+
+    @property
+    def holder(self) -> Peer: ...
+
+    @property
+    def held_bytes(self) -> int: ...
+
+    def drop_held(self) -> None:
+        """Let go of every held object (releasing them with ``FanoutHost.release_held``) and hold no more."""
+
+
+class FanoutHost(Protocol):
+    """What a fan-out needs of the relay that runs it: its limits, cache, buffer accounting, the held-bytes
+    bounds, the routes upstream, and the table of live fan-outs it removes itself from
+    (``relay.relay.Relay`` is the one implementation; this module never imports it)."""
+
+    config: RelayConfig
+    metrics: Metrics
+    cache: ObjectCache
+    fanouts: dict[TrackKey, Fanout]
+
+    def clock(self) -> float: ...
+
+    def buffers_full(self) -> bool: ...
+
+    def buffer_fair_share(self) -> int: ...
+
+    def wrote(self, nbytes: int) -> None:
+        """``nbytes`` of object payload were written toward a session (counted as buffered)."""
+
+    def hold(self, holding: Holding, n: int) -> bool: ...
+
+    def unhold(self, holding: Holding, n: int) -> None: ...
+
+    def release_held(self, holding: Holding) -> None: ...
+
+    def upstream_for(self, key: TrackKey, requester: Peer) -> RoutedUpstream: ...
+
+
 class Fanout:
     """One upstream subscription (SUBSCRIBE we sent, or a PUBLISH we accepted) fanned out to N subscribers."""
 
-    def __init__(self, relay: Relay, key: TrackKey) -> None:
+    def __init__(self, relay: FanoutHost, key: TrackKey) -> None:
         self.relay = relay
         self.key = key
         self.subs: dict[tuple[int, int], DownstreamSubscriber] = {}
@@ -155,7 +196,7 @@ class Fanout:
 
     @property
     def holder(self) -> Peer:
-        """The session whose PUBLISH feeds this track (``relay.relay.Holding``)."""
+        """The session whose PUBLISH feeds this track (``Holding``)."""
         assert self.source_peer is not None
         return self.source_peer
 
@@ -239,8 +280,8 @@ class Fanout:
                     sub.streams.pop(key)
                     sub.closed_streams.append(st.stream_id)
                     sub.retire(key)
-                sub.peer.written += len(obj.payload)
-                relay.buffered_since += len(obj.payload)
+                sub.peer.wrote(len(obj.payload))
+                relay.wrote(len(obj.payload))
                 relay.metrics.inc("bytes_out_total", len(obj.payload))
             except Exception as exc:  # a broken subscriber session must not stop the others
                 self._broken(sub, exc)

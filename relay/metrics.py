@@ -76,9 +76,11 @@ class Metrics:
         self._family(name, "counter", help_text).callbacks[_labels(labels)] = fn
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """The value of ``name`` with ``labels`` (0 before the first increment); ``KeyError`` for a family
+        never declared, so a misspelt name is an error rather than a reading of 0."""
         fam = self._families.get(name)
         if fam is None:
-            return 0.0
+            raise KeyError(f"no metric family {name!r} (without the {self._prefix!r} prefix)")
         key = _labels(labels)
         if key in fam.callbacks:
             return float(fam.callbacks[key]())

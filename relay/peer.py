@@ -1,8 +1,11 @@
 """One relay session: ``Peer`` dispatches the session's requests to child tasks, applies the per-session
-limits (request slots, slow reader, authorization) and cleans up after it.
+limits (request slots, slow reader, authorization) and keeps the session's bookkeeping (its FETCHes,
+SUBSCRIBEs, namespaces and bytes written) behind methods.
 
 Each request is its own task, so a slow or failing request never blocks another; an exception in one
-session's runner closes that session only. What a request does is ``Relay``'s business (relay.relay).
+session's runner closes that session only. What a request does is its handler's business: the relay
+that hosts the session gives ``Peer`` one table from request kind to handler (``SessionHost``), and
+``Peer`` knows the relay only through that interface, never ``relay.relay`` itself.
 """
 
 from __future__ import annotations
@@ -11,31 +14,26 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import Any, Protocol
 
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.errors import ConnectionClosed
 from kvnet.net.handles import (
     IncomingFetch,
-    IncomingPublish,
-    IncomingPublishNamespace,
     IncomingRequest,
-    IncomingSubscribe,
-    IncomingTrackStatus,
 )
 from kvnet.security.tokens import AuthError
 from proto import events as me
 from proto.errors import ProtocolError, RequestErrorCode, SessionErrorCode, StreamResetCode
 from proto.messages import AuthToken, Location
-from relay.auth import SessionAuth, request_target
+from relay.auth import RelayAuth, SessionAuth, request_target
 from relay.cache import TrackKey
-from relay.limits import LimitExceeded, Slots, acquire_request
+from relay.config import RelayConfig
+from relay.limits import LimitExceeded, Quota, Slots, acquire_request
+from relay.metrics import Metrics
 from relay.tasks import spawn
 from relay.upstream import UpstreamRelay
-
-if TYPE_CHECKING:
-    from relay.relay import Relay
 
 logger = logging.getLogger(__name__)
 
@@ -47,24 +45,72 @@ def code_name(code: int) -> str:
         return f"code_{code:#x}"
 
 
+REQUEST_KINDS: Mapping[type[me.MoqtEvent], str] = {
+    me.FetchReceived: "fetch",
+    me.SubscribeReceived: "subscribe",
+    me.TrackStatusReceived: "track_status",
+    me.PublishNamespaceReceived: "publish_namespace",
+    me.PublishReceived: "publish",
+    me.SubscribeNamespaceReceived: "subscribe_namespace",
+    me.SubscribeTracksReceived: "subscribe_tracks",
+    me.RequestUpdateReceived: "request_update",
+}
+"""The name of each kind of request: its label in metrics and logs, and its key in the handler table."""
+
+DATA_REQUEST_KINDS = frozenset({"fetch", "subscribe", "publish"})
+"""Kinds that move objects through the relay's buffers: refused while those are full."""
+
+
 def request_kind(ev: me.MoqtEvent) -> str:
-    return {
-        me.FetchReceived: "fetch",
-        me.SubscribeReceived: "subscribe",
-        me.TrackStatusReceived: "track_status",
-        me.PublishNamespaceReceived: "publish_namespace",
-        me.PublishReceived: "publish",
-        me.SubscribeNamespaceReceived: "subscribe_namespace",
-        me.SubscribeTracksReceived: "subscribe_tracks",
-        me.RequestUpdateReceived: "request_update",
-    }.get(type(ev), "other")
+    return REQUEST_KINDS.get(type(ev), "other")
+
+
+RequestHandler = Callable[["Peer", Any], Coroutine[Any, Any, None]]
+"""Serves one request of a session to its end: ``handler(peer, request)``, the request being the
+``IncomingRequest`` subclass of its kind (``IncomingFetch`` for "fetch", ...)."""
+
+
+class SessionHost(Protocol):
+    """What a session needs of the relay that hosts it: the limits it applies and counts against, where it
+    reports, and the handler of each kind of request (``relay.relay.Relay`` is the one implementation)."""
+
+    config: RelayConfig
+    metrics: Metrics
+    auth: RelayAuth | None
+    going_away: bool
+    requests: Slots
+    address_requests: Quota
+    identity_requests: Quota
+    handlers: Mapping[str, RequestHandler]
+
+    def clock(self) -> float: ...
+
+    def buffers_full(self) -> bool: ...
+
+    def reject(
+        self, req: IncomingRequest, kind: str, code: int, reason: str, retry_interval: int = 0
+    ) -> None: ...
+
+    def cancelled(
+        self, peer: Peer, req: IncomingRequest, kind: str, exc: BaseException | None = None
+    ) -> None: ...
+
+    def spawn(self, coro: Coroutine[object, object, None]) -> None: ...
+
+    def drop_subscriptions(self, peer: Peer, code: StreamResetCode, limit: str) -> int:
+        """Drop every subscription the relay serves to ``peer`` with ``code``; returns how many."""
+        ...
+
+    def forget_peer(self, peer: Peer) -> None:
+        """The session ended: release what the relay keeps for it."""
+        ...
 
 
 class Peer:
     """One session: accepted from a client, or our own session to an upstream relay (``upstream``)."""
 
     def __init__(
-        self, relay: Relay, conn: MoqtConnection, peer_id: int, upstream: UpstreamRelay | None = None
+        self, relay: SessionHost, conn: MoqtConnection, peer_id: int, upstream: UpstreamRelay | None = None
     ) -> None:
         self.relay = relay
         self.conn = conn
@@ -88,19 +134,19 @@ class Peer:
         stream data (``idle_for``; idle timeouts)."""
         self._stream_bytes_seen = 0
         """``conn.stream_bytes_received`` when ``idle_for`` last looked."""
-        self.subscriptions: dict[int, asyncio.Future[tuple[TrackKey, Location | None]]] = {}
+        self._subscriptions: dict[int, asyncio.Future[tuple[TrackKey, Location | None]]] = {}
         """This session's SUBSCRIBEs being served, by request id: resolved with the track and the Largest
         Location it started after once accepted (what a joining FETCH needs); cancelled if refused."""
-        self.fetches: dict[int, IncomingFetch] = {}
+        self._fetches: dict[int, IncomingFetch] = {}
         """FETCHes streaming to this peer; one that is cut off is removed and its loop stops."""
         self.written = 0
         """Object payload bytes the relay wrote toward this peer."""
         self._progress = (now, 0)
         """(when, bytes the peer had consumed then): the last time its send buffer drained a byte."""
         self._cut_at: float | None = None
-        self.header_timeouts = 0
+        self._header_timeouts = 0
         """Request-header timeouts of this session already counted in the metrics."""
-        self.refusals_counted: dict[str, int] = {}
+        self._refusals_counted: dict[str, int] = {}
         """``conn.refused_requests`` already counted in the metrics, by limit."""
         self.slow = False
         """As a route: it let a forwarded request pass the route deadline (``relay.upstream.Source``)."""
@@ -109,6 +155,48 @@ class Peer:
 
     async def connection(self) -> MoqtConnection | None:
         return None if self.conn.is_closed else self.conn
+
+    # -- bookkeeping ----------------------------------------------------------------------------------
+    def fetch_started(self, req: IncomingFetch) -> None:
+        """``req`` streams objects to this peer until ``fetch_ended`` (or ``cut``)."""
+        self._fetches[req.request_id] = req
+
+    def fetch_streaming(self, req: IncomingFetch) -> bool:
+        """``req`` still streams: neither ended nor cut off by a limit."""
+        return req.request_id in self._fetches
+
+    def fetch_ended(self, req: IncomingFetch) -> None:
+        self._fetches.pop(req.request_id, None)
+
+    def wrote(self, nbytes: int) -> None:
+        """The relay wrote ``nbytes`` of object payload toward this peer (the slow-peer rule's measure)."""
+        self.written += nbytes
+
+    def subscription_started(
+        self, request_id: int, started: asyncio.Future[tuple[TrackKey, Location | None]]
+    ) -> None:
+        """SUBSCRIBE ``request_id`` is being served; ``started`` resolves once it is accepted."""
+        self._subscriptions[request_id] = started
+
+    def subscription_ended(self, request_id: int) -> None:
+        self._subscriptions.pop(request_id, None)
+
+    def subscription(self, request_id: int) -> asyncio.Future[tuple[TrackKey, Location | None]] | None:
+        """SUBSCRIBE ``request_id`` of this session, while it is served (what a joining FETCH joins)."""
+        return self._subscriptions.get(request_id)
+
+    def count_refusals(self) -> tuple[int, dict[str, int]]:
+        """What this session's connection refused on its own since the last call: request-header
+        timeouts, and requests refused for a limit before they reached the relay, by limit."""
+        timeouts = max(0, self.conn.request_header_timeouts - self._header_timeouts)
+        self._header_timeouts += timeouts
+        refused: dict[str, int] = {}
+        for limit, total in self.conn.refused_requests.items():
+            new = total - self._refusals_counted.get(limit, 0)
+            if new > 0:
+                refused[limit] = new
+                self._refusals_counted[limit] = total
+        return timeouts, refused
 
     def next_alias(self) -> int:
         return next(self._aliases)
@@ -197,16 +285,13 @@ class Peer:
     def cut(self, code: StreamResetCode, limit: str) -> int:
         """Reset every FETCH and SUBSCRIBE streaming to this peer with ``code``; returns how many."""
         n = 0
-        for rid, req in list(self.fetches.items()):
-            del self.fetches[rid]
+        for rid, req in list(self._fetches.items()):
+            del self._fetches[rid]
             with contextlib.suppress(Exception):
                 req.cancel(code)
             self.relay.metrics.inc("limit_rejections_total", labels={"limit": limit})
             n += 1
-        for fan in list(self.relay.fanouts.values()):
-            for sub in [s for s in fan.subs.values() if s.peer is self and not s.dropped]:
-                fan.drop(sub, code, limit)
-                n += 1
+        n += self.relay.drop_subscriptions(self, code, limit)
         if n:
             self.log.warning("peer over a limit; data requests reset", extra={"limit": limit, "requests": n})
         return n
@@ -237,7 +322,7 @@ class Peer:
         code = SessionErrorCode.NO_ERROR if reason == "idle_timeout" else SessionErrorCode.INTERNAL_ERROR
         self.conn.run_action(self.conn.session.close, code, text)
 
-    def authorized(self, req: IncomingRequest) -> bool:
+    def authorized(self, req: IncomingRequest, kind: str) -> bool:
         """The authorization check, before anything looks at caches or routes (see relay.auth)."""
         if self.relay.auth is None or self.upstream is not None:
             return True  # no authorization configured, or our own session to a relay we chose
@@ -252,7 +337,7 @@ class Peer:
         except AuthError as exc:
             err = exc.to_request_error()
             self.relay.metrics.inc("auth_refusals_total", labels={"code": code_name(err.error_code)})
-            self.relay.reject(req, request_kind(ev), err.error_code, err.reason, err.retry_interval)
+            self.relay.reject(req, kind, err.error_code, err.reason, err.retry_interval)
             return False
         except ProtocolError as exc:
             self.log.warning("closing session: token alias misuse", extra={"reason": str(exc)})
@@ -261,36 +346,27 @@ class Peer:
         return True
 
     def dispatch(self, req: IncomingRequest) -> None:
+        """Hand ``req`` to its kind's handler in a task of its own, or refuse it (relay going away, not
+        authorized, buffers full for a data request, no handler for its kind, a request limit)."""
         relay = self.relay
-        ev = req.event
+        kind = request_kind(req.event)
         if relay.going_away:
-            relay.reject(req, request_kind(ev), RequestErrorCode.GOING_AWAY, "relay is shutting down")
+            relay.reject(req, kind, RequestErrorCode.GOING_AWAY, "relay is shutting down")
             return
-        if not self.authorized(req):
+        if not self.authorized(req, kind):
             return
-        if isinstance(req, IncomingFetch | IncomingSubscribe | IncomingPublish) and relay.buffers_full():
+        handler = relay.handlers.get(kind)
+        if handler is None:
+            relay.reject(req, kind, RequestErrorCode.NOT_SUPPORTED, "not supported by this relay")
+            return
+        if kind in DATA_REQUEST_KINDS and relay.buffers_full():
             relay.metrics.inc("limit_rejections_total", labels={"limit": "buffered_bytes_global"})
             relay.reject(
                 req,
-                request_kind(ev),
+                kind,
                 RequestErrorCode.EXCESSIVE_LOAD,
                 f"relay buffers are full ({relay.config.limits.max_buffered_bytes} bytes)",
                 relay.config.limits.retry_interval_ms + 1,
             )
             return
-        if isinstance(req, IncomingFetch):
-            self._spawn(req, "fetch", lambda: relay.serve_fetch(self, req))
-        elif isinstance(req, IncomingTrackStatus):
-            self._spawn(req, "track_status", lambda: relay.serve_track_status(self, req))
-        elif isinstance(req, IncomingSubscribe):
-            self._spawn(req, "subscribe", lambda: relay.serve_subscribe(self, req))
-        elif isinstance(req, IncomingPublishNamespace):
-            self._spawn(req, "publish_namespace", lambda: relay.serve_publish_namespace(self, req))
-        elif isinstance(ev, me.SubscribeNamespaceReceived):
-            self._spawn(req, "subscribe_namespace", lambda: relay.serve_subscribe_namespace(self, req))
-        elif isinstance(ev, me.SubscribeTracksReceived):
-            self._spawn(req, "subscribe_tracks", lambda: relay.serve_subscribe_tracks(self, req))
-        elif isinstance(req, IncomingPublish):
-            self._spawn(req, "publish", lambda: relay.serve_publish(self, req))
-        else:
-            relay.reject(req, request_kind(ev), RequestErrorCode.NOT_SUPPORTED, "not supported by this relay")
+        self._spawn(req, kind, lambda: handler(self, req))

@@ -1,8 +1,11 @@
-"""The relay daemon: shared state, request handling, limits sweep, accept loop and shutdown.
+"""The relay's core: its shared state, the sessions it accepts and the handler of each kind of request.
 
-Owns: ``Relay`` (the shared state built once in ``serve``: cache, namespace router, fan-outs, upstream
-relays, metrics) and ``serve``. Sessions are ``relay.peer.Peer``; fan-out of one track to its subscribers
-is ``relay.fanout.Fanout``.
+Owns: ``Relay`` (the shared state built once in ``relay.server.serve``: cache, namespace router, fan-outs,
+upstream relays, metrics), the table from request kind to handler and the handlers. Sessions are
+``relay.peer.Peer``; fan-out of one track to its subscribers is ``relay.fanout.Fanout``; the buffered and
+held bytes and the sweep over the sessions are ``relay.pressure.Pressure``; where a miss goes is
+``relay.routes.Routes``; FETCH is served by ``relay.fetching``; the metric families are declared by
+``relay.metric_families``; listening and shutdown are ``relay.server``'s.
 
 Does not know what payloads mean (content-agnostic, like moq-relay) and does no MoQT parsing: events and
 actions come from ``kvnet.net.connection`` / ``proto.session``.
@@ -12,84 +15,58 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
+import functools
 import itertools
 import logging
-import signal
-import socket
-import sys
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
-from typing import Protocol
 
-from kvnet.blocks.disk import DiskTier
-from kvnet.blocks.signing import SigningError, TrustStore
-from kvnet.net.connection import ConnectionLimits, MoqtConnection
-from kvnet.net.endpoint import freeze_startup_objects
-from kvnet.net.endpoint import serve as serve_moqt
+from kvnet.net.connection import MoqtConnection
 from kvnet.net.errors import ConnectionClosed, LimitError, RequestRejected, StreamResetError
 from kvnet.net.handles import (
-    IncomingFetch,
     IncomingPublish,
     IncomingPublishNamespace,
     IncomingRequest,
     IncomingSubscribe,
     IncomingTrackStatus,
 )
-from kvnet.net.sockets import tcp_server_sockets
-from kvnet.net.url import QMUX
-from kvnet.security.tokens import KVNET_TOKEN_TYPE, AuthError, read_token_file
+from kvnet.net.limits import ConnectionLimits
+from kvnet.security.signing import TrustStore
+from kvnet.security.tokens import AuthError
+from kvnet.storage.disk import DiskTier
 from proto import events as me
 from proto.data import ObjectStatus
 from proto.errors import ProtocolError, RequestErrorCode, SessionErrorCode, StreamResetCode
-from proto.messages import NO_PARAMETERS, AliasType, AuthToken, FetchType, Location, MessageParameters
-from proto.session import SessionConfig
+from proto.messages import NO_PARAMETERS, Location, MessageParameters
+from relay import fetching
 from relay.admission import BlockAdmission
-from relay.auth import AUTH_TOKEN_CACHE_SIZE, RelayAuth, SessionAuth
+from relay.auth import RelayAuth, SessionAuth
 from relay.cache import (
     CachedObject,
     FetchInfo,
     ObjectCache,
     RequestFailed,
     TrackKey,
-    TrackStatus,
-    exclusive_to_wire_end,
-    wire_end_to_exclusive,
 )
-from relay.cache import Location as Position
-from relay.config import RelayConfig, startup_reason
-from relay.fanout import DownstreamSubscriber, Fanout
-from relay.limits import HeldBytes, LimitExceeded, Quota, Slots, return_freed_memory, source_host
-from relay.metrics import Metrics, MetricsServer
-from relay.peer import Peer, code_name
+from relay.config import RelayConfig
+from relay.fanout import DownstreamSubscriber, Fanout, Holding
+from relay.limits import LimitExceeded, Quota, Slots, source_host
+from relay.metric_families import register_families
+from relay.metrics import Metrics
+from relay.peer import Peer, RequestHandler, code_name
+from relay.pressure import Pressure
 from relay.router import NamespaceRouter, RouteLimitError
+from relay.routes import Routes
 from relay.tasks import spawn
-from relay.upstream import RoutedUpstream, Source, UpstreamRelay, cached_object, no_route
+from relay.upstream import RoutedUpstream, UpstreamRelay, cached_object, no_route, upstream_relays
 
 logger = logging.getLogger(__name__)
 
-TRIM_AFTER_BYTES = 16 * 1024 * 1024
-"""Held bytes released since memory was last handed back to the system that make it worth doing again."""
-
-
-class Holding(Protocol):
-    """Objects of one pushed track held for the session that pushed it (a PUBLISH-fed ``Fanout``, a
-    contending copy): what ``Relay.hold`` charges and may drop."""
-
-    @property
-    def holder(self) -> Peer: ...
-
-    @property
-    def held_bytes(self) -> int: ...
-
-    def drop_held(self) -> None:
-        """Let go of every held object (releasing them with ``Relay.release_held``) and hold no more."""
-
 
 class Relay:
-    """Shared state of one relay process; built once by ``serve``."""
+    """Shared state of one relay process; built once by ``relay.server.serve``."""
 
     def __init__(
         self, config: RelayConfig, metrics: Metrics, clock: Callable[[], float] = time.monotonic
@@ -113,16 +90,8 @@ class Relay:
         self.identity_sessions = Quota("sessions per identity", lim.max_sessions_per_identity)
         self.address_requests = Quota("requests per address", lim.max_requests_per_address)
         self.identity_requests = Quota("requests per identity", lim.max_requests_per_identity)
-        self.buffered_sample = 0
-        """Bytes buffered for all sessions at the last sweep (send + receive side)."""
-        self.buffered_since = 0
-        """Object bytes written toward peers since that sweep (so the estimate never lags behind)."""
-        self._swept = asyncio.Event()
-        self.held = HeldBytes(lim)
-        """Bytes of pushed objects held outside the cache, per session, address, identity and in total."""
-        self.holdings: dict[int, dict[Holding, None]] = {}
-        """By session id: its tracks holding objects (``hold``), oldest first."""
-        self._freed_since_trim = 0
+        self.pressure = Pressure(lim, metrics, clock, self.peers, self.sessions, self.address_sessions)
+        """Buffered and held bytes, and the sweep that applies the timeouts and buffer caps (``watch``)."""
         self.fanouts: dict[TrackKey, Fanout] = {}
         self.published_tracks: Counter[tuple[bytes, ...]] = Counter()
         """By namespace: its live tracks that reached us by PUBLISH. Such a namespace is published to us
@@ -140,37 +109,26 @@ class Relay:
             if config.auth_issuer_keys
             else None
         )
-        upstream_tokens: tuple[AuthToken, ...] = ()
-        if config.upstream_token is not None:
-            value = read_token_file(config.upstream_token)
-            upstream_tokens = (AuthToken(AliasType.USE_VALUE, token_type=KVNET_TOKEN_TYPE, value=value),)
-        session_cfg = SessionConfig(
-            is_client=True,
-            authorization_tokens=upstream_tokens,
-            max_requests_in_flight=config.limits.max_requests_per_session,
-            max_object_size=config.limits.max_object_bytes,
-            request_header_timeout=config.limits.request_header_timeout or None,
-            max_request_header_timeouts=config.limits.max_request_header_timeouts,
+        self.upstreams = upstream_relays(
+            config, self.connection_limits(), clock, self.serve_upstream_session, self.upstream_namespace
         )
-        self.upstreams = [
-            UpstreamRelay(
-                url,
-                dataclasses.replace(
-                    config.transport,
-                    idle_timeout=config.limits.upstream_idle_timeout,
-                    keepalive_interval=config.limits.upstream_idle_timeout / 3,
-                ),
-                config.upstream_tls or config.tls,
-                session_cfg,
-                self.connection_limits(),
-                clock,
-                on_session=self.serve_upstream_session,
-                request_timeout=config.limits.upstream_timeout,
-                on_namespace=self.upstream_namespace,
-            )
-            for url in config.upstreams
-        ]
-        self._register_metrics()
+        self.routes = Routes(self.router, self.peers, self.upstreams, config.hub, lim, metrics, self.cache)
+        """Where a miss goes: which sessions and upstream relays are asked, in what order."""
+        self.handlers: Mapping[str, RequestHandler] = {
+            "fetch": functools.partial(fetching.serve_fetch, self),
+            "track_status": self.serve_track_status,
+            "subscribe": self.serve_subscribe,
+            "publish_namespace": self.serve_publish_namespace,
+            "subscribe_namespace": self.serve_subscribe_namespace,
+            "subscribe_tracks": self.serve_subscribe_tracks,
+            "publish": self.serve_publish,
+        }
+        """The handler of each kind of request a session may send (``relay.peer.REQUEST_KINDS``); a kind
+        missing here is refused as NOT_SUPPORTED."""
+        register_families(
+            metrics, self.cache, self.pressure, self.requests, self.peers, self.router, self.fanouts,
+            self.upstreams,
+        )
 
     def connection_limits(self) -> ConnectionLimits:
         lim = self.config.limits
@@ -181,224 +139,24 @@ class Relay:
             setup_timeout=lim.setup_timeout,
         )
 
-    # -- relay-wide limits and timeouts ---------------------------------------------------------------
-    def buffered_estimate(self) -> int:
-        return self.buffered_sample + self.buffered_since
-
+    # -- what sessions and fan-outs ask of the relay-wide pressure (``SessionHost``, ``FanoutHost``) -------
     def buffers_full(self) -> bool:
-        """Bytes buffered for all sessions have reached ``max_buffered_bytes``."""
-        return self.buffered_estimate() >= self.config.limits.max_buffered_bytes
+        return self.pressure.buffers_full()
 
     def buffer_fair_share(self) -> int:
-        return self.config.limits.max_buffered_bytes // max(1, len(self.peers))
+        return self.pressure.buffer_fair_share()
 
-    async def wait_buffer_room(self, timeout: float) -> bool:
-        """Wait (at most ``timeout``) until the relay-wide buffers are below their cap again."""
-        deadline = self.clock() + timeout
-        while self.buffers_full():
-            remaining = deadline - self.clock()
-            if remaining <= 0:
-                return False
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._swept.wait(), remaining)
-        return True
+    def wrote(self, nbytes: int) -> None:
+        self.pressure.wrote(nbytes)
 
-    def sweep_interval(self) -> float:
-        lim = self.config.limits
-        timeouts = [
-            t for t in (lim.session_idle_timeout, lim.slow_peer_timeout, lim.pressure_idle_timeout) if t > 0
-        ]
-        return min(1.0, max(0.05, min(timeouts) / 4))
+    def hold(self, holding: Holding, n: int) -> bool:
+        return self.pressure.hold(holding, n)
 
-    async def watch(self) -> None:
-        """Apply the timeouts and the relay-wide buffer cap, every ``sweep_interval`` seconds."""
-        interval = self.sweep_interval()
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                self.sweep(self.clock())
-            except Exception:  # the watchdog must outlive any one bad session
-                logger.exception("sweep failed")
+    def unhold(self, holding: Holding, n: int) -> None:
+        self.pressure.unhold(holding, n)
 
-    def sweep(self, now: float) -> None:
-        """One pass over the sessions: idle ones are closed, slow readers cut off, header timeouts and
-        the sessions' own refusals counted; then, over ``max_buffered_bytes``, the sessions holding the
-        most are cut off first."""
-        lim = self.config.limits
-        total = 0
-        held: list[tuple[int, Peer]] = []
-        by_host: dict[str, list[tuple[int, Peer]]] = {}
-        by_identity: dict[str, list[tuple[int, Peer]]] = {}
-        pressured = self.under_pressure()
-        for peer in list(self.peers.values()):
-            conn = peer.conn
-            if conn.is_closed:
-                continue
-            self._count_session_refusals(peer)
-            idle = peer.idle_for(now)
-            if lim.session_idle_timeout and peer.requests.used == 0 and idle >= lim.session_idle_timeout:
-                peer.close_for("idle_timeout", "idle timeout")
-                continue
-            if pressured and peer.reapable(idle):
-                peer.close_for("pressure_idle", "idle timeout (relay under pressure)")
-                continue
-            sent = conn.send_buffered()
-            total += sent + conn.receive_buffered
-            held.append((sent, peer))
-            if peer.host is not None:
-                by_host.setdefault(peer.host, []).append((sent, peer))
-            if peer.identity is not None:
-                by_identity.setdefault(peer.identity, []).append((sent, peer))
-            peer.check_progress(now, sent)
-        for groups, limit, label in (
-            (by_host, lim.max_buffered_bytes_per_address, "buffered_bytes_per_address"),
-            (by_identity, lim.max_buffered_bytes_per_identity, "buffered_bytes_per_identity"),
-        ):
-            if limit:
-                for group_held in groups.values():
-                    self._cut_biggest(group_held, limit, label)
-        self._cut_biggest(held, lim.max_buffered_bytes, "buffered_bytes_global", total)
-        self.buffered_sample = total
-        self.buffered_since = 0
-        self.trim_freed_memory()
-        self._swept.set()
-        self._swept = asyncio.Event()
-
-    def _cut_biggest(
-        self, held: list[tuple[int, Peer]], limit: int, label: str, total: int | None = None
-    ) -> None:
-        """Over ``limit`` bytes (``total``, or the sum of ``held``), cut off the sessions holding the most
-        until back under it: their data requests reset, or the session closed if it has none."""
-        total = sum(sent for sent, _ in held) if total is None else total
-        if total <= limit:
-            return
-        for sent, peer in sorted(held, key=lambda h: h[0], reverse=True):
-            if total <= limit or sent == 0:
-                break
-            if not peer.cut(StreamResetCode.EXCESSIVE_LOAD, label):
-                peer.close_for(label, f"relay limit reached: {label.replace('_', ' ')}")
-            total -= sent
-
-    def under_pressure(self) -> bool:
-        """The session table is at least 90 % full (and pressure reaping is on)."""
-        lim = self.config.limits
-        return lim.pressure_idle_timeout > 0 and self.sessions.used * 10 >= lim.max_sessions * 9
-
-    def admit_session(self) -> None:
-        """Take a session slot; when none is left, close the longest-idle session of the address holding
-        the most sessions (idle at least ``pressure_idle_timeout``) and take its slot instead."""
-        try:
-            self.sessions.acquire()
-            return
-        except LimitExceeded:
-            if not self.config.limits.pressure_idle_timeout:
-                raise
-            now = self.clock()
-            idle = [p for p in self.peers.values() if not p.conn.is_closed and p.reapable(p.idle_for(now))]
-            if not idle:
-                raise
-            victim = max(
-                idle, key=lambda p: (self.address_sessions.used.get(p.host or "", 0), p.idle_for(now))
-            )
-            victim.close_for("pressure_idle", "idle timeout (relay under pressure)")
-            # The victim's slot is released when its session ends; until then the table is one over.
-            self.sessions.used += 1
-
-    def _count_session_refusals(self, peer: Peer) -> None:
-        """Add to the metrics what the session's connection refused or reset on its own since the last
-        call: request-header timeouts, and requests refused for a limit before they reached us."""
-        n = peer.conn.request_header_timeouts
-        if n > peer.header_timeouts:
-            self.metrics.inc("request_header_timeouts_total", n - peer.header_timeouts)
-            peer.header_timeouts = n
-        for limit, total in peer.conn.refused_requests.items():
-            new = total - peer.refusals_counted.get(limit, 0)
-            if new > 0:
-                self.metrics.inc("limit_rejections_total", new, labels={"limit": f"session_{limit}"})
-                peer.refusals_counted[limit] = total
-
-    def _register_metrics(self) -> None:
-        m = self.metrics
-        c = self.cache
-        m.gauge_fn("sessions", "open sessions", lambda: len(self.peers))
-        if c.disk is not None:
-            disk = c.disk
-            m.gauge_fn("cache_disk_bytes", "bytes of track files in the persistent tier", lambda: disk.bytes)
-            m.gauge_fn("cache_disk_tracks", "tracks in the persistent tier", lambda: len(disk))
-            m.gauge_fn("cache_disk_dropped", "damaged track files found and deleted", lambda: disk.dropped)
-            m.gauge_fn(
-                "cache_disk_loads", "tracks loaded from the persistent tier", lambda: c.stats.disk_loads
-            )
-        m.counter("sessions_total", "sessions accepted")
-        m.gauge_fn("cache_bytes", "bytes held by the cache", lambda: c.size_bytes)
-        m.gauge_fn("cache_objects", "objects held by the cache", lambda: c.objects)
-        m.gauge_fn("cache_tracks", "tracks held by the cache", lambda: c.tracks)
-        m.gauge_fn("cache_inflight_fills", "upstream fetches in flight", lambda: c.inflight())
-        m.gauge_fn(
-            "cache_inflight_bytes", "bytes held by upstream fetches in flight", lambda: c.inflight_bytes
-        )
-        m.counter_fn("cache_hits_total", "fetches served from cache", lambda: c.stats.hits)
-        m.counter_fn("cache_misses_total", "fetches that went upstream", lambda: c.stats.misses)
-        m.counter_fn("cache_evictions_total", "tracks evicted", lambda: c.stats.evictions)
-        m.counter_fn(
-            "cache_coalesced_total",
-            "requests joined to an in-flight upstream request",
-            lambda: c.stats.coalesced,
-        )
-        m.counter_fn(
-            "track_status_cache_hits_total", "TRACK_STATUS answered from cache", lambda: c.stats.status_hits
-        )
-        m.counter_fn(
-            "track_status_negative_hits_total",
-            "TRACK_STATUS answered from the negative cache",
-            lambda: c.stats.negative_hits,
-        )
-        m.gauge_fn("namespaces", "announced namespace routes", lambda: len(self.router))
-        m.gauge_fn(
-            "upstreams_connected",
-            "upstream relays with a session that takes requests",
-            lambda: sum(up.connected for up in self.upstreams),
-        )
-        m.counter_fn(
-            "upstream_sessions_total",
-            "sessions established to upstream relays (the first and every reconnect)",
-            lambda: sum(up.sessions for up in self.upstreams),
-        )
-        m.gauge_fn("fanouts", "tracks with live upstream subscriptions", lambda: len(self.fanouts))
-        m.counter("bytes_in_total", "object payload bytes received")
-        m.counter("bytes_out_total", "object payload bytes sent")
-        m.counter("upstream_requests_total", "requests sent upstream")
-        m.counter(
-            "subscriptions_resumed_total",
-            "upstream subscriptions subscribed again after their session was lost (subscribers kept)",
-        )
-        m.counter("limit_rejections_total", "requests or sessions refused by a limit")
-        m.counter("auth_refusals_total", "requests and sessions refused by authorization, by code")
-        m.counter("requests_total", "requests by type and outcome")
-        m.counter(
-            "live_fetch_waits_total",
-            "FETCHes of a pushed track that waited for objects still arriving, by outcome (complete, short)",
-        )
-        m.gauge_fn("requests_inflight", "requests open on all sessions", lambda: self.requests.used)
-        m.gauge_fn(
-            "buffered_bytes", "bytes buffered for all sessions (last sweep)", lambda: self.buffered_sample
-        )
-        m.gauge_fn(
-            "held_bytes",
-            "bytes of pushed objects held for sessions outside the cache",
-            lambda: self.held.total,
-        )
-        m.counter("sessions_closed_total", "sessions closed by a timeout or limit, by reason")
-        m.counter("request_header_timeouts_total", "request streams reset for a late first message")
-        m.gauge_fn("cache_share_groups", "cache share groups holding tracks", lambda: c.share_groups)
-        m.gauge_fn(
-            "cache_share_groups_full", "cache share groups at 90% or more of their share", c.share_groups_full
-        )
-        m.counter_fn(
-            "cache_share_evictions_total",
-            "tracks evicted because their group was over its share",
-            lambda: c.stats.share_evictions,
-        )
+    def release_held(self, holding: Holding) -> None:
+        self.pressure.release_held(holding)
 
     # -- bookkeeping ---------------------------------------------------------------------------------
     def spawn(self, coro: Coroutine[object, object, None]) -> None:
@@ -449,121 +207,20 @@ class Relay:
             )
         return reason
 
-    # -- objects held for sessions outside the cache -----------------------------------------------------
-    def hold(self, holding: Holding, n: int) -> bool:
-        """Charge ``n`` more held bytes to ``holding``'s session. Over a bound (per session, address,
-        identity, or in total), holdings are dropped until it fits: the oldest of the session over it, or
-        of the session holding the most in the address, identity or relay over it. False when ``holding``
-        itself was dropped (or holds nothing and ``n`` alone is over a bound): the object is not held."""
-        peer = holding.holder
-        while (label := self.held.exceeded(peer.id, peer.host, peer.identity, n)) is not None:
-            victim = self._held_victim(label, peer) or holding
-            self.metrics.inc("limit_rejections_total", labels={"limit": label})
-            victim.holder.log.warning(
-                "dropping a held pushed track over a limit",
-                extra={"limit": label, "bytes": victim.held_bytes},
-            )
-            victim.drop_held()
-            if victim is holding:
-                return False
-        self.held.add(peer.id, peer.host, peer.identity, n)
-        self.holdings.setdefault(peer.id, {})[holding] = None
-        return True
-
-    def unhold(self, holding: Holding, n: int) -> None:
-        """``n`` bytes of ``holding`` were let go."""
-        peer = holding.holder
-        self.held.add(peer.id, peer.host, peer.identity, -n)
-        self._freed_since_trim += n
-
-    def release_held(self, holding: Holding) -> None:
-        """``holding`` lets go of everything it held (its track ended, was cached, or was dropped)."""
-        self.unhold(holding, holding.held_bytes)
-        mine = self.holdings.get(holding.holder.id)
-        if mine is not None:
-            mine.pop(holding, None)
-            if not mine:
-                del self.holdings[holding.holder.id]
-
-    def _held_victim(self, label: str, peer: Peer) -> Holding | None:
-        """The holding to drop for bound ``label``: the oldest non-empty one of ``peer``'s session
-        (session bound) or of the session holding the most within the scope over its bound."""
-        if label == "held_bytes_per_session":
-            owner = peer.id
-        else:
-            def in_scope(session: int) -> bool:
-                first = next(iter(self.holdings[session]), None)
-                if first is None:
-                    return False
-                if label == "held_bytes_per_address":
-                    return first.holder.host == peer.host
-                if label == "held_bytes_per_identity":
-                    return first.holder.identity == peer.identity
-                return True
-
-            scope = [s for s in self.holdings if in_scope(s)]
-            if not scope:
-                return None
-            owner = max(scope, key=lambda s: self.held.by_session.get(s, 0))
-        return next((h for h in self.holdings.get(owner, {}) if h.held_bytes > 0), None)
-
-    def trim_freed_memory(self) -> None:
-        """Hand freed heap pages back to the system once enough held bytes were released."""
-        if self._freed_since_trim >= TRIM_AFTER_BYTES:
-            self._freed_since_trim = 0
-            return_freed_memory()
-
-    def candidates(self, key: TrackKey, exclude: Peer | None) -> list[Source]:
-        """Longest-prefix publishers (at the hub of ``relay.workers``, then every other worker), then the
-        upstream relays. A request that came from an upstream relay goes to local publishers only: sending
-        it upstream again could only bring it back (a loop)."""
-        return self._by_speed([*self._local_sources(key, exclude), *self._upstream_sources(exclude)])
-
-    def _local_sources(self, key: TrackKey, exclude: Peer | None) -> list[Source]:
-        """The longest-prefix publishers, and at the hub then every other worker."""
-        pubs: list[Source] = [
-            p for p in self.router.lookup(key[0]) if p is not exclude and not p.conn.is_closed
-        ]
-        if self.config.hub:
-            # The workers' caches: blocks pushed into one stay there after their publisher left.
-            pubs += [
-                p for p in self.peers.values()
-                if p is not exclude and not p.conn.is_closed and all(p is not q for q in pubs)
-            ]
-        return pubs
-
-    def _upstream_sources(self, exclude: Peer | None) -> list[Source]:
-        """The upstream relays, unless the request came from one."""
-        return [] if exclude is not None and exclude.upstream is not None else list(self.upstreams)
-
-    @staticmethod
-    def _by_speed(sources: list[Source]) -> list[Source]:
-        # Routes that recently let a request pass the route deadline go last (stable: order kept).
-        return sorted(sources, key=lambda src: src.slow)
-
     def upstream_for(self, key: TrackKey, requester: Peer) -> RoutedUpstream:
-        return self._routed(lambda: self.candidates(key, requester))
+        return self.routes.upstream_for(key, requester)
 
-    def _routed(self, candidates: Callable[[], list[Source]]) -> RoutedUpstream:
-        lim = self.config.limits
-        return RoutedUpstream(candidates, lim.upstream_timeout, self.metrics, lim.route_timeout)
-
-    async def track_status(self, key: TrackKey, requester: Peer) -> TrackStatus:
-        """TRACK_STATUS through the cache. At the hub of ``relay.workers`` the workers are asked apart
-        from the upstream relays, first and on every miss: a worker hears of a block pushed to it, the hub
-        does not, so only the upstream relays' misses are negatively cached there (a block pushed at one
-        worker is found at once from every other)."""
-        from_upstream = requester.upstream is not None
-        if not self.config.hub:
-            return await self.cache.track_status(
-                key, self.upstream_for(key, requester), from_upstream=from_upstream
-            )
-        workers = self._routed(lambda: self._by_speed(self._local_sources(key, requester)))
-        upstreams = self._routed(lambda: self._by_speed(self._upstream_sources(requester)))
-        return await self.cache.track_status(key, upstreams, asked_first=workers, from_upstream=from_upstream)
+    def drop_subscriptions(self, peer: Peer, code: StreamResetCode, limit: str) -> int:
+        """Drop every subscription the relay's fan-outs serve to ``peer`` with ``code``; returns how many."""
+        n = 0
+        for fan in list(self.fanouts.values()):
+            for sub in [s for s in fan.subs.values() if s.peer is peer and not s.dropped]:
+                fan.drop(sub, code, limit)
+                n += 1
+        return n
 
     def forget_peer(self, peer: Peer) -> None:
-        self._count_session_refusals(peer)
+        self.pressure.count_session_refusals(peer)
         closed = peer.conn.session.closed
         if closed is not None and closed[0] == SessionErrorCode.CONTROL_MESSAGE_TIMEOUT:
             self.metrics.inc("sessions_closed_total", labels={"reason": "request_header_timeout"})
@@ -582,9 +239,9 @@ class Relay:
                 fan.remove(peer, key[1])
             if fan.source_peer is peer and fan.task is not None:
                 fan.task.cancel()
-        for holding in list(self.holdings.get(peer.id, {})):
+        for holding in list(self.pressure.holdings.get(peer.id, {})):
             holding.drop_held()  # what the session pushed is released with it, whatever its tasks do
-        self.trim_freed_memory()
+        self.pressure.trim_freed_memory()
         peer.log.info("session ended", extra={"routes_removed": removed, "closed": peer.conn.session.closed})
 
     # -- connections ---------------------------------------------------------------------------------
@@ -618,7 +275,7 @@ class Relay:
             for quota, key in ((self.address_sessions, host), (self.identity_sessions, identity)):
                 quota.acquire(key)
                 taken.append((quota, key))
-            self.admit_session()
+            self.pressure.admit_session()
         except LimitExceeded as exc:
             for quota, key in taken:
                 quota.release(key)
@@ -641,161 +298,13 @@ class Relay:
         peer.log.info("serving upstream relay session")
         await peer.run()
 
-    # -- FETCH -----------------------------------------------------------------------------------------
-    async def serve_fetch(self, peer: Peer, req: IncomingFetch) -> None:
-        try:
-            key, start, end = await self._fetch_range(peer, req.event)
-        except RequestFailed as exc:
-            self.reject(req, "fetch", exc.code, exc.reason, exc.retry_interval)
-            return
-        objects: AsyncIterator[CachedObject]
-        fan = self.fanouts.get(key)
-        wait = self.config.limits.upstream_timeout
-        short = False
-        """The range is of a pushed track whose objects did not all arrive within the wait."""
-        if fan is not None and self.cache.cached_status(key) is None and not fan.live_complete(start, end):
-            # Objects of the range are still on their way from the publisher: wait for them (bounded)
-            # rather than end the FETCH's stream after what we hold, which reads as the whole range. A
-            # track the cache holds whole is served from it: a session that PUBLISHed the same name and
-            # sends nothing (a squatter) must not hold its FETCHes.
-            complete = await fan.wait_live(start, end, wait)
-            outcome = "complete" if complete else "short"
-            self.metrics.inc("live_fetch_waits_total", labels={"outcome": outcome})
-            if req.gone:
-                self.cancelled(peer, req, "fetch")
-                return
-            fan = self.fanouts.get(key)  # ended meanwhile: a complete track is in the cache now
-            short = not complete
-            if fan is not None and short:
-                fan = None  # still short: ask the routes (the publisher's namespace) like any other miss
-        live = [] if fan is None else fan.live_objects(start, end)
-        if live and self.cache.cached_status(key) is not None:
-            live = []  # the whole track is cached: the cache answers, as for any other track
-        if fan is not None and live:
-            # A live track that reached us by PUBLISH: nobody upstream has it, so serve what we hold.
-            outcome = "live"
-            served_end = (live[-1].group, live[-1].object_id + 1)
-            # The answer reaches the end of the track only if the track ended and we hold nothing later.
-            end_of_track = fan.track_ended and not fan.live_objects(served_end, (1 << 62, 0))
-            objects = _iterate(live)
-        else:
-            handle = self.cache.fetch(
-                key, start, end, self.upstream_for(key, peer), from_upstream=peer.upstream is not None
-            )
-            outcome = "cache_hit" if handle.from_cache else ("coalesced" if handle.coalesced else "miss")
-            try:
-                info = await handle.info()
-            except RequestFailed as exc:
-                if short and exc.code == RequestErrorCode.DOES_NOT_EXIST:
-                    # It does exist, in part: TIMEOUT says "not yet" (a subscriber may ask again), where
-                    # DOES_NOT_EXIST would read as a block nobody has.
-                    reason = f"track still arriving from its publisher after {wait:g}s"
-                    self.reject(req, "fetch", RequestErrorCode.TIMEOUT, reason, int(wait * 1000) + 1)
-                    return
-                self.reject(req, "fetch", exc.code, exc.reason, exc.retry_interval)
-                return
-            except (ConnectionClosed, StreamResetError) as exc:
-                self.reject(req, "fetch", RequestErrorCode.INTERNAL_ERROR, f"upstream failed: {exc}")
-                return
-            end_of_track, served_end = info.end_of_track, info.end
-            objects = handle.objects()
-        if req.gone:
-            self.cancelled(peer, req, "fetch")
-            return
-        req.accept_fetch(end_of_track, Location(*exclusive_to_wire_end(served_end)))
-        stall = self.config.limits.slow_peer_timeout
-        peer.fetches[req.request_id] = req
-        try:
-            async for obj in objects:
-                if req.gone:
-                    self.cancelled(peer, req, "fetch")
-                    return
-                if req.request_id not in peer.fetches:
-                    return  # cut off by a limit (counted there)
-                if self.buffers_full() and not await self.wait_buffer_room(stall):
-                    self.metrics.inc("limit_rejections_total", labels={"limit": "buffered_bytes_global"})
-                    req.cancel(StreamResetCode.EXCESSIVE_LOAD)
-                    self.count("fetch", "excessive_load")
-                    return
-                if req.gone:  # cancelled while we waited for buffer room
-                    self.cancelled(peer, req, "fetch")
-                    return
-                req.send_object(
-                    obj.group, obj.subgroup, obj.object_id, obj.payload, obj.priority, obj.properties
-                )
-                peer.written += len(obj.payload)
-                self.buffered_since += len(obj.payload)
-                self.metrics.inc("bytes_out_total", len(obj.payload))
-                if req.writable:
-                    # No back-pressure: skip the timed wait (a task per object, ~1% of relay CPU) but still
-                    # yield once per object, so other sessions and the packet sender interleave as before.
-                    await asyncio.sleep(0)
-                    continue
-                try:
-                    await asyncio.wait_for(req.drain(), stall)
-                except TimeoutError:
-                    # The peer stopped reading: give the buffered bytes back instead of holding them forever.
-                    self.metrics.inc("limit_rejections_total", labels={"limit": "slow_peer"})
-                    req.cancel(StreamResetCode.TOO_FAR_BEHIND)
-                    self.count("fetch", "too_far_behind")
-                    return
-                if req.request_id not in peer.fetches:
-                    return  # cut off by a limit while we waited
-        except RequestFailed as exc:
-            req.cancel(StreamResetCode.INTERNAL_ERROR)
-            self.count("fetch", code_name(exc.code))
-            return
-        except (ConnectionClosed, StreamResetError, OSError) as exc:
-            peer.log.info("upstream fetch broke mid-stream", extra={"error": str(exc)})
-            req.cancel(StreamResetCode.INTERNAL_ERROR)
-            self.count("fetch", "upstream_reset")
-            return
-        finally:
-            peer.fetches.pop(req.request_id, None)
-        if req.gone:
-            # Cancelled while the last object was on its way: nothing to FIN, the request is over.
-            self.cancelled(peer, req, "fetch")
-            return
-        req.finish()
-        self.count("fetch", outcome)
-
-    async def _fetch_range(self, peer: Peer, ev: me.FetchReceived) -> tuple[TrackKey, Position, Position]:
-        """Track and ``[start, end)`` of a FETCH. A joining FETCH (draft "Joining Fetches") covers the
-        groups before its SUBSCRIBE of the same session: from ``Joining Start`` groups back (relative) or
-        from group ``Joining Start`` (absolute), up to the Largest Location the SUBSCRIBE started after."""
-        if ev.fetch_type == FetchType.STANDALONE:
-            assert ev.track_namespace is not None and ev.track_name is not None
-            assert ev.start is not None and ev.end is not None
-            end = wire_end_to_exclusive((ev.end.group, ev.end.object))
-            return (ev.track_namespace, ev.track_name), (ev.start.group, ev.start.object), end
-        assert ev.joining_request_id is not None and ev.joining_start is not None
-        joined = peer.subscriptions.get(ev.joining_request_id)
-        if joined is None:
-            raise RequestFailed(
-                RequestErrorCode.INVALID_JOINING_REQUEST_ID, "no SUBSCRIBE of this session has that id"
-            )
-        # The SUBSCRIBE may still be on its way upstream: the FETCH joins it once it is answered.
-        await asyncio.wait({joined})
-        if joined.cancelled():
-            raise RequestFailed(RequestErrorCode.INVALID_JOINING_REQUEST_ID, "the joined SUBSCRIBE failed")
-        key, largest = joined.result()
-        if largest is None:
-            raise RequestFailed(RequestErrorCode.INVALID_RANGE, "the joined track had no objects yet")
-        if ev.fetch_type == FetchType.RELATIVE_JOINING:
-            start_group = max(0, largest.group - ev.joining_start)
-        else:
-            start_group = ev.joining_start
-        if start_group > largest.group:
-            raise RequestFailed(RequestErrorCode.INVALID_RANGE, "Joining Start is past the subscription")
-        return key, (start_group, 0), (largest.group, largest.object + 1)
-
     # -- TRACK_STATUS ------------------------------------------------------------------------------------
     async def serve_track_status(self, peer: Peer, req: IncomingTrackStatus) -> None:
         ev = req.event
         key: TrackKey = (ev.track_namespace, ev.track_name)
         hit = self.cache.cached_status(key) is not None
         try:
-            st = await self.track_status(key, peer)
+            st = await self.routes.track_status(key, peer)
         except RequestFailed as exc:
             self.reject(req, "track_status", exc.code, exc.reason, exc.retry_interval)
             return
@@ -972,11 +481,11 @@ class Relay:
     async def serve_subscribe(self, peer: Peer, req: IncomingSubscribe) -> None:
         # Joining FETCHes of this session wait on it: the track and where the subscription starts.
         started: asyncio.Future[tuple[TrackKey, Location | None]] = asyncio.get_running_loop().create_future()
-        peer.subscriptions[req.request_id] = started
+        peer.subscription_started(req.request_id, started)
         try:
             await self._serve_subscribe(peer, req, started)
         finally:
-            del peer.subscriptions[req.request_id]
+            peer.subscription_ended(req.request_id)
             started.cancel()  # a no-op once it has its result
 
     async def _serve_subscribe(
@@ -1075,7 +584,7 @@ class Relay:
             peer.upstream is not None
             and not fan.ready.done()
             and (fan.requester is None or fan.requester.upstream is None)
-            and not self._local_sources(fan.key, peer)
+            and not self.routes.local_sources(fan.key, peer)
         )
 
     def routes_changed(self) -> None:
@@ -1217,119 +726,5 @@ class ContendingCopy:
         self.dropped = True
 
 
-async def _iterate(objects: list[CachedObject]) -> AsyncIterator[CachedObject]:
-    for obj in objects:
-        yield obj
-
-
 def _ns_text(ns: tuple[bytes, ...]) -> str:
     return "/".join(p.decode() if p.isascii() and p.decode().isprintable() else p.hex() for p in ns)
-
-
-def run(config: RelayConfig, serving: Coroutine[object, object, None], name: str = "") -> int:
-    """Run ``serving`` (``serve`` of ``config``, as a process's whole life) to its end; the exit code.
-    What it raises comes from starting (reading key, token and cache files, binding the QUIC and metrics
-    sockets): one line naming the flag, exit 2. Once it serves, a peer's failure ends that peer's session,
-    not the relay. ``name`` prefixes the line (a worker of ``relay.workers``)."""
-    freeze_startup_objects()
-    try:
-        asyncio.run(serving)
-    except KeyboardInterrupt:
-        return 130
-    except (OSError, ValueError, SigningError) as exc:
-        prefix = f"{name}: " if name else ""
-        print(f"kvnet-relay: error: {prefix}{startup_reason(exc, config)}", file=sys.stderr)
-        return 2
-    return 0
-
-
-async def serve(
-    config: RelayConfig,
-    stop: asyncio.Event | None = None,
-    sock: socket.socket | None = None,
-    on_listening: Callable[[tuple[str, int], int | None], None] | None = None,
-    metrics: Metrics | None = None,
-    qmux_sock: socket.socket | None = None,
-) -> None:
-    """Run a relay until SIGTERM/SIGINT (or ``stop``), then GOAWAY, drain and close. ``sock``: serve on
-    that bound UDP socket instead of binding ``config``'s address (a worker of ``relay.workers``), and
-    ``qmux_sock`` the same for the QMux listener (``config.qmux_host``), which serves beside QUIC into the
-    same ``Relay`` (one cache, one set of limits and metrics); ``on_listening(quic address, metrics port)``
-    is called once it serves; ``metrics``: the relay's (with families its caller added), else a new one."""
-    metrics = metrics or Metrics()
-    relay = Relay(config, metrics)
-    session_cfg = SessionConfig(
-        is_client=False,
-        max_auth_token_cache_size=AUTH_TOKEN_CACHE_SIZE if config.auth_issuer_keys else None,
-        max_requests_in_flight=config.limits.max_requests_per_session,
-        max_object_size=config.limits.max_object_bytes,
-        request_header_timeout=config.limits.request_header_timeout or None,
-        max_request_header_timeouts=config.limits.max_request_header_timeouts,
-    )
-    server = await serve_moqt(
-        config.host,
-        config.port,
-        config.transport,
-        config.tls,
-        relay.on_connection,
-        session_config=session_cfg,
-        limits=relay.connection_limits(),
-        # The relay enforces max_sessions itself so refusals are counted and logged.
-        max_connections=1 << 30,
-        sock=sock,
-    )
-    qmux_server = None
-    if config.qmux_host is not None:
-        if qmux_sock is None:
-            try:
-                (qmux_sock,) = tcp_server_sockets(config.qmux_host, config.qmux_port, 1, config.transport)
-            except OSError as exc:
-                await server.close()
-                where = f"--listen-qmux {config.qmux_host}:{config.qmux_port}"
-                raise ValueError(f"{where}: cannot listen: {exc.strerror}") from exc
-        qmux_server = await serve_moqt(
-            config.qmux_host, config.qmux_port, config.transport, config.tls, relay.on_connection,
-            session_config=session_cfg, limits=relay.connection_limits(), max_connections=1 << 30,
-            sock=qmux_sock, stack=QMUX,
-        )
-    metrics_server: MetricsServer | None = None
-    if config.metrics_port is not None:
-        metrics_server = MetricsServer(metrics, config.metrics_host, config.metrics_port)
-        await metrics_server.start()
-    for up in relay.upstreams:
-        up.start()
-    watchdog = asyncio.get_running_loop().create_task(relay.watch())
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(RuntimeError, ValueError):  # not in the main thread
-            loop.add_signal_handler(sig, stop.set)
-    host, port = server.address
-    logger.info(
-        "listening",
-        extra={
-            "quic": f"{host}:{port}",
-            "qmux": "off" if qmux_server is None else "{}:{}".format(*qmux_server.address),
-            "metrics": f"{config.metrics_host}:{metrics_server.port}" if metrics_server else "off",
-            "upstreams": ",".join(config.upstreams) or "none",
-            "cache_bytes": config.cache.max_bytes,
-        },
-    )
-    if on_listening is not None:
-        on_listening((host, port), metrics_server.port if metrics_server else None)
-    await stop.wait()
-    started = time.monotonic()
-    logger.info(
-        "shutting down: GOAWAY to all sessions",
-        extra={"sessions": len(relay.peers), "drain_timeout": config.drain_timeout},
-    )
-    relay.going_away = True
-    await asyncio.gather(
-        server.shutdown(config.goaway_uri, config.drain_timeout),
-        *([] if qmux_server is None else [qmux_server.shutdown(config.goaway_uri, config.drain_timeout)]),
-    )
-    watchdog.cancel()
-    await relay.close()
-    if metrics_server is not None:
-        await metrics_server.close()
-    logger.info("stopped", extra={"drain_seconds": round(time.monotonic() - started, 3)})

@@ -1,10 +1,11 @@
-"""Where cache misses go: publisher sessions that announced a matching namespace, then upstream relays.
+"""Where cache misses go once their routes are chosen (``relay.routes``): publisher sessions that announced
+a matching namespace, then upstream relays.
 
 Owns: ``UpstreamRelay`` (the client session to one ``--upstream`` relay, kept up from start to shutdown
 with the reconnect backoff, which also carries our publishers' PUBLISH_NAMESPACE registrations and our
-watchers' SUBSCRIBE_NAMESPACE to that relay and serves the requests it routes back to us) and
-``RoutedUpstream``, the ``relay.cache.Upstream`` implementation that tries the longest-prefix publishers
-first and the upstream relays after them, translating MoQT answers into cache terms. A candidate that
+watchers' SUBSCRIBE_NAMESPACE to that relay and serves the requests it routes back to us; one per
+``--upstream``, built by ``upstream_relays``) and ``RoutedUpstream``, the ``relay.cache.Upstream``
+implementation that asks the routes in turn, translating MoQT answers into cache terms. A candidate that
 says DOES_NOT_EXIST is skipped for the next one; every other failure is reported with its code. A
 candidate that has not answered within the route deadline while others remain is passed over: the next
 one is asked too and the first answer wins (a dead session is not waited for until QUIC notices it is
@@ -15,21 +16,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
-from kvnet.net.connection import ConnectionLimits, MoqtConnection
+from kvnet.net.config import TlsConfig, TransportConfig
+from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.errors import ConnectionClosed, MoqtConnectionError, RequestRejected, StreamResetError
 from kvnet.net.handles import FetchHandle, Subscription
+from kvnet.net.limits import ConnectionLimits
 from kvnet.net.reconnect import STABLE_SESSION_S, Backoff, redirect_target
-from kvnet.net.settings import TlsSettings, TransportSettings
+from kvnet.security.tokens import KVNET_TOKEN_TYPE, read_token_file
 from proto import events as me
 from proto.errors import RequestErrorCode, SessionErrorCode
 from proto.events import FetchOkReceived, ObjectReceived, TrackStatusOkReceived
-from proto.messages import Location, MessageParameters, TrackNamespace
+from proto.messages import AliasType, AuthToken, Location, MessageParameters, TrackNamespace
 from proto.session import SessionConfig
 from relay.cache import (
     CachedObject,
@@ -41,6 +45,7 @@ from relay.cache import (
     exclusive_to_wire_end,
     wire_end_to_exclusive,
 )
+from relay.config import RelayConfig
 from relay.metrics import Metrics
 from relay.tasks import spawn
 
@@ -100,8 +105,8 @@ class UpstreamRelay:
     def __init__(
         self,
         url: str,
-        settings: TransportSettings,
-        tls: TlsSettings,
+        settings: TransportConfig,
+        tls: TlsConfig,
         session_config: SessionConfig,
         limits: ConnectionLimits,
         clock: Callable[[], float],
@@ -436,6 +441,48 @@ class UpstreamRelay:
         if self._conn is not None and not self._conn.is_closed:
             with contextlib.suppress(TimeoutError, ConnectionError):
                 await asyncio.wait_for(self._conn.close_session(), 2)
+
+
+def upstream_relays(
+    config: RelayConfig,
+    limits: ConnectionLimits,
+    clock: Callable[[], float],
+    on_session: Callable[[UpstreamRelay, MoqtConnection], Awaitable[None]],
+    on_namespace: Callable[[TrackNamespace, bool], None],
+) -> list[UpstreamRelay]:
+    """One ``UpstreamRelay`` per ``--upstream`` of ``config``: its session presents ``--upstream-token``
+    (if any) and is held to the same per-session request and object limits as the relay's own, with
+    keep-alive at a third of ``--upstream-idle-timeout``; ``limits`` are its connection's."""
+    tokens: tuple[AuthToken, ...] = ()
+    if config.upstream_token is not None:
+        value = read_token_file(config.upstream_token)
+        tokens = (AuthToken(AliasType.USE_VALUE, token_type=KVNET_TOKEN_TYPE, value=value),)
+    session_cfg = SessionConfig(
+        is_client=True,
+        authorization_tokens=tokens,
+        max_requests_in_flight=config.limits.max_requests_per_session,
+        max_object_size=config.limits.max_object_bytes,
+        request_header_timeout=config.limits.request_header_timeout or None,
+        max_request_header_timeouts=config.limits.max_request_header_timeouts,
+    )
+    return [
+        UpstreamRelay(
+            url,
+            dataclasses.replace(
+                config.transport,
+                idle_timeout=config.limits.upstream_idle_timeout,
+                keepalive_interval=config.limits.upstream_idle_timeout / 3,
+            ),
+            config.upstream_tls or config.tls,
+            session_cfg,
+            limits,
+            clock,
+            on_session=on_session,
+            request_timeout=config.limits.upstream_timeout,
+            on_namespace=on_namespace,
+        )
+        for url in config.upstreams
+    ]
 
 
 class _NoRoute(Exception):

@@ -50,9 +50,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvnet.logs import setup_logging
+from kvnet.net.config import TlsConfig
 from kvnet.net.reconnect import Backoff
 from kvnet.net.registry import get_stack, server_sockets
-from kvnet.net.settings import TlsSettings
 from kvnet.net.url import QMUX
 from kvnet.security import certs
 from kvnet.security.tokens import Action, IssuerKey, issue_token, make_claims
@@ -152,7 +152,7 @@ def worker_config(config: RelayConfig, index: int, hub_url: str, creds: HubCrede
         upstreams=(hub_url,),
         # In memory: the directory of the credentials is gone once every process of the relay serves,
         # and a worker verifies the hub again on every reconnect.
-        upstream_tls=TlsSettings(ca_pem=creds.ca.read_bytes()),
+        upstream_tls=TlsConfig(ca_pem=creds.ca.read_bytes()),
         upstream_token=creds.token,
         metrics_port=_metrics_port(config, index),
         cache=cache,
@@ -189,7 +189,7 @@ def hub_config(config: RelayConfig, creds: HubCredentials) -> RelayConfig:
     )
     return dataclasses.replace(
         config,
-        tls=TlsSettings(cert_file=creds.cert, key_file=creds.key),
+        tls=TlsConfig(cert_file=creds.cert, key_file=creds.key),
         upstream_tls=config.upstream_tls or config.tls,
         host=HUB_HOST,
         port=0,
@@ -674,7 +674,7 @@ def child_main() -> int:
     for handler in logging.getLogger().handlers:
         handler.addFilter(_WorkerName(spec.name))
     from relay.metrics import Metrics
-    from relay.relay import run, serve
+    from relay.server import run, serve
 
     sock = socket.socket(fileno=spec.fd)
     qmux_sock = None if spec.qmux_fd is None else socket.socket(fileno=spec.qmux_fd)

@@ -12,32 +12,24 @@ process and cache, so a repeated prompt shows a local hit. ``--json`` prints one
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
-import os
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import count
 
-from kvnet.errors import ContextLengthError
+from kvnet.config import config_parser, parse_config
 from kvnet.logs import setup_logging_from_args
-from kvnet.model.registry import default_models_dir
+from kvnet.node import command
 from kvnet.node.config import (
     NodeConfig,
     RelayUnreachableError,
     add_node_arguments,
     add_prompt_arguments,
     explain_relay_problem,
-    node_config_from_cli,
-    prompts_from_args,
 )
 from kvnet.progress import Activity, Progress
-from kvnet.settings import parse_settings, settings_parser
-
-# kvnet.node.node and kvnet.model.engine import torch (seconds): they are imported once the flags are parsed
-# and checked, so --help and a mistyped flag answer at once (tests/kvnet/test_cli_startup.py).
 
 logger = logging.getLogger("subscriber")
 
@@ -56,7 +48,7 @@ class SubscriberConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = settings_parser("kvnet-subscriber", __doc__.split("\n\n")[0])
+    p = config_parser("kvnet-subscriber", __doc__.split("\n\n")[0])
     add_prompt_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt on stdout")
     p.add_argument(
@@ -99,11 +91,8 @@ def _human(report: dict[str, object]) -> str:
 
 
 async def run(config: SubscriberConfig) -> int:
-    from kvnet.node.node import start_node
-
     progress = Progress.for_command(config.json_output)
-    async with progress.activity(f"loading model {config.node.checkpoint or config.node.model}"):
-        node = await start_node(config.node)
+    node = await command.load_node(config.node, progress)
     ok = True
     try:
         if config.node.relay_url is not None and node.peer is None:
@@ -113,7 +102,7 @@ async def run(config: SubscriberConfig) -> int:
             logger.warning("%s; --best-effort: answering without it", problem)
         node.check_prompts(config.prompts, config.node.max_new_tokens)
         for i, prompt in enumerate(config.prompts):
-            tokens = len(node.encode_prompt(prompt))
+            tokens = len(node.tokenize_prompt(prompt))
             step = f"prompt {i + 1}/{len(config.prompts)}: {tokens} tokens: locate, fetch, prefill, generate"
             async with progress.activity(step) as activity:
                 generated = count(1)
@@ -137,34 +126,18 @@ async def run(config: SubscriberConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_settings(build_parser(), argv)
+    args = parse_config(build_parser(), argv)
     setup_logging_from_args(args)
-    try:
-        prompts = prompts_from_args(args)
-        if not prompts:
-            print("kvnet-subscriber: error: give at least one --prompt or --prompt-file", file=sys.stderr)
-            return 2
-        node_cfg = node_config_from_cli(args, os.environ.get("KVNET_HOME"), default_models_dir(os.environ))
-    except (ValueError, OSError) as exc:
-        print(f"kvnet-subscriber: error: {exc}", file=sys.stderr)
-        return 2
-    config = SubscriberConfig(
-        node=node_cfg, prompts=tuple(prompts), json_output=args.json, verify=args.verify,
-        publish=args.publish, best_effort=args.best_effort,
-    )
-    from kvnet.model.engine import RequestTooLargeError  # torch: once every flag is checked
-    from kvnet.node.node import NodeStartError
 
-    try:
-        return asyncio.run(run(config))
-    except KeyboardInterrupt:
-        return 130
-    except (NodeStartError, ContextLengthError, RequestTooLargeError) as exc:
-        print(f"kvnet-subscriber: error: {exc}", file=sys.stderr)
-        return 2
-    except RelayUnreachableError as exc:
-        print(f"kvnet-subscriber: error: {exc}", file=sys.stderr)
-        return 1
+    async def start() -> int:
+        prompts = command.prompts(args)
+        config = SubscriberConfig(
+            node=command.node_config(args), prompts=prompts, json_output=args.json,
+            verify=args.verify, publish=args.publish, best_effort=args.best_effort,
+        )
+        return await run(config)
+
+    return command.run_command("kvnet-subscriber", start)
 
 
 if __name__ == "__main__":

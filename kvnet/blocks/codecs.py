@@ -9,7 +9,7 @@ appears in track names (see proto/KVOBJECT.md), so a name, once published, never
 - ``plain``: the elements' own little-endian bytes, K then V, uncompressed: bit-exact like ``lossless``
   and larger on the wire, but decoding is one copy of each half straight into the destination (the
   paged cache's slots, or a new tensor). For links fast enough that zstd's decode costs more than the
-  bytes it saves (the ABR weighs the two, ``kvnet.node.abr``).
+  bytes it saves (the ABR weighs the two, ``kvnet.exchange.abr``).
 - ``int8``: symmetric 8-bit quantization. Keys per channel, values per (token, head), chosen by measurement
   (benchmarks/bench_codecs.py), each followed by an optional zstd stage that is kept only where it pays.
 - ``int4``: asymmetric 4-bit grouped quantization in the KIVI style: keys per channel (the group is the
@@ -208,9 +208,7 @@ class Codec(ABC):
         and no copy. A malformed payload raises ``CodecError``, possibly after part of the outputs was
         written, so the caller hands in only memory nobody reads until the layer is known good.
         """
-        if k_out.shape != v_out.shape or k_out.dtype != v_out.dtype or k_out.dim() != 3:
-            raise CodecError(f"k_out and v_out must both be [block_size, H_kv, D] of one dtype; got "
-                             f"{tuple(k_out.shape)} {k_out.dtype} and {tuple(v_out.shape)} {v_out.dtype}")
+        _check_outputs(k_out, v_out)
         if k_out.device.type != "cpu" or v_out.device.type != "cpu":
             raise CodecError("decode_into writes CPU tensors (stage a device's slots through host memory)")
         header, raw = self._inflated(data, tuple(k_out.shape), k_out.dtype)
@@ -345,6 +343,14 @@ def _check_inputs(k: torch.Tensor, v: torch.Tensor) -> tuple[tuple[int, int, int
     if not (0 < t < 2**32 and 0 < h < 2**16 and 0 < d < 2**16):
         raise CodecError(f"shape {(t, h, d)} outside the payload header limits")
     return (t, h, d), k.dtype
+
+
+def _check_outputs(k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+    """``decode_into``'s outputs: the two halves of one layer, so one shape ``[block_size, H_kv, D]`` and
+    one dtype."""
+    if k_out.shape != v_out.shape or k_out.dtype != v_out.dtype or k_out.dim() != 3:
+        raise CodecError(f"k_out and v_out must both be [block_size, H_kv, D] of one dtype; got "
+                         f"{tuple(k_out.shape)} {k_out.dtype} and {tuple(v_out.shape)} {v_out.dtype}")
 
 
 def _as_uint(x: torch.Tensor) -> np.ndarray:

@@ -7,10 +7,17 @@ means, steps and Laplace scales are the model's ``TransformTables`` (kvnet.block
 calibrated once per model, content-addressed, signed and bound to the model fingerprint. Every payload
 names the exact tables it was coded with.
 
-Payload: the common header of kvnet.blocks.codecs (codec id 5, Flags 0, Param = layer index) with three
-raw sections: the tables' SHA-256 digest (32 bytes), then for K and for V the rANS words (u32 LE) followed
-by the CRC-32 of the decoded integers (int32 LE), so a corrupted bitstream is refused, not decoded into a
-wrong tensor. Decoding rebuilds a block's layers together in torch (one batched matmul), on CPU or CUDA.
+The first token of a sequence is an attention sink: later queries put much of their weight on it, so its
+error costs the model's output far more than any other row's (on SmolLM2, coding it exactly at the same
+steps cuts the output KL about 4x). The encoder is told how many leading rows of the block are sinks
+(``sink_rows``, the caller knows the block's position) and codes them with steps ``2**-SINK_SHIFT`` as
+large; they cost a few hundred bytes once per sequence.
+
+Payload: the common header of kvnet.blocks.codecs (codec id 5, Flags = sink rows, Param = layer index)
+with three raw sections: the tables' SHA-256 digest (32 bytes), then for K and for V the rANS words (u32
+LE) followed by the CRC-32 of the decoded integers (int32 LE), so a corrupted bitstream is refused, not
+decoded into a wrong tensor. Decoding rebuilds a block's layers together in torch (one batched matmul), on
+CPU or CUDA.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from kvnet.blocks.codecs import (
     CodecError,
     PayloadHeader,
     _check_inputs,
+    _check_outputs,
     _finite_float32,
     _Section,
     read_header,
@@ -49,6 +57,24 @@ __all__ = ["TransformCodec"]
 _RANGE = 32767
 _LAPLACE = constriction.stream.model.QuantizedLaplace(-_RANGE, _RANGE + 1)
 _DIGEST_LEN = 32
+# Sink rows are coded with steps this many halvings finer than the tables' (see the module docstring).
+SINK_SHIFT = 6
+
+
+def _row_scale(t: int, sink_rows: int) -> torch.Tensor:
+    """``[t]`` factor of each row's steps: finer for the sink rows."""
+    scale = torch.ones(t)
+    scale[:sink_rows] = 2.0 ** -SINK_SHIFT
+    return scale
+
+
+def _laplace_scales(tables: TransformTables, layer: int, kind: int, t: int, sink_rows: int) -> np.ndarray:
+    """The coder's Laplace scale of every symbol of a ``[t, C]`` stream, row-major: a sink row's integers
+    are ``2**SINK_SHIFT`` times larger, and so is their scale."""
+    spread = tables.spread[layer, kind].numpy().astype(np.float64)
+    scales = np.tile(spread, (t, 1))
+    scales[:sink_rows] *= 2.0 ** SINK_SHIFT
+    return scales.reshape(-1)
 
 
 class TransformCodec(Codec):
@@ -91,10 +117,14 @@ class TransformCodec(Codec):
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> bytes:
         raise CodecError("kvtc encodes with the model's tables and a layer index: use encode_layer")
 
-    def encode_layer(self, k: torch.Tensor, v: torch.Tensor, layer: int, tables: TransformTables) -> bytes:
-        """Encode layer ``layer`` of a block (``k, v: [block_size, H_kv, D]``) with ``tables``."""
+    def encode_layer(self, k: torch.Tensor, v: torch.Tensor, layer: int, tables: TransformTables,
+                     sink_rows: int = 0) -> bytes:
+        """Encode layer ``layer`` of a block (``k, v: [block_size, H_kv, D]``) with ``tables``; its first
+        ``sink_rows`` rows (the sequence's first tokens, in its first block) are coded finer."""
         shape, dtype = _check_inputs(k, v)
         t, h, d = shape
+        if not 0 <= sink_rows <= min(t, 255):
+            raise CodecError(f"kvtc: {sink_rows} sink rows in a block of {t}")
         if (h, d) != (tables.num_kv_heads, tables.head_dim) or not 0 <= layer < tables.num_layers:
             raise CodecError(f"kvtc: layer {layer} of shape {shape} does not fit tables for "
                              f"{tables.num_layers} layers of {tables.num_kv_heads}x{tables.head_dim}")
@@ -103,23 +133,27 @@ class TransformCodec(Codec):
         for kind, x in enumerate((k, v)):
             rows = _finite_float32(x.detach().cpu(), "k" if kind == 0 else "v").reshape(t, h * d)
             coeffs = (rows - tables.mean[layer, kind]) @ tables.basis[layer, kind]
-            q = torch.round(coeffs / tables.step[layer, kind]).clamp_(-_RANGE, _RANGE).to(torch.int32)
+            steps = tables.step[layer, kind] * _row_scale(t, sink_rows)[:, None]
+            q = torch.round(coeffs / steps).clamp_(-_RANGE, _RANGE).to(torch.int32)
             symbols = q.numpy().reshape(-1)
-            scales = np.tile(tables.spread[layer, kind].numpy().astype(np.float64), t)
+            scales = _laplace_scales(tables, layer, kind, t, sink_rows)
             coder = constriction.stream.stack.AnsCoder()
             coder.encode_reverse(symbols, _LAPLACE, np.zeros_like(scales), scales)
             words = coder.get_compressed().astype("<u4").tobytes()
-            crc = zlib.crc32(symbols.astype("<i4").tobytes()).to_bytes(4, "little")
+            # The CRC starts from the sink-row count, so a changed Flags byte is refused too.
+            crc = zlib.crc32(symbols.astype("<i4").tobytes(), sink_rows).to_bytes(4, "little")
             body = words + crc
             streams.append((_MODE_RAW, len(body), body))
-        header = _HEADER.pack(_MAGIC, FORMAT_VERSION, self.codec_id, _DTYPE_CODES[dtype], 0, len(streams), 0,
-                              t, h, d, layer, 0)
+        header = _HEADER.pack(_MAGIC, FORMAT_VERSION, self.codec_id, _DTYPE_CODES[dtype], sink_rows,
+                              len(streams), 0, t, h, d, layer, 0)
         table = b"".join(_SECTION.pack(mode, n, len(data)) for mode, n, data in streams)
         return b"".join([header, table, *(bytes(data) for _, _, data in streams)])
 
-    def encode_block(self, k: torch.Tensor, v: torch.Tensor, tables: TransformTables) -> list[bytes]:
+    def encode_block(self, k: torch.Tensor, v: torch.Tensor, tables: TransformTables,
+                     sink_rows: int = 0) -> list[bytes]:
         """All layers of a block, ``k, v: [L, block_size, H_kv, D]``: one payload per layer."""
-        return [self.encode_layer(k[layer], v[layer], layer, tables) for layer in range(k.shape[0])]
+        return [self.encode_layer(k[layer], v[layer], layer, tables, sink_rows)
+                for layer in range(k.shape[0])]
 
     # -- decode ---------------------------------------------------------------------------------------
 
@@ -132,9 +166,9 @@ class TransformCodec(Codec):
         if header.dtype != dtype or header.shape != tuple(shape):
             raise CodecError(f"kvtc payload {header.shape} {header.dtype} does not match expected "
                              f"{tuple(shape)} {dtype}")
-        if header.flags or header.num_sections != 3:
-            raise CodecError(f"kvtc payload has flags {header.flags:#x} and {header.num_sections} sections")
         t, h, d = header.shape
+        if header.flags > t or header.num_sections != 3:
+            raise CodecError(f"kvtc payload has {header.flags} sink rows and {header.num_sections} sections")
         n = t * h * d
         view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
         offset = _HEADER.size + 3 * _SECTION.size
@@ -162,15 +196,15 @@ class TransformCodec(Codec):
         for kind in range(2):
             body = bodies[1 + kind]
             words = np.frombuffer(body[:-4], dtype="<u4").astype(np.uint32)
-            scales = np.tile(tables.spread[layer, kind].numpy().astype(np.float64), t)
+            scales = _laplace_scales(tables, layer, kind, t, header.flags)
             try:
                 coder = constriction.stream.stack.AnsCoder(words)
                 symbols = coder.decode(_LAPLACE, np.zeros_like(scales), scales)
                 exhausted = coder.is_empty()
             except Exception as exc:  # the coder's own error types vary by input
                 raise CodecError(f"kvtc: corrupt {'KV'[kind]} bitstream ({exc})") from None
-            if not exhausted or zlib.crc32(symbols.astype("<i4").tobytes()) != int.from_bytes(body[-4:],
-                                                                                               "little"):
+            crc = zlib.crc32(symbols.astype("<i4").tobytes(), header.flags)
+            if not exhausted or crc != int.from_bytes(body[-4:], "little"):
                 raise CodecError(f"kvtc: corrupt {'KV'[kind]} bitstream (checksum mismatch)")
             q[kind] = symbols.reshape(t, h * d)
         return header, tables, q
@@ -208,7 +242,8 @@ class TransformCodec(Codec):
         mean, basis_t, step = self._on_device(tables, dev)
         layers = torch.tensor([header.param for header, _, _ in parsed], device=dev)
         q = torch.from_numpy(np.stack([p[2] for p in parsed])).to(dev)  # [n, 2, T, C]
-        coeffs = q.to(torch.float32) * step[layers][:, :, None, None]
+        rows_scale = torch.stack([_row_scale(t, header.flags) for header, _, _ in parsed]).to(dev)  # [n, T]
+        coeffs = q.to(torch.float32) * step[layers][:, :, None, :] * rows_scale[:, None, :, None]
         rows = torch.matmul(coeffs, basis_t[layers]) + mean[layers][:, :, None, :]
         out = rows.to(dtype).view(len(parsed), 2, t, h, d)
         return [(out[i, 0], out[i, 1]) for i in range(len(parsed))]
@@ -225,8 +260,7 @@ class TransformCodec(Codec):
     def decode_into(
         self, data: bytes | bytearray | memoryview, k_out: torch.Tensor, v_out: torch.Tensor
     ) -> None:
-        if k_out.shape != v_out.shape or k_out.dtype != v_out.dtype or k_out.dim() != 3:
-            raise CodecError("k_out and v_out must both be [block_size, H_kv, D] of one dtype")
+        _check_outputs(k_out, v_out)
         k, v = self.decode(data, tuple(k_out.shape), k_out.dtype, k_out.device)  # type: ignore[arg-type]
         k_out.copy_(k)
         v_out.copy_(v)

@@ -8,8 +8,8 @@ A table object is, all integers little-endian::
 
     body       magic "KVTT", version u8, model fingerprint (32), num_layers u16, num_kv_heads u16,
                head_dim u16, then float32 arrays: mean [L, 2, C], basis [L, 2, C, C] (columns are the
-               components, strongest first), step [L, 2], spread [L, 2, C]    (C = num_kv_heads * head_dim;
-               index 0 of the "2" axis is K, 1 is V)
+               components, strongest first), step [L, 2, C], spread [L, 2, C]    (C = num_kv_heads *
+               head_dim; index 0 of the "2" axis is K, 1 is V)
     key id     u8 length, then that many bytes
     signature  64 bytes, Ed25519 over "kvnet-kvtc-tables-v1" || 0x00 || SHA-256(body)
 
@@ -31,11 +31,11 @@ import numpy as np
 import torch
 
 from kvnet.blocks.codecs import CodecError
-from kvnet.blocks.signing import SIGNATURE_LEN, Signer, TrustStore
+from kvnet.security.signing import SIGNATURE_LEN, Signer, TrustStore
 
 __all__ = ["TableStore", "TransformTables", "calibrate", "parse_tables_body", "sign_tables", "verify_tables"]
 
-TABLES_VERSION = 1
+TABLES_VERSION = 2
 _MAGIC = b"KVTT"
 _BODY_HEADER = struct.Struct("<4sB32sHHH")
 _SIGNING_PREFIX = b"kvnet-kvtc-tables-v1\x00"
@@ -59,7 +59,7 @@ class TransformTables:
     basis: torch.Tensor
     """[L, 2, C, C] orthonormal PCA basis; column j is component j."""
     step: torch.Tensor
-    """[L, 2] uniform quantizer step of the coefficients."""
+    """[L, 2, C] uniform quantizer step of each component's coefficient (the bit allocation)."""
     spread: torch.Tensor
     """[L, 2, C] Laplace scale of each component's quantized coefficient, in steps (the entropy model)."""
 
@@ -93,7 +93,7 @@ def parse_tables_body(body: bytes) -> TransformTables:
     if not (layers and heads and head_dim):
         raise CodecError("kvtc tables: empty model shape")
     c = heads * head_dim
-    counts = (layers * 2 * c, layers * 2 * c * c, layers * 2, layers * 2 * c)
+    counts = (layers * 2 * c, layers * 2 * c * c, layers * 2 * c, layers * 2 * c)
     if _BODY_HEADER.size + 4 * sum(counts) != len(body):
         raise CodecError(f"kvtc tables: body of {len(body)} bytes does not match its shape")
     flat = np.frombuffer(body, dtype="<f4", offset=_BODY_HEADER.size).astype(np.float32)
@@ -103,7 +103,7 @@ def parse_tables_body(body: bytes) -> TransformTables:
     for n in counts:
         parts.append(torch.from_numpy(flat[offset:offset + n].copy()))
         offset += n
-    step, spread = parts[2].view(layers, 2), parts[3].view(layers, 2, c)
+    step, spread = parts[2].view(layers, 2, c), parts[3].view(layers, 2, c)
     if bool((step <= 0).any()) or bool((spread <= 0).any()):
         raise CodecError("kvtc tables: non-positive quantizer step or spread")
     return TransformTables(fingerprint, layers, heads, head_dim, parts[0].view(layers, 2, c),
@@ -128,7 +128,7 @@ def verify_tables(data: bytes, trust: TrustStore, fingerprint: bytes,
     # implies (the body's shape fixes its size).
     layers, heads, head_dim = _BODY_HEADER.unpack_from(data, 0)[3:]
     c = heads * head_dim
-    body_len = _BODY_HEADER.size + 4 * (layers * 2 * c * (c + 2) + layers * 2)
+    body_len = _BODY_HEADER.size + 4 * layers * 2 * c * (c + 3)
     if body_len >= len(data) - SIGNATURE_LEN:
         raise CodecError("kvtc tables: object truncated")
     kid_len = data[body_len]
@@ -150,7 +150,7 @@ def verify_tables(data: bytes, trust: TrustStore, fingerprint: bytes,
 
 
 def calibrate(k: torch.Tensor, v: torch.Tensor, fingerprint: bytes, rel_step: float = 0.04,
-              key_rel_step: float | None = None) -> TransformTables:
+              key_rel_step: float | None = None, step_scale: torch.Tensor | None = None) -> TransformTables:
     """Tables from calibration K/V ``[L, N, H, D]`` (N tokens of ordinary text, not the evaluation text).
 
     Per layer and for K and V apart: the rows' mean, the eigenvectors of their covariance (PCA), and one
@@ -159,14 +159,22 @@ def calibrate(k: torch.Tensor, v: torch.Tensor, fingerprint: bytes, rel_step: fl
     filling): weak components round to zero and cost almost nothing, strong ones get the bits. Tying the
     step to each layer's RMS gives every layer the same relative error. ``spread`` is each component's
     mean absolute quantized value, the Laplace scale the entropy coder models it with.
+
+    Equal relative error is not equal harm to the model's output: ``step_scale`` (``[L, 2]``, or ``[L, 2,
+    C]`` per component) multiplies each step by a factor chosen from the model's measured sensitivity
+    (``calibrate_step_scale`` in benchmarks/bench_codecs.py measures it as output KL on the calibration
+    text), spending bits where the output needs them.
     """
     if k.dim() != 4 or k.shape != v.shape:
         raise CodecError("calibration K/V must both be [layers, tokens, heads, head_dim]")
     layers, n, heads, head_dim = (int(x) for x in k.shape)
     c = heads * head_dim
+    if step_scale is not None and (tuple(step_scale.shape) not in ((layers, 2), (layers, 2, c))
+                                   or not bool((step_scale > 0).all())):
+        raise CodecError(f"kvtc step scale of shape {tuple(step_scale.shape)} is not positive [L, 2(, C)]")
     mean = torch.empty(layers, 2, c)
     basis = torch.empty(layers, 2, c, c)
-    step = torch.empty(layers, 2)
+    step = torch.empty(layers, 2, c)
     spread = torch.empty(layers, 2, c)
     for layer in range(layers):
         for kind, x in enumerate((k[layer], v[layer])):
@@ -176,11 +184,14 @@ def calibrate(k: torch.Tensor, v: torch.Tensor, fingerprint: bytes, rel_step: fl
             _, vectors = torch.linalg.eigh(centred.T @ centred / n)
             vectors = vectors.flip(1)  # strongest component first
             rel = key_rel_step if (kind == 0 and key_rel_step is not None) else rel_step
-            s = rel * math.sqrt(12.0) * float(centred.pow(2).mean().sqrt()) or 1.0
+            s = torch.full((c,), rel * math.sqrt(12.0) * float(centred.pow(2).mean().sqrt()) or 1.0,
+                           dtype=torch.float64)
+            if step_scale is not None:
+                s = s * step_scale[layer, kind].to(torch.float64)
             q = torch.round(centred @ vectors / s)
             mean[layer, kind] = mu.float()
             basis[layer, kind] = vectors.float()
-            step[layer, kind] = s
+            step[layer, kind] = s.float()
             spread[layer, kind] = q.abs().mean(0).clamp(min=_MIN_SPREAD).float()
     return TransformTables(bytes(fingerprint), layers, heads, head_dim, mean, basis, step, spread)
 

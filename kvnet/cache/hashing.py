@@ -118,7 +118,7 @@ def root_hash(fingerprint: bytes, salt: bytes = b"") -> bytes:
     return hashlib.sha256(_ROOT_TAG + _length_prefixed(fingerprint) + _length_prefixed(salt)).digest()
 
 
-def encode_token_ids(token_ids: TokenIds) -> bytes:
+def token_ids_bytes(token_ids: TokenIds) -> bytes:
     """Token ids as concatenated big-endian uint32, converted in one vectorised step.
 
     Raises ``InvalidTokenError`` unless ``token_ids`` is one-dimensional, integer-typed and within
@@ -144,7 +144,7 @@ def hash_block(parent: bytes, token_ids: TokenIds, extra: bytes = b"") -> bytes:
     """
     _check_digest("parent", parent)
     _check_bytes("extra", extra)
-    tokens = encode_token_ids(token_ids)
+    tokens = token_ids_bytes(token_ids)
     return hashlib.sha256(
         _BLOCK_TAG + parent + _U32.pack(len(tokens) // 4) + tokens + _length_prefixed(extra)
     ).digest()
@@ -160,7 +160,7 @@ def block_hashes(token_ids: TokenIds, block_size: int, root: bytes, extra: bytes
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     _check_digest("root", root)
     _check_bytes("extra", extra)
-    tokens = encode_token_ids(token_ids)
+    tokens = token_ids_bytes(token_ids)
     num_blocks = len(tokens) // (4 * block_size)
     stride = 4 * block_size
     count_prefix = _U32.pack(block_size)

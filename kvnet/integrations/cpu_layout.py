@@ -91,27 +91,35 @@ class CpuBlockLayout(ABC):
     def read(self, layer_cache: torch.Tensor, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ``block_id`` of one layer as canonical ``(k, v)``, each ``[block_size, kv_heads, head]``
         (fresh tensors: the engine may reuse the block as soon as this returns)."""
-        engine_k, engine_v = self._halves(layer_cache, block_id)
         k = torch.empty(self.canonical_shape, dtype=layer_cache.dtype, device=layer_cache.device)
         v = torch.empty_like(k)
+        self.read_into(layer_cache, block_id, k, v)
+        return k, v
+
+    def read_into(self, layer_cache: torch.Tensor, block_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Copy block ``block_id`` of one layer into canonical ``k, v`` the caller owns (a host buffer)."""
+        self._check_canonical(k, v)
+        engine_k, engine_v = self._halves(layer_cache, block_id)
         source, target = self._key_views(engine_k, k)
         target.copy_(source)
         source, target = self._value_views(engine_v, v)
         target.copy_(source)
-        return k, v
 
     def write(self, layer_cache: torch.Tensor, block_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store canonical ``(k, v)`` of one layer into block ``block_id`` of the engine's tensor."""
-        if tuple(k.shape) != self.canonical_shape or tuple(v.shape) != self.canonical_shape:
-            raise LayoutError(
-                f"block of shape {tuple(k.shape)}/{tuple(v.shape)} does not fit the engine's "
-                f"{self.canonical_shape}"
-            )
+        self._check_canonical(k, v)
         engine_k, engine_v = self._halves(layer_cache, block_id)
         target, source = self._key_views(engine_k, k)
         target.copy_(source)
         target, source = self._value_views(engine_v, v)
         target.copy_(source)
+
+    def _check_canonical(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if tuple(k.shape) != self.canonical_shape or tuple(v.shape) != self.canonical_shape:
+            raise LayoutError(
+                f"block of shape {tuple(k.shape)}/{tuple(v.shape)} does not fit the engine's "
+                f"{self.canonical_shape}"
+            )
 
 
 class VecLayout(CpuBlockLayout):

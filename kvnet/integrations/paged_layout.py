@@ -90,17 +90,29 @@ class PagedLayerLayout:
         v = block[:, :, d:].permute(1, 0, 2).contiguous()
         return k, v
 
+    def read_into(self, layer: torch.Tensor, block_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Copy block ``block_id`` of one layer into canonical ``k, v`` the caller owns (a staging buffer;
+        on any device, the copy runs on the current stream)."""
+        self._check_canonical(k, v)
+        block = layer[block_id]
+        d = self.head_size
+        k.copy_(block[:, :, :d].permute(1, 0, 2))
+        v.copy_(block[:, :, d:].permute(1, 0, 2))
+
     def write(self, layer: torch.Tensor, block_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store canonical ``(k, v)`` of one layer into block ``block_id`` of the engine's view."""
+        self._check_canonical(k, v)
+        block = layer[block_id]
+        d = self.head_size
+        block[:, :, :d].copy_(k.permute(1, 0, 2))
+        block[:, :, d:].copy_(v.permute(1, 0, 2))
+
+    def _check_canonical(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if tuple(k.shape) != self.canonical_shape or tuple(v.shape) != self.canonical_shape:
             raise LayoutError(
                 f"block of shape {tuple(k.shape)}/{tuple(v.shape)} does not fit the engine's "
                 f"{self.canonical_shape}"
             )
-        block = layer[block_id]
-        d = self.head_size
-        block[:, :, :d].copy_(k.permute(1, 0, 2))
-        block[:, :, d:].copy_(v.permute(1, 0, 2))
 
 
 def _check_strides(layer: torch.Tensor, order: tuple[int, ...]) -> None:

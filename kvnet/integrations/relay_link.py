@@ -1,11 +1,12 @@
 """An engine's session to its kvnet relay that comes and goes with the relay.
 
-Owns ``RelayLink``: a ``RelayPeer`` (kvnet's relay session: block server + verified fetcher) opened on
-first use and reopened after the relay went away or sent GOAWAY, failed attempts spaced by the reconnect
-policy of nodes and edges (``kvnet.net.reconnect.Backoff``), so a dead relay costs a request one failed
-attempt, not a connect timeout each. It also owns
-the engine's publisher-side ``BlockStore`` (what the relay may ask us for) and ``ConnectorCounters``.
-Everything runs on one event loop (``BackgroundLoop``); nothing here knows the engine.
+Owns ``RelayLink``: a ``RelayPeer`` (``kvnet.exchange.relay_peer``, the relay session nodes use too: block
+server + verified fetcher) opened on first use and reopened after the relay went away or sent GOAWAY,
+failed attempts spaced by the reconnect policy of nodes and edges (``kvnet.net.reconnect.Backoff``), so a
+dead relay costs a request one failed attempt, not a connect timeout each. It also owns the engine's
+publisher-side ``BlockStore`` (what the relay may ask us for) and ``ConnectorCounters``, which every
+locate, fetch and publish here counts into. Everything runs on one event loop (``BackgroundLoop``);
+nothing here knows the engine.
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from kvnet.blocks.identity import BlockIdentity
-from kvnet.blocks.signing import TrustStore
-from kvnet.integrations.settings import ConnectorSettings
+from kvnet.exchange.abr import AbrConfig, KvAbr, quality_rank
+from kvnet.exchange.blockstore import BlockStore, StoredBlock
+from kvnet.exchange.fetching import CacheWriter, FetchOutcome
+from kvnet.exchange.locate import Located
+from kvnet.exchange.publishing import PushResult
+from kvnet.exchange.relay_peer import RelayPeer
+from kvnet.integrations.config import ConnectorConfig
 from kvnet.net.reconnect import Backoff
-from kvnet.node.abr import AbrConfig, KvAbr, quality_rank
-from kvnet.node.blockstore import BlockStore, StoredBlock
-from kvnet.node.fetching import CacheWriter, FetchOutcome
-from kvnet.node.locate import Located
-from kvnet.node.relay_peer import RelayPeer
+from kvnet.security.signing import TrustStore
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +54,16 @@ class ConnectorCounters:
     blocks_loaded: int = 0
     tokens_loaded: int = 0
     bytes_fetched: int = 0
+    blocks_fetched: int = 0
+    """Blocks fetched and imported whole: one per block hash in flight, however many loads wanted it."""
+    blocks_shared: int = 0
+    """Engine blocks beyond the first that one fetched block filled (concurrent loads of a prefix)."""
     fetch_seconds: float = 0.0
     blocks_load_failed: int = 0
+    """Blocks the worker did not load (vLLM recomputes them)."""
+    tokens_load_failed: int = 0
+    """(Scheduler) tokens offered to vLLM whose load failed: recomputed, and taken out of the request's
+    cached-token count."""
     load_failures_signature: int = 0
     """Blocks refused because no trusted key signed them."""
     load_failures_content: int = 0
@@ -61,9 +71,18 @@ class ConnectorCounters:
     load_failures_transfer: int = 0
     """Fetches that failed for the network (relay down, timeout, block gone)."""
     blocks_published: int = 0
+    """Blocks encoded, signed and kept in the store (served to the relay on request)."""
     tokens_published: int = 0
     blocks_pushed: int = 0
+    """Block tracks (one per rendition) the relay accepted: PUBLISH_OK came and their objects were sent."""
+    push_failures_refused: int = 0
+    """Block tracks the relay refused (REQUEST_ERROR to PUBLISH: it holds them already, or takes none)."""
+    push_failures_transfer: int = 0
+    """Block tracks not pushed for the network (no session to the relay, or it ended mid-push)."""
+    blocks_save_dropped: int = 0
+    """Computed blocks neither published nor pushed: the publish backlog was full when they were saved."""
     publish_failures: int = 0
+    """Saves whose encoding, signing or storing failed (their blocks are neither published nor pushed)."""
 
     def to_json(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -82,7 +101,7 @@ class ConnectorCounters:
 class RelayLink:
     """The engine's relay session, its block store and its counters (used on one event loop only)."""
 
-    settings: ConnectorSettings
+    settings: ConnectorConfig
     fingerprint: bytes
     namespace_id: str
     block_shape: tuple[int, int, int, int]
@@ -148,9 +167,9 @@ class RelayLink:
         node = self.settings.node
         try:
             self._peer = await RelayPeer.connect(
-                node, self.store, self.cache, self.trust, self.abr, fingerprint=self.fingerprint,
-                namespace_id=self.namespace_id, block_shape=self.block_shape, dtype=self.dtype,
-                device=torch.device("cpu"), announce=self.announce,
+                node.relay_peer_config(), self.store, self.cache, self.trust, self.abr,
+                fingerprint=self.fingerprint, namespace_id=self.namespace_id, block_shape=self.block_shape,
+                dtype=self.dtype, device=torch.device("cpu"), announce=self.announce,
             )
         except Exception as exc:  # any failure to connect means: no relay for now
             self._retry_at = time.monotonic() + self.backoff.next_delay()
@@ -208,9 +227,18 @@ class RelayLink:
         try:
             peer = await self.peer()
         except RelayUnavailable:
-            self.counters.publish_failures += 1
+            self.counters.push_failures_transfer += len(blocks)
             return
-        self.counters.blocks_pushed += await peer.push(list(blocks))
+        results = await peer.server.push_each(list(blocks)) if peer.connected else []
+        accepted = sum(result is PushResult.ACCEPTED for result in results)
+        refused = sum(result is PushResult.REFUSED for result in results)
+        lost = len(blocks) - accepted - refused
+        self.counters.blocks_pushed += accepted
+        self.counters.push_failures_refused += refused
+        self.counters.push_failures_transfer += lost
+        if lost:
+            logger.warning("kvnet: %d of %d block tracks not pushed: the relay session ended", lost,
+                           len(blocks))
 
     async def close(self) -> None:
         """Wait for what was sent to be acknowledged (bounded by the caller), then end the session."""

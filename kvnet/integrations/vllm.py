@@ -6,7 +6,7 @@ Configure vLLM with::
                         "kv_connector_module_path": "kvnet.integrations.vllm", "kv_role": "kv_both",
                         "kv_connector_extra_config": {"relay": "moqt://HOST:PORT", "ca": "CA.pem", ...}}
 
-(``kvnet.integrations.settings`` lists every extra key; keys default to ``$KVNET_HOME/keys`` as for
+(``kvnet.integrations.config`` lists every extra key; keys default to ``$KVNET_HOME/keys`` as for
 kvnet's node commands). vLLM creates one ``KvnetConnector`` in its scheduler and one in each worker; they
 talk only through ``KvnetConnectorMetadata``, which travels with every engine step.
 
@@ -18,17 +18,25 @@ locate on a background event loop that owns its relay session. Until the locate 
 vLLM allocates the blocks and parks the request until the worker reports the load finished.
 
 Worker side: each load is fetched on the worker's own event loop and relay session, verified exactly as
-kvnet's nodes verify (``kvnet.node.fetching``: trusted signature, fingerprint, chain hash, token ids,
-payload digests), decoded and written into vLLM's paged KV tensors in the layout of the CPU attention kernel
-vLLM picked (``kvnet.integrations.cpu_layout``: ``vec``, ``vec16``, ``amx``).
+kvnet's nodes verify (``kvnet.exchange.fetching``: trusted signature, fingerprint, chain hash, token ids,
+payload digests), decoded and written into vLLM's paged KV tensors in the layout vLLM picked: on its CPU
+backend the CPU attention kernel's (``kvnet.integrations.cpu_layout``: ``vec``, ``vec16``, ``amx``), on
+CUDA the FlashAttention, FlashInfer or Triton per-layer view in the KV cache layout vLLM resolved
+(``kvnet.integrations.paged_layout``: NHD or HND, bf16 or fp16), through pinned host buffers on side CUDA
+streams (``kvnet.integrations.device_path``), finished when the copies' events fire. Each block hash is
+fetched once however many requests load it at once: the others wait for that fetch and get the block in
+their own engine blocks (``kvnet.integrations.engine_cache``).
 Blocks from the first failure on are reported through ``get_block_ids_with_load_errors`` and recomputed
 by vLLM, never used (the connector runs vLLM with ``kv_load_failure_policy="recompute"``). After each
 forward, the prompt's newly completed full blocks are copied out at once (so vLLM may reuse them) and
-encoded, signed, stored and pushed to the relay in the background; a clean shutdown drains that work,
-bounded by ``drain_timeout``.
+encoded, signed, stored and pushed to the relay in the background, at most ``publish_backlog_bytes`` of
+copies at a time (beyond it a save is dropped and counted, never waited for); a clean shutdown drains
+that work, bounded by ``drain_timeout``. A load that failed part way has the tokens it did not load taken
+out of the request's cached-token count, which vLLM fixed when the load was planned.
 
 The wire carries kvnet's canonical per-layer layout, not vLLM's block bytes (docs/vllm.md says why and
-what the fingerprint separates). Supported: vLLM's CPU backend, tensor and pipeline parallel size 1, text
+what the fingerprint separates). Supported: vLLM's CPU and CUDA platforms (``kvnet.integrations.platforms``
+says which backends and dtypes), tensor and pipeline parallel size 1, text
 prompts without LoRA, multimodal inputs or cache salt (other requests simply do not use kvnet).
 """
 
@@ -37,20 +45,18 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import json
 import logging
 import os
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -59,143 +65,41 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvnet.blocks.identity import BlockIdentity, prompt_blocks
-from kvnet.blocks.signing import TrustStore
-from kvnet.cache.hashing import block_hashes, canonical_fingerprint, root_hash
-from kvnet.dtypes import dtype_name
-from kvnet.integrations.background import BackgroundLoop
+from kvnet.cache.hashing import block_hashes
+from kvnet.exchange.publishing import encode_block
+from kvnet.integrations.background import BackgroundLoop, BoundedBacklog
+from kvnet.integrations.config import ConfigError, ConnectorConfig
 from kvnet.integrations.cpu_layout import (
     CPU_LAYOUTS,
     CpuBlockLayout,
     LayoutError,
     cpu_layout,
-    cpu_layout_refusal,
 )
-from kvnet.integrations.model_files import ModelFilesError, tokenizer_digest, weights_digest
+from kvnet.integrations.device_path import (
+    HostBlock,
+    PinnedPool,
+    PoolTimeoutError,
+    StagedLoads,
+    Transfer,
+    host_block_shape,
+    save_blocks,
+)
+from kvnet.integrations.engine_cache import EngineCache
+from kvnet.integrations.paged_layout import PagedLayerLayout
 from kvnet.integrations.relay_link import ConnectorCounters, RelayLink
-from kvnet.integrations.settings import ConnectorSettings, SettingsError
-from kvnet.node.config import load_signer_and_trust, tenant_salt_and_namespace
-from kvnet.node.publishing import encode_block
-from kvnet.security.tenancy import NodeSecret
+from kvnet.integrations.vllm_identity import SUPPORTED_CPU_KERNELS as SUPPORTED_CPU_KERNELS
+from kvnet.integrations.vllm_identity import WIRE_LAYOUT as WIRE_LAYOUT
+from kvnet.integrations.vllm_identity import EngineIdentity, engine_identity, gpu_attention_backend
+from kvnet.integrations.vllm_identity import cpu_kernel_support as cpu_kernel_support
+from kvnet.node.config import load_signer_and_trust
+from kvnet.security.signing import TrustStore
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_CPU_KERNELS = tuple(CPU_LAYOUTS)
-"""vLLM CPU attention kernels whose KV layout kvnet maps (``kvnet.integrations.cpu_layout``)."""
-WIRE_LAYOUT = "kvnet-canonical/v1"
-"""Name of the layout blocks travel in (part of the fingerprint)."""
 MAX_REMEMBERED_PUBLISHED = 1 << 16
 """Block hashes the scheduler remembers as already published (not published again)."""
-
-
-# -- engine identity ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EngineIdentity:
-    """What names this engine's blocks on the network."""
-
-    fingerprint: bytes
-    root: bytes
-    namespace_id: str
-    """The tenant field of the block namespace."""
-    block_shape: tuple[int, int, int, int]
-    """``(num_layers, block_size, num_kv_heads, head_size)``."""
-    dtype: str
-    kernel: str
-    """vLLM's CPU attention kernel, which decides the element order inside its KV tensors."""
-    fields: dict[str, str | int]
-
-    @property
-    def block_size(self) -> int:
-        return self.block_shape[1]
-
-
-def _local_dir(name: str, revision: str | None, what: str) -> Path:
-    path = Path(name)
-    if path.is_dir():
-        return path
-    try:  # a hub name that is already downloaded: its snapshot directory, without any network access
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id=name, revision=revision, local_files_only=True))
-    except Exception as exc:
-        raise SettingsError(f"kvnet needs the {what} files on disk to fingerprint them: {name}: {exc}") \
-            from None
-
-
-@functools.cache
-def _file_digests(model_dir: Path, tokenizer_dir: Path) -> tuple[str, str]:
-    # Scheduler and worker usually share a process: read the weights once.
-    try:
-        return weights_digest(model_dir), tokenizer_digest(tokenizer_dir)
-    except (ModelFilesError, OSError) as exc:
-        raise SettingsError(f"kvnet: {exc}") from None
-
-
-def cpu_kernel_support(
-    dtype: torch.dtype, block_size: int, head_size: int, cache_dtype: str
-) -> tuple[str | None, str | None]:
-    """The CPU attention kernel vLLM picks on this machine for this geometry, and why kvnet cannot map it
-    (one line) or None. The kernel is None when vLLM itself refuses the configuration."""
-    from vllm.utils.torch_utils import is_quantized_kv_cache
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    if is_quantized_kv_cache(str(cache_dtype)):
-        # Quantized caches carry scales next to the values: not a layout kvnet converts.
-        reason = f"kvnet's vLLM connector does not carry quantized KV caches (kv_cache_dtype {cache_dtype!r})"
-        return None, reason
-    try:
-        kernel = _get_attn_isa(dtype, block_size, head_size, cache_dtype)
-    except NotImplementedError as exc:
-        return None, f"vLLM has no CPU attention kernel for this configuration: {exc}"
-    return kernel, cpu_layout_refusal(kernel, block_size, head_size)
-
-
-def engine_identity(vllm_config: Any, settings: ConnectorSettings) -> EngineIdentity:
-    """Fingerprint, chain root, namespace and block geometry of this engine; ``SettingsError`` if kvnet
-    cannot serve it (another platform, kernel or parallelism than the ones whose layout it knows)."""
-    from vllm.platforms import current_platform
-
-    model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-    if not current_platform.is_cpu():
-        raise SettingsError("kvnet's vLLM connector knows the KV layout of vLLM's CPU backend only")
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise SettingsError("kvnet's vLLM connector supports tensor and pipeline parallel size 1 only")
-    if getattr(model, "use_mla", False):
-        raise SettingsError("kvnet's vLLM connector does not carry MLA latent KV caches")
-    if getattr(model, "is_hybrid", False) or getattr(model, "is_attention_free", False):
-        # Restoring attention KV without the recurrent (Mamba / linear attention) state garbles the output.
-        raise SettingsError("kvnet's vLLM connector does not carry the recurrent state of hybrid models")
-    block_size = int(cache.block_size)
-    head_size = int(model.get_head_size())
-    kernel, refusal = cpu_kernel_support(model.dtype, block_size, head_size, cache.cache_dtype)
-    if refusal is not None or kernel is None:
-        raise SettingsError(refusal or "kvnet: vLLM picked no CPU attention kernel")
-    model_dir = _local_dir(model.model, model.revision, "model")
-    tokenizer_dir = _local_dir(model.tokenizer, model.tokenizer_revision, "tokenizer")
-    weights, tokenizer = _file_digests(model_dir, tokenizer_dir)
-    shape = (
-        int(model.get_num_layers(parallel)), block_size, int(model.get_num_kv_heads(parallel)), head_size
-    )
-    dtype = dtype_name(model.dtype)
-    fields: dict[str, str | int] = {
-        "engine": "vllm",
-        "engine_version": vllm.__version__,
-        "weights": weights,
-        "tokenizer": tokenizer,
-        "dtype": dtype,
-        "kv_cache_dtype": str(cache.cache_dtype),
-        "block_size": block_size,
-        "kv_layout": f"cpu_attn/{kernel}",
-        "wire_layout": WIRE_LAYOUT,
-        "tp_size": 1,
-        "tp_rank": 0,
-    }
-    fingerprint = canonical_fingerprint(fields)
-    node = settings.node
-    secret = NodeSecret.load(node.node_secret) if node.node_secret is not None else None
-    salt, namespace = tenant_salt_and_namespace(node.tenant, secret)
-    return EngineIdentity(fingerprint, root_hash(fingerprint, salt), namespace, shape, dtype, kernel, fields)
+LOAD_STAGING_BYTES = 256 << 20
+"""Pinned host memory (at least 4 blocks) a CUDA worker assembles verified blocks in before loading them."""
 
 
 # -- metadata (scheduler -> worker, every step) ------------------------------------------------------
@@ -300,7 +204,7 @@ class _Tracked:
 
 class _SchedulerSide:
     def __init__(
-        self, settings: ConnectorSettings, identity: EngineIdentity, metrics_dir: Path | None
+        self, settings: ConnectorConfig, identity: EngineIdentity, metrics_dir: Path | None
     ) -> None:
         self.settings = settings
         self.identity = identity
@@ -317,6 +221,8 @@ class _SchedulerSide:
         self.planned: dict[str, tuple[int, list[str]]] = {}
         self.pending_loads: list[LoadJob] = []
         self.loading: set[str] = set()
+        self.load_requests: dict[str, tuple[Any, LoadJob]] = {}
+        """vLLM's request and its load, until the worker reports the load ended."""
         self.tracked: dict[str, _Tracked] = {}
         self.published: OrderedDict[bytes, None] = OrderedDict()
         self.eligible_reqs: set[str] = set()
@@ -396,6 +302,7 @@ class _SchedulerSide:
             request.request_id, tuple(block_ids[first:stop]), tuple(expected), tuple(renditions[:count])
         )
         self.pending_loads.append(job)
+        self.load_requests[request.request_id] = (request, job)
 
     def build_meta(self, scheduler_output: Any) -> KvnetConnectorMetadata:
         meta = KvnetConnectorMetadata(loads=self.pending_loads)
@@ -446,8 +353,34 @@ class _SchedulerSide:
         if ids:
             meta.saves.append(SaveJob(req_id, tuple(ids), tuple(sources)))
 
-    def finished_transfers(self, finished_recving: Iterable[str]) -> None:
-        self.loading.difference_update(finished_recving)
+    def finished_transfers(self, finished_recving: Iterable[str], invalid_block_ids: set[int]) -> None:
+        """Loads that ended; a load that failed from some block on has the tokens it did not load taken
+        out of the request's cached-token count.
+
+        vLLM recomputes from the first failed block (``kv_load_failure_policy="recompute"``), but the
+        count it reports (the request's ``num_cached_tokens``, the OpenAI usage's ``cached_tokens``) was
+        fixed when the load was planned, and is set again only when no token was left computed."""
+        for req_id in finished_recving:
+            self.loading.discard(req_id)
+            request, job = self.load_requests.pop(req_id, (None, None))
+            if job is None or not invalid_block_ids:
+                continue
+            failed = [i for i, block_id in enumerate(job.block_ids) if block_id in invalid_block_ids]
+            if failed:
+                self._uncount_failed_tokens(request, job, failed[0] * self.block_size)
+
+    def _uncount_failed_tokens(self, request: Any, job: LoadJob, loaded_tokens: int) -> None:
+        failed_tokens = len(job.block_ids) * self.block_size - loaded_tokens
+        self.link.counters.tokens_load_failed += failed_tokens
+        self.report.write()
+        stats = getattr(request, "prefill_stats", None)  # None once vLLM reported the request's first output
+        if stats is None:
+            return
+        stats.set(
+            num_prompt_tokens=stats.num_prompt_tokens,
+            num_local_cached_tokens=stats.num_local_cached_tokens,
+            num_external_cached_tokens=max(0, stats.num_external_cached_tokens - failed_tokens),
+        )
 
     def request_finished(self, req_id: str) -> bool:
         """Whether vLLM must keep the request's blocks until the worker says its load ended (an abort
@@ -457,6 +390,8 @@ class _SchedulerSide:
         self.loaded_reqs.discard(req_id)
         self.planned.pop(req_id, None)
         self.tracked.pop(req_id, None)
+        if req_id not in self.loading:
+            self.load_requests.pop(req_id, None)
         locate = self.locates.pop(req_id, None)
         if locate is not None and not locate.future.done():
             locate.future.cancel()
@@ -486,90 +421,95 @@ class _NoCache:
         pass
 
 
-class _EngineCache:
-    """``CacheWriter`` writing verified layers straight into vLLM's paged KV tensors.
-
-    Each load registers the engine blocks vLLM allocated for its hashes while it runs. Two requests
-    loading the same prefix at once get different engine blocks; a verified layer is written into every
-    block registered for its hash, which is right for both (the bytes are the block's, checked).
-    """
-
-    def __init__(self) -> None:
-        self.layout: CpuBlockLayout | None = None
-        self.layers: Sequence[torch.Tensor] = ()
-        self.targets: dict[bytes, list[int]] = {}
-
-    def register(self, job: LoadJob) -> None:
-        for identity, block_id in zip(job.expected, job.block_ids, strict=True):
-            self.targets.setdefault(identity.block_hash, []).append(block_id)
-
-    def unregister(self, job: LoadJob) -> None:
-        for identity, block_id in zip(job.expected, job.block_ids, strict=True):
-            blocks = self.targets.get(identity.block_hash, [])
-            if block_id in blocks:
-                blocks.remove(block_id)
-            if not blocks:
-                self.targets.pop(identity.block_hash, None)
-
-    def begin_import(self, block_hash: bytes) -> bool:
-        return bool(self.targets.get(block_hash))
-
-    def import_layer(self, block_hash: bytes, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        assert self.layout is not None
-        for block_id in self.targets.get(block_hash, ()):
-            self.layout.write(self.layers[layer], block_id, k, v)
-
-    def finish_import(self, block_hash: bytes) -> None:
-        pass
-
-    def abort_import(self, block_hash: bytes) -> None:
-        pass  # reported as a load error: vLLM recomputes the block
-
-
 def _layer_order(name: str) -> tuple[int, ...]:
     return tuple(int(n) for n in re.findall(r"\d+", name))
 
 
 class _WorkerSide:
     def __init__(
-        self, settings: ConnectorSettings, identity: EngineIdentity, metrics_dir: Path | None
+        self, settings: ConnectorConfig, identity: EngineIdentity, metrics_dir: Path | None
     ) -> None:
         self.settings = settings
         self.identity = identity
         signer, self.trust = load_signer_and_trust(settings.node)
         if signer is None:
-            raise SettingsError("kvnet: no signing key (give signing_key or key_dir)")
+            raise ConfigError("kvnet: no signing key (give signing_key or key_dir)")
         self.signer = signer
         self.loop = BackgroundLoop("kvnet-worker")
-        self.cache = _EngineCache()
+        counters = ConnectorCounters()
+        self.cache = EngineCache(counters)
         self.link = RelayLink(
             settings, identity.fingerprint, identity.namespace_id, identity.block_shape, identity.dtype,
-            self.trust, self.cache, announce=True,
+            self.trust, self.cache, announce=True, counters=counters,
         )
         path = metrics_dir / "worker.json" if metrics_dir else None
         self.report = _CounterReport(self.link.counters, path, identity)
         self.layers: list[torch.Tensor] = []
-        self.layout: CpuBlockLayout | None = None
+        self.layout: CpuBlockLayout | PagedLayerLayout | None = None
+        self.save_pool: PinnedPool | None = None
+        """On CUDA: the pinned host buffers saves are copied into (None: copies on the CPU path)."""
+        self.compute_stream: torch.cuda.Stream | None = None
+        """On CUDA: the stream vLLM's forward runs on, which loads and saves are ordered after."""
         self.loads: dict[str, concurrent.futures.Future[set[int]]] = {}
+        self.claims: dict[bytes, asyncio.Future[None]] = {}
+        """Block hashes some running load is fetching, done when its fetch ended: a load that wants one
+        waits for it (the block is then copied into its own engine block) instead of fetching it again."""
         self.load_errors: set[int] = set()
-        self.publishing: set[concurrent.futures.Future[None]] = set()
+        self.backlog = BoundedBacklog(self.loop, settings.publish_backlog_bytes, "kvnet publish backlog")
 
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register(
+        self, kv_caches: dict[str, torch.Tensor], layer_view_order: Sequence[int] | None = None
+    ) -> None:
+        """Take vLLM's per-layer KV tensors; on CUDA ``layer_view_order`` is the memory order of their
+        logical ``[B, H, N, C]`` axes in the KV cache layout vLLM resolved."""
         self.layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_order)]
         num_layers, block_size, heads, head_size = self.identity.block_shape
-        kernel = self.identity.kernel
+        layout: CpuBlockLayout | PagedLayerLayout
         try:
-            layout = cpu_layout(kernel, self.layers[0])
+            if layer_view_order is None:
+                layout = cpu_layout(self.identity.kernel, self.layers[0])
+                expected: object = CPU_LAYOUTS[self.identity.kernel](heads, block_size, head_size)
+            else:
+                # Every layer is checked: in block-outermost layouts each is its own strided view.
+                paged = {PagedLayerLayout.of(layer, layer_view_order, head_size) for layer in self.layers}
+                if len(paged) != 1:
+                    raise LayoutError("vLLM's KV layers do not all share one layout")
+                layout = paged.pop()
+                if layout.block_size != block_size:
+                    raise LayoutError(
+                        f"vLLM splits each {block_size}-token block into kernel blocks of "
+                        f"{layout.block_size} tokens, which kvnet does not map (set the block size to "
+                        f"{layout.block_size})"
+                    )
+                expected = PagedLayerLayout(heads, block_size, head_size, layout.physical_order)
         except LayoutError as exc:
-            raise SettingsError(f"kvnet: {exc}") from None
-        if len(self.layers) != num_layers or layout != CPU_LAYOUTS[kernel](heads, block_size, head_size):
-            raise SettingsError(
+            raise ConfigError(f"kvnet: {exc}") from None
+        if len(self.layers) != num_layers or layout != expected:
+            raise ConfigError(
                 f"kvnet: vLLM's KV tensors ({len(self.layers)} x {tuple(self.layers[0].shape)}) do not match "
                 f"the model's geometry {self.identity.block_shape}"
             )
         self.layout = self.cache.layout = layout
         self.cache.layers = self.layers
+        if isinstance(layout, PagedLayerLayout):
+            self._use_device_path(layout)
         self.loop.submit(self._connect())
+
+    def _use_device_path(self, layout: PagedLayerLayout) -> None:
+        """Route loads and saves through pinned host buffers and side streams (``device_path``)."""
+        shape = host_block_shape(layout, len(self.layers))
+        dtype = self.layers[0].dtype
+        self.on_forward_thread()
+        saves = max(1, self.settings.publish_backlog_bytes // self.block_bytes())
+        self.save_pool = PinnedPool(saves, shape, dtype)
+        loads = PinnedPool(max(4, LOAD_STAGING_BYTES // self.block_bytes()), shape, dtype)
+        self.cache.staged = StagedLoads(layout, self.layers, loads, after=lambda: self.compute_stream)
+
+    def on_forward_thread(self) -> None:
+        """Called from vLLM's forward thread each step: remember the stream it computes on."""
+        device = self.layers[0].device if self.layers else None
+        if device is not None and device.type == "cuda":  # CPU tensors (tests): plain copies, no stream
+            self.compute_stream = torch.cuda.current_stream(device)
 
     async def _connect(self) -> None:
         with contextlib.suppress(ConnectionError):  # connected (and serving) before the first block is due
@@ -580,19 +520,57 @@ class _WorkerSide:
             self.loads[job.req_id] = self.loop.submit(self._load(job))
 
     async def _load(self, job: LoadJob) -> set[int]:
-        """Fetch one request's blocks; returns the engine block ids that did not load."""
+        """Fetch one request's blocks; returns the engine block ids that did not load.
+
+        Each block hash is fetched by one load at a time: the blocks another load is fetching are waited
+        for and shared into this request's engine blocks (``EngineCache.share``); any that did not come
+        that way (the other fetch failed there) are then fetched here."""
         assert self.layout is not None
+        hashes = [identity.block_hash for identity in job.expected]
+        loop = asyncio.get_running_loop()
+        mine = [i for i, h in enumerate(hashes) if h not in self.claims]
+        waits = [self.claims[h] for h in hashes if h in self.claims]
+        for i in mine:
+            self.claims[hashes[i]] = loop.create_future()
         try:
-            self.cache.register(job)
-            outcome = await self.link.fetch(job.expected, job.renditions)
-            return set(job.block_ids[outcome.loaded :])
+            self.cache.register(hashes, job.block_ids)
+            try:
+                if mine:
+                    await self._fetch(job, mine)
+            finally:
+                for i in mine:
+                    self.cache.share(hashes[i])
+                    self.claims.pop(hashes[i]).set_result(None)
+            fetched = set(mine)  # counted by the fetch
+            if waits:
+                await asyncio.gather(*waits)
+                missing = [i for i, h in enumerate(hashes) if not self.cache.holds(h, job.block_ids[i])]
+                if missing:
+                    await self._fetch(job, missing)
+                fetched.update(missing)
+            loaded = next(
+                (i for i, h in enumerate(hashes) if not self.cache.holds(h, job.block_ids[i])), len(hashes)
+            )
+            shared = sum(1 for i in range(loaded) if i not in fetched)
+            self.link.counters.blocks_loaded += shared
+            self.link.counters.tokens_loaded += shared * self.identity.block_size
+            return set(job.block_ids[loaded:])
         except Exception:
             logger.exception("kvnet: loading blocks for %s failed; recomputing them", job.req_id)
             self.link.counters.blocks_load_failed += len(job.block_ids)
             return set(job.block_ids)
         finally:
-            self.cache.unregister(job)
+            staged = self.cache.staged
+            if staged is not None:
+                # The request is reported done (and may run, or recompute its failed blocks) only once
+                # every copy into its blocks has landed.
+                await asyncio.to_thread(staged.wait, job.block_ids)
+            self.cache.unregister(hashes, job.block_ids)
             self.report.write()
+
+    async def _fetch(self, job: LoadJob, indices: Sequence[int]) -> None:
+        """Fetch the job's blocks at ``indices`` (in chain order) into its engine blocks."""
+        await self.link.fetch([job.expected[i] for i in indices], [job.renditions[i] for i in indices])
 
     def finished(self) -> set[str] | None:
         """Requests whose load ended (loaded or not): vLLM schedules them, or frees the blocks of those
@@ -609,20 +587,68 @@ class _WorkerSide:
         errors, self.load_errors = self.load_errors, set()
         return errors
 
+    def block_bytes(self) -> int:
+        """Bytes of one block's K and V copied out of the engine (what the publish backlog holds)."""
+        num_layers, block_size, heads, head_size = self.identity.block_shape
+        return 2 * num_layers * block_size * heads * head_size * self.layers[0].element_size()
+
     def save(self, jobs: Sequence[SaveJob]) -> None:
-        """Copy the jobs' blocks out now (vLLM may reuse them after this step) and publish them later."""
+        """Copy the jobs' blocks out now (vLLM may reuse them after this step) and publish them later.
+
+        A job that does not fit in the publish backlog is dropped (counted) before anything is copied:
+        the forward pass never waits for the relay."""
+        assert self.layout is not None
+        if self.save_pool is not None:
+            self._save_staged(jobs, self.save_pool)
+            return
+        layout = self.layout
+        for job in jobs:
+
+            def copy_out(job: SaveJob = job) -> Coroutine[Any, Any, None]:
+                copies = []
+                for block_id, source in zip(job.block_ids, job.sources, strict=True):
+                    per_layer = [layout.read(layer, block_id) for layer in self.layers]
+                    k = torch.stack([kv[0] for kv in per_layer])
+                    v = torch.stack([kv[1] for kv in per_layer])
+                    copies.append((k, v, source))
+                return self._publish(copies)
+
+            if self.backlog.offer(len(job.block_ids) * self.block_bytes(), copy_out) is None:
+                self.link.counters.blocks_save_dropped += len(job.block_ids)
+                self.report.write()
+
+    def _save_staged(self, jobs: Sequence[SaveJob], pool: PinnedPool) -> None:
+        """The CUDA save: each job's blocks gathered on the save stream into pinned host buffers, read
+        (encoded) once the copy's event fired, then given back."""
         assert self.layout is not None
         layout = self.layout
         for job in jobs:
-            copies = []
-            for block_id, source in zip(job.block_ids, job.sources, strict=True):
-                per_layer = [layout.read(layer, block_id) for layer in self.layers]
-                k = torch.stack([kv[0] for kv in per_layer])
-                v = torch.stack([kv[1] for kv in per_layer])
-                copies.append((k, v, source))
-            future = self.loop.submit(self._publish(copies))
-            self.publishing.add(future)
-            future.add_done_callback(self.publishing.discard)
+
+            def copy_out(job: SaveJob = job) -> Coroutine[Any, Any, None]:
+                held, transfer = save_blocks(
+                    layout, self.layers, list(job.block_ids), pool, timeout=0, after=self.compute_stream
+                )
+                # vLLM may reuse the blocks from the next step on: its writes queue behind the copy out.
+                transfer.before(self.compute_stream)
+                return self._publish_host(held, transfer, job.sources)
+
+            try:
+                offered = self.backlog.offer(len(job.block_ids) * self.block_bytes(), copy_out)
+            except PoolTimeoutError:
+                offered = None
+            if offered is None:
+                self.link.counters.blocks_save_dropped += len(job.block_ids)
+                self.report.write()
+
+    async def _publish_host(
+        self, held: list[HostBlock], transfer: Transfer, sources: Sequence[BlockIdentity]
+    ) -> None:
+        try:
+            await asyncio.to_thread(transfer.wait)
+            await self._publish([(h.k, h.v, source) for h, source in zip(held, sources, strict=True)])
+        finally:
+            if held:
+                held[0].pool.release(held)
 
     async def _publish(self, copies: list[tuple[torch.Tensor, torch.Tensor, BlockIdentity]]) -> None:
         node = self.settings.node
@@ -647,7 +673,7 @@ class _WorkerSide:
             self.report.write()
 
     async def _drain(self) -> None:
-        pending = [asyncio.wrap_future(f) for f in list(self.publishing)]
+        pending = [asyncio.wrap_future(f) for f in self.backlog.pending()]
         if pending:
             logger.info("kvnet: draining %d pending publishes before shutdown", len(pending))
             await asyncio.gather(*pending, return_exceptions=True)
@@ -689,7 +715,7 @@ class KvnetConnector(KVConnectorBase_V1):
         kvnet_home = os.environ.get("KVNET_HOME")
         is_worker = role == KVConnectorRole.WORKER
         # Only the worker signs and verifies: the scheduler never touches key files.
-        settings = ConnectorSettings.from_extra_config(extra, kvnet_home, resolve_key_files=is_worker)
+        settings = ConnectorConfig.from_extra_config(extra, kvnet_home, resolve_key_files=is_worker)
         identity = engine_identity(vllm_config, settings)
         directory = settings.metrics_dir
         if directory is not None:
@@ -716,9 +742,19 @@ class KvnetConnector(KVConnectorBase_V1):
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker_side().register(kv_caches)
+        worker = self._worker_side()
+        if worker.identity.platform == "cpu":
+            worker.register(kv_caches)
+            return
+        backend = gpu_attention_backend(self._vllm_config)
+        if backend != worker.identity.kernel:
+            raise ConfigError(f"kvnet: the layers use attention backend {backend}, the engine announced "
+                              f"{worker.identity.kernel}")
+        layout = self._vllm_config.cache_config.get_resolved_kv_cache_layout()
+        worker.register(kv_caches, layout.layer_view_order)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker_side().on_forward_thread()
         meta = self._get_connector_metadata()
         if isinstance(meta, KvnetConnectorMetadata) and meta.loads:
             self._worker_side().start_loads(meta.loads)
@@ -732,6 +768,7 @@ class KvnetConnector(KVConnectorBase_V1):
         return  # blocks are copied once per step, in wait_for_save
 
     def wait_for_save(self) -> None:
+        self._worker_side().on_forward_thread()
         meta = self._get_connector_metadata()
         if isinstance(meta, KvnetConnectorMetadata) and meta.saves:
             self._worker_side().save(meta.saves)
@@ -773,7 +810,9 @@ class KvnetConnector(KVConnectorBase_V1):
         return self._scheduler_side().build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._scheduler_side().finished_transfers(connector_output.finished_recving or ())
+        self._scheduler_side().finished_transfers(
+            connector_output.finished_recving or (), set(connector_output.invalid_block_ids or ())
+        )
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().request_finished(request.request_id), None

@@ -85,6 +85,11 @@ class SequenceRequest:
     (``max_new_tokens == 0``): the head of a prefix computed while its tail is fetched. Moved up or down
     while the sequence runs (`BatchScheduler.set_prefill_limit`); it finishes once it has prefilled up to
     the limit (or past it, when the limit was lowered below what it had done)."""
+    prefill_chunk: int | None = None
+    """Most prompt tokens this sequence prefills in one step, its chunks ending at multiples of it (None:
+    as many as the step's budget leaves, as for every other sequence). Each step re-reads the prefill limit,
+    so a head whose limit is lowered while it runs stops within one such chunk of the new limit instead of
+    one step budget; the price is a forward per chunk."""
 
 
 # -- events --------------------------------------------------------------------------------------------
@@ -184,6 +189,9 @@ def validate_request(model: Transformer, request: SequenceRequest) -> Tensor:
             raise ValueError("prefill_limit is for prompt-only requests (max_new_tokens == 0)")
         if request.prefill_limit < 0:
             raise ValueError(f"prefill_limit must be >= 0, got {request.prefill_limit}")
+    chunk = request.prefill_chunk
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0):
+        raise ValueError(f"prefill_chunk must be a positive int, got {chunk!r}")
     return ids
 
 
@@ -327,6 +335,9 @@ class BatchScheduler:
         for seq in self._running:
             if seq.in_prefill and budget > 0:
                 length = min(seq.prefill_target - seq.prefilled, budget)
+                chunk = seq.request.prefill_chunk
+                if chunk is not None:  # up to the next multiple of its chunk, even after a cut-short one
+                    length = min(length, chunk - seq.prefilled % chunk)
                 wanted.append((seq, seq.prefilled, length))
                 budget -= length
         batch: list[_Chunk] = []

@@ -45,11 +45,11 @@ class Tokenizer(Protocol):
         """End-of-sequence id; generation may stop on it."""
         ...
 
-    def encode(self, text: str, *, bos: bool = True) -> list[int]:
+    def tokenize(self, text: str, *, bos: bool = True) -> list[int]:
         """Token ids of `text`, prefixed with `bos_id` when `bos` is true."""
         ...
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def detokenize(self, token_ids: Sequence[int]) -> str:
         """Text of `token_ids`; special ids are dropped."""
         ...
 
@@ -69,11 +69,11 @@ class ByteTokenizer:
     pad_id: int = NUM_BYTE_TOKENS + 2
     vocab_size: int = NUM_BYTE_TOKENS + 3
 
-    def encode(self, text: str, *, bos: bool = True) -> list[int]:
+    def tokenize(self, text: str, *, bos: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
         return [self.bos_id, *ids] if bos else ids
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def detokenize(self, token_ids: Sequence[int]) -> str:
         for token_id in token_ids:
             if not 0 <= token_id < self.vocab_size:
                 raise InvalidTokenError(f"token id {token_id} outside [0, {self.vocab_size})")
@@ -188,7 +188,7 @@ class HFTokenizer:
             f"no {name}_token in tokenizer_config.json and no {name}_token_id in config.json"
         )
 
-    def encode(self, text: str, *, bos: bool = True) -> list[int]:
+    def tokenize(self, text: str, *, bos: bool = True) -> list[int]:
         """Token ids of `text`; with `bos`, the checkpoint's special tokens are added as its configs say."""
         use_post_processor = bos and self.add_bos_token is None
         ids: list[int] = self._tokenizer.encode(text, add_special_tokens=use_post_processor).ids
@@ -198,7 +198,7 @@ class HFTokenizer:
             ids.append(self.eos_id)
         return ids
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def detokenize(self, token_ids: Sequence[int]) -> str:
         for token_id in token_ids:
             if not 0 <= token_id < self.vocab_size:
                 raise InvalidTokenError(f"token id {token_id} outside [0, {self.vocab_size})")
@@ -234,11 +234,11 @@ class HFTokenizer:
         except jinja2.TemplateError as exc:
             raise TokenizerError(f"chat template: {exc}") from exc
 
-    def encode_chat(
+    def tokenize_chat(
         self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
     ) -> list[int]:
         """Token ids of the rendered chat; the template writes its own special tokens, so none are added."""
-        return self.encode(
+        return self.tokenize(
             self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt), bos=False
         )
 

@@ -1,6 +1,6 @@
 """The aiopquic stack (picoquic, a C QUIC core, behind an asyncio API shaped like qh3's; Python >= 3.12).
 
-Owns: aiopquic's configuration from ``TransportSettings``, its client and server endpoints, and the
+Owns: aiopquic's configuration from ``TransportConfig``, its client and server endpoints, and the
 adaptation of aiopquic to the protocol API ``kvnet.net.connection`` is written against (aioquic's
 ``QuicConnectionProtocol``), so that ``MoqtConnection`` keeps one code path for every stack.
 
@@ -17,7 +17,7 @@ How it differs and what is done about it (aiopquic 0.6.1):
   picoquic reports the stream's ring drained (or, for the event ring, when it drained below its low mark).
   "Unsent" (``unsent_bytes``) is bytes not yet taken into packets, as with qh3.
 - No ``send_ping``: keep-alive is picoquic's own (``QuicConfiguration.keep_alive_interval``), set from
-  ``TransportSettings.keepalive_interval`` with the same longer period on the server side.
+  ``TransportConfig.keepalive_interval`` with the same longer period on the server side.
 - No client-certificate verification on the server side: ``Stack.server_configuration`` refuses
   ``require_client_cert`` for this stack, as for qh3.
 - Datagram size: picoquic starts at ~1252 bytes and probes the path MTU up to its compile-time maximum
@@ -49,10 +49,10 @@ from aiopquic.quic.configuration import QuicConfiguration
 from aiopquic.quic.connection import QuicConnection
 from aiopquic.quic.events import ConnectionTerminated, HandshakeCompleted
 
-from kvnet.net.settings import (
+from kvnet.net.config import (
     DATAGRAM_SIZE_ETHERNET,
     MAX_DATAGRAM_SIZE_AIOPQUIC,
-    TransportSettings,
+    TransportConfig,
     keepalive_period,
 )
 from kvnet.net.stack import ProtocolFactory, Stack
@@ -301,7 +301,7 @@ class ClientTransport:
 class AiopquicStack(Stack):
     """aiopquic behind ``kvnet.net.stack.Stack``."""
 
-    def base_configuration(self, settings: TransportSettings, is_client: bool) -> Any:
+    def base_configuration(self, settings: TransportConfig, is_client: bool) -> Any:
         return QuicConfiguration(
             is_client=is_client,
             alpn_protocols=[self.alpn],
@@ -325,7 +325,7 @@ class AiopquicStack(Stack):
         return (addr[0], addr[1]) if addr else None
 
     async def open_client(
-        self, settings: TransportSettings, configuration: Any, family: int, local_host: str | None,
+        self, settings: TransportConfig, configuration: Any, family: int, local_host: str | None,
         protocol_factory: ProtocolFactory,
     ) -> tuple[Any, Any]:
         if local_host is not None:
@@ -333,7 +333,7 @@ class AiopquicStack(Stack):
         return open_client(configuration, protocol_factory)
 
     async def listen(
-        self, host: str, port: int, settings: TransportSettings, configuration: Any,
+        self, host: str, port: int, settings: TransportConfig, configuration: Any,
         create_protocol: Callable[..., Any], *, sock: socket.socket | None, max_connections: int,
     ) -> tuple[Any, tuple[str, int]]:
         if sock is not None:

@@ -1,11 +1,11 @@
 """The aioquic stack (pure Python QUIC): its configuration and every adaptation of aioquic's internals.
 
-Owns: aioquic's configuration from ``TransportSettings`` (kvnet's congestion-control variants without
+Owns: aioquic's configuration from ``TransportConfig`` (kvnet's congestion-control variants without
 the RTT exit from slow start), the per-connection patches (stream limits, the datagram size chosen from
 the path and the peer's ``max_udp_payload_size``, requesting and verifying client certificates),
 counting unacknowledged bytes, and ``AioquicProtocol``: aioquic's protocol transmitting every few
 received datagrams instead of after each, and sending with UDP GSO (``kvnet.net.gso``). The only stack
-whose servers can require client certificates; the default (``kvnet.net.settings.DEFAULT_STACK``).
+whose servers can require client certificates; the default (``kvnet.net.config.DEFAULT_STACK``).
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import pull_quic_transport_parameters, push_quic_transport_parameters
 from aioquic.tls import verify_certificate
 
-from kvnet.net.gso import DatagramReceiver, release, sender_for
-from kvnet.net.settings import (
+from kvnet.net.config import (
     DATAGRAM_SIZE_ETHERNET,
     MAX_DATAGRAM_SIZE_LIMIT,
-    TransportSettings,
+    TransportConfig,
     choose_datagram_size,
     path_is_loopback,
 )
-from kvnet.net.stack import UdpStack
+from kvnet.net.gso import DatagramReceiver, release, sender_for
+from kvnet.net.stack import UdpStack, arm_timer
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class _RenoNoRttExit(_NoRttExit, RenoCongestionControl):
 _NO_RTT_EXIT = {"cubic": ("kvnet-cubic", _CubicNoRttExit), "reno": ("kvnet-reno", _RenoNoRttExit)}
 
 
-def congestion_control(settings: TransportSettings) -> str:
+def congestion_control(settings: TransportConfig) -> str:
     """The aioquic congestion-control name for ``settings`` (registering kvnet's variants on first use)."""
     if settings.slow_start_rtt_exit:
         return settings.congestion_control
@@ -80,7 +80,7 @@ def congestion_control(settings: TransportSettings) -> str:
 # -------------------------------------------------------------------------------- per-connection patches
 
 
-def limit_datagram_size(quic: Any, settings: TransportSettings) -> None:
+def limit_datagram_size(quic: Any, settings: TransportConfig) -> None:
     """Make a connection follow ``choose_datagram_size``, and advertise a configured
     ``max_datagram_size`` to the peer as our ``max_udp_payload_size``; the choice is logged once.
 
@@ -131,7 +131,7 @@ def _set_datagram_size(quic: Any, size: int) -> None:
     quic._loss._cc._max_datagram_size = size
 
 
-def raise_stream_limits(quic: Any, settings: TransportSettings) -> None:
+def raise_stream_limits(quic: Any, settings: TransportConfig) -> None:
     """Grant the peer ``settings.max_streams_*`` concurrent streams before the handshake announces them
     (aioquic has no setting and starts from 128 per direction; kvnet opens one bidirectional stream per
     request, thousands at once). The limits are plain attributes read at handshake time."""
@@ -160,19 +160,6 @@ def window_limited(quic: Any) -> bool:
     return bool(loss.bytes_in_flight + quic._max_datagram_size > loss.congestion_window)
 
 
-def arm_timer(protocol: Any) -> None:
-    """Re-arm a protocol's QUIC timer as its ``transmit()`` does, without building packets, for a
-    receiver that transmits only every few datagrams: the ACK-delay and loss timers must still fire when
-    a burst ends between two transmits."""
-    timer_at = protocol._quic.get_timer()
-    if protocol._timer is not None and protocol._timer_at != timer_at:
-        protocol._timer.cancel()
-        protocol._timer = None
-    if protocol._timer is None and timer_at is not None:
-        protocol._timer = protocol._loop.call_at(timer_at, protocol._handle_timer)
-    protocol._timer_at = timer_at
-
-
 # -------------------------------------------------------------------------------- the protocol
 
 
@@ -186,7 +173,7 @@ class AioquicProtocol(aioquic_asyncio.QuicConnectionProtocol):
         super().__init__(quic, stream_handler)
         self.udp_segmentation = False
         """Send each transmit's runs of equal-sized datagrams with one GSO ``sendmsg``
-        (``TransportSettings.udp_segmentation``)."""
+        (``TransportConfig.udp_segmentation``)."""
         self._received_untransmitted = 0
 
     @property
@@ -205,6 +192,8 @@ class AioquicProtocol(aioquic_asyncio.QuicConnectionProtocol):
         if self._received_untransmitted >= _RECEIVE_TRANSMIT_BATCH:
             self.transmit()
         else:
+            # No packets built, but the ACK-delay and loss timers must still fire when a burst ends
+            # between two transmits.
             arm_timer(self)
 
     def transmit(self) -> None:
@@ -225,19 +214,12 @@ class AioquicProtocol(aioquic_asyncio.QuicConnectionProtocol):
 class AioquicStack(UdpStack):
     """aioquic behind ``kvnet.net.stack.Stack``."""
 
-    def base_configuration(self, settings: TransportSettings, is_client: bool) -> Any:
-        config = QuicConfiguration(
-            is_client=is_client,
-            alpn_protocols=[self.alpn],
-            max_datagram_size=settings.datagram_size,
-            max_data=settings.max_data,
-            max_stream_data=settings.max_stream_data,
-            idle_timeout=settings.idle_timeout,
-        )
+    def base_configuration(self, settings: TransportConfig, is_client: bool) -> Any:
+        config = super().base_configuration(settings, is_client)
         config.congestion_control_algorithm = congestion_control(settings)
         return config
 
-    def prepare_connection(self, protocol: Any, settings: TransportSettings, *, verify_client: bool) -> None:
+    def prepare_connection(self, protocol: Any, settings: TransportConfig, *, verify_client: bool) -> None:
         quic = protocol._quic
         raise_stream_limits(quic, settings)
         limit_datagram_size(quic, settings)
@@ -266,7 +248,7 @@ class AioquicStack(UdpStack):
         release(transport)  # the GSO sender's and GRO receiver's duplicate sockets
 
     async def open_datagram_endpoint(
-        self, sock: socket.socket, make_protocol: Callable[[], Any], settings: TransportSettings
+        self, sock: socket.socket, make_protocol: Callable[[], Any], settings: TransportConfig
     ) -> tuple[Any, Any]:
         transport, protocol = await super().open_datagram_endpoint(sock, make_protocol, settings)
         if settings.udp_receive_offload:

@@ -3,11 +3,13 @@ the sans-I/O ``proto.session.MoqtSession``.
 
 Owns: one ``MoqtConnection`` (on the stack's ``QuicConnectionProtocol``) per connection, holding one
 ``MoqtSession``; the async request helpers (``track_status``, ``fetch``, ``subscribe``,
-``publish_namespace``), routing the session's events to the request handles (``kvnet.net.handles``)
-through one table from event kind to handler (``_ROUTES``), send and receive back-pressure, keep-alive,
-and the per-connection limits (``ConnectionLimits``). No MoQT parsing happens here: bytes go into the
-session, events and transmissions come out. What differs between stacks is behind
-``kvnet.net.stack.Stack`` (``self.stack``); opening connections is ``kvnet.net.endpoint``.
+``publish_namespace``), the one table from session event kind to handler (``_ROUTES``: the session's own
+events handled here, each request's delivered by ``kvnet.net.routing.RequestRouter``), the peer's
+requests queued for the application, the session's timer and keep-alive. Its limits are
+``kvnet.net.limits.ConnectionLimits``; send-side back-pressure is ``kvnet.net.sendbuffer.SendBuffer``.
+No MoQT parsing happens here: bytes go into the session, events and transmissions come out. What differs
+between stacks is behind ``kvnet.net.stack.Stack`` (``self.stack``); opening connections is
+``kvnet.net.endpoint``.
 
 Rules: QUIC callbacks never await. They feed the session, apply its transmissions to QUIC, and route its
 events to futures and queues; the role code awaits those from its own task (one per connection).
@@ -21,20 +23,21 @@ import functools
 import logging
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvnet.net.errors import ConnectionClosed, LimitError, RequestRejected, StreamResetError
+from kvnet.net.config import TransportConfig, keepalive_period
+from kvnet.net.errors import ConnectionClosed
 from kvnet.net.handles import (
     INCOMING_REQUEST_TYPES,
     FetchHandle,
-    IncomingFetch,
     IncomingRequest,
     Subscription,
     _ObjectStream,
 )
+from kvnet.net.limits import ConnectionLimits
 from kvnet.net.registry import get_stack
-from kvnet.net.settings import TransportSettings, keepalive_period
+from kvnet.net.routing import NamespaceListener, RequestRouter
+from kvnet.net.sendbuffer import SendBuffer
 from kvnet.net.stack import Stack
 from proto import events as me
 from proto.data import ObjectStatus
@@ -54,44 +57,8 @@ logger = logging.getLogger(__name__)
 
 # Application calls (requests, replies, objects) whose packets may wait for one deferred transmit.
 _TRANSMIT_BATCH = 32
-# Smallest size at which the table of incoming requests is swept of answered ones.
-_INCOMING_PRUNE_MIN = 256
 # TLS alert bad_certificate (42) as a QUIC CRYPTO_ERROR (0x100 + alert), RFC 9001 section 4.8.
 _CRYPTO_BAD_CERTIFICATE = 0x100 + 42
-
-
-NamespaceListener = Callable[[me.NamespaceReceived | me.NamespaceDoneReceived], None]
-"""Receives the NAMESPACE / NAMESPACE_DONE of one of our SUBSCRIBE_NAMESPACE requests."""
-
-@dataclass(frozen=True, slots=True)
-class ConnectionLimits:
-    """Per-connection resource limits enforced by the glue (the session enforces protocol limits)."""
-
-    max_outstanding_requests: int = 8192
-    """Requests we have open at once; further ones wait for a slot."""
-    max_send_buffer: int = 16 << 20
-    """Unacknowledged bytes queued in QUIC before ``wait_writable`` makes senders wait."""
-    max_receive_buffer: int = 64 << 20
-    """Object bytes received but not yet consumed by the application, over all requests. A request
-    that pushes the total above this is cancelled (EXCESSIVE_LOAD) rather than buffering without end."""
-    max_incoming_queue: int = 4096
-    """Incoming requests waiting for the application; more are refused with EXCESSIVE_LOAD."""
-    setup_timeout: float = 10.0
-    """Seconds to wait for the peer's SETUP."""
-    publish_done_timeout: float = 5.0
-    """Seconds a subscription stays open after PUBLISH_DONE with none of its bytes arriving, waiting for
-    the subgroup streams its Stream Count announces (draft "PUBLISH_DONE": data may still be in flight),
-    before it ends anyway."""
-
-    def __post_init__(self) -> None:
-        names = ("max_outstanding_requests", "max_send_buffer", "max_receive_buffer", "max_incoming_queue")
-        for name in names:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        if self.setup_timeout <= 0:
-            raise ValueError("setup_timeout must be positive")
-        if self.publish_done_timeout < 0:
-            raise ValueError("publish_done_timeout must not be negative")
 
 
 # -------------------------------------------------------------------------------- the protocol
@@ -117,7 +84,7 @@ class MoqtConnection(_ProtocolBase):
         stream_handler: Any = None,
         *,
         session_config: SessionConfig,
-        settings: TransportSettings,
+        settings: TransportConfig,
         limits: ConnectionLimits | None = None,
         client_ca_file: str | None = None,
     ) -> None:
@@ -134,31 +101,17 @@ class MoqtConnection(_ProtocolBase):
         # connect(), so mark this one retrieved rather than have asyncio report it as lost.
         self._setup.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._closed_future: asyncio.Future[tuple[int, str]] = loop.create_future()
-        self._pending: dict[int, asyncio.Future[Any]] = {}
-        self._namespace_listeners: dict[int, NamespaceListener] = {}
-        """Our SUBSCRIBE_NAMESPACE requests whose NAMESPACE / NAMESPACE_DONE go to a callback."""
-        self._streams: dict[int, _ObjectStream] = {}
-        self._trailing: dict[int, float] = {}
-        """Subscriptions past PUBLISH_DONE whose announced streams are still open, by request id: when
-        bytes of theirs last arrived (see ``_await_trailing_streams``)."""
-        self._incoming_by_id: dict[int, IncomingRequest] = {}
-        # Answered requests are dropped from the table when it reaches this size (see _remember_incoming).
-        self._incoming_prune_at = _INCOMING_PRUNE_MIN
         self._incoming: asyncio.Queue[IncomingRequest | None] = asyncio.Queue()
         self._slots = asyncio.Semaphore(self.limits.max_outstanding_requests)
         self._slot_held: set[int] = set()
-        self._received_bytes = 0
-        self._written_streams: set[int] = set()
         self._transmit_scheduled = False
         self._untransmitted = 0
         self.owns_transport = False
         """A client connection's transport is its own (``kvnet.net.endpoint.connect`` sets this): closed once
         the connection has ended. A server's connections share the server's socket."""
-        self._writable = asyncio.Event()
-        self._writable.set()
-        self._send_buffer_empty = asyncio.Event()
-        self._send_buffer_empty.set()
-        self._stream_sent_waiters: dict[int, asyncio.Future[None]] = {}
+        self._send_buffer = SendBuffer(
+            lambda stream_ids: self.stack.unsent_bytes(self._quic, stream_ids), self.limits.max_send_buffer
+        )
         self.goaway: me.GoawayReceived | None = None
         """The peer's control-stream GOAWAY, once received."""
         self.closed_by_peer = False
@@ -175,6 +128,10 @@ class MoqtConnection(_ProtocolBase):
         ``requests_in_flight`` (the session's ``max_requests_in_flight``) and ``incoming_queue``
         (``ConnectionLimits.max_incoming_queue``)."""
         self._log = logging.LoggerAdapter(logger, {"cid": self._quic.host_cid.hex()[:8]})
+        self.router = RequestRouter(
+            self.session, self.limits, loop, self._log, self.other_events, self._cancel
+        )
+        """Our requests and the peer's, by Request ID, with their events' handlers."""
         self._last_receive = loop.time()
         self.stream_bytes_received = 0
         """Bytes the peer sent on MoQT streams (not keep-alive PINGs): a session's own activity, seen by
@@ -192,8 +149,7 @@ class MoqtConnection(_ProtocolBase):
             now = self._loop.time()
             self.stream_bytes_received += len(event.data)
             s.receive_stream_data(event.stream_id, event.data, event.end_stream, now)
-            if self._trailing and (rid := s.data_stream_request(event.stream_id)) in self._trailing:
-                self._trailing[rid] = now  # part of a large object still counts as progress
+            self.router.data_arrived(event.stream_id, now)
         elif isinstance(event, qe.StreamReset):
             s.receive_stream_reset(event.stream_id, event.error_code)
         elif isinstance(event, qe.StopSendingReceived):
@@ -244,15 +200,13 @@ class MoqtConnection(_ProtocolBase):
     def _after_receive(self, closing: bool) -> None:
         if not closing and (ended := self.stack.close_event(self._quic)) is not None:
             self._closed_by_peer(ended)
-        if self._send_waiters():
-            self._check_writable()
+        self._check_writable()
 
     def transmit(self) -> None:
         super().transmit()
         # qh3 counts unsent bytes, which only a transmit drains (aioquic's unacknowledged ones drain on
         # ACKs); aiopquic's protocol transmits whenever picoquic reports a stream's ring drained.
-        if self._send_waiters():
-            self._check_writable()
+        self._check_writable()
 
     def _closed_by_peer(self, ended: Any) -> None:
         """What the peer sent just ended the connection (aioquic, qh3 and QMux record the close they
@@ -284,9 +238,9 @@ class MoqtConnection(_ProtocolBase):
             self._keepalive = self._loop.call_later(interval, self._keepalive_tick)
 
     def _keepalive_tick(self) -> None:
-        """``TransportSettings.keepalive_interval``: PING when nothing arrived for an interval. The
+        """``TransportConfig.keepalive_interval``: PING when nothing arrived for an interval. The
         peer's ACK keeps both idle timers fresh; a dead peer sends none, so QUIC's idle timeout
-        (``TransportSettings.idle_timeout``) ends the connection a few intervals later."""
+        (``TransportConfig.idle_timeout``) ends the connection a few intervals later."""
         self._keepalive = None
         if self.session.closed is not None or self._closed.is_set():
             return
@@ -309,7 +263,7 @@ class MoqtConnection(_ProtocolBase):
         for t in self.session.transmit():
             if isinstance(t, SendStreamData):
                 q.send_stream_data(t.stream_id, t.data, t.end_stream)
-                self._written_streams.add(t.stream_id)
+                self._send_buffer.wrote(t.stream_id)
             elif isinstance(t, ResetStream):
                 with contextlib.suppress(ValueError, AssertionError):  # stream already finished
                     q.reset_stream(t.stream_id, t.error_code)
@@ -355,24 +309,6 @@ class MoqtConnection(_ProtocolBase):
         self._transmit_soon()
         return result
 
-    def _remember_incoming(self, req: IncomingRequest) -> None:
-        """Keep ``req`` findable by id for cancellations. The session ends requests without an event
-        (answered, finished), so the table is swept of the ones it no longer knows whenever it has doubled
-        since the last sweep: amortised O(1) per request, and a long session's table stays as large as
-        its open requests rather than growing with every request ever answered."""
-        if len(self._incoming_by_id) >= self._incoming_prune_at:
-            session = self.session
-            self._incoming_by_id = {
-                rid: inc for rid, inc in self._incoming_by_id.items() if session.request_is_open(rid)
-            }
-            self._incoming_prune_at = max(_INCOMING_PRUNE_MIN, 2 * len(self._incoming_by_id))
-        self._incoming_by_id[req.request_id] = req
-
-    @property
-    def open_incoming_requests(self) -> int:
-        """Incoming requests this side still tracks (open ones, plus answered ones until the next sweep)."""
-        return len(self._incoming_by_id)
-
     def _transmit_soon(self) -> None:
         """Packetize and send once the current batch of application calls is done, or now if the batch
         has reached ``_TRANSMIT_BATCH`` calls.
@@ -396,127 +332,35 @@ class MoqtConnection(_ProtocolBase):
         self.transmit()
 
     def _route(self, ev: me.MoqtEvent) -> None:
-        """Hand one session event to its handler (``_ROUTES``); events no handler consumes are kept in
-        ``other_events``."""
+        """Hand one session event to its handler (``_ROUTES``); an event of a kind no handler is listed
+        for is kept in ``other_events``."""
         handler = _ROUTES.get(type(ev))
         if handler is None:
             self.other_events.append(ev)
         else:
             handler(self, ev)
 
-    # ---- the handlers of ``_route``, one per event kind
-
-    def _on_object(self, ev: me.ObjectReceived) -> None:
-        st = self._streams.get(ev.request_id)
-        if st is not None and not st.finished:
-            st._push(ev)
-            if self._received_bytes > self.limits.max_receive_buffer:
-                self._log.warning("request %d exceeds the receive buffer; cancelling", ev.request_id)
-                self._cancel(ev.request_id, StreamResetCode.EXCESSIVE_LOAD)
-                st._finish(LimitError(f"receive buffer limit {self.limits.max_receive_buffer} reached"))
+    # ---- the handlers of the session's own events (``_ROUTES``; a request's are ``RequestRouter``'s)
 
     def _on_incoming_request(self, ev: me.MoqtEvent) -> None:
         req = INCOMING_REQUEST_TYPES[type(ev)](self, ev)
         if self._incoming.qsize() >= self.limits.max_incoming_queue:
-            if (buffered := self._streams.pop(req.request_id, None)) is not None:
+            if (buffered := self.router.stop_delivering(req.request_id)) is not None:
                 buffered._finish(None)
             self.session.reject_request(req.request_id, RequestErrorCode.EXCESSIVE_LOAD, "queue full")
             self.refused_requests["incoming_queue"] += 1
             self._pump()
             return
-        self._remember_incoming(req)
+        self.router.remember_incoming(req)
         self._incoming.put_nowait(req)
-
-    def _on_setup(self, ev: me.SetupCompleted) -> None:
-        if not self._setup.done():
-            self._setup.set_result(ev)
-
-    def _on_request_error(self, ev: me.RequestErrorReceived) -> None:
-        err = RequestRejected(ev.error_code, ev.reason, ev.retry_interval)
-        self._resolve(ev.request_id, error=err)
-        if (st := self._streams.pop(ev.request_id, None)) is not None:
-            st._finish(err)
-
-    def _on_fetch_ok(self, ev: me.FetchOkReceived) -> None:
-        st = self._streams.get(ev.request_id)
-        if isinstance(st, FetchHandle) and not st._ok.done():
-            st._ok.set_result(ev)
-            if st.data_complete:
-                del self._streams[ev.request_id]
-                st._finish(None)
-
-    def _on_publish_done(self, ev: me.PublishDoneReceived) -> None:
-        st = self._streams.get(ev.request_id)
-        if isinstance(st, Subscription):
-            st.done = ev
-            if st.streams_closed >= ev.stream_count:
-                self._end_subscription(st)
-            elif st.request_id not in self._trailing:
-                # Subgroup streams announced by the Stream Count are still in flight.
-                self._await_trailing_streams(st)
-        elif st is not None:
-            self._streams.pop(ev.request_id, None)
-            st._finish(None)
-
-    def _on_subgroup_closed(self, ev: me.SubgroupClosed) -> None:
-        st = self._streams.get(ev.request_id)
-        if isinstance(st, Subscription):
-            st.streams_closed += 1
-            if not st.finished:
-                st._push_stream_end(ev)
-            if st.done is not None and st.streams_closed >= st.done.stream_count:
-                self._end_subscription(st)
-        else:
-            self.other_events.append(ev)
-
-    def _on_fetch_completed(self, ev: me.FetchCompleted) -> None:
-        st = self._streams.get(ev.request_id)
-        if isinstance(st, FetchHandle) and not st._ok.done():
-            # The fetch stream and FETCH_OK travel on different streams: the data can all arrive first.
-            # The fetch completes once FETCH_OK is in too.
-            st.data_complete = True
-        elif st is not None:
-            del self._streams[ev.request_id]
-            st._finish(None)
-
-    def _on_fetch_stream_reset(self, ev: me.FetchStreamReset) -> None:
-        if (st := self._streams.pop(ev.request_id, None)) is not None:
-            st._finish(StreamResetError(ev.error_code, ev.reason))
-
-    def _on_subscribe_ok(self, ev: me.SubscribeOkReceived) -> None:
-        st = self._streams.get(ev.request_id)
-        if isinstance(st, Subscription):
-            st.ok = ev
-        self._resolve(ev.request_id, ev)
-
-    def _on_answer(self, ev: me.TrackStatusOkReceived | me.RequestOkReceived | me.PublishOkReceived) -> None:
-        self._resolve(ev.request_id, ev)
 
     def _on_request_refused(self, ev: me.RequestRefused) -> None:
         if ev.error_code == RequestErrorCode.EXCESSIVE_LOAD:
             self.refused_requests["requests_in_flight"] += 1
 
-    def _on_request_cancelled(self, ev: me.RequestCancelled) -> None:
-        if (inc := self._incoming_by_id.pop(ev.request_id, None)) is not None:
-            inc.cancelled.set()
-        if (st := self._streams.pop(ev.request_id, None)) is not None:
-            st._finish(ConnectionClosed(ev.error_code or 0, "request cancelled"))
-        self._resolve(ev.request_id, error=ConnectionClosed(ev.error_code or 0, "request cancelled"))
-
-    def _on_data_stream_stopped(self, ev: me.DataStreamStopped) -> None:
-        # A FETCH has one data stream: the requester stopping it abandons the request.
-        inc = self._incoming_by_id.get(ev.request_id)
-        if isinstance(inc, IncomingFetch):
-            del self._incoming_by_id[ev.request_id]
-            inc.cancelled.set()
-        self.other_events.append(ev)
-
-    def _on_namespace(self, ev: me.NamespaceReceived | me.NamespaceDoneReceived) -> None:
-        listener = self._namespace_listeners.get(ev.request_id)
-        if listener is None:
-            self.other_events.append(ev)
-        else:
-            listener(ev)
+    def _on_setup(self, ev: me.SetupCompleted) -> None:
+        if not self._setup.done():
+            self._setup.set_result(ev)
 
     def _on_goaway(self, ev: me.GoawayReceived) -> None:
         if ev.request_id is None:
@@ -525,56 +369,13 @@ class MoqtConnection(_ProtocolBase):
         else:
             self.other_events.append(ev)
 
-    def _await_trailing_streams(self, st: Subscription) -> None:
-        """Wait for the streams a PUBLISH_DONE announced: the subscription ends only after
-        ``publish_done_timeout`` in which none of its bytes arrived, so a slow path (small datagrams, a
-        long push, one large object taking seconds) that is still delivering is never cut off. Arrivals
-        only stamp ``_trailing``; the one timer re-arms itself from the stamp when it fires."""
-        self._trailing[st.request_id] = self._loop.time()
-        self._loop.call_later(self.limits.publish_done_timeout, self._trailing_wait_check, st)
-
-    def _trailing_wait_check(self, st: Subscription) -> None:
-        progressed_at = self._trailing.get(st.request_id)
-        if progressed_at is None or st.finished:
-            self._trailing.pop(st.request_id, None)
-            return
-        due = progressed_at + self.limits.publish_done_timeout
-        if self._loop.time() < due:
-            self._loop.call_at(due, self._trailing_wait_check, st)
-        else:
-            self._end_subscription(st)
-
-    def _end_subscription(self, st: Subscription) -> None:
-        self._trailing.pop(st.request_id, None)
-        if self._streams.get(st.request_id) is st:
-            del self._streams[st.request_id]
-        st._finish(None)
-
-    def _resolve(self, request_id: int, value: Any = None, error: BaseException | None = None) -> None:
-        fut = self._pending.pop(request_id, None)
-        if fut is not None and not fut.done():
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(value)
-
     def _on_terminated(self, ev: me.SessionTerminated) -> None:
         err = ConnectionClosed(ev.error_code, ev.reason)
         if not self._setup.done():
             self._setup.set_exception(err)
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(err)
-        self._pending.clear()
-        for st in self._streams.values():
-            st._finish(err)
-        self._streams.clear()
-        for inc in self._incoming_by_id.values():
-            inc.cancelled.set()
+        self.router.fail_all(err)
         self._incoming.put_nowait(None)
-        self._writable.set()  # wake writers; their next action fails on the closed session
-        self._send_buffer_empty.set()
-        self._wake_stream_sent_waiters(lambda sid: True)
+        self._send_buffer.release_all()  # wake writers; their next action fails on the closed session
         self._cancel_session_timer()
         if not self._closed_future.done():
             self._closed_future.set_result((ev.error_code, ev.reason))
@@ -593,26 +394,31 @@ class MoqtConnection(_ProtocolBase):
 
     def deliver_objects(self, request_id: int, objects: _ObjectStream) -> None:
         """Route the objects and the end of request ``request_id`` to ``objects``."""
-        self._streams[request_id] = objects
+        self.router.deliver_objects(request_id, objects)
 
     def stop_delivering(self, request_id: int) -> None:
         """Route nothing more to the handle of ``request_id`` (its objects are dropped from now on)."""
-        self._streams.pop(request_id, None)
+        self.router.stop_delivering(request_id)
 
     def objects_queued(self, nbytes: int) -> None:
         """A handle queued ``nbytes`` of object payload for the application (``receive_buffered``)."""
-        self._received_bytes += nbytes
+        self.router.received_bytes += nbytes
 
     def objects_consumed(self, nbytes: int) -> None:
         """The application took (or a handle dropped) ``nbytes`` of queued object payload."""
-        self._received_bytes -= nbytes
+        self.router.received_bytes -= nbytes
 
     # ---- back-pressure
 
     @property
     def receive_buffered(self) -> int:
         """Object bytes received and not yet consumed by the application, over all requests."""
-        return self._received_bytes
+        return self.router.received_bytes
+
+    @property
+    def open_incoming_requests(self) -> int:
+        """Incoming requests this side still tracks (open ones, plus answered ones until the next sweep)."""
+        return self.router.open_incoming
 
     @property
     def request_header_timeouts(self) -> int:
@@ -620,73 +426,37 @@ class MoqtConnection(_ProtocolBase):
         return self.session.request_header_timeouts
 
     def send_buffered(self) -> int:
-        """Bytes written to QUIC streams and not yet acknowledged."""
-        total = 0
-        # aioquic counts unacknowledged bytes, qh3 unsent ones; an empty stream needs no more tracking.
-        for sid, n in self.stack.unsent_bytes(self._quic, list(self._written_streams)).items():
-            if n == 0:
-                self._written_streams.discard(sid)
-            total += n
-        return total
-
-    def _send_waiters(self) -> bool:
-        """Someone waits in ``wait_writable``, ``wait_send_buffer_empty`` or ``wait_stream_sent`` (only
-        then is it worth counting the send buffer)."""
-        return not (self._writable.is_set() and self._send_buffer_empty.is_set()) or bool(
-            self._stream_sent_waiters
-        )
+        """Bytes written to QUIC streams and not yet acknowledged (qh3: not yet sent)."""
+        return self._send_buffer.buffered()
 
     def _check_writable(self) -> None:
-        buffered = self.send_buffered()
-        closed = self.session.closed is not None
-        if buffered < self.limits.max_send_buffer or closed:
-            self._writable.set()
-        if buffered == 0 or closed:
-            self._send_buffer_empty.set()
-        if self._stream_sent_waiters:
-            held = self.stack.unsent_bytes(self._quic, list(self._stream_sent_waiters))
-            self._wake_stream_sent_waiters(lambda sid: closed or held[sid] == 0)
-
-    def _wake_stream_sent_waiters(self, sent: Callable[[int], bool]) -> None:
-        for sid in [sid for sid in self._stream_sent_waiters if sent(sid)]:
-            fut = self._stream_sent_waiters.pop(sid)
-            if not fut.done():
-                fut.set_result(None)
+        """Wake the writers the bytes drained since the last check release (all, once the session is over)."""
+        if self._send_buffer.has_waiters():
+            self._send_buffer.check(self.session.closed is not None)
 
     def is_writable(self) -> bool:
         """Unacknowledged bytes are below ``limits.max_send_buffer``: more may be written without waiting."""
-        return self.send_buffered() < self.limits.max_send_buffer
+        return self._send_buffer.is_writable()
 
     async def wait_writable(self) -> None:
         """Wait until unacknowledged bytes drop below ``limits.max_send_buffer``."""
-        if self.is_writable():
-            return
-        self._writable.clear()
-        await self._writable.wait()
+        await self._send_buffer.wait_writable()
 
     async def wait_send_buffer_empty(self) -> None:
         """Wait until every byte written to QUIC streams is acknowledged (or, with qh3, sent), or the
         session is over."""
-        if self.send_buffered() == 0 or self.session.closed is not None:
-            return
-        self._send_buffer_empty.clear()
-        await self._send_buffer_empty.wait()
-
-    # ---- requests we send
+        if self.session.closed is None:
+            await self._send_buffer.wait_empty()
 
     async def wait_stream_sent(self, stream_id: int) -> None:
         """Wait until every byte written to ``stream_id`` is acknowledged (or, with qh3, sent), or the
         session is over. A publisher ends a track with PUBLISH_DONE only then: the receiver waits for the
         track's streams just ``publish_done_timeout`` after PUBLISH_DONE, which must not have to cover
         bytes still queued behind a slow link."""
-        if self.session.closed is not None:
-            return
-        if self.stack.unsent_bytes(self._quic, [stream_id])[stream_id] == 0:
-            return
-        fut = self._stream_sent_waiters.get(stream_id)
-        if fut is None:
-            fut = self._stream_sent_waiters[stream_id] = asyncio.get_running_loop().create_future()
-        await asyncio.shield(fut)
+        if self.session.closed is None:
+            await self._send_buffer.wait_stream_sent(stream_id)
+
+    # ---- requests we send
 
     async def wait_setup(self) -> me.SetupCompleted:
         return await asyncio.wait_for(asyncio.shield(self._setup), self.limits.setup_timeout)
@@ -706,7 +476,7 @@ class MoqtConnection(_ProtocolBase):
             self._slots.release()
 
     def _cancel(self, request_id: int, code: StreamResetCode = StreamResetCode.CANCELLED) -> None:
-        self._streams.pop(request_id, None)
+        self.router.stop_delivering(request_id)
         if self.session.closed is None:
             with contextlib.suppress(Exception):  # the request may have ended meanwhile
                 self.run_action(self.session.cancel_request, request_id, code)
@@ -719,8 +489,7 @@ class MoqtConnection(_ProtocolBase):
             self._slots.release()
             raise
         self._register_slot(rid)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut
+        fut = self.router.expect_answer(rid)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -732,7 +501,7 @@ class MoqtConnection(_ProtocolBase):
     def _abandon(self, request_id: int) -> None:
         """The caller stopped waiting for an answer: cancel the request so the peer stops working on it
         and its late answer (or objects) is not buffered for nobody."""
-        self._pending.pop(request_id, None)
+        self.router.forget_answer(request_id)
         self._cancel(request_id)
 
     async def track_status(
@@ -780,13 +549,12 @@ class MoqtConnection(_ProtocolBase):
         try:
             rid: int = self.run_action(action, *args)
             if listener is not None:
-                self._namespace_listeners[rid] = listener
-            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            self._pending[rid] = fut
+                self.router.listen_namespaces(rid, listener)
+            fut = self.router.expect_answer(rid)
             try:
                 await fut
             except BaseException:
-                self._namespace_listeners.pop(rid, None)
+                self.router.stop_listening(rid)
                 raise
         finally:
             # The request stays open, but it does not hold a request slot.
@@ -824,8 +592,7 @@ class MoqtConnection(_ProtocolBase):
         self._register_slot(rid)
         sub = Subscription(self, rid)
         self.deliver_objects(rid, sub)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut
+        fut = self.router.expect_answer(rid)
         self._pump()
         self._transmit_soon()
         try:
@@ -849,8 +616,8 @@ class MoqtConnection(_ProtocolBase):
 
     def cancel_request(self, request_id: int, code: StreamResetCode = StreamResetCode.CANCELLED) -> None:
         """Abandon a request either side started (resets its streams); a no-op once it has ended."""
-        self._namespace_listeners.pop(request_id, None)
-        st = self._streams.get(request_id)
+        self.router.stop_listening(request_id)
+        st = self.router.objects(request_id)
         self._cancel(request_id, code)
         if st is not None:
             st._finish(None)
@@ -963,29 +730,25 @@ class MoqtConnection(_ProtocolBase):
         return f"session closed (code {code:#x}): {reason or 'no reason given'}"
 
 
+def _request_event(handler: Callable[[RequestRouter, Any], None]) -> Callable[[MoqtConnection, Any], None]:
+    """A ``RequestRouter`` handler as a row of ``_ROUTES``: run on the connection's router."""
+
+    def route(conn: MoqtConnection, ev: Any) -> None:
+        handler(conn.router, ev)
+
+    return route
+
+
 _ROUTES: dict[type[me.MoqtEvent], Callable[[MoqtConnection, Any], None]] = {
-    me.ObjectReceived: MoqtConnection._on_object,
+    **{kind: _request_event(handler) for kind, handler in RequestRouter.ROUTES.items()},
     **{kind: MoqtConnection._on_incoming_request for kind in INCOMING_REQUEST_TYPES},
     me.SetupCompleted: MoqtConnection._on_setup,
     me.SessionTerminated: MoqtConnection._on_terminated,
-    me.RequestErrorReceived: MoqtConnection._on_request_error,
-    me.FetchOkReceived: MoqtConnection._on_fetch_ok,
-    me.PublishDoneReceived: MoqtConnection._on_publish_done,
-    me.SubgroupClosed: MoqtConnection._on_subgroup_closed,
-    me.FetchCompleted: MoqtConnection._on_fetch_completed,
-    me.FetchStreamReset: MoqtConnection._on_fetch_stream_reset,
-    me.SubscribeOkReceived: MoqtConnection._on_subscribe_ok,
-    me.TrackStatusOkReceived: MoqtConnection._on_answer,
-    me.RequestOkReceived: MoqtConnection._on_answer,
-    me.PublishOkReceived: MoqtConnection._on_answer,
     me.RequestRefused: MoqtConnection._on_request_refused,
-    me.RequestCancelled: MoqtConnection._on_request_cancelled,
-    me.DataStreamStopped: MoqtConnection._on_data_stream_stopped,
-    me.NamespaceReceived: MoqtConnection._on_namespace,
-    me.NamespaceDoneReceived: MoqtConnection._on_namespace,
     me.GoawayReceived: MoqtConnection._on_goaway,
 }
-"""Session event kind -> its handler in ``MoqtConnection``; the rest go to ``other_events``."""
+"""Session event kind -> its handler: the session's own events here, each request's in ``RequestRouter``;
+an event of any other kind goes to ``other_events``."""
 
 
 @functools.cache

@@ -1,7 +1,7 @@
 """Opening MoQT connections: ``connect`` to a relay, ``serve`` as one, and process start-up tuning.
 
 Owns: resolving a peer URL (``kvnet.net.url``) and opening the client endpoint on the stack it and
-``TransportSettings.stack`` pick (``kvnet.net.registry.stack_for``), completing the handshake and the MoQT
+``TransportConfig.stack`` pick (``kvnet.net.registry.stack_for``), completing the handshake and the MoQT
 SETUP exchange (``connect``); the listening endpoint that runs one task per connection and shuts down
 with GOAWAY and a drain (``serve``, ``MoqtServer``). What differs between stacks is their
 ``kvnet.net.stack.Stack``'s ``open_client`` and ``listen``.
@@ -18,10 +18,11 @@ from collections.abc import Awaitable, Callable, Generator
 from types import TracebackType
 from typing import Any
 
-from kvnet.net.connection import ConnectionLimits, MoqtConnection, protocol_class
+from kvnet.net.config import TlsConfig, TransportConfig
+from kvnet.net.connection import MoqtConnection, protocol_class
 from kvnet.net.errors import ConnectionClosed, MoqtConnectionError
+from kvnet.net.limits import ConnectionLimits
 from kvnet.net.registry import get_stack, stack_for
-from kvnet.net.settings import TlsSettings, TransportSettings
 from kvnet.net.url import parse_moqt_url
 from proto.errors import SessionErrorCode
 from proto.session import SessionConfig
@@ -65,8 +66,8 @@ def freeze_startup_objects() -> None:
 
 def connect(
     url: str,
-    settings: TransportSettings | None = None,
-    tls: TlsSettings | None = None,
+    settings: TransportConfig | None = None,
+    tls: TlsConfig | None = None,
     session_config: SessionConfig | None = None,
     limits: ConnectionLimits | None = None,
     local_host: str | None = None,
@@ -75,8 +76,8 @@ def connect(
     (QMux over TLS/TCP), complete the transport's handshake and the MoQT SETUP exchange.
 
     ``local_host`` binds the client socket to that source address (the wildcard address by default)."""
-    settings = settings or TransportSettings()
-    tls = tls or TlsSettings()
+    settings = settings or TransportConfig()
+    tls = tls or TlsConfig()
     limits = limits or ConnectionLimits()
     target = parse_moqt_url(url)
 
@@ -168,8 +169,8 @@ class MoqtServer:
 async def serve(
     host: str,
     port: int,
-    settings: TransportSettings,
-    tls: TlsSettings,
+    settings: TransportConfig,
+    tls: TlsConfig,
     on_connection: Callable[[MoqtConnection], Awaitable[None]],
     session_config: SessionConfig | None = None,
     limits: ConnectionLimits | None = None,

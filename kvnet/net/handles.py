@@ -94,6 +94,11 @@ class _ObjectStream:
         """The session this request was sent on is over (the request did not end on its own)."""
         return self._conn.is_closed
 
+    @property
+    def queued_bytes(self) -> int:
+        """Payload bytes of the objects that arrived and were not read yet."""
+        return sum(len(ev.payload) for ev in self._objects if isinstance(ev, me.ObjectReceived))
+
     def __aiter__(self) -> AsyncIterator[me.ObjectReceived]:
         return self._iterate()
 

@@ -1,7 +1,7 @@
 """The qh3 stack (aioquic's asyncio API over a Rust core): its configuration and every adaptation of
 qh3's internals.
 
-Owns: qh3's configuration from ``TransportSettings`` (no congestion-control choice: its core picks one;
+Owns: qh3's configuration from ``TransportConfig`` (no congestion-control choice: its core picks one;
 ``max_datagram_size`` is the ceiling of its path-MTU probing), the per-connection patches (stream limits
 written into its native core and TLS bridge, sending the datagrams built before a packet it could not
 build), counting unsent bytes, and its client transport (batched receive with GRO). Its servers cannot
@@ -27,7 +27,7 @@ from qh3.quic import tls_bridge
 from qh3.quic.configuration import QuicConfiguration
 from qh3.quic.connection import QuicConnection, QuicConnectionError
 
-from kvnet.net.settings import MAX_DATAGRAM_SIZE_QH3, TransportSettings
+from kvnet.net.config import MAX_DATAGRAM_SIZE_QH3, TransportConfig
 from kvnet.net.stack import UdpStack
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def _set(module: Any, name: str, value: Any) -> None:
     setattr(module, name, value)
 
 
-def raise_stream_limits(quic: Any, settings: TransportSettings) -> None:
+def raise_stream_limits(quic: Any, settings: TransportConfig) -> None:
     """Grant the peer ``settings.max_streams_*`` concurrent streams before the handshake announces them.
     qh3 has no setting (100 bidirectional, 103 unidirectional) and hard-codes the limits twice, as
     literals: where it creates its native core (which enforces them) and where its TLS bridge builds the
@@ -137,17 +137,7 @@ def send_datagrams_built_before_a_failed_build(quic: Any) -> None:
 class Qh3Stack(UdpStack):
     """qh3 behind ``kvnet.net.stack.Stack``."""
 
-    def base_configuration(self, settings: TransportSettings, is_client: bool) -> Any:
-        return QuicConfiguration(
-            is_client=is_client,
-            alpn_protocols=[self.alpn],
-            max_datagram_size=settings.datagram_size,
-            max_data=settings.max_data,
-            max_stream_data=settings.max_stream_data,
-            idle_timeout=settings.idle_timeout,
-        )
-
-    def prepare_connection(self, protocol: Any, settings: TransportSettings, *, verify_client: bool) -> None:
+    def prepare_connection(self, protocol: Any, settings: TransportConfig, *, verify_client: bool) -> None:
         raise_stream_limits(protocol._quic, settings)
         send_datagrams_built_before_a_failed_build(protocol._quic)
 
@@ -156,7 +146,7 @@ class Qh3Stack(UdpStack):
         return {sid: int(quic.get_send_buffer_size(sid)) for sid in stream_ids}
 
     async def open_datagram_endpoint(
-        self, sock: socket.socket, make_protocol: Callable[[], Any], settings: TransportSettings
+        self, sock: socket.socket, make_protocol: Callable[[], Any], settings: TransportConfig
     ) -> tuple[Any, Any]:
         # qh3's own client transport: batched reads with GRO (``datagrams_received``).
         loop = asyncio.get_running_loop()

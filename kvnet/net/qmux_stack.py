@@ -2,9 +2,9 @@
 (draft-ietf-quic-qmux, the sans-I/O ``proto.qmux_connection.QMuxConnection``), on the standard library's
 ``ssl`` and asyncio.
 
-Owns: the TLS contexts built from ``TlsSettings`` (TLS 1.3 only, ALPN ``ALPN_MOQT_QMUX``, server
+Owns: the TLS contexts built from ``TlsConfig`` (TLS 1.3 only, ALPN ``ALPN_MOQT_QMUX``, server
 verification on, mutual TLS when the server requires client certificates), the QMux configuration from
-``TransportSettings`` (flow-control windows, stream limits, idle timeout; records of up to 1 MiB),
+``TransportConfig`` (flow-control windows, stream limits, idle timeout; records of up to 1 MiB),
 ``QMuxProtocol`` (the I/O shell shaped like aioquic's ``QuicConnectionProtocol``, so ``MoqtConnection``
 has one code path), and the client and listening endpoints. URLs ``moqt+qmux://HOST:PORT`` pick it
 (``kvnet.net.url.SCHEMES``).
@@ -41,9 +41,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kvnet.net.settings import TlsSettings, TransportSettings
+from kvnet.net.config import TlsConfig, TransportConfig
 from kvnet.net.sockets import apply_socket_buffers, tcp_server_sockets
-from kvnet.net.stack import ProtocolFactory, Stack
+from kvnet.net.stack import ProtocolFactory, Stack, arm_timer
 from proto import qmux_events
 from proto.qmux_connection import QMuxConfiguration, QMuxConnection
 from proto.qmux_events import ConnectionTerminated, HandshakeCompleted, PingAcknowledged
@@ -79,7 +79,7 @@ class QMuxTlsConfiguration:
 
     qmux: QMuxConfiguration
     ssl_context: ssl.SSLContext
-    settings: TransportSettings
+    settings: TransportConfig
     server_name: str | None = None
     """Clients: the name the server's certificate must carry."""
     local_host: str | None = None
@@ -253,16 +253,7 @@ class QMuxProtocol(asyncio.BufferedProtocol):
                 transport.write(data)
             if quic.finished:
                 transport.close()
-        self._arm_timer()
-
-    def _arm_timer(self) -> None:
-        timer_at = self._quic.get_timer()
-        if self._timer is not None and self._timer_at != timer_at:
-            self._timer.cancel()
-            self._timer = None
-        if self._timer is None and timer_at is not None:
-            self._timer = self._loop.call_at(timer_at, self._handle_timer)
-        self._timer_at = timer_at
+        arm_timer(self)
 
     def _handle_timer(self) -> None:
         self._timer = None
@@ -347,7 +338,7 @@ class ClientTransport:
 # -------------------------------------------------------------------------------- TLS
 
 
-def client_ssl_context(tls: TlsSettings, alpn: str) -> ssl.SSLContext:
+def client_ssl_context(tls: TlsConfig, alpn: str) -> ssl.SSLContext:
     """TLS 1.3 client context: ALPN ``alpn``, the server verified against ``tls.ca_file`` (or
     ``ca_pem``) and its name checked, unless ``insecure_skip_verify``; our certificate for mutual TLS."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -371,7 +362,7 @@ def client_ssl_context(tls: TlsSettings, alpn: str) -> ssl.SSLContext:
     return ctx
 
 
-def server_ssl_context(tls: TlsSettings, alpn: str) -> ssl.SSLContext:
+def server_ssl_context(tls: TlsConfig, alpn: str) -> ssl.SSLContext:
     """TLS 1.3 server context: our certificate, ALPN ``alpn``; with ``require_client_cert`` the client's
     certificate is required and must chain to ``tls.ca_file`` (checked by OpenSSL in the handshake)."""
     if tls.cert_file is None:
@@ -381,13 +372,13 @@ def server_ssl_context(tls: TlsSettings, alpn: str) -> ssl.SSLContext:
     ctx.set_alpn_protocols([alpn])
     ctx.load_cert_chain(str(tls.cert_file), None if tls.key_file is None else str(tls.key_file))
     if tls.require_client_cert:
-        assert tls.ca_file is not None  # TlsSettings requires it
+        assert tls.ca_file is not None  # TlsConfig requires it
         ctx.verify_mode = ssl.CERT_REQUIRED
         ctx.load_verify_locations(cafile=str(tls.ca_file))
     return ctx
 
 
-def qmux_configuration(settings: TransportSettings, is_client: bool) -> QMuxConfiguration:
+def qmux_configuration(settings: TransportConfig, is_client: bool) -> QMuxConfiguration:
     """What one side grants its peer, from ``settings``: the QUIC stacks' windows, stream limits and idle
     timeout, and records of up to ``_MAX_RECORD_SIZE``."""
     return QMuxConfiguration(
@@ -411,12 +402,12 @@ def qmux_configuration(settings: TransportSettings, is_client: bool) -> QMuxConf
 class QMuxStack(Stack):
     """QMux over TLS 1.3 over TCP behind ``kvnet.net.stack.Stack``."""
 
-    def base_configuration(self, settings: TransportSettings, is_client: bool) -> Any:
+    def base_configuration(self, settings: TransportConfig, is_client: bool) -> Any:
         """The QMux core's configuration; TLS is the ssl context's (``client_configuration``)."""
         return qmux_configuration(settings, is_client=is_client)
 
     def client_configuration(
-        self, settings: TransportSettings, tls: TlsSettings, server_name: str | None = None
+        self, settings: TransportConfig, tls: TlsConfig, server_name: str | None = None
     ) -> Any:
         return QMuxTlsConfiguration(
             qmux=self.base_configuration(settings, is_client=True),
@@ -424,7 +415,7 @@ class QMuxStack(Stack):
             server_name=tls.server_name or server_name,
         )
 
-    def server_configuration(self, settings: TransportSettings, tls: TlsSettings) -> Any:
+    def server_configuration(self, settings: TransportConfig, tls: TlsConfig) -> Any:
         return QMuxTlsConfiguration(
             qmux=self.base_configuration(settings, is_client=False),
             ssl_context=server_ssl_context(tls, self.alpn), settings=settings,
@@ -448,7 +439,7 @@ class QMuxStack(Stack):
         return quic.close_event
 
     async def open_client(
-        self, settings: TransportSettings, configuration: Any, family: int, local_host: str | None,
+        self, settings: TransportConfig, configuration: Any, family: int, local_host: str | None,
         protocol_factory: ProtocolFactory,
     ) -> tuple[Any, Any]:
         configuration.local_host = local_host
@@ -456,7 +447,7 @@ class QMuxStack(Stack):
         return ClientTransport(protocol), protocol
 
     async def listen(
-        self, host: str, port: int, settings: TransportSettings, configuration: Any,
+        self, host: str, port: int, settings: TransportConfig, configuration: Any,
         create_protocol: Callable[..., Any], *, sock: socket.socket | None, max_connections: int,
     ) -> tuple[Any, tuple[str, int]]:
         loop = asyncio.get_running_loop()
@@ -473,7 +464,7 @@ class QMuxStack(Stack):
         return server, (name[0], name[1])
 
     def server_sockets(
-        self, host: str, port: int, count: int, settings: TransportSettings
+        self, host: str, port: int, count: int, settings: TransportConfig
     ) -> list[socket.socket]:
         return tcp_server_sockets(host, port, count, settings)
 

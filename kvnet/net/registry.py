@@ -17,7 +17,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from kvnet.net.settings import STACKS, TlsSettings, TransportSettings
+from kvnet.net.config import STACKS, TlsConfig, TransportConfig
 from kvnet.net.stack import Stack
 from kvnet.net.url import QUIC, MoqtUrl
 
@@ -57,26 +57,26 @@ def get_stack(name: str) -> Stack:
     return stack
 
 
-def stack_for(url: MoqtUrl, settings: TransportSettings) -> Stack:
+def stack_for(url: MoqtUrl, settings: TransportConfig) -> Stack:
     """The stack a connection to ``url`` runs on: ``settings.stack`` for QUIC (``moqt://``), else the
     stack named by the URL's transport family."""
     return get_stack(settings.stack if url.transport == QUIC else url.transport)
 
 
 def client_configuration(
-    settings: TransportSettings, tls: TlsSettings, server_name: str | None = None
+    settings: TransportConfig, tls: TlsConfig, server_name: str | None = None
 ) -> Any:
     """Client configuration for ``settings.stack`` (``Stack.client_configuration``)."""
     return get_stack(settings.stack).client_configuration(settings, tls, server_name)
 
 
-def server_configuration(settings: TransportSettings, tls: TlsSettings) -> Any:
+def server_configuration(settings: TransportConfig, tls: TlsConfig) -> Any:
     """Server configuration for ``settings.stack`` (``Stack.server_configuration``); raises ``ValueError``
     when the stack cannot do what ``tls`` asks."""
     return get_stack(settings.stack).server_configuration(settings, tls)
 
 
-def server_sockets(host: str, port: int, count: int, settings: TransportSettings) -> list[socket.socket]:
+def server_sockets(host: str, port: int, count: int, settings: TransportConfig) -> list[socket.socket]:
     """``count`` sockets bound to one ``host:port`` for ``settings.stack``'s servers in separate processes
     (``Stack.server_sockets``; refused for a stack that binds its own socket)."""
     return get_stack(settings.stack).server_sockets(host, port, count, settings)

@@ -1,6 +1,6 @@
 """The sockets kvnet opens itself: buffer sizing, a client's UDP socket, a group of UDP server sockets.
 
-Owns: ``apply_socket_buffers`` (SO_RCVBUF/SO_SNDBUF from ``TransportSettings``, any socket), the UDP
+Owns: ``apply_socket_buffers`` (SO_RCVBUF/SO_SNDBUF from ``TransportConfig``, any socket), the UDP
 sockets of the stacks that leave the socket to kvnet (``kvnet.net.stack.UdpStack``): one bound client
 socket per connection, and ``count`` server sockets sharing one port with ``SO_REUSEPORT``; and the same
 group of listening TCP sockets for the QMux stack (``tcp_server_sockets``).
@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import socket
 
-from kvnet.net.settings import TransportSettings
+from kvnet.net.config import TransportConfig
 
 logger = logging.getLogger(__name__)
 
 
 def apply_socket_buffers(
-    transport_socket: socket.socket | None, settings: TransportSettings
+    transport_socket: socket.socket | None, settings: TransportConfig
 ) -> tuple[int, int] | None:
     """Set SO_RCVBUF/SO_SNDBUF and return the sizes in effect (getsockopt: the kernel doubles what it
     grants). Unprivileged processes are capped at net.core.{r,w}mem_max, so try the FORCE variants
@@ -52,7 +52,7 @@ def apply_socket_buffers(
             transport_socket.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
 
 
-def udp_client_socket(settings: TransportSettings, family: int, local_host: str | None) -> socket.socket:
+def udp_client_socket(settings: TransportConfig, family: int, local_host: str | None) -> socket.socket:
     """The bound UDP socket a client connection sends from (on ``local_host``, else the wildcard
     address)."""
     sock = socket.socket(family, socket.SOCK_DGRAM)
@@ -66,7 +66,7 @@ def udp_client_socket(settings: TransportSettings, family: int, local_host: str 
     return sock
 
 
-def udp_server_sockets(host: str, port: int, count: int, settings: TransportSettings) -> list[socket.socket]:
+def udp_server_sockets(host: str, port: int, count: int, settings: TransportConfig) -> list[socket.socket]:
     """``count`` UDP sockets bound to one ``host:port`` (port 0: the first chooses, the rest join it), for
     servers in separate processes (``relay.workers``). With more than one, each has ``SO_REUSEPORT``: the
     kernel hashes a datagram's 4-tuple to one socket of the group, so a QUIC connection stays with one
@@ -90,7 +90,7 @@ def udp_server_sockets(host: str, port: int, count: int, settings: TransportSett
     return sockets
 
 
-def tcp_server_sockets(host: str, port: int, count: int, settings: TransportSettings) -> list[socket.socket]:
+def tcp_server_sockets(host: str, port: int, count: int, settings: TransportConfig) -> list[socket.socket]:
     """``count`` listening TCP sockets bound to one ``host:port`` (port 0: the first chooses, the rest join
     it), for servers in separate processes (``relay.workers``). With more than one, each has
     ``SO_REUSEPORT``: the kernel spreads new connections over the group, and a connection stays with the

@@ -2,11 +2,13 @@
 endpoints have one code path for every stack.
 
 Owns: ``Stack``, the description and hooks of one stack (its configuration, connection and protocol
-classes and events; building its client and server configuration from ``TransportSettings`` and
-``TlsSettings``; the per-connection adaptations it needs; counting unsent bytes; opening a client
-endpoint and a listening one), and ``UdpStack``, what the stacks that leave the UDP socket to kvnet
-(aioquic, qh3) share. One module per stack implements it (``kvnet.net.aioquic_stack``,
-``kvnet.net.qh3_stack``, ``kvnet.net.aiopquic_stack``); ``kvnet.net.registry`` names them.
+classes and events; building its client and server configuration from ``TransportConfig`` and
+``TlsConfig``; the per-connection adaptations it needs; counting unsent bytes; opening a client
+endpoint and a listening one), ``UdpStack``, what the stacks that leave the UDP socket to kvnet
+(aioquic, qh3) share, their base configuration among it, and ``arm_timer``, aioquic's timer re-arming
+for the protocols that arm it outside aioquic's transmit (kvnet's aioquic protocol, QMux's). One module
+per stack implements it (``kvnet.net.aioquic_stack``, ``kvnet.net.qh3_stack``,
+``kvnet.net.aiopquic_stack``); ``kvnet.net.registry`` names them.
 
 What a stack's connection object must offer (``MoqtConnection`` and ``proto.session.MoqtSession`` call
 only these, aioquic's ``QuicConnection`` API): ``send_stream_data``, ``reset_stream``, ``stop_stream``,
@@ -50,7 +52,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from kvnet.net.settings import TlsSettings, TransportSettings
+from kvnet.net.config import TlsConfig, TransportConfig
 from kvnet.net.sockets import apply_socket_buffers, udp_client_socket, udp_server_sockets
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,19 @@ ALPN_MOQT = "moqt-18"
 
 ProtocolFactory = Callable[[Any], Any]
 """Makes the protocol (a ``MoqtConnection``) for a new stack connection object."""
+
+
+def arm_timer(protocol: Any) -> None:
+    """Re-arm a protocol's connection timer as aioquic's ``QuicConnectionProtocol.transmit()`` does: to
+    the connection's ``get_timer()``, calling ``protocol._handle_timer`` then. For protocols shaped like
+    aioquic's (``_quic``, ``_loop``, ``_timer``, ``_timer_at``) that arm it outside aioquic's transmit."""
+    timer_at = protocol._quic.get_timer()
+    if protocol._timer is not None and protocol._timer_at != timer_at:
+        protocol._timer.cancel()
+        protocol._timer = None
+    if protocol._timer is None and timer_at is not None:
+        protocol._timer = protocol._loop.call_at(timer_at, protocol._handle_timer)
+    protocol._timer_at = timer_at
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,11 +99,11 @@ class Stack(ABC):
     can_request_client_certificate: bool = False
     keeps_alive_itself: bool = False
     """The stack sends keep-alive PINGs itself (aiopquic: picoquic's keep-alive, configured from
-    ``TransportSettings.keepalive_interval``) and has no ``send_ping`` for ``kvnet.net.connection``."""
+    ``TransportConfig.keepalive_interval``) and has no ``send_ping`` for ``kvnet.net.connection``."""
     binds_own_socket: bool = False
     """The stack opens and closes its sockets itself (aiopquic): no socket can be given to it."""
     accepts_ca_pem: bool = True
-    """Clients can verify servers against a CA held in memory (``TlsSettings.ca_pem``)."""
+    """Clients can verify servers against a CA held in memory (``TlsConfig.ca_pem``)."""
     alpn: str = ALPN_MOQT
     socket_type: int = socket.SOCK_DGRAM
     """What a peer's address is resolved for: UDP for QUIC, TCP for a byte-stream transport."""
@@ -96,11 +111,11 @@ class Stack(ABC):
     # ---- configuration
 
     @abstractmethod
-    def base_configuration(self, settings: TransportSettings, is_client: bool) -> Any:
+    def base_configuration(self, settings: TransportConfig, is_client: bool) -> Any:
         """The stack's configuration object for ``settings``, without TLS material."""
 
     def client_configuration(
-        self, settings: TransportSettings, tls: TlsSettings, server_name: str | None = None
+        self, settings: TransportConfig, tls: TlsConfig, server_name: str | None = None
     ) -> Any:
         """Client configuration: ALPN ``alpn``, TLS 1.3, server verification on."""
         if tls.ca_pem is not None and not self.accepts_ca_pem:
@@ -114,7 +129,7 @@ class Stack(ABC):
             config.load_cert_chain(str(tls.cert_file), None if tls.key_file is None else str(tls.key_file))
         return config
 
-    def server_configuration(self, settings: TransportSettings, tls: TlsSettings) -> Any:
+    def server_configuration(self, settings: TransportConfig, tls: TlsConfig) -> Any:
         """Server configuration. Raises ``ValueError`` when the stack cannot do what ``tls`` asks
         (qh3 and aiopquic cannot request client certificates)."""
         if tls.require_client_cert and not self.can_request_client_certificate:
@@ -133,7 +148,7 @@ class Stack(ABC):
     # ---- one connection
 
     def prepare_connection(  # noqa: B027 (a default that does nothing: stacks that need no adapting)
-        self, protocol: Any, settings: TransportSettings, *, verify_client: bool
+        self, protocol: Any, settings: TransportConfig, *, verify_client: bool
     ) -> None:
         """Adapt a new connection (``protocol`` and its connection object ``protocol._quic``) to
         ``settings`` before its handshake (stream limits, datagram size); ``verify_client``: a server
@@ -164,7 +179,7 @@ class Stack(ABC):
 
     @abstractmethod
     async def open_client(
-        self, settings: TransportSettings, configuration: Any, family: int, local_host: str | None,
+        self, settings: TransportConfig, configuration: Any, family: int, local_host: str | None,
         protocol_factory: ProtocolFactory,
     ) -> tuple[Any, Any]:
         """The client transport and the protocol ``protocol_factory(connection)`` made for a new
@@ -173,7 +188,7 @@ class Stack(ABC):
 
     @abstractmethod
     async def listen(
-        self, host: str, port: int, settings: TransportSettings, configuration: Any,
+        self, host: str, port: int, settings: TransportConfig, configuration: Any,
         create_protocol: Callable[..., Any], *, sock: socket.socket | None, max_connections: int,
     ) -> tuple[Any, tuple[str, int]]:
         """A listening server on ``host:port`` (or on ``sock``, bound beforehand by ``server_sockets``)
@@ -181,14 +196,14 @@ class Stack(ABC):
         listens on."""
 
     def server_sockets(
-        self, host: str, port: int, count: int, settings: TransportSettings
+        self, host: str, port: int, count: int, settings: TransportConfig
     ) -> list[socket.socket]:
         """``count`` sockets bound to one ``host:port`` for servers in separate processes
         (``relay.workers``)."""
         raise ValueError(f"QUIC stack {self.name} binds its own socket: it cannot serve on a shared port")
 
 
-def _apply_client_verification(config: Any, tls: TlsSettings) -> None:
+def _apply_client_verification(config: Any, tls: TlsConfig) -> None:
     """Server-certificate verification of a client configuration: on, against ``tls.ca_file`` (or
     ``ca_pem``), unless ``insecure_skip_verify`` is set, which is logged every time."""
     if tls.insecure_skip_verify:
@@ -215,6 +230,17 @@ class UdpStack(Stack):
     server_class: type | None = None
     """The stack's asyncio ``QuicServer``, for serving on a socket bound beforehand."""
 
+    def base_configuration(self, settings: TransportConfig, is_client: bool) -> Any:
+        # aioquic and qh3 share these configuration fields; a stack adds what only it has.
+        return self.QuicConfiguration(
+            is_client=is_client,
+            alpn_protocols=[self.alpn],
+            max_datagram_size=settings.datagram_size,
+            max_data=settings.max_data,
+            max_stream_data=settings.max_stream_data,
+            idle_timeout=settings.idle_timeout,
+        )
+
     def peer_address(self, quic: Any) -> tuple[str, int] | None:
         # aioquic keeps it in the network paths, qh3 as the remote address.
         paths = getattr(quic, "_network_paths", None)
@@ -222,7 +248,7 @@ class UdpStack(Stack):
         return (addr[0], addr[1]) if addr else None
 
     async def open_client(
-        self, settings: TransportSettings, configuration: Any, family: int, local_host: str | None,
+        self, settings: TransportConfig, configuration: Any, family: int, local_host: str | None,
         protocol_factory: ProtocolFactory,
     ) -> tuple[Any, Any]:
         sock = udp_client_socket(settings, family, local_host)
@@ -235,13 +261,13 @@ class UdpStack(Stack):
             raise
 
     async def open_datagram_endpoint(
-        self, sock: socket.socket, make_protocol: Callable[[], Any], settings: TransportSettings
+        self, sock: socket.socket, make_protocol: Callable[[], Any], settings: TransportConfig
     ) -> tuple[Any, Any]:
         """A client's datagram transport over ``sock`` and its protocol."""
         return await asyncio.get_running_loop().create_datagram_endpoint(make_protocol, sock=sock)
 
     async def listen(
-        self, host: str, port: int, settings: TransportSettings, configuration: Any,
+        self, host: str, port: int, settings: TransportConfig, configuration: Any,
         create_protocol: Callable[..., Any], *, sock: socket.socket | None, max_connections: int,
     ) -> tuple[Any, tuple[str, int]]:
         if sock is not None:
@@ -262,6 +288,6 @@ class UdpStack(Stack):
         return server, (name[0], name[1])
 
     def server_sockets(
-        self, host: str, port: int, count: int, settings: TransportSettings
+        self, host: str, port: int, count: int, settings: TransportConfig
     ) -> list[socket.socket]:
         return udp_server_sockets(host, port, count, settings)

@@ -2,7 +2,7 @@
 
 Owns: parsing and checking a peer URL (``parse_moqt_url``) into ``MoqtUrl`` and the table of accepted
 schemes (``SCHEMES``). The scheme picks the transport family: ``moqt://`` is MoQT over QUIC, on the stack
-``TransportSettings.stack`` names; another family (a byte-stream transport) is one more row of
+``TransportConfig.stack`` names; another family (a byte-stream transport) is one more row of
 ``SCHEMES`` plus its stack module in ``kvnet.net.registry``.
 """
 
@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 DEFAULT_PORT = 4443
 QUIC = "quic"
-"""The transport family of ``moqt://``: QUIC, on the stack ``TransportSettings.stack`` names."""
+"""The transport family of ``moqt://``: QUIC, on the stack ``TransportConfig.stack`` names."""
 
 QMUX = "qmux"
 """The transport family of ``moqt+qmux://``: MoQT over QMux over TLS 1.3 over TCP

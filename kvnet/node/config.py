@@ -13,21 +13,33 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvnet.blocks.signing import Signer, SigningError, TrustStore, generate_keypair, load_signer
+from kvnet.config import size_arg
+from kvnet.exchange.abr import QUALITY_ORDER
+from kvnet.exchange.config import (
+    CORES_PER_FETCH_CONNECTION,
+    DEFAULT_FETCH_CONNECTIONS,
+    DEFAULT_VERIFY_WORKERS,
+    DEFAULT_WINDOW_BYTES,
+    MAX_AUTO_FETCH_CONNECTIONS,
+    MAX_AUTO_VERIFY_WORKERS,
+    MAX_FETCH_CONNECTIONS,
+    RelayPeerConfig,
+    auto_fetch_connections,
+    auto_verify_workers,
+    check_fetch_settings,
+)
 from kvnet.logs import add_log_arguments
 from kvnet.model.defaults import DEFAULT_MAX_RUNNING_SEQUENCES, DEFAULT_PREFILL_CHUNK, PRESET_NAMES
 from kvnet.model.registry import MODELS, is_registered
-from kvnet.net.settings import DATAGRAM_SIZE_ETHERNET, DEFAULT_STACK, LINK_PRESETS, TransportSettings
+from kvnet.net.config import DATAGRAM_SIZE_ETHERNET, DEFAULT_STACK, LINK_PRESETS, TlsConfig, TransportConfig
 from kvnet.net.url import parse_moqt_url
-from kvnet.node.abr import QUALITY_ORDER
 from kvnet.security.certs import check_tls_files
+from kvnet.security.signing import Signer, SigningError, TrustStore, generate_keypair, load_signer
 from kvnet.security.tenancy import NodeSecret, TenancyError
 from kvnet.security.tokens import read_token_file
-from kvnet.settings import size_arg
 from proto.kvobject import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -45,31 +57,6 @@ DEFAULT_MODEL = "smollm2"
 """The trained model every node command runs unless told otherwise (``--model``)."""
 DTYPE_NAMES = sorted(DTYPES)
 """``--dtype`` values: the element dtypes a KV block can carry (``kvnet.dtypes.DTYPE_BY_NAME``'s names)."""
-DEFAULT_WINDOW_BYTES = 4 << 20
-"""Raw block bytes a fetch keeps requested ahead of the block being loaded (``kvnet.node.fetching``)."""
-MAX_VERIFY_WORKERS = 64
-MAX_AUTO_VERIFY_WORKERS = 8
-"""Most threads ``auto_verify_workers`` picks: at the per-core rate measured here (~400 MB/s of raw KV
-for lossless) 8 would take in ~3 GB/s, past the 1.8 GB/s a GPU's prefill needs, if the Python between
-the GIL-free calls lets them (not measured on a many-core host yet)."""
-
-
-def auto_verify_workers(cores: int | None = None) -> int:
-    """Verify threads for a host with ``cores`` usable cores (None: this process's): every core but two,
-    one for the event loop's network work and one for the node's model, at most
-    ``MAX_AUTO_VERIFY_WORKERS``. 0 on 2 cores, where the pool measured no faster than the event loop
-    (docs/performance.md, "Verify and decode off the event loop")."""
-    if cores is None:
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:  # not on Linux
-            cores = os.cpu_count() or 1
-    return max(0, min(cores - 2, MAX_AUTO_VERIFY_WORKERS))
-
-
-DEFAULT_VERIFY_WORKERS = auto_verify_workers()
-"""Threads that check digests and decode layers during a fetch (``kvnet.node.fetching``), sized to this
-host's cores; 0 does it on the event loop."""
 
 
 class RelayUnreachableError(Exception):
@@ -124,7 +111,7 @@ class NodeConfig:
     store_bytes: int = 512 << 20
     """Byte budget of the publisher-side block store."""
     cache_dir: Path | None = None
-    """Persistent tier of the block store (``kvnet.blocks.disk``): blocks are also kept here and served
+    """Persistent tier of the block store (``kvnet.storage.disk``): blocks are also kept here and served
     after a restart. None: memory only."""
     cache_dir_bytes: int = 1 << 30
     """Most bytes of block files kept in ``cache_dir``."""
@@ -140,17 +127,22 @@ class NodeConfig:
     """On every new relay session (a restarted relay starts empty), push again up to this many bytes of
     the block store's most recently used blocks that the relay cannot serve, in the background; 0: off."""
     fetch_window_bytes: int = DEFAULT_WINDOW_BYTES
-    """Raw block bytes requested ahead during a fetch (``kvnet.node.fetching``: a few MB keeps loopback and
-    LAN links busy without interleaving every block's delivery)."""
+    """Raw block bytes requested ahead during a fetch (``kvnet.exchange.fetching``: a few MB keeps loopback
+    and LAN links busy without interleaving every block's delivery)."""
     fetch_verify_workers: int = DEFAULT_VERIFY_WORKERS
     """Threads that check digests and decode fetched layers while the event loop keeps reading the network
     (0: on the event loop); by default sized to the host's cores
     (``auto_verify_workers``)."""
+    fetch_connections: int = DEFAULT_FETCH_CONNECTIONS
+    """Relay sessions a fetch's blocks are split over (``kvnet.exchange.striping``): the node's session, which
+    also serves its blocks, and ``fetch_connections - 1`` fetch-only sessions opened with it, each
+    verifying its own blocks (with ``fetch_verify_workers`` threads each); at most
+    ``MAX_FETCH_CONNECTIONS``; by default sized to the host's cores (``auto_fetch_connections``)."""
     request_timeout: float = 10.0
     """Seconds to wait for one locate or fetch before giving up (and recomputing)."""
     fetch_margin: float = 1.0
     """Seconds a fetch may cost beyond the recompute time of the blocks it delivered; past that it is
-    abandoned and the rest recomputed (``kvnet.node.abr.FetchDeadline``)."""
+    abandoned and the rest recomputed (``kvnet.exchange.abr.FetchDeadline``)."""
     prior_throughput_bps: float = 100e6
     """ABR throughput prior (bytes/s) before anything was measured."""
     abr_mode: str = "auto"
@@ -203,12 +195,7 @@ class NodeConfig:
             raise ValueError(f"republish_bytes must not be negative, got {self.republish_bytes}")
         if self.cache_dir_bytes <= 0:
             raise ValueError(f"cache_dir_bytes must be positive, got {self.cache_dir_bytes}")
-        if self.fetch_window_bytes <= 0:
-            raise ValueError(f"fetch_window_bytes must be positive, got {self.fetch_window_bytes}")
-        if not 0 <= self.fetch_verify_workers <= MAX_VERIFY_WORKERS:
-            raise ValueError(
-                f"fetch_verify_workers must be in [0, {MAX_VERIFY_WORKERS}], got {self.fetch_verify_workers}"
-            )
+        check_fetch_settings(self.fetch_window_bytes, self.fetch_verify_workers, self.fetch_connections)
         if self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be positive, got {self.request_timeout}")
         if not 0.3 <= self.relay_idle_timeout <= 3600:
@@ -227,7 +214,7 @@ class NodeConfig:
             raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        self.transport_settings  # noqa: B018 (validates stack and datagram size, naming the field)
+        self.transport_config  # noqa: B018 (validates stack and datagram size, naming the field)
         if self.tenant != DEFAULT_TENANT and self.node_secret is None:
             # Different tenants must never share a chain root: that takes a salt, hence a node secret.
             raise ValueError("tenant: a tenant other than the default needs --node-secret (salted hashes)")
@@ -236,15 +223,29 @@ class NodeConfig:
 
 
     @property
-    def transport_settings(self) -> TransportSettings:
-        """QUIC settings of the relay session (``TransportSettings.for_ethernet`` on 1500-byte paths), with
+    def transport_config(self) -> TransportConfig:
+        """QUIC settings of the relay session (``TransportConfig.for_ethernet`` on 1500-byte paths), with
         ``relay_idle_timeout`` and a keep-alive PING every third of it."""
         if self.max_datagram_size == DATAGRAM_SIZE_ETHERNET:
-            settings = TransportSettings.for_ethernet(self.quic_stack)
+            settings = TransportConfig.for_ethernet(self.quic_stack)
         else:
-            settings = TransportSettings(max_datagram_size=self.max_datagram_size, stack=self.quic_stack)
+            settings = TransportConfig(max_datagram_size=self.max_datagram_size, stack=self.quic_stack)
         return dataclasses.replace(
             settings, idle_timeout=self.relay_idle_timeout, keepalive_interval=self.relay_idle_timeout / 3
+        )
+
+    def relay_peer_config(self, relay_url: str | None = None) -> RelayPeerConfig:
+        """What this node's relay session is set up with, to ``relay_url`` instead of ``self.relay_url``
+        where given (a GOAWAY's New Session URI)."""
+        url = relay_url or self.relay_url
+        if url is None:
+            raise ValueError("relay_url: a relay session needs the relay's URL")
+        return RelayPeerConfig(
+            relay_url=url,
+            tls=TlsConfig(ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file),
+            transport=self.transport_config, token_file=self.token_file, request_timeout=self.request_timeout,
+            trust_any=self.trust_any, fetch_window_bytes=self.fetch_window_bytes,
+            fetch_verify_workers=self.fetch_verify_workers, fetch_connections=self.fetch_connections,
         )
 
 
@@ -266,6 +267,20 @@ def verify_workers_arg(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a thread count or 'auto', got {text!r}") from None
+
+
+def fetch_connections_arg(text: str) -> int:
+    """``--fetch-connections``: a session count in [1, ``MAX_FETCH_CONNECTIONS``], or ``auto``
+    (``auto_fetch_connections``)."""
+    if text.strip() == "auto":
+        return auto_fetch_connections()
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a session count or 'auto', got {text!r}") from None
+    if not 1 <= count <= MAX_FETCH_CONNECTIONS:
+        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_FETCH_CONNECTIONS}], got {count}")
+    return count
 
 
 def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool) -> None:
@@ -372,6 +387,12 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
         help=f"threads that verify and decode fetched layers (0: on the event loop; auto: every core but "
              f"two, at most {MAX_AUTO_VERIFY_WORKERS}; default auto, {DEFAULT_VERIFY_WORKERS} on this host)",
     )
+    k.add_argument(
+        "--fetch-connections", type=fetch_connections_arg, default=DEFAULT_FETCH_CONNECTIONS, metavar="N",
+        help=f"relay sessions one request's blocks are split over, each verifying its own (at most "
+             f"{MAX_FETCH_CONNECTIONS}; auto: one per {CORES_PER_FETCH_CONNECTION} cores, at most "
+             f"{MAX_AUTO_FETCH_CONNECTIONS}; default auto, {DEFAULT_FETCH_CONNECTIONS} on this host)",
+    )
     k.add_argument("--timeout", type=float, default=10.0, help="seconds per locate/fetch before recompute")
     k.add_argument(
         "--fetch-margin", type=float, default=1.0,
@@ -419,6 +440,7 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         republish_bytes=args.republish_bytes,
         fetch_window_bytes=args.fetch_window,
         fetch_verify_workers=args.fetch_verify_workers,
+        fetch_connections=args.fetch_connections,
         request_timeout=args.timeout,
         fetch_margin=args.fetch_margin,
         prior_throughput_bps=args.assume_throughput,

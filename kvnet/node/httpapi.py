@@ -108,13 +108,13 @@ class CompletionBackend(Protocol):
     model_name: str
     max_context_tokens: int
 
-    def encode_text(self, text: str) -> list[int]: ...
+    def tokenize(self, text: str) -> list[int]: ...
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a chat rendered with the model's template; ``ChatUnsupportedError`` without one."""
         ...
 
-    def decode(self, token_ids: Sequence[int]) -> str: ...
+    def detokenize(self, token_ids: Sequence[int]) -> str: ...
 
     def validate_token_ids(self, token_ids: Sequence[int]) -> None:
         """``ValueError`` naming the first id outside the vocabulary."""
@@ -145,7 +145,7 @@ class CompletionBackend(Protocol):
 
 
 @dataclass(frozen=True)
-class ApiSettings:
+class ApiConfig:
     """Limits and identity of the HTTP API."""
 
     served_model_name: str | None = None
@@ -448,9 +448,9 @@ class QueuedTicket:
 class OpenAiApi:
     """Routes of the node's HTTP API over a ``CompletionBackend``; ``app`` is the ASGI application."""
 
-    def __init__(self, backend: CompletionBackend, settings: ApiSettings | None = None) -> None:
+    def __init__(self, backend: CompletionBackend, settings: ApiConfig | None = None) -> None:
         self.backend = backend
-        self.settings = settings or ApiSettings()
+        self.settings = settings or ApiConfig()
         self.model_name = self.settings.served_model_name or backend.model_name
         self.created = int(time.time())
         self.queue = AdmissionQueue(self.settings.max_queued_requests, self.settings.max_queue_wait_s)
@@ -578,7 +578,7 @@ class OpenAiApi:
 
     def _prompts(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [self.backend.encode_text(prompt)]
+            return [self.backend.tokenize(prompt)]
         if not prompt:
             raise ApiError(400, "prompt must not be empty", "prompt")
         out: list[list[int]] = []
@@ -586,7 +586,7 @@ class OpenAiApi:
             return [[p for p in prompt if isinstance(p, int)]]
         for p in prompt:
             if isinstance(p, str):
-                out.append(self.backend.encode_text(p))
+                out.append(self.backend.tokenize(p))
             elif isinstance(p, list):
                 out.append(list(p))
         return out
@@ -621,7 +621,7 @@ class OpenAiApi:
             for m in body.messages
         ]
         try:
-            ids = self.backend.encode_chat(messages)
+            ids = self.backend.tokenize_chat(messages)
         except ChatUnsupportedError as exc:
             raise ApiError(
                 400, f"chat is not available for model {self.model_name!r}: {exc}", "messages"
@@ -647,7 +647,7 @@ class OpenAiApi:
         on_delta: Callable[[str], None] | None = None,
     ) -> tuple[GenerationOutcome, TextStream]:
         """Generate one choice; ``on_delta`` gets text as it becomes final (called on the event loop)."""
-        stream = TextStream(self.backend.decode, stop)
+        stream = TextStream(self.backend.detokenize, stop)
         loop = asyncio.get_running_loop()
 
         def on_token(token_id: int) -> bool:  # runs in the model's worker thread

@@ -108,6 +108,9 @@ class _NodeCollector(Collector):
                           node.abr.throughput.estimate())
         yield self._gauge("kvnet_abr_rtt_seconds", "ABR estimate of the relay round-trip time.",
                           node.abr.rtt.estimate())
+        yield self._gauge("kvnet_abr_first_byte_seconds",
+                          "ABR estimate of how late the relay answers a FETCH beyond the round trip.",
+                          node.abr.first_byte_s())
         yield self._gauge("kvnet_abr_prefill_seconds_per_token", "ABR estimate of prefill time per token.",
                           node.abr.prefill.per_token_s)
         yield self._counter("kvnet_abr_declined_hits", "Requests whose ABR plan recomputed located blocks.",

@@ -11,7 +11,7 @@ Owns ``Node``, used by all three processes (``kvnet-publisher``, ``kvnet-subscri
   or recompute, fetch + verify + load the chosen blocks layer by layer, prefill only the remainder and
   generate. Returns a ``RequestReport`` (``kvnet.node.reports``).
 
-The relay session is a ``RelayPeer`` (``kvnet.node.relay_peer``). Model work runs in the batching engine's
+The relay session is a ``RelayPeer`` (``kvnet.exchange.relay_peer``). Model work runs in the batching engine's
 worker thread (``kvnet.model.engine``: continuous batching, torch releases the GIL), so the event loop keeps
 serving the relay while prompts are computed. The paged cache is locked per operation, not per request: one
 request's locate and fetch (on the event loop) overlap other requests' compute, and a request enters the
@@ -31,13 +31,16 @@ from typing import Any
 
 import torch
 
-from kvnet.blocks.disk import DiskTier
 from kvnet.blocks.identity import BlockIdentity, prompt_blocks
-from kvnet.blocks.signing import Signer, SigningError, TrustStore
 from kvnet.cache.hashing import block_hashes, root_hash
 from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.dtypes import dtype_from_name, dtype_name
 from kvnet.errors import ContextLengthError
+from kvnet.exchange.abr import QUALITY_ORDER, AbrConfig, AbrPlan, KvAbr
+from kvnet.exchange.blockstore import BlockStore
+from kvnet.exchange.fetching import FetchOutcome
+from kvnet.exchange.publishing import encode_blocks
+from kvnet.exchange.relay_peer import RelayPeer
 from kvnet.model.batching import SchedulerConfig, SequenceFinished, SequenceRequest
 from kvnet.model.checkpoint import load_checkpoint
 from kvnet.model.engine import Admission, BatchEngine, RequestTooLargeError
@@ -54,8 +57,6 @@ from kvnet.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvnet.model.transformer import Transformer
 from kvnet.net.endpoint import freeze_startup_objects
 from kvnet.net.reconnect import STABLE_SESSION_S, Backoff
-from kvnet.node.abr import QUALITY_ORDER, AbrConfig, AbrPlan, KvAbr
-from kvnet.node.blockstore import BlockStore
 from kvnet.node.config import (
     DEFAULT_CACHE_BYTES,
     MAX_DEFAULT_CACHE_BLOCKS,
@@ -63,13 +64,12 @@ from kvnet.node.config import (
     load_signer_and_trust,
     tenant_salt_and_namespace,
 )
-from kvnet.node.fetching import FetchOutcome
 from kvnet.node.overlap import OverlapResult, fetch_and_compute
-from kvnet.node.publishing import encode_blocks
-from kvnet.node.relay_peer import RelayPeer
 from kvnet.node.reports import NodeCounters, PublishReport, RequestReport
 from kvnet.node.verification import PrefixBlock, Verification, kv_exact, run_alone, snapshot_prefix
+from kvnet.security.signing import Signer, SigningError, TrustStore
 from kvnet.security.tenancy import NodeSecret
+from kvnet.storage.disk import DiskTier
 
 logger = logging.getLogger(__name__)
 
@@ -201,15 +201,15 @@ class Node:
     def model_name(self) -> str:
         return self.config.model if self.config.checkpoint is None else self.config.checkpoint.name
 
-    def encode_prompt(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def tokenize_prompt(self, text: str) -> list[int]:
+        return self.tokenizer.tokenize(text)
 
     def check_prompts(self, prompts: Sequence[str], max_new_tokens: int) -> None:
         """`ContextLengthError` or `RequestTooLargeError`, naming the prompt, for the first of ``prompts``
         that cannot run here with ``max_new_tokens`` generated: past the model's context or larger than the
         whole KV pool. One-shot commands check every prompt before any work, so a bad one fails at once."""
         for i, text in enumerate(prompts, 1):
-            tokens = len(self.encode_prompt(text))
+            tokens = len(self.tokenize_prompt(text))
             where = f"prompt {i}/{len(prompts)}"
             try:
                 check_context_length(self.model, tokens, max_new_tokens)
@@ -288,7 +288,7 @@ class Node:
 
     async def publish_prompt(self, text: str) -> PublishReport:
         """Prefill ``text``, then encode, sign, store and (if connected and enabled) push its full blocks."""
-        ids = self.encode_prompt(text)
+        ids = self.tokenize_prompt(text)
         with self.engine.admit(len(ids), 0):
             started = time.perf_counter()
             request = SequenceRequest(tuple(ids), 0, keep_sequence=True)
@@ -338,7 +338,7 @@ class Node:
         max_new = self.config.max_new_tokens if max_tokens is None else max_tokens
         report = RequestReport()
         t0 = time.perf_counter()
-        ids = self.encode_prompt(text) if prompt_ids is None else list(prompt_ids)
+        ids = self.tokenize_prompt(text) if prompt_ids is None else list(prompt_ids)
         report.prompt_tokens = len(ids)
         held = admission if admission is not None else self.engine.admit(len(ids), max_new)
         try:
@@ -418,7 +418,7 @@ class Node:
             first_token = finished.first_token_time if finished.first_token_time is not None else gen_done
             report.timings.ttft_s = first_token - t0
             report.output_token_ids = list(result.token_ids)
-            report.output_text = self.tokenizer.decode(result.token_ids)
+            report.output_text = self.tokenizer.detokenize(result.token_ids)
             if result.token_ids and result.token_ids[-1] == self.tokenizer.eos_id:
                 report.finish_reason = "stop"
             if publish:
@@ -558,7 +558,7 @@ class Node:
             block_raw_bytes=self.cache.spec.bytes_per_block,
         )
         if done.head_computed_tokens > 0 and done.head_compute_s > 0:
-            self.abr.prefill.add(done.head_computed_tokens, done.head_compute_s)
+            self.abr.head_prefill.add(done.head_computed_tokens, done.head_compute_s)
         outcome = done.fetch
         report.timings.fetch_s = time.perf_counter() - t
         report.timings.load_s = outcome.load_s
@@ -592,7 +592,7 @@ class Node:
         while not self._closing.is_set():
             url = redirect or self.config.relay_url
             try:
-                peer = await RelayPeer.open(self, url)
+                peer = await self._open_peer(url)
             except Exception as exc:
                 first_attempt.set()
                 redirect = None  # a redirect target that cannot be reached: back to the configured relay
@@ -629,6 +629,16 @@ class Node:
             delay = backoff.next_delay()
             logger.warning("relay %s: %s; reconnecting in %.2f s", url, why, delay)
             await self._wait_closing(delay)
+
+    async def _open_peer(self, url: str | None) -> RelayPeer:
+        """A session to the relay at ``url`` (the configured one, or where a GOAWAY sent us) serving this
+        node's store and loading what it fetches into this node's cache."""
+        spec = self.cache.spec
+        return await RelayPeer.connect(
+            self.config.relay_peer_config(url), self.store, self.cache, self.trust, self.abr,
+            fingerprint=self.fingerprint, namespace_id=self.namespace_id, block_shape=spec.block_shape,
+            dtype=dtype_name(spec.dtype), device=self.device,
+        )
 
     async def _republish(self, peer: RelayPeer) -> None:
         """Push what the (maybe restarted, empty) relay of a new session lacks of our store, in the

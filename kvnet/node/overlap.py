@@ -1,11 +1,12 @@
 """Fetch and compute at once: the engine computes the head of a located prefix while its tail is fetched.
 
-Owns ``fetch_and_compute``, which runs an ``AbrPlan`` with ``compute_blocks > 0`` (``kvnet.node.abr``,
+Owns ``fetch_and_compute``, which runs an ``AbrPlan`` with ``compute_blocks > 0`` (``kvnet.exchange.abr``,
 "Fetch and compute at once"; Cake, ICML 2025). The two sides meet in the middle, and the meeting point
 moves with what each side actually achieves rather than staying where the estimates put it:
 
 * the head is one prompt-only sequence in the batching engine (``SequenceRequest.prefill_limit``), so it
-  runs as budgeted prefill chunks beside other requests' work. It computes forward from the first missing
+  runs as prefill chunks beside other requests' work, small ones (``HEAD_PREFILL_CHUNK``) so that it
+  stops soon after the limit comes down. It computes forward from the first missing
   block, and its limit is always the lowest block the fetch has delivered so far: if the fetch falls
   behind, the head goes on past its planned share (compute takes more), up to every block;
 * the fetch loads the planned tail backwards, from the last block down to the planned split, each block
@@ -16,7 +17,7 @@ moves with what each side actually achieves rather than staying where the estima
 * a fetch that fails or stalls only stops lowering the limit: the head computes the rest. Once the head
   reaches the fetched run the fetch is cancelled, whatever it still had in flight.
 
-Fetched blocks keep every check of ``kvnet.node.fetching``; computed ones are this node's own. Both end in
+Fetched blocks keep every check of ``kvnet.exchange.fetching``; computed ones are this node's own. Both end in
 the paged cache under their chain hashes, so the request that follows (the suffix and generation) finds
 the whole prefix there like any cache hit. Nothing here reads the network or the model directly: the
 caller passes the engine, the fetch and the cache lookup.
@@ -32,10 +33,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvnet.blocks.identity import BlockIdentity
+from kvnet.exchange.abr import AbrPlan, KvAbr, best_split
+from kvnet.exchange.fetching import FetchOutcome
 from kvnet.model.batching import SequenceFinished, SequenceRequest
+from kvnet.model.defaults import HEAD_PREFILL_CHUNK
 from kvnet.model.engine import BatchEngine
-from kvnet.node.abr import AbrPlan, KvAbr, best_split
-from kvnet.node.fetching import FetchOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +109,8 @@ async def fetch_and_compute(
     frontier = hi
     """Lowest block of the contiguous run the fetch delivered, ending at ``hi``."""
     head = engine.submit(
-        SequenceRequest(tuple(ids[: hi * b]), 0, commit_prompt=True, prefill_limit=hi * b)
+        SequenceRequest(tuple(ids[: hi * b]), 0, commit_prompt=True, prefill_limit=hi * b,
+                        prefill_chunk=max(HEAD_PREFILL_CHUNK // b, 1) * b)  # the limit is re-read per chunk
     )
 
     def delivered(block: int) -> None:
@@ -134,7 +137,7 @@ async def fetch_and_compute(
                 return
             costs = [abr.block_fetch_cost(block_raw_bytes, _rendition(plan, i - start))
                      for i in range(done, lo)]
-            k, _ = best_split(costs, abr.rtt.estimate(), abr.head_cost(b, overhead=False))
+            k, _ = best_split(costs, abr.fetch_latency_s(), abr.head_cost(b, overhead=False))
             if done + k >= lo:
                 return
             result.fetch_extensions += 1

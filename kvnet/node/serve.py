@@ -11,39 +11,35 @@ plus ``/health``, ``/ready`` and ``/metrics``.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import logging
-import os
-import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvnet.config import config_parser, parse_config
 from kvnet.logs import setup_logging_from_args
-from kvnet.model.registry import default_models_dir
-from kvnet.node.config import NodeConfig, add_node_arguments, explain_relay_problem, node_config_from_cli
+from kvnet.node import command
+from kvnet.node.config import NodeConfig, add_node_arguments, explain_relay_problem
 from kvnet.node.httpguard import HttpLimits
 from kvnet.progress import Progress
-from kvnet.settings import parse_settings, settings_parser
 
 # The model, the node and the HTTP API import torch (seconds): they are imported once the flags are
 # parsed and checked, so --help and a mistyped flag answer at once (tests/kvnet/test_cli_startup.py).
 if TYPE_CHECKING:
     from kvnet.model.engine import Admission
     from kvnet.model.generate import SamplingParams, TokenCallback
-    from kvnet.node.httpapi import AdmissionTicket, ApiSettings, GenerationOutcome
+    from kvnet.node.httpapi import AdmissionTicket, ApiConfig, GenerationOutcome
     from kvnet.node.node import Node
 
 logger = logging.getLogger("kvnet-node")
 
 
 
-def _default_api_settings() -> ApiSettings:
-    from kvnet.node.httpapi import ApiSettings
+def _default_api_config() -> ApiConfig:
+    from kvnet.node.httpapi import ApiConfig
 
-    return ApiSettings()
+    return ApiConfig()
 
 
 @dataclass(frozen=True)
@@ -54,13 +50,9 @@ class ServeConfig:
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     publish: bool = True
-    api: ApiSettings = field(default_factory=_default_api_settings)
+    api: ApiConfig = field(default_factory=_default_api_config)
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     """HTTP connections served at once and client deadlines (``kvnet.node.httpguard``)."""
-
-
-class ConfigError(Exception):
-    """A bad setting found while starting (reported as one line, exit status 2)."""
 
 
 class NodeBackend:
@@ -77,20 +69,20 @@ class NodeBackend:
         self.draining = False
         """Set when the node starts shutting down: /ready turns 503 so a load balancer stops sending."""
 
-    def encode_text(self, text: str) -> list[int]:
-        return self.node.encode_prompt(text)
+    def tokenize(self, text: str) -> list[int]:
+        return self.node.tokenize_prompt(text)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        encode_chat = getattr(self.node.tokenizer, "encode_chat", None)
-        if encode_chat is None or getattr(self.node.tokenizer, "chat_template", None) is None:
+    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        tokenize_chat = getattr(self.node.tokenizer, "tokenize_chat", None)
+        if tokenize_chat is None or getattr(self.node.tokenizer, "chat_template", None) is None:
             from kvnet.node.httpapi import ChatUnsupportedError
 
             raise ChatUnsupportedError("its tokenizer has no chat template; use /v1/completions")
-        ids: list[int] = encode_chat(messages)
+        ids: list[int] = tokenize_chat(messages)
         return ids
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.node.tokenizer.decode(token_ids)
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.node.tokenizer.detokenize(token_ids)
 
     def validate_token_ids(self, token_ids: Sequence[int]) -> None:
         vocab = self.node.model.args.vocab_size
@@ -144,21 +136,20 @@ class NodeBackend:
 
 async def serve(config: ServeConfig) -> int:
     from kvnet.node.httpapi import HttpServer, OpenAiApi, bind_http
-    from kvnet.node.node import NodeStartError, start_node
 
     try:
         sock = bind_http(config.http_host, config.http_port)
     except (OSError, OverflowError) as exc:
         where = f"{config.http_host}:{config.http_port}"
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ConfigError(f"--http {where}: cannot listen: {reason} (--http HOST:PORT moves it)") from None
+        raise command.CommandError(
+            f"--http {where}: cannot listen: {reason} (--http HOST:PORT moves it)"
+        ) from None
     try:
-        model = config.node.checkpoint or config.node.model
-        async with Progress.for_command().activity(f"loading model {model}"):
-            node = await start_node(config.node)
-    except NodeStartError as exc:
+        node = await command.load_node(config.node, Progress.for_command())
+    except BaseException:
         sock.close()
-        raise ConfigError(str(exc)) from None
+        raise
     if config.node.relay_url is not None and node.peer is None:
         # A server starts anyway (its relay may come up later); say once what to fix, in the user's terms.
         problem = explain_relay_problem(config.node, node.relay_problem or "no session")
@@ -169,11 +160,7 @@ async def serve(config: ServeConfig) -> int:
     backend.metrics.watch_http(server.guard.stats, api.queue)
     logger.info("serving http://%s:%d (model %s)", server.host, server.port, api.model_name)
     print(f"READY http://{server.host}:{server.port}", file=sys.stderr, flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+    stop = command.stop_event()
     try:
         await stop.wait()
     finally:
@@ -191,7 +178,7 @@ def _hostport(text: str) -> tuple[str, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = settings_parser("kvnet-node", __doc__.split("\n\n")[0])
+    p = config_parser("kvnet-node", __doc__.split("\n\n")[0])
     p.add_argument("--http", type=_hostport, default="127.0.0.1:8000", help="HTTP listen HOST:PORT")
     p.add_argument("--no-publish", action="store_true", help="reuse prefixes but do not publish blocks")
     p.add_argument("--served-model-name", help="model name clients give in requests (default: the model's)")
@@ -207,27 +194,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_settings(build_parser(), argv)
+    args = parse_config(build_parser(), argv)
     setup_logging_from_args(args)
-    try:
-        node_cfg = node_config_from_cli(args, os.environ.get("KVNET_HOME"), default_models_dir(os.environ))
-        from kvnet.node.httpapi import ApiSettings  # torch: after every check that does not need it
 
-        api = ApiSettings(served_model_name=args.served_model_name, api_key=args.api_key)
-        limits = HttpLimits(max_connections=args.max_connections)
-    except (ValueError, OSError) as exc:
-        print(f"kvnet-node: error: {exc}", file=sys.stderr)
-        return 2
-    host, port = args.http
-    try:
-        return asyncio.run(serve(ServeConfig(node=node_cfg, http_host=host, http_port=port,
-                                             publish=not args.no_publish, api=api,
-                                             http_limits=limits)))
-    except ConfigError as exc:
-        print(f"kvnet-node: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    async def start() -> int:
+        node_cfg = command.node_config(args)
+        from kvnet.node.httpapi import ApiConfig  # torch: after every check that does not need it
+
+        try:
+            api = ApiConfig(served_model_name=args.served_model_name, api_key=args.api_key)
+            limits = HttpLimits(max_connections=args.max_connections)
+        except ValueError as exc:
+            raise command.CommandError(str(exc)) from None
+        host, port = args.http
+        return await serve(ServeConfig(node=node_cfg, http_host=host, http_port=port,
+                                       publish=not args.no_publish, api=api, http_limits=limits))
+
+    return command.run_command("kvnet-node", start)
 
 
 if __name__ == "__main__":

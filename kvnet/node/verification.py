@@ -3,7 +3,7 @@
 A completion is ``verified`` when both hold:
 
 * ``kv_exact``: every block it loaded from a relay is a trusted publisher's K/V bit for bit. Each layer's
-  payload matched the digest in the publisher's signed manifest as it arrived (``kvnet.node.fetching``: a
+  payload matched the digest in the publisher's signed manifest as it arrived (``kvnet.exchange.fetching``: a
   block that fails is refused and recomputed, never loaded), the signer is in the trust store (a block
   accepted only under ``--trust-any`` is its signer's, not a trusted publisher's), and it came in a
   bit-exact rendition (``Codec.lossless``: ``lossless`` and ``plain``; ``int8`` and ``int4`` are

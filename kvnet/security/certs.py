@@ -11,7 +11,7 @@ Layout of a certificate directory::
     DIR/NAME.pem        leaf certificate followed by the CA certificate (a chain)
     DIR/NAME-key.pem    leaf private key (mode 0600)
 
-This module knows nothing about QUIC; ``kvnet.net.settings.TlsSettings`` names the files.
+This module knows nothing about QUIC; ``kvnet.net.config.TlsConfig`` names the files.
 ``check_tls_files`` lets a command refuse unusable ones at start-up, with a reason, rather than at the first
 handshake.
 """

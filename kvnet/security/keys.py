@@ -1,6 +1,6 @@
 """Ed25519 key material: the one implementation behind publisher signing keys and token issuer keys.
 
-Owns: generating keys, raw public key bytes, key ids, and PEM files. ``kvnet.blocks.signing`` (manifest
+Owns: generating keys, raw public key bytes, key ids, and PEM files. ``kvnet.security.signing`` (manifest
 signers and the subscriber trust store) and ``kvnet.security.tokens`` (authorization token issuers) both
 build on it, so a key id or a key file means the same thing everywhere. It knows nothing about what the
 keys sign.

@@ -66,7 +66,7 @@ from proto.errors import MalformedAuthToken as _SessionMalformedAuthToken
 from proto.errors import (
     ProtocolError,
     RequestErrorCode,
-    RequestRejected,
+    RequestRefusal,
     SessionErrorCode,
 )
 from proto.errors import Unauthorized as _SessionUnauthorized
@@ -160,11 +160,11 @@ class AuthError(Exception):
         self.retry_after_s: float = retry_after_s
         """Seconds after which retrying with the same token may succeed (0: don't retry it)."""
 
-    def to_request_error(self) -> RequestRejected:
+    def to_request_error(self) -> RequestRefusal:
         """The REQUEST_ERROR to answer a request carrying this token with (Retry Interval in ms)."""
         # Retry Interval 0 means "do not retry"; 1 means "immediately", so round up to at least 1 ms.
         retry = max(1, int(self.retry_after_s * 1000) + 1) if self.retry_after_s > 0 else 0
-        return RequestRejected(self.request_error_code, self.reason, retry)
+        return RequestRefusal(self.request_error_code, self.reason, retry)
 
     def to_session_error(self) -> ProtocolError:
         """The session error to close with when this token was the SETUP's credential."""

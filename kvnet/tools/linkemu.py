@@ -11,6 +11,8 @@ Model, per direction, applied in this order to each datagram:
   2. queue: at most ``queue_packets`` datagrams in flight inside the emulator, beyond that tail drop;
   3. rate: a FIFO link serialising ``rate_bps`` bytes per second (the departure time of a packet is when the
      previous one finished plus its own size / rate), which is a token bucket with a one-packet bucket;
+     ``burst_bytes`` deepens the bucket: after an idle spell that many bytes leave at once, as on a shaped
+     access link (small exchanges such as handshakes then see the delay, not the rate);
   4. delay: ``delay_ms`` plus uniform jitter in ``[0, jitter_ms]``; with probability ``reorder`` a packet
      skips the delay and so overtakes the ones queued before it.
 Delivery times go into one heap per emulator, served by a delivery thread that sleeps until the earliest
@@ -55,6 +57,9 @@ class LinkParams:
     """Probability that a datagram is sent without the delay, overtaking earlier ones."""
     rate_bps: float = 0.0
     """Link rate in bytes per second; 0 means unlimited."""
+    burst_bytes: float = 0.0
+    """Depth of the rate's token bucket: bytes that leave at once after an idle spell (0: each packet waits
+    its own size / rate)."""
     queue_packets: int = 1000
     """Most datagrams held by this direction at once; more are tail-dropped."""
 
@@ -71,6 +76,8 @@ class LinkParams:
             raise ValueError(f"reorder must be in [0, 1], got {self.reorder}")
         if self.rate_bps < 0:
             raise ValueError(f"rate_bps must be >= 0, got {self.rate_bps}")
+        if not 0 <= self.burst_bytes <= 1 << 30:
+            raise ValueError(f"burst_bytes must be in 0..{1 << 30}, got {self.burst_bytes}")
         if not 1 <= self.queue_packets <= 1_000_000:
             raise ValueError(f"queue_packets must be in 1..1000000, got {self.queue_packets}")
 
@@ -153,6 +160,7 @@ class _Direction:
         self._scheduler = scheduler
         self._in_flight = 0
         self._busy_until = 0.0
+        self._tokens = params.burst_bytes  # what the bucket held at _busy_until; it starts full
         self._bad_state = False
         # Gilbert transition probabilities chosen so the stationary loss rate equals params.loss.
         self._p_leave_bad = 1.0 / params.loss_burst
@@ -185,7 +193,10 @@ class _Direction:
         p = self.params
         depart = now
         if p.rate_bps > 0:
-            depart = max(now, self._busy_until) + len(data) / p.rate_bps
+            start = max(now, self._busy_until)
+            tokens = min(p.burst_bytes, self._tokens + (start - self._busy_until) * p.rate_bps)
+            depart = start + max(len(data) - tokens, 0.0) / p.rate_bps
+            self._tokens = max(tokens - len(data), 0.0)
             self._busy_until = depart
         if p.reorder > 0 and self._rng.random() < p.reorder:
             deliver = depart

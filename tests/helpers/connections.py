@@ -7,7 +7,7 @@ production code path (handshake with certificates the project makes, SETUP, requ
 role code that takes a ``MoqtConnection`` (the block server, the fetcher) can be tested without a relay,
 a process or a port.
 
-``client_settings`` and ``client_limits`` are the ``TransportSettings`` and ``ConnectionLimits`` every test's
+``client_config`` and ``client_limits`` are the ``TransportConfig`` and ``ConnectionLimits`` every test's
 MoQT client connects with: the handshake and SETUP deadlines are the product's defaults scaled by the load
 (``tests.helpers.waiting.scaled``).
 """
@@ -21,9 +21,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvnet.net.connection import ConnectionLimits, MoqtConnection, protocol_class
+from kvnet.net.config import TlsConfig, TransportConfig
+from kvnet.net.connection import MoqtConnection, protocol_class
+from kvnet.net.limits import ConnectionLimits
 from kvnet.net.registry import client_configuration, get_stack, server_configuration
-from kvnet.net.settings import TlsSettings, TransportSettings
 from proto.session import SessionConfig
 from tests.helpers.processes import CertDir
 from tests.helpers.waiting import scaled
@@ -33,15 +34,15 @@ SERVER_ADDRESS = ("127.0.0.1", 40002)
 """Nominal addresses: nothing binds them, they only label the two ends for QUIC's path checks."""
 
 MAX_HANDSHAKE_TIMEOUT_S = 600.0
-"""The largest ``handshake_timeout`` ``TransportSettings`` accepts."""
+"""The largest ``handshake_timeout`` ``TransportConfig`` accepts."""
 
-__all__ = ["ConnectionPair", "MemoryDatagramTransport", "client_limits", "client_settings", "connection_pair"]
+__all__ = ["ConnectionPair", "MemoryDatagramTransport", "client_config", "client_limits", "connection_pair"]
 
 
-def client_settings(settings: TransportSettings | None = None) -> TransportSettings:
-    """``settings`` (default: ``TransportSettings()``) for a test's client, its ``handshake_timeout`` scaled
+def client_config(settings: TransportConfig | None = None) -> TransportConfig:
+    """``settings`` (default: ``TransportConfig()``) for a test's client, its ``handshake_timeout`` scaled
     by the machine's load: a handshake under load is slow, not failed."""
-    settings = settings or TransportSettings()
+    settings = settings or TransportConfig()
     timeout = min(MAX_HANDSHAKE_TIMEOUT_S, scaled(settings.handshake_timeout))
     return dataclasses.replace(settings, handshake_timeout=timeout)
 
@@ -94,15 +95,15 @@ async def connection_pair(
     *,
     client_session: SessionConfig | None = None,
     server_session: SessionConfig | None = None,
-    settings: TransportSettings | None = None,
+    settings: TransportConfig | None = None,
 ) -> AsyncIterator[ConnectionPair]:
     """Handshake a client (verifying the server's certificate against ``certs.ca``) with a server, in
     memory; yields once both sides completed SETUP and closes both sessions on exit."""
-    settings = settings or TransportSettings(stack="aioquic")
+    settings = settings or TransportConfig(stack="aioquic")
     stack = get_stack(settings.stack)
     cls = protocol_class(settings.stack)
-    client_tls = TlsSettings(ca_file=certs.ca)
-    server_tls = TlsSettings(ca_file=certs.ca, cert_file=certs.cert, key_file=certs.key)
+    client_tls = TlsConfig(ca_file=certs.ca)
+    server_tls = TlsConfig(ca_file=certs.ca, cert_file=certs.cert, key_file=certs.key)
     client_quic = stack.QuicConnection(
         configuration=client_configuration(settings, client_tls, server_name="localhost")
     )

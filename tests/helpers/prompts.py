@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from kvnet.blocks.identity import BlockIdentity, prompt_blocks
-from kvnet.blocks.signing import Signer, TrustStore
 from kvnet.cache.hashing import block_hashes, root_hash
 from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
-from kvnet.node.blockstore import StoredBlock
-from kvnet.node.publishing import encode_blocks
+from kvnet.exchange.blockstore import StoredBlock
+from kvnet.exchange.publishing import encode_blocks
+from kvnet.security.signing import Signer, TrustStore
 
 __all__ = ["SignedPrompt", "prompt_identities", "signed_prompt"]
 

@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass, field
 
 from proto.events import MoqtEvent, SessionTerminated
+from proto.messages import TrackNamespace
 from proto.session import (
     CloseConnection,
     MoqtSession,
@@ -109,6 +110,16 @@ class SessionPair:
         self.client.initiate()
         self.server.initiate()
         self.run()
+
+    def subscribe_accepted(
+        self, namespace: TrackNamespace, track_alias: int, track_name: bytes = b"t"
+    ) -> int:
+        """The client subscribes to ``namespace``/``track_name`` and the server accepts with ``track_alias``
+        (its SUBSCRIBE_OK not yet moved to the client); returns the subscription's Request ID."""
+        request_id = self.client.subscribe(namespace, track_name)
+        self.run()
+        self.server.accept_subscribe(request_id, track_alias)
+        return request_id
 
     def run(self, max_rounds: int = 1000) -> None:
         """Move bytes both ways until neither side has anything left to send."""

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from kvnet.net.settings import TransportSettings
+from kvnet.net.config import TransportConfig
 from tests.helpers import waiting
-from tests.helpers.connections import MAX_HANDSHAKE_TIMEOUT_S, client_settings
+from tests.helpers.connections import MAX_HANDSHAKE_TIMEOUT_S, client_config
 from tests.helpers.waiting import MAX_LOAD_FACTOR, async_wait_until, load_factor, scaled, wait_until
 
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -58,8 +58,8 @@ def test_client_handshake_deadline_scales_within_what_transport_settings_accepts
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     loaded(monkeypatch, 3.0 * CPUS)  # factor 4
-    assert client_settings().handshake_timeout == pytest.approx(40.0)
+    assert client_config().handshake_timeout == pytest.approx(40.0)
     loaded(monkeypatch, 1000.0 * CPUS)
-    long = TransportSettings(stack="qh3", handshake_timeout=300.0)
-    got = client_settings(long)
+    long = TransportConfig(stack="qh3", handshake_timeout=300.0)
+    got = client_config(long)
     assert got.handshake_timeout == MAX_HANDSHAKE_TIMEOUT_S and got.stack == "qh3"

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvnet.blocks.signing import generate_keypair
 from kvnet.security import certs
+from kvnet.security.signing import generate_keypair
 from tests.helpers.processes import REPO, CertDir, start_relay
 
 TABLE = REPO / "docs" / "bad-input.md"

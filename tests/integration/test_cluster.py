@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
+from kvnet.exchange.abr import AbrConfig, KvAbr
 from kvnet.model.transformer import ModelArgs
-from kvnet.node.abr import AbrConfig, KvAbr
 from kvnet.node.config import DEFAULT_BLOCK_SIZE
 from kvnet.tools.cluster.compose import load_compose
 from kvnet.tools.cluster.plan import DEFAULT_LOSS, upstream_links
@@ -126,7 +126,7 @@ def test_prefix_published_at_one_edge_is_reused_behind_the_other(ready: NetnsClu
     assert_verified_hit(ready, report, expected_hit(published, report))
     # The blocks crossed the origin (edge-b -> origin -> edge-a), once per block. A fresh session's first
     # locate may also FETCH block 0's manifest beside its TRACK_STATUS probes (the check for relays that do
-    # not forward TRACK_STATUS, kvnet.node.fetching.BlockFetcher.locate), so one more FETCH may cross.
+    # not forward TRACK_STATUS, kvnet.exchange.fetching.BlockFetcher.locate), so one more FETCH may cross.
     crossed = origin_requests(ready, "fetch") - fetches
     assert report["abr"]["fetch_blocks"] > 0
     assert report["abr"]["fetch_blocks"] <= crossed <= report["abr"]["fetch_blocks"] + 1
@@ -177,7 +177,7 @@ def test_publisher_restart_loses_nothing_already_cached(ready: NetnsCluster) -> 
 
 
 def _predict(report: dict[str, Any], lossless_ratio: float, raw_block_bytes: int, throughput: float) -> int:
-    """fetch_blocks that kvnet.node.abr's rule gives for the inputs the subscriber reported."""
+    """fetch_blocks that kvnet.exchange.abr's rule gives for the inputs the subscriber reported."""
     abr = KvAbr(AbrConfig(prior_throughput_bps=throughput))
     inputs = report["abr"]["inputs"]
     abr.rtt.add(inputs["rtt_s"])
@@ -267,12 +267,15 @@ def test_killing_one_edge_leaves_the_other_half_working(ready: NetnsCluster) -> 
     assert not ready.is_running("edge-a")
 
 
-def test_the_abr_fetches_a_long_prefix_over_the_wan(ready: NetnsCluster) -> None:
+def test_the_wan_demo_fetches_verified_and_reports_the_abr_choice(ready: NetnsCluster) -> None:
     # The documented demo (docs/cluster.md, scripts/netns-cluster smoke): SmolLM2 at both sites, the ABR
-    # deciding. run_smoke raises unless the ABR fetched the prefix over the emulated WAN without falling
-    # back and the output is verified (equality with the same request recomputed depends on the CPU's
-    # bfloat16 kernels, so it is reported). How much faster it was is reported (and measured in
-    # docs/cluster.md), not asserted.
+    # deciding, then the rungs it did not take. run_smoke raises unless the whole prefix, fetched over the
+    # emulated WAN, loaded without falling back and its output is verified (equality with the same
+    # request recomputed depends on the CPU's bfloat16 kernels, so it is reported). What the ABR chose and
+    # how its time compares with the faster rung is reported (and recorded in docs/cluster.md), not
+    # asserted: it is a measurement.
     demo = run_smoke(ready, tag="test-wan")
     print(demo.summary())
     assert demo.fetched["remote_hit_tokens"] >= demo.fetched["prompt_tokens"] // 2, demo.fetched
+    assert demo.choice in ("fetch", "recompute", "fetch and compute")
+    assert demo.recomputed["remote_hit_tokens"] == 0, demo.recomputed

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kvnet.integrations.settings import ConnectorSettings
+from kvnet.integrations.config import ConnectorConfig
 from kvnet.tools.cluster.compose import ComposeError, ComposeProject, load_compose, parse_yaml
 from kvnet.tools.cluster.plan import (
     LinkShape,
@@ -205,7 +205,7 @@ def test_vllm_profile_adds_one_vllm_server_per_site_behind_its_edge() -> None:
         assert config["kv_role"] == "kv_both"
         extra = config["kv_connector_extra_config"]
         # The connector's own parser: unknown keys or bad values fail here as they would at engine start.
-        settings = ConnectorSettings.from_extra_config(extra, None, resolve_key_files=False)
+        settings = ConnectorConfig.from_extra_config(extra, None, resolve_key_files=False)
         assert settings.node.relay_url == f"moqt://{edge}:4443" and extra["ca"] == "/certs/ca.pem"
         assert set(svc.networks) == {edge.replace("edge", "site")}
         assert svc.depends_on[edge] == "service_healthy"

@@ -14,8 +14,10 @@ The set-up (module scope, so every assertion shares the same engine runs):
   shared prompt: its usage shows the prefix as cached tokens, loaded through kvnet.
 * Engine C starts while its relay R2 is down (a request then computes locally), waits until the test has
   started R2 and pushed forged blocks into it (one prompt's blocks signed by A's key with a payload
-  altered after signing, another's signed by a key nobody trusts), then runs those prompts: each must be
-  recomputed, equal the cold reference, and be counted.
+  altered after signing, another's signed by a key nobody trusts, and a third's first 3 blocks copied
+  from R1 followed by a forged 4th), then runs those prompts: each must be recomputed from its first
+  forged block, equal its reference from A, be counted, and have only the blocks that loaded reported to
+  vLLM as cached.
 """
 
 from __future__ import annotations
@@ -36,15 +38,15 @@ from typing import Any
 import pytest
 import torch
 
-from kvnet.blocks.identity import prompt_blocks
-from kvnet.blocks.signing import Signer, TrustStore, load_signer
+from kvnet.blocks.identity import BlockIdentity, prompt_blocks
 from kvnet.cache.hashing import block_hashes, root_hash
 from kvnet.dtypes import DTYPE_BY_NAME
-from kvnet.node.abr import AbrConfig, KvAbr
-from kvnet.node.blockstore import BlockStore, StoredBlock
+from kvnet.exchange.abr import AbrConfig, KvAbr
+from kvnet.exchange.blockstore import BlockStore, StoredBlock
+from kvnet.exchange.publishing import encode_block
+from kvnet.exchange.relay_peer import RelayPeer
 from kvnet.node.config import NodeConfig
-from kvnet.node.publishing import encode_block
-from kvnet.node.relay_peer import RelayPeer
+from kvnet.security.signing import Signer, TrustStore, load_signer
 from tests.helpers.processes import REPO, CertDir, RelayProcess, free_port, make_certificates, start_relay
 from tests.helpers.waiting import wait_until
 
@@ -63,8 +65,10 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 PROMPTS = {name: (tokens(seed, PREFIX), tokens(seed + 100, SUFFIX)) for seed, name in enumerate(
-    ("shared", "tampered", "untrusted", "relay_down"), start=1
+    ("shared", "tampered", "untrusted", "relay_down", "partial"), start=1
 )}
+PARTIAL_GOOD = 3
+"""Blocks of the "partial" prompt that load on engine C; the next (the last one offered) is forged."""
 
 
 def full(name: str) -> list[int]:
@@ -80,6 +84,20 @@ class Setup:
     certs: CertDir
     home: Path
     r1: RelayProcess
+
+
+def make_setup(tmp_path_factory: pytest.TempPathFactory, name: str) -> Setup:
+    """A temporary directory with vllm_model.py's model, certificates and a started relay ``r1``."""
+    python = vllm_python()
+    tmp = tmp_path_factory.mktemp(name)
+    model = tmp / "model"
+    made = subprocess.run([python, str(Path(__file__).with_name("vllm_model.py")), str(model)],
+                          capture_output=True, text=True, timeout=ENGINE_TIMEOUT, cwd=REPO)
+    assert made.returncode == 0, made.stderr[-3000:]
+    cert_dir = tmp / "certs"
+    cert_dir.mkdir()
+    certs = make_certificates(cert_dir)
+    return Setup(tmp, python, model, certs, tmp / "home", start_relay(certs, tmp, name="r1"))
 
 
 def vllm_python() -> str:
@@ -214,38 +232,86 @@ def step(name: str, prompt: list[int]) -> dict[str, Any]:
     return {"name": name, "prompt_token_ids": prompt}
 
 
-async def push_forged(
-    setup: Setup, relay: RelayProcess, identity: dict[str, Any], prompt: list[int], signer: Signer,
-    tamper: bool,
-) -> int:
-    """Push blocks for ``prompt``'s prefix into ``relay``, under the engine's real names, as an attacker
-    would: signed by ``signer``; with ``tamper`` a layer payload is altered after signing."""
-    fingerprint = bytes.fromhex(identity["fingerprint"])
-    shape = tuple(identity["block_shape"])
-    root = root_hash(fingerprint)
+def prompt_identities(identity: dict[str, Any], prompt: list[int]) -> list[BlockIdentity]:
+    """The engine's names for ``prompt``'s full blocks."""
+    root = root_hash(bytes.fromhex(identity["fingerprint"]))
     hashes = block_hashes(prompt, BLOCK, root)
-    generator = torch.Generator().manual_seed(7)
-    blocks: list[StoredBlock] = []
-    for ident in prompt_blocks(prompt, BLOCK, hashes, root, 0, len(hashes)):
-        dtype = DTYPE_BY_NAME[identity["dtype"]]
-        k, v = (torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
+    return prompt_blocks(prompt, BLOCK, hashes, root, 0, len(hashes))
+
+
+async def relay_session(
+    setup: Setup, relay: RelayProcess, identity: dict[str, Any], cache: Any, trust: TrustStore
+) -> RelayPeer:
+    config = NodeConfig(relay_url=relay.url, ca_file=setup.certs.ca)
+    return await RelayPeer.connect(
+        config.relay_peer_config(), BlockStore(64 << 20), cache, trust, KvAbr(AbrConfig()),
+        fingerprint=bytes.fromhex(identity["fingerprint"]), namespace_id=identity["namespace_id"],
+        block_shape=tuple(identity["block_shape"]), dtype=identity["dtype"], device=torch.device("cpu"),
+        announce=False,
+    )
+
+
+async def push_signed(
+    setup: Setup, relay: RelayProcess, identity: dict[str, Any],
+    blocks: list[tuple[BlockIdentity, torch.Tensor, torch.Tensor]], signer: Signer, tamper: bool,
+) -> int:
+    """Push ``blocks`` (names and K/V) into ``relay`` as an attacker would: signed by ``signer``; with
+    ``tamper`` a layer payload is altered after signing."""
+    fingerprint = bytes.fromhex(identity["fingerprint"])
+    stored_blocks: list[StoredBlock] = []
+    for ident, k, v in blocks:
         signed = encode_block(k, v, ident, fingerprint=fingerprint, renditions=("lossless",), signer=signer)
         for stored in signed:
             if tamper:
                 manifest, layer0, *rest = stored.objects
                 altered = bytes(layer0[:-1]) + bytes([layer0[-1] ^ 0x01])
                 stored = dataclasses.replace(stored, objects=(manifest, altered, *rest))
-            blocks.append(stored)
-    config = NodeConfig(relay_url=relay.url, ca_file=setup.certs.ca)
-    peer = await RelayPeer.connect(
-        config, BlockStore(64 << 20), _NoFetch(), TrustStore(), KvAbr(AbrConfig()),
-        fingerprint=fingerprint, namespace_id=identity["namespace_id"], block_shape=shape,
-        dtype=identity["dtype"], device=torch.device("cpu"), announce=False,
-    )
+            stored_blocks.append(stored)
+    peer = await relay_session(setup, relay, identity, _NoFetch(), TrustStore())
     try:
-        return await peer.push(blocks)
+        return await peer.push(stored_blocks)
     finally:
         await peer.close()
+
+
+async def push_forged(
+    setup: Setup, relay: RelayProcess, identity: dict[str, Any], prompt: list[int], signer: Signer,
+    tamper: bool,
+) -> int:
+    """Push random blocks for ``prompt``'s prefix into ``relay``, under the engine's real names."""
+    shape = tuple(identity["block_shape"])
+    dtype = DTYPE_BY_NAME[identity["dtype"]]
+    generator = torch.Generator().manual_seed(7)
+    blocks = [
+        (ident, *(torch.randn(shape, generator=generator).to(dtype) for _ in range(2)))
+        for ident in prompt_identities(identity, prompt)
+    ]
+    return await push_signed(setup, relay, identity, blocks, signer, tamper)  # type: ignore[arg-type]
+
+
+async def push_partly_forged(
+    setup: Setup, source: RelayProcess, relay: RelayProcess, identity: dict[str, Any], prompt: list[int],
+    signer: Signer, good: int,
+) -> int:
+    """Copy the first ``good`` blocks of ``prompt`` that the engine published on ``source`` (fetched and
+    verified, then signed again by ``signer``: the same K/V bytes, losslessly) into ``relay``, followed
+    by a forged next block: a load of that prefix verifies ``good`` blocks and then fails."""
+    identities = prompt_identities(identity, prompt)
+    copied = _Captured()
+    trust = TrustStore.from_paths([setup.home / "keys" / "publisher.pub"])
+    peer = await relay_session(setup, source, identity, copied, trust)
+    try:
+        outcome = await peer.fetch(identities[:good], ["lossless"] * good)
+    finally:
+        await peer.close()
+    assert outcome.error is None and outcome.loaded == good, outcome
+    genuine = [(ident, *copied.block(ident.block_hash)) for ident in identities[:good]]
+    k, v = genuine[0][1:]
+    forged = [(identities[good], torch.randn_like(k, dtype=torch.float32).to(k.dtype), v.clone())]
+    return (
+        await push_signed(setup, relay, identity, genuine, signer, tamper=False)
+        + await push_signed(setup, relay, identity, forged, signer, tamper=True)
+    )
 
 
 class _NoFetch:
@@ -264,24 +330,43 @@ class _NoFetch:
         pass
 
 
+class _Captured:
+    """Keeps the verified layers of fetched blocks (the copier's side of ``push_partly_forged``)."""
+
+    def __init__(self) -> None:
+        self.layers: dict[bytes, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def begin_import(self, block_hash: bytes) -> bool:
+        self.layers[block_hash] = {}
+        return True
+
+    def import_layer(self, block_hash: bytes, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.layers[block_hash][layer] = (k.clone(), v.clone())
+
+    def finish_import(self, block_hash: bytes) -> None:
+        pass
+
+    def abort_import(self, block_hash: bytes) -> None:
+        self.layers.pop(block_hash, None)
+
+    def block(self, block_hash: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+        layers = self.layers[block_hash]
+        ordered = [layers[i] for i in range(len(layers))]
+        return torch.stack([k for k, _ in ordered]), torch.stack([v for _, v in ordered])
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    python = vllm_python()
-    kernel = vllm_cpu_kernel(python, head_size=64)  # vllm_model.py's head size
-    tmp = tmp_path_factory.mktemp("vllm")
-    model = tmp / "model"
-    made = subprocess.run([python, str(Path(__file__).with_name("vllm_model.py")), str(model)],
-                          capture_output=True, text=True, timeout=ENGINE_TIMEOUT, cwd=REPO)
-    assert made.returncode == 0, made.stderr[-3000:]
-    cert_dir = tmp / "certs"
-    cert_dir.mkdir()
-    certs = make_certificates(cert_dir)
-    r1 = start_relay(certs, tmp, name="r1")
-    setup = Setup(tmp, python, model, certs, tmp / "home", r1)
+    kernel = vllm_cpu_kernel(vllm_python(), head_size=64)  # vllm_model.py's head size
+    setup = make_setup(tmp_path_factory, "vllm")
+    tmp, certs, r1 = setup.tmp, setup.certs, setup.r1
     relays = [r1]
     procs: list[subprocess.Popen[bytes]] = []
     try:
         a_steps = [step("shared_prefix", PROMPTS["shared"][0]), step("shared", full("shared"))]
+        # The partial prompt's first blocks alone first: its full run is then vLLM's own local hit of
+        # exactly the blocks engine C will load before the forged one.
+        a_steps.append(step("partial_prefix", PROMPTS["partial"][0][: PARTIAL_GOOD * BLOCK]))
         a_steps += [step(name, full(name)) for name in PROMPTS if name != "shared"]
         procs.append(a := start_engine(setup, "A", r1.url, a_steps))
         result_a = wait_engine(setup, "A", a)
@@ -293,6 +378,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             {"wait_for_file": str(go), "timeout": ENGINE_TIMEOUT},
             step("tampered", full("tampered")),
             step("untrusted", full("untrusted")),
+            step("partial", full("partial")),
         ]
         procs.append(c := start_engine(setup, "C", f"moqt://127.0.0.1:{r2_port}", c_steps))
         server_port = free_port(socket.SOCK_STREAM)
@@ -308,6 +394,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         pushed = asyncio.run(push_forged(setup, r2, identity, PROMPTS["tampered"][0], a_key, tamper=True))
         stranger = Signer.generate()
         pushed += asyncio.run(push_forged(setup, r2, identity, PROMPTS["untrusted"][0], stranger, False))
+        partly_pushed = asyncio.run(push_partly_forged(
+            setup, r1, r2, identity, PROMPTS["partial"][0], a_key, good=PARTIAL_GOOD
+        ))
         go.touch()
         completion = server_completion(setup, server, server_port, full("shared"))
         server.send_signal(signal.SIGTERM)  # a clean shutdown
@@ -315,7 +404,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         yield {
             "kernel": kernel, "server": completion,
             "setup": setup, "A": result_a, "B": wait_engine(setup, "B", b), "C": wait_engine(setup, "C", c),
-            "forged_pushed": pushed,
+            "forged_pushed": pushed, "partly_pushed": partly_pushed,
         }
     finally:
         for proc in procs:
@@ -345,7 +434,8 @@ def test_publisher_pushes_computed_blocks_and_drains_before_exit(runs: dict[str,
     # Every prompt plus its suffix is 640 tokens: 5 full blocks, published once each (the shared prefix's
     # 4 blocks were published when A computed the prefix alone).
     assert a_worker["blocks_published"] == a_worker["blocks_pushed"] == 5 * len(PROMPTS)
-    assert a_worker["publish_failures"] == 0
+    assert a_worker["publish_failures"] == a_worker["blocks_save_dropped"] == 0
+    assert a_worker["push_failures_refused"] == a_worker["push_failures_transfer"] == 0
 
 
 @pytest.mark.parametrize(("prompt", "reason"), [("tampered", "content"), ("untrusted", "signature")])
@@ -353,9 +443,28 @@ def test_a_forged_block_is_recomputed_and_counted(runs: dict[str, Any], prompt: 
     assert runs["forged_pushed"] == 8
     assert runs["C"]["steps"][prompt]["token_ids"] == runs["A"]["steps"][prompt]["token_ids"]
     assert runs["C"]["steps"][prompt]["logprobs"] == runs["A"]["steps"][prompt]["logprobs"]
+    assert runs["C"]["steps"][prompt]["num_cached_tokens"] == 0  # nothing loaded, nothing reported cached
     c_worker = counters(runs["setup"], "C", "worker")
-    assert c_worker[f"load_failures_{reason}"] == 1
-    assert c_worker["blocks_loaded"] == 0
+    # The partial prompt's forged block is a content failure too (its own test).
+    assert c_worker[f"load_failures_{reason}"] == {"content": 2, "signature": 1}[reason]
+
+
+def test_a_load_failing_midway_reports_only_the_loaded_tokens_as_cached(runs: dict[str, Any]) -> None:
+    """C was offered 4 blocks of the partial prompt; 3 verified and loaded, the 4th was forged. vLLM
+    recomputes from the 4th on, and reports only the 3 loaded blocks as cached."""
+    assert runs["partly_pushed"] == PARTIAL_GOOD + 1
+    local = runs["A"]["steps"]["partial"]  # vLLM's own local hit of the same 3 blocks (same kernel)
+    remote = runs["C"]["steps"]["partial"]
+    assert local["num_cached_tokens"] == PARTIAL_GOOD * BLOCK
+    assert remote["num_cached_tokens"] == PARTIAL_GOOD * BLOCK
+    assert remote["token_ids"] == local["token_ids"]
+    assert remote["logprobs"] == local["logprobs"]
+    c_worker = counters(runs["setup"], "C", "worker")
+    assert c_worker["blocks_loaded"] == PARTIAL_GOOD  # the forged prompts loaded none
+    assert c_worker["tokens_loaded"] == PARTIAL_GOOD * BLOCK
+    assert c_worker["blocks_load_failed"] == 4 + 4 + 1  # tampered, untrusted, then the partial's 4th
+    c_scheduler = counters(runs["setup"], "C", "scheduler")
+    assert c_scheduler["tokens_load_failed"] == (4 + 4 + 1) * BLOCK
 
 
 def test_a_dead_relay_costs_a_locate_not_the_request(runs: dict[str, Any]) -> None:

@@ -4,7 +4,10 @@ Runs in the vLLM environment with the checkout on ``PYTHONPATH``. SPEC::
 
     {"model": DIR, "kv_transfer_config": {...} | null, "out": RESULT.json,
      "max_tokens": 4, "logprobs": 5, "max_model_len": 4096,
-     "steps": [{"name": "a", "prompt_token_ids": [...]}, {"wait_for_file": PATH}, ...]}
+     "steps": [{"name": "a", "prompt_token_ids": [...]}, {"wait_for_file": PATH},
+               {"batch": {"b": [...], "c": [...]}}, ...]}
+
+A ``batch`` step submits its prompts together, so the engine schedules them as concurrent requests.
 
 Each generation step records the generated token ids, the top-k logprobs of every generated position (as
 ``float.hex`` strings, so comparisons are bit for bit), vLLM's ``num_cached_tokens`` and the time to first
@@ -19,6 +22,24 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+
+def record(output: Any, elapsed: float) -> dict[str, Any]:
+    completion = output.outputs[0]
+    metrics = output.metrics
+    ttft = None
+    if metrics is not None and getattr(metrics, "first_token_latency", None) is not None:
+        ttft = metrics.first_token_latency
+    return {
+        "token_ids": list(completion.token_ids),
+        "logprobs": [
+            sorted((int(t), float(lp.logprob).hex()) for t, lp in position.items())
+            for position in completion.logprobs or []
+        ],
+        "num_cached_tokens": output.num_cached_tokens,
+        "ttft": ttft,
+        "seconds": elapsed,
+    }
 
 
 def run(spec: dict[str, Any]) -> None:
@@ -55,25 +76,13 @@ def run(spec: dict[str, Any]) -> None:
                     raise SystemExit(f"gave up waiting for {flag}")
                 time.sleep(0.05)
             continue
+        batch = step["batch"] if "batch" in step else {step["name"]: step["prompt_token_ids"]}
         started = time.perf_counter()
-        prompt = TokensPrompt(prompt_token_ids=step["prompt_token_ids"])
-        (output,) = llm.generate([prompt], params, use_tqdm=False)
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in batch.values()]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - started
-        completion = output.outputs[0]
-        metrics = output.metrics
-        ttft = None
-        if metrics is not None and getattr(metrics, "first_token_latency", None) is not None:
-            ttft = metrics.first_token_latency
-        result["steps"][step["name"]] = {
-            "token_ids": list(completion.token_ids),
-            "logprobs": [
-                sorted((int(t), float(lp.logprob).hex()) for t, lp in position.items())
-                for position in completion.logprobs or []
-            ],
-            "num_cached_tokens": output.num_cached_tokens,
-            "ttft": ttft,
-            "seconds": elapsed,
-        }
+        for name, output in zip(batch, outputs, strict=True):
+            result["steps"][name] = record(output, elapsed)
         save()
     # A clean shutdown: the engine process stops its scheduler and worker, and the connector drains its
     # pending pushes first.

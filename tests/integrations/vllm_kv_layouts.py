@@ -5,7 +5,9 @@ Runs in the vLLM environment (``scripts/setup-vllm``) and imports nothing from k
 for a full-attention layer spec in bf16, fp16 and fp8, the byte strides of ``[L, B, H, N, C]`` and the
 per-layer logical shape in bytes that vLLM allocates with (``compute_layout_strides``,
 ``compute_layer_kv_cache_shape_bytes``). It also records which layouts the GPU backends that import on a
-CPU build declare (``supported_kv_cache_layouts``: None means any), and why the others do not import.
+CPU build declare (``supported_kv_cache_layouts``: None means any) and their names (``get_name``), why
+the others do not import, and the values vLLM takes for its platform (``PlatformEnum``) and KV cache dtype
+(``CacheDType``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import importlib
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 GEOMETRY = {"num_layers": 3, "num_blocks": 4, "num_kv_heads": 2, "block_size": 16, "head_size": 8}
 BACKENDS = {
@@ -26,6 +28,8 @@ BACKENDS = {
 
 def main(out: Path) -> None:
     import torch
+    from vllm.config.cache import CacheDType
+    from vllm.platforms.interface import PlatformEnum
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         compute_layer_kv_cache_shape_bytes,
@@ -62,8 +66,15 @@ def main(out: Path) -> None:
         except Exception as exc:  # some ask the (absent) GPU for its capability
             backends[name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
             continue
-        backends[name] = {"layouts": None if supported is None else [layout.name for layout in supported]}
-    out.write_text(json.dumps({"geometry": g, "layouts": layouts, "backends": backends}, indent=1))
+        backends[name] = {
+            "name": backend.get_name(),
+            "layouts": None if supported is None else [layout.name for layout in supported],
+        }
+    described = {
+        "geometry": g, "layouts": layouts, "backends": backends, "cache_dtypes": list(get_args(CacheDType)),
+        "platforms": [platform.name.lower() for platform in PlatformEnum],
+    }
+    out.write_text(json.dumps(described, indent=1))
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from kvnet.net.config import TlsConfig
 from kvnet.net.endpoint import connect
-from kvnet.net.settings import TlsSettings
 from tests.helpers.processes import (
     CertDir,
     NativeQuicUnavailable,
@@ -123,7 +123,7 @@ async def test_aiomoqt_subscriber_discovers_a_bare_published_track(
     """aiomoqt's own subscriber without ``-T`` (draft 18: SUBSCRIBE_NAMESPACE, wait for NAMESPACE, then
     SUBSCRIBE_TRACKS and PUBLISH) receives a track that reached kvnet-relay by PUBLISH alone, with no
     PUBLISH_NAMESPACE: the relay must announce that namespace to it."""
-    pub = await connect(kvnet_relay.url, tls=TlsSettings(ca_file=cert_dir.ca))
+    pub = await connect(kvnet_relay.url, tls=TlsConfig(ca_file=cert_dir.ca))
     ok = await pub.publish((b"interop", b"bare"), b"stream", 1)
     subscriber = await asyncio.create_subprocess_exec(
         str(aiomoqt.python), "-m", "aiomoqt.examples.sub_example", kvnet_relay.url, "-k", "--draft", "18",

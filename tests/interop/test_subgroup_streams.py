@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+from kvnet.net.config import TlsConfig
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
-from kvnet.net.settings import TlsSettings
 from proto.data import ObjectStatus
 from proto.errors import StreamResetCode
 from tests.helpers.processes import CertDir, RelayProcess
@@ -34,7 +34,7 @@ def payload(group: int, subgroup: int, object_id: int) -> bytes:
 @asynccontextmanager
 async def recording_subscriber(url: str, ca: str) -> AsyncIterator[tuple[MoqtConnection, StreamRecorder]]:
     """A kvnet client whose every QUIC event is also recorded (the bytes as they arrived)."""
-    conn: MoqtConnection = await connect(url, tls=TlsSettings(ca_file=ca))  # type: ignore[arg-type]
+    conn: MoqtConnection = await connect(url, tls=TlsConfig(ca_file=ca))  # type: ignore[arg-type]
     recorder = StreamRecorder()
     handle_event: Callable[[Any], None] = conn.quic_event_received
 
@@ -88,7 +88,7 @@ class OverlappingPublisher:
 async def start_track(
     relay: RelayProcess, ca: str, sub: MoqtConnection, recorder: StreamRecorder, name: bytes
 ) -> tuple[OverlappingPublisher, Any]:
-    conn: MoqtConnection = await connect(relay.url, tls=TlsSettings(ca_file=ca))  # type: ignore[arg-type]
+    conn: MoqtConnection = await connect(relay.url, tls=TlsConfig(ca_file=ca))  # type: ignore[arg-type]
     ok = await conn.publish(NS, name, ALIAS)
     handle = await sub.subscribe(NS, name)
     assert handle.ok is not None

@@ -19,30 +19,19 @@ def _issuer(tmp_path: Path) -> tuple[Path, Path]:
     return key, pub
 
 
+def _issue(key: Path, out: Path, *, subject: str, tenant: str, action: str, prefix: str) -> list[str]:
+    """``kvnet token issue`` arguments for one token signed with ``key``, written to ``out``."""
+    return [
+        "token", "issue", "--issuer-key", str(key), "--subject", subject, "--tenant", tenant,
+        "--action", action, "--prefix", prefix, "--out", str(out),
+    ]
+
+
 def test_token_issue_verifies_with_the_issuer_public_key(tmp_path: Path) -> None:
     key, pub = _issuer(tmp_path)
     out = tmp_path / "sub.tok"
-    rc = main(
-        [
-            "token",
-            "issue",
-            "--issuer-key",
-            str(key),
-            "--subject",
-            "node-b",
-            "--tenant",
-            "acme",
-            "--action",
-            "subscribe",
-            "--prefix",
-            "kvnet-v1",
-            "--lifetime",
-            "60",
-            "--out",
-            str(out),
-        ]
-    )
-    assert rc == 0
+    args = _issue(key, out, subject="node-b", tenant="acme", action="subscribe", prefix="kvnet-v1")
+    assert main([*args, "--lifetime", "60"]) == 0
     assert stat.S_IMODE(out.stat().st_mode) == 0o600
     verifier = auth.TokenVerifier([auth.load_issuer_public_key(pub)], clock=time.time)
     claims = verifier.verify(out.read_bytes())
@@ -60,44 +49,12 @@ def test_token_issue_refuses_to_overwrite_and_rejects_bad_actions(
 ) -> None:
     key, _ = _issuer(tmp_path)
     out = tmp_path / "t.tok"
-    args = [
-        "token",
-        "issue",
-        "--issuer-key",
-        str(key),
-        "--subject",
-        "s",
-        "--tenant",
-        "t",
-        "--action",
-        "publish",
-        "--prefix",
-        "kvnet",
-        "--out",
-        str(out),
-    ]
+    args = _issue(key, out, subject="s", tenant="t", action="publish", prefix="kvnet")
     assert main(args) == 0
     assert main(args) == 2  # the existing token file is kept
     assert capsys.readouterr().err == f"kvnet: error: {out} already exists (--force replaces it)\n"
     with pytest.raises(SystemExit):
-        main(
-            [
-                "token",
-                "issue",
-                "--issuer-key",
-                str(key),
-                "--subject",
-                "s",
-                "--tenant",
-                "t",
-                "--action",
-                "delete-everything",
-                "--prefix",
-                "kvnet",
-                "--out",
-                str(tmp_path / "x"),
-            ]
-        )
+        main(_issue(key, tmp_path / "x", subject="s", tenant="t", action="delete-everything", prefix="kvnet"))
 
 
 def test_issuer_key_is_private_and_not_overwritten(

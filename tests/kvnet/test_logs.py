@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 from fastapi import FastAPI
 
+from kvnet.config import config_parser, parse_config
 from kvnet.logs import ACCESS_LOGGER, LOG_SETTINGS_ENV, add_log_arguments, setup_logging
 from kvnet.node.httpapi import HttpServer, bind_http
-from kvnet.settings import parse_settings, settings_parser
 
 
 @pytest.fixture(autouse=True)
@@ -44,14 +44,14 @@ def test_json_line_has_the_same_fields(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_log_settings_come_from_the_shared_environment_names() -> None:
-    parser = settings_parser("kvnet-test", "test", config_file=False)
+    parser = config_parser("kvnet-test", "test", config_file=False)
     add_log_arguments(parser)
     shared = {LOG_SETTINGS_ENV["log_format"]: "json", "KVNET_LOG_LEVEL": "error"}
-    args = parse_settings(parser, [], env=shared)
+    args = parse_config(parser, [], env=shared)
     assert (args.log_format, args.log_level) == ("json", "error")
     own = {"KVNET_LOG_FORMAT": "json", "KVNET_X_LOG_FORMAT": "kv"}
-    assert parse_settings(parser, [], env=own, env_prefix="KVNET_X_").log_format == "kv"
-    command_line = parse_settings(parser, ["--log-format", "json"], env={"KVNET_LOG_FORMAT": "kv"})
+    assert parse_config(parser, [], env=own, env_prefix="KVNET_X_").log_format == "kv"
+    command_line = parse_config(parser, ["--log-format", "json"], env={"KVNET_LOG_FORMAT": "kv"})
     assert command_line.log_format == "json"
 
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvnet.blocks.signing import generate_keypair
+from kvnet.security.signing import generate_keypair
 from tests.helpers.processes import (
     REPO,
     START_TIMEOUT,

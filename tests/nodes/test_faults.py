@@ -11,8 +11,10 @@ def test_relay_killed_mid_fetch_falls_back_to_recompute(kv_cluster: Cluster) -> 
     kv_cluster.start_relay()
     prefix = SHARED_PREFIX * 8  # ~2k tokens, ~2 MB of lossless KV on the tiny model
     kv_cluster.start_publisher([prefix[:1900]])
-    # A 300 kB/s link between subscriber and relay makes the fetch take seconds.
-    emu_port = kv_cluster.start_linkemu("--down-rate", "300000")
+    # A 300 kB/s link between subscriber and relay makes the fetch take seconds. It holds at most 32
+    # datagrams (512 kB at loopback's 16 KiB), so what the relay sent before it died cannot be the whole
+    # prefix still on its way (the default 1000 would hold 16 MB).
+    emu_port = kv_cluster.start_linkemu("--down-rate", "300000", "--queue-packets", "32")
     sub = kv_cluster.start_subscriber(
         [prefix[:1900] + "?"], "--verify", "--abr", "fetch", "--timeout", "3", relay_port=emu_port
     )

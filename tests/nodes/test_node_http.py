@@ -65,6 +65,8 @@ def test_second_node_reuses_first_nodes_prefix_over_http(kv_cluster: Cluster) ->
     details = remote["usage"]["prompt_tokens_details"]
     assert details["remote_cached_tokens"] == shared, str(remote["kvnet"])  # str: printed whole
     assert _metric(url_b, "kvnet_engine_running_sequences") == 1  # the long one, still generating
+    # B's fetch measured how late the relay answers a FETCH: exported, and never past the fetch timeout.
+    assert 0.0 <= _metric(url_b, "kvnet_abr_first_byte_seconds") <= 10.0
     long_stream.close()  # its client leaves: the engine ends its sequence
     wait_until(lambda: _metric(url_b, "kvnet_engine_admitted_sequences") == 0, "B's long stream ended")
     assert details["local_cached_tokens"] == 0
@@ -114,8 +116,10 @@ def test_concurrent_clients_refused_when_full_retried_and_equal_recompute(kv_clu
     model = Transformer.from_name("tiny", device=torch.device("cpu"))
     tokenizer = ByteTokenizer()
     for prompt, text in zip(prompts, texts, strict=True):
-        expected = generate_reference(model, tokenizer.encode(prompt), 8, stop_token_ids=(tokenizer.eos_id,))
-        assert text == tokenizer.decode(expected), prompt
+        expected = generate_reference(
+            model, tokenizer.tokenize(prompt), 8, stop_token_ids=(tokenizer.eos_id,)
+        )
+        assert text == tokenizer.detokenize(expected), prompt
     assert _metric(url, "kvnet_engine_refused_requests_total") >= 1  # 8 at once, 3 admitted
     assert _metric(url, "kvnet_engine_admitted_sequences") == 0
 

@@ -84,7 +84,9 @@ def test_node_started_before_relay_and_relay_restarted(kv_cluster: Cluster) -> N
     kv_cluster.relay_port = free_port()
     kv_cluster.metrics_port = free_port(socket.SOCK_STREAM)
     node_a, url_a = kv_cluster.start_http_node()
-    node_b, url_b = kv_cluster.start_http_node("--abr", "fetch")
+    # Node B stripes its fetches over two sessions: the fetch-only one goes with the relay and is opened
+    # again, on the restarted relay, by the first fetch after it.
+    node_b, url_b = kv_cluster.start_http_node("--abr", "fetch", "--fetch-connections", "2")
     kv_cluster.wait_http_node(node_a)
     kv_cluster.wait_http_node(node_b)
 
@@ -116,6 +118,8 @@ def test_node_started_before_relay_and_relay_restarted(kv_cluster: Cluster) -> N
     details = again["usage"]["prompt_tokens_details"]  # type: ignore[index]
     assert details["remote_cached_tokens"] == (len(prefix) + 3) // B * B, again
     assert again["kvnet"]["relay_connected"] is True  # type: ignore[index]
+    # The restarted relay saw both nodes' sessions and node B's fetch-only one.
+    assert kv_cluster.relay_metrics()["kvnet_relay_sessions_total"] >= 3
     # At least the first session and the one after the restart (a draining relay may take a few more).
     assert _metric(url_b, "kvnet_relay_sessions_total") >= 2
 
@@ -123,7 +127,7 @@ def test_node_started_before_relay_and_relay_restarted(kv_cluster: Cluster) -> N
 def _shared_tokens(published: str, asked: str) -> int:
     """Prompt tokens of ``asked`` a remote hit can reuse from ``published``'s blocks (whole blocks of the
     common token prefix; the tiny model's byte tokenizer)."""
-    a, b = ByteTokenizer().encode(published), ByteTokenizer().encode(asked)
+    a, b = ByteTokenizer().tokenize(published), ByteTokenizer().tokenize(asked)
     common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
     return min(common // B, (len(b) - 1) // B) * B
 
@@ -219,22 +223,27 @@ def test_relay_killed_under_a_node_is_noticed_by_keepalive_loss(kv_cluster: Clus
 def test_goaway_naming_another_relay_moves_node_and_edge_there_at_once(kv_cluster: Cluster) -> None:
     """A rolling restart: relay A is stopped with ``--goaway-uri`` naming a standby B. The node and the edge
     relay on A follow the GOAWAY's New Session URI at once: both have sessions on B while A is still
-    draining (60 s), and the node stays ready."""
+    draining (60 s), and the node stays ready. The node stripes fetches over two sessions: its fetch-only
+    one leaves A with its main one and comes up on B beside it."""
     c = kv_cluster
     standby = start_relay(c.cert_dir, c.tmp, name="standby", log_level="info", env=c.env)
     c.relay_port = free_port()
     old = c.start_relay("--goaway-uri", standby.url, "--drain-timeout", "60")
     edge = start_relay(c.cert_dir, c.tmp, "--upstream", c.url(), name="edge", log_level="info", env=c.env)
     try:
-        node, url = c.start_http_node()
+        node, url = c.start_http_node("--fetch-connections", "2")
         c.wait_http_node(node)
         wait_until(lambda: _all_connected(url), "node connected", timeout=RECONNECT_TIMEOUT)
         wait_until(lambda: _edge_metric(edge, "kvnet_relay_upstreams_connected") == 1, "edge connected")
+        wait_until(lambda: c.relay_metrics().get("kvnet_relay_sessions", 0) == 3,
+                   "the node's two sessions and the edge's on relay A")
         assert standby.metrics().get("kvnet_relay_sessions", 0) == 0
 
         old.send_signal(signal.SIGTERM)
-        wait_until(lambda: standby.metrics().get("kvnet_relay_sessions", 0) == 2,
-                   "node and edge on the standby relay", timeout=RECONNECT_TIMEOUT)
+        wait_until(lambda: standby.metrics().get("kvnet_relay_sessions", 0) == 3,
+                   "the node's two sessions and the edge's on the standby relay", timeout=RECONNECT_TIMEOUT)
+        wait_until(lambda: c.relay_metrics().get("kvnet_relay_sessions", 0) == 0,
+                   "no session left on the draining relay A", timeout=RECONNECT_TIMEOUT)
         assert old.poll() is None, "relay A is still draining"
         assert _edge_metric(edge, "kvnet_relay_upstreams_connected") == 1
         assert _connected(url) and _status(f"{url}/ready") == 200

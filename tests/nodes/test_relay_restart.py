@@ -13,11 +13,11 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from kvnet.blocks.disk import track_file_name
 from kvnet.cache.hashing import block_hashes
-from kvnet.node.blockstore import DISK_NAMESPACE
+from kvnet.exchange.blockstore import DISK_NAMESPACE
 from kvnet.node.config import NodeConfig
 from kvnet.node.node import Node
+from kvnet.storage.disk import track_file_name
 from proto.kvobject import block_track
 from tests.helpers.processes import start_relay
 from tests.helpers.waiting import wait_until
@@ -44,7 +44,7 @@ def subscribe(c: Cluster) -> dict[str, Any]:
 def block_file(cache_dir: Path, index: int) -> Path:
     """The persistent tier's file of block ``index`` of PROMPT (the nodes' model, lossless)."""
     node = Node.from_config(NodeConfig(model="tiny", block_size=TEST_BLOCK_SIZE))
-    hashes = block_hashes(node.encode_prompt(PROMPT), TEST_BLOCK_SIZE, node.root)
+    hashes = block_hashes(node.tokenize_prompt(PROMPT), TEST_BLOCK_SIZE, node.root)
     ns, name = block_track(node.fingerprint, "default", hashes[index], "lossless")
     return cache_dir / track_file_name(ns, name)
 
@@ -176,5 +176,5 @@ def test_publisher_restarted_on_its_cache_dir_serves_what_it_published(
 def store_file(store_dir: Path, index: int) -> Path:
     """The block store's file of block ``index`` of PROMPT (lossless)."""
     node = Node.from_config(NodeConfig(model="tiny", block_size=TEST_BLOCK_SIZE))
-    hashes = block_hashes(node.encode_prompt(PROMPT), TEST_BLOCK_SIZE, node.root)
+    hashes = block_hashes(node.tokenize_prompt(PROMPT), TEST_BLOCK_SIZE, node.root)
     return store_dir / track_file_name(DISK_NAMESPACE, hashes[index].hex().encode() + b".lossless")

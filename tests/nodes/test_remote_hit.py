@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import socket
 
+import pytest
+
 from tests.helpers.processes import free_port, start_relay
 from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster
 
@@ -142,3 +144,24 @@ def test_a_node_fetches_over_qmux_through_an_edge_whose_upstream_is_quic(kv_clus
     assert report["verified"] is True and report["remote_hit_tokens"] == shared, report
     assert report["bytes_fetched"] > 0
     assert edge.metrics()['kvnet_relay_upstream_requests_total{type="fetch"}'] >= 1
+
+
+@pytest.mark.parametrize("transport", ["qmux", "quic"])
+def test_a_remote_hit_striped_over_three_sessions_is_verified(kv_cluster: Cluster, transport: str) -> None:
+    """``--fetch-connections 3``: the subscriber fetches its blocks over its own session and two fetch-only
+    ones to the same relay (three sessions the relay accepts), each verifying its share, and the output is
+    bit-exact like the one-session case."""
+    qmux_port = free_port(socket.SOCK_STREAM)
+    kv_cluster.start_relay("--listen-qmux", f"127.0.0.1:{qmux_port}")
+    kv_cluster.start_publisher([SHARED_PREFIX])
+    url = f"moqt+qmux://127.0.0.1:{qmux_port}" if transport == "qmux" else kv_cluster.url()
+    sessions = kv_cluster.relay_metrics().get("kvnet_relay_sessions_total", 0.0)
+    (report,) = kv_cluster.subscribe(
+        [SHARED_PREFIX + "Question over three sessions?"], "--verify", "--max-tokens", "4",
+        "--fetch-connections", "3", relay_url=url,
+    )
+    shared = (len(SHARED_PREFIX) + 1) // B
+    assert report["verified"] is True and report["kv_exact"] is True, report
+    assert report["remote_hit_tokens"] == shared * B, report
+    assert report["renditions"] == {"lossless": shared}, report
+    assert kv_cluster.relay_metrics()["kvnet_relay_sessions_total"] - sessions == 3

@@ -7,8 +7,8 @@ import json
 import time
 from pathlib import Path
 
-from kvnet.blocks.signing import generate_keypair
 from kvnet.security import tokens as auth
+from kvnet.security.signing import generate_keypair
 from tests.helpers.waiting import scaled
 from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster
 

@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "fuzz-proto"
+from tests.helpers.scripts import load_source
 
 
 def load_fuzzer() -> ModuleType:
-    loader = importlib.machinery.SourceFileLoader("fuzz_proto", str(SCRIPT))
-    spec = importlib.util.spec_from_loader("fuzz_proto", loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fuzz_proto"] = module  # dataclasses look their module up while decorating
-    loader.exec_module(module)
-    return module
+    return load_source("scripts/fuzz-proto", "fuzz_proto")
 
 
 def test_fuzz_smoke() -> None:

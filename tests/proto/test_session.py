@@ -138,9 +138,7 @@ def test_subscribe_objects_on_subgroup_streams() -> None:
 
 def test_first_object_bit_marks_only_the_first_object_of_its_stream() -> None:
     pair = make_pair()
-    rid = pair.client.subscribe(NS, b"t")
-    pair.run()
-    pair.server.accept_subscribe(rid, 1)
+    pair.subscribe_accepted(NS, 1)
     pair.run()
     first = pair.server.open_subgroup(1, 0, 0, first_object=True)
     later = pair.server.open_subgroup(1, 1, 0)
@@ -160,9 +158,7 @@ def test_objects_of_various_sizes_in_random_fragments(seed: int) -> None:
     rng = random.Random(seed)
     fragment = [1000, 7000, 16384, 65536][seed]
     pair = make_pair(fragment=fragment, seed=seed)
-    rid = pair.client.subscribe(NS, b"t")
-    pair.run()
-    pair.server.accept_subscribe(rid, 1)
+    pair.subscribe_accepted(NS, 1)
     pair.run()
     sizes = [0, 1, 127, 128, 16384, 70000, 3 << 20 if fragment >= 7000 else 300_000]
     payloads = [rng.randbytes(n) for n in sizes]
@@ -197,9 +193,7 @@ def test_small_objects_one_byte_at_a_time() -> None:
 
 def test_subgroup_stream_before_subscribe_ok_is_buffered() -> None:
     pair = make_pair()
-    rid = pair.client.subscribe(NS, b"t")
-    pair.run()
-    pair.server.accept_subscribe(rid, 9)
+    pair.subscribe_accepted(NS, 9)
     sid = pair.server.open_subgroup(9, 1, 0)
     pair.server.send_subgroup_object(sid, 0, b"early", end_stream=True)
     # Deliver the data stream first, then the SUBSCRIBE_OK on the request stream.
@@ -217,9 +211,7 @@ def test_subgroup_stream_before_subscribe_ok_is_buffered() -> None:
 def test_a_data_streams_request_is_known_once_its_header_ties_it_to_one() -> None:
     """Before a whole object is in (here: half of one), and only once the Track Alias is known."""
     pair = make_pair()
-    rid = pair.client.subscribe(NS, b"t")
-    pair.run()
-    pair.server.accept_subscribe(rid, 9)
+    rid = pair.subscribe_accepted(NS, 9)
     sid = pair.server.open_subgroup(9, 1, 0)
     pair.server.send_subgroup_object(sid, 0, bytes(10_000))
     transmits = pair.server.transmit()
@@ -364,9 +356,7 @@ def test_publish_and_objects_before_publish_ok() -> None:
 
 def test_request_update_and_replies() -> None:
     pair = make_pair()
-    rid = pair.client.subscribe(NS, b"t")
-    pair.run()
-    pair.server.accept_subscribe(rid, 1)
+    rid = pair.subscribe_accepted(NS, 1)
     upd1 = pair.client.request_update(rid, MessageParameters(subscriber_priority=1))
     upd2 = pair.client.request_update(rid, MessageParameters(forward=0))
     assert (upd1, upd2) == (2, 4)
@@ -406,9 +396,7 @@ def test_rejection_keeps_session_up() -> None:
 
 def test_subscriber_cancel_resets_publisher_streams() -> None:
     pair = make_pair()
-    rid = pair.client.subscribe(NS, b"t")
-    pair.run()
-    pair.server.accept_subscribe(rid, 1)
+    rid = pair.subscribe_accepted(NS, 1)
     sid = pair.server.open_subgroup(1, 0, 0)
     pair.server.send_subgroup_object(sid, 0, b"a")
     pair.run()
@@ -440,9 +428,7 @@ def test_peer_reset_of_request_stream_is_request_cancelled() -> None:
 
 def test_stop_sending_on_subgroup_drops_later_objects() -> None:
     pair = make_pair()
-    rid = pair.client.subscribe(NS, b"t")
-    pair.run()
-    pair.server.accept_subscribe(rid, 1)
+    rid = pair.subscribe_accepted(NS, 1)
     sid = pair.server.open_subgroup(1, 0, 0)
     pair.run()
     pair.server.receive_stop_sending(sid, StreamResetCode.CANCELLED)
@@ -458,9 +444,7 @@ def test_stop_sending_on_subgroup_drops_later_objects() -> None:
 
 def test_datagram_objects() -> None:
     pair = make_pair()
-    rid = pair.client.subscribe(NS, b"t")
-    pair.run()
-    pair.server.accept_subscribe(rid, 77)
+    rid = pair.subscribe_accepted(NS, 77)
     pair.server.send_object_datagram(77, 4, 0, b"dg", publisher_priority=2, end_of_group=True)
     pair.server.send_object_datagram(77, 4, 1, status=ObjectStatus.END_OF_TRACK)
     pair.run()
@@ -551,9 +535,7 @@ def test_usage_errors() -> None:
         pair.server.open_subgroup(5, 0, 0)
     with pytest.raises(UsageError):
         pair.client.subscribe((b"",), b"t")  # empty namespace field
-    rid = pair.client.subscribe(NS, b"t")
-    pair.run()
-    pair.server.accept_subscribe(rid, 1)
+    rid = pair.subscribe_accepted(NS, 1)
     with pytest.raises(UsageError):
         pair.server.accept_subscribe(rid, 2)  # second reply
     sid = pair.server.open_subgroup(1, 0, 0)

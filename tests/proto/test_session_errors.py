@@ -164,9 +164,7 @@ def test_goaway_first_on_request_stream() -> None:
 
 def test_second_reply_is_a_protocol_violation() -> None:
     pair = make_pair()
-    rid = pair.client.subscribe(NS, b"t")
-    pair.run()
-    pair.server.accept_subscribe(rid, 1)
+    pair.subscribe_accepted(NS, 1)
     pair.run()
     pair.client.receive_stream_data(0, encode_message(SubscribeOk(2)), False)
     assert_closed(pair.client, PV)
@@ -276,9 +274,7 @@ def test_too_many_requests_rejected_with_excessive_load() -> None:
 
 def test_object_over_size_limit_stops_only_that_stream() -> None:
     pair = make_pair(max_object_size=1000)
-    rid = pair.client.subscribe(NS, b"t")
-    pair.run()
-    pair.server.accept_subscribe(rid, 1)
+    pair.subscribe_accepted(NS, 1)
     sid = pair.server.open_subgroup(1, 0, 0)
     pair.server.send_subgroup_object(sid, 0, b"x" * 5000)
     pair.run()
@@ -290,9 +286,7 @@ def test_object_over_size_limit_stops_only_that_stream() -> None:
 
 def test_data_stream_fin_inside_object() -> None:
     pair = make_pair()
-    rid = pair.client.subscribe(NS, b"t")
-    pair.run()
-    pair.server.accept_subscribe(rid, 1)
+    pair.subscribe_accepted(NS, 1)
     pair.run()
     header = encode_subgroup_header(SubgroupHeader(1, 0, 0, SubgroupIdMode.ZERO))
     pair.client.receive_stream_data(3 + 4 * 5, header + b"\x00\x05ab", True)

@@ -19,14 +19,14 @@ from aioquic.asyncio import connect as quic_connect
 from aioquic.quic import events as qe
 from aioquic.quic.configuration import QuicConfiguration
 
+from kvnet.net.config import TlsConfig
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.handles import IncomingFetch, IncomingRequest, IncomingSubscribe, IncomingTrackStatus
-from kvnet.net.settings import TlsSettings
 from proto.data import ObjectStatus
 from proto.errors import RequestErrorCode
 from proto.messages import Location, MessageParameters, Setup, encode_message
-from tests.helpers.connections import client_limits, client_settings
+from tests.helpers.connections import client_config, client_limits
 from tests.helpers.waiting import async_wait_until, scaled
 
 NS = (b"kvnet", b"v1", b"fp-test", b"tenant")
@@ -38,7 +38,7 @@ def track_objects(name: bytes, n: int = 4, size: int = 1000) -> list[bytes]:
 
 
 async def connect_client(url: str, ca: str) -> MoqtConnection:
-    return await connect(url, client_settings(), TlsSettings(ca_file=ca), limits=client_limits())  # type: ignore[arg-type]
+    return await connect(url, client_config(), TlsConfig(ca_file=ca), limits=client_limits())  # type: ignore[arg-type]
 
 
 @dataclass

@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from kvnet.blocks.signing import Signer, TrustStore
 from kvnet.cache.hashing import hash_block
 from kvnet.net.connection import MoqtConnection
 from kvnet.security.keys import save_public_key
+from kvnet.security.signing import Signer, TrustStore
 from proto.data import ObjectStatus
 from proto.kvobject import BlockManifest, block_track, parse_block_track
 from proto.messages import Location
 from relay.admission import BlockAdmission
 from relay.cache import CachedObject, TrackKey
 from tests.helpers.processes import CertDir
-from tests.relay.conftest import RelayFactory
+from tests.relay.conftest import InProcessRelays
 from tests.relay.peers import connect_client
 
 SHAPE = (2, 4, 1, 8)
@@ -127,11 +127,11 @@ async def push_ended_not_done(
 
 
 async def test_a_trusted_keys_inconsistent_manifest_first_does_not_keep_the_honest_copy_out(
-    cert_dir: CertDir, relay_factory: RelayFactory, tmp_path: Path
+    cert_dir: CertDir, in_process_relays: InProcessRelays, tmp_path: Path
 ) -> None:
     signer = Signer.generate()
     save_public_key(tmp_path / "publisher.pub", signer.public_key)
-    rp = relay_factory("--trust", str(tmp_path / "publisher.pub"))
+    rp = await in_process_relays("--trust", str(tmp_path / "publisher.pub"))
     parent = secrets.token_bytes(32)
     key, honest = signed_block(signer, parent=parent)
     squat_hash = parse_block_track(*key).block_hash
@@ -141,9 +141,9 @@ async def test_a_trusted_keys_inconsistent_manifest_first_does_not_keep_the_hone
     aliases = itertools.count(1)
     try:
         await push_ended_not_done(squatter, next(aliases), key, squat)
-        await rp.wait_metric('kvnet_relay_blocks_refused_total{reason="chain"}', 1)
+        await rp.wait_value("blocks_refused_total", 1, reason="chain")
         await push_ended_not_done(publisher, next(aliases), key, honest)
-        await rp.wait_metric("kvnet_relay_cache_tracks", 1)
+        await rp.wait_value("cache_tracks", 1)
         fetch = await squatter.fetch(key[0], key[1], Location(0, 0), Location(0, len(honest) - 1))
         got = [o.payload for o in await fetch.read_all()]
         assert got == [o.payload for o in honest[:-1]]  # the honest copy, manifest first

@@ -1,5 +1,8 @@
-"""Misbehaving peers against a real relay process: the offender's session ends with the draft's code (or
-its stream/request does), other sessions keep working, and the relay's memory stays bounded.
+"""Misbehaving peers against a real relay: the offender's session ends with the draft's code (or its
+stream/request does), other sessions keep working, and the relay's memory stays bounded.
+
+The relay runs in the test's own process (``tests.relay.inprocess``, real QUIC on loopback), except where a
+test bounds its memory: that needs the relay's own process (its resident set size).
 
 The raw peer is aioquic's ``QuicConnectionProtocol`` writing arbitrary bytes on QUIC streams: a real
 network peer with no MoQT library in the way.
@@ -11,6 +14,9 @@ import asyncio
 import os
 import random
 import socket
+from collections.abc import AsyncIterator
+
+import pytest
 
 from kvnet.net.errors import ConnectionClosed, RequestRejected, StreamResetError
 from proto.data import SubgroupHeader, encode_subgroup_header, subgroup_object_prefix
@@ -19,6 +25,7 @@ from proto.messages import Location, Publish, Setup, TrackStatus, encode_message
 from tests.helpers.processes import CertDir, RelayProcess
 from tests.helpers.waiting import async_wait_until, scaled
 from tests.relay.conftest import RelayFactory
+from tests.relay.inprocess import InProcessRelay, relay_in_process
 from tests.relay.peers import (
     NS,
     Publisher,
@@ -33,13 +40,22 @@ from tests.relay.peers import (
 RSS_LIMIT = 400 * 1024 * 1024
 
 
+@pytest.fixture
+async def relay(cert_dir: CertDir) -> AsyncIterator[InProcessRelay]:
+    """A relay in the test's process (in place of conftest's relay process), stopped after the test."""
+    async with relay_in_process(cert_dir) as running:
+        yield running
+
+
 async def expect_close(peer: RawPeer, code: int) -> str:
     err, reason = await asyncio.wait_for(peer.terminated, scaled(10))
     assert err == code, (err, reason)
     return reason
 
 
-async def still_serves(rp: RelayProcess, cert_dir: CertDir, pub: Publisher, name: bytes, n: int) -> None:
+async def still_serves(
+    rp: RelayProcess | InProcessRelay, cert_dir: CertDir, pub: Publisher, name: bytes, n: int
+) -> None:
     c = await connect_client(rp.url, str(cert_dir.ca))
     try:
         assert await fetch_track(c, name, n) == pub.tracks[name]
@@ -47,11 +63,13 @@ async def still_serves(rp: RelayProcess, cert_dir: CertDir, pub: Publisher, name
         await c.close_session()
 
 
-async def start_pub(rp: RelayProcess, cert_dir: CertDir, tracks: dict[bytes, list[bytes]]) -> Publisher:
+async def start_pub(
+    rp: RelayProcess | InProcessRelay, cert_dir: CertDir, tracks: dict[bytes, list[bytes]]
+) -> Publisher:
     return await Publisher(await connect_client(rp.url, str(cert_dir.ca)), tracks).start()
 
 
-async def test_random_udp_datagrams_do_not_disturb(relay: RelayProcess, cert_dir: CertDir) -> None:
+async def test_random_udp_datagrams_do_not_disturb(relay: InProcessRelay, cert_dir: CertDir) -> None:
     pub = await start_pub(relay, cert_dir, {b"t": track_objects(b"t")})
     rnd = random.Random(1)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -59,11 +77,11 @@ async def test_random_udp_datagrams_do_not_disturb(relay: RelayProcess, cert_dir
             s.sendto(rnd.randbytes(rnd.randrange(1, 1400)), ("127.0.0.1", relay.port))
     await still_serves(relay, cert_dir, pub, b"t", 4)
     await pub.stop()
-    assert relay.proc.poll() is None
+    assert relay.running
 
 
 async def test_random_bytes_on_streams_close_only_that_session(
-    relay: RelayProcess, cert_dir: CertDir
+    relay: InProcessRelay, cert_dir: CertDir
 ) -> None:
     pub = await start_pub(relay, cert_dir, {b"t": track_objects(b"t")})
     rnd = random.Random(2)
@@ -80,7 +98,7 @@ async def test_random_bytes_on_streams_close_only_that_session(
     await pub.stop()
 
 
-async def test_malformed_control_message(relay: RelayProcess, cert_dir: CertDir) -> None:
+async def test_malformed_control_message(relay: InProcessRelay, cert_dir: CertDir) -> None:
     async with raw_peer(relay.port, cert_dir.ca) as peer:
         ctrl = peer.new_stream(True)
         # SETUP, then a TRACK_STATUS whose Length says 5 bytes but whose payload is a truncated namespace.
@@ -89,7 +107,7 @@ async def test_malformed_control_message(relay: RelayProcess, cert_dir: CertDir)
         await expect_close(peer, SessionErrorCode.PROTOCOL_VIOLATION)
 
 
-async def test_invalid_and_duplicate_request_ids(relay: RelayProcess, cert_dir: CertDir) -> None:
+async def test_invalid_and_duplicate_request_ids(relay: InProcessRelay, cert_dir: CertDir) -> None:
     for ids in ((1,), (0, 0)):
         async with raw_peer(relay.port, cert_dir.ca) as peer:
             peer.setup()
@@ -98,7 +116,7 @@ async def test_invalid_and_duplicate_request_ids(relay: RelayProcess, cert_dir: 
             await expect_close(peer, SessionErrorCode.INVALID_REQUEST_ID)
 
 
-async def test_oversized_control_message_length(relay: RelayProcess, cert_dir: CertDir) -> None:
+async def test_oversized_control_message_length(relay: InProcessRelay, cert_dir: CertDir) -> None:
     async with raw_peer(relay.port, cert_dir.ca) as peer:
         peer.setup()
         # A maximal 65535-byte TRACK_STATUS: the namespace inside claims more fields than fit.
@@ -106,10 +124,12 @@ async def test_oversized_control_message_length(relay: RelayProcess, cert_dir: C
         await expect_close(peer, SessionErrorCode.PROTOCOL_VIOLATION)
 
 
-async def test_oversized_object_is_refused(
-    cert_dir: CertDir, relay_factory: RelayFactory
-) -> None:
-    rp = relay_factory("--max-object-bytes", "10000")
+async def test_oversized_object_is_refused(cert_dir: CertDir) -> None:
+    async with relay_in_process(cert_dir, "--max-object-bytes", "10000") as rp:
+        await _oversized_object_is_refused(rp, cert_dir)
+
+
+async def _oversized_object_is_refused(rp: InProcessRelay, cert_dir: CertDir) -> None:
     pub = await start_pub(rp, cert_dir, {b"t": track_objects(b"t")})
     async with raw_peer(rp.port, cert_dir.ca) as peer:
         peer.setup()
@@ -154,7 +174,8 @@ async def test_peer_that_never_reads(
     await pub.stop()
 
 
-async def test_publisher_disconnects_mid_object(relay: RelayProcess, cert_dir: CertDir) -> None:
+async def test_publisher_disconnects_mid_object(relay_factory: RelayFactory, cert_dir: CertDir) -> None:
+    relay = relay_factory()
     full = track_objects(b"cut", 4, 2_000_000)
     bad = await start_pub(relay, cert_dir, {b"cut": full})
     bad.cut_after = 2  # sends objects 0 and 1 (2 MB each), then vanishes while they are in flight
@@ -177,7 +198,8 @@ async def test_publisher_disconnects_mid_object(relay: RelayProcess, cert_dir: C
     assert relay.rss_bytes() < RSS_LIMIT
 
 
-async def test_subscriber_disconnects_mid_object(relay: RelayProcess, cert_dir: CertDir) -> None:
+async def test_subscriber_disconnects_mid_object(relay_factory: RelayFactory, cert_dir: CertDir) -> None:
+    relay = relay_factory()
     big = track_objects(b"big", 4, 2_000_000)
     pub = await start_pub(relay, cert_dir, {b"big": big, b"small": track_objects(b"small")})
     for _ in range(3):

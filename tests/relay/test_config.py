@@ -4,12 +4,14 @@ the field, metrics rendering."""
 from __future__ import annotations
 
 import argparse
+import ast
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import relay
 from relay.__main__ import build_parser, config_from_args, parse_args
 from relay.config import NO_TRUST, load_config, parse_hostport
 from relay.metrics import Metrics, parse_prometheus
@@ -86,6 +88,30 @@ def test_metrics_render_and_parse() -> None:
     samples = parse_prometheus(text)
     assert samples['kvnet_relay_requests_total{outcome="ok",type="fetch"}'] == 3
     assert samples["kvnet_relay_cache_bytes"] == 123
+
+
+def test_a_metric_reads_zero_before_its_first_increment_and_an_undeclared_one_is_an_error() -> None:
+    m = Metrics()
+    m.counter("requests_total", "requests")
+    assert m.value("requests_total", {"type": "fetch"}) == 0
+    with pytest.raises(KeyError, match="requests_totl"):
+        m.value("requests_totl")
+
+
+def test_every_counter_the_relay_increments_is_declared_so_it_is_exported_before_its_first_event() -> None:
+    # Scanned from the source: an ``inc("name")`` whose family was never declared is missing from /metrics
+    # until it first happens, and a test reading it in-process then fails with KeyError.
+    incremented, declared = set(), set()
+    for path in Path(relay.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args
+                    and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                continue
+            if node.func.attr == "inc":
+                incremented.add(node.args[0].value)
+            elif node.func.attr in ("counter", "counter_fn", "gauge_fn"):
+                declared.add(node.args[0].value)
+    assert incremented and not incremented - declared, sorted(incremented - declared)
 
 
 def test_auth_keys_from_file_and_flags(cert_dir: CertDir, tmp_path: Path) -> None:

@@ -1,10 +1,11 @@
 """Draft-18 relay behaviour a third-party client checks: rendezvous, SUBSCRIBE_TRACKS, joining FETCH,
-PREFIX_OVERLAP and FETCH of a PUBLISH-fed track, against the real relay process over QUIC."""
+PREFIX_OVERLAP and FETCH of a PUBLISH-fed track, against a relay in the test's own process
+(``tests.relay.inprocess``) over real QUIC on loopback."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -14,12 +15,20 @@ from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode
 from proto.events import NamespaceDoneReceived, NamespaceReceived, RequestOkReceived
 from proto.messages import Location, MessageParameters
-from tests.helpers.processes import CertDir, RelayProcess
+from tests.helpers.processes import CertDir
 from tests.helpers.waiting import async_wait_until, scaled
+from tests.relay.inprocess import InProcessRelay, relay_in_process
 from tests.relay.peers import NS, Publisher, connect_client, track_objects
 
 
-async def test_rendezvous_timeout_answers_timeout(cert_dir: CertDir, relay: RelayProcess) -> None:
+@pytest.fixture
+async def relay(cert_dir: CertDir) -> AsyncIterator[InProcessRelay]:
+    """A relay in the test's process (in place of conftest's relay process), stopped after the test."""
+    async with relay_in_process(cert_dir) as running:
+        yield running
+
+
+async def test_rendezvous_timeout_answers_timeout(cert_dir: CertDir, relay: InProcessRelay) -> None:
     sub = await connect_client(relay.url, str(cert_dir.ca))
     try:
         with pytest.raises(RequestRejected) as info:
@@ -34,7 +43,7 @@ async def test_rendezvous_timeout_answers_timeout(cert_dir: CertDir, relay: Rela
 
 
 async def test_rendezvous_routes_to_a_publisher_that_comes_later(
-    cert_dir: CertDir, relay: RelayProcess
+    cert_dir: CertDir, relay: InProcessRelay
 ) -> None:
     sub = await connect_client(relay.url, str(cert_dir.ca))
     pub: Publisher | None = None
@@ -43,7 +52,7 @@ async def test_rendezvous_routes_to_a_publisher_that_comes_later(
             sub.subscribe(NS, b"late", MessageParameters(rendezvous_timeout=30_000))
         )
         # The SUBSCRIBE is held at the relay (an open request) before any publisher exists.
-        await relay.wait_metric("kvnet_relay_requests_inflight", 1)
+        await relay.wait_value("requests_inflight", 1)
         assert not pending.done()
         pub_conn = await connect_client(relay.url, str(cert_dir.ca))
         pub = await Publisher(pub_conn, {b"late": track_objects(b"late")}).start()
@@ -57,12 +66,12 @@ async def test_rendezvous_routes_to_a_publisher_that_comes_later(
         await sub.close_session()
 
 
-async def test_subscribe_tracks_gets_publish(cert_dir: CertDir, relay: RelayProcess) -> None:
+async def test_subscribe_tracks_gets_publish(cert_dir: CertDir, relay: InProcessRelay) -> None:
     sub = await connect_client(relay.url, str(cert_dir.ca))
     pub = await connect_client(relay.url, str(cert_dir.ca))
     try:
         sub.run_action(sub.session.subscribe_tracks, NS[:2])
-        await relay.wait_metric('kvnet_relay_requests_total{outcome="ok",type="subscribe_tracks"}', 1)
+        await relay.wait_value("requests_total", 1, outcome="ok", type="subscribe_tracks")
         objs = track_objects(b"pushed", 5)
         ok = asyncio.ensure_future(pub.publish(NS, b"pushed", 7))
         # The relay offers the track to the SUBSCRIBE_TRACKS subscriber with a PUBLISH of its own.
@@ -70,7 +79,7 @@ async def test_subscribe_tracks_gets_publish(cert_dir: CertDir, relay: RelayProc
         assert isinstance(offered, IncomingPublish)
         assert (offered.event.track_namespace, offered.event.track_name) == (NS, b"pushed")
         objects = offered.accept_publish(MessageParameters(forward=1))
-        await relay.wait_metric('kvnet_relay_requests_total{outcome="ok",type="publish"}', 1)
+        await relay.wait_value("requests_total", 1, outcome="ok", type="publish")
         sid = pub.open_subgroup(7, 0, 0)
         for i, payload in enumerate(objs):
             pub.send_subgroup_object(sid, i, payload)
@@ -84,15 +93,14 @@ async def test_subscribe_tracks_gets_publish(cert_dir: CertDir, relay: RelayProc
 
 
 async def test_overlapping_subscribe_namespace_gets_prefix_overlap(
-    cert_dir: CertDir, relay: RelayProcess
+    cert_dir: CertDir, relay: InProcessRelay
 ) -> None:
     watcher = await connect_client(relay.url, str(cert_dir.ca))
     try:
         answers = []
         for prefix in (NS[:2], NS[:3], (b"other",)):
             rid = watcher.run_action(watcher.session.subscribe_namespace, prefix)
-            answer: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-            watcher._pending[rid] = answer  # the glue resolves it with REQUEST_OK or REQUEST_ERROR
+            answer = watcher.router.expect_answer(rid)  # resolved with REQUEST_OK or REQUEST_ERROR
             answers.append(answer)
         first, overlapping, disjoint = await asyncio.wait_for(
             asyncio.gather(*answers, return_exceptions=True), scaled(10)
@@ -105,7 +113,7 @@ async def test_overlapping_subscribe_namespace_gets_prefix_overlap(
 
 
 async def test_fetch_of_a_live_published_track_is_served_by_the_relay(
-    cert_dir: CertDir, relay: RelayProcess
+    cert_dir: CertDir, relay: InProcessRelay
 ) -> None:
     # The publisher PUBLISHes without announcing a namespace: the relay is the only one that can answer.
     pub = await connect_client(relay.url, str(cert_dir.ca))
@@ -118,7 +126,7 @@ async def test_fetch_of_a_live_published_track_is_served_by_the_relay(
             for i, payload in enumerate(objs):
                 pub.send_subgroup_object(sid, i, payload)
             pub.close_subgroup(sid)
-        await relay.wait_metric("kvnet_relay_bytes_in_total", sum(map(len, groups[0] + groups[1])))
+        await relay.wait_value("bytes_in_total", sum(map(len, groups[0] + groups[1])))
         handle = await fetcher.fetch(NS, b"live", Location(0, 0), Location(1, 0))
         fetched = await handle.read_all()
         assert [(o.group_id, o.object_id) for o in fetched] == [(g, i) for g in range(2) for i in range(3)]
@@ -127,7 +135,7 @@ async def test_fetch_of_a_live_published_track_is_served_by_the_relay(
         sid = pub.open_subgroup(3, 2, 0)
         pub.send_subgroup_object(sid, 0, b"last")
         pub.send_subgroup_object(sid, 1, b"", status=ObjectStatus.END_OF_TRACK, end_stream=True)
-        await relay.wait_metric("kvnet_relay_bytes_in_total", sum(map(len, groups[0] + groups[1])) + 4)
+        await relay.wait_value("bytes_in_total", sum(map(len, groups[0] + groups[1])) + 4)
 
         async def ended_answer() -> bool:
             # The END_OF_TRACK status object follows the last payload; poll until the relay has it.
@@ -143,7 +151,7 @@ async def test_fetch_of_a_live_published_track_is_served_by_the_relay(
 
 
 async def test_subscribe_namespace_hears_of_namespaces_known_only_by_publish(
-    cert_dir: CertDir, relay: RelayProcess
+    cert_dir: CertDir, relay: InProcessRelay
 ) -> None:
     # Draft "Subscribing to Namespaces": the relay echoes namespaces under the prefix that were published
     # to it, also those that only a PUBLISH (no PUBLISH_NAMESPACE) brought; NAMESPACE_DONE once the last
@@ -176,7 +184,7 @@ async def test_subscribe_namespace_hears_of_namespaces_known_only_by_publish(
         await late.subscribe_namespace((b"demo", b"cams"), on_namespace=listener(heard))
         await async_wait_until(lambda: heard, "NAMESPACE to the watcher that came after the PUBLISH")
         end_track(1, cam0.request_id)  # cam-1 is still live: the namespace stays
-        await relay.wait_metrics(lambda m: m.get("kvnet_relay_fanouts") == 1, "cam-0 ended at the relay")
+        await async_wait_until(lambda: relay.value("fanouts") == 1, "cam-0 ended at the relay")
         cam2 = await pub.publish(back, b"cam-2", 3)
         await async_wait_until(lambda: len(heard) == 2 and len(early_heard) == 2, "NAMESPACE of the 2nd")
         end_track(2, cam1.request_id)

@@ -1,31 +1,35 @@
 """A FETCH of a block whose objects are still arriving at the relay (a publisher pushing it, paused half
 way) is never answered with part of the block as if it were whole.
 
-Real relay process, real publisher session (PUBLISH, then half the objects, then nothing until the test
-lets it go on), real subscriber with the node's ``BlockFetcher``: the relay waits for the rest and serves
-the block whole; when its wait runs out it refuses the FETCH instead, the subscriber asks again within
-its deadline, loads the block once it is complete and takes no throughput sample from any of it.
+A relay in the test's own process (``tests.relay.inprocess``: real QUIC on loopback), real publisher session
+(PUBLISH, then half the objects, then nothing until the test lets it go on), real subscriber with the node's
+``BlockFetcher``: the relay waits for the rest and serves the block whole; when its wait runs out it refuses
+the FETCH instead, the subscriber asks again within its deadline, loads the block once it is complete and
+takes no throughput sample from any of it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import torch
 
 from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
+from kvnet.exchange.abr import AbrConfig, FetchDeadline, KvAbr
+from kvnet.exchange.fetching import BlockFetcher, FetchOutcome
+from kvnet.net.config import TlsConfig, TransportConfig
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
-from kvnet.net.settings import TlsSettings, TransportSettings
-from kvnet.node.abr import AbrConfig, FetchDeadline, KvAbr
-from kvnet.node.fetching import BlockFetcher, FetchOutcome
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode
 from proto.kvobject import BLOCK_GROUP_ID, block_track
 from proto.messages import Location, MessageParameters
-from tests.helpers.processes import CertDir, RelayProcess
+from tests.helpers.processes import CertDir
 from tests.helpers.prompts import SignedPrompt, signed_prompt
-from tests.relay.conftest import RelayFactory
+from tests.helpers.waiting import async_wait_until
+from tests.relay.inprocess import InProcessRelay, relay_in_process
 
 SPEC = CacheSpec(num_layers=8, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32)
 FINGERPRINT = bytes(range(32))
@@ -70,11 +74,23 @@ class PausedPush:
         return sum(len(o) for o in self.block.objects[:HELD])
 
 
-async def _push_half(relay: RelayProcess, conn: MoqtConnection, prompt: SignedPrompt) -> PausedPush:
-    push = PausedPush(conn, prompt)
-    await push.start()
-    await relay.wait_metric("kvnet_relay_bytes_in_total", push.held_bytes)
-    return push
+@contextlib.asynccontextmanager
+async def _half_pushed(
+    relay: InProcessRelay, cert_dir: CertDir, prompt: SignedPrompt
+) -> AsyncIterator[tuple[PausedPush, MoqtConnection]]:
+    """A publisher session that has pushed half of ``prompt``'s block into ``relay`` (the relay holds it)
+    and a subscriber session on the same relay; both closed on the way out."""
+    settings, tls = TransportConfig.for_link("loopback", "aioquic"), TlsConfig(ca_file=cert_dir.ca)
+    publisher = await connect(relay.url, settings, tls)
+    subscriber = await connect(relay.url, settings, tls)
+    try:
+        push = PausedPush(publisher, prompt)
+        await push.start()
+        await relay.wait_value("bytes_in_total", push.held_bytes)
+        yield push, subscriber
+    finally:
+        await subscriber.close_session()
+        await publisher.close_session()
 
 
 def _fetcher(conn: MoqtConnection, prompt: SignedPrompt, cache: PagedKVCache, abr: KvAbr) -> BlockFetcher:
@@ -88,49 +104,39 @@ def _assert_loaded(outcome: FetchOutcome, cache: PagedKVCache, prompt: SignedPro
     assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
 
 
-def _waits(metrics: dict[str, float], outcome: str) -> float:
-    return metrics.get(f'kvnet_relay_live_fetch_waits_total{{outcome="{outcome}"}}', 0.0)
+def _waits(relay: InProcessRelay, outcome: str) -> float:
+    return relay.value("live_fetch_waits_total", outcome=outcome)
 
 
-async def test_fetch_of_a_half_pushed_block_waits_for_the_rest(
-    relay_factory: RelayFactory, cert_dir: CertDir
-) -> None:
+async def test_fetch_of_a_half_pushed_block_waits_for_the_rest(cert_dir: CertDir) -> None:
     prompt = signed_prompt(SPEC, 1, fingerprint=FINGERPRINT, salt=b"live", seed=5)
-    relay = relay_factory()
-    settings, tls = TransportSettings.for_link("loopback", "aioquic"), TlsSettings(ca_file=cert_dir.ca)
-    publisher = await connect(relay.url, settings, tls)
-    subscriber = await connect(relay.url, settings, tls)
-    try:
-        push = await _push_half(relay, publisher, prompt)
+    async with (
+        relay_in_process(cert_dir) as relay,
+        _half_pushed(relay, cert_dir, prompt) as (push, subscriber),
+    ):
         cache = PagedKVCache(SPEC, num_blocks=2, device=torch.device("cpu"))
         fetcher = _fetcher(subscriber, prompt, cache, KvAbr(AbrConfig()))
-        inflight = (await relay.ametrics())["kvnet_relay_requests_inflight"]  # the PUBLISH
+        inflight = relay.value("requests_inflight")  # the PUBLISH
         fetch = asyncio.ensure_future(fetcher.fetch(prompt.identities, ["lossless"]))
         # The relay has the FETCH and holds only part of the block: the relay waits, the fetch is open.
-        await relay.wait_metric("kvnet_relay_requests_inflight", inflight + 1)
+        await relay.wait_value("requests_inflight", inflight + 1)
         assert not fetch.done()
         push.finish()
         outcome = await fetch
         await push.done()
         _assert_loaded(outcome, cache, prompt)
         assert outcome.retries == 0  # served whole at the first try
-        metrics = await relay.ametrics()
-        assert _waits(metrics, "complete") == 1 and _waits(metrics, "short") == 0
-    finally:
-        await subscriber.close_session()
-        await publisher.close_session()
+        assert _waits(relay, "complete") == 1 and _waits(relay, "short") == 0
 
 
 async def test_block_still_short_when_the_relay_gives_up_is_asked_again_and_not_sampled(
-    relay_factory: RelayFactory, cert_dir: CertDir
+    cert_dir: CertDir,
 ) -> None:
     prompt = signed_prompt(SPEC, 1, fingerprint=FINGERPRINT, salt=b"live", seed=6)
-    relay = relay_factory("--upstream-timeout", "0.2", "--route-timeout", "0.2")
-    settings, tls = TransportSettings.for_link("loopback", "aioquic"), TlsSettings(ca_file=cert_dir.ca)
-    publisher = await connect(relay.url, settings, tls)
-    subscriber = await connect(relay.url, settings, tls)
-    try:
-        push = await _push_half(relay, publisher, prompt)
+    async with (
+        relay_in_process(cert_dir, "--upstream-timeout", "0.2", "--route-timeout", "0.2") as relay,
+        _half_pushed(relay, cert_dir, prompt) as (push, subscriber),
+    ):
         cache = PagedKVCache(SPEC, num_blocks=2, device=torch.device("cpu"))
         abr = KvAbr(AbrConfig())
         fetcher = _fetcher(subscriber, prompt, cache, abr)
@@ -140,7 +146,7 @@ async def test_block_still_short_when_the_relay_gives_up_is_asked_again_and_not_
         fetch = asyncio.ensure_future(fetcher.fetch(prompt.identities, ["lossless"], deadline))
         # The relay's wait ran out with the block still short: it refused (no route has the block), and
         # the subscriber keeps asking.
-        await relay.wait_metrics(lambda m: _waits(m, "short") >= 2, "two FETCHes refused as still short")
+        await async_wait_until(lambda: _waits(relay, "short") >= 2, "two FETCHes refused as still short")
         assert not fetch.done()
         push.finish()
         outcome = await fetch
@@ -149,6 +155,3 @@ async def test_block_still_short_when_the_relay_gives_up_is_asked_again_and_not_
         assert outcome.retries >= 2
         # The time spent waiting for the publisher is not a measure of the path: no sample at all.
         assert abr.throughput.samples == 0 and outcome.sample_bytes == 0
-    finally:
-        await subscriber.close_session()
-        await publisher.close_session()

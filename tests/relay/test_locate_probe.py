@@ -1,8 +1,8 @@
-"""A node's locate probe through kvnet-relay (``kvnet.node.fetching.BlockFetcher.locate`` with FETCHes of
+"""A node's locate probe through kvnet-relay (``kvnet.exchange.fetching.BlockFetcher.locate`` with FETCHes of
 manifests, the fallback for relays that do not forward TRACK_STATUS): every FETCH it starts is read to its
 end, never cancelled once the relay took it on. A relay that serves such a FETCH by pulling the block
-upstream would otherwise be left holding a cut-short block. Real relay process, real QUIC on loopback, a
-real block server behind the relay."""
+upstream would otherwise be left holding a cut-short block. A relay in the test's own process
+(``tests.relay.inprocess``), real QUIC on loopback, a real block server behind the relay."""
 
 from __future__ import annotations
 
@@ -13,25 +13,34 @@ from typing import Any
 import torch
 
 from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
+from kvnet.exchange.blockstore import BlockStore
+from kvnet.exchange.fetching import BlockFetcher
+from kvnet.exchange.publishing import BlockServer
 from kvnet.net.connection import MoqtConnection
-from kvnet.node.blockstore import BlockStore
-from kvnet.node.fetching import BlockFetcher
-from kvnet.node.publishing import BlockServer
-from tests.helpers.processes import CertDir, RelayProcess
-from tests.helpers.prompts import signed_prompt
+from tests.helpers.processes import CertDir
+from tests.helpers.prompts import SignedPrompt, signed_prompt
+from tests.helpers.waiting import async_wait_until
+from tests.relay.inprocess import InProcessRelay, relay_in_process
 from tests.relay.peers import connect_client
 
 SPEC = CacheSpec(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.bfloat16)
 BLOCKS = 8
 FINGERPRINT = bytes(range(32))
 NAMESPACE_ID = "probe"
-FETCH = 'kvnet_relay_requests_total{{outcome="{}",type="fetch"}}'
 
 
-async def test_manifest_probes_are_read_to_their_end_not_cancelled(
-    cert_dir: CertDir, relay: RelayProcess
-) -> None:
+def _fetches(relay: InProcessRelay, outcome: str) -> float:
+    """FETCHes the relay counted as ended with ``outcome``."""
+    return relay.value("requests_total", outcome=outcome, type="fetch")
+
+
+async def test_manifest_probes_are_read_to_their_end_not_cancelled(cert_dir: CertDir) -> None:
     prompt = signed_prompt(SPEC, BLOCKS, fingerprint=FINGERPRINT, salt=b"probe", seed=3)
+    async with relay_in_process(cert_dir) as relay:
+        await _probe_then_fetch(relay, cert_dir, prompt)
+
+
+async def _probe_then_fetch(relay: InProcessRelay, cert_dir: CertDir, prompt: SignedPrompt) -> None:
     pub_conn: MoqtConnection = await connect_client(relay.url, str(cert_dir.ca))
     sub_conn: MoqtConnection = await connect_client(relay.url, str(cert_dir.ca))
     store = BlockStore(4 * prompt.wire_bytes)
@@ -58,11 +67,11 @@ async def test_manifest_probes_are_read_to_their_end_not_cancelled(
         located_at = time.perf_counter()
         assert len(located.available) == BLOCKS, located
         ended = ("miss", "coalesced", "cache_hit", "cancelled")
-        metrics = await relay.wait_metrics(
-            lambda m: sum(m.get(FETCH.format(o), 0) for o in ended) >= located.probes,
+        await async_wait_until(
+            lambda: sum(_fetches(relay, o) for o in ended) >= located.probes,
             "every probe FETCH ended at the relay",
         )
-        probe_outcomes = {o: metrics.get(FETCH.format(o), 0) for o in ended}
+        probe_outcomes = {o: _fetches(relay, o) for o in ended}
         setattr(sub_conn, "cancel_request", cancel_request)  # noqa: B010 (the fetch below ends its own)
         outcome = await fetcher.fetch(prompt.identities, ["lossless"] * BLOCKS)
         fetched_at = time.perf_counter()

@@ -14,14 +14,14 @@ import asyncio
 import torch
 
 from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
+from kvnet.exchange.blockstore import BlockStore
+from kvnet.exchange.fetching import BlockFetcher
+from kvnet.exchange.publishing import BlockServer
+from kvnet.net.config import TlsConfig, TransportConfig
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.gso import receiver_for
-from kvnet.net.settings import TlsSettings, TransportSettings
-from kvnet.node.blockstore import BlockStore
-from kvnet.node.fetching import BlockFetcher
-from kvnet.node.publishing import BlockServer
-from tests.helpers.connections import client_limits, client_settings
+from tests.helpers.connections import client_config, client_limits
 from tests.helpers.processes import CertDir
 from tests.helpers.prompts import SignedPrompt, signed_prompt
 from tests.helpers.waiting import async_wait_until
@@ -66,8 +66,8 @@ async def test_a_push_at_ethernet_datagrams_is_cached_whole_and_served_verified(
     blocks, wire_bytes = prompt.blocks, prompt.wire_bytes
     cache_bytes = str(2 * wire_bytes)
     relay = relay_factory("--link", LINK, "--cache-bytes", cache_bytes, "--cache-track-bytes", cache_bytes)
-    settings = client_settings(TransportSettings.for_link(LINK, "aioquic"))
-    tls = TlsSettings(ca_file=cert_dir.ca)
+    settings = client_config(TransportConfig.for_link(LINK, "aioquic"))
+    tls = TlsConfig(ca_file=cert_dir.ca)
 
     publisher = await connect(relay.url, settings, tls, limits=client_limits())
     try:
@@ -101,8 +101,8 @@ async def test_concurrent_subscribers_each_load_the_cached_prompt_verified(
     prompt = make_prompt(8)
     cache_bytes = str(2 * prompt.wire_bytes)
     relay = relay_factory("--cache-bytes", cache_bytes, "--cache-track-bytes", cache_bytes)
-    settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
-    tls = TlsSettings(ca_file=cert_dir.ca)
+    settings = client_config(TransportConfig.for_link("loopback", "aioquic"))
+    tls = TlsConfig(ca_file=cert_dir.ca)
     publisher = await connect(relay.url, settings, tls, limits=client_limits())
     try:
         server = BlockServer(publisher, BlockStore(2 * prompt.wire_bytes), FINGERPRINT, NAMESPACE_ID,

@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from kvnet.net.config import STACKS, TlsConfig, TransportConfig
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.errors import RequestRejected
 from kvnet.net.handles import Subscription
-from kvnet.net.settings import STACKS, TlsSettings, TransportSettings
 from kvnet.security.tokens import IssuerKey, issue_token, make_claims
 from proto.errors import RequestErrorCode
 from proto.messages import AliasType, AuthToken
 from proto.session import SessionConfig
-from tests.helpers.connections import client_limits, client_settings
+from tests.helpers.connections import client_config, client_limits
 from tests.helpers.processes import (
     CertDir,
     NativeQuicUnavailable,
@@ -52,8 +52,8 @@ def _relay_flags(stack: str) -> tuple[str, ...]:
 
 
 async def _client(rp: RelayProcess, cert_dir: CertDir, stack: str) -> MoqtConnection:
-    settings = client_settings(TransportSettings(stack=stack))
-    return await connect(rp.url, settings, TlsSettings(ca_file=cert_dir.ca), limits=client_limits())
+    settings = client_config(TransportConfig(stack=stack))
+    return await connect(rp.url, settings, TlsConfig(ca_file=cert_dir.ca), limits=client_limits())
 
 
 async def _payloads(handle: Subscription) -> list[bytes]:
@@ -157,7 +157,7 @@ def _qmux_url(rp: RelayProcess) -> str:
 async def _qmux_client(
     rp: RelayProcess, cert_dir: CertDir, session_config: SessionConfig | None = None
 ) -> MoqtConnection:
-    return await connect(_qmux_url(rp), TransportSettings(), TlsSettings(ca_file=cert_dir.ca),
+    return await connect(_qmux_url(rp), TransportConfig(), TlsConfig(ca_file=cert_dir.ca),
                          session_config=session_config)
 
 

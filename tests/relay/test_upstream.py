@@ -1,10 +1,11 @@
 """``relay.upstream.UpstreamRelay``: an edge relay's session to its upstream, over its whole lifecycle.
 
-Real relay processes on loopback: an edge started before its origin answers requests with a clear error
-and connects once the origin is up; after the origin is restarted it reconnects (capped backoff) and
-announces again what its publishers announced, and a live subscription through it resumes on the new
-session; an origin going away (SIGTERM) sends GOAWAY, the edge leaves that session at once, and the
-draining origin refuses new sessions.
+Real QUIC on loopback; the origins are relay processes (killed, restarted, sent SIGTERM), the edges whose
+log is not read run in the test's own process (``tests.relay.inprocess``). An edge started before its
+origin answers requests with a clear error and connects once the origin is up; after the origin is
+restarted it reconnects (capped backoff) and announces again what its publishers announced, and a live
+subscription through it resumes on the new session; an origin going away (SIGTERM) sends GOAWAY, the edge
+leaves that session at once, and the draining origin refuses new sessions.
 """
 
 from __future__ import annotations
@@ -23,26 +24,28 @@ from proto import events as me
 from proto.errors import RequestErrorCode
 from tests.helpers.processes import CertDir, RelayProcess, free_port, start_relay
 from tests.helpers.waiting import async_wait_until, scaled
-from tests.relay.conftest import RelayFactory
+from tests.relay.conftest import InProcessRelays, RelayFactory
+from tests.relay.inprocess import InProcessRelay
 from tests.relay.peers import NS, Publisher, connect_client, fetch_track, track_objects
 
 RECONNECT_WITHIN = DEFAULT_CAP_S + 40.0
 """The backoff bound plus process start and handshake time on a loaded two-core machine."""
 
 
-async def _connected(edge: RelayProcess, upstreams: int) -> None:
-    await edge.wait_metrics(
-        lambda m: m.get("kvnet_relay_upstreams_connected", -1) == upstreams,
-        f"edge with {upstreams} upstream session(s)",
-        RECONNECT_WITHIN,
-    )
+async def _connected(edge: RelayProcess | InProcessRelay, upstreams: int) -> None:
+    what = f"edge with {upstreams} upstream session(s)"
+    if isinstance(edge, InProcessRelay):
+        await async_wait_until(lambda: edge.value("upstreams_connected") == upstreams, what, RECONNECT_WITHIN)
+        return
+    await edge.wait_metrics(lambda m: m.get("kvnet_relay_upstreams_connected", -1) == upstreams, what,
+                            RECONNECT_WITHIN)
 
 
 async def test_edge_before_its_origin_then_origin_restarted(
-    cert_dir: CertDir, relay_factory: RelayFactory, tmp_path: Path
+    cert_dir: CertDir, in_process_relays: InProcessRelays, tmp_path: Path
 ) -> None:
     origin_port = free_port()
-    edge = relay_factory("--upstream", f"moqt://127.0.0.1:{origin_port}", name="edge")
+    edge = await in_process_relays("--upstream", f"moqt://127.0.0.1:{origin_port}")
     publisher = await connect_client(edge.url, str(cert_dir.ca))
     pub = await Publisher(publisher, {b"t": track_objects(b"t")}).start()
     sub = await connect_client(edge.url, str(cert_dir.ca))
@@ -69,7 +72,7 @@ async def test_edge_before_its_origin_then_origin_restarted(
                 await at_origin.close_session()
             origin.stop()  # SIGKILL: no GOAWAY, the edge notices by keep-alive loss
             await _connected(edge, 0)
-        sessions = (await edge.ametrics())["kvnet_relay_upstream_sessions_total"]
+        sessions = edge.value("upstream_sessions_total")
         assert sessions >= 2
     finally:
         await pub.stop()
@@ -132,15 +135,15 @@ class LivePublisher:
 
 
 async def test_a_live_subscription_through_edges_resumes_after_the_origin_restarts(
-    cert_dir: CertDir, relay_factory: RelayFactory, tmp_path: Path
+    cert_dir: CertDir, in_process_relays: InProcessRelays, tmp_path: Path
 ) -> None:
     """Publisher behind edge A, subscriber behind edge B, origin between them (draft "Relays"). The origin
     is killed and restarted: both edges reconnect, A announces again, and B subscribes again upstream for
     the subscriber it kept. The subscriber's one subscription carries what was published before and after
     the restart, never ending in between; what was published while the origin was down is lost (live)."""
     origin = start_relay(cert_dir, tmp_path, name="origin-0")
-    edge_a = relay_factory("--upstream", origin.url, "--upstream-idle-timeout", "1", name="edge-a")
-    edge_b = relay_factory("--upstream", origin.url, "--upstream-idle-timeout", "1", name="edge-b")
+    edge_a = await in_process_relays("--upstream", origin.url, "--upstream-idle-timeout", "1")
+    edge_b = await in_process_relays("--upstream", origin.url, "--upstream-idle-timeout", "1")
     pub = await LivePublisher(await connect_client(edge_a.url, str(cert_dir.ca))).start()
     sub = await connect_client(edge_b.url, str(cert_dir.ca))
     got: list[bytes] = []
@@ -170,7 +173,7 @@ async def test_a_live_subscription_through_edges_resumes_after_the_origin_restar
         await async_wait_until(lambda: len(got) == 6, "objects after the restart")
         assert got == [f"live object {i}".encode() for i in range(6)]
         assert not reader.done(), "the subscription never ended"
-        assert (await edge_b.ametrics())["kvnet_relay_subscriptions_resumed_total"] == 1
+        assert edge_b.value("subscriptions_resumed_total") == 1
         reader.cancel()
     finally:
         await sub.close_session()
@@ -179,14 +182,14 @@ async def test_a_live_subscription_through_edges_resumes_after_the_origin_restar
 
 
 async def test_a_namespace_subscription_at_an_edge_sees_the_tree_across_an_origin_restart(
-    cert_dir: CertDir, relay_factory: RelayFactory, tmp_path: Path
+    cert_dir: CertDir, in_process_relays: InProcessRelays, tmp_path: Path
 ) -> None:
     """SUBSCRIBE_NAMESPACE at edge B is forwarded upstream, so it learns of a namespace a publisher announced
     at edge A. The origin is killed: B says NAMESPACE_DONE (what the lost session told it is no longer
     known); restarted: B subscribes upstream again, A announces again, and the watcher hears NAMESPACE."""
     origin = start_relay(cert_dir, tmp_path, name="origin-0")
-    edge_a = relay_factory("--upstream", origin.url, "--upstream-idle-timeout", "1", name="edge-a")
-    edge_b = relay_factory("--upstream", origin.url, "--upstream-idle-timeout", "1", name="edge-b")
+    edge_a = await in_process_relays("--upstream", origin.url, "--upstream-idle-timeout", "1")
+    edge_b = await in_process_relays("--upstream", origin.url, "--upstream-idle-timeout", "1")
     watcher = await connect_client(edge_b.url, str(cert_dir.ca))
     heard: list[tuple[str, tuple[bytes, ...]]] = []
 

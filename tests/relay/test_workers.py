@@ -28,13 +28,13 @@ import pytest
 import torch
 
 from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
+from kvnet.exchange.blockstore import BlockStore
+from kvnet.exchange.fetching import BlockFetcher
+from kvnet.exchange.publishing import BlockServer
+from kvnet.net.config import TlsConfig, TransportConfig
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.errors import MoqtConnectionError, RequestRejected
-from kvnet.net.settings import TlsSettings, TransportSettings
-from kvnet.node.blockstore import BlockStore
-from kvnet.node.fetching import BlockFetcher
-from kvnet.node.publishing import BlockServer
 from proto import events as me
 from proto.data import ObjectStatus
 from proto.errors import RequestErrorCode
@@ -51,7 +51,7 @@ from relay.workers import (
     make_hub_credentials,
     worker_config,
 )
-from tests.helpers.connections import client_limits, client_settings
+from tests.helpers.connections import client_config, client_limits
 from tests.helpers.processes import (
     REPO,
     START_TIMEOUT,
@@ -117,7 +117,7 @@ async def push_to_worker_0(rp: RelayProcess, publisher: MoqtConnection, prompt: 
     )
 
 async def one_session_per_worker(
-    rp: RelayProcess, settings: TransportSettings, tls: TlsSettings, url: str | None = None
+    rp: RelayProcess, settings: TransportConfig, tls: TlsConfig, url: str | None = None
 ) -> tuple[list[MoqtConnection], list[MoqtConnection]]:
     """Open sessions (each from its own source port) to ``url`` (default the relay's QUIC one) one at a
     time until each worker holds one; returns ``(on worker 0, on worker 1)``, every session opened, by
@@ -173,8 +173,8 @@ async def test_blocks_pushed_through_one_worker_are_located_fetched_and_watched_
     whose client connections on qh3 are exercised by the stack tests."""
     prompt = make_prompt()
     rp = start_workers(cert_dir, tmp_path, "--quic-stack", stack)
-    settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
-    tls = TlsSettings(ca_file=cert_dir.ca)
+    settings = client_config(TransportConfig.for_link("loopback", "aioquic"))
+    tls = TlsConfig(ca_file=cert_dir.ca)
     opened: list[MoqtConnection] = []
     serving: asyncio.Task[None] | None = None
     try:
@@ -238,8 +238,8 @@ async def test_blocks_pushed_into_one_worker_stay_reachable_from_the_other_after
     miss reaches worker 0's cache, because the hub asks every other worker when no route answers."""
     prompt = make_prompt()
     rp = start_workers(cert_dir, tmp_path)
-    settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
-    tls = TlsSettings(ca_file=cert_dir.ca)
+    settings = client_config(TransportConfig.for_link("loopback", "aioquic"))
+    tls = TlsConfig(ca_file=cert_dir.ca)
     opened: list[MoqtConnection] = []
     try:
         on_0, on_1 = await one_session_per_worker(rp, settings, tls)
@@ -269,8 +269,8 @@ async def test_a_miss_does_not_hide_a_block_pushed_at_another_worker_a_moment_la
     the hub (its upstreams are spared the repeat). The long negative TTL makes the window unmissable."""
     prompt = make_prompt()
     rp = start_workers(cert_dir, tmp_path, "--negative-ttl", "600")
-    settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
-    tls = TlsSettings(ca_file=cert_dir.ca)
+    settings = client_config(TransportConfig.for_link("loopback", "aioquic"))
+    tls = TlsConfig(ca_file=cert_dir.ca)
     opened: list[MoqtConnection] = []
     try:
         on_0, on_1 = await one_session_per_worker(rp, settings, tls)
@@ -302,10 +302,10 @@ async def test_a_miss_of_the_whole_relay_is_asked_of_its_upstream_once_within_th
     misses of one block reach the origin once."""
     origin = start_relay(cert_dir, tmp_path, name="origin")
     rp = start_workers(cert_dir, tmp_path, "--upstream", origin.url, "--negative-ttl", "600")
-    settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
+    settings = client_config(TransportConfig.for_link("loopback", "aioquic"))
     ns, name = block_track(FINGERPRINT, NAMESPACE_ID, bytes(32), "lossless")
     try:
-        async with connect(rp.url, settings, TlsSettings(ca_file=cert_dir.ca),
+        async with connect(rp.url, settings, TlsConfig(ca_file=cert_dir.ca),
                            limits=client_limits()) as conn:
             for _ in range(3):
                 with pytest.raises(RequestRejected) as missed:
@@ -326,10 +326,10 @@ async def test_the_same_miss_at_two_workers_at_once_is_answered_by_both(
     own question to the hub (which waits for that answer), so both clients hear DOES_NOT_EXIST, not
     TIMEOUT."""
     rp = start_workers(cert_dir, tmp_path, "--upstream-timeout", "5")
-    settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
+    settings = client_config(TransportConfig.for_link("loopback", "aioquic"))
     opened: list[MoqtConnection] = []
     try:
-        on_0, on_1 = await one_session_per_worker(rp, settings, TlsSettings(ca_file=cert_dir.ca))
+        on_0, on_1 = await one_session_per_worker(rp, settings, TlsConfig(ca_file=cert_dir.ca))
         opened = [*on_0, *on_1]
         for i in range(4):
             ns, name = block_track(FINGERPRINT, NAMESPACE_ID, bytes([i]) * 32, "lossless")
@@ -360,7 +360,7 @@ async def test_the_workers_serve_the_qmux_port_too(cert_dir: CertDir, tmp_path: 
     opened: list[MoqtConnection] = []
     serving: asyncio.Task[None] | None = None
     try:
-        on_0, on_1 = await one_session_per_worker(rp, TransportSettings(), TlsSettings(ca_file=cert_dir.ca),
+        on_0, on_1 = await one_session_per_worker(rp, TransportConfig(), TlsConfig(ca_file=cert_dir.ca),
                                                   f"moqt+qmux://127.0.0.1:{qmux_port}")
         opened = [*on_0, *on_1]
         publisher, subscriber = on_0[0], on_1[0]
@@ -384,8 +384,8 @@ async def test_mutual_tls_holds_on_every_worker(cert_dir: CertDir, tmp_path: Pat
     """``--require-client-cert`` applies to each worker as to one relay: sessions with a client certificate
     are served on both (their requests reach the hub), one without is refused."""
     rp = start_workers(cert_dir, tmp_path, "--require-client-cert")
-    settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
-    with_cert = TlsSettings(ca_file=cert_dir.ca, cert_file=cert_dir.cert, key_file=cert_dir.key)
+    settings = client_config(TransportConfig.for_link("loopback", "aioquic"))
+    with_cert = TlsConfig(ca_file=cert_dir.ca, cert_file=cert_dir.cert, key_file=cert_dir.key)
     opened: list[MoqtConnection] = []
     try:
         on_0, on_1 = await one_session_per_worker(rp, settings, with_cert)
@@ -396,7 +396,7 @@ async def test_mutual_tls_holds_on_every_worker(cert_dir: CertDir, tmp_path: Pat
                 await conn.track_status(ns, name)
             assert refused.value.code == RequestErrorCode.DOES_NOT_EXIST  # asked the hub, nobody has it
         with pytest.raises(MoqtConnectionError):
-            async with connect(rp.url, settings, TlsSettings(ca_file=cert_dir.ca),
+            async with connect(rp.url, settings, TlsConfig(ca_file=cert_dir.ca),
                                limits=client_limits()) as conn:
                 await asyncio.wait_for(conn.track_status(ns, name), scaled(10))
     finally:
@@ -457,8 +457,8 @@ async def test_a_killed_worker_is_restarted_while_the_port_keeps_serving(
     prompt = make_prompt()
     rp = start_workers(cert_dir, tmp_path, "--drain-timeout", "1")
     pids = relay_pids(rp)
-    settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
-    tls = TlsSettings(ca_file=cert_dir.ca)
+    settings = client_config(TransportConfig.for_link("loopback", "aioquic"))
+    tls = TlsConfig(ca_file=cert_dir.ca)
     opened: list[MoqtConnection] = []
     fetching: asyncio.Future[None] | None = None
     try:
@@ -521,10 +521,10 @@ async def test_a_killed_hub_is_restarted_and_the_workers_route_through_it_again(
     prompt = make_prompt()
     rp = start_workers(cert_dir, tmp_path, "--drain-timeout", "1")
     hub_pid = relay_pids(rp)[-1]
-    settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
+    settings = client_config(TransportConfig.for_link("loopback", "aioquic"))
     opened: list[MoqtConnection] = []
     try:
-        on_0, on_1 = await one_session_per_worker(rp, settings, TlsSettings(ca_file=cert_dir.ca))
+        on_0, on_1 = await one_session_per_worker(rp, settings, TlsConfig(ca_file=cert_dir.ca))
         opened = [*on_0, *on_1]
         os.kill(hub_pid, signal.SIGKILL)
         await async_wait_until(
@@ -600,8 +600,8 @@ def test_a_second_relay_on_the_occupied_port_is_refused_with_one_line(
         ], text
         # The first relay still serves the port.
         async def served() -> None:
-            settings = client_settings(TransportSettings.for_link("loopback", "aioquic"))
-            async with connect(rp.url, settings, TlsSettings(ca_file=cert_dir.ca),
+            settings = client_config(TransportConfig.for_link("loopback", "aioquic"))
+            async with connect(rp.url, settings, TlsConfig(ca_file=cert_dir.ca),
                                limits=client_limits()) as conn:
                 ns, name = block_track(FINGERPRINT, NAMESPACE_ID, bytes(32), "lossless")
                 with pytest.raises(RequestRejected) as missed:
@@ -667,7 +667,7 @@ def test_the_relay_wide_budgets_are_divided_among_the_workers_and_the_hub(
     """N workers and the hub together hold no more cache, and the workers no more sessions, requests or
     buffered bytes, than the one relay was given; per-source quotas are rounded up per worker."""
     config = RelayConfig(
-        tls=TlsSettings(ca_file=cert_dir.ca, cert_file=cert_dir.cert, key_file=cert_dir.key),
+        tls=TlsConfig(ca_file=cert_dir.ca, cert_file=cert_dir.cert, key_file=cert_dir.key),
         upstreams=("moqt://origin:4443",), metrics_port=9464, workers=3,
         cache=CacheConfig(max_bytes=900, max_inflight_bytes=400, dir=str(tmp_path / "cache"), dir_bytes=800),
         limits=LimitsConfig(max_sessions=10, max_requests=100, max_buffered_bytes=1000,
@@ -689,7 +689,7 @@ def test_the_relay_wide_budgets_are_divided_among_the_workers_and_the_hub(
     assert [c.metrics_port for c in everyone] == [9464, 9465, 9466, 9467]
     for w in workers:  # the hub is every worker's only upstream, verified with its own CA and token
         assert w.upstreams == ("moqt://127.0.0.1:5000",) and w.workers == 1
-        assert w.upstream_tls == TlsSettings(ca_pem=creds.ca.read_bytes()) and w.upstream_token == creds.token
+        assert w.upstream_tls == TlsConfig(ca_pem=creds.ca.read_bytes()) and w.upstream_token == creds.token
         assert w.tls == config.tls
     # The hub goes to the configured upstreams with the relay's own TLS, and accepts only the workers.
     assert hub.upstreams == config.upstreams and hub.upstream_tls == config.tls

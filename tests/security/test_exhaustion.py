@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from kvnet.net.connection import ConnectionLimits, MoqtConnection
+from kvnet.net.config import TlsConfig
+from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.errors import MoqtConnectionError, RequestRejected
-from kvnet.net.settings import TlsSettings
+from kvnet.net.limits import ConnectionLimits
 from proto.data import SubgroupHeader, encode_subgroup_header, subgroup_object_prefix
 from proto.errors import RequestErrorCode, SessionErrorCode, StreamResetCode
 from proto.messages import Location, Publish, TrackStatus, encode_message
-from tests.helpers.connections import client_limits, client_settings
+from tests.helpers.connections import client_config, client_limits
 from tests.helpers.processes import CertDir, RelayProcess
 from tests.helpers.waiting import DEFAULT_TIMEOUT, async_wait_until, scaled
 from tests.nodes.cluster import SHARED_PREFIX, Cluster
@@ -158,9 +159,9 @@ async def test_request_floods_per_session_and_global(cert_dir: CertDir, relay_fa
     )
     pub, client = await start_good(rp, cert_dir.ca)
     pub.fetch_gate = asyncio.Event()  # every flooded FETCH holds a request slot until the gate opens
-    tls = TlsSettings(ca_file=cert_dir.ca)
+    tls = TlsConfig(ca_file=cert_dir.ca)
     limits = ConnectionLimits(max_outstanding_requests=4000)
-    flooders = [await connect(rp.url, client_settings(), tls, limits=client_limits(limits)) for _ in range(2)]
+    flooders = [await connect(rp.url, client_config(), tls, limits=client_limits(limits)) for _ in range(2)]
     codes: list[dict[int, int]] = [{}, {}]
 
     async def one(f: int, i: int) -> None:
@@ -342,7 +343,7 @@ def test_idle_publisher_outlives_the_quic_idle_timeout(kv_cluster: Cluster) -> N
 
 async def connect_from(rp: RelayProcess, ca: Path, host: str) -> MoqtConnection:
     """A session from source address ``host`` (any 127.0.0.x is a distinct local address on loopback)."""
-    return await connect(rp.url, client_settings(), TlsSettings(ca_file=ca), local_host=host,
+    return await connect(rp.url, client_config(), TlsConfig(ca_file=ca), local_host=host,
                          limits=client_limits())
 
 

@@ -26,10 +26,10 @@ from typing import Any
 
 import pytest
 
+from kvnet.net.config import TlsConfig
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.errors import ConnectionClosed, MoqtConnectionError, RequestRejected
-from kvnet.net.settings import TlsSettings
 from kvnet.node.config import NodeConfig
 from kvnet.node.node import Node
 from kvnet.security.tenancy import NodeSecret
@@ -38,7 +38,7 @@ from proto.errors import RequestErrorCode, SessionErrorCode
 from proto.kvobject import block_namespace
 from proto.messages import AliasType, AuthToken, Location
 from proto.session import SessionConfig
-from tests.helpers.connections import client_limits, client_settings
+from tests.helpers.connections import client_config, client_limits
 from tests.helpers.processes import CertDir, RelayProcess
 from tests.helpers.waiting import async_wait_until, scaled
 from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster
@@ -171,7 +171,7 @@ def token(
 async def connect_with(rp: RelayProcess, ca: Path, value: bytes | None) -> MoqtConnection:
     tokens = () if value is None else (AuthToken(AliasType.USE_VALUE, token_type=0, value=value),)
     cfg = SessionConfig(is_client=True, authority=f"127.0.0.1:{rp.port}", authorization_tokens=tokens)
-    return await connect(rp.url, client_settings(), TlsSettings(ca_file=ca), session_config=cfg,
+    return await connect(rp.url, client_config(), TlsConfig(ca_file=ca), session_config=cfg,
                          limits=client_limits())
 
 

@@ -27,22 +27,22 @@ import torch
 
 from kvnet.blocks.codecs import get_codec
 from kvnet.blocks.identity import prompt_blocks
-from kvnet.blocks.signing import Signer
 from kvnet.dtypes import dtype_name
+from kvnet.exchange.blockstore import BlockStore, StoredBlock
+from kvnet.exchange.publishing import BlockServer
 from kvnet.model.generate import generate
+from kvnet.net.config import TlsConfig, TransportConfig
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import MoqtServer, connect, serve
 from kvnet.net.errors import RequestRejected
 from kvnet.net.handles import IncomingFetch, IncomingPublishNamespace, IncomingRequest, IncomingTrackStatus
-from kvnet.net.settings import TlsSettings, TransportSettings
-from kvnet.node.blockstore import BlockStore, StoredBlock
 from kvnet.node.config import NodeConfig
 from kvnet.node.node import Node
-from kvnet.node.publishing import BlockServer
+from kvnet.security.signing import Signer
 from proto.errors import RequestErrorCode
 from proto.kvobject import MANIFEST_OBJECT_ID, BlockManifest
 from proto.session import SessionConfig
-from tests.helpers.connections import client_limits, client_settings
+from tests.helpers.connections import client_config, client_limits
 from tests.helpers.waiting import scaled
 from tests.nodes.cluster import SHARED_PREFIX, Cluster
 
@@ -68,7 +68,7 @@ def run_subscriber(
 def forge_blocks(prompt: str, signer: Signer) -> tuple[Node, list[StoredBlock]]:
     """The prompt's real blocks (hash, parent, token ids) with altered K/V, signed by ``signer``."""
     node = Node.from_config(NodeConfig(model=MODEL, block_size=BLOCK))  # the subscriber's fingerprint
-    ids = node.encode_prompt(prompt)
+    ids = node.tokenize_prompt(prompt)
     result = generate(node.model, node.cache, ids, 0, root=node.root)
     hashes = list(result.block_hashes)
     spec = node.cache.spec
@@ -101,7 +101,7 @@ def forge_blocks(prompt: str, signer: Signer) -> tuple[Node, list[StoredBlock]]:
 
 async def serve_forged(c: Cluster, node: Node, blocks: list[StoredBlock]) -> tuple[MoqtConnection, Any]:
     """Announce the namespace, answer requests from the forged store, and push every block."""
-    conn = await connect(c.url(), client_settings(), TlsSettings(ca_file=c.ca), limits=client_limits())
+    conn = await connect(c.url(), client_config(), TlsConfig(ca_file=c.ca), limits=client_limits())
     store = BlockStore(64 << 20)
     store.put_chain(blocks)
     server = BlockServer(conn, store, node.fingerprint, "default", node.cache.spec.num_layers)
@@ -184,11 +184,11 @@ class TamperingRelay:
         self.tampered = 0
 
     async def start(self) -> int:
-        tls = TlsSettings(cert_file=self.c.certs / "relay.pem", key_file=self.c.certs / "relay-key.pem")
+        tls = TlsConfig(cert_file=self.c.certs / "relay.pem", key_file=self.c.certs / "relay-key.pem")
         self.server = await serve(
             "127.0.0.1",
             0,
-            TransportSettings(),
+            TransportConfig(),
             tls,
             self._session,
             session_config=SessionConfig(is_client=False),
@@ -200,7 +200,7 @@ class TamperingRelay:
             await self.server.close()
 
     async def _session(self, conn: MoqtConnection) -> None:
-        async with connect(self.c.url(), client_settings(), TlsSettings(ca_file=self.c.ca),
+        async with connect(self.c.url(), client_config(), TlsConfig(ca_file=self.c.ca),
                            limits=client_limits()) as up:
             tasks: set[asyncio.Task[None]] = set()
             async for req in conn.incoming_requests():

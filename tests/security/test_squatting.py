@@ -15,12 +15,12 @@ import asyncio
 import contextlib
 from pathlib import Path
 
-from kvnet.blocks.signing import Signer, generate_keypair
+from kvnet.net.config import TlsConfig
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
-from kvnet.net.settings import TlsSettings
+from kvnet.security.signing import Signer, generate_keypair
 from proto.kvobject import block_track
-from tests.helpers.connections import client_limits, client_settings
+from tests.helpers.connections import client_config, client_limits
 from tests.helpers.waiting import async_wait_until, scaled
 from tests.nodes.cluster import Cluster
 from tests.security.test_poisoning import BLOCK, MODEL, PROMPT, forge_blocks, run_subscriber, serve_forged
@@ -32,7 +32,7 @@ def relay_metric(c: Cluster, prefix: str) -> float:
 
 async def squat_empty(c: Cluster, tracks: list[tuple[tuple[bytes, ...], bytes]]) -> MoqtConnection:
     """PUBLISH every track and send nothing: the relay holds each as a live track of this session."""
-    conn = await connect(c.url(), client_settings(), TlsSettings(ca_file=c.ca), limits=client_limits())
+    conn = await connect(c.url(), client_config(), TlsConfig(ca_file=c.ca), limits=client_limits())
     for alias, (ns, name) in enumerate(tracks, start=1):
         await conn.publish(ns, name, alias)
     return conn

@@ -12,8 +12,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvnet.config import config_parser, parse_config
 from kvnet.logs import LOG_SETTINGS_ENV, add_log_arguments, setup_logging_from_args
-from kvnet.settings import parse_settings, settings_parser
 
 from .compose import ComposeError, load_compose
 from .plan import DEFAULT_LOSS, DEFAULT_PREFIX, upstream_links
@@ -22,7 +22,7 @@ from .smoke import run_smoke
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    p = settings_parser(
+    p = config_parser(
         "netns-cluster", "Run docker-compose.yml's services as processes in Linux network namespaces (root).",
         config_file=False,
     )
@@ -45,7 +45,7 @@ def _raise_interrupt(signum: int, _frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_settings(_build_parser(), argv, env_prefix="KVNET_CLUSTER_")
+    args = parse_config(_build_parser(), argv, env_prefix="KVNET_CLUSTER_")
     setup_logging_from_args(args)
     # The services the runner starts log in the same format (NetnsCluster.base_env passes these on).
     os.environ[LOG_SETTINGS_ENV["log_format"]] = args.log_format

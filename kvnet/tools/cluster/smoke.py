@@ -1,15 +1,20 @@
 """The smoke check of a running namespace cluster (also the demo of docs/cluster.md): a long shared document
-published at site a is asked for at site b, and the subscriber's ABR, on its own, fetches it over the
-emulated WAN (edge-b -> origin -> edge-a) rather than recompute it, and its output is verified (the loaded
-K/V is the publisher's, the output what this node computes from it: docs/nodes.md, "What `verified`
-means"). The same request is then recomputed; both reports are returned, so the figure (time to first token
-fetched vs recomputed) is measured. Equal outputs of the two are reported, not required: a CPU with AMX
-rounds bfloat16 prefill by batch shape, so there a cold recompute may differ in the last bits.
+published at site a is asked for at site b, with the subscriber's ABR deciding on its own whether to fetch
+its KV over the emulated WAN (edge-b -> origin -> edge-a), recompute it, or compute its head while
+fetching its tail. The same request is then timed on the rungs the ABR did not take (fetched whole with
+``--abr fetch``, recomputed with ``--abr recompute``), so the demo says what the ABR chose, why (its
+estimates), and how its time to first token compares with the faster of fetching and recomputing (the
+target: within 10%). That comparison is reported, never a failure: it is a measurement, and on a loaded
+machine a measurement. What fails the smoke is a broken path: the whole-prefix fetch (the ABR's, or the
+forced one) must load the prefix without falling back, and its output must be verified (the loaded K/V
+is the publisher's, the output what this node computes from it: docs/nodes.md, "What `verified`
+means"). Equal outputs with the recompute are reported, not required: a CPU with AMX rounds bfloat16
+prefill by batch shape, so there a cold recompute may differ in the last bits.
 
 The trained SmolLM2 model (``--model smollm2``) in its own dtype, bfloat16: on a CPU without bfloat16
 matrix units it prefills slowly enough (tens of ms per token) that fetching its KV over a WAN wins for a
-long prefix; the compose nodes' small preset (or SmolLM2 in float32) prefills faster than the WAN fetch,
-so the ABR rightly recomputes for them.
+long prefix; on a CPU with them (AMX) it prefills fast enough that recomputing wins, and the ABR should
+say so.
 """
 
 from __future__ import annotations
@@ -38,24 +43,62 @@ DEMO_QUESTION = "\nQuestion: what does a node at another site do with a shared p
 PUBLISHER_READY_S = 600.0
 
 
+WITHIN = 1.10
+"""The ABR's time to first token should be at most this factor of the faster rung's."""
+
+
 @dataclass(frozen=True)
 class WanDemo:
-    """What the smoke measured: the ABR's request and the same request recomputed."""
+    """What the smoke measured: the request with the ABR deciding, the same request with its prefix fetched
+    whole over the WAN (the ABR's own request when that is what it did) and recomputed."""
 
+    chosen: dict[str, Any]
     fetched: dict[str, Any]
     recomputed: dict[str, Any]
 
+    @staticmethod
+    def ttft(report: dict[str, Any]) -> float:
+        return float(report["timings"]["ttft_s"])
+
     @property
     def speedup(self) -> float:
-        return float(self.recomputed["timings"]["ttft_s"]) / float(self.fetched["timings"]["ttft_s"])
+        """Recomputed over fetched time to first token."""
+        return self.ttft(self.recomputed) / self.ttft(self.fetched)
+
+    @property
+    def choice(self) -> str:
+        """"fetch", "recompute" or "fetch and compute" (the head computed while the tail is fetched)."""
+        abr = self.chosen["abr"]
+        if abr.get("compute_blocks", 0) > 0:
+            return "fetch and compute"
+        return "fetch" if abr.get("fetch_blocks", 0) > 0 else "recompute"
+
+    @property
+    def against_best(self) -> float:
+        """The ABR's time to first token over the faster of fetching whole and recomputing."""
+        return self.ttft(self.chosen) / min(self.ttft(self.fetched), self.ttft(self.recomputed))
+
+    def reason(self) -> str:
+        """The ABR's estimates behind its choice, in one phrase."""
+        abr = self.chosen["abr"]
+        inputs = abr.get("inputs", {})
+        plan, everything = abr.get("est_total_s", 0.0), abr.get("est_recompute_all_s", 0.0)
+        return (
+            f"estimated {plan:.1f} s against {everything:.1f} s recomputing everything, at "
+            f"{inputs.get('throughput_bps', 0.0) / 1e6:.1f} MB/s and "
+            f"{1000 * inputs.get('prefill_per_token_s', 0.0):.1f} ms of prefill per token"
+        )
 
     def summary(self) -> str:
-        f, r = self.fetched, self.recomputed
+        c, f, r = self.chosen, self.fetched, self.recomputed
+        verdict = "within" if self.against_best <= WITHIN else "NOT within"
+        same = "equal to" if f.get("equals_recompute") else "differs from"
         return (
-            f"remote hit {f['remote_hit_tokens']} of {f['prompt_tokens']} tokens fetched over the WAN "
-            f"({f['bytes_fetched'] / 1e6:.1f} MB), time to first token {f['timings']['ttft_s']:.1f} s; "
-            f"recomputed {r['timings']['ttft_s']:.1f} s ({self.speedup:.1f}x); output verified, "
-            f"{'equal to' if f.get('equals_recompute') else 'differs from'} a cold recompute"
+            f"the ABR chose to {self.choice} ({self.reason()}): time to first token {self.ttft(c):.1f} s; "
+            f"fetched whole {self.ttft(f):.1f} s ({f['remote_hit_tokens']} of {f['prompt_tokens']} tokens, "
+            f"{f['bytes_fetched'] / 1e6:.1f} MB over the WAN), recomputed {self.ttft(r):.1f} s; the choice "
+            f"took {self.against_best:.2f}x the faster rung ({verdict} {round(100 * (WITHIN - 1))}%); "
+            f"fetched output verified, {same} a cold recompute"
         )
 
 
@@ -85,15 +128,27 @@ def _subscribe(cluster: NetnsCluster, prompt: str, *extra: str) -> dict[str, Any
     return report
 
 
+def fetched_whole(report: dict[str, Any]) -> bool:
+    """The request fetched every located block (no head computed, nothing recomputed instead)."""
+    abr = report["abr"]
+    return (
+        abr.get("fetch_blocks", 0) > 0 and abr.get("compute_blocks", 0) == 0
+        and report["remote_hit_tokens"] > 0 and report["abandoned"] is None and not report["fallback"]
+        and abr.get("fetch_blocks", 0) >= report["located_blocks"]
+    )
+
+
 def run_smoke(cluster: NetnsCluster, tag: str = "smoke") -> WanDemo:
-    """Publish the demo document at pub-a (site a), ask for it plus a question at sub-b (site b) with the
-    ABR deciding, then recompute the same request; raise ``ClusterError`` unless the ABR fetched the
-    prefix, nothing was abandoned and the fetched request's output is verified. ``tag`` keeps runs'
-    documents apart."""
+    """Publish the demo document at pub-a (site a) and ask for it plus a question at sub-b (site b): first
+    with the ABR deciding, then, unless that already fetched the whole prefix, with ``--abr fetch`` (so
+    the edges' caches are cold for the first fetch either way), then recomputed. Raise ``ClusterError``
+    unless the whole-prefix fetch loaded the prefix without falling back and its output is verified.
+    ``tag`` keeps runs' documents apart."""
     document = f"[{tag} {time.time_ns()}] {DEMO_DOCUMENT}"
     log_name = f"{tag}-publisher"
     argv = publisher_argv("edge-a", "/keys/pub-a", document, *DEMO_MODEL)
     publisher = cluster.spawn("pub-a", argv, log_name)
+    fetch_flags = ("--fetch-margin", DEMO_FETCH_MARGIN_S, "--verify")
     try:
         log = cluster.run_dir / "logs" / f"{log_name}.log"
         deadline = time.monotonic() + PUBLISHER_READY_S
@@ -103,17 +158,23 @@ def run_smoke(cluster: NetnsCluster, tag: str = "smoke") -> WanDemo:
             time.sleep(0.5)
         logger.info("pub-a published the demo document; asking for it at sub-b")
         prompt = document + DEMO_QUESTION
-        fetched = _subscribe(cluster, prompt, *DEMO_MODEL, "--fetch-margin", DEMO_FETCH_MARGIN_S, "--verify")
-        logger.info("fetched: %s", json.dumps({k: fetched[k] for k in ("remote_hit_tokens", "timings")}))
+        chosen = _subscribe(cluster, prompt, *DEMO_MODEL, *fetch_flags)
+        logger.info("ABR: %s", json.dumps({k: chosen[k] for k in ("remote_hit_tokens", "abr", "timings")}))
+        fetched = chosen
+        if not fetched_whole(chosen):
+            fetched = _subscribe(cluster, prompt, *DEMO_MODEL, *fetch_flags, "--abr", "fetch")
         recomputed = _subscribe(cluster, prompt, *DEMO_MODEL, "--abr", "recompute")
     finally:
         stop_process(publisher)
-    demo = WanDemo(fetched, recomputed)
-    context = f"\nfetched: {json.dumps(fetched)}\nrecomputed: {json.dumps(recomputed)}"
-    if fetched["abr"].get("fetch_blocks", 0) <= 0 or fetched["remote_hit_tokens"] <= 0:
-        raise ClusterError("the ABR did not fetch the shared prefix" + context)
+    demo = WanDemo(chosen, fetched, recomputed)
+    context = (f"\nchosen: {json.dumps(chosen)}\nfetched: {json.dumps(fetched)}"
+               f"\nrecomputed: {json.dumps(recomputed)}")
+    if fetched["remote_hit_tokens"] <= 0:
+        raise ClusterError("the shared prefix was not fetched" + context)
     if fetched["abandoned"] is not None or fetched["fallback"]:
         raise ClusterError("the fetch fell back to recomputing" + context)
     if fetched.get("verified") is not True:
         raise ClusterError("the fetched request's output is not verified" + context)
+    if chosen["remote_hit_tokens"] > 0 and chosen.get("verified") is not True:
+        raise ClusterError("the ABR's request loaded a prefix but its output is not verified" + context)
     return demo

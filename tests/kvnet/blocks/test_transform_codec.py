@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import struct
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvnet.blocks.codecs import CODECS, CodecError
-from kvnet.blocks.signing import Signer, TrustStore
-from kvnet.blocks.transform_codec import TransformCodec
-from kvnet.blocks.transform_tables import TableStore, TransformTables, calibrate, sign_tables, verify_tables
+from kvnet.blocks.transform_codec import SINK_SHIFT, TransformCodec
+from kvnet.blocks.transform_tables import (
+    TableStore,
+    TransformTables,
+    calibrate,
+    parse_tables_body,
+    sign_tables,
+    verify_tables,
+)
+from kvnet.security.signing import Signer, TrustStore
 
 LAYERS, TOKENS, HEADS, DIM = 3, 16, 2, 8
 SHAPE = (TOKENS, HEADS, DIM)
@@ -54,7 +62,7 @@ def test_round_trip_within_bound() -> None:
     for layer, (k2, v2) in enumerate(decoded):
         for kind, (x, y) in enumerate(((k[layer], k2), (v[layer], v2))):
             # Orthonormal basis: the error is the coefficients' rounding, at most step / 2 each.
-            bound = float(tables.step[layer, kind]) / 2 * (HEADS * DIM) ** 0.5 * 1.001
+            bound = float(tables.step[layer, kind].norm()) / 2 * 1.001
             assert float((x - y).reshape(TOKENS, -1).norm(dim=1).max()) <= bound
         # decode of one payload equals the batched decode of the block
         single = codec.decode(payloads[layer], SHAPE, torch.float32)
@@ -145,3 +153,64 @@ def test_fuzz_decoder(flips: list[tuple[int, int]], trim: int) -> None:
         return
     # Only a change the checks cannot see survives (none expected); it must still be the right shape.
     assert k.shape == SHAPE and v.shape == SHAPE
+
+
+def test_sink_rows_coded_finer() -> None:
+    """The sequence's first rows (attention sinks) come back within steps 2**-SINK_SHIFT as large; the
+    other rows keep the tables' bound; a payload's sink-row count is checked against the block."""
+    tables = _tables(rel_step=0.05)
+    codec = TransformCodec()
+    k, v = _kv(5, TOKENS)
+    payload = codec.encode_layer(k[1], v[1], 1, tables, sink_rows=2)
+    k2, v2 = codec.decode(payload, SHAPE, torch.float32)
+    for kind, (x, y) in enumerate(((k[1], k2), (v[1], v2))):
+        err = (x - y).reshape(TOKENS, -1).norm(dim=1)
+        bound = float(tables.step[1, kind].norm()) / 2 * 1.001
+        assert float(err[:2].max()) <= bound * 2.0 ** -SINK_SHIFT
+        assert float(err[2:].max()) <= bound
+    plain = codec.encode_layer(k[1], v[1], 1, tables)
+    assert len(plain) < len(payload)  # the finer rows cost bytes
+    # The Flags byte (offset 5) names the sink rows and seeds the CRC: changed, the payload is refused.
+    for flags in (0, 1, 3, TOKENS + 1):
+        bad = bytearray(payload)
+        bad[5] = flags
+        with pytest.raises(CodecError):
+            codec.decode(bytes(bad), SHAPE, torch.float32)
+    with pytest.raises(CodecError, match="sink rows"):
+        codec.encode_layer(k[1], v[1], 1, tables, sink_rows=TOKENS + 1)
+
+
+def test_step_scale_allocates_per_layer_kind_and_component() -> None:
+    """``step_scale`` multiplies the calibrated steps; the round trip keeps each component within half its
+    own step; a body of another version or with a non-positive step is refused with one line."""
+    k, v = _kv(0, 512)
+    base = calibrate(k, v, FP_A, 0.02)
+    scale = torch.ones(LAYERS, 2, HEADS * DIM)
+    scale[0, 0] = 0.5  # layer 0's K finer
+    scale[2, 1, HEADS * DIM // 2:] = 8.0  # layer 2's weak V components coarser
+    tables = calibrate(k, v, FP_A, 0.02, step_scale=scale)
+    torch.testing.assert_close(tables.step, base.step * scale)
+    assert tables.digest != base.digest
+    codec = TransformCodec()
+    k1, v1 = _kv(6, TOKENS)
+    payloads = codec.encode_block(k1, v1, tables)
+    assert sum(map(len, payloads)) != sum(map(len, codec.encode_block(k1, v1, base)))
+    for layer, (k2, v2) in enumerate(codec.decode_block(payloads, SHAPE, torch.float32)):
+        for kind, (x, y) in enumerate(((k1[layer], k2), (v1[layer], v2))):
+            rows = x.reshape(TOKENS, -1) - tables.mean[layer, kind]
+            err = (rows - (y.reshape(TOKENS, -1) - tables.mean[layer, kind])) @ tables.basis[layer, kind]
+            assert bool((err.abs() <= tables.step[layer, kind] / 2 * 1.001 + 1e-5).all())
+    with pytest.raises(CodecError, match="step scale"):
+        calibrate(k, v, FP_A, 0.02, step_scale=torch.ones(LAYERS, 3))
+    with pytest.raises(CodecError, match="step scale"):
+        calibrate(k, v, FP_A, 0.02, step_scale=torch.zeros(LAYERS, 2))
+    body = bytearray(tables.body())
+    assert parse_tables_body(bytes(body)).digest == tables.digest
+    old = bytearray(body)
+    old[4] = 1  # version 1 had one step per (layer, K/V)
+    with pytest.raises(CodecError, match="version 1"):
+        parse_tables_body(bytes(old))
+    offset = 4 + 1 + 32 + 6 + 4 * (LAYERS * 2 * HEADS * DIM) * (1 + HEADS * DIM)  # first step value
+    body[offset:offset + 4] = struct.pack("<f", 0.0)
+    with pytest.raises(CodecError, match="non-positive quantizer step"):
+        parse_tables_body(bytes(body))

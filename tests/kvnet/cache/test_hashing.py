@@ -16,9 +16,9 @@ from kvnet.cache.hashing import (
     FingerprintValue,
     block_hashes,
     canonical_fingerprint,
-    encode_token_ids,
     hash_block,
     root_hash,
+    token_ids_bytes,
 )
 from kvnet.errors import InvalidTokenError
 
@@ -165,8 +165,8 @@ def test_invalid_token_ids_raise(bad: object) -> None:
 
 
 def test_encode_token_ids_is_big_endian_uint32() -> None:
-    assert encode_token_ids([1, 0x01020304]) == b"\x00\x00\x00\x01\x01\x02\x03\x04"
-    assert encode_token_ids([]) == b""
+    assert token_ids_bytes([1, 0x01020304]) == b"\x00\x00\x00\x01\x01\x02\x03\x04"
+    assert token_ids_bytes([]) == b""
 
 
 def test_bad_digests_and_block_size_raise() -> None:

@@ -1,5 +1,8 @@
 """``RelayLink``: an engine's relay session, opened on first use, against a real relay process.
 
+Pushes count what the relay accepted: blocks it cached, blocks it refused (a token that may not publish)
+and blocks that never left (no relay) are counted apart.
+
 A fetch is issued only for blocks the scheduler has just located, so the relay was reachable a moment
 ago. A connect attempt that began earlier (while the relay was down) and then fails must not fail that
 fetch: ``peer(since=...)`` makes one new attempt. The attempt that fails is made to fail by a UDP path
@@ -9,6 +12,7 @@ that drops every datagram of the first client address it sees and forwards all o
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -16,12 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvnet.blocks.signing import TrustStore
 from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
+from kvnet.integrations.config import ConnectorConfig
 from kvnet.integrations.relay_link import RelayLink, RelayUnavailable
-from kvnet.integrations.settings import ConnectorSettings
 from kvnet.node.config import NodeConfig
-from tests.helpers.processes import CertDir, RelayProcess, make_certificates, start_relay
+from kvnet.security.signing import TrustStore
+from kvnet.security.tokens import IssuerKey, issue_token, make_claims
+from tests.helpers.processes import CertDir, RelayProcess, free_port, make_certificates, start_relay
+from tests.helpers.prompts import SignedPrompt, signed_prompt
 from tests.helpers.waiting import async_wait_until
 
 SPEC = CacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
@@ -102,7 +108,7 @@ async def path(relay: RelayProcess) -> AsyncIterator[tuple[FirstClientDropped, i
 def link_to(port: int, certs: CertDir) -> RelayLink:
     node = NodeConfig(relay_url=f"moqt://127.0.0.1:{port}", ca_file=certs.ca, request_timeout=ATTEMPT_TIMEOUT)
     return RelayLink(
-        ConnectorSettings(node), fingerprint=bytes(32), namespace_id="t", block_shape=SPEC.block_shape,
+        ConnectorConfig(node), fingerprint=bytes(32), namespace_id="t", block_shape=SPEC.block_shape,
         dtype="float32", trust=TrustStore(), cache=PagedKVCache(SPEC, 4, torch.device("cpu")), announce=False,
     )
 
@@ -137,3 +143,68 @@ async def test_without_since_a_failed_attempt_fails_every_caller_that_joined_it(
     # Spaced by the backoff: an immediate caller is refused without a new attempt.
     with pytest.raises(RelayUnavailable, match=r"is unreachable$"):
         await link.peer()
+
+
+PUSH_SPEC = CacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.bfloat16)
+"""Geometry of the blocks a push test publishes."""
+
+
+def pushing_link(relay_url: str, certs: CertDir, **node: object) -> RelayLink:
+    config = NodeConfig(relay_url=relay_url, ca_file=certs.ca, request_timeout=ATTEMPT_TIMEOUT, **node)  # type: ignore[arg-type]
+    return RelayLink(
+        ConnectorConfig(config), fingerprint=bytes(32), namespace_id="t", block_shape=PUSH_SPEC.block_shape,
+        dtype="bfloat16", trust=TrustStore(), cache=PagedKVCache(PUSH_SPEC, 4, torch.device("cpu")),
+        announce=False,
+    )
+
+
+def push_prompt(n_blocks: int) -> SignedPrompt:
+    return signed_prompt(PUSH_SPEC, n_blocks, fingerprint=bytes(32), salt=b"push", seed=5)
+
+
+async def test_pushed_counts_the_blocks_the_relay_accepted(relay: RelayProcess, certs: CertDir) -> None:
+    prompt = push_prompt(3)
+    link = pushing_link(relay.url, certs)
+    try:
+        await link.publish(prompt.blocks, 3 * PUSH_SPEC.block_size)
+        counters = link.counters
+        assert counters.blocks_published == counters.blocks_pushed == 3
+        assert counters.push_failures_refused == counters.push_failures_transfer == 0
+        # Accepted means in the relay's cache: every object of the 3 blocks (manifest and layers).
+        await relay.wait_metric("kvnet_relay_cache_objects", 3 * (PUSH_SPEC.num_layers + 1))
+    finally:
+        await link.close()
+
+
+async def test_blocks_the_relay_refuses_are_not_counted_as_pushed(
+    certs: CertDir, tmp_path: Path
+) -> None:
+    issuer = IssuerKey.generate()
+    issuer.save_public(tmp_path / "issuer.pub")
+    token = tmp_path / "subscribe-only.token"
+    claims = make_claims("test", "t", ["subscribe"], [()], now=time.time(), lifetime_s=600)
+    token.write_bytes(base64.urlsafe_b64encode(issue_token(issuer, claims)).rstrip(b"="))
+    relay = start_relay(certs, tmp_path, "--auth-issuer-key", str(tmp_path / "issuer.pub"))
+    link = pushing_link(relay.url, certs, token_file=token)
+    try:
+        await link.publish(push_prompt(2).blocks, 2 * PUSH_SPEC.block_size)
+        counters = link.counters
+        assert counters.blocks_published == 2  # kept in our store: served on request
+        assert counters.blocks_pushed == 0
+        assert counters.push_failures_refused == 2 and counters.push_failures_transfer == 0
+    finally:
+        await link.close()
+        relay.stop()
+
+
+async def test_blocks_pushed_while_the_relay_is_unreachable_count_as_transfer_failures(
+    certs: CertDir,
+) -> None:
+    link = pushing_link(f"moqt://127.0.0.1:{free_port()}", certs)  # nothing listens there
+    try:
+        await link.publish(push_prompt(2).blocks, 2 * PUSH_SPEC.block_size)
+        counters = link.counters
+        assert counters.blocks_published == 2 and counters.blocks_pushed == 0
+        assert counters.push_failures_transfer == 2 and counters.push_failures_refused == 0
+    finally:
+        await link.close()

@@ -271,3 +271,74 @@ def test_prefill_limit_moves_while_the_head_runs(model: Transformer, root: bytes
     assert run.tokens(3) == alone(model, root, full)
     with pytest.raises(ValueError, match="prompt-only"):
         scheduler.add(4, SequenceRequest(head, 3, prefill_limit=16))
+
+
+def test_a_head_with_a_prefill_chunk_runs_in_chunks_of_that_size(model: Transformer, root: bytes) -> None:
+    """Its chunks are ``prefill_chunk`` tokens however much of the step's budget is free, and they end at
+    multiples of it: a chunk cut short by the budget is followed by the rest up to the next multiple."""
+    cache = new_cache(model)
+    scheduler = BatchScheduler(model, cache, root=root, config=SchedulerConfig(4, 40))
+    run = Run(scheduler)
+    first = SequenceRequest(prompt(30, seed=40), 2)  # admitted first: takes 30 of the first step's 40
+    scheduler.add(1, first)
+    scheduler.add(2, SequenceRequest(prompt(80, seed=41), 0, keep_sequence=True, prefill_limit=80,
+                                     prefill_chunk=16))
+    ends = []
+    while not run.events(2):
+        run.step()
+        ends.append(cache.num_tokens(2))
+    assert ends == [10, 16, 32, 48, 64, 80]
+    assert run.finished(2).result.computed_tokens == 80
+    run.until_idle()
+    assert run.tokens(1) == alone(model, root, first)
+
+
+def test_a_limit_lowered_mid_way_stops_the_head_at_its_next_chunk_boundary(
+    model: Transformer, root: bytes
+) -> None:
+    """Each step re-reads the limit: lowered while the head runs, it stops at the first chunk boundary at or
+    past the new limit, not a whole step budget (64 tokens here) later."""
+    cache = new_cache(model)
+    scheduler = BatchScheduler(model, cache, root=root, config=SchedulerConfig(4, 64))
+    run = Run(scheduler)
+    head = prompt(128, seed=42)
+    scheduler.add(1, SequenceRequest(head, 0, prefill_limit=128, prefill_chunk=16))
+    run.step()
+    run.step()  # 32 of 128
+    assert scheduler.set_prefill_limit(1, 48)
+    run.step()  # up to the new limit, one chunk
+    finished = run.finished(1)
+    assert finished.result.computed_tokens == 48 and len(run.steps) == 3
+    assert cache.match_prefix(finished.result.block_hashes) == 3
+    # Without a chunk of its own the head takes the step's whole budget: 64 tokens before the same limit
+    # (set after its first step) is read.
+    scheduler.add(2, SequenceRequest(prompt(128, seed=43), 0, prefill_limit=128))
+    run.step()
+    assert scheduler.set_prefill_limit(2, 48)
+    run.step()
+    assert run.finished(2).result.computed_tokens == 64
+
+
+def test_a_head_in_small_chunks_leaves_other_sequences_chunked_by_the_budget(
+    model: Transformer, root: bytes
+) -> None:
+    """A sequence without a chunk of its own still takes whatever the step's budget leaves (here 64 less the
+    head's 16), and generates what it generates alone."""
+    cache = new_cache(model)
+    scheduler = BatchScheduler(model, cache, root=root, config=SchedulerConfig(4, 64))
+    run = Run(scheduler)
+    other = SequenceRequest(prompt(100, seed=44), 3)
+    scheduler.add(1, SequenceRequest(prompt(96, seed=45), 0, keep_sequence=True, prefill_limit=96,
+                                     prefill_chunk=16))
+    scheduler.add(2, other)
+    other_ends = []
+    for _ in range(3):
+        run.step()
+        other_ends.append(cache.num_tokens(2))
+    assert other_ends == [48, 96, 100]
+    run.until_idle()
+    assert run.tokens(2) == alone(model, root, other)
+    assert run.finished(1).result.computed_tokens == 96
+    for bad in (0, -16, True, 16.0):
+        with pytest.raises(ValueError, match="prefill_chunk"):
+            scheduler.add(3, SequenceRequest((1, 2), 1, prefill_chunk=bad))  # type: ignore[arg-type]

@@ -65,11 +65,11 @@ def test_ids_equal_transformers_and_decode_round_trips(
     smollm2: HFTokenizer, reference: Any, kind: str
 ) -> None:
     text = TEXTS[kind]
-    ids = smollm2.encode(text)
+    ids = smollm2.tokenize(text)
     assert ids == reference(text).input_ids
-    assert smollm2.encode(text, bos=False) == ids  # add_bos_token is false for SmolLM2
+    assert smollm2.tokenize(text, bos=False) == ids  # add_bos_token is false for SmolLM2
     if kind != "specials":  # special tokens are dropped on decode, as in transformers
-        assert smollm2.decode(ids) == text
+        assert smollm2.detokenize(ids) == text
 
 
 @pytest.mark.parametrize("messages", MESSAGES)
@@ -85,7 +85,7 @@ def test_chat_template_renders_as_transformers_does(
     expected_ids = reference.apply_chat_template(
         messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
     )
-    assert smollm2.encode_chat(messages, add_generation_prompt=add_generation_prompt) == list(expected_ids)
+    assert smollm2.tokenize_chat(messages, add_generation_prompt=add_generation_prompt) == list(expected_ids)
 
 
 def _copy_with_config(source: Path, target: Path, **changes: Any) -> Path:
@@ -103,15 +103,15 @@ def _copy_with_config(source: Path, target: Path, **changes: Any) -> Path:
 
 
 def test_bos_follows_the_tokenizer_config(smollm2_dir: Path, smollm2: HFTokenizer, tmp_path: Path) -> None:
-    plain = smollm2.encode("hello world", bos=False)
-    assert smollm2.encode("hello world") == plain
+    plain = smollm2.tokenize("hello world", bos=False)
+    assert smollm2.tokenize("hello world") == plain
     with_bos = HFTokenizer(_copy_with_config(smollm2_dir, tmp_path / "bos", add_bos_token=True))
-    assert with_bos.encode("hello world") == [1, *plain]
-    assert with_bos.encode("hello world", bos=False) == plain
+    assert with_bos.tokenize("hello world") == [1, *plain]
+    assert with_bos.tokenize("hello world", bos=False) == plain
     assert with_bos.identity() != smollm2.identity()  # the config is part of the tokenizer's name
     # Without add_bos_token the tokenizer.json post-processor decides (byte-level adds nothing).
     unset = HFTokenizer(_copy_with_config(smollm2_dir, tmp_path / "unset", add_bos_token=None))
-    assert unset.encode("hello world") == plain
+    assert unset.tokenize("hello world") == plain
     # EOS comes from the config too: the model stops on it.
     eos = HFTokenizer(_copy_with_config(smollm2_dir, tmp_path / "eos", eos_token="<|endoftext|>"))
     assert eos.eos_id == 0
@@ -119,7 +119,7 @@ def test_bos_follows_the_tokenizer_config(smollm2_dir: Path, smollm2: HFTokenize
 
 def test_bad_input_fails_clearly(smollm2_dir: Path, smollm2: HFTokenizer, tmp_path: Path) -> None:
     with pytest.raises(InvalidTokenError, match="49152"):
-        smollm2.decode([49152])
+        smollm2.detokenize([49152])
     with pytest.raises(TokenizerError, match="eos_token"):
         HFTokenizer(_copy_with_config(smollm2_dir, tmp_path / "badeos", eos_token="<|no such token|>"))
     broken = tmp_path / "broken"

@@ -37,9 +37,9 @@ def prompts(tokenizer: HFTokenizer) -> dict[str, list[int]]:
         {"role": "user", "content": "When was the lighthouse automated, and why can prompts share KV?"},
     ]
     return {
-        "france": tokenizer.encode("The capital of France is"),
-        "code": tokenizer.encode("def fibonacci(n):\n    "),
-        "chat-2k": tokenizer.encode_chat(chat),
+        "france": tokenizer.tokenize("The capital of France is"),
+        "code": tokenizer.tokenize("def fibonacci(n):\n    "),
+        "chat-2k": tokenizer.tokenize_chat(chat),
     }
 
 
@@ -82,7 +82,7 @@ def test_fp32_greedy_tokens_and_logits_equal_transformers(
     theirs = their_logits[len(ids) - 1 : -1].argmax(-1).tolist()
     assert ours.token_ids == theirs
     if name == "france":
-        assert tokenizer.decode(ours.token_ids).startswith(" Paris")
+        assert tokenizer.detokenize(ours.token_ids).startswith(" Paris")
     torch.testing.assert_close(our_logits, their_logits, rtol=0, atol=1e-4)
 
 
@@ -97,7 +97,7 @@ def test_bf16_kv_through_lossless_codec_is_the_publishers_bit_for_bit(
     assert model.dtype == torch.bfloat16  # the model's own dtype: KV is kept as engines keep it
     block = 16
     shared = prompts["chat-2k"][:64]
-    question = tokenizer.encode("\nWhat is this about?", bos=False)
+    question = tokenizer.tokenize("\nWhat is this about?", bos=False)
     spec = cache_spec_for(model, block)
     root = prefix_root(model, block)
     publisher = PagedKVCache(spec, 16, CPU)

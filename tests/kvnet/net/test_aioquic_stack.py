@@ -6,17 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from kvnet.net.endpoint import connect as connect_moqt
-from kvnet.net.settings import (
+from kvnet.net.config import (
     DATAGRAM_SIZE_ETHERNET,
     DATAGRAM_SIZE_LOOPBACK,
-    TlsSettings,
-    TransportSettings,
+    TlsConfig,
+    TransportConfig,
 )
+from kvnet.net.endpoint import connect as connect_moqt
 from kvnet.tools import linkemu
 from proto.errors import PublishDoneCode
+from tests.helpers.connections import client_config as scaled_client_config
 from tests.helpers.connections import client_limits
-from tests.helpers.connections import client_settings as scaled_client_settings
 from tests.helpers.processes import make_certificates, start_relay
 from tests.helpers.waiting import async_wait_until
 
@@ -35,11 +35,11 @@ async def test_peer_max_udp_payload_size_caps_what_we_send(
     try:
         async with linkemu.LinkEmulator(config) as link:
             host, port = link.listen_address
-            client_settings = scaled_client_settings(
-                TransportSettings(max_datagram_size=DATAGRAM_SIZE_LOOPBACK)
+            client_config = scaled_client_config(
+                TransportConfig(max_datagram_size=DATAGRAM_SIZE_LOOPBACK)
             )
-            tls = TlsSettings(ca_file=cert_dir.ca)
-            conn = await connect_moqt(f"moqt://{host}:{port}", client_settings, tls, limits=client_limits())
+            tls = TlsConfig(ca_file=cert_dir.ca)
+            conn = await connect_moqt(f"moqt://{host}:{port}", client_config, tls, limits=client_limits())
             try:
                 payloads = [bytes([i]) * 60_000 for i in range(8)]
                 ok = await conn.publish((b"kvnet", b"dgram"), b"big", 1)

@@ -17,7 +17,15 @@ from typing import Any, cast
 
 import pytest
 
-from kvnet.net.connection import ConnectionLimits, MoqtConnection
+from kvnet.net.config import (
+    DATAGRAM_SIZE_ETHERNET,
+    DEFAULT_STACK,
+    INITIAL_DATAGRAM_SIZE_AIOPQUIC,
+    STACKS,
+    TlsConfig,
+    TransportConfig,
+)
+from kvnet.net.connection import _ROUTES, MoqtConnection
 from kvnet.net.endpoint import connect, serve
 from kvnet.net.errors import MoqtConnectionError, RequestRejected
 from kvnet.net.handles import (
@@ -28,23 +36,16 @@ from kvnet.net.handles import (
     IncomingSubscribe,
     IncomingTrackStatus,
 )
+from kvnet.net.limits import ConnectionLimits
 from kvnet.net.registry import get_stack
-from kvnet.net.settings import (
-    DATAGRAM_SIZE_ETHERNET,
-    DEFAULT_STACK,
-    INITIAL_DATAGRAM_SIZE_AIOPQUIC,
-    STACKS,
-    TlsSettings,
-    TransportSettings,
-)
 from kvnet.security import certs
 from kvnet.tools.linkemu import EmulatorConfig, LinkEmulator, LinkParams
 from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode
-from proto.events import SubscribeNamespaceReceived, SubscribeTracksReceived
+from proto.events import PublishBlockedReceived, SubscribeNamespaceReceived, SubscribeTracksReceived
 from proto.messages import Location, MessageParameters
 from proto.session import SessionConfig
-from tests.helpers.connections import client_limits, client_settings
+from tests.helpers.connections import client_config, client_limits
 from tests.helpers.processes import REPO, NativeQuicUnavailable, native_quic_python
 from tests.helpers.waiting import async_wait_until, scaled
 
@@ -83,7 +84,7 @@ QMUX = "qmux"
 
 @dataclasses.dataclass(frozen=True)
 class Transport:
-    """What a test runs on: a QUIC stack (``moqt://`` URLs, ``TransportSettings.stack``) or QMux
+    """What a test runs on: a QUIC stack (``moqt://`` URLs, ``TransportConfig.stack``) or QMux
     (``moqt+qmux://`` URLs, served with ``serve(stack="qmux")``)."""
 
     stack: str
@@ -96,14 +97,14 @@ class Transport:
     def scheme(self) -> str:
         return "moqt" if self.is_quic else "moqt+qmux"
 
-    def configure(self, **fields: Any) -> TransportSettings:
+    def configure(self, **fields: Any) -> TransportConfig:
         """Settings with ``fields``; the QUIC stack is ours, or the default one under QMux (unused there)."""
         # Test clients get a handshake deadline scaled to the machine's load (tests.helpers.connections).
         stack = self.stack if self.is_quic else DEFAULT_STACK
-        return client_settings(TransportSettings(stack=stack, **fields))
+        return client_config(TransportConfig(stack=stack, **fields))
 
     @property
-    def settings(self) -> TransportSettings:
+    def settings(self) -> TransportConfig:
         return self.configure()
 
     async def serve(self, *args: Any, **kwargs: Any) -> Any:
@@ -119,7 +120,7 @@ def transport(request: pytest.FixtureRequest) -> Transport:
 
 
 @pytest.fixture
-def settings(transport: Transport) -> TransportSettings:
+def settings(transport: Transport) -> TransportConfig:
     return transport.settings
 
 
@@ -161,10 +162,10 @@ async def test_a_client_connection_gives_its_socket_back_once_it_ends(pki: Path,
     days must not run out of descriptors."""
     transport = Transport(stack)
     settings = transport.settings
-    server = await transport.serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), _publisher)
+    server = await transport.serve("127.0.0.1", 0, settings, TlsConfig.from_dir(pki, "server"), _publisher)
     port = server.address[1]
     try:
-        client_tls = TlsSettings.from_dir(pki, None)
+        client_tls = TlsConfig.from_dir(pki, None)
         async with connect(f"{transport.scheme}://localhost:{port}", settings, client_tls,
                            limits=client_limits()) as conn:
             await conn.track_status(NS, b"blocks")  # the first connection's one-time costs (threads, caches)
@@ -181,12 +182,12 @@ async def test_a_client_connection_gives_its_socket_back_once_it_ends(pki: Path,
 
 
 async def test_setup_and_requests_end_to_end(
-    pki: Path, transport: Transport, settings: TransportSettings
+    pki: Path, transport: Transport, settings: TransportConfig
 ) -> None:
-    server = await transport.serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), _publisher)
+    server = await transport.serve("127.0.0.1", 0, settings, TlsConfig.from_dir(pki, "server"), _publisher)
     port = server.address[1]
     try:
-        client_tls = TlsSettings.from_dir(pki, None)
+        client_tls = TlsConfig.from_dir(pki, None)
         async with connect(f"{transport.scheme}://localhost:{port}", settings, client_tls,
                            limits=client_limits()) as conn:
             assert conn.session.established
@@ -211,12 +212,12 @@ async def test_setup_and_requests_end_to_end(
 
 
 async def test_objects_taken_as_queued_and_by_iteration_come_once_in_order(
-    pki: Path, transport: Transport, settings: TransportSettings
+    pki: Path, transport: Transport, settings: TransportConfig
 ) -> None:
-    server = await transport.serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), _publisher)
+    server = await transport.serve("127.0.0.1", 0, settings, TlsConfig.from_dir(pki, "server"), _publisher)
     try:
         async with connect(f"{transport.scheme}://localhost:{server.address[1]}", settings,
-                           TlsSettings.from_dir(pki, None), limits=client_limits()) as conn:
+                           TlsConfig.from_dir(pki, None), limits=client_limits()) as conn:
             handle = await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 5))
             await async_wait_until(lambda: handle.finished, "the whole fetch arrived")
             assert conn.receive_buffered == 5 * len(b"obj0" * 1000)
@@ -230,13 +231,13 @@ async def test_objects_taken_as_queued_and_by_iteration_come_once_in_order(
 
 
 async def test_many_concurrent_requests(
-    pki: Path, transport: Transport, settings: TransportSettings
+    pki: Path, transport: Transport, settings: TransportConfig
 ) -> None:
     # More concurrent request streams than aioquic's built-in 128 and qh3's 100-stream grant.
-    server = await transport.serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), _publisher)
+    server = await transport.serve("127.0.0.1", 0, settings, TlsConfig.from_dir(pki, "server"), _publisher)
     try:
         async with connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", settings,
-                           TlsSettings.from_dir(pki, None), limits=client_limits()) as conn:
+                           TlsConfig.from_dir(pki, None), limits=client_limits()) as conn:
             results = await asyncio.wait_for(
                 asyncio.gather(*(conn.track_status(NS, b"blocks") for _ in range(600))), scaled(30)
             )
@@ -246,15 +247,15 @@ async def test_many_concurrent_requests(
 
 
 async def test_unknown_ca_is_a_clear_error(
-    pki: Path, tmp_path: Path, transport: Transport, settings: TransportSettings
+    pki: Path, tmp_path: Path, transport: Transport, settings: TransportConfig
 ) -> None:
     other = tmp_path / "other"
     certs.create_ca(other)
-    server = await transport.serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), _publisher)
+    server = await transport.serve("127.0.0.1", 0, settings, TlsConfig.from_dir(pki, "server"), _publisher)
     try:
         with pytest.raises(MoqtConnectionError, match="handshake") as info:
             await connect(f"{transport.scheme}://localhost:{server.address[1]}", settings,
-                          TlsSettings(ca_file=other / "ca.pem"), limits=client_limits())
+                          TlsConfig(ca_file=other / "ca.pem"), limits=client_limits())
         assert "certificate" in str(info.value).lower() or "issuer" in str(info.value).lower()
     finally:
         await server.close()
@@ -297,16 +298,16 @@ def _expired_server_cert(pki: Path) -> tuple[Path, Path]:
 
 
 async def test_expired_server_certificate_is_a_clear_error(
-    pki: Path, transport: Transport, settings: TransportSettings
+    pki: Path, transport: Transport, settings: TransportConfig
 ) -> None:
     cert_file, key_file = _expired_server_cert(pki)
-    tls = TlsSettings(ca_file=pki / "ca.pem", cert_file=cert_file, key_file=key_file)
+    tls = TlsConfig(ca_file=pki / "ca.pem", cert_file=cert_file, key_file=key_file)
     server = await transport.serve("127.0.0.1", 0, settings, tls, _publisher)
     try:
         with pytest.raises(MoqtConnectionError, match="handshake") as info:
             await connect(
                 f"{transport.scheme}://localhost:{server.address[1]}", settings,
-                TlsSettings.from_dir(pki, None),
+                TlsConfig.from_dir(pki, None),
                 limits=client_limits()
             )
         assert "expired" in str(info.value).lower() or "certificate" in str(info.value).lower()
@@ -315,12 +316,12 @@ async def test_expired_server_certificate_is_a_clear_error(
 
 
 async def test_certificate_for_another_name_is_a_clear_error(
-    pki: Path, transport: Transport, settings: TransportSettings
+    pki: Path, transport: Transport, settings: TransportConfig
 ) -> None:
     # The server's certificate names localhost and 127.0.0.1, not the name the client dials.
-    server = await transport.serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), _publisher)
+    server = await transport.serve("127.0.0.1", 0, settings, TlsConfig.from_dir(pki, "server"), _publisher)
     try:
-        tls = TlsSettings(ca_file=pki / "ca.pem", server_name="relay.example")
+        tls = TlsConfig(ca_file=pki / "ca.pem", server_name="relay.example")
         with pytest.raises(MoqtConnectionError, match="handshake") as info:
             await connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", settings, tls,
                           limits=client_limits())
@@ -330,26 +331,26 @@ async def test_certificate_for_another_name_is_a_clear_error(
 
 
 async def test_mtls_required(
-    pki: Path, tmp_path: Path, transport: Transport, settings: TransportSettings
+    pki: Path, tmp_path: Path, transport: Transport, settings: TransportConfig
 ) -> None:
-    tls = TlsSettings.from_dir(pki, "server", require_client_cert=True)
+    tls = TlsConfig.from_dir(pki, "server", require_client_cert=True)
     if not get_stack(transport.stack).can_request_client_certificate:
         with pytest.raises(ValueError, match="require_client_cert"):
             await transport.serve("127.0.0.1", 0, settings, tls, _publisher)
     # Servers that require client certificates run on aioquic (or QMux, whose TLS is OpenSSL's); clients of
     # every stack present one.
     server_stack = "aioquic" if transport.is_quic else QMUX
-    server = await serve("127.0.0.1", 0, TransportSettings(), tls, _publisher, stack=server_stack)
+    server = await serve("127.0.0.1", 0, TransportConfig(), tls, _publisher, stack=server_stack)
     url = f"{transport.scheme}://localhost:{server.address[1]}"
     try:
-        async with connect(url, settings, TlsSettings.from_dir(pki, "client"),
+        async with connect(url, settings, TlsConfig.from_dir(pki, "client"),
                            limits=client_limits()) as conn:
             assert (await conn.track_status(NS, b"blocks")).request_id >= 0
         # A client certificate from another CA is refused.
         other = tmp_path / "other"
         certs.create_ca(other)
         certs.issue_cert(other, "intruder", ["x.local"])
-        bad = TlsSettings(ca_file=pki / "ca.pem", cert_file=other / "intruder.pem",
+        bad = TlsConfig(ca_file=pki / "ca.pem", cert_file=other / "intruder.pem",
                                key_file=other / "intruder-key.pem")
         with pytest.raises(MoqtConnectionError):
             async with connect(url, settings, bad, limits=client_limits()) as conn:
@@ -359,7 +360,7 @@ async def test_mtls_required(
 
 
 async def test_bulk_fetch_with_back_pressure(
-    pki: Path, transport: Transport, settings: TransportSettings
+    pki: Path, transport: Transport, settings: TransportConfig
 ) -> None:
     # 24 MiB through one fetch: more than the send-buffer bound, so the publisher must wait in drain()
     # and be woken by the receive path (qh3 delivers batches through datagrams_received).
@@ -376,11 +377,11 @@ async def test_bulk_fetch_with_back_pressure(
             req.finish()
 
     limits = ConnectionLimits(max_send_buffer=4 << 20)
-    server = await transport.serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), bulk,
+    server = await transport.serve("127.0.0.1", 0, settings, TlsConfig.from_dir(pki, "server"), bulk,
                          limits=limits)
     try:
         async with connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", settings,
-                           TlsSettings.from_dir(pki, None), limits=client_limits()) as conn:
+                           TlsConfig.from_dir(pki, None), limits=client_limits()) as conn:
             handle = await conn.fetch(NS, b"bulk", Location(0, 0), Location(0, count))
             got = 0
             async for obj in handle:
@@ -392,7 +393,7 @@ async def test_bulk_fetch_with_back_pressure(
 
 
 async def test_wait_send_buffer_empty_wakes_once_the_peer_has_everything(
-    pki: Path, transport: Transport, settings: TransportSettings
+    pki: Path, transport: Transport, settings: TransportConfig
 ) -> None:
     # 8 MiB written without waiting: QUIC still holds most of it, and only the receive/transmit path can
     # tell the waiter when it is gone (what RelayPeer.drain relies on before a publisher exits).
@@ -411,10 +412,10 @@ async def test_wait_send_buffer_empty_wakes_once_the_peer_has_everything(
             await conn.wait_send_buffer_empty()
             buffered["after"] = conn.send_buffered()
 
-    server = await transport.serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), bulk)
+    server = await transport.serve("127.0.0.1", 0, settings, TlsConfig.from_dir(pki, "server"), bulk)
     try:
         async with connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", settings,
-                           TlsSettings.from_dir(pki, None), limits=client_limits()) as conn:
+                           TlsConfig.from_dir(pki, None), limits=client_limits()) as conn:
             handle = await conn.fetch(NS, b"bulk", Location(0, 0), Location(0, count))
             assert len(await handle.read_all()) == count
             await async_wait_until(lambda: "after" in buffered, "the publisher's wait for an empty buffer")
@@ -424,12 +425,12 @@ async def test_wait_send_buffer_empty_wakes_once_the_peer_has_everything(
 
 
 async def test_stacks_interoperate(pki: Path) -> None:
-    server = await serve("127.0.0.1", 0, TransportSettings(stack="qh3"),
-                         TlsSettings.from_dir(pki, "server"), _publisher)
+    server = await serve("127.0.0.1", 0, TransportConfig(stack="qh3"),
+                         TlsConfig.from_dir(pki, "server"), _publisher)
     try:
-        aioquic = client_settings(TransportSettings(stack="aioquic"))
+        aioquic = client_config(TransportConfig(stack="aioquic"))
         async with connect(f"moqt://localhost:{server.address[1]}", aioquic,
-                           TlsSettings.from_dir(pki, None), limits=client_limits()) as conn:
+                           TlsConfig.from_dir(pki, None), limits=client_limits()) as conn:
             objs = await (await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 5))).read_all()
             assert [o.payload for o in objs] == [b"obj%d" % i * 1000 for i in range(5)]
     finally:
@@ -437,7 +438,7 @@ async def test_stacks_interoperate(pki: Path) -> None:
 
 
 async def test_incoming_publish_buffers_early_objects_and_honours_stream_count(
-    pki: Path, transport: Transport, settings: TransportSettings
+    pki: Path, transport: Transport, settings: TransportConfig
 ) -> None:
     """Objects that follow a PUBLISH before the application accepts it are kept, and PUBLISH_DONE sent
     right after the data does not end the subscription before its Stream Count of streams has ended."""
@@ -460,12 +461,12 @@ async def test_incoming_publish_buffers_early_objects_and_honours_stream_count(
                 finished.set()
 
     server = await transport.serve(
-        "127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), on_connection
+        "127.0.0.1", 0, settings, TlsConfig.from_dir(pki, "server"), on_connection
     )
     big = [bytes([i]) * 400_000 for i in range(3)]
     try:
         async with connect(f"{transport.scheme}://localhost:{server.address[1]}", settings,
-                           TlsSettings.from_dir(pki, None), limits=client_limits()) as conn:
+                           TlsConfig.from_dir(pki, None), limits=client_limits()) as conn:
             # 1: objects sent right behind the PUBLISH, without waiting for PUBLISH_OK.
             pending = asyncio.ensure_future(conn.publish(NS, b"late-accept", 11))
             await async_wait_until(
@@ -493,7 +494,7 @@ async def test_incoming_publish_buffers_early_objects_and_honours_stream_count(
 
 
 async def test_keepalive_holds_an_idle_session_and_a_dead_peer_is_noticed(
-    pki: Path, transport: Transport, settings: TransportSettings
+    pki: Path, transport: Transport, settings: TransportConfig
 ) -> None:
     # Short timers so the test is quick: 1 s idle timeout, PING after 0.25 s of silence.
     live = transport.configure(idle_timeout=1.0, keepalive_interval=0.25)
@@ -505,9 +506,9 @@ async def test_keepalive_holds_an_idle_session_and_a_dead_peer_is_noticed(
         closed_at.append(asyncio.get_running_loop().time())
         serving.cancel()
 
-    server = await transport.serve("127.0.0.1", 0, live, TlsSettings.from_dir(pki, "server"), on_connection)
+    server = await transport.serve("127.0.0.1", 0, live, TlsConfig.from_dir(pki, "server"), on_connection)
     url = f"{transport.scheme}://127.0.0.1:{server.address[1]}"
-    tls = TlsSettings.from_dir(pki, None)
+    tls = TlsConfig.from_dir(pki, None)
     try:
         conn = await connect(url, live, tls, limits=client_limits())
         # Three idle timeouts without a single request: the idle time is the behaviour under test.
@@ -530,7 +531,7 @@ async def test_keepalive_holds_an_idle_session_and_a_dead_peer_is_noticed(
     # Control: with keep-alive off on both sides the same idle session is dropped by the idle timeout
     # (one side's PINGs alone would keep both alive, the ACKs refreshing the other's timer).
     quiet = transport.configure(idle_timeout=1.0, keepalive_interval=0)
-    server = await transport.serve("127.0.0.1", 0, quiet, TlsSettings.from_dir(pki, "server"), on_connection)
+    server = await transport.serve("127.0.0.1", 0, quiet, TlsConfig.from_dir(pki, "server"), on_connection)
     try:
         conn = await connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", quiet, tls,
                              limits=client_limits())
@@ -552,10 +553,10 @@ async def test_closed_by_peer_tells_the_peers_close_from_our_own_idle_timeout(pk
         await conn.wait_session_closed()
 
     server = await transport.serve(
-        "127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), on_connection
+        "127.0.0.1", 0, settings, TlsConfig.from_dir(pki, "server"), on_connection
     )
     url = f"{transport.scheme}://127.0.0.1:{server.address[1]}"
-    tls = TlsSettings.from_dir(pki, None)
+    tls = TlsConfig.from_dir(pki, None)
     try:
         client = await connect(url, settings, tls, limits=client_limits())
         at_server = await asyncio.wait_for(accepted.get(), scaled(10))
@@ -573,7 +574,7 @@ async def test_closed_by_peer_tells_the_peers_close_from_our_own_idle_timeout(pk
 
 
 async def test_keepalive_is_the_clients_job_and_the_server_covers_a_silent_client(
-    pki: Path, transport: Transport, settings: TransportSettings
+    pki: Path, transport: Transport, settings: TransportConfig
 ) -> None:
     # Counted on the wire through the link emulator (no shaping): with keep-alive on both sides an idle
     # session carries one PING and one ACK per interval, not a PING and an ACK from each side.
@@ -584,8 +585,8 @@ async def test_keepalive_is_the_clients_job_and_the_server_covers_a_silent_clien
         served.append(conn)
         await _publisher(conn)
 
-    server = await transport.serve("127.0.0.1", 0, live, TlsSettings.from_dir(pki, "server"), publisher)
-    tls = TlsSettings.from_dir(pki, None)
+    server = await transport.serve("127.0.0.1", 0, live, TlsConfig.from_dir(pki, "server"), publisher)
+    tls = TlsConfig.from_dir(pki, None)
     try:
         if not transport.is_quic:
             # No UDP to count on a link: QMux's own QX_PING counters tell who pings. The client pings
@@ -616,7 +617,7 @@ async def test_keepalive_is_the_clients_job_and_the_server_covers_a_silent_clien
 
 
 async def _count_keepalive_datagrams(
-    transport: Transport, live: TransportSettings, port: int, tls: TlsSettings
+    transport: Transport, live: TransportConfig, port: int, tls: TlsConfig
 ) -> None:
     """With keep-alive on both sides, an idle QUIC session carries about one PING and one ACK per
     interval, counted through the link emulator."""
@@ -643,16 +644,16 @@ async def _count_keepalive_datagrams(
 
 
 def test_keepalive_settings_validation() -> None:
-    assert TransportSettings().keepalive_interval < TransportSettings().idle_timeout
+    assert TransportConfig().keepalive_interval < TransportConfig().idle_timeout
     with pytest.raises(ValueError, match="keepalive_interval"):
-        TransportSettings(idle_timeout=5.0, keepalive_interval=5.0)
+        TransportConfig(idle_timeout=5.0, keepalive_interval=5.0)
     with pytest.raises(ValueError, match="keepalive_interval"):
-        TransportSettings(keepalive_interval=0.01)
-    assert TransportSettings(keepalive_interval=0).keepalive_interval == 0
+        TransportConfig(keepalive_interval=0.01)
+    assert TransportConfig(keepalive_interval=0).keepalive_interval == 0
 
 
 async def test_stop_sending_on_fetch_stream_cancels_the_incoming_fetch(
-    pki: Path, transport: Transport, settings: TransportSettings
+    pki: Path, transport: Transport, settings: TransportConfig
 ) -> None:
     outcome: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
 
@@ -669,11 +670,11 @@ async def test_stop_sending_on_fetch_stream_cancels_the_incoming_fetch(
                 outcome.set_result(req.gone)
 
     server = await transport.serve(
-        "127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), on_connection
+        "127.0.0.1", 0, settings, TlsConfig.from_dir(pki, "server"), on_connection
     )
     try:
         async with connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", settings,
-                           TlsSettings.from_dir(pki, None), limits=client_limits()) as conn:
+                           TlsConfig.from_dir(pki, None), limits=client_limits()) as conn:
             handle = await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 100))
             first = await anext(aiter(handle))
             assert first.payload == b"first" and first.stream_id is not None
@@ -695,11 +696,11 @@ async def test_answered_incoming_requests_are_forgotten(pki: Path) -> None:
         served.append(conn)
         await _publisher(conn)
 
-    settings = client_settings(TransportSettings())
-    server = await serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), publisher)
+    settings = client_config(TransportConfig())
+    server = await serve("127.0.0.1", 0, settings, TlsConfig.from_dir(pki, "server"), publisher)
     try:
         async with connect(f"moqt://127.0.0.1:{server.address[1]}", settings,
-                           TlsSettings.from_dir(pki, None), limits=client_limits()) as conn:
+                           TlsConfig.from_dir(pki, None), limits=client_limits()) as conn:
             for _ in range(6):
                 await asyncio.wait_for(
                     asyncio.gather(*(conn.track_status(NS, b"blocks") for _ in range(200))), scaled(30)
@@ -712,8 +713,38 @@ async def test_answered_incoming_requests_are_forgotten(pki: Path) -> None:
         await server.close()
 
 
+async def test_an_event_of_a_kind_no_handler_takes_is_kept_in_other_events(pki: Path) -> None:
+    # PUBLISH_BLOCKED has no row in the connection's routing table: it is neither dropped nor an error,
+    # but kept for the application in ``other_events``, and the session goes on.
+    async def blocked(conn: MoqtConnection) -> None:
+        async for req in conn.incoming_requests():
+            if isinstance(req.event, SubscribeTracksReceived):
+                req.accept()
+                conn.run_action(conn.session.publish_blocked, req.request_id, (b"suffix",), b"track")
+            else:
+                req.reject(RequestErrorCode.NOT_SUPPORTED, type(req.event).__name__)
+
+    assert PublishBlockedReceived not in _ROUTES
+    settings = client_config(TransportConfig())
+    server = await serve("127.0.0.1", 0, settings, TlsConfig.from_dir(pki, "server"), blocked)
+    try:
+        async with connect(f"moqt://127.0.0.1:{server.address[1]}", settings,
+                           TlsConfig.from_dir(pki, None), limits=client_limits()) as conn:
+            rid = await asyncio.wait_for(conn.subscribe_tracks(NS), scaled(10))
+
+            def kept() -> list[PublishBlockedReceived]:
+                return [ev for ev in conn.other_events if isinstance(ev, PublishBlockedReceived)]
+
+            await async_wait_until(lambda: kept(), "PUBLISH_BLOCKED kept in other_events")
+            (ev,) = kept()
+            assert (ev.request_id, ev.track_namespace_suffix, ev.track_name) == (rid, (b"suffix",), b"track")
+            assert not conn.is_closed
+    finally:
+        await server.close()
+
+
 async def test_subscribe_namespace_and_tracks_streams_outlive_the_header_timeout(
-    pki: Path, transport: Transport, settings: TransportSettings
+    pki: Path, transport: Transport, settings: TransportConfig
 ) -> None:
     # SUBSCRIBE_NAMESPACE (0x50) and SUBSCRIBE_TRACKS (0x51): a one-byte vi64 type that a QUIC varint
     # reads as two bytes, whose framing then promises thousands of bytes that never come; a valid
@@ -731,11 +762,11 @@ async def test_subscribe_namespace_and_tracks_streams_outlive_the_header_timeout
                 both_held.set()
 
     session_config = SessionConfig(is_client=False, request_header_timeout=0.3)
-    server = await transport.serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), hold,
+    server = await transport.serve("127.0.0.1", 0, settings, TlsConfig.from_dir(pki, "server"), hold,
                          session_config=session_config)
     try:
         async with connect(f"{transport.scheme}://127.0.0.1:{server.address[1]}", settings,
-                           TlsSettings.from_dir(pki, None), limits=client_limits()) as conn:
+                           TlsConfig.from_dir(pki, None), limits=client_limits()) as conn:
             namespaces = asyncio.create_task(conn.subscribe_namespace(NS))
             tracks = asyncio.create_task(conn.subscribe_tracks(NS))
             pending.extend((namespaces, tracks))
@@ -777,7 +808,7 @@ async def _push_to_a_receiver(
             finished.set()
 
     small = transport.configure(max_datagram_size=DATAGRAM_SIZE_ETHERNET)
-    server = await transport.serve("127.0.0.1", 0, small, TlsSettings.from_dir(pki, "server"), on_connection,
+    server = await transport.serve("127.0.0.1", 0, small, TlsConfig.from_dir(pki, "server"), on_connection,
                          limits=ConnectionLimits(publish_done_timeout=2.0))
     try:
         async with contextlib.AsyncExitStack() as contexts:
@@ -786,7 +817,7 @@ async def _push_to_a_receiver(
                 config = EmulatorConfig(listen=("127.0.0.1", 0), target=("127.0.0.1", port), upstream=link)
                 port = (await contexts.enter_async_context(LinkEmulator(config))).listen_address[1]
             conn = await contexts.enter_async_context(
-                connect(f"{transport.scheme}://127.0.0.1:{port}", small, TlsSettings.from_dir(pki, None),
+                connect(f"{transport.scheme}://127.0.0.1:{port}", small, TlsConfig.from_dir(pki, None),
                         limits=client_limits()))
             ok = await conn.publish(NS, track, 21)
             sid = conn.open_subgroup(21, 0, 0)
@@ -800,7 +831,7 @@ async def _push_to_a_receiver(
 
 
 async def test_publish_done_waits_as_long_as_its_trailing_data_keeps_arriving(
-    pki: Path, transport: Transport, settings: TransportSettings
+    pki: Path, transport: Transport, settings: TransportConfig
 ) -> None:
     """A push over 1452-byte datagrams trails its PUBLISH_DONE by seconds (about 4 s on aioquic, twice the
     timeout); the receiver's wait for the announced streams ends only after ``publish_done_timeout``
@@ -811,7 +842,7 @@ async def test_publish_done_waits_as_long_as_its_trailing_data_keeps_arriving(
 
 
 async def test_publish_done_waits_while_a_large_trailing_object_is_still_arriving(
-    pki: Path, transport: Transport, settings: TransportSettings
+    pki: Path, transport: Transport, settings: TransportConfig
 ) -> None:
     """Bytes of an object still arriving count as progress, not only whole objects: one 5 MB object through
     a link of 1 MB/s takes 5 s, more than twice the receiver's wait after PUBLISH_DONE, and arrives whole.
@@ -831,13 +862,13 @@ async def test_aiopquic_datagrams_never_exceed_what_the_peer_advertises(pki: Pat
     the wire through the link emulator."""
     if sys.version_info < (3, 12):
         pytest.skip("aiopquic needs Python >= 3.12: test_every_connection_test_runs_on_the_native_stack")
-    settings = client_settings(TransportSettings(stack="aiopquic"))
-    peer = client_settings(TransportSettings.for_link("ethernet", peer_stack))
-    server = await serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), _publisher)
+    settings = client_config(TransportConfig(stack="aiopquic"))
+    peer = client_config(TransportConfig.for_link("ethernet", peer_stack))
+    server = await serve("127.0.0.1", 0, settings, TlsConfig.from_dir(pki, "server"), _publisher)
     try:
         config = EmulatorConfig(listen=("127.0.0.1", 0), target=("127.0.0.1", server.address[1]))
         async with LinkEmulator(config) as emu:
-            tls = TlsSettings(ca_file=pki / "ca.pem", server_name="localhost")
+            tls = TlsConfig(ca_file=pki / "ca.pem", server_name="localhost")
             async with connect(f"moqt://127.0.0.1:{emu.listen_address[1]}", peer, tls,
                                limits=client_limits()) as conn:
                 for _ in range(20):  # ~100 KB: enough packets for probing to reach its ceiling
@@ -853,9 +884,9 @@ async def test_aiopquic_datagrams_never_exceed_what_the_peer_advertises(pki: Pat
 async def test_qmux_to_something_else_is_a_clear_error(pki: Path) -> None:
     """A ``moqt+qmux://`` URL naming a QUIC relay's port (UDP only: nothing listens on TCP) or a TCP server
     that does not speak TLS fails with one line naming the handshake and why."""
-    settings = TransportSettings(handshake_timeout=5)
-    tls = TlsSettings.from_dir(pki, None)
-    quic = await serve("127.0.0.1", 0, settings, TlsSettings.from_dir(pki, "server"), _publisher)
+    settings = TransportConfig(handshake_timeout=5)
+    tls = TlsConfig.from_dir(pki, None)
+    quic = await serve("127.0.0.1", 0, settings, TlsConfig.from_dir(pki, "server"), _publisher)
 
     async def not_tls(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(b"HTTP/1.1 400 Bad Request\r\n\r\n")

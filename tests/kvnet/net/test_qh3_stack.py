@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from kvnet.net.config import (
+    TlsConfig,
+    TransportConfig,
+)
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect as connect_moqt
 from kvnet.net.endpoint import serve as serve_moqt
-from kvnet.net.settings import (
-    TlsSettings,
-    TransportSettings,
-)
-from tests.helpers.connections import client_limits, client_settings
+from tests.helpers.connections import client_config, client_limits
 from tests.helpers.processes import make_certificates
 
 
@@ -31,13 +31,13 @@ async def test_a_qh3_server_sends_what_it_built_before_a_packet_it_could_not_bui
         async for _ in conn.incoming_requests():
             pass
 
-    server = await serve_moqt("127.0.0.1", 0, TransportSettings(stack="qh3"),
-                              TlsSettings.from_dir(tmp_path, "server"), no_requests)
+    server = await serve_moqt("127.0.0.1", 0, TransportConfig(stack="qh3"),
+                              TlsConfig.from_dir(tmp_path, "server"), no_requests)
     try:
         for _ in range(3):
             async with connect_moqt(f"moqt://localhost:{server.address[1]}",
-                                    client_settings(TransportSettings(stack="aioquic")),
-                                    TlsSettings.from_dir(tmp_path, None),
+                                    client_config(TransportConfig(stack="aioquic")),
+                                    TlsConfig.from_dir(tmp_path, None),
                                     limits=client_limits()) as conn:
                 assert not conn.is_closed
     finally:

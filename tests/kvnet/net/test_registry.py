@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from kvnet.net.config import STACKS, TransportConfig
 from kvnet.net.registry import get_stack, stack_for
-from kvnet.net.settings import STACKS, TransportSettings
 from kvnet.net.stack import Stack
 from kvnet.net.url import parse_moqt_url
 
@@ -32,4 +32,4 @@ def test_an_unknown_stack_is_refused_with_the_choices() -> None:
 
 def test_a_moqt_url_runs_on_the_stack_the_settings_name() -> None:
     for name in ("aioquic", "qh3"):
-        assert stack_for(parse_moqt_url("moqt://h:1"), TransportSettings(stack=name)).name == name
+        assert stack_for(parse_moqt_url("moqt://h:1"), TransportConfig(stack=name)).name == name

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import socket
 
-from kvnet.net.settings import (
-    TransportSettings,
+from kvnet.net.config import (
+    TransportConfig,
 )
 from kvnet.net.sockets import apply_socket_buffers
 
@@ -26,7 +26,7 @@ class _UnprivilegedSocket:
 
 
 def test_socket_buffers_report_what_the_kernel_applied() -> None:
-    settings = TransportSettings(socket_receive_buffer=1 << 20, socket_send_buffer=1 << 20)
+    settings = TransportConfig(socket_receive_buffer=1 << 20, socket_send_buffer=1 << 20)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         applied = apply_socket_buffers(sock, settings)
         assert applied == (sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from kvnet.net.settings import DATAGRAM_SIZE_ETHERNET
-from kvnet.node.config import (
-    NodeConfig,
-    add_node_arguments,
-    auto_verify_workers,
-    explain_relay_problem,
-    node_config_from_args,
-)
+from kvnet.config import config_parser, parse_config
+from kvnet.exchange.config import auto_fetch_connections, auto_verify_workers
+from kvnet.net.config import DATAGRAM_SIZE_ETHERNET
+from kvnet.node.config import NodeConfig, add_node_arguments, explain_relay_problem, node_config_from_args
 
 
 @pytest.mark.parametrize(
@@ -25,6 +22,8 @@ from kvnet.node.config import (
         ("publish_renditions", ("lossless", "fp4"), "unknown rendition"),
         ("abr_mode", "sometimes", "abr_mode must be"),
         ("fetch_verify_workers", -1, "fetch_verify_workers must be in"),
+        ("fetch_connections", 0, r"fetch_connections must be in \[1, 16\]"),
+        ("fetch_connections", 17, r"fetch_connections must be in \[1, 16\]"),
         ("tenant", "acme", "tenant: a tenant other than the default needs --node-secret"),
     ],
 )
@@ -81,8 +80,8 @@ def test_unknown_dtype_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str])
 def _resolve_in_step(key_dir: Path, start: object, results: list[object]) -> None:
     import threading
 
-    from kvnet.blocks.signing import load_signer
     from kvnet.node.config import resolve_keys
+    from kvnet.security.signing import load_signer
 
     assert isinstance(start, threading.Barrier)
     start.wait()
@@ -134,7 +133,6 @@ def test_relay_problems_say_what_to_do(reason: str, expected: str) -> None:
 
 
 def test_verify_workers_default_to_the_host_cores_and_take_auto(capsys: pytest.CaptureFixture[str]) -> None:
-    assert [auto_verify_workers(n) for n in (1, 2, 3, 4, 16, 64)] == [0, 0, 1, 2, 8, 8]
     parser = argparse.ArgumentParser()
     add_node_arguments(parser, relay_required=False)
     assert node_config_from_args(parser.parse_args([])).fetch_verify_workers == auto_verify_workers()
@@ -147,3 +145,60 @@ def test_verify_workers_default_to_the_host_cores_and_take_auto(capsys: pytest.C
     with pytest.raises(SystemExit):
         parser.parse_args(["--fetch-verify-workers", "many"])
     assert "expected a thread count or 'auto', got 'many'" in capsys.readouterr().err
+
+
+def test_fetch_connections_default_to_the_host_cores_and_refuse_bad_counts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_node_arguments(parser, relay_required=False)
+    assert node_config_from_args(parser.parse_args([])).fetch_connections == auto_fetch_connections()
+    assert node_config_from_args(parser.parse_args(["--fetch-connections", "3"])).fetch_connections == 3
+    assert node_config_from_args(
+        parser.parse_args(["--fetch-connections", "auto"])
+    ).fetch_connections == auto_fetch_connections()
+    for bad, message in (("0", "must be in [1, 16], got 0"), ("17", "must be in [1, 16], got 17"),
+                         ("many", "expected a session count or 'auto', got 'many'")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--fetch-connections", bad])
+        err = capsys.readouterr().err
+        assert f"argument --fetch-connections: {message}" in err and "Traceback" not in err
+
+
+def test_fetch_connections_come_from_the_config_file_and_the_environment(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = config_parser("kvnet-node", "test")
+    add_node_arguments(parser, relay_required=False)
+    config = tmp_path / "node.yaml"
+    config.write_text("fetch_connections: 3\n")
+    args = parse_config(parser, ["--config", str(config)], env={})
+    assert node_config_from_args(args).fetch_connections == 3
+    args = parse_config(parser, [], env={"KVNET_FETCH_CONNECTIONS": "2"})
+    assert node_config_from_args(args).fetch_connections == 2
+    config.write_text("fetch-connections: 99\n")
+    with pytest.raises(SystemExit):
+        parse_config(parser, ["--config", str(config)], env={})
+    err = capsys.readouterr().err.strip()
+    assert "fetch-connections" in err and "must be in [1, 16], got 99" in err and "\n" not in err, err
+
+
+def test_relay_peer_config_carries_the_relay_session_settings(tmp_path: Path) -> None:
+    ca, token = tmp_path / "ca.pem", tmp_path / "node.token"
+    ca.write_text("")  # TLS settings check that the file is there; it is read only when connecting
+    config = NodeConfig(
+        relay_url="moqt://relay:4443", ca_file=ca, token_file=token, request_timeout=3.0, trust_any=True,
+        fetch_window_bytes=1 << 20, fetch_verify_workers=2, fetch_connections=3, relay_idle_timeout=6.0,
+    )
+    peer = config.relay_peer_config()
+    assert (peer.relay_url, peer.tls.ca_file, peer.tls.cert_file, peer.token_file) == (
+        "moqt://relay:4443", ca, None, token)
+    assert (peer.request_timeout, peer.trust_any) == (3.0, True)
+    assert (peer.fetch_window_bytes, peer.fetch_verify_workers, peer.fetch_connections) == (1 << 20, 2, 3)
+    assert peer.transport == config.transport_config
+    assert peer.transport.idle_timeout == 6.0
+    # A GOAWAY's New Session URI replaces the configured relay, nothing else.
+    assert config.relay_peer_config("moqt://other:4443") == dataclasses.replace(
+        peer, relay_url="moqt://other:4443")
+    with pytest.raises(ValueError, match="relay_url"):
+        NodeConfig().relay_peer_config()

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvnet.model.generate import generate_reference
 from kvnet.model.transformer import Transformer
-from kvnet.node.httpapi import ApiSettings, HttpServer, OpenAiApi, TextStream, bind_http, json_depth_exceeds
+from kvnet.node.httpapi import ApiConfig, HttpServer, OpenAiApi, TextStream, bind_http, json_depth_exceeds
 from kvnet.node.httpguard import HttpLimits
 from kvnet.node.node import Node, NodeConfig
 from kvnet.node.serve import NodeBackend
@@ -42,12 +42,12 @@ class Served:
 
 @contextlib.asynccontextmanager
 async def serving_all(
-    config: NodeConfig, limits: HttpLimits | None = None, **api_settings: Any
+    config: NodeConfig, limits: HttpLimits | None = None, **api_config: Any
 ) -> AsyncIterator[Served]:
-    """A tiny-model node behind the API on a free loopback port (``api_settings`` go to ``ApiSettings``)."""
+    """A tiny-model node behind the API on a free loopback port (``api_config`` go to ``ApiConfig``)."""
     node = Node(config, Transformer.from_name("tiny", device=torch.device("cpu")))
     backend = NodeBackend(node, publish=False)
-    api = OpenAiApi(backend, ApiSettings(served_model_name=MODEL, api_key=API_KEY, **api_settings))
+    api = OpenAiApi(backend, ApiConfig(served_model_name=MODEL, api_key=API_KEY, **api_config))
     server = await HttpServer.start(api.app, bind_http("127.0.0.1", 0), limits=limits, access_log=False)
     backend.metrics.watch_http(server.guard.stats, api.queue)
     try:
@@ -58,9 +58,9 @@ async def serving_all(
 
 
 @contextlib.asynccontextmanager
-async def serving(config: NodeConfig, **api_settings: Any) -> AsyncIterator[tuple[str, Node]]:
+async def serving(config: NodeConfig, **api_config: Any) -> AsyncIterator[tuple[str, Node]]:
     """``serving_all``'s (base URL, node)."""
-    async with serving_all(config, **api_settings) as served:
+    async with serving_all(config, **api_config) as served:
         yield served.url, served.node
 
 
@@ -90,11 +90,11 @@ async def test_completions_match_greedy_reference_streaming_or_not(node_url: tup
     url, node = node_url
     client = _client(url)
     prompt = "The quick brown fox jumps over the lazy dog. " * 2
-    ids = node.encode_prompt(prompt)
+    ids = node.tokenize_prompt(prompt)
     expected = generate_reference(node.model, ids, 8, stop_token_ids=(node.tokenizer.eos_id,))
 
     done = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
-    assert done.choices[0].text == node.tokenizer.decode(expected)
+    assert done.choices[0].text == node.tokenizer.detokenize(expected)
     assert done.usage is not None and done.usage.prompt_tokens == len(ids)
     assert done.usage.completion_tokens == len(expected)
 
@@ -312,7 +312,7 @@ async def chat_node_url(smollm2_dir: Path) -> AsyncIterator[str]:
     """A node serving SmolLM2 (a model with a chat template); skipped where it is not installed."""
     config = NodeConfig(model="smollm2", block_size=16, cache_blocks=64)
     node = await asyncio.to_thread(Node.from_config, config)
-    api = OpenAiApi(NodeBackend(node, publish=False), ApiSettings(served_model_name=MODEL, api_key=API_KEY))
+    api = OpenAiApi(NodeBackend(node, publish=False), ApiConfig(served_model_name=MODEL, api_key=API_KEY))
     server = await HttpServer.start(api.app, bind_http("127.0.0.1", 0), access_log=False)
     try:
         yield f"http://127.0.0.1:{server.port}"
@@ -423,9 +423,9 @@ async def test_concurrent_clients_are_batched_and_equal_recompute(node_url: tupl
         client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0) for p in prompts
     ))
     for prompt, answer in zip(prompts, answers, strict=True):
-        ids = node.encode_prompt(prompt)
+        ids = node.tokenize_prompt(prompt)
         expected = generate_reference(node.model, ids, 10, stop_token_ids=(node.tokenizer.eos_id,))
-        assert answer.choices[0].text == node.tokenizer.decode(expected)
+        assert answer.choices[0].text == node.tokenizer.detokenize(expected)
 
 
 async def test_a_client_leaving_a_non_streaming_request_ends_its_generation() -> None:

@@ -8,7 +8,7 @@ from kvnet.node.httpguard import HttpLimits
 
 def test_defaults_are_the_http_servers() -> None:
     assert serve.build_parser().parse_args([]).max_connections == HttpLimits.max_connections
-    assert serve.ServeConfig(node=serve.NodeConfig()).api == httpapi.ApiSettings()
+    assert serve.ServeConfig(node=serve.NodeConfig()).api == httpapi.ApiConfig()
 
 
 def test_the_default_model_is_the_trained_one() -> None:

@@ -85,7 +85,7 @@ async def test_without_verify_the_report_has_no_verdicts(node: Node) -> None:
 
 
 async def test_a_reused_prefix_unlike_recompute_is_verified_against_the_local_hit(node: Node) -> None:
-    ids = node.encode_prompt(PROMPT)
+    ids = node.tokenize_prompt(PROMPT)
     blocks = (len(ids) - 1) // BLOCK
     assert blocks >= 3
     own = own_prefix(node, ids, blocks)
@@ -103,7 +103,7 @@ async def test_a_reused_prefix_unlike_recompute_is_verified_against_the_local_hi
 
 
 async def test_a_last_bit_difference_in_the_prefix_still_verifies(node: Node) -> None:
-    ids = node.encode_prompt(PROMPT)
+    ids = node.tokenize_prompt(PROMPT)
     blocks = (len(ids) - 1) // BLOCK
     own = own_prefix(node, ids, blocks)
     loaded = perturbed(own, "last-bit")
@@ -114,7 +114,7 @@ async def test_a_last_bit_difference_in_the_prefix_still_verifies(node: Node) ->
 
 
 async def test_a_wrong_output_is_not_verified(node: Node) -> None:
-    ids = node.encode_prompt(PROMPT)
+    ids = node.tokenize_prompt(PROMPT)
     report = await node.complete(PROMPT, MAX_NEW, verify=True)
     wrong = [(t + 1) % node.model.args.vocab_size for t in report.output_token_ids]
     found = node.verify_output(ids, MAX_NEW, wrong)

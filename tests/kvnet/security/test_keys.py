@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvnet.blocks import signing
-from kvnet.security import keys
+from kvnet.security import keys, signing
 from kvnet.security import tokens as auth
 
 

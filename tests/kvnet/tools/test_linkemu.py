@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import socket
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from aioquic.asyncio import QuicConnectionProtocol, connect, serve
 
+from kvnet.net.config import DATAGRAM_SIZE_ETHERNET, TlsConfig, TransportConfig
 from kvnet.net.registry import client_configuration, server_configuration
-from kvnet.net.settings import DATAGRAM_SIZE_ETHERNET, TlsSettings, TransportSettings
-from kvnet.tools.linkemu import EmulatorConfig, LinkEmulator, LinkParams, parse_hostport
+from kvnet.tools.linkemu import EmulatorConfig, LinkEmulator, LinkParams, _Direction, parse_hostport
 from tests.helpers.processes import make_certificates
 from tests.helpers.waiting import async_wait_until
 
@@ -139,6 +141,43 @@ async def test_rate_limit() -> None:
     assert elapsed >= expected * 0.95
 
 
+class _Departures:
+    """Records when a direction schedules each datagram (the shaping arithmetic, apart from any clock)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.at: list[float] = []
+
+    def schedule(self, at: float, direction: object, data: bytes, send: object) -> None:
+        self.at.append(at)
+
+
+def _departures(params: LinkParams, sends: list[tuple[float, int]]) -> list[float]:
+    times = _Departures()
+    direction = _Direction(params, random.Random(0), times)  # type: ignore[arg-type]
+    for now, size in sends:
+        direction.submit(b"x" * size, now, lambda _: True)
+    return times.at
+
+
+def test_a_burst_leaves_at_once_then_the_rate_holds() -> None:
+    # 1000 B/s with a 3000-byte bucket: three 1000-byte datagrams leave at once, the rest one a second.
+    sent = _departures(LinkParams(rate_bps=1000, burst_bytes=3000), [(0.0, 1000)] * 5)
+    assert sent == pytest.approx([0.0, 0.0, 0.0, 1.0, 2.0])
+
+
+def test_the_bucket_refills_while_idle_up_to_its_depth() -> None:
+    # Drained at t=0; 1.5 s idle refills 1500 bytes; 100 s idle refills only the 3000-byte depth.
+    params = LinkParams(rate_bps=1000, burst_bytes=3000)
+    sent = _departures(params, [(0.0, 3000), (1.5, 1000), (1.5, 1000), (100.0, 3000), (100.0, 1000)])
+    assert sent == pytest.approx([0.0, 1.5, 2.0, 100.0, 101.0])
+
+
+def test_without_a_burst_each_datagram_waits_its_own_size() -> None:
+    sent = _departures(LinkParams(rate_bps=1000), [(0.0, 500), (0.0, 500), (5.0, 1000)])
+    assert sent == pytest.approx([0.5, 1.0, 6.0])
+
+
 async def test_queue_bound_drops() -> None:
     st, sp = await _server(echo=False)
     target = st.get_extra_info("sockname")[:2]
@@ -170,15 +209,15 @@ def test_params_validation() -> None:
 
 async def test_quic_handshake_through_lossy_delayed_link(tmp_path: Path) -> None:
     issued = make_certificates(tmp_path, "server")
-    settings = TransportSettings(max_datagram_size=DATAGRAM_SIZE_ETHERNET)
-    server_tls = TlsSettings(cert_file=issued.cert, key_file=issued.key)
+    settings = TransportConfig(max_datagram_size=DATAGRAM_SIZE_ETHERNET)
+    server_tls = TlsConfig(cert_file=issued.cert, key_file=issued.key)
     server = await serve("127.0.0.1", 0, configuration=server_configuration(settings, server_tls))
     port = server._transport.get_extra_info("sockname")[1]  # type: ignore[union-attr]
     params = LinkParams(delay_ms=10, jitter_ms=2, loss=0.02)
     async with LinkEmulator(EmulatorConfig(listen=("127.0.0.1", 0), target=("127.0.0.1", port),
                                            upstream=params, downstream=params, seed=3)) as emu:
         host, eport = emu.listen_address
-        client_cfg = client_configuration(settings, TlsSettings(ca_file=issued.ca), "localhost")
+        client_cfg = client_configuration(settings, TlsConfig(ca_file=issued.ca), "localhost")
         t0 = time.monotonic()
         async with connect(host, eport, configuration=client_cfg) as client:
             assert isinstance(client, QuicConnectionProtocol)

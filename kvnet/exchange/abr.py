@@ -1,0 +1,690 @@
+"""KV ABR: per block, fetch which rendition, or recompute locally.
+
+Owns: the estimators (network throughput, round-trip time, local prefill speed, per-rendition size ratio and
+decode speed) and the decision function. It knows nothing about QUIC, MoQT or torch: callers feed it
+measurements (bytes and seconds) and ask for a plan; the plan records its inputs so they can be reported.
+
+The decision. Blocks form a chain, and a fetched block is only useful if every block before it is present, so
+the plan is "fetch blocks [0, k) and recompute the rest". For each block the cheapest acceptable rendition is
+the one with the smallest estimated ``bytes / throughput + decode time`` (ties go to the higher quality), so a
+fast link takes ``plain`` (every byte, decoded by a copy) and a slow one ``lossless`` (fewer bytes, zstd to
+undo), each weighed with the throughput and decode speeds this node measured. The cut ``k`` minimises::
+
+    T(k) = (rtt + first_byte if k > 0) + sum(fetch_i for i < k) + prefill(tokens_total - k * block_size)
+
+with ``prefill(n) = overhead + n * per_token`` measured on this machine and ``first_byte`` the relay's
+learned delay before a FETCH's first object beyond the round trip (``FirstByteEstimator``: a relay that
+answers a FETCH only once it has the whole block from upstream delivers it late but whole; that wait is a
+fixed cost per fetch, not the link's throughput, which is timed from the first object on). This is an
+exact argmin over every cut, O(n), so uneven block sizes are handled. While a fetch runs the caller
+re-plans the blocks not yet received with fresh measurements (``should_abandon``), which is what video ABR
+does per segment.
+
+The estimates age: every sample takes at least a fixed share of an average (``Ewma.min_share``) and
+older samples lose weight with time (``Ewma.time_half_life_s``), so what was measured recently counts
+most. Only clean transfers are samples (``kvnet.exchange.fetching``: blocks loaded before any retry or
+failure). An estimate can still be wrong in the direction that stops it being measured: a pessimistic
+throughput declines every hit and so fetches nothing that would correct it. So a plan that declines
+located blocks is counted (``declined_streak``), and after ``probe_after`` declining plans in a row (or
+``probe_after_s`` without a throughput sample) the next one fetches ``probe_blocks`` blocks anyway, a
+probe whose measurement replaces the throughput estimate (``KvAbr.fetch_measured``). A probe costs at
+most the fetch of a few blocks more than recomputing them, and bounds how long a wrong estimate lasts.
+
+Fetch and compute at once (Cake, ICML 2025). The engine can compute the head of the located prefix while the
+tail is fetched, the two meeting in the middle; the suffix after the prefix is prefilled once both are done.
+With the head ``[0, k)`` computed and ``[k, f)`` fetched, the plan's estimate is::
+
+    T_split(k) = max(prefill(k * block_size), rtt + first_byte + sum(fetch_i for k <= i < f)) + prefill(rest)
+
+``f`` is every located block with an acceptable rendition: moving a block out of the serial ``rest`` into
+the parallel part never costs more than computing it there (give the head one more block instead). ``k``
+balances the two sides (``best_split``; an O(f) scan with prefix sums) and the split is chosen only where
+it beats both the fetch cut above and recomputing everything by ``SPLIT_MIN_GAIN``. The split is a
+starting point, not a commitment: the node moves the meeting point as the two sides actually progress
+(``kvnet.node.overlap``).
+
+Whatever the estimates said, a fetch also has one deadline (``FetchDeadline``): it may take at most
+``deadline_margin_s`` plus the relay's learned first-byte delay plus the estimated recompute time of the
+blocks it has already delivered. Past that, finishing it can only be slower than recomputing the rest, so
+it is abandoned, however the relay paces its objects (a relay trickling one object just inside the
+per-object timeout cannot hold a request). The first-byte delay is capped (``FIRST_BYTE_CAP_S``, or the
+session's fetch timeout), and a fetch abandoned before any object arrived teaches the estimator that the
+delay is at least what it waited, so a late relay is learned within a few requests and a silent one costs
+the cap at most, after which the plan recomputes rather than wait for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+logger = logging.getLogger(__name__)
+
+RECOMPUTE = "recompute"
+SPLIT_MIN_GAIN = 0.1
+"""A split plan must be estimated this much faster (a fraction) than the best plan without one: it costs a
+second prefill's overhead and CPU that the fetch shares, and a near-tie gains nothing measurable."""
+# Higher quality first; a rendition not listed ranks after these, in name order. ``plain`` is exact like
+# ``lossless`` (so accepting it lowers no floor); it ranks after it so that a tie in cost goes to the
+# smaller payload (less for relays to cache and links to carry).
+QUALITY_ORDER: tuple[str, ...] = ("lossless", "plain", "int8", "int4")
+# Encoded size / raw size before anything was measured, by KV dtype. Measured on SmolLM2's KV (docs/
+# performance.md, "Codec quality on real KV"): int8 and int4 are fixed fractions of the element size plus
+# scales, so they save half as much on bf16 as on fp32, while bf16's short mantissas compress better
+# losslessly. A dtype not listed uses the fp32 row.
+DEFAULT_SIZE_RATIO: Mapping[str, Mapping[str, float]] = {
+    "float32": {"lossless": 0.85, "plain": 1.0, "int8": 0.25, "int4": 0.14},
+    "bfloat16": {"lossless": 0.69, "plain": 1.0, "int8": 0.50, "int4": 0.28},
+    "float16": {"lossless": 0.90, "plain": 1.0, "int8": 0.50, "int4": 0.28},
+}
+# Verify + decode speed (a layer's digest and its decode into the cache) in raw bytes per second before
+# anything was measured; the node's own fetches replace these (``RenditionStats``). ``plain`` is a digest
+# and a copy; with lossless at 1e9 the bf16 crossover is ~620 MB/s of link (docs/nodes.md, "Renditions").
+DEFAULT_DECODE_BPS: Mapping[str, float] = {"lossless": 1.0e9, "plain": 2.0e9, "int8": 6.0e8, "int4": 4.0e8}
+
+
+def quality_rank(rendition: str) -> tuple[int, str]:
+    try:
+        return (QUALITY_ORDER.index(rendition), rendition)
+    except ValueError:
+        return (len(QUALITY_ORDER), rendition)
+
+
+@dataclass(frozen=True)
+class AbrConfig:
+    """Knobs of the KV ABR."""
+
+    acceptable: tuple[str, ...] = ("lossless",)
+    """Renditions whose quality is acceptable; lossless only unless configured otherwise."""
+    prior_throughput_bps: float = 100e6
+    """Throughput in bytes/s assumed before the first measurement."""
+    prior_rtt_s: float = 0.002
+    """Round-trip time assumed before the first measurement."""
+    safety: float = 0.9
+    """Fraction of the estimated throughput the plan relies on (estimates are noisy)."""
+    allow_recompute: bool = True
+    """False forces fetching every located block (tests and benchmarks of the fetch path)."""
+    force_recompute: bool = False
+    """True never fetches (cold baseline)."""
+    kv_dtype: str = "float32"
+    """Element dtype of the KV blocks (names of ``kvnet.dtypes``): picks the size ratios assumed before any
+    block was measured."""
+    probe_after: int = 3
+    """Plans in a row that decline located blocks after which the next one probes (fetches
+    ``probe_blocks`` blocks whatever the estimates say, to measure the path again); 0 never probes."""
+    probe_after_s: float = 30.0
+    """A plan that declines located blocks also probes when the last throughput sample is older than this
+    (seconds; 0: only ``probe_after`` counts)."""
+    probe_blocks: int = 1
+    """Blocks a probe fetches (the leading ones of the located prefix)."""
+    overlap: bool = True
+    """Plans may compute the head of the located prefix while fetching the tail (see the module
+    docstring); False: fetch a prefix and recompute the rest, never both at once."""
+    deadline_margin_s: float = 1.0
+    """Seconds a fetch may cost beyond the recompute time of the blocks it delivered before it is abandoned
+    (``FetchDeadline``); bounds TTFT by recompute time plus this. Generous enough that a loaded machine's
+    scheduling noise does not throw away a healthy fetch."""
+
+    def __post_init__(self) -> None:
+        if not self.acceptable:
+            raise ValueError("acceptable: at least one rendition is required")
+        if self.prior_throughput_bps <= 0:
+            raise ValueError("prior_throughput_bps must be positive")
+        if self.prior_rtt_s < 0:
+            raise ValueError("prior_rtt_s must be >= 0")
+        if not 0 < self.safety <= 1:
+            raise ValueError("safety must be in (0, 1]")
+        if not 0 < self.deadline_margin_s <= 3600:
+            raise ValueError("deadline_margin_s must be in (0, 3600] seconds")
+        if self.probe_after < 0:
+            raise ValueError("probe_after must be >= 0")
+        if self.probe_after_s < 0:
+            raise ValueError("probe_after_s must be >= 0")
+        if self.probe_blocks < 1:
+            raise ValueError("probe_blocks must be >= 1")
+
+
+class Ewma:
+    """Exponentially weighted mean where each sample carries a weight (bytes, tokens), aged by weight, by
+    count and by time.
+
+    Weight-based decay (as in Shaka's estimator) keeps one huge transfer from being forgotten after a few
+    small ones, and one tiny one from swinging the estimate. ``min_share``: every sample takes at least
+    this share of the mean however small it is, so a handful of recent samples outweighs any history.
+    ``time_half_life_s``: what was learned that long ago weighs half as much against a new sample.
+    Kept as a weighted sum over a sum of weights (``value = S / W``), which is Shaka's zero-bias-corrected
+    estimate when no time passes.
+    """
+
+    def __init__(self, half_life: float, min_share: float = 0.0, time_half_life_s: float = 0.0) -> None:
+        if not 0 <= min_share < 1:
+            raise ValueError("min_share must be in [0, 1)")
+        self._alpha = math.log(0.5) / half_life
+        self._min_share = min_share
+        self._time_half_life_s = time_half_life_s
+        self._sum = 0.0
+        self._weight = 0.0
+        self._last: float | None = None
+
+    def add(self, weight: float, value: float, now: float | None = None) -> None:
+        keep = min(math.exp(self._alpha * weight), 1 - self._min_share)
+        if now is not None and self._last is not None and self._time_half_life_s > 0:
+            keep *= 0.5 ** (max(now - self._last, 0.0) / self._time_half_life_s)
+        if now is not None:
+            self._last = now
+        self._sum = keep * self._sum + (1 - keep) * value
+        self._weight = keep * self._weight + (1 - keep)
+
+    def value(self, default: float) -> float:
+        return default if self._weight <= 0 else self._sum / self._weight
+
+    @property
+    def has_samples(self) -> bool:
+        return self._weight > 0
+
+
+@dataclass
+class ThroughputEstimator:
+    """Network throughput in bytes/s: the min of a fast and a slow EWMA (react to drops, not to spikes),
+    both aged by time (``TIME_HALF_LIFE_S``) and count (each sample a minimum share)."""
+
+    prior_bps: float
+    clock: Callable[[], float] = time.monotonic
+    fast: Ewma = field(default_factory=lambda: Ewma(256 * 1024, min_share=0.5, time_half_life_s=60.0))
+    slow: Ewma = field(default_factory=lambda: Ewma(4 * 1024 * 1024, min_share=0.25, time_half_life_s=60.0))
+    samples: int = 0
+    last_sample_at: float | None = None
+    """Clock reading of the latest sample (None before the first)."""
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or seconds <= 0:
+            return
+        bps = nbytes / seconds
+        now = self.clock()
+        self.fast.add(nbytes, bps, now)
+        self.slow.add(nbytes, bps, now)
+        self.samples += 1
+        self.last_sample_at = now
+
+    def remeasure(self, nbytes: int, seconds: float) -> None:
+        """Replace everything learned so far by this one measurement (a probe: see the module docstring)."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        self.fast = Ewma(256 * 1024, min_share=0.5, time_half_life_s=60.0)
+        self.slow = Ewma(4 * 1024 * 1024, min_share=0.25, time_half_life_s=60.0)
+        self.add(nbytes, seconds)
+
+    def estimate(self) -> float:
+        if not self.fast.has_samples:
+            return self.prior_bps
+        return min(self.fast.value(self.prior_bps), self.slow.value(self.prior_bps))
+
+
+@dataclass
+class RttEstimator:
+    """Smoothed round-trip time (RFC 6298 style, alpha = 1/8)."""
+
+    prior_s: float
+    srtt: float | None = None
+
+    def add(self, seconds: float) -> None:
+        if seconds < 0:
+            return
+        self.srtt = seconds if self.srtt is None else 0.875 * self.srtt + 0.125 * seconds
+
+    def estimate(self) -> float:
+        return self.prior_s if self.srtt is None else self.srtt
+
+
+FIRST_BYTE_CAP_S = 10.0
+"""The most a learned first-byte delay may be, in seconds (the node's default request timeout, after which a
+FETCH that brought nothing has failed anyway): a relay that answers late, or never, cannot teach a node to
+wait longer than that for a block (``FirstByteEstimator``)."""
+MAX_RELAYS_TRACKED = 64
+"""Relays whose first-byte delay a node keeps at once; the one whose session began longest ago goes."""
+
+
+@dataclass
+class FirstByteEstimator:
+    """How late one relay answers a FETCH: seconds from sending a block's FETCH to its first object beyond
+    the round trip. A relay that serves a FETCH as its objects come answers within the RTT (about 0 here);
+    one that first pulls the whole block from upstream (or answers only once it has all of it) delivers
+    the block late but whole, a fixed cost per request that is not the link's throughput.
+
+    The max of a fast and a slow per-fetch average, both aged by time like the throughput (a rise is
+    believed at once, a fall once it holds), each sample clipped to ``cap_s`` first so a single stall
+    cannot dominate, and the estimate capped at ``cap_s`` (``FIRST_BYTE_CAP_S`` unless told)."""
+
+    cap_s: float = FIRST_BYTE_CAP_S
+    clock: Callable[[], float] = time.monotonic
+    fast: Ewma = field(default_factory=lambda: Ewma(2.0, min_share=0.5, time_half_life_s=60.0))
+    slow: Ewma = field(default_factory=lambda: Ewma(16.0, min_share=0.1, time_half_life_s=60.0))
+    samples: int = 0
+
+    def add(self, seconds_beyond_rtt: float) -> None:
+        if not math.isfinite(seconds_beyond_rtt):
+            return
+        value = min(max(seconds_beyond_rtt, 0.0), self.cap_s)
+        now = self.clock()
+        self.fast.add(1.0, value, now)
+        self.slow.add(1.0, value, now)
+        self.samples += 1
+
+    def estimate(self) -> float:
+        """Seconds beyond the RTT a FETCH waits for its first object (0 before the first sample)."""
+        return min(self.cap_s, max(self.fast.value(0.0), self.slow.value(0.0)))
+
+
+@dataclass
+class PrefillEstimator:
+    """Local prefill cost ``overhead + n * per_token`` fitted by weighted least squares over the latest
+    ``max_samples`` runs, each run weighing ``recency`` times the next one's (the newest weighs 1), so the
+    fit follows a machine whose load changed."""
+
+    per_token_s: float = 1e-3
+    overhead_s: float = 0.0
+    max_samples: int = 32
+    recency: float = 0.8
+    _samples: list[tuple[int, float]] = field(default_factory=list)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        self._samples.append((tokens, seconds))
+        del self._samples[: -self.max_samples]
+        self._refit()
+
+    def _refit(self) -> None:
+        xs = [float(n) for n, _ in self._samples]
+        ys = [s for _, s in self._samples]
+        n = len(xs)
+        ws = [self.recency ** (n - 1 - i) for i in range(n)]
+        total = sum(ws)
+        mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / total
+        my = sum(w * y for w, y in zip(ws, ys, strict=True)) / total
+        var = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
+        if n >= 2 and var > 1e-9 * total * mx * mx:
+            cov = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True))
+            slope = cov / var
+            intercept = my - slope * mx
+            if slope > 0 and intercept >= 0:
+                self.per_token_s, self.overhead_s = slope, intercept
+                return
+        # One size seen (or a fit with a negative term): attribute everything to tokens.
+        self.per_token_s = my / mx
+        self.overhead_s = 0.0
+
+    def estimate(self, tokens: int) -> float:
+        return 0.0 if tokens <= 0 else self.overhead_s + tokens * self.per_token_s
+
+    @property
+    def has_samples(self) -> bool:
+        return bool(self._samples)
+
+
+@dataclass
+class RenditionStats:
+    """Per rendition: encoded/raw size ratio and verify + decode speed (raw bytes per second of the node's
+    digest checks and decodes of a block's layers), learned from the blocks this node fetched. Each is a
+    per-block average aged like the throughput (``Ewma``): a half-life of 8 blocks and of
+    ``TIME_HALF_LIFE_S`` seconds, so the latest blocks decide (a host whose load changed is re-measured
+    within a prompt or two)."""
+
+    kv_dtype: str = "float32"
+    clock: Callable[[], float] = time.monotonic
+    ratio: dict[str, Ewma] = field(default_factory=dict)
+    decode: dict[str, Ewma] = field(default_factory=dict)
+
+    TIME_HALF_LIFE_S: ClassVar[float] = 60.0
+
+    def add(self, rendition: str, raw_bytes: int, encoded_bytes: int, decode_s: float) -> None:
+        if raw_bytes <= 0:
+            return
+        now = self.clock()
+        self.ratio.setdefault(rendition, self._average()).add(1.0, encoded_bytes / raw_bytes, now)
+        if decode_s > 0:
+            self.decode.setdefault(rendition, self._average()).add(1.0, raw_bytes / decode_s, now)
+
+    def _average(self) -> Ewma:
+        return Ewma(8.0, time_half_life_s=self.TIME_HALF_LIFE_S)
+
+    def size_ratio(self, rendition: str) -> float:
+        priors = DEFAULT_SIZE_RATIO.get(self.kv_dtype, DEFAULT_SIZE_RATIO["float32"])
+        default = priors.get(rendition, 1.0)
+        e = self.ratio.get(rendition)
+        return default if e is None else e.value(default)
+
+    def decode_bps(self, rendition: str) -> float:
+        default = DEFAULT_DECODE_BPS.get(rendition, 5e8)
+        e = self.decode.get(rendition)
+        return default if e is None else e.value(default)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockChoice:
+    """What the plan does with one located block."""
+
+    index: int
+    action: str
+    """A rendition name, or ``recompute``."""
+    fetch_s: float
+    """Estimated time to fetch and decode it with the best acceptable rendition."""
+    recompute_s: float
+    """Estimated marginal prefill time of its tokens."""
+    best: str | None = None
+    """The best acceptable rendition on offer whatever the action (None: none acceptable); what a fetch
+    that takes more than its planned share asks for."""
+
+
+@dataclass(frozen=True)
+class AbrPlan:
+    """The decision for one prompt and the inputs it was made from."""
+
+    choices: tuple[BlockChoice, ...]
+    fetch_blocks: int
+    """Blocks [0, fetch_blocks) are fetched; the rest of the prompt is recomputed."""
+    throughput_bps: float
+    rtt_s: float
+    prefill_per_token_s: float
+    prefill_overhead_s: float
+    est_total_s: float
+    est_recompute_all_s: float
+    declined_blocks: int = 0
+    """Located blocks with an acceptable rendition that the estimates chose to recompute instead."""
+    probe: bool = False
+    """Blocks are fetched although the estimates declined them: a probe (see the module docstring)."""
+    compute_blocks: int = 0
+    """Blocks [0, compute_blocks) are computed by the engine while [compute_blocks, fetch_blocks) are
+    fetched (0: no split). The node moves this meeting point as the two sides progress."""
+    first_byte_s: float = 0.0
+    """The relay's first-byte delay beyond the RTT the plan charged each fetch (``FirstByteEstimator``)."""
+
+    def rendition_of(self, index: int) -> str:
+        return self.choices[index].action
+
+    def to_json(self) -> dict[str, Any]:
+        counts: dict[str, int] = {}
+        for c in self.choices:
+            counts[c.action] = counts.get(c.action, 0) + 1
+        return {
+            "fetch_blocks": self.fetch_blocks,
+            "compute_blocks": self.compute_blocks,
+            "actions": counts,
+            "inputs": {
+                "throughput_bps": round(self.throughput_bps, 1),
+                "rtt_s": round(self.rtt_s, 6),
+                "first_byte_s": round(self.first_byte_s, 6),
+                "prefill_per_token_s": self.prefill_per_token_s,
+                "prefill_overhead_s": round(self.prefill_overhead_s, 6),
+            },
+            "est_total_s": round(self.est_total_s, 6),
+            "est_recompute_all_s": round(self.est_recompute_all_s, 6),
+            "declined_blocks": self.declined_blocks,
+            "probe": self.probe,
+        }
+
+    def describe_decline(self) -> str:
+        """One line saying what was declined and from which inputs (for the log)."""
+        inputs = self.to_json()["inputs"]
+        return (
+            f"declined {self.declined_blocks} located block(s): estimated {self.est_total_s:.4f}s fetching "
+            f"{self.fetch_blocks} vs {self.est_recompute_all_s:.4f}s recomputing all; inputs "
+            + " ".join(f"{k}={v}" for k, v in inputs.items())
+        )
+
+
+def best_split(
+    fetch_costs: Sequence[float], rtt_s: float, head_cost: Callable[[int], float]
+) -> tuple[int, float]:
+    """Where computing ``[0, k)`` while fetching ``[k, n)`` of ``n`` blocks finishes soonest: ``(k, T)``
+    with ``T = max(head_cost(k), rtt + sum(fetch_costs[k:]))`` (no fetch, no round trip, for ``k = n``).
+
+    The head's cost grows with ``k`` and the fetch's shrinks, so ``T`` is their crossing; every ``k`` is
+    scanned anyway (O(n), exact for uneven costs). Ties go to the smaller ``k``: fetching saves compute
+    for everyone on the node. An infinite cost (no acceptable rendition) forces the head past that block.
+    """
+    n = len(fetch_costs)
+    tail = [0.0] * (n + 1)  # tail[k] = sum(fetch_costs[k:])
+    for i in range(n - 1, -1, -1):
+        tail[i] = tail[i + 1] + fetch_costs[i]
+    best_k, best_t = n, head_cost(n)
+    for k in range(n):
+        t = max(head_cost(k), rtt_s + tail[k])
+        if t < best_t:
+            best_k, best_t = k, t
+    return best_k, best_t
+
+
+@dataclass(frozen=True, slots=True)
+class FetchDeadline:
+    """When a fetch must have delivered each block: block ``i`` (0-based) is due at
+    ``started + margin_s + first_byte_s + (i + 1) * block_recompute_s``, so the time spent never exceeds
+    what the delivered blocks save by more than the margin and the relay's learned first-byte delay. Block
+    ``i`` is credited with its own recompute time: due at the margin alone, the first block of a WAN fetch
+    (a round trip plus a MB or more) would be abandoned even where fetching the prefix is many times faster
+    than recomputing it. The first-byte delay is a fixed cost of the request, paid once whatever the
+    prefix's length, that the plan already weighed (``KvAbr.fetch_latency_s``): charged to the first block
+    alone it would abandon every fetch through a relay that answers late but whole."""
+
+    started: float
+    """Clock reading (the event loop's) when the fetch began."""
+    margin_s: float
+    block_recompute_s: float
+    """Estimated prefill time of one block's tokens on this node."""
+    first_byte_s: float = 0.0
+    """The relay's learned first-byte delay beyond the RTT (``FirstByteEstimator``, capped)."""
+
+    def due(self, loaded_blocks: int) -> float:
+        """Clock reading by which block ``loaded_blocks`` must be in (with ``loaded_blocks`` before it)."""
+        return self.started + self.margin_s + self.first_byte_s + (loaded_blocks + 1) * self.block_recompute_s
+
+    def describe(self, loaded_blocks: int, now: float) -> str:
+        """Why the fetch was abandoned at block ``loaded_blocks`` at time ``now``."""
+        return (
+            f"deadline: {now - self.started:.3f}s spent with {loaded_blocks} block(s) delivered, past the "
+            f"{(loaded_blocks + 1) * self.block_recompute_s:.3f}s recomputing them and the block awaited "
+            f"would take plus the {self.margin_s:.3f}s margin and the relay's {self.first_byte_s:.3f}s "
+            "first-byte delay; recomputing is faster than waiting"
+        )
+
+
+@dataclass
+class KvAbr:
+    """Estimators plus the decision; one per node, so measurements carry over between requests."""
+
+    config: AbrConfig = field(default_factory=AbrConfig)
+    throughput: ThroughputEstimator = field(init=False)
+    rtt: RttEstimator = field(init=False)
+    prefill: PrefillEstimator = field(default_factory=PrefillEstimator)
+    head_prefill: PrefillEstimator = field(default_factory=PrefillEstimator)
+    """The prefill of a head computed while its tail is fetched (``kvnet.node.overlap``), apart from
+    ``prefill``: on a CPU engine the fetch's event loop (receive, verify, decode) takes cores the forwards
+    would use (a head ran at half its speed alone on 2 cores), which a plan must know before it splits
+    again, and which must not make plain recomputes look slower. ``prefill`` stands in until the first
+    split is measured."""
+    renditions: RenditionStats = field(init=False)
+
+    clock: Callable[[], float] = time.monotonic
+    declined_streak: int = field(default=0, init=False)
+    """Plans in a row that declined located blocks (reset by a plan that fetched them all, or a probe)."""
+    declined_plans: int = field(default=0, init=False)
+    """Plans that declined located blocks (monotonic; exported as a metric)."""
+    declined_blocks: int = field(default=0, init=False)
+    """Located blocks declined, over all plans (monotonic)."""
+    probes: int = field(default=0, init=False)
+    """Plans that probed (monotonic)."""
+    first_byte: dict[str, FirstByteEstimator] = field(default_factory=dict, init=False)
+    """Per relay (its URL): how late it answers a FETCH beyond the RTT (``first_byte_of``)."""
+    _probe_pending: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self.renditions = RenditionStats(kv_dtype=self.config.kv_dtype, clock=self.clock)
+        self.throughput = ThroughputEstimator(self.config.prior_throughput_bps, self.clock)
+        self.rtt = RttEstimator(self.config.prior_rtt_s)
+
+    def fetch_measured(self, nbytes: int, seconds: float) -> None:
+        """A clean transfer's throughput sample; the first after a probe replaces the estimate."""
+        if self._probe_pending:
+            self._probe_pending = False
+            self.throughput.remeasure(nbytes, seconds)
+        else:
+            self.throughput.add(nbytes, seconds)
+
+    def first_byte_of(self, relay: str, cap_s: float = FIRST_BYTE_CAP_S) -> FirstByteEstimator:
+        """The first-byte estimator of ``relay`` (made on first use, with ``cap_s``, the fetch timeout of
+        the session that feeds it); at most ``MAX_RELAYS_TRACKED`` are kept, the least recently used goes."""
+        estimator = self.first_byte.pop(relay, None)
+        if estimator is None:
+            estimator = FirstByteEstimator(cap_s=cap_s, clock=self.clock)
+            while len(self.first_byte) >= MAX_RELAYS_TRACKED:
+                del self.first_byte[next(iter(self.first_byte))]
+        self.first_byte[relay] = estimator
+        return estimator
+
+    def first_byte_s(self, relay: str | None = None) -> float:
+        """The first-byte delay beyond the RTT a FETCH to ``relay`` waits; 0 before any measurement. None:
+        the relay of the newest session (the last one ``first_byte_of`` was asked for, as each session's
+        fetcher does when it starts), so a node that moved to another relay does not keep the old one's."""
+        if relay is None:
+            relay = next(reversed(self.first_byte), None)
+        estimator = None if relay is None else self.first_byte.get(relay)
+        return 0.0 if estimator is None else estimator.estimate()
+
+    def fetch_latency_s(self, relay: str | None = None) -> float:
+        """What a fetch costs before its bytes flow: one round trip plus the relay's first-byte delay."""
+        return self.rtt.estimate() + self.first_byte_s(relay)
+
+    def _should_probe(self) -> bool:
+        cfg = self.config
+        if cfg.probe_after and self.declined_streak >= cfg.probe_after:
+            return True
+        last = self.throughput.last_sample_at
+        return bool(cfg.probe_after_s) and last is not None and self.clock() - last > cfg.probe_after_s
+
+    def fetch_cost(self, raw_bytes: int, available: Sequence[str]) -> tuple[str | None, float]:
+        """Best acceptable rendition among ``available`` for a block of ``raw_bytes``, and its cost."""
+        bps = self.throughput.estimate() * self.config.safety
+        best: tuple[float, tuple[int, str], str] | None = None
+        for r in available:
+            if r not in self.config.acceptable:
+                continue
+            cost = raw_bytes * self.renditions.size_ratio(r) / bps + raw_bytes / self.renditions.decode_bps(r)
+            key = (cost, quality_rank(r), r)
+            if best is None or key < best:
+                best = key
+        return (None, math.inf) if best is None else (best[2], best[0])
+
+    def plan(
+        self,
+        located: Sequence[Sequence[str]],
+        block_size: int,
+        block_raw_bytes: int,
+        total_tokens: int,
+        relay: str | None = None,
+    ) -> AbrPlan:
+        """Plan the located prefix: ``located[i]`` lists the renditions available for block i.
+
+        ``total_tokens`` is what prefill would process with nothing fetched (tokens after local hits);
+        ``relay`` is the relay fetched from (None: see ``first_byte_s``). A fetch's fixed cost is the RTT
+        plus the relay's first-byte delay (``fetch_latency_s``).
+        """
+        per_tok = self.prefill.per_token_s
+        choices: list[BlockChoice] = []
+        fetch_costs: list[float] = []
+        for i, avail in enumerate(located):
+            r, cost = self.fetch_cost(block_raw_bytes, avail)
+            fetch_costs.append(cost)
+            choices.append(BlockChoice(i, r or RECOMPUTE, cost, block_size * per_tok, r))
+        rtt = self.rtt.estimate()
+        first_byte = self.first_byte_s(relay)
+        latency = rtt + first_byte
+        best_k, best_t = 0, self.prefill.estimate(total_tokens)
+        recompute_all = best_t
+        if not self.config.force_recompute:
+            acc = latency
+            for k in range(1, len(located) + 1):
+                acc += fetch_costs[k - 1]
+                if math.isinf(acc):
+                    break
+                t = acc + self.prefill.estimate(total_tokens - k * block_size)
+                # Ties favour fetching more (saves compute for everyone on the node).
+                if t <= best_t or not self.config.allow_recompute:
+                    best_k, best_t = k, t
+        # Blocks the estimates declined: those after the cut up to the first one without an acceptable
+        # rendition (a block nobody offers acceptably is not a decision the estimates made).
+        fetchable = next((i for i, c in enumerate(fetch_costs) if math.isinf(c)), len(located))
+        compute_k = 0
+        if self.config.overlap and self.config.allow_recompute and not self.config.force_recompute:
+            rest = self.prefill.estimate(total_tokens - fetchable * block_size)
+            k, parallel = best_split(fetch_costs[:fetchable], latency, self.head_cost(block_size))
+            if 0 < k < fetchable and parallel + rest < (1 - SPLIT_MIN_GAIN) * best_t:
+                compute_k, best_k, best_t = k, fetchable, parallel + rest
+        declined = max(fetchable - best_k, 0) if self.config.allow_recompute else 0
+        probe = False
+        if declined and not self.config.force_recompute:
+            self.declined_plans += 1
+            self.declined_blocks += declined
+            if self._should_probe():
+                probe, self._probe_pending = True, True
+                self.probes += 1
+                self.declined_streak = 0
+                best_k = max(best_k, min(self.config.probe_blocks, fetchable))
+                acc = latency + sum(fetch_costs[:best_k])
+                best_t = acc + self.prefill.estimate(total_tokens - best_k * block_size)
+            else:
+                self.declined_streak += 1
+        elif fetchable:
+            self.declined_streak = 0
+        if probe:
+            compute_k = 0  # a probe measures the path alone
+        final = tuple(
+            c if compute_k <= c.index < best_k
+            else BlockChoice(c.index, RECOMPUTE, c.fetch_s, c.recompute_s, c.best)
+            for c in choices
+        )
+        return AbrPlan(
+            choices=final,
+            fetch_blocks=best_k,
+            throughput_bps=self.throughput.estimate(),
+            rtt_s=rtt,
+            first_byte_s=first_byte,
+            prefill_per_token_s=per_tok,
+            prefill_overhead_s=self.prefill.overhead_s,
+            est_total_s=best_t,
+            est_recompute_all_s=recompute_all,
+            declined_blocks=declined,
+            probe=probe,
+            compute_blocks=compute_k,
+        )
+
+    def head_cost(self, block_size: int, overhead: bool = True) -> Callable[[int], float]:
+        """Estimated seconds to prefill ``n`` blocks of a head beside its fetch (``head_prefill`` once
+        measured; ``overhead``: a new prefill, else more of one already running)."""
+        head = self.head_prefill if self.head_prefill.has_samples else self.prefill
+        per_block = block_size * head.per_token_s
+        base = head.overhead_s if overhead else 0.0
+        return lambda n: 0.0 if n <= 0 else base + n * per_block
+
+    def block_fetch_cost(self, block_raw_bytes: int, rendition: str) -> float:
+        """Estimated seconds to fetch and decode one block of ``rendition`` (``inf`` if not acceptable)."""
+        return self.fetch_cost(block_raw_bytes, [rendition])[1]
+
+    def deadline(self, started: float, block_size: int, relay: str | None = None) -> FetchDeadline | None:
+        """The deadline of a fetch from ``relay`` (None: see ``first_byte_s``) starting at ``started``; None
+        when the fetch must not be abandoned (``allow_recompute`` off: every located block is fetched)."""
+        if not self.config.allow_recompute:
+            return None
+        return FetchDeadline(started, self.config.deadline_margin_s, block_size * self.prefill.per_token_s,
+                             self.first_byte_s(relay))
+
+    def should_abandon(self, remaining_raw_bytes: int, rendition: str, remaining_tokens: int) -> bool:
+        """Mid-fetch re-plan: True when recomputing what is not yet received beats waiting for it."""
+        if not self.config.allow_recompute or remaining_raw_bytes <= 0:
+            return False
+        _, cost = self.fetch_cost(remaining_raw_bytes, [rendition])
+        # 1.5x hysteresis: one slow sample must not throw away a fetch that is nearly done.
+        return cost > self.prefill.per_token_s * remaining_tokens * 1.5

@@ -1,0 +1,182 @@
+"""What names a vLLM engine's blocks on kvnet, and whether kvnet can serve it at all.
+
+``engine_identity`` checks the engine vLLM configured (platform, parallelism, MLA or hybrid models, the
+attention kernel and KV cache dtype, through ``kvnet.integrations.platforms`` and the layout modules) and
+derives its ``EngineIdentity``: the fingerprint (engine and version, weight and tokenizer digests, dtype, KV
+layout, wire layout, parallel rank), the chain root salted by the tenant, the namespace id and the block
+geometry. Scheduler and worker compute it separately and must agree. ``kvnet.integrations.vllm`` is the
+connector that uses it; this module only asks vLLM about its configuration.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import vllm
+
+from kvnet.cache.hashing import canonical_fingerprint, root_hash
+from kvnet.dtypes import dtype_name
+from kvnet.integrations.config import ConfigError, ConnectorConfig
+from kvnet.integrations.cpu_layout import CPU_LAYOUTS, cpu_layout_refusal
+from kvnet.integrations.model_files import ModelFilesError, tokenizer_digest, weights_digest
+from kvnet.integrations.paged_layout import PAGED_DTYPES
+from kvnet.integrations.platforms import (
+    cache_dtype_refusal,
+    gpu_backend_refusal,
+    platform_name,
+    platform_refusal,
+)
+from kvnet.node.config import tenant_salt_and_namespace
+from kvnet.security.tenancy import NodeSecret
+
+SUPPORTED_CPU_KERNELS = tuple(CPU_LAYOUTS)
+"""vLLM CPU attention kernels whose KV layout kvnet maps (``kvnet.integrations.cpu_layout``)."""
+WIRE_LAYOUT = "kvnet-canonical/v1"
+"""Name of the layout blocks travel in (part of the fingerprint)."""
+
+
+@dataclass(frozen=True)
+class EngineIdentity:
+    """What names this engine's blocks on the network."""
+
+    fingerprint: bytes
+    root: bytes
+    namespace_id: str
+    """The tenant field of the block namespace."""
+    block_shape: tuple[int, int, int, int]
+    """``(num_layers, block_size, num_kv_heads, head_size)``."""
+    dtype: str
+    kernel: str
+    """vLLM's CPU attention kernel, or on CUDA its attention backend (``FLASH_ATTN``, ...): what decides
+    the element order inside its KV tensors."""
+    fields: dict[str, str | int]
+    platform: str = "cpu"
+    """vLLM's platform (``cpu`` or ``cuda``): which layout module and copy path the worker uses."""
+
+    @property
+    def block_size(self) -> int:
+        return self.block_shape[1]
+
+
+def _local_dir(name: str, revision: str | None, what: str) -> Path:
+    path = Path(name)
+    if path.is_dir():
+        return path
+    try:  # a hub name that is already downloaded: its snapshot directory, without any network access
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=name, revision=revision, local_files_only=True))
+    except Exception as exc:
+        raise ConfigError(f"kvnet needs the {what} files on disk to fingerprint them: {name}: {exc}") \
+            from None
+
+
+@functools.cache
+def _file_digests(model_dir: Path, tokenizer_dir: Path) -> tuple[str, str]:
+    # Scheduler and worker usually share a process: read the weights once.
+    try:
+        return weights_digest(model_dir), tokenizer_digest(tokenizer_dir)
+    except (ModelFilesError, OSError) as exc:
+        raise ConfigError(f"kvnet: {exc}") from None
+
+
+def cpu_kernel_support(
+    dtype: torch.dtype, block_size: int, head_size: int, cache_dtype: str
+) -> tuple[str | None, str | None]:
+    """The CPU attention kernel vLLM picks on this machine for this geometry, and why kvnet cannot map it
+    (one line) or None. The kernel is None when vLLM itself refuses the configuration."""
+    from vllm.utils.torch_utils import is_quantized_kv_cache
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    if is_quantized_kv_cache(str(cache_dtype)):
+        # Quantized caches carry scales next to the values: not a layout kvnet converts.
+        reason = f"kvnet's vLLM connector does not carry quantized KV caches (kv_cache_dtype {cache_dtype!r})"
+        return None, reason
+    try:
+        kernel = _get_attn_isa(dtype, block_size, head_size, cache_dtype)
+    except NotImplementedError as exc:
+        return None, f"vLLM has no CPU attention kernel for this configuration: {exc}"
+    return kernel, cpu_layout_refusal(kernel, block_size, head_size)
+
+
+def gpu_attention_backend(vllm_config: Any) -> str:
+    """The attention backend vLLM chose for this model's layers (as NixlConnector asks for it); one
+    backend for every layer, or ``ConfigError``."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    names = sorted({backend.get_name() for backend in get_current_attn_backends(vllm_config)})
+    if len(names) != 1:
+        raise ConfigError(f"kvnet's vLLM connector needs one attention backend for all layers, not {names}")
+    return names[0]
+
+
+def gpu_kernel_support(vllm_config: Any) -> tuple[str, str | None]:
+    """The attention backend vLLM picked on CUDA, and why kvnet cannot map its KV (one line) or None."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    if model.dtype not in PAGED_DTYPES:
+        return "", f"kvnet's vLLM connector carries bfloat16 or float16 KV on CUDA, not {model.dtype}"
+    refusal = cache_dtype_refusal(str(cache.cache_dtype))  # before asking which backend reads fp8
+    if refusal is not None:
+        return "", refusal
+    backend = gpu_attention_backend(vllm_config)
+    return backend, gpu_backend_refusal(backend)
+
+
+def engine_identity(vllm_config: Any, settings: ConnectorConfig) -> EngineIdentity:
+    """Fingerprint, chain root, namespace and block geometry of this engine; ``ConfigError`` if kvnet
+    cannot serve it (another platform, kernel or parallelism than the ones whose layout it knows)."""
+    from vllm.platforms import current_platform
+
+    model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    platform = platform_name(current_platform)
+    refused = platform_refusal(platform)
+    if refused is not None:
+        raise ConfigError(refused)
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ConfigError("kvnet's vLLM connector supports tensor and pipeline parallel size 1 only")
+    if getattr(model, "use_mla", False):
+        raise ConfigError("kvnet's vLLM connector does not carry MLA latent KV caches")
+    if getattr(model, "is_hybrid", False) or getattr(model, "is_attention_free", False):
+        # Restoring attention KV without the recurrent (Mamba / linear attention) state garbles the output.
+        raise ConfigError("kvnet's vLLM connector does not carry the recurrent state of hybrid models")
+    block_size = int(cache.block_size)
+    head_size = int(model.get_head_size())
+    if platform == "cpu":
+        kernel, refusal = cpu_kernel_support(model.dtype, block_size, head_size, cache.cache_dtype)
+        kv_layout = f"cpu_attn/{kernel}"
+    else:
+        kernel, refusal = gpu_kernel_support(vllm_config)
+        kv_layout = f"{platform}/{kernel}"
+    if refusal is not None or not kernel:
+        raise ConfigError(refusal or "kvnet: vLLM picked no attention kernel")
+    model_dir = _local_dir(model.model, model.revision, "model")
+    tokenizer_dir = _local_dir(model.tokenizer, model.tokenizer_revision, "tokenizer")
+    weights, tokenizer = _file_digests(model_dir, tokenizer_dir)
+    shape = (
+        int(model.get_num_layers(parallel)), block_size, int(model.get_num_kv_heads(parallel)), head_size
+    )
+    dtype = dtype_name(model.dtype)
+    fields: dict[str, str | int] = {
+        "engine": "vllm",
+        "engine_version": vllm.__version__,
+        "weights": weights,
+        "tokenizer": tokenizer,
+        "dtype": dtype,
+        "kv_cache_dtype": str(cache.cache_dtype),
+        "block_size": block_size,
+        "kv_layout": kv_layout,
+        "wire_layout": WIRE_LAYOUT,
+        "tp_size": 1,
+        "tp_rank": 0,
+    }
+    fingerprint = canonical_fingerprint(fields)
+    node = settings.node
+    secret = NodeSecret.load(node.node_secret) if node.node_secret is not None else None
+    salt, namespace = tenant_salt_and_namespace(node.tenant, secret)
+    return EngineIdentity(
+        fingerprint, root_hash(fingerprint, salt), namespace, shape, dtype, kernel, fields, platform
+    )

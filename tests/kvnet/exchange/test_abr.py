@@ -1,0 +1,489 @@
+"""Tests for kvnet/exchange/abr.py: estimators and the fetch-or-recompute decision."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvnet.exchange.abr import (
+    MAX_RELAYS_TRACKED,
+    RECOMPUTE,
+    AbrConfig,
+    AbrPlan,
+    Ewma,
+    FirstByteEstimator,
+    KvAbr,
+    PrefillEstimator,
+    ThroughputEstimator,
+    best_split,
+)
+
+BLOCK = 16
+RAW = 1_000_000  # raw bytes per block
+
+
+def _abr(per_token_s: float, bps: float, acceptable: tuple[str, ...] = ("lossless",)) -> KvAbr:
+    """An ABR choosing between fetching a prefix and recomputing (the split has its own tests below)."""
+    abr = KvAbr(AbrConfig(acceptable=acceptable, prior_throughput_bps=bps, prior_rtt_s=0.001, safety=1.0,
+                          overlap=False))
+    abr.prefill.add(100, 100 * per_token_s)
+    return abr
+
+
+def test_fast_network_fetches_everything() -> None:
+    abr = _abr(per_token_s=1e-3, bps=1e9)  # fetch ~1 ms + decode vs recompute 16 ms per block
+    plan = abr.plan([["lossless"]] * 8, BLOCK, RAW, total_tokens=8 * BLOCK + 5)
+    assert plan.fetch_blocks == 8
+    assert all(c.action == "lossless" for c in plan.choices)
+    assert plan.est_total_s < plan.est_recompute_all_s
+
+
+def test_slow_network_recomputes() -> None:
+    abr = _abr(per_token_s=1e-5, bps=1e6)  # fetch ~1 s per block vs recompute 0.16 ms
+    plan = abr.plan([["lossless"]] * 8, BLOCK, RAW, total_tokens=8 * BLOCK + 5)
+    assert plan.fetch_blocks == 0
+    assert all(c.action == RECOMPUTE for c in plan.choices)
+
+
+def test_quantized_rendition_only_when_acceptable() -> None:
+    # At 20 MB/s a lossless block (~0.95 MB) costs ~48 ms, int4 ~8 ms; recompute costs 32 ms.
+    slow_lossless = _abr(per_token_s=2e-3, bps=20e6)
+    plan = slow_lossless.plan([["lossless", "int8", "int4"]] * 4, BLOCK, RAW, total_tokens=70)
+    assert plan.fetch_blocks == 0
+    lossy = _abr(per_token_s=2e-3, bps=20e6, acceptable=("lossless", "int8", "int4"))
+    plan = lossy.plan([["lossless", "int8", "int4"]] * 4, BLOCK, RAW, total_tokens=70)
+    assert plan.fetch_blocks == 4
+    assert {c.action for c in plan.choices} == {"int4"}
+    # A rendition that is not available is never chosen.
+    plan = lossy.plan([["lossless", "int8"]] * 4, BLOCK, RAW, total_tokens=70)
+    assert {c.action for c in plan.choices} == {"int8"}
+
+
+def test_block_without_acceptable_rendition_ends_the_fetched_prefix() -> None:
+    abr = _abr(per_token_s=1e-3, bps=1e9)
+    plan = abr.plan([["lossless"], ["lossless"], ["int8"], ["lossless"]], BLOCK, RAW, total_tokens=70)
+    assert plan.fetch_blocks == 2
+    assert [c.action for c in plan.choices] == ["lossless", "lossless", RECOMPUTE, RECOMPUTE]
+
+
+def test_force_and_forbid_recompute() -> None:
+    cfg = AbrConfig(prior_throughput_bps=1e3, allow_recompute=False)
+    abr = KvAbr(cfg)
+    abr.prefill.add(100, 1e-3)
+    assert abr.plan([["lossless"]] * 3, BLOCK, RAW, total_tokens=50).fetch_blocks == 3
+    abr = KvAbr(AbrConfig(prior_throughput_bps=1e12, force_recompute=True))
+    assert abr.plan([["lossless"]] * 3, BLOCK, RAW, total_tokens=50).fetch_blocks == 0
+
+
+def test_measurements_move_the_decision() -> None:
+    abr = _abr(per_token_s=2e-4, bps=1e9)  # prior says fetch (~2 ms < 3.2 ms)
+    assert abr.plan([["lossless"]] * 4, BLOCK, RAW, total_tokens=70).fetch_blocks == 4
+    for _ in range(20):
+        abr.throughput.add(1_000_000, 1.0)  # measured 1 MB/s
+    assert abr.plan([["lossless"]] * 4, BLOCK, RAW, total_tokens=70).fetch_blocks == 0
+    assert abr.should_abandon(RAW, "lossless", BLOCK)
+
+
+def test_throughput_estimator_reacts_to_drops() -> None:
+    est = ThroughputEstimator(prior_bps=5.0)
+    assert est.estimate() == 5.0
+    est.add(10_000_000, 0.1)  # 100 MB/s
+    assert est.estimate() == pytest.approx(1e8, rel=1e-6)
+    est.add(1_000_000, 0.1)  # then 10 MB/s: the fast average pulls the min down
+    assert est.estimate() < 6e7
+
+
+def test_prefill_estimator_fits_overhead_and_slope() -> None:
+    est = PrefillEstimator()
+    for n in (16, 64, 256):
+        est.add(n, 0.01 + n * 1e-4)
+    assert est.per_token_s == pytest.approx(1e-4, rel=1e-6)
+    assert est.overhead_s == pytest.approx(0.01, rel=1e-6)
+    assert est.estimate(0) == 0.0
+
+
+def test_plan_reports_inputs() -> None:
+    abr = _abr(per_token_s=1e-3, bps=1e9)
+    report = abr.plan([["lossless"]] * 2, BLOCK, RAW, total_tokens=40).to_json()
+    assert report["fetch_blocks"] == 2
+    assert report["actions"] == {"lossless": 2}
+    assert set(report["inputs"]) == {
+        "throughput_bps", "rtt_s", "first_byte_s", "prefill_per_token_s", "prefill_overhead_s"
+    }
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="acceptable"):
+        AbrConfig(acceptable=())
+    with pytest.raises(ValueError, match="safety"):
+        AbrConfig(safety=0)
+
+
+def test_fetch_deadline_grows_with_the_recompute_time_of_delivered_blocks() -> None:
+    abr = KvAbr(AbrConfig(deadline_margin_s=0.5))
+    abr.prefill.add(100, 0.1)  # 1 ms per token
+    deadline = abr.deadline(started=10.0, block_size=16)
+    assert deadline is not None
+    # Nothing delivered yet: the margin plus what the first block saves (a WAN round trip and a block's
+    # bytes must fit, or no fetch over a real link would ever start).
+    assert deadline.due(0) == pytest.approx(10.5 + 0.016)
+    assert deadline.due(3) == pytest.approx(10.5 + 4 * 0.016)
+    assert "0.600s spent with 3 block(s) delivered" in deadline.describe(3, 10.6)
+    # A fetch that must deliver every located block has no deadline.
+    assert KvAbr(AbrConfig(allow_recompute=False)).deadline(10.0, 16) is None
+
+
+def test_size_priors_follow_the_kv_dtype() -> None:
+    # Before any block is measured, int8 saves half as much on bf16 as on fp32 (one byte of two vs of four),
+    # while lossless saves more on bf16: the prior must not be fp32's for a bf16 model.
+    fp32 = KvAbr(AbrConfig(kv_dtype="float32")).renditions
+    bf16 = KvAbr(AbrConfig(kv_dtype="bfloat16")).renditions
+    assert bf16.size_ratio("int8") == 2 * fp32.size_ratio("int8")
+    assert bf16.size_ratio("lossless") < fp32.size_ratio("lossless")
+    # A measurement replaces the prior whatever the dtype.
+    bf16.add("int8", raw_bytes=1000, encoded_bytes=400, decode_s=0.001)
+    assert abs(bf16.size_ratio("int8") - 0.4) < 1e-9
+
+
+class FakeClock:
+    """Injected time for the estimators (no test sleeps)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_older_samples_weigh_less_as_time_passes() -> None:
+    clock = FakeClock()
+    fresh, aged = ThroughputEstimator(1e6, clock), ThroughputEstimator(1e6, clock)
+    for est in (fresh, aged):
+        for _ in range(10):
+            est.add(1_000_000, 1.0)  # a long slow period: 1 MB/s
+    clock.now += 300.0  # five minutes later (five half-lives) on `aged` only
+    fresh.clock = lambda: 1000.0
+    fresh.add(1_000_000, 0.01)  # then one transfer at 100 MB/s
+    aged.add(1_000_000, 0.01)
+    assert aged.estimate() > 2 * fresh.estimate()
+    assert aged.estimate() > 5e7  # the old period hardly counts any more
+
+
+def test_each_sample_takes_a_share_however_small() -> None:
+    est = ThroughputEstimator(1e6)
+    for _ in range(50):
+        est.add(100_000_000, 100.0)  # 5 GB of history at 1 MB/s
+    est.add(100_000, 0.001)  # one small transfer at 100 MB/s
+    assert est.estimate() >= 1e6 + 0.25 * (1e8 - 1e6) * 0.99
+
+
+def test_prefill_estimate_follows_the_latest_runs() -> None:
+    est = PrefillEstimator()
+    for n in (100, 200) * 10:
+        est.add(n, n * 1e-3)  # a loaded machine: 1 ms per token
+    for n in (100, 200) * 5:
+        est.add(n, n * 1e-4)  # load gone: 0.1 ms per token
+    assert est.per_token_s < 2.5e-4  # an unweighted fit of the window would say 7e-4
+
+
+def test_declined_hits_are_counted_with_their_inputs() -> None:
+    abr = _abr(per_token_s=1e-5, bps=1e6)  # recompute is far cheaper: every located block is declined
+    plan = abr.plan([["lossless"]] * 5, BLOCK, RAW, total_tokens=5 * BLOCK + 3)
+    assert (plan.fetch_blocks, plan.declined_blocks, plan.probe) == (0, 5, False)
+    assert (abr.declined_plans, abr.declined_blocks) == (1, 5)
+    assert plan.to_json()["declined_blocks"] == 5
+    line = plan.describe_decline()
+    assert "declined 5 located block(s)" in line and "throughput_bps=1000000.0" in line
+    # Blocks without an acceptable rendition are not a decision of the estimates: not declined.
+    plan = abr.plan([["int8"]] * 3, BLOCK, RAW, total_tokens=3 * BLOCK + 3)
+    assert plan.declined_blocks == 0 and abr.declined_plans == 1
+    # A node that fetches what it found declines nothing.
+    fetching = _abr(per_token_s=1e-3, bps=1e9)
+    assert fetching.plan([["lossless"]] * 5, BLOCK, RAW, total_tokens=90).declined_blocks == 0
+    assert fetching.declined_plans == 0
+
+
+def test_a_wrong_pessimistic_estimate_recovers_within_a_bounded_number_of_requests() -> None:
+    """The path is fast (1 GB/s: a block in ~1 ms against 16 ms to recompute it), but a slow period left the
+    estimate at 1 MB/s, so every hit is declined and nothing is fetched that could correct it. Probes do:
+    after ``probe_after`` declined requests one block is fetched, its measurement replaces the estimate,
+    and the next requests fetch everything."""
+    abr = _abr(per_token_s=1e-3, bps=1e9)
+    for _ in range(20):
+        abr.fetch_measured(1_000_000, 1.0)  # the slow period
+    true_bps = 1e9
+    fetched_all_at = None
+    for request in range(1, 11):
+        plan = abr.plan([["lossless"]] * 8, BLOCK, RAW, total_tokens=8 * BLOCK + 5)
+        if plan.fetch_blocks:
+            blocks = plan.fetch_blocks
+            abr.fetch_measured(blocks * RAW, blocks * RAW / true_bps)
+        if plan.fetch_blocks == 8:
+            fetched_all_at = request
+            break
+    assert abr.probes == 1
+    assert fetched_all_at is not None and fetched_all_at <= abr.config.probe_after + 2
+    assert abr.declined_plans == abr.config.probe_after + 1  # the declines, then the probe's own
+
+
+def test_a_stale_estimate_is_probed_after_a_while_without_samples() -> None:
+    clock = FakeClock()
+    abr = KvAbr(AbrConfig(prior_throughput_bps=1e9, prior_rtt_s=0.001, safety=1.0, probe_after=0,
+                          probe_after_s=30.0), clock=clock)
+    abr.prefill.add(100, 100 * 1e-5)
+    abr.fetch_measured(1_000_000, 1.0)
+    assert not abr.plan([["lossless"]] * 4, BLOCK, RAW, total_tokens=70).probe
+    clock.now += 31.0
+    plan = abr.plan([["lossless"]] * 4, BLOCK, RAW, total_tokens=70)
+    assert plan.probe and plan.fetch_blocks == abr.config.probe_blocks
+
+
+# -- fetch and compute at once ----------------------------------------------------------------------------
+
+def _split_plan(
+    per_token_s: float, bps: float, blocks: int = 8, *, overlap: bool = True, allow_recompute: bool = True,
+    force_recompute: bool = False,
+) -> AbrPlan:
+    abr = KvAbr(AbrConfig(prior_throughput_bps=bps, prior_rtt_s=0.001, safety=1.0, overlap=overlap,
+                          allow_recompute=allow_recompute, force_recompute=force_recompute))
+    abr.prefill.add(100, 100 * per_token_s)
+    return abr.plan([["lossless"]] * blocks, BLOCK, RAW, total_tokens=blocks * BLOCK + 5)
+
+
+def test_split_balances_computing_the_head_with_fetching_the_tail() -> None:
+    # A lossless block: 0.85 MB at 100 MB/s + 1 ms decode = 9.5 ms; its prefill: 16 x 0.6 ms = 9.6 ms.
+    # Fetching all (~81 ms) and recomputing all (~80 ms) cost the same; computing 4 while fetching 4 ~42 ms.
+    plan = _split_plan(per_token_s=6e-4, bps=1e8)
+    assert (plan.compute_blocks, plan.fetch_blocks) == (4, 8)
+    assert [c.action for c in plan.choices] == [RECOMPUTE] * 4 + ["lossless"] * 4
+    assert plan.est_total_s < 0.6 * plan.est_recompute_all_s
+    assert plan.to_json()["compute_blocks"] == 4 and plan.declined_blocks == 0
+
+
+def test_split_follows_the_rates() -> None:
+    base = _split_plan(per_token_s=6e-4, bps=1e8, blocks=32).compute_blocks
+    faster_compute = _split_plan(per_token_s=3e-4, bps=1e8, blocks=32).compute_blocks
+    faster_network = _split_plan(per_token_s=6e-4, bps=3e8, blocks=32).compute_blocks
+    assert 0 < faster_network < base < faster_compute < 32
+    # Far apart, one side alone wins: no split.
+    fast_net = _split_plan(per_token_s=1e-2, bps=1e10)
+    assert (fast_net.compute_blocks, fast_net.fetch_blocks) == (0, 8)
+    slow_net = _split_plan(per_token_s=1e-5, bps=1e6)
+    assert (slow_net.compute_blocks, slow_net.fetch_blocks) == (0, 0)
+
+
+def test_a_head_measured_slower_beside_its_fetch_moves_the_split_and_leaves_recomputes_alone() -> None:
+    abr = KvAbr(AbrConfig(prior_throughput_bps=1e8, prior_rtt_s=0.001, safety=1.0))
+    abr.prefill.add(100, 100 * 6e-4)
+    located = [["lossless"]] * 32
+    before = abr.plan(located, BLOCK, RAW, total_tokens=32 * BLOCK + 5)
+    # The last split's head ran at a third of the speed measured alone (the fetch shared its cores).
+    abr.head_prefill.add(10 * BLOCK, 10 * BLOCK * 18e-4)
+    after = abr.plan(located, BLOCK, RAW, total_tokens=32 * BLOCK + 5)
+    assert 0 < after.compute_blocks < before.compute_blocks
+    assert after.est_recompute_all_s == before.est_recompute_all_s  # a plain recompute is not slower
+    # Three times slower still: computing any of the head beside the fetch no longer pays.
+    abr.head_prefill.add(10 * BLOCK, 10 * BLOCK * 1e-2)
+    assert abr.plan(located, BLOCK, RAW, total_tokens=32 * BLOCK + 5).compute_blocks == 0
+
+
+def test_no_split_when_overlap_is_off_or_the_mode_forbids_it() -> None:
+    assert _split_plan(per_token_s=6e-4, bps=1e8, overlap=False).compute_blocks == 0
+    fetch_all = _split_plan(per_token_s=6e-4, bps=1e8, allow_recompute=False)
+    assert (fetch_all.compute_blocks, fetch_all.fetch_blocks) == (0, 8)
+    assert _split_plan(per_token_s=6e-4, bps=1e8, force_recompute=True).fetch_blocks == 0
+
+
+def test_best_split_is_the_exact_argmin() -> None:
+    costs = [0.010, 0.010, 0.030, 0.010, 0.010]
+    k, t = best_split(costs, 0.005, lambda n: 0.012 * n)
+    brute = min(
+        (max(0.012 * j, (0.005 + sum(costs[j:])) if j < len(costs) else 0.0), j)
+        for j in range(len(costs) + 1)
+    )
+    assert (k, t) == (brute[1], pytest.approx(brute[0]))
+    assert best_split([], 0.005, lambda n: 0.0) == (0, 0.0)
+
+
+def test_no_split_for_a_near_tie() -> None:
+    # 64 blocks: fetching one costs ~1.1 ms (mostly decode), computing one 60 ms. Computing the first
+    # block while the other 63 arrive would save ~1 ms of ~89: not worth a second prefill.
+    plan = _split_plan(per_token_s=3.75e-3, bps=1e10, blocks=64)
+    assert (plan.compute_blocks, plan.fetch_blocks) == (0, 64)
+
+
+def _exact(bps: float, kv_dtype: str = "bfloat16") -> KvAbr:
+    abr = KvAbr(AbrConfig(acceptable=("lossless", "plain"), prior_throughput_bps=bps, prior_rtt_s=0.001,
+                          safety=1.0, kv_dtype=kv_dtype))
+    abr.prefill.add(100, 100 * 1e-2)  # recompute is far slower than either: only the rendition is at stake
+    return abr
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float32"])
+def test_fast_links_take_plain_and_slow_links_keep_lossless(kv_dtype: str) -> None:
+    both = [["lossless", "plain"]] * 4
+    fast = _exact(bps=5e9, kv_dtype=kv_dtype).plan(both, BLOCK, RAW, total_tokens=70)
+    assert fast.fetch_blocks == 4 and {c.action for c in fast.choices} == {"plain"}
+    slow = _exact(bps=100e6, kv_dtype=kv_dtype).plan(both, BLOCK, RAW, total_tokens=70)
+    assert slow.fetch_blocks == 4 and {c.action for c in slow.choices} == {"lossless"}
+    # The cost weighed is bytes over the link plus verify + decode: plain saves the decode, lossless bytes.
+    abr = _exact(bps=1e9, kv_dtype=kv_dtype)
+    ratio = abr.renditions.size_ratio("lossless")
+    for r, size in (("plain", 1.0), ("lossless", ratio)):
+        want = RAW * size / 1e9 + RAW / abr.renditions.decode_bps(r)
+        assert abr.fetch_cost(RAW, [r])[1] == pytest.approx(want)
+
+
+def test_plain_only_where_accepted_and_offered() -> None:
+    lossless_only = _abr(per_token_s=1e-2, bps=5e9)
+    plan = lossless_only.plan([["lossless", "plain"]] * 2, BLOCK, RAW, 40)
+    assert {c.action for c in plan.choices} == {"lossless"}
+    plan = _exact(bps=5e9).plan([["lossless"]] * 2, BLOCK, RAW, 40)
+    assert {c.action for c in plan.choices} == {"lossless"}
+    # Exact renditions tie on quality: equal costs go to lossless, the smaller payload.
+    abr = _exact(bps=1e9)
+    abr.renditions.ratio["lossless"] = Ewma(half_life=8.0)
+    abr.renditions.ratio["lossless"].add(1.0, 1.0)
+    abr.renditions.decode["lossless"] = Ewma(half_life=8.0)
+    abr.renditions.decode["lossless"].add(1.0, abr.renditions.decode_bps("plain"))
+    assert abr.fetch_cost(RAW, ["plain", "lossless"])[0] == "lossless"
+
+
+def test_measured_decode_speed_moves_the_crossover() -> None:
+    """The node's own decodes replace the priors: a host whose lossless decode is fast (or whose digest
+    of plain's extra bytes is slow) keeps lossless on a link where the priors said plain, and back."""
+    abr = _exact(bps=2e9)
+    both = [["lossless", "plain"]] * 2
+    assert {c.action for c in abr.plan(both, BLOCK, RAW, 40).choices} == {"plain"}
+    for _ in range(30):
+        abr.renditions.add("lossless", RAW, int(0.69 * RAW), RAW / 8e9)  # lossless decodes at 8 GB/s
+        abr.renditions.add("plain", RAW, RAW, RAW / 1e9)  # plain's digest + copy at 1 GB/s
+    assert abr.renditions.decode_bps("lossless") == pytest.approx(8e9, rel=1e-6)
+    assert {c.action for c in abr.plan(both, BLOCK, RAW, 40).choices} == {"lossless"}
+    for _ in range(30):  # the host got busy decompressing: recent samples decide
+        abr.renditions.add("lossless", RAW, int(0.69 * RAW), RAW / 3e8)
+        abr.renditions.add("plain", RAW, RAW, RAW / 4e9)
+    assert {c.action for c in abr.plan(both, BLOCK, RAW, 40).choices} == {"plain"}
+
+
+def test_decode_speed_ages_with_time() -> None:
+    clock = FakeClock()
+    abr = KvAbr(AbrConfig(acceptable=("lossless", "plain")), clock=clock)
+    for _ in range(30):
+        abr.renditions.add("plain", RAW, RAW, RAW / 4e9)
+    clock.now += 300.0  # five half-lives: what was learned then weighs ~3% against a new sample
+    abr.renditions.add("plain", RAW, RAW, RAW / 1e9)
+    assert abr.renditions.decode_bps("plain") < 1.2e9
+
+
+def test_first_byte_delay_is_nothing_until_measured_and_never_negative() -> None:
+    est = FirstByteEstimator(cap_s=10.0)
+    assert est.estimate() == 0.0
+    est.add(-0.003)  # the first object came within the smoothed RTT
+    est.add(float("nan"))  # no measurement at all: ignored
+    assert est.estimate() == 0.0 and est.samples == 1
+
+
+def test_first_byte_delay_believes_a_rise_at_once_and_a_fall_once_it_holds() -> None:
+    est = FirstByteEstimator(cap_s=10.0)
+    for _ in range(20):
+        est.add(0.01)
+    est.add(2.0)  # the relay now pulls each block from upstream before it answers
+    assert est.estimate() >= 1.0  # one late answer already weighs half (the fast average)
+    est.add(0.01)
+    assert est.estimate() >= 0.2  # one quick answer does not undo it (the slow average remembers)
+    for _ in range(60):
+        est.add(0.01)
+    assert est.estimate() < 0.05  # a fall that holds is believed
+
+
+def test_first_byte_delay_is_capped_per_sample_and_in_total() -> None:
+    est = FirstByteEstimator(cap_s=3.0)
+    est.add(1e9)  # a relay that never answered: one sample cannot ask for more than the cap
+    assert est.estimate() == 3.0
+    for _ in range(100):
+        est.add(50.0)
+    assert est.estimate() == 3.0
+
+
+def test_first_byte_delay_ages_with_time() -> None:
+    clock = FakeClock()
+    fresh, aged = FirstByteEstimator(clock=clock), FirstByteEstimator(clock=clock)
+    for est in (fresh, aged):
+        for _ in range(20):
+            est.add(2.0)
+    clock.now += 300.0  # five minutes (five half-lives) pass for `aged` only
+    fresh.clock = lambda: 1000.0
+    fresh.add(0.0)
+    aged.add(0.0)
+    assert aged.estimate() < fresh.estimate() / 2
+
+
+def test_first_byte_delay_is_learned_per_relay_and_bounded_in_relays() -> None:
+    abr = KvAbr()
+    late = abr.first_byte_of("moqt://late:4443", cap_s=5.0)
+    assert abr.first_byte_of("moqt://late:4443") is late  # one estimator per relay, kept
+    late.add(1.5)
+    abr.first_byte_of("moqt://quick:4443").add(0.0)
+    assert abr.first_byte_s("moqt://late:4443") == pytest.approx(1.5)
+    assert abr.first_byte_s("moqt://quick:4443") == 0.0
+    assert abr.first_byte_s("moqt://never-seen:4443") == 0.0
+    assert abr.first_byte_s() == 0.0  # no relay named: the newest session's (quick)
+    abr.first_byte_of("moqt://late:4443")  # a new session with the late relay
+    assert abr.first_byte_s() == pytest.approx(1.5)
+    assert abr.fetch_latency_s("moqt://late:4443") == pytest.approx(abr.rtt.estimate() + 1.5)
+    for i in range(2 * MAX_RELAYS_TRACKED):
+        abr.first_byte_of(f"moqt://relay-{i}:4443")
+    assert len(abr.first_byte) == MAX_RELAYS_TRACKED
+
+
+def test_fetch_deadline_allows_the_relays_first_byte_delay_once() -> None:
+    abr = KvAbr(AbrConfig(deadline_margin_s=0.5))
+    abr.prefill.add(100, 0.1)  # 1 ms per token: a 16-token block recomputes in 16 ms
+    abr.first_byte_of("moqt://late:4443").add(2.0)
+    deadline = abr.deadline(started=10.0, block_size=16, relay="moqt://late:4443")
+    assert deadline is not None and deadline.first_byte_s == pytest.approx(2.0)
+    # A fixed cost of the request, not of each block: every block may come 2 s later, no more.
+    assert deadline.due(0) == pytest.approx(10.0 + 0.5 + 2.0 + 0.016)
+    assert deadline.due(9) == pytest.approx(10.0 + 0.5 + 2.0 + 10 * 0.016)
+    assert "2.000s first-byte delay" in deadline.describe(0, 12.6)
+    # Another relay's delay is not this one's.
+    quick = abr.deadline(started=10.0, block_size=16, relay="moqt://quick:4443")
+    assert quick is not None and quick.due(0) == pytest.approx(10.0 + 0.5 + 0.016)
+
+
+def test_the_plan_charges_the_first_byte_delay_once_per_fetch() -> None:
+    # A relay that answers 2 s late but then delivers at 1 GB/s: worth waiting for with a long prefix to
+    # fetch (64 blocks recompute in ~10 s), not with a short one (4 blocks: 0.64 s).
+    abr = _abr(per_token_s=1e-2, bps=1e9)  # a block recomputes in 160 ms, fetches in ~1 ms + decode
+    relay = "moqt://late:4443"
+    abr.first_byte_of(relay).add(2.0)
+    long = abr.plan([["lossless"]] * 64, BLOCK, RAW, total_tokens=64 * BLOCK + 5, relay=relay)
+    assert long.fetch_blocks == 64 and long.first_byte_s == pytest.approx(2.0)
+    assert long.to_json()["inputs"]["first_byte_s"] == pytest.approx(2.0)
+    assert long.est_total_s == pytest.approx(
+        abr.rtt.estimate() + 2.0 + sum(c.fetch_s for c in long.choices) + abr.prefill.estimate(5)
+    )
+    short = abr.plan([["lossless"]] * 4, BLOCK, RAW, total_tokens=4 * BLOCK + 5, relay=relay)
+    assert short.fetch_blocks == 0 and short.declined_blocks == 4  # 0.64 s of recompute beats 2 s of waiting
+    quick = abr.plan([["lossless"]] * 4, BLOCK, RAW, total_tokens=4 * BLOCK + 5, relay="moqt://quick:4443")
+    assert quick.fetch_blocks == 4
+
+
+def test_a_relay_that_never_answers_costs_at_most_the_cap_per_fetch() -> None:
+    """Each fetch abandoned before any object teaches a lower bound (what it waited, less the RTT): the
+    deadline grows fetch by fetch up to margin + cap + recompute, never past it, and once the learned delay
+    outweighs what fetching saves the plan recomputes instead of waiting."""
+    abr = _abr(per_token_s=1e-3, bps=1e9)  # a 16-token block recomputes in 16 ms
+    relay, cap = "moqt://silent:4443", 4.0
+    silent = abr.first_byte_of(relay, cap_s=cap)
+    waits = []
+    for _ in range(30):
+        deadline = abr.deadline(started=0.0, block_size=BLOCK, relay=relay)
+        assert deadline is not None
+        waits.append(deadline.due(0))
+        silent.add(deadline.due(0) - abr.rtt.estimate())  # abandoned at due(0) with nothing delivered
+    assert waits == sorted(waits) and waits[-1] > waits[0]
+    assert max(waits) <= 1.0 + cap + BLOCK * 1e-3 + 1e-9
+    assert silent.estimate() == pytest.approx(cap)
+    plan = abr.plan([["lossless"]] * 8, BLOCK, RAW, total_tokens=8 * BLOCK + 5, relay=relay)
+    assert plan.fetch_blocks == 0  # 8 x 16 ms of recompute beats 4 s of waiting

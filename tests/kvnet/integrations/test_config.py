@@ -1,0 +1,100 @@
+"""An engine connector's configuration dict (``kvnet.integrations.config``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvnet.integrations.config import DEFAULT_PUBLISH_BACKLOG_BYTES, ConfigError, ConnectorConfig
+from kvnet.security import certs
+
+RELAY = "moqt://127.0.0.1:4443"
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> dict[str, object]:
+    ca_dir = tmp_path / "ca"
+    ca_dir.mkdir()
+    certs.create_ca(ca_dir)
+    return {"relay": RELAY, "ca": str(ca_dir / "ca.pem")}
+
+
+def test_keys_default_to_kvnet_home_like_the_node_commands(tmp_path: Path, base: dict[str, object]) -> None:
+    settings = ConnectorConfig.from_extra_config(base, str(tmp_path))
+    keys = tmp_path / "keys"
+    assert settings.node.signing_key == keys / "publisher.key"
+    assert (keys / "publisher.key").exists() and (keys / "publisher.pub").exists()
+    assert settings.node.trust == (keys,)
+    assert settings.node.relay_url == RELAY and settings.node.ca_file == Path(str(base["ca"]))
+
+
+def test_a_side_that_neither_signs_nor_verifies_touches_no_key_file(
+    tmp_path: Path, base: dict[str, object]
+) -> None:
+    ConnectorConfig.from_extra_config(base, str(tmp_path), resolve_key_files=False)
+    assert not (tmp_path / "keys").exists()
+
+
+def test_values_map_to_the_node_config(tmp_path: Path, base: dict[str, object]) -> None:
+    settings = ConnectorConfig.from_extra_config(
+        {**base, "renditions": "lossless,int8", "accept": ["lossless", "int8"], "push": False,
+         "store_bytes": "64M", "timeout": 3, "trust": [str(tmp_path)], "key_dir": str(tmp_path / "k"),
+         "locate_deadline": 0.5, "drain_timeout": 4, "metrics_dir": str(tmp_path / "m"),
+         "fetch_connections": 3, "publish_backlog_bytes": "32M"},
+        None,
+    )
+    node = settings.node
+    assert node.publish_renditions == ("lossless", "int8")
+    assert node.acceptable_renditions == ("lossless", "int8")
+    assert node.push is False and node.store_bytes == 64 << 20 and node.request_timeout == 3.0
+    assert node.trust == (tmp_path,) and node.signing_key == tmp_path / "k" / "publisher.key"
+    assert settings.locate_deadline == 0.5 and settings.drain_timeout == 4.0
+    assert settings.metrics_dir == tmp_path / "m"
+    assert node.fetch_connections == 3
+    assert settings.publish_backlog_bytes == 32 << 20
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"relay_url": "x"}, "unknown kvnet setting"),
+        ({"push": "yes"}, "'push'"),
+        ({"timeout": "10"}, "'timeout'"),
+        ({"locate_deadline": 0}, "'locate_deadline'"),
+        ({"publish_backlog_bytes": 0}, "'publish_backlog_bytes'"),
+        ({"publish_backlog_bytes": "lots"}, "'publish_backlog_bytes'"),
+        ({"renditions": "lossless,fancy"}, "unknown rendition"),
+        ({"trust": 3}, "'trust'"),
+        ({"tenant": "other"}, "node-secret"),
+        ({"fetch_connections": "2"}, "'fetch_connections'"),
+        ({"fetch_connections": 17}, "fetch_connections must be in \\[1, 16\\]"),
+    ],
+)
+def test_bad_settings_name_the_key(
+    tmp_path: Path, base: dict[str, object], extra: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ConnectorConfig.from_extra_config({**base, **extra}, str(tmp_path))
+
+
+def test_the_publish_backlog_has_a_bound_by_default(tmp_path: Path, base: dict[str, object]) -> None:
+    settings = ConnectorConfig.from_extra_config(base, str(tmp_path), resolve_key_files=False)
+    assert settings.publish_backlog_bytes == DEFAULT_PUBLISH_BACKLOG_BYTES > 0
+
+
+def test_relay_and_a_usable_ca_are_required(tmp_path: Path, base: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match="'relay' is required"):
+        ConnectorConfig.from_extra_config({"ca": base["ca"]}, str(tmp_path))
+    with pytest.raises(ConfigError, match="ca"):
+        ConnectorConfig.from_extra_config({"relay": RELAY}, str(tmp_path))
+    with pytest.raises(ConfigError, match="not a usable PEM CA"):
+        ConnectorConfig.from_extra_config({"relay": RELAY, "ca": str(tmp_path / "missing.pem")}, None)
+
+
+def test_the_relay_key_takes_a_qmux_url(tmp_path: Path, base: dict[str, object]) -> None:
+    qmux = "moqt+qmux://127.0.0.1:4443"
+    settings = ConnectorConfig.from_extra_config(
+        {**base, "relay": qmux}, str(tmp_path), resolve_key_files=False
+    )
+    assert settings.node.relay_url == qmux
