@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
+RETIRE_POLL_S = 0.05
+"""How often a session that got GOAWAY is checked for requests still in flight."""
+
 class Source(Protocol):
     """A session the relay can send requests to."""
 
@@ -404,12 +407,21 @@ class UpstreamRelay:
         await asyncio.sleep(delay)
 
     async def _retire(self, conn: MoqtConnection) -> None:
-        """A session that got GOAWAY: requests on it may finish until the upstream closes it, or until its
-        GOAWAY timeout (our request timeout if it named none) has passed; then we close it."""
+        """A session that got GOAWAY: the requests in flight on it (``MoqtConnection.requests_in_flight``)
+        may finish, and we close it with NO_ERROR once they have (the draft's recommendation), or once its
+        GOAWAY timeout (our request timeout if it named none) has passed, or the upstream closed it first.
+        Waiting out the whole timeout would hold a draining relay's session, and its restart, for nothing."""
         goaway = conn.goaway
         grace = goaway.timeout / 1000 if goaway is not None and goaway.timeout else self._request_timeout
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(conn.wait_session_closed(), grace)
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + grace
+        closed = asyncio.ensure_future(conn.wait_session_closed())
+        try:
+            # Polled: requests end in QUIC callbacks that signal nothing; retiring sessions are rare, brief.
+            while conn.requests_in_flight and not closed.done() and loop.time() < give_up_at:
+                await asyncio.wait({closed}, timeout=min(RETIRE_POLL_S, max(0.0, give_up_at - loop.time())))
+        finally:
+            closed.cancel()
         if not conn.is_closed:
             with contextlib.suppress(TimeoutError, ConnectionError):
                 await asyncio.wait_for(conn.close_session(), 2)

@@ -416,6 +416,11 @@ class MoqtConnection(_ProtocolBase):
         return self.router.received_bytes
 
     @property
+    def requests_in_flight(self) -> int:
+        """Requests a session that got GOAWAY lets finish before closing (``RequestRouter``'s count)."""
+        return self.router.requests_in_flight
+
+    @property
     def open_incoming_requests(self) -> int:
         """Incoming requests this side still tracks (open ones, plus answered ones until the next sweep)."""
         return self.router.open_incoming

@@ -112,6 +112,17 @@ class RequestRouter:
         self._incoming[req.request_id] = req
 
     @property
+    def requests_in_flight(self) -> int:
+        """What a session that got GOAWAY finishes before it is closed: our requests awaiting their answer
+        or still delivering objects (fetches, subscriptions), and the peer's FETCHes still being served.
+        Standing requests (our SUBSCRIBE_NAMESPACE and PUBLISH_NAMESPACE once answered) do not count: they
+        are made again on the next session, so they would only hold this one open."""
+        session = self._session
+        serving = sum(1 for rid, inc in self._incoming.items()
+                      if isinstance(inc, IncomingFetch) and session.request_is_open(rid))
+        return len(self._answers) + len(self._objects) + serving
+
+    @property
     def open_incoming(self) -> int:
         """Incoming requests still tracked (open ones, plus answered ones until the next sweep)."""
         return len(self._incoming)

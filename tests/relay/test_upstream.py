@@ -84,18 +84,27 @@ async def test_edge_before_its_origin_then_origin_restarted(
 async def test_edge_leaves_a_draining_origin_on_goaway(
     cert_dir: CertDir, relay_factory: RelayFactory
 ) -> None:
-    origin = relay_factory("--drain-timeout", "60", name="origin")
+    origin = relay_factory("--drain-timeout", "600", name="origin")
     edge = relay_factory("--upstream", origin.url, name="edge")
     await _connected(edge, 1)
-    origin.proc.send_signal(signal.SIGTERM)
-    # The edge moves off the session on GOAWAY, long before the origin's 60 s drain deadline closes it.
-    await _connected(edge, 0)
-    assert origin.proc.poll() is None, "the origin is still draining"
-    # Its next attempts reach the draining origin, which refuses new sessions instead of accepting them.
-    await origin.wait_metric('kvnet_relay_limit_rejections_total{limit="draining"}', 1, RECONNECT_WITHIN)
-    assert "peer sent GOAWAY" in edge.log()
-    origin.stop()
-    await asyncio.to_thread(origin.proc.wait, 10)
+    # A client that ignores the GOAWAY keeps the origin draining (it drains until its last session ends).
+    holder = await connect_client(origin.url, str(cert_dir.ca))
+    try:
+        await origin.wait_metrics(lambda m: m.get("kvnet_relay_sessions", 0) == 2, "edge and holder")
+        origin.proc.send_signal(signal.SIGTERM)
+        # The edge moves off the session on GOAWAY and closes it at once, as nothing is in flight on it:
+        # it does not hold the origin for the drain timeout.
+        await _connected(edge, 0)
+        await origin.wait_metrics(lambda m: m.get("kvnet_relay_sessions", 0) == 1,
+                                  "the edge's session on the origin closed", RECONNECT_WITHIN)
+        assert origin.proc.poll() is None, "the origin is still draining"
+        # Its next attempts reach the draining origin, which refuses new sessions instead of accepting them.
+        await origin.wait_metric('kvnet_relay_limit_rejections_total{limit="draining"}', 1, RECONNECT_WITHIN)
+        assert "peer sent GOAWAY" in edge.log()
+    finally:
+        await holder.close_session()
+    # The holder gone, the drain ends with it.
+    await asyncio.to_thread(origin.proc.wait, scaled(30))
 
 
 class LivePublisher:

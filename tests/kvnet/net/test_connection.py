@@ -713,6 +713,46 @@ async def test_answered_incoming_requests_are_forgotten(pki: Path) -> None:
         await server.close()
 
 
+async def test_requests_in_flight_counts_fetches_on_both_sides_and_not_standing_requests(pki: Path) -> None:
+    # What a session that got GOAWAY waits for before closing (relay.upstream): an answered
+    # PUBLISH_NAMESPACE stands for the whole session and must not hold it open; a FETCH still
+    # delivering must, on the side that asked and on the side that serves.
+    served: list[MoqtConnection] = []
+    release = asyncio.Event()
+
+    async def publisher(conn: MoqtConnection) -> None:
+        served.append(conn)
+        async for req in conn.incoming_requests():
+            if isinstance(req, IncomingPublishNamespace):
+                req.accept()
+            elif isinstance(req, IncomingFetch):
+                req.accept_fetch(end_of_track=True, end_location=Location(0, 2))
+                req.send_object(0, 0, 0, b"first")
+                await release.wait()
+                req.send_object(0, 0, 1, b"second")
+                req.finish()
+
+    settings = client_config(TransportConfig())
+    server = await serve("127.0.0.1", 0, settings, TlsConfig.from_dir(pki, "server"), publisher)
+    try:
+        async with connect(f"moqt://127.0.0.1:{server.address[1]}", settings,
+                           TlsConfig.from_dir(pki, None), limits=client_limits()) as conn:
+            await asyncio.wait_for(conn.publish_namespace(NS), scaled(10))
+            assert conn.requests_in_flight == 0
+            handle = await conn.fetch(NS, b"blocks", Location(0, 0), Location(0, 2))
+            first = await asyncio.wait_for(anext(aiter(handle)), scaled(10))
+            assert first.payload == b"first"
+            (peer,) = served
+            assert conn.requests_in_flight == 1 and peer.requests_in_flight == 1
+            release.set()
+            rest = await asyncio.wait_for(handle.read_all(), scaled(10))
+            assert [o.payload for o in rest] == [b"second"]
+            assert conn.requests_in_flight == 0
+            await async_wait_until(lambda: peer.requests_in_flight == 0, "the served FETCH ended")
+    finally:
+        await server.close()
+
+
 async def test_an_event_of_a_kind_no_handler_takes_is_kept_in_other_events(pki: Path) -> None:
     # PUBLISH_BLOCKED has no row in the connection's routing table: it is neither dropped nor an error,
     # but kept for the application in ``other_events``, and the session goes on.
