@@ -211,7 +211,7 @@ class RelayFetch:
         name = f"relay-{stack}-{link}{'' if udp_segmentation else '-nogso'}"
         name += f"-w{workers}" if workers > 1 else ""
         name += "-qmux" if qmux else ""
-        qmux_port = free_port(socket.SOCK_STREAM) if qmux else 0
+        qmux_port = free_port() if qmux else 0
         qmux_flags = ["--listen-qmux", f"127.0.0.1:{qmux_port}"] if qmux else []
         self.workers = workers
         toml = certdir / f"{name}.toml"

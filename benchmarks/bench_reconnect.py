@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -70,7 +69,7 @@ def measure(runs: int, way: str, work: Path, certs: CertDir) -> dict[str, list[f
     origin = start_relay(certs, work, port=origin_port, log_level="info", name="origin")
     edge = start_relay(certs, work, "--upstream", f"moqt://127.0.0.1:{origin_port}", name="edge",
                        log_level="info")
-    http_port = free_port(socket.SOCK_STREAM)
+    http_port = free_port()
     node_url = f"http://127.0.0.1:{http_port}"
     env = {**os.environ, "KVNET_HOME": str(work / "home"), "OMP_NUM_THREADS": "1"}
     node = subprocess.Popen(

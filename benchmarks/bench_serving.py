@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -64,7 +63,7 @@ async def one_request(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) 
 
 
 async def run(args: argparse.Namespace) -> int:
-    port = free_port(socket.SOCK_STREAM)
+    port = free_port()
     node = subprocess.Popen(
         [sys.executable, "-m", "kvnet.node.serve", "--model", args.model, "--http", f"127.0.0.1:{port}",
          "--served-model-name", "bench", "--cache-blocks", "4096", "--log-level", "warning"],

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -101,7 +100,7 @@ def main() -> None:
         certs = make_certificates(work / "certs")
         # Room for every run's blocks (the default budget would evict the first runs' prefixes).
         qmux = args.transport == "qmux"
-        qmux_port = free_port(socket.SOCK_STREAM) if qmux else 0
+        qmux_port = free_port() if qmux else 0
         listen_qmux = ["--listen-qmux", f"127.0.0.1:{qmux_port}"] if qmux else []
         relay = start_relay(certs, work, "--cache-bytes", "2G", *listen_qmux, log_level="warning",
                             ready_marker=None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -46,26 +47,32 @@ __all__ = [
 ]
 
 
-def free_port(kind: int = socket.SOCK_DGRAM) -> int:
-    """A loopback port that is free for both UDP and TCP right now."""
-    while True:
-        with socket.socket(socket.AF_INET, kind) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        other = socket.SOCK_STREAM if kind == socket.SOCK_DGRAM else socket.SOCK_DGRAM
-        with socket.socket(socket.AF_INET, other) as s2:
-            try:
-                s2.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+# Ports handed to tests come from below Linux's default ephemeral range (32768-60999): a port the kernel
+# gives to some client socket (of this suite, or of another run on the machine) could otherwise be taken
+# between a relay's stop and its restart on the same port.
+_TEST_PORTS = range(20000, 32768)
+_port_choice = random.Random()  # its own generator: nothing that seeds ``random`` makes two runs agree
+
+
+def free_port() -> int:
+    """A loopback port that is free for both UDP and TCP right now, outside the ephemeral range."""
+    for _ in range(1000):
+        port = _port_choice.choice(_TEST_PORTS)
+        try:
+            for each in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
+                with socket.socket(socket.AF_INET, each) as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
         return port
+    raise RuntimeError(f"no free loopback port in {_TEST_PORTS.start}-{_TEST_PORTS.stop - 1}")
 
 
 def free_port_run(count: int) -> int:
     """The first of ``count`` consecutive loopback TCP ports that are free right now (a relay with
     ``--workers N`` serves worker i's metrics on port + i and the hub's on port + N)."""
     for _ in range(100):
-        base = free_port(socket.SOCK_STREAM)
+        base = free_port()
         if base + count > 65536:
             continue
         try:
@@ -228,7 +235,7 @@ def start_relay(
     starts it after its QUIC socket) and, unless ``ready_marker`` is None (a log level that hides it),
     once the relay has logged ``ready_marker`` (after its signal handlers are in place)."""
     port = port or free_port()
-    metrics_port = metrics_port or free_port(socket.SOCK_STREAM)
+    metrics_port = metrics_port or free_port()
     log_path = log_dir / f"{name}-{port}.log"
     args = [
         str(relay_python(extra)), "-m", "relay",

@@ -28,7 +28,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import urllib.request
 from collections.abc import Iterator
@@ -381,7 +380,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             step("partial", full("partial")),
         ]
         procs.append(c := start_engine(setup, "C", f"moqt://127.0.0.1:{r2_port}", c_steps))
-        server_port = free_port(socket.SOCK_STREAM)
+        server_port = free_port()
         procs.append(server := start_server(setup, "S", r1.url, server_port))
         wait_until(
             lambda: "relay_down" in engine_result(setup, "C").get("steps", {}) or c.poll() is not None,

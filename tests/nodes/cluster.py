@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -87,7 +86,7 @@ class Cluster:
     def start_relay(self, *extra: str) -> subprocess.Popen[bytes]:
         """Start the cluster's relay; a restarted relay keeps the ports of the first one."""
         self.relay_port = self.relay_port or free_port()
-        self.metrics_port = self.metrics_port or free_port(socket.SOCK_STREAM)
+        self.metrics_port = self.metrics_port or free_port()
         rp = start_relay(
             self.cert_dir, self.tmp, *extra, port=self.relay_port, metrics_port=self.metrics_port,
             log_level=None, env=self.env, name=f"relay-{len(self.procs)}",
@@ -172,7 +171,7 @@ class Cluster:
 
     def start_http_node(self, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
         """Start ``kvnet-node`` on a free HTTP port; returns the process and its base URL once it serves."""
-        port = free_port(socket.SOCK_STREAM)
+        port = free_port()
         args = ["-m", "kvnet.node.serve", "--http", f"127.0.0.1:{port}", "--relay", self.url()]
         args += ["--ca", str(self.ca), *self._block_size(extra)]
         proc = self._spawn([*args, *extra], "node")

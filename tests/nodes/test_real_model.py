@@ -6,7 +6,6 @@ not asserted: on a CPU with AMX, bf16 prefill rounds by batch shape (docs/nodes.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +49,7 @@ def test_remote_hit_on_smollm2_is_verified(
 @pytest.mark.slow
 def test_a_default_node_answers_with_the_trained_model(smollm2_dir: Path, tmp_path: Path) -> None:
     # kvnet-node as a new user starts it: no --model (SmolLM2, not random weights), no relay.
-    port = free_port(socket.SOCK_STREAM)
+    port = free_port()
     log = tmp_path / "node.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVNET_")}
     env["KVNET_HOME"] = str(tmp_path / "home")

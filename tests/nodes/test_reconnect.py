@@ -11,7 +11,6 @@ relay."""
 from __future__ import annotations
 
 import signal
-import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -82,7 +81,7 @@ def test_a_subscriber_the_relay_cannot_serve_says_why_in_its_report(
 
 def test_node_started_before_relay_and_relay_restarted(kv_cluster: Cluster) -> None:
     kv_cluster.relay_port = free_port()
-    kv_cluster.metrics_port = free_port(socket.SOCK_STREAM)
+    kv_cluster.metrics_port = free_port()
     node_a, url_a = kv_cluster.start_http_node()
     # Node B stripes its fetches over two sessions: the fetch-only one goes with the relay and is opened
     # again, on the restarted relay, by the first fetch after it.
@@ -143,7 +142,7 @@ def test_origin_restarted_under_a_node_and_an_edge(kv_cluster: Cluster) -> None:
     A published before the restart (a remote hit through edge and new origin)."""
     c = kv_cluster
     c.relay_port = free_port()
-    c.metrics_port = free_port(socket.SOCK_STREAM)
+    c.metrics_port = free_port()
     origin = c.start_relay()
     edge = start_relay(c.cert_dir, c.tmp, "--upstream", c.url(), "--upstream-idle-timeout", "2",
                        name="edge", log_level="info", env=c.env)

@@ -9,7 +9,6 @@ inside blocks, so the usable remote prefix is the floor of the shared tokens to 
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
@@ -130,7 +129,7 @@ def test_a_node_fetches_over_qmux_through_an_edge_whose_upstream_is_quic(kv_clus
     cross both, verified, and the output is bit-exact."""
     kv_cluster.start_relay()
     kv_cluster.start_publisher([SHARED_PREFIX])
-    qmux_port = free_port(socket.SOCK_STREAM)
+    qmux_port = free_port()
     edge = start_relay(
         kv_cluster.cert_dir, kv_cluster.tmp, "--upstream", kv_cluster.url(),
         "--listen-qmux", f"127.0.0.1:{qmux_port}", log_level=None, env=kv_cluster.env, name="edge",
@@ -151,7 +150,7 @@ def test_a_remote_hit_striped_over_three_sessions_is_verified(kv_cluster: Cluste
     """``--fetch-connections 3``: the subscriber fetches its blocks over its own session and two fetch-only
     ones to the same relay (three sessions the relay accepts), each verifying its share, and the output is
     bit-exact like the one-session case."""
-    qmux_port = free_port(socket.SOCK_STREAM)
+    qmux_port = free_port()
     kv_cluster.start_relay("--listen-qmux", f"127.0.0.1:{qmux_port}")
     kv_cluster.start_publisher([SHARED_PREFIX])
     url = f"moqt+qmux://127.0.0.1:{qmux_port}" if transport == "qmux" else kv_cluster.url()

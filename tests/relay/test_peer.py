@@ -3,8 +3,6 @@ the test's own process (``tests.relay.inprocess``), real QUIC and QMux on loopba
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from kvnet.net.errors import RequestRejected
@@ -34,7 +32,7 @@ async def test_fetch_through_an_in_process_relay_then_from_its_cache(
     flags: tuple[str, ...] = ()
     qmux_port = 0
     if transport == "qmux":
-        qmux_port = free_port(socket.SOCK_STREAM)
+        qmux_port = free_port()
         flags = ("--listen-qmux", f"127.0.0.1:{qmux_port}")
     objs = track_objects(b"block-a", 5)
     async with relay_in_process(cert_dir, *flags) as relay:

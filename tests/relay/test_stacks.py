@@ -6,7 +6,6 @@ and subscriber sessions on aioquic and qh3, the stacks nodes run on (Python 3.11
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -145,7 +144,7 @@ async def test_edge_and_origin_on_different_stacks(
 
 
 def _qmux_flags() -> tuple[str, str]:
-    return ("--listen-qmux", f"127.0.0.1:{free_port(socket.SOCK_STREAM)}")
+    return ("--listen-qmux", f"127.0.0.1:{free_port()}")
 
 
 def _qmux_url(rp: RelayProcess) -> str:

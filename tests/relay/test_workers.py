@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -354,7 +353,7 @@ async def test_the_workers_serve_the_qmux_port_too(cert_dir: CertDir, tmp_path: 
     """``--listen-qmux`` with ``--workers 2``: QMux sessions land on both workers (one TCP port,
     SO_REUSEPORT), and blocks pushed through one are located and fetched, verified, through the other."""
     prompt = make_prompt()
-    qmux_port = free_port(socket.SOCK_STREAM)
+    qmux_port = free_port()
     rp = start_workers(cert_dir, tmp_path, "--listen-qmux", f"127.0.0.1:{qmux_port}")
     assert listening_field(rp, "qmux") == f"127.0.0.1:{qmux_port}"
     opened: list[MoqtConnection] = []
