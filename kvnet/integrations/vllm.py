@@ -69,6 +69,7 @@ from kvnet.cache.hashing import block_hashes
 from kvnet.exchange.publishing import encode_block
 from kvnet.integrations.background import BackgroundLoop, BoundedBacklog
 from kvnet.integrations.config import ConfigError, ConnectorConfig
+from kvnet.integrations.cpu_features import request_amx_tiles
 from kvnet.integrations.cpu_layout import (
     CPU_LAYOUTS,
     CpuBlockLayout,
@@ -431,6 +432,10 @@ class _WorkerSide:
     ) -> None:
         self.settings = settings
         self.identity = identity
+        # vLLM's amx kernel runs AMX tile instructions in this process without asking Linux first.
+        amx = identity.platform == "cpu" and identity.kernel == "amx"
+        if amx and (why := request_amx_tiles()) is not None:
+            logger.warning("kvnet: %s; vLLM's amx attention kernel will die of SIGILL", why)
         signer, self.trust = load_signer_and_trust(settings.node)
         if signer is None:
             raise ConfigError("kvnet: no signing key (give signing_key or key_dir)")
