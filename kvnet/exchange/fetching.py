@@ -371,7 +371,8 @@ class BlockFetcher:
             self.locate_probe = "track_status"
             return located
         try:
-            await asyncio.wait_for(check, self.timeout)
+            async with asyncio.timeout(self.timeout):  # not wait_for: see locate._probe_round
+                await check
         except (TimeoutError, MoqtConnectionError, RequestRejected, StreamResetError, LimitError):
             return located  # nothing anywhere as far as either probe can tell: still undecided
         logger.warning(

@@ -243,8 +243,11 @@ async def _probe_round(
                     raise TimeoutError("no TRACK_STATUS answer before the locate timed out")
                 break
             answered.clear()
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result, swallowing a
+            # cancellation of ours, when the wait ends in the same loop iteration (an answer arrived).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(answered.wait(), deadline - now)
+                async with asyncio.timeout(deadline - now):
+                    await answered.wait()
         return answers()
     finally:
         every = [t for ts in tasks.values() for t in ts.values()]

@@ -494,7 +494,8 @@ async def test_a_killed_worker_is_restarted_while_the_port_keeps_serving(
 
         # The restarted worker serves new sessions and reaches worker 1's cache through the hub.
         fetching.cancel()
-        await asyncio.gather(fetching, return_exceptions=True)
+        # Bounded: a fetch that swallowed its cancellation would otherwise loop here for ever.
+        await asyncio.wait_for(asyncio.gather(fetching, return_exceptions=True), scaled(30))
         again_0, again_1 = await one_session_per_worker(rp, settings, tls)
         opened += [*again_0, *again_1]
         await locate_and_fetch_all(again_0[0], prompt)
@@ -502,7 +503,8 @@ async def test_a_killed_worker_is_restarted_while_the_port_keeps_serving(
     finally:
         if fetching is not None:
             fetching.cancel()
-            await asyncio.gather(fetching, return_exceptions=True)
+            with contextlib.suppress(TimeoutError):  # then the sessions' close ends it
+                await asyncio.wait_for(asyncio.gather(fetching, return_exceptions=True), scaled(30))
         for conn in opened:
             if not conn.is_closed:
                 with contextlib.suppress(Exception):

@@ -154,3 +154,30 @@ def test_a_round_answered_in_one_wake_up_still_gives_its_rtt_sample() -> None:
     located = asyncio.run(locate_prefix(16, ["lossless"], probe, fan_out=64, on_first_answer=samples.append))
     assert len(located.available) == 16 and located.rounds == 1
     assert len(samples) == 1 and samples[0] >= 0
+
+
+@pytest.mark.parametrize("steps", range(8))
+def test_a_locate_cancelled_as_an_answer_arrives_ends_cancelled(steps: int) -> None:
+    # A node cancels a locate (its request was cancelled) at any point of an answer's arrival: the locate
+    # must end then. Python 3.11's wait_for returned the answer instead when both fell in one loop
+    # iteration, and the locate went on to its timeout (a test's fetch loop never stopped).
+    async def run() -> asyncio.Task[object]:
+        gates: dict[int, asyncio.Future[None]] = {}
+
+        async def probe(i: int, rendition: str) -> None:
+            gates[i] = asyncio.get_running_loop().create_future()
+            await gates[i]
+
+        task: asyncio.Task[object] = asyncio.ensure_future(
+            locate_prefix(64, ["lossless"], probe, fan_out=8, timeout=5.0))
+        while len(gates) < 8:
+            await asyncio.sleep(0)
+        gates[0].set_result(None)  # block 0 answers; the others keep the round open
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.wait({task}, timeout=10)
+        return task
+
+    task = asyncio.run(run())
+    assert task.cancelled(), task
