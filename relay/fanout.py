@@ -487,7 +487,8 @@ class Fanout:
             if remaining <= 0:
                 break
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await changed.wait()
         return self.live_complete(start, end)
 
     def live_objects(self, start: tuple[int, int], end: tuple[int, int]) -> list[CachedObject]:

@@ -151,7 +151,8 @@ async def serve_fetch(relay: FetchHost, peer: Peer, req: IncomingFetch) -> None:
                 await asyncio.sleep(0)
                 continue
             try:
-                await asyncio.wait_for(req.drain(), stall)
+                async with asyncio.timeout(stall):
+                    await req.drain()
             except TimeoutError:
                 # The peer stopped reading: give the buffered bytes back instead of holding them forever.
                 relay.metrics.inc("limit_rejections_total", labels={"limit": "slow_peer"})

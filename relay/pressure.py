@@ -85,7 +85,8 @@ class Pressure:
             if remaining <= 0:
                 return False
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._swept.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await self._swept.wait()
         return True
 
     def sweep_interval(self) -> float:

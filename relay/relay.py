@@ -598,7 +598,8 @@ class Relay:
         if remaining <= 0:
             return False
         try:
-            await asyncio.wait_for(changed.wait(), remaining)
+            async with asyncio.timeout(remaining):
+                await changed.wait()
         except TimeoutError:
             return False
         return True

@@ -257,7 +257,8 @@ class UpstreamRelay:
         ``table``, where it sits as None while in flight. Refused, it is forgotten (the next session
         tries again); no longer wanted once answered (withdrawn, or a new session meanwhile), cancelled."""
         try:
-            rid = await asyncio.wait_for(request, self._request_timeout)
+            async with asyncio.timeout(self._request_timeout):
+                rid = await request
         except (RequestRejected, ConnectionClosed, TimeoutError) as exc:
             logger.warning(f"upstream relay refused {what}", extra={"upstream": self.url, "error": str(exc)})
             if table.get(key, 0) is None:
@@ -336,10 +337,8 @@ class UpstreamRelay:
             try:
                 # Bounded here too: a blackholed upstream must not hold the requests waiting for this attempt
                 # for longer than one request may wait anyway.
-                conn = await asyncio.wait_for(
-                    connect(url, self._settings, self._tls, self._session_config, self._limits),
-                    self._request_timeout,
-                )
+                async with asyncio.timeout(self._request_timeout):
+                    conn = await connect(url, self._settings, self._tls, self._session_config, self._limits)
             except BaseException as exc:
                 self._no_next_session()  # wakes the requests waiting for this attempt
                 if not isinstance(exc, MoqtConnectionError | OSError | TimeoutError):
@@ -349,11 +348,12 @@ class UpstreamRelay:
                 await self._back_off("upstream relay unreachable")
                 continue
             if self._closing:
-                # close() cancelled us as the connect finished, and wait_for returned the session instead
-                # of raising (Python < 3.12): nobody would end this session or this task.
+                # close() set _closing while the connect finished: nobody would end this session or
+                # this task.
                 self._no_next_session()
                 with contextlib.suppress(TimeoutError, ConnectionError):
-                    await asyncio.wait_for(conn.close_session(), 2)
+                    async with asyncio.timeout(2):
+                        await conn.close_session()
                 return
             self._conn = conn
             self.sessions += 1
@@ -424,7 +424,8 @@ class UpstreamRelay:
             closed.cancel()
         if not conn.is_closed:
             with contextlib.suppress(TimeoutError, ConnectionError):
-                await asyncio.wait_for(conn.close_session(), 2)
+                async with asyncio.timeout(2):
+                    await conn.close_session()
 
     async def _serve(self, conn: MoqtConnection) -> None:
         """Serve what the upstream relay asks of us on ``conn`` until it ends."""
@@ -452,7 +453,8 @@ class UpstreamRelay:
             task.cancel()
         if self._conn is not None and not self._conn.is_closed:
             with contextlib.suppress(TimeoutError, ConnectionError):
-                await asyncio.wait_for(self._conn.close_session(), 2)
+                async with asyncio.timeout(2):
+                    await self._conn.close_session()
 
 
 def upstream_relays(
@@ -659,7 +661,8 @@ class RoutedUpstream:
             it = aiter(handle)
             while True:
                 try:
-                    ev = await asyncio.wait_for(anext(it), self._timeout)
+                    async with asyncio.timeout(self._timeout):
+                        ev = await anext(it)
                 except StopAsyncIteration:
                     break
                 self._metrics.inc("bytes_in_total", len(ev.payload))

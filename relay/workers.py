@@ -279,7 +279,8 @@ class Child:
         something else or takes longer than ``START_TIMEOUT_S``."""
         assert self.proc.stdout is not None
         try:
-            line = await asyncio.wait_for(self.proc.stdout.readline(), START_TIMEOUT_S)
+            async with asyncio.timeout(START_TIMEOUT_S):
+                line = await self.proc.stdout.readline()
         except TimeoutError:
             raise ChildFailed(f"{self.name} did not start serving within {START_TIMEOUT_S:.0f} s") from None
         if not line:
@@ -299,7 +300,8 @@ class Child:
         """SIGTERM (GOAWAY and drain), then SIGKILL past ``timeout``; the exit code."""
         self.signal(signal.SIGTERM)
         try:
-            return await asyncio.wait_for(self.proc.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                return await self.proc.wait()
         except TimeoutError:
             logger.error("relay process did not stop in time: killed", extra={"worker": self.name})
             self.signal(signal.SIGKILL)
@@ -595,7 +597,8 @@ async def _keep(slot: _Slot, secrets: _Secrets, stop: asyncio.Event) -> None:
                    "recent": f"{len(slot.recent)}/{RESTART_LIMIT}", "delay_s": round(delay, 2)},
         )
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), delay)
+            async with asyncio.timeout(delay):
+                await stop.wait()
         if stop.is_set():
             return
         with secrets.written() as creds:

@@ -532,3 +532,24 @@ def test_the_room_check_names_each_disagreement(tmp_path: Path) -> None:
         "kvnet/model imports kvnet/net (kvnet/model/gen.py:2), but kvnet/net is not drawn below "
         "kvnet/model in the picture"
     ) in room_table_differences(upward, tmp_path)
+
+
+def wait_for_calls(root: Path, packages: tuple[str, ...] = SOURCE_PACKAGES) -> list[str]:
+    """Where the source calls ``asyncio.wait_for``: on Python 3.11 it returns the inner result, swallowing
+    the caller's cancellation, when both land in one loop iteration (a cancelled locate ran on to its
+    timeout); ``async with asyncio.timeout(...)`` has no such gap."""
+    found = []
+    for path in source_files(root, packages):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Attribute) and node.attr == "wait_for"
+                    and isinstance(node.value, ast.Name) and node.value.id == "asyncio"):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_library_code_bounds_waits_with_asyncio_timeout_not_wait_for(tmp_path: Path) -> None:
+    assert wait_for_calls(REPO) == []
+    planted = tmp_path / "kvnet" / "waits.py"
+    planted.parent.mkdir()
+    planted.write_text("import asyncio\n\nasync def f(x):\n    return await asyncio.wait_for(x, 1)\n")
+    assert wait_for_calls(tmp_path, ("kvnet",)) == ["kvnet/waits.py:4"]

@@ -421,7 +421,8 @@ class BlockFetcher:
 
         async def read() -> None:
             try:
-                await asyncio.wait_for(handle.read_all(), self.timeout)
+                async with asyncio.timeout(self.timeout):
+                    await handle.read_all()
             except (TimeoutError, MoqtConnectionError, RequestRejected, StreamResetError, LimitError):
                 handle.cancel()  # a no-op once it ended
 

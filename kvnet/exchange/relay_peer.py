@@ -64,7 +64,8 @@ async def _open_session(cfg: RelayPeerConfig) -> MoqtConnection:
         value = read_token_file(cfg.token_file)
         tokens = (AuthToken(AliasType.USE_VALUE, token_type=KVNET_TOKEN_TYPE, value=value),)
     session_config = node_session_config(parsed, tokens)
-    return await asyncio.wait_for(connect(url, cfg.transport, cfg.tls, session_config), cfg.request_timeout)
+    async with asyncio.timeout(cfg.request_timeout):
+        return await connect(url, cfg.transport, cfg.tls, session_config)
 
 
 class _FetchSession:
@@ -127,7 +128,8 @@ class RelayPeer:
         peer = cls(conn, server, fetcher, cfg)
         try:
             if announce:
-                await asyncio.wait_for(server.announce(), cfg.request_timeout)
+                async with asyncio.timeout(cfg.request_timeout):
+                    await server.announce()
         except RequestRejected as exc:
             # Still useful as a subscriber; a publisher then serves only what it pushed.
             logger.warning("relay refused PUBLISH_NAMESPACE (%s): not serving blocks on request", exc)
@@ -159,7 +161,8 @@ class RelayPeer:
         """Let go of a session that ended or is going away, without waiting for pushes to drain."""
         self._closing = True
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.conn.close_session(), 5)
+            async with asyncio.timeout(5):
+                await self.conn.close_session()
         await self._close_fetch_sessions()
         for task in self._tasks:
             task.cancel()
@@ -206,7 +209,8 @@ class RelayPeer:
         old, fs.conn, fs.fetcher = fs.conn, None, None
         if old is not None:  # ended, or going away: let it go
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(old.close_session(), 1)
+                async with asyncio.timeout(1):
+                    await old.close_session()
             if loop.time() - fs.opened_at >= STABLE_SESSION_S:
                 fs.backoff.reset()
             else:  # it did not last (a draining relay sends GOAWAY at once): not again on every fetch
@@ -221,7 +225,8 @@ class RelayPeer:
             return
         if self._closing:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.close_session(), 1)
+                async with asyncio.timeout(1):
+                    await conn.close_session()
             return
         main = self.fetcher
         fs.conn, fs.opened_at = conn, loop.time()
@@ -256,7 +261,8 @@ class RelayPeer:
                                    block.rendition)
             async with slots:
                 try:
-                    await asyncio.wait_for(self.conn.track_status(ns, name), self.fetcher.timeout)
+                    async with asyncio.timeout(self.fetcher.timeout):
+                        await self.conn.track_status(ns, name)
                 except RequestRejected as exc:
                     return exc.code == RequestErrorCode.DOES_NOT_EXIST
                 except (TimeoutError, MoqtConnectionError):
@@ -271,7 +277,8 @@ class RelayPeer:
         """Wait until the relay acknowledged everything we sent (before a one-shot publisher exits), at
         most ``timeout`` seconds."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.conn.wait_send_buffer_empty(), timeout)
+            async with asyncio.timeout(timeout):
+                await self.conn.wait_send_buffer_empty()
 
     async def close(self) -> None:
         # Blocks pushed just before exiting must reach the relay's cache first.
@@ -281,7 +288,8 @@ class RelayPeer:
     async def _close_fetch_sessions(self) -> None:
         async def close(conn: MoqtConnection) -> None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.close_session(), 5)
+                async with asyncio.timeout(5):
+                    await conn.close_session()
 
         conns = [fs.conn for fs in self._fetch_sessions if fs.conn is not None]
         for fs in self._fetch_sessions:

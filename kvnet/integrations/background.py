@@ -60,7 +60,7 @@ class BackgroundLoop:
             return
         self._stopped = True
         if last is not None:
-            future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(last, timeout), self.loop)
+            future = asyncio.run_coroutine_threadsafe(_bounded(last, timeout), self.loop)
             try:
                 future.result(timeout + 1.0)
             except (TimeoutError, concurrent.futures.TimeoutError):
@@ -155,3 +155,8 @@ class BoundedBacklog:
             self.dropped,
         )
         self._dropped_since_warning = 0
+
+
+async def _bounded(work: Coroutine[Any, Any, Any], timeout: float) -> Any:
+    async with asyncio.timeout(timeout):
+        return await work

@@ -464,7 +464,8 @@ class MoqtConnection(_ProtocolBase):
     # ---- requests we send
 
     async def wait_setup(self) -> me.SetupCompleted:
-        return await asyncio.wait_for(asyncio.shield(self._setup), self.limits.setup_timeout)
+        async with asyncio.timeout(self.limits.setup_timeout):
+            return await asyncio.shield(self._setup)
 
     async def _acquire(self) -> None:
         if self.session.closed is not None:

@@ -105,7 +105,8 @@ def connect(
         try:
             conn.connect(addr)
             try:
-                await asyncio.wait_for(conn.wait_connected(), settings.handshake_timeout)
+                async with asyncio.timeout(settings.handshake_timeout):
+                    await conn.wait_connected()
             except ConnectionError as exc:
                 reason = str(exc)
                 if conn.session.closed:
@@ -158,7 +159,8 @@ class MoqtServer:
     async def close(self) -> None:
         for conn in list(self.connections):
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.close_session(SessionErrorCode.NO_ERROR, "server closing"), 2)
+                async with asyncio.timeout(2):
+                    await conn.close_session(SessionErrorCode.NO_ERROR, "server closing")
         for t in list(self._tasks):
             t.cancel()
         if self._tasks:
@@ -215,7 +217,8 @@ async def serve(
             live.discard(conn)
             if not conn.is_closed:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(conn.close_session(), 2)
+                    async with asyncio.timeout(2):
+                        await conn.close_session()
 
     def create_protocol(quic_connection: Any, stream_handler: Any = None) -> MoqtConnection:
         conn = cls(

@@ -652,7 +652,8 @@ class Node:
     async def _wait_closing(self, seconds: float) -> None:
         """Sleep ``seconds``, or less if the node is closing."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._closing.wait(), seconds)
+            async with asyncio.timeout(seconds):
+                await self._closing.wait()
 
     async def close(self) -> None:
         self._closing.set()
