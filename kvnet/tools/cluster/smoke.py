@@ -146,13 +146,16 @@ def run_smoke(cluster: NetnsCluster, tag: str = "smoke") -> WanDemo:
     ``tag`` keeps runs' documents apart."""
     document = f"[{tag} {time.time_ns()}] {DEMO_DOCUMENT}"
     log_name = f"{tag}-publisher"
+    log = cluster.run_dir / "logs" / f"{log_name}.log"
+    # The log is appended to by every run in this run directory: only this publisher's READY counts (an
+    # earlier run's sent the subscriber off before the document was published, and it located nothing).
+    earlier = log.stat().st_size if log.exists() else 0
     argv = publisher_argv("edge-a", "/keys/pub-a", document, *DEMO_MODEL)
     publisher = cluster.spawn("pub-a", argv, log_name)
     fetch_flags = ("--fetch-margin", DEMO_FETCH_MARGIN_S, "--verify")
     try:
-        log = cluster.run_dir / "logs" / f"{log_name}.log"
         deadline = time.monotonic() + PUBLISHER_READY_S
-        while "READY" not in log.read_text(errors="replace"):
+        while b"READY" not in log.read_bytes()[earlier:]:
             if publisher.poll() is not None or time.monotonic() > deadline:
                 raise ClusterError(f"demo publisher not serving:\n{cluster.diagnostics([log_name])}")
             time.sleep(0.5)
