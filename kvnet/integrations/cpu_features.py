@@ -4,8 +4,8 @@ Linux (5.16 and later) lets a process execute AMX instructions only once it has 
 state with ``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``; the first tile instruction of a
 process that did not ask dies of SIGILL. vLLM's ``amx`` attention kernel runs tile instructions in its
 worker process without asking, so an engine on an AMX CPU dies in its first forward unless something else
-in the process asked first (oneDNN does, for the bf16 matmuls of models large enough to use AMX, which is
-why SmolLM2 ran and a small test model did not). The permission is per process and asking again is
+in the process asked first (most likely oneDNN, for the bf16 matmuls of models large enough to use AMX:
+SmolLM2 ran, a small test model did not). The permission is per process and asking again is
 harmless, so the connector asks when vLLM picked ``amx``.
 """
 
