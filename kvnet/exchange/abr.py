@@ -20,19 +20,15 @@ exact argmin over every cut, O(n), so uneven block sizes are handled. While a fe
 re-plans the blocks not yet received with fresh measurements (``should_abandon``), which is what video ABR
 does per segment.
 
-The estimates age: every sample takes at least a fixed share of an average (``Ewma.min_share``) and older
-samples lose weight with time (``Ewma.time_half_life_s``), so what was measured recently counts most. Only
-clean transfers are samples (``kvnet.exchange.fetching``: blocks loaded before any retry or failure).
-Before the first sample a node has only its prior; when nobody stated the link's rate (``prior_ramps``), a
-plan costs the located bytes at most at what slow start delivers over the round trip the locate just
-measured (``slow_start_bps``): on loopback that is the prior, over a 75 ms WAN a 10 MB prefix takes ten
-round trips, which a fast CPU recomputes sooner. An estimate can still be wrong in the direction that
-stops it being measured: a pessimistic throughput declines every hit and so fetches nothing that would
-correct it. So a plan that declines located blocks is counted (``declined_streak``), and after
-``probe_after`` declining plans in a row (or ``probe_after_s`` without a throughput sample) the next one
-fetches ``probe_blocks`` blocks anyway, a probe whose measurement replaces the throughput estimate
-(``KvAbr.fetch_measured``). A probe costs at most the fetch of a few blocks more than recomputing them,
-and bounds how long a wrong estimate lasts.
+The estimates age: every sample takes at least a fixed share of an average (``Ewma.min_share``) and
+older samples lose weight with time (``Ewma.time_half_life_s``), so what was measured recently counts
+most. Only clean transfers are samples (``kvnet.exchange.fetching``: blocks loaded before any retry or
+failure). An estimate can still be wrong in the direction that stops it being measured: a pessimistic
+throughput declines every hit and so fetches nothing that would correct it. So a plan that declines
+located blocks is counted (``declined_streak``), and after ``probe_after`` declining plans in a row (or
+``probe_after_s`` without a throughput sample) the next one fetches ``probe_blocks`` blocks anyway, a
+probe whose measurement replaces the throughput estimate (``KvAbr.fetch_measured``). A probe costs at
+most the fetch of a few blocks more than recomputing them, and bounds how long a wrong estimate lasts.
 
 Fetch and compute at once (Cake, ICML 2025). The engine can compute the head of the located prefix while the
 tail is fetched, the two meeting in the middle; the suffix after the prefix is prefilled once both are done.
@@ -89,22 +85,6 @@ DEFAULT_SIZE_RATIO: Mapping[str, Mapping[str, float]] = {
 # anything was measured; the node's own fetches replace these (``RenditionStats``). ``plain`` is a digest
 # and a copy; with lossless at 1e9 the bf16 crossover is ~620 MB/s of link (docs/nodes.md, "Renditions").
 DEFAULT_DECODE_BPS: Mapping[str, float] = {"lossless": 1.0e9, "plain": 2.0e9, "int8": 6.0e8, "int4": 4.0e8}
-DEFAULT_PRIOR_THROUGHPUT_BPS = 100e6
-"""The throughput prior when nobody stated the link's rate: a datacenter link's order of magnitude."""
-INITIAL_WINDOW_BYTES = 14_720
-"""A new connection's congestion window: QUIC's initial window (RFC 9002, 7.2), about TCP's (RFC 6928)."""
-
-
-def slow_start_bps(nbytes: float, rtt_s: float, cap_bps: float) -> float:
-    """The average rate at which ``nbytes`` arrive over a path whose sender starts at the initial window
-    and doubles it every round trip, at most ``cap_bps``. The first window arrives one round trip after the
-    request (the plan's fixed latency); every doubling after it costs one more round trip. Over a WAN this
-    is what a fresh node's first fetch meets: 10 MB behind 75 ms is ten round trips, not 0.1 s at 100 MB/s.
-    """
-    if nbytes <= INITIAL_WINDOW_BYTES or rtt_s <= 0:
-        return cap_bps
-    doublings = math.ceil(math.log2(nbytes / INITIAL_WINDOW_BYTES + 1)) - 1
-    return min(cap_bps, nbytes / (doublings * rtt_s))
 
 
 def quality_rank(rendition: str) -> tuple[int, str]:
@@ -120,12 +100,8 @@ class AbrConfig:
 
     acceptable: tuple[str, ...] = ("lossless",)
     """Renditions whose quality is acceptable; lossless only unless configured otherwise."""
-    prior_throughput_bps: float = DEFAULT_PRIOR_THROUGHPUT_BPS
+    prior_throughput_bps: float = 100e6
     """Throughput in bytes/s assumed before the first measurement."""
-    prior_ramps: bool = False
-    """The prior is a guess, not the link's known rate: before the first throughput sample a plan costs its
-    fetch at most at the rate a congestion window opening from its initial size delivers the located bytes
-    over the measured round trip (``slow_start_bps``). False: the prior is taken as the link's rate."""
     prior_rtt_s: float = 0.002
     """Round-trip time assumed before the first measurement."""
     safety: float = 0.9
@@ -589,12 +565,9 @@ class KvAbr:
         last = self.throughput.last_sample_at
         return bool(cfg.probe_after_s) and last is not None and self.clock() - last > cfg.probe_after_s
 
-    def fetch_cost(
-        self, raw_bytes: int, available: Sequence[str], throughput_bps: float | None = None
-    ) -> tuple[str | None, float]:
-        """Best acceptable rendition among ``available`` for a block of ``raw_bytes``, and its cost, at
-        ``throughput_bps`` (None: the estimate)."""
-        bps = (self.throughput.estimate() if throughput_bps is None else throughput_bps) * self.config.safety
+    def fetch_cost(self, raw_bytes: int, available: Sequence[str]) -> tuple[str | None, float]:
+        """Best acceptable rendition among ``available`` for a block of ``raw_bytes``, and its cost."""
+        bps = self.throughput.estimate() * self.config.safety
         best: tuple[float, tuple[int, str], str] | None = None
         for r in available:
             if r not in self.config.acceptable:
@@ -604,15 +577,6 @@ class KvAbr:
             if best is None or key < best:
                 best = key
         return (None, math.inf) if best is None else (best[2], best[0])
-
-    def planned_throughput(self, raw_bytes: int) -> float:
-        """The throughput a plan fetching up to ``raw_bytes`` is costed at: the estimate, or before any
-        sample, with a prior that is only a guess (``prior_ramps``), what slow start allows over the
-        measured round trip."""
-        estimate = self.throughput.estimate()
-        if not self.config.prior_ramps or self.throughput.samples:
-            return estimate
-        return slow_start_bps(raw_bytes, self.rtt.estimate(), estimate)
 
     def plan(
         self,
@@ -631,12 +595,11 @@ class KvAbr:
         per_tok = self.prefill.per_token_s
         choices: list[BlockChoice] = []
         fetch_costs: list[float] = []
-        rtt = self.rtt.estimate()
-        bps = self.planned_throughput(len(located) * block_raw_bytes)
         for i, avail in enumerate(located):
-            r, cost = self.fetch_cost(block_raw_bytes, avail, bps)
+            r, cost = self.fetch_cost(block_raw_bytes, avail)
             fetch_costs.append(cost)
             choices.append(BlockChoice(i, r or RECOMPUTE, cost, block_size * per_tok, r))
+        rtt = self.rtt.estimate()
         first_byte = self.first_byte_s(relay)
         latency = rtt + first_byte
         best_k, best_t = 0, self.prefill.estimate(total_tokens)
@@ -686,7 +649,7 @@ class KvAbr:
         return AbrPlan(
             choices=final,
             fetch_blocks=best_k,
-            throughput_bps=bps,
+            throughput_bps=self.throughput.estimate(),
             rtt_s=rtt,
             first_byte_s=first_byte,
             prefill_per_token_s=per_tok,

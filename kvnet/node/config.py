@@ -143,10 +143,8 @@ class NodeConfig:
     fetch_margin: float = 1.0
     """Seconds a fetch may cost beyond the recompute time of the blocks it delivered; past that it is
     abandoned and the rest recomputed (``kvnet.exchange.abr.FetchDeadline``)."""
-    prior_throughput_bps: float | None = None
-    """ABR throughput prior (bytes/s) before anything was measured, as the link's known rate; None: not
-    known, ``DEFAULT_PRIOR_THROUGHPUT_BPS`` capped by slow start over the measured round trip
-    (``AbrConfig.prior_ramps``)."""
+    prior_throughput_bps: float = 100e6
+    """ABR throughput prior (bytes/s) before anything was measured."""
     abr_mode: str = "auto"
     """``auto`` (fetch or recompute by estimate), ``fetch`` (always fetch located blocks), ``recompute``."""
     abr_overlap: bool = True
@@ -405,11 +403,7 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
         "--no-overlap", action="store_true",
         help="--abr auto never computes the head of a located prefix while fetching its tail",
     )
-    k.add_argument(
-        "--assume-throughput", type=float, default=None,
-        help="the link's rate in bytes/s, for the ABR before it measured one (default: at most 100 MB/s, "
-        "less where slow start over the measured round trip cannot deliver that)",
-    )
+    k.add_argument("--assume-throughput", type=float, default=100e6, help="ABR prior in bytes/s")
     k.add_argument(
         "--key-dir", type=Path,
         help="publisher keys directory: signs with KEY_DIR/publisher.key (created if missing) and, without "

@@ -36,7 +36,7 @@ from kvnet.cache.hashing import block_hashes, root_hash
 from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.dtypes import dtype_from_name, dtype_name
 from kvnet.errors import ContextLengthError
-from kvnet.exchange.abr import DEFAULT_PRIOR_THROUGHPUT_BPS, QUALITY_ORDER, AbrConfig, AbrPlan, KvAbr
+from kvnet.exchange.abr import QUALITY_ORDER, AbrConfig, AbrPlan, KvAbr
 from kvnet.exchange.blockstore import BlockStore
 from kvnet.exchange.fetching import FetchOutcome
 from kvnet.exchange.publishing import encode_blocks
@@ -159,8 +159,7 @@ class Node:
         self.abr = KvAbr(
             AbrConfig(
                 acceptable=acceptable,
-                prior_throughput_bps=config.prior_throughput_bps or DEFAULT_PRIOR_THROUGHPUT_BPS,
-                prior_ramps=config.prior_throughput_bps is None,
+                prior_throughput_bps=config.prior_throughput_bps,
                 allow_recompute=config.abr_mode != "fetch",
                 force_recompute=config.abr_mode == "recompute",
                 deadline_margin_s=config.fetch_margin,

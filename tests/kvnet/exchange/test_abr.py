@@ -15,7 +15,6 @@ from kvnet.exchange.abr import (
     PrefillEstimator,
     ThroughputEstimator,
     best_split,
-    slow_start_bps,
 )
 
 BLOCK = 16
@@ -488,39 +487,3 @@ def test_a_relay_that_never_answers_costs_at_most_the_cap_per_fetch() -> None:
     assert silent.estimate() == pytest.approx(cap)
     plan = abr.plan([["lossless"]] * 8, BLOCK, RAW, total_tokens=8 * BLOCK + 5, relay=relay)
     assert plan.fetch_blocks == 0  # 8 x 16 ms of recompute beats 4 s of waiting
-
-
-def test_slow_start_takes_a_round_trip_per_doubling_of_the_window() -> None:
-    # 10 MB from a 14,720-byte window: 694 windows' worth, so ten doublings; the first window comes with
-    # the request's own round trip (the plan's latency), the nine after it cost one round trip each.
-    rate = slow_start_bps(10.2e6, 0.075, 100e6)
-    assert 10.2e6 / rate == pytest.approx(9 * 0.075)
-    assert slow_start_bps(10.2e6, 0.0005, 100e6) == 100e6  # on loopback the ramp costs less than the cap
-    assert slow_start_bps(10_000, 0.075, 100e6) == 100e6  # one initial window: no ramp at all
-    assert slow_start_bps(1e6, 0.075, 100e6) < slow_start_bps(1e8, 0.075, 100e6)  # longer ramps pay off
-
-
-def _fast_cpu_behind_a_wan(prior_ramps: bool) -> KvAbr:
-    # The WAN demo on an AMX CPU: 10 located blocks of ~1 MB (lossless), 75 ms RTT measured by the locate,
-    # a recompute of all of it in ~0.5 s.
-    abr = KvAbr(AbrConfig(prior_ramps=prior_ramps, overlap=False))
-    abr.prefill.add(698, 0.067 + 698 * 0.0006)
-    abr.prefill.add(100, 0.067 + 100 * 0.0006)
-    abr.rtt.add(0.075)
-    return abr
-
-
-def test_a_prior_that_is_a_guess_is_capped_by_slow_start_until_the_first_sample() -> None:
-    located, raw = [["lossless"]] * 10, 1_470_000
-    guessed = _fast_cpu_behind_a_wan(prior_ramps=True).plan(located, 64, raw, total_tokens=698)
-    stated = _fast_cpu_behind_a_wan(prior_ramps=False).plan(located, 64, raw, total_tokens=698)
-    # Stated, 100 MB/s is the link's rate and fetching 10 blocks is estimated faster; as a guess, the same
-    # bytes take nine more round trips and recomputing wins, as it did when measured (0.5 s against 3.6 s).
-    assert stated.fetch_blocks == 10 and stated.throughput_bps == 100e6
-    assert guessed.fetch_blocks == 0 and guessed.throughput_bps == pytest.approx(10 * raw / (9 * 0.075))
-    # Once a transfer was measured, the measurement rules either way.
-    measured = _fast_cpu_behind_a_wan(prior_ramps=True)
-    measured.fetch_measured(50_000_000, 0.25)  # 200 MB/s
-    plan = measured.plan(located, 64, raw, total_tokens=698)
-    assert plan.fetch_blocks == 10 and plan.throughput_bps == pytest.approx(200e6)
-
