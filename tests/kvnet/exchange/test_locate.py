@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvnet.exchange.locate import PrefixSearch, locate_prefix, round_decided, spread_probes
 from kvnet.net.errors import RequestRejected
 from proto.errors import RequestErrorCode
+from tests.helpers.waiting import async_wait_until
 
 
 def _search(blocks: int, fan_out: int, present: set[int] | range) -> tuple[PrefixSearch, dict[int, bool]]:
@@ -168,13 +169,19 @@ def test_a_locate_cancelled_as_an_answer_arrives_ends_cancelled(steps: int) -> N
             gates[i] = asyncio.get_running_loop().create_future()
             await gates[i]
 
+        loop = asyncio.get_running_loop()
+
+        async def one_loop_iteration() -> None:
+            ran: asyncio.Future[None] = loop.create_future()
+            loop.call_soon(ran.set_result, None)
+            await ran
+
         task: asyncio.Task[object] = asyncio.ensure_future(
             locate_prefix(64, ["lossless"], probe, fan_out=8, timeout=5.0))
-        while len(gates) < 8:
-            await asyncio.sleep(0)
+        await async_wait_until(lambda: len(gates) == 8, "the first round's probes are out")
         gates[0].set_result(None)  # block 0 answers; the others keep the round open
-        for _ in range(steps):
-            await asyncio.sleep(0)
+        for _ in range(steps):  # the cancel lands this many loop iterations after the answer
+            await one_loop_iteration()
         task.cancel()
         await asyncio.wait({task}, timeout=10)
         return task
