@@ -16,9 +16,8 @@ with ``prefill(n) = overhead + n * per_token`` measured on this machine and ``fi
 learned delay before a FETCH's first object beyond the round trip (``FirstByteEstimator``: a relay that
 answers a FETCH only once it has the whole block from upstream delivers it late but whole; that wait is a
 fixed cost per fetch, not the link's throughput, which is timed from the first object on). This is an
-exact argmin over every cut, O(n), so uneven block sizes are handled. While a fetch runs the caller
-re-plans the blocks not yet received with fresh measurements (``should_abandon``), which is what video ABR
-does per segment.
+exact argmin over every cut, O(n), so uneven block sizes are handled. While a fetch runs it is re-planned
+with its own measured rate (``FetchDeadline.overtaken``, below), which is what video ABR does per segment.
 
 The estimates age: every sample takes at least a fixed share of an average (``Ewma.min_share``) and
 older samples lose weight with time (``Ewma.time_half_life_s``), so what was measured recently counts
@@ -51,6 +50,13 @@ per-object timeout cannot hold a request). The first-byte delay is capped (``FIR
 session's fetch timeout), and a fetch abandoned before any object arrived teaches the estimator that the
 delay is at least what it waited, so a late relay is learned within a few requests and a silent one costs
 the cap at most, after which the plan recomputes rather than wait for it.
+
+The deadline is also anticipated. While the fetch runs, a timer reads the rate it achieves
+(``MeasuredRate``) and re-plans the blocks still to come (``FetchDeadline.overtaken``): where even at 1.5x
+that rate the last block would miss its due time and waiting for the rest costs more than recomputing it,
+the fetch is given up at once. A fresh node plans with the throughput prior (nothing measured yet); on a
+path ten times slower than the prior that finds out within a few hundred milliseconds instead of after the
+whole margin, and the abandoned fetch's bytes become the sample the next plan uses.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -66,6 +73,9 @@ logger = logging.getLogger(__name__)
 
 RECOMPUTE = "recompute"
 SPLIT_MIN_GAIN = 0.1
+REPLAN_SLACK = 1.5
+"""Factor in a running fetch's favour when it is re-planned (``FetchDeadline.overtaken``): a rate measured
+over a fraction of a second is noisy, and a fetch nearly done must not be thrown away for one slow reading."""
 """A split plan must be estimated this much faster (a fraction) than the best plan without one: it costs a
 second prefill's overhead and CPU that the fetch shares, and a near-tie gains nothing measurable."""
 # Higher quality first; a rendition not listed ranks after these, in name order. ``plain`` is exact like
@@ -491,6 +501,66 @@ class FetchDeadline:
             "first-byte delay; recomputing is faster than waiting"
         )
 
+    def overtaken(
+        self, now: float, last_block: int, remaining_blocks: int, remaining_bytes: float, rate_bps: float
+    ) -> str | None:
+        """The mid-fetch re-plan: why the ``remaining_blocks`` not yet in (``remaining_bytes`` still to come)
+        should be given up at ``now``, judged by the fetch's own measured ``rate_bps``; None to go on.
+
+        Two conditions, each with ``REPLAN_SLACK`` in the fetch's favour: even at that multiple of the
+        measured rate the last block (``last_block``) would miss its due time, so the deadline would end
+        the fetch anyway; and waiting for the rest costs more than recomputing it, so every block delivered
+        before then would have cost more than it saves. Abandoning now rather than at the deadline saves
+        the difference. The rate is what this fetch achieves, not the estimate the plan used: a fresh node
+        plans with a prior, and a path several times slower than it is found within a fraction of a second
+        instead of after the whole margin."""
+        if rate_bps <= 0 or remaining_blocks <= 0:
+            return None
+        wait = remaining_bytes / rate_bps
+        recompute = remaining_blocks * self.block_recompute_s
+        if now + wait / REPLAN_SLACK <= self.due(last_block) or wait <= REPLAN_SLACK * recompute:
+            return None
+        return (
+            f"re-planned after {now - self.started:.3f}s: at the {rate_bps / 1e6:.2f} MB/s this fetch "
+            f"measured, its {remaining_blocks} block(s) still to come would take {wait:.3f}s against "
+            f"{recompute:.3f}s recomputing them, past the deadline; recomputing is faster than waiting"
+        )
+
+
+class MeasuredRate:
+    """A running fetch's own rate, read by a timer (``FetchDeadline.overtaken``'s input): bytes since the
+    first reading that saw any, over the time since then, or over the last ``window_s`` if that is faster.
+
+    The faster of the two, because both err low in one case: the whole-fetch average while a fresh
+    connection's congestion window still opens (its last round trips are the path's), the recent window
+    when a loaded host's scheduler paused the receiver. No rate (None) before ``min_observed_s`` has passed
+    since the first bytes, and none while nothing arrives at all: a silent relay is the deadline's to judge
+    (``FetchDeadline.due``), not a rate of zero."""
+
+    def __init__(self, window_s: float, min_observed_s: float) -> None:
+        self.window_s = window_s
+        self.min_observed_s = min_observed_s
+        self._first: tuple[float, int] | None = None
+        self._readings: deque[tuple[float, int]] = deque()
+
+    def observe(self, now: float, nbytes: int) -> float | None:
+        """Record that ``nbytes`` had arrived in all by ``now``; the rate in bytes/s, or None (see above)."""
+        if self._first is None:
+            if nbytes <= 0:
+                return None
+            self._first = (now, nbytes)
+        self._readings.append((now, nbytes))
+        while len(self._readings) > 2 and now - self._readings[1][0] >= self.window_s:
+            self._readings.popleft()
+        t0, b0 = self._first
+        if now - t0 < self.min_observed_s:
+            return None
+        average = (nbytes - b0) / (now - t0)
+        t1, b1 = self._readings[0]
+        recent = (nbytes - b1) / (now - t1) if now > t1 else 0.0
+        rate = max(average, recent)
+        return rate if rate > 0 else None
+
 
 @dataclass
 class KvAbr:
@@ -680,11 +750,3 @@ class KvAbr:
             return None
         return FetchDeadline(started, self.config.deadline_margin_s, block_size * self.prefill.per_token_s,
                              self.first_byte_s(relay))
-
-    def should_abandon(self, remaining_raw_bytes: int, rendition: str, remaining_tokens: int) -> bool:
-        """Mid-fetch re-plan: True when recomputing what is not yet received beats waiting for it."""
-        if not self.config.allow_recompute or remaining_raw_bytes <= 0:
-            return False
-        _, cost = self.fetch_cost(remaining_raw_bytes, [rendition])
-        # 1.5x hysteresis: one slow sample must not throw away a fetch that is nearly done.
-        return cost > self.prefill.per_token_s * remaining_tokens * 1.5

@@ -62,7 +62,7 @@ from kvnet.blocks.identity import BlockIdentity
 from kvnet.cache.hashing import hash_block
 from kvnet.dtypes import dtype_from_name
 from kvnet.errors import KVCacheError
-from kvnet.exchange.abr import AbrConfig, FirstByteEstimator, KvAbr
+from kvnet.exchange.abr import AbrConfig, FirstByteEstimator, KvAbr, MeasuredRate
 from kvnet.exchange.config import DEFAULT_VERIFY_WORKERS, DEFAULT_WINDOW_BYTES, MAX_VERIFY_WORKERS
 from kvnet.exchange.locate import DEFAULT_LOCATE_FAN_OUT, DEFAULT_STRAGGLER_GRACE, Located, locate_prefix
 from kvnet.net.connection import MoqtConnection
@@ -233,6 +233,15 @@ class Deadline(Protocol):
 
     def describe(self, loaded_blocks: int, now: float) -> str: ...
 
+    def overtaken(
+        self, now: float, last_block: int, remaining_blocks: int, remaining_bytes: float, rate_bps: float
+    ) -> str | None: ...
+
+
+REPLAN_INTERVAL_S = 0.05
+"""How often a fetch with a deadline reads its own rate and re-plans (``Deadline.overtaken``)."""
+REPLAN_MIN_OBSERVED_S = 0.1
+"""Seconds of arriving bytes (at least two round trips) before a fetch's rate is trusted to re-plan it."""
 
 MIN_SAMPLE_S = 0.001
 """Shortest time a throughput sample is taken over: objects read in one burst (a loopback relay's answer in
@@ -469,6 +478,37 @@ class BlockFetcher:
         pool = _LayerPool(self.verify_workers, self._pool_slots) if self.verify_workers else None
         clock = _SampleClock()
         first_byte_wait = _FirstByteWait()
+        waiting: asyncio.Timeout | None = None
+        """The deadline of the block being waited for, while it is (what the re-plan cuts short)."""
+        at_block = 0
+        replanned: str | None = None
+
+        async def replan() -> None:
+            """Read this fetch's own rate every ``REPLAN_INTERVAL_S`` and give up the rest as soon as the
+            deadline says it should (``Deadline.overtaken``): the block being waited for times out now."""
+            nonlocal replanned
+            assert deadline is not None
+            raw = raw_bytes(self.shape, self.dtype)
+            total = sum(raw * self.abr.renditions.size_ratio(r) for r in renditions)
+            span = max(REPLAN_MIN_OBSERVED_S, 2 * self.abr.rtt.estimate())
+            rate = MeasuredRate(window_s=span, min_observed_s=span)
+            base = out.bytes
+            while True:
+                await asyncio.sleep(REPLAN_INTERVAL_S)
+                now = loop.time()
+                # Read or queued: the window's later blocks share the link with the one awaited.
+                arrived = out.bytes - base + sum(h.queued_bytes for h in handles.values())
+                bps = rate.observe(now, arrived)
+                if bps is None or waiting is None:
+                    continue
+                remaining = max(total - arrived, 0.0)
+                why = deadline.overtaken(now, len(expected) - 1, len(expected) - at_block, remaining, bps)
+                if why is not None:
+                    replanned = why
+                    waiting.reschedule(now)
+                    return
+
+        watch = None if deadline is None else asyncio.ensure_future(replan())
 
         async def issue(i: int) -> None:
             exp_i = expected[i]
@@ -498,8 +538,9 @@ class BlockFetcher:
                 block = _LoadingBlock(index, exp, renditions[index])
                 due = None if deadline is None else deadline.due(index)
                 loaded: _Loaded | None = None
+                at_block = index
                 try:
-                    async with asyncio.timeout_at(due):
+                    async with asyncio.timeout_at(due) as waiting:
                         while next_issue < len(expected) and next_issue < index + window:
                             await issue(next_issue)
                             next_issue += 1
@@ -516,16 +557,20 @@ class BlockFetcher:
                         ours = index in handles
                         if ours:
                             await self._receive_with_retries(handles.pop(index), block, out, pool, clock)
+                    waiting = None
                     loaded = self._finish_block(block, out)
                     if ours:
                         clock.block_done(block, out)
                     if on_loaded is not None:
                         on_loaded(index)
                 except _FETCH_ERRORS as exc:
+                    waiting = None
                     first_byte_wait.timed_out = isinstance(exc, TimeoutError)
                     now = loop.time()
-                    if deadline is not None and isinstance(exc, TimeoutError) and now >= deadline.due(index):
-                        out.abandoned = deadline.describe(index, now)
+                    if deadline is not None and isinstance(exc, TimeoutError) and (
+                        replanned is not None or now >= deadline.due(index)
+                    ):
+                        out.abandoned = replanned or deadline.describe(index, now)
                         out.error = f"abandoned at block {exp.block_index}: {out.abandoned}"
                     else:
                         # A dead relay, a stall past the object timeout, a refused block: the time it took
@@ -539,6 +584,9 @@ class BlockFetcher:
                         self.cache.abort_import(exp.block_hash)
                     settle(index, loaded)
         finally:
+            waiting = None
+            if watch is not None:
+                watch.cancel()
             for i in list(owned):
                 settle(i, None)
             unread = sum(h.queued_bytes for h in handles.values())  # before cancelling drops them

@@ -90,6 +90,12 @@ class _StripeDeadline:
     def describe(self, loaded_blocks: int, now: float) -> str:
         return self._deadline.describe(self._positions[loaded_blocks], now)
 
+    def overtaken(
+        self, now: float, last_block: int, remaining_blocks: int, remaining_bytes: float, rate_bps: float
+    ) -> str | None:
+        return self._deadline.overtaken(now, self._positions[last_block], remaining_blocks, remaining_bytes,
+                                        rate_bps)
+
 
 async def fetch_striped(
     fetchers: Sequence[BlockFetcher],

@@ -12,6 +12,7 @@ from kvnet.exchange.abr import (
     Ewma,
     FirstByteEstimator,
     KvAbr,
+    MeasuredRate,
     PrefillEstimator,
     ThroughputEstimator,
     best_split,
@@ -80,7 +81,6 @@ def test_measurements_move_the_decision() -> None:
     for _ in range(20):
         abr.throughput.add(1_000_000, 1.0)  # measured 1 MB/s
     assert abr.plan([["lossless"]] * 4, BLOCK, RAW, total_tokens=70).fetch_blocks == 0
-    assert abr.should_abandon(RAW, "lossless", BLOCK)
 
 
 def test_throughput_estimator_reacts_to_drops() -> None:
@@ -130,6 +130,43 @@ def test_fetch_deadline_grows_with_the_recompute_time_of_delivered_blocks() -> N
     assert "0.600s spent with 3 block(s) delivered" in deadline.describe(3, 10.6)
     # A fetch that must deliver every located block has no deadline.
     assert KvAbr(AbrConfig(allow_recompute=False)).deadline(10.0, 16) is None
+
+
+def test_a_fetch_is_re_planned_by_the_rate_it_measures() -> None:
+    abr = KvAbr(AbrConfig(deadline_margin_s=1.0))
+    abr.prefill.add(1000, 0.5)  # 0.5 ms per token: 8 ms per 16-token block
+    deadline = abr.deadline(started=0.0, block_size=16)
+    assert deadline is not None
+    # 10 blocks of 1 MB to come at 1 MB/s: 10 s of waiting, past the last block's due time (1.08 s),
+    # against 80 ms of recompute: given up at once, with the reason.
+    why = deadline.overtaken(0.3, 9, 10, 10e6, 1e6)
+    assert why is not None and "1.00 MB/s" in why and "10 block(s)" in why
+    # The same blocks at 100 MB/s land by 0.4 s: the fetch goes on.
+    assert deadline.overtaken(0.3, 9, 10, 10e6, 100e6) is None
+    # Slower than the deadline but still faster than recomputing (a slow CPU): the deadline's to judge
+    # block by block, not the re-plan's.
+    slow_cpu = KvAbr(AbrConfig(deadline_margin_s=1.0))
+    slow_cpu.prefill.add(100, 5.0)  # 50 ms per token: 0.8 s per block
+    late = slow_cpu.deadline(started=0.0, block_size=16)
+    assert late is not None and late.overtaken(0.3, 9, 10, 10e6, 2e6) is None
+    # Within the slack in the fetch's favour: 1.2x too slow for the deadline is not enough.
+    assert deadline.overtaken(0.0, 9, 10, 10e6, 10e6 / (1.08 * 1.2)) is None
+    # Nothing left, or no rate: nothing to re-plan.
+    assert deadline.overtaken(0.3, 9, 0, 0.0, 1e3) is None
+    assert deadline.overtaken(0.3, 9, 10, 10e6, 0.0) is None
+
+
+def test_measured_rate_waits_for_bytes_and_takes_the_faster_of_average_and_recent() -> None:
+    rate = MeasuredRate(window_s=0.1, min_observed_s=0.1)
+    assert rate.observe(0.00, 0) is None  # nothing yet: a silent relay is not a rate of zero
+    assert rate.observe(0.05, 1000) is None  # first bytes: the clock starts here
+    assert rate.observe(0.10, 2000) is None  # not observed for long enough
+    # A congestion window opening: the rate of the last 0.1 s or more outruns the average.
+    assert rate.observe(0.17, 5000) == pytest.approx(4000 / 0.12)
+    assert rate.observe(0.25, 9000) == pytest.approx(7000 / 0.15)
+    assert rate.observe(0.31, 21000) == pytest.approx(16000 / 0.14)
+    # A receiver paused by its host: the recent window is empty, the average still stands.
+    assert rate.observe(0.60, 21000) == pytest.approx(20000 / 0.55)
 
 
 def test_size_priors_follow_the_kv_dtype() -> None:
