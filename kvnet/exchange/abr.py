@@ -587,6 +587,8 @@ class KvAbr:
     """Located blocks declined, over all plans (monotonic)."""
     probes: int = field(default=0, init=False)
     """Plans that probed (monotonic)."""
+    skipped_locates: int = field(default=0, init=False)
+    """Requests that did not look for remote blocks because no plan could fetch any (``worth_locating``)."""
     first_byte: dict[str, FirstByteEstimator] = field(default_factory=dict, init=False)
     """Per relay (its URL): how late it answers a FETCH beyond the RTT (``first_byte_of``)."""
     _probe_pending: bool = field(default=False, init=False)
@@ -627,6 +629,51 @@ class KvAbr:
     def fetch_latency_s(self, relay: str | None = None) -> float:
         """What a fetch costs before its bytes flow: one round trip plus the relay's first-byte delay."""
         return self.rtt.estimate() + self.first_byte_s(relay)
+
+    def skip_locate(
+        self, block_size: int, block_raw_bytes: int, blocks: int, total_tokens: int
+    ) -> dict[str, Any] | None:
+        """Why a request should not look for remote blocks at all (its report's ``abr`` entry), or None to
+        look. ``blocks`` is how many the relay could have (the prompt's missing ones), ``total_tokens``
+        what prefill would process without them. Skipped while, even were every one of those blocks
+        located, no plan would fetch any: each block's fetch costs at least its recompute (so a fetched
+        prefix never wins) and the best split (``best_split``) saves less than ``SPLIT_MIN_GAIN``. That
+        saves the locate's round trip (a WAN RTT or more) on every request of a node whose path loses to
+        its compute. Only a measured throughput is trusted this way, never the prior; and a skip counts
+        as a declining plan (``declined_streak``), so the probes that measure the path again
+        (``_should_probe``) come as often as if the blocks had been located and declined."""
+        cfg = self.config
+        measured = self.throughput.samples > 0
+        if cfg.force_recompute or not cfg.allow_recompute or not measured or self._should_probe():
+            return None
+        if blocks <= 0:
+            return None
+        _, fetch = self.fetch_cost(block_raw_bytes, cfg.acceptable)
+        compute = block_size * self.prefill.per_token_s
+        if fetch < compute:
+            return None
+        recompute_all = self.prefill.estimate(total_tokens)
+        if cfg.overlap:
+            _, parallel = best_split([fetch] * blocks, self.fetch_latency_s(), self.head_cost(block_size))
+            rest = self.prefill.estimate(total_tokens - blocks * block_size)
+            if parallel + rest < (1 - SPLIT_MIN_GAIN) * recompute_all:
+                return None
+        self.skipped_locates += 1
+        self.declined_streak += 1
+        return {
+            "fetch_blocks": 0,
+            "compute_blocks": 0,
+            "locate_skipped": (
+                f"fetching a block would take {fetch * 1e3:.1f} ms against {compute * 1e3:.1f} ms "
+                "computing it: no plan could fetch, so no locate"
+            ),
+            "inputs": {
+                "throughput_bps": self.throughput.estimate(),
+                "rtt_s": self.rtt.estimate(),
+                "prefill_per_token_s": self.prefill.per_token_s,
+                "prefill_overhead_s": self.prefill.overhead_s,
+            },
+        }
 
     def _should_probe(self) -> bool:
         cfg = self.config

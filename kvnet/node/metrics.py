@@ -119,6 +119,9 @@ class _NodeCollector(Collector):
                             node.abr.declined_blocks)
         yield self._counter("kvnet_abr_probes", "Plans that fetched declined blocks to measure again.",
                             node.abr.probes)
+        yield self._counter("kvnet_abr_skipped_locates",
+                            "Requests that looked for no remote blocks: the measured path loses to compute.",
+                            node.abr.skipped_locates)
         peer = node.peer
         connected = peer is not None and peer.connected
         yield self._gauge("kvnet_relay_connected", "1 while the node has a session with its relay.",

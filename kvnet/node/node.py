@@ -385,7 +385,13 @@ class Node:
                 report.fallback.append(f"relay not connected{why}: no remote prefix lookup")
         head: OverlapResult | None = None
         if remote and self.peer is not None and local_blocks < usable:
-            head = await self._remote_prefix(ids, hashes, local_blocks, usable, report)
+            skipped = self.abr.skip_locate(b, self.cache.spec.bytes_per_block, usable - local_blocks,
+                                           len(ids) - local_blocks * b)
+            if skipped is None:
+                head = await self._remote_prefix(ids, hashes, local_blocks, usable, report)
+            else:
+                report.abr = skipped
+                logger.info("ABR: %s", skipped["locate_skipped"])
         # A kept sequence holds its blocks, so the reused prefix (local hits, fetched blocks and a head
         # computed while the tail was fetched alike) cannot be evicted before it is copied.
         keep = publish or keep_prefix

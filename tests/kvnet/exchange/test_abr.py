@@ -169,6 +169,31 @@ def test_measured_rate_waits_for_bytes_and_takes_the_faster_of_average_and_recen
     assert rate.observe(0.60, 21000) == pytest.approx(20000 / 0.55)
 
 
+def test_a_path_measured_slower_than_compute_skips_the_locate_and_still_probes() -> None:
+    abr = _abr(per_token_s=1e-3, bps=1e9)  # 16 ms per block to recompute
+    # Before any measurement the prior is not trusted to skip anything.
+    assert abr.skip_locate(BLOCK, RAW, 8, 8 * BLOCK + 5) is None
+    abr.fetch_measured(1_000_000, 1.0)  # 1 MB/s: ~0.7 s per lossless block
+    skipped = abr.skip_locate(BLOCK, RAW, 8, 8 * BLOCK + 5)
+    assert skipped is not None and skipped["fetch_blocks"] == 0 and "no locate" in skipped["locate_skipped"]
+    assert skipped["inputs"]["throughput_bps"] == pytest.approx(1e6)
+    assert abr.skipped_locates == 1
+    # Skips count as declining plans: after probe_after of them the locate happens and the plan probes.
+    for _ in range(abr.config.probe_after - 1):
+        assert abr.skip_locate(BLOCK, RAW, 8, 8 * BLOCK + 5) is not None
+    assert abr.skip_locate(BLOCK, RAW, 8, 8 * BLOCK + 5) is None
+    assert abr.plan([["lossless"]] * 8, BLOCK, RAW, total_tokens=8 * BLOCK + 5).probe
+    # A path faster than compute is always looked at; so is one where only a split could win.
+    fast = _abr(per_token_s=1e-3, bps=1e9)
+    fast.fetch_measured(100_000_000, 1.0)
+    assert fast.skip_locate(BLOCK, RAW, 8, 8 * BLOCK + 5) is None
+    split = KvAbr(AbrConfig(prior_throughput_bps=1e9, prior_rtt_s=0.001, safety=1.0))
+    split.prefill.add(1000, 1.0)  # 16 ms per block; a lossless block at 30 MB/s takes ~23 ms
+    split.fetch_measured(30_000_000, 1.0)
+    assert split.skip_locate(BLOCK, RAW, 32, 32 * BLOCK + 5) is None
+    assert split.plan([["lossless"]] * 32, BLOCK, RAW, total_tokens=32 * BLOCK + 5).compute_blocks > 0
+
+
 def test_size_priors_follow_the_kv_dtype() -> None:
     # Before any block is measured, int8 saves half as much on bf16 as on fp32 (one byte of two vs of four),
     # while lossless saves more on bf16: the prior must not be fp32's for a bf16 model.
