@@ -324,9 +324,12 @@ class PrefillEstimator:
             if slope > 0 and intercept >= 0:
                 self.per_token_s, self.overhead_s = slope, intercept
                 return
-        # One size seen (or a fit with a negative term): attribute everything to tokens.
-        self.per_token_s = my / mx
-        self.overhead_s = 0.0
+        # One size seen, or a fit with a negative term (runs of close sizes, one of them slowed by load,
+        # make the least-squares slope swing several-fold): the fixed cost stays what the last valid fit
+        # said (calibration runs are of sizes far apart), and the rest is per token.
+        overhead = min(self.overhead_s, min(ys))
+        self.per_token_s = max(my - overhead, 0.0) / mx if my > overhead else my / mx
+        self.overhead_s = overhead if my > overhead else 0.0
 
     def estimate(self, tokens: int) -> float:
         return 0.0 if tokens <= 0 else self.overhead_s + tokens * self.per_token_s
@@ -334,6 +337,11 @@ class PrefillEstimator:
     @property
     def has_samples(self) -> bool:
         return bool(self._samples)
+
+    @property
+    def samples(self) -> tuple[tuple[int, float], ...]:
+        """The runs the fit is over, oldest first: ``(tokens, seconds)``."""
+        return tuple(self._samples)
 
 
 @dataclass

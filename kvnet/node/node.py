@@ -73,6 +73,11 @@ from kvnet.storage.disk import DiskTier
 
 logger = logging.getLogger(__name__)
 
+CALIBRATION_MIN_RUN_S = 0.1
+"""A calibration run at least this long is mostly the prefill's per-token work (``Node.calibrate``)."""
+CALIBRATION_MAX_TOKENS = 512
+"""The longest calibration run: on a fast CPU a few hundred milliseconds of start-up at most."""
+
 
 def build_model(config: NodeConfig, models_dir: Path) -> tuple[Transformer, Tokenizer]:
     """The model and the tokenizer it reads: a checkpoint directory (``--checkpoint``, or a named trained
@@ -227,19 +232,29 @@ class Node:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def calibrate(self, tokens: int = 64) -> float:
-        """Warm the kernels and measure local prefill speed for the ABR; returns seconds per token."""
-        ids = [(i * 7919) % 256 for i in range(max(tokens, 2))]
-        warm = False
-        # The first run pays one-off kernel set-up: run it, then measure two sizes (slope + overhead).
-        for n in (len(ids), len(ids) // 2, len(ids)):
-            cache = PagedKVCache(self.cache.spec, -(-n // self.block_size) + 1, self.device)
+    def calibrate(self, tokens: int = 64, min_run_s: float = CALIBRATION_MIN_RUN_S) -> float:
+        """Warm the kernels and measure local prefill speed for the ABR; returns seconds per token.
+
+        Runs of ``n / 2`` and ``n`` tokens give the slope and the fixed cost, ``n`` doubled from ``tokens``
+        (up to ``CALIBRATION_MAX_TOKENS`` and the model's context) until one run takes ``min_run_s``: runs
+        of a few milliseconds are mostly fixed cost and timer noise, and a slope fitted from two of them
+        was off by 2-4x on a CPU with AMX, which then decided the first plans. A slow CPU stops at
+        ``tokens`` (its first run is long enough), so start-up costs what it did."""
+        limit = min(CALIBRATION_MAX_TOKENS, self.model.args.max_seq_len - 1)
+        n = max(min(tokens, limit), 2)
+
+        def run(count: int) -> float:
+            ids = [(i * 7919) % 256 for i in range(count)]
+            cache = PagedKVCache(self.cache.spec, -(-count // self.block_size) + 1, self.device)
             started = time.perf_counter()
-            generate(self.model, cache, ids[:n], 0, root=self.root, commit_prompt=False)
-            elapsed = time.perf_counter() - started
-            if warm:
-                self.abr.prefill.add(n, elapsed)
-            warm = True
+            generate(self.model, cache, ids, 0, root=self.root, commit_prompt=False)
+            return time.perf_counter() - started
+
+        run(n)  # the first run pays one-off kernel set-up
+        while run(n) < min_run_s and 2 * n <= limit:
+            n *= 2
+        for count in (n // 2, n):
+            self.abr.prefill.add(count, run(count))
         return self.abr.prefill.per_token_s
 
     async def _run_sequence(

@@ -247,6 +247,18 @@ def test_prefill_estimate_follows_the_latest_runs() -> None:
     assert est.per_token_s < 2.5e-4  # an unweighted fit of the window would say 7e-4
 
 
+def test_a_fit_spoiled_by_one_slowed_run_keeps_the_fixed_cost() -> None:
+    est = PrefillEstimator()
+    est.add(256, 0.075 + 256 * 5e-4)  # calibration: 0.5 ms per token plus 75 ms
+    est.add(512, 0.075 + 512 * 5e-4)
+    assert est.overhead_s == pytest.approx(0.075)
+    # A run of a close size, slowed 2x by other work on the host: the least-squares intercept goes
+    # negative. The fixed cost stays; the per-token cost takes the rest, not the whole.
+    est.add(575, 2 * (0.075 + 575 * 5e-4))
+    assert est.overhead_s == pytest.approx(0.075)
+    assert 5e-4 < est.per_token_s < 9e-4
+
+
 def test_declined_hits_are_counted_with_their_inputs() -> None:
     abr = _abr(per_token_s=1e-5, bps=1e6)  # recompute is far cheaper: every located block is declined
     plan = abr.plan([["lossless"]] * 5, BLOCK, RAW, total_tokens=5 * BLOCK + 3)

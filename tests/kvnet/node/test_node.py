@@ -1,0 +1,38 @@
+"""Tests for kvnet/node/node.py that need no relay: the node's calibration of its prefill speed."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from kvnet.model.transformer import Transformer
+from kvnet.node.node import CALIBRATION_MAX_TOKENS, Node, NodeConfig
+
+
+@pytest.fixture
+async def node() -> AsyncIterator[Node]:
+    built = Node(NodeConfig(model="tiny", block_size=16, cache_blocks=64),
+                 Transformer.from_name("tiny", device=torch.device("cpu")))
+    try:
+        yield built
+    finally:
+        await built.close()
+
+
+async def test_calibration_measures_two_sizes_at_the_first_that_runs_long_enough(node: Node) -> None:
+    # Every run is long enough: the sizes asked for, half and whole.
+    node.calibrate(tokens=16, min_run_s=0.0)
+    assert [size for size, _ in node.abr.prefill.samples] == [8, 16]
+    assert node.abr.prefill.per_token_s > 0
+
+
+async def test_calibration_doubles_short_runs_up_to_its_limit(node: Node) -> None:
+    # No run is long enough: doubled up to the longest run allowed (the cap, or the model's context).
+    node.calibrate(tokens=16, min_run_s=1e9)
+    limit = min(CALIBRATION_MAX_TOKENS, node.model.args.max_seq_len - 1)
+    longest = 16
+    while 2 * longest <= limit:
+        longest *= 2
+    assert [size for size, _ in node.abr.prefill.samples] == [longest // 2, longest]
