@@ -11,6 +11,12 @@ is the publisher's, the output what this node computes from it: docs/nodes.md, "
 means"). Equal outputs with the recompute are reported, not required: a CPU with AMX rounds bfloat16
 prefill by batch shape, so there a cold recompute may differ in the last bits.
 
+The subscriber first asks for a shorter document of its own (``WARMUP_DOCUMENT``, also published at site
+a), the way a long-running node has fetched over its path before: that first contact plans with the
+throughput prior (nothing measured yet) and is re-planned mid-fetch by the rate it achieves
+(``kvnet.exchange.abr.FetchDeadline.overtaken``); its report is kept (``WanDemo.first_contact``) and
+printed, and the demo request that follows plans with what it measured.
+
 The trained SmolLM2 model (``--model smollm2``) in its own dtype, bfloat16: on a CPU without bfloat16
 matrix units it prefills slowly enough (tens of ms per token) that fetching its KV over a WAN wins for a
 long prefix; on a CPU with them (AMX) it prefills fast enough that recomputing wins, and the ABR should
@@ -30,9 +36,6 @@ from .runner import ClusterError, NetnsCluster, stop_process
 logger = logging.getLogger(__name__)
 
 DEMO_MODEL = ("--model", "smollm2")
-# Over a WAN the first block (about 1 MB of SmolLM2 KV) needs several round trips through three relays while
-# QUIC's window opens; the default 1 s margin would abandon it before it lands (docs/cluster.md).
-DEMO_FETCH_MARGIN_S = "5"
 DEMO_DOCUMENT = "Shared document for every user of this deployment.\n" + (
     "kvnet moves the KV cache of long shared prompts between inference nodes. A node that has computed a "
     "prompt publishes its blocks through a relay; a node at another site that receives a prompt with the "
@@ -40,6 +43,12 @@ DEMO_DOCUMENT = "Shared document for every user of this deployment.\n" + (
     "digests, and loads them into its paged cache instead of running the prefill again. "
 ) * 8
 DEMO_QUESTION = "\nQuestion: what does a node at another site do with a shared prefix?"
+WARMUP_DOCUMENT = "Release notes of this deployment.\n" + (
+    "Relays cache the blocks they forward, nodes verify every block they fetch, and a node that finds "
+    "fetching slower than computing recomputes instead. "
+) * 16
+"""About nine blocks of SmolLM2 KV: long enough that a plan at the throughput prior fetches it even where
+prefill is fast (AMX), so the first contact measures the path."""
 PUBLISHER_READY_S = 600.0
 
 
@@ -55,6 +64,8 @@ class WanDemo:
     chosen: dict[str, Any]
     fetched: dict[str, Any]
     recomputed: dict[str, Any]
+    first_contact: dict[str, Any]
+    """The same subscriber's earlier request (``WARMUP_DOCUMENT``), planned before anything was measured."""
 
     @staticmethod
     def ttft(report: dict[str, Any]) -> float:
@@ -82,6 +93,9 @@ class WanDemo:
         """The ABR's estimates behind its choice, in one phrase."""
         abr = self.chosen["abr"]
         inputs = abr.get("inputs", {})
+        if "locate_skipped" in abr:
+            measured = inputs.get("throughput_bps", 0.0) / 1e6
+            return f"at the {measured:.1f} MB/s it measured, {abr['locate_skipped']}"
         plan, everything = abr.get("est_total_s", 0.0), abr.get("est_recompute_all_s", 0.0)
         return (
             f"estimated {plan:.1f} s against {everything:.1f} s recomputing everything, at "
@@ -89,12 +103,26 @@ class WanDemo:
             f"{1000 * inputs.get('prefill_per_token_s', 0.0):.1f} ms of prefill per token"
         )
 
+    def first_contact_summary(self) -> str:
+        """What the first request over the path (nothing measured yet) planned and how it ended."""
+        w = self.first_contact
+        inputs = w["abr"].get("inputs", {})
+        ended = (f"re-planned mid-fetch ({w['abandoned']})" if w.get("abandoned")
+                 else f"fetched {w['remote_hit_tokens']} tokens" if w["remote_hit_tokens"] > 0
+                 else "recomputed")
+        return (
+            f"first contact ({w['prompt_tokens']} tokens, nothing measured yet): planned at "
+            f"{inputs.get('throughput_bps', 0.0) / 1e6:.1f} MB/s, {ended}; time to first token "
+            f"{self.ttft(w):.1f} s"
+        )
+
     def summary(self) -> str:
         c, f, r = self.chosen, self.fetched, self.recomputed
         verdict = "within" if self.against_best <= WITHIN else "NOT within"
         same = "equal to" if f.get("equals_recompute") else "differs from"
         return (
-            f"the ABR chose to {self.choice} ({self.reason()}): time to first token {self.ttft(c):.1f} s; "
+            f"{self.first_contact_summary()}. Then the ABR chose to {self.choice} ({self.reason()}): "
+            f"time to first token {self.ttft(c):.1f} s; "
             f"fetched whole {self.ttft(f):.1f} s ({f['remote_hit_tokens']} of {f['prompt_tokens']} tokens, "
             f"{f['bytes_fetched'] / 1e6:.1f} MB over the WAN), recomputed {self.ttft(r):.1f} s; the choice "
             f"took {self.against_best:.2f}x the faster rung ({verdict} {round(100 * (WITHIN - 1))}%); "
@@ -120,12 +148,17 @@ def publisher_argv(edge: str, key_dir: str, prompt: str, *extra: str) -> list[st
     ]
 
 
-def _subscribe(cluster: NetnsCluster, prompt: str, *extra: str) -> dict[str, Any]:
-    proc = cluster.exec("sub-b", subscriber_argv("edge-b", prompt, *extra), timeout_s=900)
+def _subscribe(cluster: NetnsCluster, prompts: list[str], *extra: str) -> list[dict[str, Any]]:
+    """Ask for ``prompts`` in turn in one subscriber process (one node, one ABR); their reports."""
+    argv = subscriber_argv("edge-b", prompts[0], *extra)
+    for prompt in prompts[1:]:
+        argv += ["--prompt", prompt]
+    proc = cluster.exec("sub-b", argv, timeout_s=900)
     if proc.returncode != 0:
         raise ClusterError(f"subscriber failed ({proc.returncode}): {proc.stderr.strip()[-3000:]}")
-    report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return report
+    lines = proc.stdout.strip().splitlines()[-len(prompts):]
+    reports: list[dict[str, Any]] = [json.loads(line) for line in lines]
+    return reports
 
 
 def fetched_whole(report: dict[str, Any]) -> bool:
@@ -139,37 +172,39 @@ def fetched_whole(report: dict[str, Any]) -> bool:
 
 
 def run_smoke(cluster: NetnsCluster, tag: str = "smoke") -> WanDemo:
-    """Publish the demo document at pub-a (site a) and ask for it plus a question at sub-b (site b): first
-    with the ABR deciding, then, unless that already fetched the whole prefix, with ``--abr fetch`` (so
-    the edges' caches are cold for the first fetch either way), then recomputed. Raise ``ClusterError``
-    unless the whole-prefix fetch loaded the prefix without falling back and its output is verified.
-    ``tag`` keeps runs' documents apart."""
-    document = f"[{tag} {time.time_ns()}] {DEMO_DOCUMENT}"
+    """Publish the warm-up and demo documents at pub-a (site a) and ask for each plus a question at sub-b
+    (site b) in one subscriber with the ABR deciding; then the demo request again in new subscribers,
+    unless the ABR already fetched its whole prefix with ``--abr fetch`` (so the edges' caches are cold for
+    the first fetch either way), and recomputed. Raise ``ClusterError`` unless the whole-prefix fetch loaded
+    the prefix without falling back and its output is verified. ``tag`` keeps runs' documents apart."""
+    stamp = f"[{tag} {time.time_ns()}]"
+    document, warmup = f"{stamp} {DEMO_DOCUMENT}", f"{stamp} {WARMUP_DOCUMENT}"
     log_name = f"{tag}-publisher"
     log = cluster.run_dir / "logs" / f"{log_name}.log"
     # The log is appended to by every run in this run directory: only this publisher's READY counts (an
     # earlier run's sent the subscriber off before the document was published, and it located nothing).
     earlier = log.stat().st_size if log.exists() else 0
-    argv = publisher_argv("edge-a", "/keys/pub-a", document, *DEMO_MODEL)
+    argv = publisher_argv("edge-a", "/keys/pub-a", warmup, "--prompt", document, *DEMO_MODEL)
     publisher = cluster.spawn("pub-a", argv, log_name)
-    fetch_flags = ("--fetch-margin", DEMO_FETCH_MARGIN_S, "--verify")
     try:
         deadline = time.monotonic() + PUBLISHER_READY_S
         while b"READY" not in log.read_bytes()[earlier:]:
             if publisher.poll() is not None or time.monotonic() > deadline:
                 raise ClusterError(f"demo publisher not serving:\n{cluster.diagnostics([log_name])}")
             time.sleep(0.5)
-        logger.info("pub-a published the demo document; asking for it at sub-b")
+        logger.info("pub-a published the documents; asking for them at sub-b")
         prompt = document + DEMO_QUESTION
-        chosen = _subscribe(cluster, prompt, *DEMO_MODEL, *fetch_flags)
-        logger.info("ABR: %s", json.dumps({k: chosen[k] for k in ("remote_hit_tokens", "abr", "timings")}))
+        first_contact, chosen = _subscribe(cluster, [warmup + DEMO_QUESTION, prompt], *DEMO_MODEL, "--verify")
+        for name, report in (("first contact", first_contact), ("ABR", chosen)):
+            shown = {k: report[k] for k in ("remote_hit_tokens", "abr", "abandoned", "timings")}
+            logger.info("%s: %s", name, json.dumps(shown))
         fetched = chosen
         if not fetched_whole(chosen):
-            fetched = _subscribe(cluster, prompt, *DEMO_MODEL, *fetch_flags, "--abr", "fetch")
-        recomputed = _subscribe(cluster, prompt, *DEMO_MODEL, "--abr", "recompute")
+            [fetched] = _subscribe(cluster, [prompt], *DEMO_MODEL, "--verify", "--abr", "fetch")
+        [recomputed] = _subscribe(cluster, [prompt], *DEMO_MODEL, "--abr", "recompute")
     finally:
         stop_process(publisher)
-    demo = WanDemo(chosen, fetched, recomputed)
+    demo = WanDemo(chosen, fetched, recomputed, first_contact)
     context = (f"\nchosen: {json.dumps(chosen)}\nfetched: {json.dumps(fetched)}"
                f"\nrecomputed: {json.dumps(recomputed)}")
     if fetched["remote_hit_tokens"] <= 0:
