@@ -152,10 +152,12 @@ async def test_session_limit_refuses_extra_sessions(cert_dir: CertDir, relay_fac
 async def test_request_floods_per_session_and_global(cert_dir: CertDir, relay_factory: RelayFactory) -> None:
     """Two sessions flood 2,000 FETCHes each: the per-session cap (100) and the relay-wide cap (150)."""
     # The relay waits for the held requests as long as the test holds them (its upstream timeout would
-    # otherwise free their slots early on a loaded machine).
+    # otherwise free their slots early on a loaded machine), and for the flooders to read its answers: one
+    # event loop runs both flooders' 4,000 tasks, and on a loaded machine it once left the first flooder's
+    # answers unread past the 10 s slow-peer rule, which closed that session and freed its held slots.
     rp = relay_factory(
         "--max-requests-per-session", "100", "--max-requests", "150", "--upstream-timeout", "600",
-        "--log-level", "info",
+        "--slow-peer-timeout", "600", "--log-level", "info",
     )
     pub, client = await start_good(rp, cert_dir.ca)
     pub.fetch_gate = asyncio.Event()  # every flooded FETCH holds a request slot until the gate opens
@@ -175,9 +177,10 @@ async def test_request_floods_per_session_and_global(cert_dir: CertDir, relay_fa
         # Only EXCESSIVE_LOAD: a held request the relay gives up on (TIMEOUT) is already counted as held.
         return codes[f].get(RequestErrorCode.EXCESSIVE_LOAD, 0)
 
+    flood: list[asyncio.Task[None]] = []
     try:
         before = pub.counts["fetch"]
-        flood = [asyncio.create_task(one(0, i)) for i in range(2000)]
+        flood += [asyncio.create_task(one(0, i)) for i in range(2000)]
         await async_wait_until(
             lambda: pub.counts["fetch"] - before == 100 and refused_load(0) == 2000 - 100,
             "the first flooder holding its 100 requests, the rest refused",
@@ -218,6 +221,11 @@ async def test_request_floods_per_session_and_global(cert_dir: CertDir, relay_fa
         assert rp.rss_bytes() < RSS_LIMIT
         await still_served(client, pub)  # after
     finally:
+        # Ended and their failures retrieved whatever happened: a task left with an unread exception is
+        # logged when the garbage collector finds it, which can be in the middle of a later test.
+        for task in flood:
+            task.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
         for flooder in flooders:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(flooder.close_session(), scaled(5))
