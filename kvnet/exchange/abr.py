@@ -73,11 +73,11 @@ logger = logging.getLogger(__name__)
 
 RECOMPUTE = "recompute"
 SPLIT_MIN_GAIN = 0.1
+"""A split plan must be estimated this much faster (a fraction) than the best plan without one: it costs a
+second prefill's overhead and CPU that the fetch shares, and a near-tie gains nothing measurable."""
 REPLAN_SLACK = 1.5
 """Factor in a running fetch's favour when it is re-planned (``FetchDeadline.overtaken``): a rate measured
 over a fraction of a second is noisy, and a fetch nearly done must not be thrown away for one slow reading."""
-"""A split plan must be estimated this much faster (a fraction) than the best plan without one: it costs a
-second prefill's overhead and CPU that the fetch shares, and a near-tie gains nothing measurable."""
 # Higher quality first; a rendition not listed ranks after these, in name order. ``plain`` is exact like
 # ``lossless`` (so accepting it lowers no floor); it ranks after it so that a tie in cost goes to the
 # smaller payload (less for relays to cache and links to carry).
@@ -328,8 +328,9 @@ class PrefillEstimator:
         # make the least-squares slope swing several-fold): the fixed cost stays what the last valid fit
         # said (calibration runs are of sizes far apart), and the rest is per token.
         overhead = min(self.overhead_s, min(ys))
-        self.per_token_s = max(my - overhead, 0.0) / mx if my > overhead else my / mx
-        self.overhead_s = overhead if my > overhead else 0.0
+        if my <= overhead:
+            overhead = 0.0
+        self.per_token_s, self.overhead_s = (my - overhead) / mx, overhead
 
     def estimate(self, tokens: int) -> float:
         return 0.0 if tokens <= 0 else self.overhead_s + tokens * self.per_token_s
@@ -596,7 +597,7 @@ class KvAbr:
     probes: int = field(default=0, init=False)
     """Plans that probed (monotonic)."""
     skipped_locates: int = field(default=0, init=False)
-    """Requests that did not look for remote blocks because no plan could fetch any (``worth_locating``)."""
+    """Requests that did not look for remote blocks because no plan could fetch any (``skip_locate``)."""
     first_byte: dict[str, FirstByteEstimator] = field(default_factory=dict, init=False)
     """Per relay (its URL): how late it answers a FETCH beyond the RTT (``first_byte_of``)."""
     _probe_pending: bool = field(default=False, init=False)
@@ -651,10 +652,9 @@ class KvAbr:
         as a declining plan (``declined_streak``), so the probes that measure the path again
         (``_should_probe``) come as often as if the blocks had been located and declined."""
         cfg = self.config
-        measured = self.throughput.samples > 0
-        if cfg.force_recompute or not cfg.allow_recompute or not measured or self._should_probe():
+        if blocks <= 0 or self.throughput.samples == 0:  # nothing to find, or only the prior to judge by
             return None
-        if blocks <= 0:
+        if cfg.force_recompute or not cfg.allow_recompute or self._should_probe():
             return None
         _, fetch = self.fetch_cost(block_raw_bytes, cfg.acceptable)
         compute = block_size * self.prefill.per_token_s
