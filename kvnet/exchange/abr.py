@@ -67,7 +67,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 logger = logging.getLogger(__name__)
 
@@ -254,6 +254,8 @@ FIRST_BYTE_CAP_S = 10.0
 """The most a learned first-byte delay may be, in seconds (the node's default request timeout, after which a
 FETCH that brought nothing has failed anyway): a relay that answers late, or never, cannot teach a node to
 wait longer than that for a block (``FirstByteEstimator``)."""
+MAX_KEPT_SAMPLES = 4096
+"""Samples a ``KvAbr`` keeps for another (``keep_samples``) while nobody takes them; the oldest go first."""
 MAX_RELAYS_TRACKED = 64
 """Relays whose first-byte delay a node keeps at once; the one whose session began longest ago goes."""
 
@@ -571,9 +573,29 @@ class MeasuredRate:
         return rate if rate > 0 else None
 
 
+AbrSampleKind = Literal["throughput", "rtt", "first_byte", "rendition", "prefill"]
+
+
+@dataclass(frozen=True, slots=True)
+class AbrSample:
+    """One measurement as a ``KvAbr`` took it, for another ``KvAbr`` to take too (``KvAbr.absorb``).
+
+    An engine whose plans and transfers run in different processes (vLLM: its scheduler plans, its worker
+    fetches and runs the forwards) keeps the worker's samples (``KvAbr.keep_samples``) and replays them into
+    the scheduler's estimators, so both age and weigh them alike. ``values`` are the arguments of the
+    ``KvAbr`` method named after ``kind`` (``throughput`` is ``fetch_measured``; the others
+    ``<kind>_measured``); plain numbers and strings, so the sample crosses a process boundary as it is."""
+
+    kind: AbrSampleKind
+    values: tuple[float | int | str, ...]
+
+
 @dataclass
 class KvAbr:
-    """Estimators plus the decision; one per node, so measurements carry over between requests."""
+    """Estimators plus the decision; one per node, so measurements carry over between requests.
+
+    Every sample comes in through a ``*_measured`` method (``fetch_measured`` for throughput): fetches call
+    them, and ``absorb`` replays samples another ``KvAbr`` kept."""
 
     config: AbrConfig = field(default_factory=AbrConfig)
     throughput: ThroughputEstimator = field(init=False)
@@ -601,19 +623,77 @@ class KvAbr:
     first_byte: dict[str, FirstByteEstimator] = field(default_factory=dict, init=False)
     """Per relay (its URL): how late it answers a FETCH beyond the RTT (``first_byte_of``)."""
     _probe_pending: bool = field(default=False, init=False)
+    _kept: deque[AbrSample] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.renditions = RenditionStats(kv_dtype=self.config.kv_dtype, clock=self.clock)
         self.throughput = ThroughputEstimator(self.config.prior_throughput_bps, self.clock)
         self.rtt = RttEstimator(self.config.prior_rtt_s)
 
+    def keep_samples(self, limit: int = MAX_KEPT_SAMPLES) -> None:
+        """From now on also keep every sample taken (the newest ``limit``) for ``take_samples``."""
+        self._kept = deque(maxlen=limit)
+
+    def take_samples(self) -> tuple[AbrSample, ...]:
+        """The samples kept since the last call, oldest first (none unless ``keep_samples`` was called).
+
+        Safe against samples taken meanwhile on another thread (a deque's appends and pops are atomic):
+        vLLM's worker takes its fetch loop's samples on its forward thread."""
+        kept = self._kept
+        if kept is None:
+            return ()
+        return tuple(kept.popleft() for _ in range(len(kept)))
+
+    def absorb(self, samples: Sequence[AbrSample]) -> None:
+        """Take ``samples`` (another ``KvAbr``'s ``take_samples``) as if measured here, in order; a sample
+        of an unknown kind or with values of the wrong types is dropped (it crossed a process boundary)."""
+        for sample in samples:
+            try:
+                self._ABSORB[sample.kind](self, *sample.values)
+            except (KeyError, TypeError):
+                logger.debug("dropped an ABR sample that cannot be taken: %r", sample)
+
+    def _keep(self, kind: AbrSampleKind, *values: float | int | str) -> None:
+        if self._kept is not None:
+            self._kept.append(AbrSample(kind, values))
+
     def fetch_measured(self, nbytes: int, seconds: float) -> None:
         """A clean transfer's throughput sample; the first after a probe replaces the estimate."""
+        self._keep("throughput", nbytes, seconds)
         if self._probe_pending:
             self._probe_pending = False
             self.throughput.remeasure(nbytes, seconds)
         else:
             self.throughput.add(nbytes, seconds)
+
+    def rtt_measured(self, seconds: float) -> None:
+        """A round trip: a request sent to its first answer."""
+        self._keep("rtt", seconds)
+        self.rtt.add(seconds)
+
+    def first_byte_measured(self, relay: str, cap_s: float, seconds_beyond_rtt: float) -> None:
+        """How late ``relay`` answered a FETCH beyond the round trip (``FirstByteEstimator``; ``cap_s`` is
+        the estimator's cap if this relay is new here)."""
+        self._keep("first_byte", relay, cap_s, seconds_beyond_rtt)
+        estimator = self.first_byte.get(relay)
+        if estimator is None:
+            estimator = self.first_byte_of(relay, cap_s)
+        estimator.add(seconds_beyond_rtt)
+
+    def rendition_measured(self, rendition: str, raw_bytes: int, encoded_bytes: int, decode_s: float) -> None:
+        """One fetched block's size on the wire and its verify + decode time (``RenditionStats``)."""
+        self._keep("rendition", rendition, raw_bytes, encoded_bytes, decode_s)
+        self.renditions.add(rendition, raw_bytes, encoded_bytes, decode_s)
+
+    def prefill_measured(self, tokens: int, seconds: float) -> None:
+        """A forward of ``tokens`` prompt tokens took ``seconds`` (``PrefillEstimator``)."""
+        self._keep("prefill", tokens, seconds)
+        self.prefill.add(tokens, seconds)
+
+    _ABSORB: ClassVar[Mapping[str, Callable[..., None]]] = {
+        "throughput": fetch_measured, "rtt": rtt_measured, "first_byte": first_byte_measured,
+        "rendition": rendition_measured, "prefill": prefill_measured,
+    }
 
     def first_byte_of(self, relay: str, cap_s: float = FIRST_BYTE_CAP_S) -> FirstByteEstimator:
         """The first-byte estimator of ``relay`` (made on first use, with ``cap_s``, the fetch timeout of

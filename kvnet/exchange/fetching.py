@@ -62,7 +62,7 @@ from kvnet.blocks.identity import BlockIdentity
 from kvnet.cache.hashing import hash_block
 from kvnet.dtypes import dtype_from_name
 from kvnet.errors import KVCacheError
-from kvnet.exchange.abr import AbrConfig, FirstByteEstimator, KvAbr, MeasuredRate
+from kvnet.exchange.abr import AbrConfig, KvAbr, MeasuredRate
 from kvnet.exchange.config import DEFAULT_VERIFY_WORKERS, DEFAULT_WINDOW_BYTES, MAX_VERIFY_WORKERS
 from kvnet.exchange.locate import DEFAULT_LOCATE_FAN_OUT, DEFAULT_STRAGGLER_GRACE, Located, locate_prefix
 from kvnet.net.connection import MoqtConnection
@@ -398,7 +398,7 @@ class BlockFetcher:
     ) -> Located:
         return await locate_prefix(
             len(hashes), renditions, lambda i, r: probe(hashes, i, r), fan_out=self.locate_fan_out,
-            timeout=self.timeout, straggler_grace=self.straggler_grace, on_first_answer=self.abr.rtt.add,
+            timeout=self.timeout, straggler_grace=self.straggler_grace, on_first_answer=self.abr.rtt_measured,
             is_miss=_is_plain_miss,
         )
 
@@ -594,7 +594,9 @@ class BlockFetcher:
                 h.cancel()
             if pool is not None:
                 pool.close()
-            first_byte_wait.learn(self.first_byte, clock, self.abr.rtt.estimate())
+            waited = first_byte_wait.sample(clock, self.abr.rtt.estimate())
+            if waited is not None:
+                self.abr.first_byte_measured(self.relay, self.timeout, waited)
             # Also when cancelled: the blocks loaded cleanly before that are a measurement like any other.
             out.sample_bytes, out.sample_s = clock.sample(unread)
             if out.sample_bytes and measure:
@@ -755,7 +757,7 @@ class BlockFetcher:
             # is no size or decode sample): nothing measured here.
             return loaded
         raw = raw_bytes(self.shape, block.manifest.dtype)
-        self.abr.renditions.add(block.rendition, raw, block.nbytes, block.decode_s)
+        self.abr.rendition_measured(block.rendition, raw, block.nbytes, block.decode_s)
         return loaded
 
 
@@ -821,14 +823,13 @@ class _FirstByteWait:
     sent: float | None = None
     timed_out: bool = False
 
-    def learn(self, estimator: FirstByteEstimator, clock: _SampleClock, rtt_s: float) -> None:
+    def sample(self, clock: _SampleClock, rtt_s: float) -> float | None:
+        """Seconds beyond ``rtt_s`` the first object took (None: nothing to learn from this fetch)."""
         if self.sent is None:
-            return
+            return None
         if clock.first_object is not None:
-            if clock.first_object_clean:
-                estimator.add(clock.first_object - self.sent - rtt_s)
-        elif self.timed_out:
-            estimator.add(time.perf_counter() - self.sent - rtt_s)
+            return clock.first_object - self.sent - rtt_s if clock.first_object_clean else None
+        return time.perf_counter() - self.sent - rtt_s if self.timed_out else None
 
 
 @dataclass(frozen=True)

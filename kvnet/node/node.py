@@ -254,7 +254,7 @@ class Node:
         while run(n) < min_run_s and 2 * n <= limit:
             n *= 2
         for count in (n // 2, n):
-            self.abr.prefill.add(count, run(count))
+            self.abr.prefill_measured(count, run(count))
         return self.abr.prefill.per_token_s
 
     async def _run_sequence(
@@ -422,7 +422,7 @@ class Node:
                 prefix = snapshot_prefix(self.cache, result.block_hashes[: result.cached_tokens // b])
             if result.computed_tokens > 0:
                 # The model's cost of this prefill, not the wall time it shared with other sequences.
-                self.abr.prefill.add(result.computed_tokens, finished.prefill_compute_seconds)
+                self.abr.prefill_measured(result.computed_tokens, finished.prefill_compute_seconds)
             # What the cache actually reused is the truth (a block evicted meanwhile is recomputed).
             hit_tokens = result.cached_tokens
             # A head computed while the tail was fetched is in the cache too, but it is this request's work.

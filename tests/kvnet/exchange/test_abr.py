@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from kvnet.exchange.abr import (
@@ -9,6 +11,7 @@ from kvnet.exchange.abr import (
     RECOMPUTE,
     AbrConfig,
     AbrPlan,
+    AbrSample,
     Ewma,
     FirstByteEstimator,
     KvAbr,
@@ -297,6 +300,60 @@ def test_a_wrong_pessimistic_estimate_recovers_within_a_bounded_number_of_reques
     assert abr.probes == 1
     assert fetched_all_at is not None and fetched_all_at <= abr.config.probe_after + 2
     assert abr.declined_plans == abr.config.probe_after + 1  # the declines, then the probe's own
+
+
+def test_samples_taken_in_one_abr_move_another_as_if_measured_there() -> None:
+    """vLLM's worker fetches and runs the forwards; its scheduler plans. The worker's ABR keeps what it
+    measures, the samples cross the process boundary as they are, and the scheduler's estimators end up
+    where the worker's are."""
+    worker = KvAbr(AbrConfig(allow_recompute=False))
+    worker.keep_samples()
+    scheduler = KvAbr(AbrConfig())
+    worker.fetch_measured(4_000_000, 0.5)
+    worker.rtt_measured(0.02)
+    worker.first_byte_measured("moqt://relay:4443", 5.0, 0.3)
+    worker.rendition_measured("lossless", RAW, 690_000, 0.002)
+    worker.prefill_measured(128, 0.064)
+    worker.prefill_measured(512, 0.200)
+    samples = worker.take_samples()
+    assert [s.kind for s in samples] == ["throughput", "rtt", "first_byte", "rendition", "prefill", "prefill"]
+    assert worker.take_samples() == ()  # taken once
+    scheduler.absorb(pickle.loads(pickle.dumps(samples)))
+    assert scheduler.throughput.estimate() == worker.throughput.estimate() == 8e6
+    assert scheduler.rtt.estimate() == pytest.approx(0.02)
+    assert scheduler.first_byte_s("moqt://relay:4443") == pytest.approx(0.3)
+    assert scheduler.first_byte["moqt://relay:4443"].cap_s == 5.0
+    assert scheduler.renditions.size_ratio("lossless") == pytest.approx(0.69)
+    assert (scheduler.prefill.per_token_s, scheduler.prefill.overhead_s) == pytest.approx(
+        (worker.prefill.per_token_s, worker.prefill.overhead_s))
+    assert KvAbr().take_samples() == ()  # an ABR keeps nothing unless asked
+
+
+def test_a_probe_planned_in_one_abr_is_measured_by_the_samples_of_another() -> None:
+    """The scheduler plans the probe, the worker fetches it: the worker's sample replaces the scheduler's
+    estimate as a probe's own measurement would."""
+    scheduler = _abr(per_token_s=1e-3, bps=1e9)
+    for _ in range(20):
+        scheduler.fetch_measured(1_000_000, 1.0)  # a slow period: every hit declined
+    worker = KvAbr(AbrConfig(allow_recompute=False))
+    worker.keep_samples()
+    while not (plan := scheduler.plan([["lossless"]] * 8, BLOCK, RAW, total_tokens=8 * BLOCK + 5)).probe:
+        assert plan.fetch_blocks == 0
+    worker.fetch_measured(plan.fetch_blocks * RAW, plan.fetch_blocks * RAW / 1e9)
+    scheduler.absorb(worker.take_samples())
+    assert scheduler.throughput.estimate() == pytest.approx(1e9)
+    assert scheduler.plan([["lossless"]] * 8, BLOCK, RAW, total_tokens=8 * BLOCK + 5).fetch_blocks == 8
+
+
+def test_samples_that_cannot_be_taken_are_dropped_and_kept_ones_are_bounded() -> None:
+    abr = KvAbr()
+    abr.absorb([AbrSample("throughput", ("many", 1.0)), AbrSample("bogus", (1,)),  # type: ignore[arg-type]
+                AbrSample("rtt", ()), AbrSample("rtt", (0.05,))])
+    assert abr.throughput.samples == 0 and abr.rtt.estimate() == 0.05
+    abr.keep_samples(limit=3)
+    for i in range(5):
+        abr.rtt_measured(0.01 * i)
+    assert [s.values for s in abr.take_samples()] == [(0.02,), (0.03,), (0.04,)]  # the newest
 
 
 def test_a_stale_estimate_is_probed_after_a_while_without_samples() -> None:
