@@ -53,7 +53,9 @@ def run_engine(python: str, work: Path, name: str, model: Path, relay_url: str, 
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "relay": relay_url, "ca": str(ca), "metrics_dir": str(work / f"metrics-{name}"),
-                "store_bytes": "2G",
+                # The load path is what is measured: every located block is loaded, whichever the
+                # connector's ABR (``abr: auto``, its default) would find faster here.
+                "store_bytes": "2G", "abr": "fetch",
             },
         },
     }

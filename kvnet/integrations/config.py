@@ -29,6 +29,11 @@ fetch_window        raw bytes requested ahead while fetching [--fetch-window]
 fetch_connections   relay sessions one load's blocks are split over, 1 to 16 (default by cores)
                     [--fetch-connections]
 timeout             seconds per locate or fetch before giving up (default 10) [--timeout]
+abr                 ``auto`` (default): load the located blocks that beat computing them, by the
+                    throughput, round trips and prefill times the engine measured; ``fetch``: load every
+                    located block; ``recompute``: load nothing (publish only) [--abr]
+assume_throughput   bytes/s the ABR assumes before it measured a load (default 1e8)
+                    [--assume-throughput]
 quic_stack          ``aioquic`` or ``qh3`` [--quic-stack]
 max_datagram_size   largest UDP payload of the relay session [--max-datagram-size]
 locate_deadline     seconds the scheduler waits for a locate before a request proceeds with what is
@@ -206,6 +211,8 @@ _NODE_FIELDS: dict[str, tuple[str, Any]] = {
     "fetch_window": ("fetch_window_bytes", _size),
     "fetch_connections": ("fetch_connections", _integer),
     "timeout": ("request_timeout", _number),
+    "abr": ("abr_mode", _text),
+    "assume_throughput": ("prior_throughput_bps", _number),
     "quic_stack": ("quic_stack", _text),
     "max_datagram_size": ("max_datagram_size", _integer),
 }

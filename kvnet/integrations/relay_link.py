@@ -4,9 +4,11 @@ Owns ``RelayLink``: a ``RelayPeer`` (``kvnet.exchange.relay_peer``, the relay se
 server + verified fetcher) opened on first use and reopened after the relay went away or sent GOAWAY,
 failed attempts spaced by the reconnect policy of nodes and edges (``kvnet.net.reconnect.Backoff``), so a
 dead relay costs a request one failed attempt, not a connect timeout each. It also owns the engine's
-publisher-side ``BlockStore`` (what the relay may ask us for) and ``ConnectorCounters``, which every
-locate, fetch and publish here counts into. Everything runs on one event loop (``BackgroundLoop``);
-nothing here knows the engine.
+publisher-side ``BlockStore`` (what the relay may ask us for), the side's ``KvAbr`` (``connector_abr``:
+the scheduler's plans which located blocks to load, the worker's keeps what its fetches measure) and
+``ConnectorCounters``, which every locate, plan, fetch and publish here counts into. The session runs
+on one event loop (``BackgroundLoop``); the scheduler plans on the engine's thread, reading estimates
+that locates on that loop also feed (single float updates). Nothing here knows the engine.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from kvnet.blocks.identity import BlockIdentity
 from kvnet.exchange.abr import AbrConfig, KvAbr, quality_rank
 from kvnet.exchange.blockstore import BlockStore, StoredBlock
-from kvnet.exchange.fetching import CacheWriter, FetchOutcome
+from kvnet.exchange.fetching import CacheWriter, FetchOutcome, raw_bytes
 from kvnet.exchange.locate import Located
 from kvnet.exchange.publishing import PushResult
 from kvnet.exchange.relay_peer import RelayPeer
@@ -32,6 +34,23 @@ from kvnet.security.signing import TrustStore
 
 logger = logging.getLogger(__name__)
 
+
+
+def connector_abr(settings: ConnectorConfig, dtype: str, *, plans: bool) -> KvAbr:
+    """The ABR of one side of an engine connector. The scheduler's ``plans``: it decides, per request, which
+    located blocks to load and which to compute (the ``abr`` key: ``auto``, ``fetch`` or ``recompute``;
+    prefix loads only, as vLLM's API has them). The worker's loads exactly what was planned (no deadline
+    of its own) and keeps what it measures (``KvAbr.keep_samples``) for the scheduler's estimates."""
+    node = settings.node
+    acceptable = tuple(sorted(node.acceptable_renditions, key=quality_rank))
+    abr = KvAbr(AbrConfig(
+        acceptable=acceptable, prior_throughput_bps=node.prior_throughput_bps, kv_dtype=dtype, overlap=False,
+        allow_recompute=plans and node.abr_mode != "fetch",
+        force_recompute=plans and node.abr_mode == "recompute",
+    ))
+    if not plans:
+        abr.keep_samples()
+    return abr
 
 
 class RelayUnavailable(ConnectionError):
@@ -83,6 +102,15 @@ class ConnectorCounters:
     """Computed blocks neither published nor pushed: the publish backlog was full when they were saved."""
     publish_failures: int = 0
     """Saves whose encoding, signing or storing failed (their blocks are neither published nor pushed)."""
+    locates_skipped: int = 0
+    """(Scheduler) requests that did not look for remote blocks: measured, no fetch could beat computing
+    them (``KvAbr.skip_locate``)."""
+    hits_declined: int = 0
+    """(Scheduler) located prefixes the ABR declined in part or in whole: computing was estimated faster."""
+    blocks_declined: int = 0
+    """(Scheduler) located blocks not loaded because computing them was estimated faster."""
+    probes: int = 0
+    """(Scheduler) loads of blocks the estimates declined, made to measure the path again."""
 
     def to_json(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -112,21 +140,19 @@ class RelayLink:
     """Where fetched blocks go (the engine's paged KV)."""
     announce: bool
     """Serve our store to the relay (the worker does; a scheduler that only locates does not)."""
+    abr: KvAbr
+    """The estimates: the scheduler's plans (``connector_abr``), the worker's fetches feed."""
     backoff: Backoff = field(default_factory=Backoff)
     """Spaces failed connect attempts (reset by a successful one)."""
     counters: ConnectorCounters = field(default_factory=ConnectorCounters)
     store: BlockStore = field(init=False)
-    abr: KvAbr = field(init=False)
     _peer: RelayPeer | None = field(default=None, init=False)
     _retry_at: float = field(default=0.0, init=False)
     _connecting: asyncio.Task[RelayPeer] | None = field(default=None, init=False)
     _attempt_started: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
-        node = self.settings.node
-        self.store = BlockStore(node.store_bytes)
-        acceptable = tuple(sorted(node.acceptable_renditions, key=quality_rank))
-        self.abr = KvAbr(AbrConfig(acceptable=acceptable, allow_recompute=False, kv_dtype=self.dtype))
+        self.store = BlockStore(self.settings.node.store_bytes)
 
     @property
     def acceptable(self) -> tuple[str, ...]:
@@ -194,9 +220,47 @@ class RelayLink:
         self.counters.tokens_located += len(found.available) * self.block_shape[1]
         return found
 
-    def best_rendition(self, available: Sequence[str]) -> str:
-        """The most faithful of ``available`` that we accept."""
-        return min((r for r in available if r in self.acceptable), key=quality_rank)
+    def skip_locate(self, req_id: str, blocks: int, total_tokens: int) -> bool:
+        """Whether a request missing ``blocks`` full blocks (``total_tokens`` to prefill without them) need
+        not look for them: measured, no fetch could beat computing them (``KvAbr.skip_locate``; counted,
+        logged with its inputs)."""
+        block_size = self.block_shape[1]
+        skipped = self.abr.skip_locate(block_size, self._block_raw_bytes, blocks, total_tokens)
+        if skipped is None:
+            return False
+        self.counters.locates_skipped += 1
+        logger.info("kvnet: %s: %s", req_id, skipped["locate_skipped"])
+        return True
+
+    def plan(self, req_id: str, located: Located, total_tokens: int) -> list[str]:
+        """The renditions to load for the leading located blocks that beat computing them (``KvAbr.plan``;
+        ``total_tokens``: what prefill processes with nothing loaded). A plan that declines blocks is
+        counted and logged once with its inputs."""
+        plan = self.abr.plan(located.available, self.block_shape[1], self._block_raw_bytes, total_tokens)
+        if plan.declined_blocks:
+            self.counters.hits_declined += 1
+            self.counters.blocks_declined += plan.declined_blocks
+            probing = f"; probing: loading {plan.fetch_blocks} to measure again" if plan.probe else ""
+            logger.info("kvnet: %s: ABR %s%s", req_id, plan.describe_decline(), probing)
+        self.counters.probes += plan.probe
+        return [plan.rendition_of(i) for i in range(plan.fetch_blocks)]
+
+    def estimates(self) -> dict[str, float]:
+        """What the plans are made from now (the scheduler's ``metrics_dir`` report)."""
+        abr = self.abr
+        return {
+            "throughput_bps": round(abr.throughput.estimate(), 1),
+            "throughput_samples": abr.throughput.samples,
+            "rtt_s": round(abr.rtt.estimate(), 6),
+            "first_byte_s": round(abr.first_byte_s(), 6),
+            "prefill_per_token_s": abr.prefill.per_token_s,
+            "prefill_overhead_s": round(abr.prefill.overhead_s, 6),
+            "prefill_samples": len(abr.prefill.samples),
+        }
+
+    @property
+    def _block_raw_bytes(self) -> int:
+        return raw_bytes(self.block_shape, self.dtype)
 
     async def fetch(self, expected: Sequence[BlockIdentity], renditions: Sequence[str]) -> FetchOutcome:
         """Fetch, verify and load ``expected`` in chain order into ``cache`` (counted)."""

@@ -14,8 +14,11 @@ Scheduler side (never waits on the network): for a new request it hashes the pro
 kvnet's chain (``kvnet.cache.hashing``, rooted in the engine fingerprint and tenant salt) and starts a
 locate on a background event loop that owns its relay session. Until the locate answers,
 ``get_num_new_matched_tokens`` says "ask again later" (None), so only that request waits; after
-``locate_deadline`` seconds it proceeds with what is local. A located run becomes an asynchronous load:
-vLLM allocates the blocks and parks the request until the worker reports the load finished.
+``locate_deadline`` seconds it proceeds with what is local. The located run is loaded as far as loading
+beats computing it (kvnet's ABR, ``RelayLink.plan``: ``abr`` ``auto``; ``fetch`` loads it all), judged by
+what the worker measured: its fetches and its forwards (``_ForwardTimer``), sent with each step's output
+as ``KvnetWorkerMetadata``. The part loaded becomes an asynchronous load: vLLM allocates the blocks and
+parks the request until the worker reports the load finished.
 
 Worker side: each load is fetched on the worker's own event loop and relay session, verified exactly as
 kvnet's nodes verify (``kvnet.exchange.fetching``: trusted signature, fingerprint, chain hash, token ids,
@@ -51,7 +54,7 @@ import os
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,11 +64,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvnet.blocks.identity import BlockIdentity, prompt_blocks
 from kvnet.cache.hashing import block_hashes
+from kvnet.exchange.abr import AbrSample
 from kvnet.exchange.publishing import encode_block
 from kvnet.integrations.background import BackgroundLoop, BoundedBacklog
 from kvnet.integrations.config import ConfigError, ConnectorConfig
@@ -87,7 +92,7 @@ from kvnet.integrations.device_path import (
 )
 from kvnet.integrations.engine_cache import EngineCache
 from kvnet.integrations.paged_layout import PagedLayerLayout
-from kvnet.integrations.relay_link import ConnectorCounters, RelayLink
+from kvnet.integrations.relay_link import ConnectorCounters, RelayLink, connector_abr
 from kvnet.integrations.vllm_identity import SUPPORTED_CPU_KERNELS as SUPPORTED_CPU_KERNELS
 from kvnet.integrations.vllm_identity import WIRE_LAYOUT as WIRE_LAYOUT
 from kvnet.integrations.vllm_identity import EngineIdentity, engine_identity, gpu_attention_backend
@@ -129,6 +134,23 @@ class SaveJob:
 class KvnetConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    scheduled_tokens: int = 0
+    """Tokens this step's forward computes (what the worker times it against for the prefill estimate)."""
+
+
+# -- metadata (worker -> scheduler, every step) ------------------------------------------------------
+
+
+@dataclass
+class KvnetWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the worker measured since the last step, for the scheduler's plans: its fetches' throughput,
+    round trips, first-byte delays and decode speeds, and its forwards' prefill times."""
+
+    samples: tuple[AbrSample, ...] = ()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KvnetWorkerMetadata:
+        extra = other.samples if isinstance(other, KvnetWorkerMetadata) else ()
+        return KvnetWorkerMetadata(self.samples + extra)
 
 
 # -- stats through vLLM's connector stats hooks ----------------------------------------------------------
@@ -158,9 +180,13 @@ class _CounterReport:
     """Deltas of a ``ConnectorCounters`` for vLLM's stats, and its totals in ``metrics_dir`` (with what
     names this engine's blocks: fingerprint, namespace id, block shape and dtype)."""
 
-    def __init__(self, counters: ConnectorCounters, path: Path | None, identity: EngineIdentity) -> None:
+    def __init__(
+        self, counters: ConnectorCounters, path: Path | None, identity: EngineIdentity,
+        estimates: Callable[[], dict[str, float]] | None = None,
+    ) -> None:
         self.counters = counters
         self.path = path
+        self._estimates = estimates
         self._last = counters.to_json()
         self._identity = {
             "fingerprint": identity.fingerprint.hex(), "namespace_id": identity.namespace_id,
@@ -178,7 +204,10 @@ class _CounterReport:
         if self.path is None:
             return
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**self._identity, **self.counters.to_json()}, sort_keys=True))
+        report: dict[str, Any] = {**self._identity, **self.counters.to_json()}
+        if self._estimates is not None:
+            report["abr"] = self._estimates()
+        tmp.write_text(json.dumps(report, sort_keys=True))
         tmp.replace(self.path)
 
 
@@ -189,7 +218,8 @@ class _CounterReport:
 class _Locate:
     first_block: int
     deadline: float
-    future: concurrent.futures.Future[Any]
+    future: concurrent.futures.Future[Any] | None
+    """The locate running (None: skipped, ``decided`` is empty)."""
     decided: list[str] | None = None
     """Once decided: the rendition to fetch for each located block from ``first_block`` on."""
 
@@ -214,9 +244,10 @@ class _SchedulerSide:
         self.link = RelayLink(
             settings, identity.fingerprint, identity.namespace_id, identity.block_shape, identity.dtype,
             TrustStore(), _NoCache(), announce=False,
+            abr=connector_abr(settings, identity.dtype, plans=True),
         )
         path = metrics_dir / "scheduler.json" if metrics_dir else None
-        self.report = _CounterReport(self.link.counters, path, identity)
+        self.report = _CounterReport(self.link.counters, path, identity, estimates=self.link.estimates)
         self.hashes: dict[str, list[bytes]] = {}
         self.locates: dict[str, _Locate] = {}
         self.planned: dict[str, tuple[int, list[str]]] = {}
@@ -255,6 +286,8 @@ class _SchedulerSide:
         self.eligible_reqs.add(req_id)
         if getattr(request, "skip_reading_prefix_cache", False) or req_id in self.loaded_reqs:
             return 0, False
+        if self.settings.node.abr_mode == "recompute":
+            return 0, False  # publish only
         b = self.block_size
         usable = (len(prompt) - 1) // b  # the last prompt token is always computed (its logits)
         first = num_computed_tokens // b
@@ -263,11 +296,16 @@ class _SchedulerSide:
         hashes = self._hashes(req_id, prompt)
         locate = self.locates.get(req_id)
         if locate is None:
+            if self.link.skip_locate(req_id, usable - first, len(prompt) - first * b):
+                self.locates[req_id] = _Locate(first, 0.0, None, decided=[])
+                self.report.write()
+                return 0, False
             future = self.loop.submit(self.link.locate(hashes[first:usable]))
             deadline = time.monotonic() + self.settings.locate_deadline
             self.locates[req_id] = _Locate(first, deadline, future)
             return None, False
         if locate.decided is None:
+            assert locate.future is not None
             if not locate.future.done():
                 if time.monotonic() < locate.deadline:
                     return None, False
@@ -279,7 +317,7 @@ class _SchedulerSide:
                 locate.decided = []
             else:
                 located = locate.future.result()
-                locate.decided = [self.link.best_rendition(r) for r in located.available]
+                locate.decided = self.link.plan(req_id, located, len(prompt) - locate.first_block * b)
             self.report.write()
         # The local cache may have grown meanwhile; the located run counts from the locate's first block.
         skip = first - locate.first_block
@@ -306,7 +344,9 @@ class _SchedulerSide:
         self.load_requests[request.request_id] = (request, job)
 
     def build_meta(self, scheduler_output: Any) -> KvnetConnectorMetadata:
-        meta = KvnetConnectorMetadata(loads=self.pending_loads)
+        meta = KvnetConnectorMetadata(
+            loads=self.pending_loads, scheduled_tokens=scheduler_output.total_num_scheduled_tokens
+        )
         self.pending_loads = []
         self.loading.update(job.req_id for job in meta.loads)
         self.loaded_reqs.update(job.req_id for job in meta.loads)
@@ -354,6 +394,12 @@ class _SchedulerSide:
         if ids:
             meta.saves.append(SaveJob(req_id, tuple(ids), tuple(sources)))
 
+    def measured(self, samples: Sequence[AbrSample]) -> None:
+        """The worker's measurements of one step, taken into the estimates the plans use."""
+        if samples:
+            self.link.abr.absorb(samples)
+            self.report.write()
+
     def finished_transfers(self, finished_recving: Iterable[str], invalid_block_ids: set[int]) -> None:
         """Loads that ended; a load that failed from some block on has the tokens it did not load taken
         out of the request's cached-token count.
@@ -394,7 +440,7 @@ class _SchedulerSide:
         if req_id not in self.loading:
             self.load_requests.pop(req_id, None)
         locate = self.locates.pop(req_id, None)
-        if locate is not None and not locate.future.done():
+        if locate is not None and locate.future is not None and not locate.future.done():
             locate.future.cancel()
         return req_id in self.loading
 
@@ -422,6 +468,59 @@ class _NoCache:
         pass
 
 
+class _ForwardTimer:
+    """Times the engine's forwards against the tokens each computes: the prefill samples the scheduler
+    weighs loading a located prefix against computing it with (``KvAbr.prefill_measured``).
+
+    A forward runs from ``bind_connector_metadata`` (vLLM binds the step's metadata just before it) to
+    ``wait_for_save`` (just after). Only forwards of at least ``min_tokens`` (a block: a prefill chunk
+    is in them) are samples; a step of a few decodes would pull the fitted per-token cost towards a
+    decode's. On CUDA the forward's kernels are only queued when ``wait_for_save`` comes, so each end is
+    a timing event on the compute stream, read once it has fired (a later step)."""
+
+    MAX_PENDING = 64
+    """CUDA forwards whose end has not fired yet kept at once (more: the oldest are dropped)."""
+
+    def __init__(self, min_tokens: int) -> None:
+        self.min_tokens = min_tokens
+        self._started: tuple[int, float | torch.cuda.Event] | None = None
+        self._done: list[tuple[int, float]] = []
+        self._pending: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def start(self, tokens: int, stream: torch.cuda.Stream | None) -> None:
+        self._started = None
+        if tokens < self.min_tokens:
+            return
+        if stream is None:
+            self._started = (tokens, time.perf_counter())
+        else:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(stream)
+            self._started = (tokens, event)
+
+    def stop(self, stream: torch.cuda.Stream | None) -> None:
+        started, self._started = self._started, None
+        if started is None:
+            return
+        tokens, begin = started
+        if isinstance(begin, float):
+            self._done.append((tokens, time.perf_counter() - begin))
+            return
+        assert stream is not None
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        self._pending.append((tokens, begin, end))
+        del self._pending[: -self.MAX_PENDING]
+
+    def take(self) -> list[tuple[int, float]]:
+        """Forwards timed since the last call: ``(tokens, seconds)``."""
+        while self._pending and self._pending[0][2].query():
+            tokens, begin, end = self._pending.pop(0)
+            self._done.append((tokens, begin.elapsed_time(end) / 1e3))
+        done, self._done = self._done, []
+        return done
+
+
 def _layer_order(name: str) -> tuple[int, ...]:
     return tuple(int(n) for n in re.findall(r"\d+", name))
 
@@ -446,7 +545,9 @@ class _WorkerSide:
         self.link = RelayLink(
             settings, identity.fingerprint, identity.namespace_id, identity.block_shape, identity.dtype,
             self.trust, self.cache, announce=True, counters=counters,
+            abr=connector_abr(settings, identity.dtype, plans=False),
         )
+        self.forwards = _ForwardTimer(min_tokens=identity.block_size)
         path = metrics_dir / "worker.json" if metrics_dir else None
         self.report = _CounterReport(self.link.counters, path, identity)
         self.layers: list[torch.Tensor] = []
@@ -687,6 +788,13 @@ class _WorkerSide:
     def stats(self) -> KvnetConnectorStats | None:
         return self.report.delta()
 
+    def measurements(self) -> KvnetWorkerMetadata | None:
+        """What was measured since the last step, for the scheduler (forwards timed, fetches sampled)."""
+        for tokens, seconds in self.forwards.take():
+            self.link.abr.prefill_measured(tokens, seconds)
+        samples = self.link.abr.take_samples()
+        return KvnetWorkerMetadata(samples) if samples else None
+
     def shutdown(self) -> None:
         self.loop.stop(self._drain(), timeout=self.settings.drain_timeout)
         self.report.write()
@@ -758,6 +866,12 @@ class KvnetConnector(KVConnectorBase_V1):
         layout = self._vllm_config.cache_config.get_resolved_kv_cache_layout()
         worker.register(kv_caches, layout.layer_view_order)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KvnetConnectorMetadata):
+            self._worker.on_forward_thread()
+            self._worker.forwards.start(connector_metadata.scheduled_tokens, self._worker.compute_stream)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker_side().on_forward_thread()
         meta = self._get_connector_metadata()
@@ -773,7 +887,9 @@ class KvnetConnector(KVConnectorBase_V1):
         return  # blocks are copied once per step, in wait_for_save
 
     def wait_for_save(self) -> None:
-        self._worker_side().on_forward_thread()
+        worker = self._worker_side()
+        worker.on_forward_thread()
+        worker.forwards.stop(worker.compute_stream)
         meta = self._get_connector_metadata()
         if isinstance(meta, KvnetConnectorMetadata) and meta.saves:
             self._worker_side().save(meta.saves)
@@ -783,6 +899,9 @@ class KvnetConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker_side().measurements()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         side = self._worker or self._scheduler
@@ -815,6 +934,9 @@ class KvnetConnector(KVConnectorBase_V1):
         return self._scheduler_side().build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        measured = connector_output.kv_connector_worker_meta
+        if isinstance(measured, KvnetWorkerMetadata):
+            self._scheduler_side().measured(measured.samples)
         self._scheduler_side().finished_transfers(
             connector_output.finished_recving or (), set(connector_output.invalid_block_ids or ())
         )

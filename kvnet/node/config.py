@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,6 +205,9 @@ class NodeConfig:
             )
         if not 0 < self.fetch_margin <= 3600:
             raise ValueError(f"fetch_margin must be in (0, 3600] seconds, got {self.fetch_margin}")
+        if not 0 < self.prior_throughput_bps < math.inf:
+            raise ValueError(f"the assumed throughput must be a positive number of bytes/s, got "
+                             f"{self.prior_throughput_bps}")
         if self.abr_mode not in ("auto", "fetch", "recompute"):
             raise ValueError(f"abr_mode must be auto, fetch or recompute, got {self.abr_mode!r}")
         if self.max_running_sequences <= 0:

@@ -68,6 +68,8 @@ PROMPTS = {name: (tokens(seed, PREFIX), tokens(seed + 100, SUFFIX)) for seed, na
 )}
 PARTIAL_GOOD = 3
 """Blocks of the "partial" prompt that load on engine C; the next (the last one offered) is forged."""
+ABR_PROMPTS = ("tampered", "untrusted", "relay_down", "partial")
+"""A's prompts engine D asks for in turn, with the ABR deciding (``probe_after`` declines, then a probe)."""
 
 
 def full(name: str) -> list[int]:
@@ -138,17 +140,21 @@ def connector_config(relay_url: str, setup: Setup, name: str, **extra: Any) -> d
             "relay": relay_url, "ca": str(setup.certs.ca),
             # Generous: on a loaded machine a first connect plus locate can take seconds, and each fault
             # test needs its locate answered (a request past its deadline computes locally, uncounted).
-            "metrics_dir": str(setup.tmp / f"metrics-{name}"), "locate_deadline": 60.0, **extra,
+            "metrics_dir": str(setup.tmp / f"metrics-{name}"), "locate_deadline": 60.0,
+            # These tests are of the load path: every located block is loaded, whatever this machine's
+            # speeds would make the ABR choose (its own engine, D, runs with ``auto``).
+            "abr": "fetch", **extra,
         },
     }
 
 
 def start_engine(
-    setup: Setup, name: str, relay_url: str, steps: list[dict[str, Any]]
+    setup: Setup, name: str, relay_url: str, steps: list[dict[str, Any]], **extra: Any
 ) -> subprocess.Popen[bytes]:
+    """An engine running ``steps``; ``extra``: connector settings beside the tests' own."""
     spec = {
         "model": str(setup.model), "out": str(setup.tmp / f"{name}.json"), "steps": steps,
-        "kv_transfer_config": connector_config(relay_url, setup, name),
+        "kv_transfer_config": connector_config(relay_url, setup, name, **extra),
     }
     spec_path = setup.tmp / f"{name}-spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -372,6 +378,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         r2_port = free_port()
         go = tmp / "r2-ready"
         procs.append(b := start_engine(setup, "B", r1.url, [step("shared", full("shared"))]))
+        # D plans by its measurements (``abr: auto``), from a prior that makes every block of the tiny
+        # model take minutes to load: A's prompts are declined until a probe loads one block.
+        d_steps = [step(f"declined/{name}", full(name)) for name in ABR_PROMPTS]
+        procs.append(d := start_engine(setup, "D", r1.url, d_steps, abr="auto", assume_throughput=1e3))
         c_steps = [
             step("relay_down", full("relay_down")),
             {"wait_for_file": str(go), "timeout": ENGINE_TIMEOUT},
@@ -403,6 +413,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         yield {
             "kernel": kernel, "server": completion,
             "setup": setup, "A": result_a, "B": wait_engine(setup, "B", b), "C": wait_engine(setup, "C", c),
+            "D": wait_engine(setup, "D", d),
             "forged_pushed": pushed, "partly_pushed": partly_pushed,
         }
     finally:
@@ -480,3 +491,30 @@ def test_openai_server_reports_the_kvnet_prefix_as_cached_tokens(runs: dict[str,
     assert usage["prompt_tokens_details"]["cached_tokens"] == 4 * BLOCK
     s_worker = counters(runs["setup"], "S", "worker")
     assert s_worker["tokens_loaded"] == 4 * BLOCK and s_worker["blocks_load_failed"] == 0
+
+
+def test_the_abr_declines_hits_that_lose_to_compute_and_probes_with_measurements_the_worker_sends(
+    runs: dict[str, Any],
+) -> None:
+    """Engine D assumes 1 kB/s, so loading any block (262 kB) would take minutes against well under a
+    second to compute it: its first three located prefixes are declined (computed, counted, logged with
+    the inputs), and the fourth is a probe that loads one block. The probe's measurements are the worker's
+    (it fetches and runs the forwards); they reach the scheduler, which plans, through vLLM's
+    worker-to-scheduler metadata, and replace the assumed throughput there."""
+    steps = runs["D"]["steps"]
+    for name in ABR_PROMPTS[:3]:
+        assert steps[f"declined/{name}"]["num_cached_tokens"] == 0, name
+        assert steps[f"declined/{name}"]["token_ids"] == runs["A"]["steps"][name]["token_ids"], name
+    assert steps[f"declined/{ABR_PROMPTS[3]}"]["num_cached_tokens"] == BLOCK  # the probe's one block
+    scheduler = counters(runs["setup"], "D", "scheduler")
+    assert scheduler["hits_declined"] == 4 and scheduler["probes"] == 1  # the probe declined 3 of its 4
+    assert scheduler["blocks_declined"] == 4 * 4
+    assert scheduler["locates_skipped"] == 0  # nothing measured before the probe: the prior never skips
+    worker = counters(runs["setup"], "D", "worker")
+    assert worker["blocks_loaded"] == 1 and worker["blocks_load_failed"] == 0
+    estimates = scheduler["abr"]
+    assert estimates["throughput_samples"] >= 1 and estimates["throughput_bps"] > 100 * 1e3
+    assert estimates["prefill_samples"] >= 1  # the worker's forwards, timed
+    log = (runs["setup"].tmp / "D.log").read_text(errors="replace")
+    assert log.count("ABR declined 4 located block(s)") == 4
+    assert "probing: loading 1 to measure again" in log

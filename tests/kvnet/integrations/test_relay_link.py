@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
+from kvnet.exchange.locate import Located
 from kvnet.integrations.config import ConnectorConfig
-from kvnet.integrations.relay_link import RelayLink, RelayUnavailable
+from kvnet.integrations.relay_link import RelayLink, RelayUnavailable, connector_abr
 from kvnet.node.config import NodeConfig
 from kvnet.security.signing import TrustStore
 from kvnet.security.tokens import IssuerKey, issue_token, make_claims
@@ -110,6 +111,7 @@ def link_to(port: int, certs: CertDir) -> RelayLink:
     return RelayLink(
         ConnectorConfig(node), fingerprint=bytes(32), namespace_id="t", block_shape=SPEC.block_shape,
         dtype="float32", trust=TrustStore(), cache=PagedKVCache(SPEC, 4, torch.device("cpu")), announce=False,
+        abr=connector_abr(ConnectorConfig(node), "float32", plans=False),
     )
 
 
@@ -154,7 +156,7 @@ def pushing_link(relay_url: str, certs: CertDir, **node: object) -> RelayLink:
     return RelayLink(
         ConnectorConfig(config), fingerprint=bytes(32), namespace_id="t", block_shape=PUSH_SPEC.block_shape,
         dtype="bfloat16", trust=TrustStore(), cache=PagedKVCache(PUSH_SPEC, 4, torch.device("cpu")),
-        announce=False,
+        announce=False, abr=connector_abr(ConnectorConfig(config), "bfloat16", plans=False),
     )
 
 
@@ -208,3 +210,51 @@ async def test_blocks_pushed_while_the_relay_is_unreachable_count_as_transfer_fa
         assert counters.push_failures_transfer == 2 and counters.push_failures_refused == 0
     finally:
         await link.close()
+
+
+def planning_link(**node: object) -> RelayLink:
+    """A scheduler's link (plans, never connects here): 4 layers of 16-token bf16 blocks, 16 kB each."""
+    config = ConnectorConfig(NodeConfig(relay_url="moqt://127.0.0.1:1", ca_file=Path("ca.pem"), **node))  # type: ignore[arg-type]
+    return RelayLink(
+        config, fingerprint=bytes(32), namespace_id="t", block_shape=(4, 16, 2, 32), dtype="bfloat16",
+        trust=TrustStore(), cache=PagedKVCache(PUSH_SPEC, 4, torch.device("cpu")), announce=False,
+        abr=connector_abr(config, "bfloat16", plans=True),
+    )
+
+
+def located(blocks: int) -> Located:
+    return Located(available=[["lossless"]] * blocks, blocks=blocks, probes=blocks, rounds=1, fan_out=2)
+
+
+def test_the_scheduler_loads_only_the_located_blocks_that_beat_computing_them() -> None:
+    """At an assumed 1 kB/s a 16 kB block takes seconds to load against the 16 ms (1 ms per token, the
+    estimate before any forward is timed) of computing it: every located block is declined, counted
+    and logged; ``fetch`` mode loads them all whatever the estimates."""
+    auto = planning_link(prior_throughput_bps=1e3)
+    assert auto.plan("r1", located(4), total_tokens=4 * 16 + 5) == []
+    assert (auto.counters.hits_declined, auto.counters.blocks_declined, auto.counters.probes) == (1, 4, 0)
+    always = planning_link(prior_throughput_bps=1e3, abr_mode="fetch")
+    assert always.plan("r1", located(4), total_tokens=4 * 16 + 5) == ["lossless"] * 4
+    assert always.counters.hits_declined == 0
+
+
+def test_declined_hits_are_probed_and_the_workers_samples_bring_the_hits_back() -> None:
+    """A wrong, pessimistic estimate declines hits until a probe loads one block; the worker's sample of
+    that load (taken by its own ABR, replayed into the scheduler's) makes the next plan load everything."""
+    scheduler = planning_link(prior_throughput_bps=1e3)
+    worker = connector_abr(scheduler.settings, "bfloat16", plans=False)
+    plans = [scheduler.plan(f"r{i}", located(4), total_tokens=4 * 16 + 5) for i in range(4)]
+    assert plans == [[], [], [], ["lossless"]]  # three declined, then the probe
+    assert scheduler.counters.probes == 1 and scheduler.counters.hits_declined == 4
+    worker.fetch_measured(16 << 10, 1e-4)  # the probe's block loaded at ~160 MB/s
+    scheduler.abr.absorb(worker.take_samples())
+    assert scheduler.estimates()["throughput_bps"] > 1e8
+    assert scheduler.plan("r4", located(4), total_tokens=4 * 16 + 5) == ["lossless"] * 4
+
+
+def test_a_path_measured_slower_than_computing_skips_the_locate() -> None:
+    link = planning_link()
+    assert not link.skip_locate("r1", 4, 4 * 16 + 5)  # nothing measured: the prior is not trusted for this
+    link.abr.fetch_measured(16 << 10, 10.0)  # 1.6 kB/s
+    assert link.skip_locate("r2", 4, 4 * 16 + 5)
+    assert link.counters.locates_skipped == 1
