@@ -111,20 +111,23 @@ def main() -> int:
                         assert report["output_token_ids"] == reference, f"{mode} changed the output"
                         times.setdefault((mode, rate), []).append(report["timings"]["ttft_s"])
                     plan = both["abr"]
+                    skipped = plan.get("locate_skipped")
                     split = (f"{both['head_computed_blocks']}c/{both['tail_fetched_blocks']}f"
                              if plan.get("compute_blocks") else
-                             ("fetch" if plan.get("fetch_blocks") else "recompute"))
+                             ("fetch" if plan.get("fetch_blocks") else
+                              "no locate" if skipped else "recompute"))
                     splits[rate].append(split)
                     inputs = plan.get("inputs", {})
+                    why = (f"locate skipped: {skipped}" if skipped else
+                           f"planned {plan.get('compute_blocks', 0)} computed of "
+                           f"{plan.get('fetch_blocks', 0)}, estimated {plan.get('est_total_s', 0):.3f}s "
+                           "against "
+                           f"{plan.get('est_recompute_all_s', 0):.3f}s recomputing; locate "
+                           f"{1000 * both['timings'].get('locate_s', 0):.0f} ms")
                     print(f"run {run + 1} {rate:g} MB/s: cold {cold['timings']['ttft_s']:.3f}s fetch-only "
                           f"{fetch['timings']['ttft_s']:.3f}s fetch+compute {both['timings']['ttft_s']:.3f}s "
-                          f"({split}, planned {plan.get('compute_blocks', 0)} computed of "
-                          f"{plan.get('fetch_blocks', 0)}, estimated {plan.get('est_total_s', 0):.3f}s "
-                          f"against "
-                          f"{plan.get('est_recompute_all_s', 0):.3f}s recomputing, from "
-                          f"{inputs.get('throughput_bps', 0) / 1e6:.1f} MB/s and rtt "
-                          f"{1000 * inputs.get('rtt_s', 0):.0f} ms; locate "
-                          f"{1000 * both['timings'].get('locate_s', 0):.0f} ms) load {common.load_average()}",
+                          f"({split}, {why}; from {inputs.get('throughput_bps', 0) / 1e6:.1f} MB/s and rtt "
+                          f"{1000 * inputs.get('rtt_s', 0):.0f} ms) load {common.load_average()}",
                           file=sys.stderr)
                 loads.append(common.load_average().split()[0])
         finally:
