@@ -34,6 +34,8 @@ abr                 ``auto`` (default): load the located blocks that beat comput
                     located block; ``recompute``: load nothing (publish only) [--abr]
 assume_throughput   bytes/s the ABR assumes before it measured a load (default 1e8)
                     [--assume-throughput]
+fetch_margin        seconds a load may cost beyond computing the blocks it delivered before the rest
+                    is given up and computed (``abr: auto``; default 1) [--fetch-margin]
 quic_stack          ``aioquic`` or ``qh3`` [--quic-stack]
 max_datagram_size   largest UDP payload of the relay session [--max-datagram-size]
 locate_deadline     seconds the scheduler waits for a locate before a request proceeds with what is
@@ -213,6 +215,7 @@ _NODE_FIELDS: dict[str, tuple[str, Any]] = {
     "timeout": ("request_timeout", _number),
     "abr": ("abr_mode", _text),
     "assume_throughput": ("prior_throughput_bps", _number),
+    "fetch_margin": ("fetch_margin", _number),
     "quic_stack": ("quic_stack", _text),
     "max_datagram_size": ("max_datagram_size", _integer),
 }

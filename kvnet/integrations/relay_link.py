@@ -39,14 +39,16 @@ logger = logging.getLogger(__name__)
 def connector_abr(settings: ConnectorConfig, dtype: str, *, plans: bool) -> KvAbr:
     """The ABR of one side of an engine connector. The scheduler's ``plans``: it decides, per request, which
     located blocks to load and which to compute (the ``abr`` key: ``auto``, ``fetch`` or ``recompute``;
-    prefix loads only, as vLLM's API has them). The worker's loads exactly what was planned (no deadline
-    of its own) and keeps what it measures (``KvAbr.keep_samples``) for the scheduler's estimates."""
+    prefix loads only, as vLLM's API has them). The worker's loads what was planned, gives up the rest of
+    a load that falls behind computing it (``auto`` only: the fetch deadline and its mid-fetch re-plan,
+    ``KvAbr.deadline``; the engine then computes those blocks) and keeps what it measures
+    (``KvAbr.keep_samples``) for the scheduler's estimates."""
     node = settings.node
     acceptable = tuple(sorted(node.acceptable_renditions, key=quality_rank))
     abr = KvAbr(AbrConfig(
         acceptable=acceptable, prior_throughput_bps=node.prior_throughput_bps, kv_dtype=dtype, overlap=False,
-        allow_recompute=plans and node.abr_mode != "fetch",
-        force_recompute=plans and node.abr_mode == "recompute",
+        allow_recompute=node.abr_mode != "fetch", force_recompute=plans and node.abr_mode == "recompute",
+        deadline_margin_s=node.fetch_margin,
     ))
     if not plans:
         abr.keep_samples()
@@ -89,6 +91,9 @@ class ConnectorCounters:
     """Signed blocks whose manifest or payload disagreed with the prompt (poisoning or corruption)."""
     load_failures_transfer: int = 0
     """Fetches that failed for the network (relay down, timeout, block gone)."""
+    loads_abandoned: int = 0
+    """Fetches given up part way because the blocks still to come would arrive later than computing them
+    (``abr: auto``: the fetch deadline or its mid-fetch re-plan); vLLM computes those blocks."""
     blocks_published: int = 0
     """Blocks encoded, signed and kept in the store (served to the relay on request)."""
     tokens_published: int = 0
@@ -268,14 +273,20 @@ class RelayLink:
         self.counters.loads += 1
         try:
             peer = await self.peer(since=time.monotonic())  # the scheduler located these a moment ago
-            outcome = await peer.fetch(list(expected), list(renditions))
+            deadline = self.abr.deadline(asyncio.get_running_loop().time(), self.block_shape[1])
+            outcome = await peer.fetch(list(expected), list(renditions), deadline)
         except RelayUnavailable as exc:
             outcome = FetchOutcome(error=str(exc))
         self.counters.fetch_seconds += time.perf_counter() - started
         self.counters.blocks_loaded += outcome.loaded
         self.counters.tokens_loaded += outcome.loaded * self.block_shape[1]
         self.counters.bytes_fetched += outcome.bytes
-        if outcome.error is not None:
+        if outcome.abandoned is not None:
+            self.counters.loads_abandoned += 1
+            self.counters.blocks_load_failed += len(expected) - outcome.loaded
+            logger.info("kvnet: load of %d blocks given up after %d: %s", len(expected), outcome.loaded,
+                        outcome.abandoned)
+        elif outcome.error is not None:
             reason = self.counters.count_load_failure(outcome)
             self.counters.blocks_load_failed += len(expected) - outcome.loaded
             logger.warning("kvnet: %s load failure: %s; recomputing from there", reason, outcome.error)

@@ -381,7 +381,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         # D plans by its measurements (``abr: auto``), from a prior that makes every block of the tiny
         # model take minutes to load: A's prompts are declined until a probe loads one block.
         d_steps = [step(f"declined/{name}", full(name)) for name in ABR_PROMPTS]
-        procs.append(d := start_engine(setup, "D", r1.url, d_steps, abr="auto", assume_throughput=1e3))
+        # (A generous fetch margin: the probe's load must not be given up on a loaded machine.)
+        procs.append(d := start_engine(setup, "D", r1.url, d_steps, abr="auto", assume_throughput=1e3,
+                                       fetch_margin=60))
         c_steps = [
             step("relay_down", full("relay_down")),
             {"wait_for_file": str(go), "timeout": ENGINE_TIMEOUT},

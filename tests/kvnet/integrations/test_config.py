@@ -41,7 +41,8 @@ def test_values_map_to_the_node_config(tmp_path: Path, base: dict[str, object]) 
         {**base, "renditions": "lossless,int8", "accept": ["lossless", "int8"], "push": False,
          "store_bytes": "64M", "timeout": 3, "trust": [str(tmp_path)], "key_dir": str(tmp_path / "k"),
          "locate_deadline": 0.5, "drain_timeout": 4, "metrics_dir": str(tmp_path / "m"),
-         "fetch_connections": 3, "publish_backlog_bytes": "32M", "abr": "fetch", "assume_throughput": 2e9},
+         "fetch_connections": 3, "publish_backlog_bytes": "32M", "abr": "fetch", "assume_throughput": 2e9,
+         "fetch_margin": 5},
         None,
     )
     node = settings.node
@@ -53,7 +54,7 @@ def test_values_map_to_the_node_config(tmp_path: Path, base: dict[str, object]) 
     assert settings.metrics_dir == tmp_path / "m"
     assert node.fetch_connections == 3
     assert settings.publish_backlog_bytes == 32 << 20
-    assert node.abr_mode == "fetch" and node.prior_throughput_bps == 2e9
+    assert node.abr_mode == "fetch" and node.prior_throughput_bps == 2e9 and node.fetch_margin == 5.0
 
 
 @pytest.mark.parametrize(

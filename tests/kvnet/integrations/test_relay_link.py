@@ -27,6 +27,7 @@ from kvnet.integrations.relay_link import RelayLink, RelayUnavailable, connector
 from kvnet.node.config import NodeConfig
 from kvnet.security.signing import TrustStore
 from kvnet.security.tokens import IssuerKey, issue_token, make_claims
+from kvnet.tools.linkemu import EmulatorConfig, LinkEmulator, LinkParams
 from tests.helpers.processes import CertDir, RelayProcess, free_port, make_certificates, start_relay
 from tests.helpers.prompts import SignedPrompt, signed_prompt
 from tests.helpers.waiting import async_wait_until
@@ -258,3 +259,43 @@ def test_a_path_measured_slower_than_computing_skips_the_locate() -> None:
     link.abr.fetch_measured(16 << 10, 10.0)  # 1.6 kB/s
     assert link.skip_locate("r2", 4, 4 * 16 + 5)
     assert link.counters.locates_skipped == 1
+
+
+async def test_a_workers_load_that_falls_behind_computing_it_is_given_up(
+    relay: RelayProcess, certs: CertDir
+) -> None:
+    """``abr: auto``: the worker's fetch has the node's deadline. 256 blocks through a 20 kB/s link take
+    about ten seconds, against about a second (1 ms a token before any forward was timed) to compute
+    them: the load is given up within its margin, counted apart from failures, and the blocks it did not
+    deliver are reported as not loaded (vLLM computes them). ``abr: fetch`` has no deadline."""
+    prompt = push_prompt(256)
+    publisher = pushing_link(relay.url, certs)
+    try:
+        await publisher.publish(prompt.blocks, prompt.tokens)
+        assert publisher.counters.blocks_pushed == 256
+    finally:
+        await publisher.close()
+    shaped = EmulatorConfig(listen=("127.0.0.1", 0), target=("127.0.0.1", relay.port),
+                            downstream=LinkParams(rate_bps=20_000))
+    async with LinkEmulator(shaped) as emu:
+        config = ConnectorConfig(NodeConfig(
+            relay_url=f"moqt://127.0.0.1:{emu.listen_address[1]}", ca_file=certs.ca, request_timeout=10.0,
+            fetch_margin=0.3,
+        ))
+        worker = RelayLink(
+            config, fingerprint=bytes(32), namespace_id="t", block_shape=PUSH_SPEC.block_shape,
+            dtype="bfloat16", trust=prompt.trust(), cache=PagedKVCache(PUSH_SPEC, 256, torch.device("cpu")),
+            announce=False, abr=connector_abr(config, "bfloat16", plans=False),
+        )
+        try:
+            await worker.peer()  # the handshake through the slow link is not the load's
+            outcome = await worker.fetch(prompt.identities, ["lossless"] * 256)
+        finally:
+            await worker.close()
+    # Only the deadline (or its re-plan) abandons a fetch: without one, every block would have come.
+    assert outcome.abandoned is not None and outcome.loaded < 256, outcome
+    counters = worker.counters
+    assert counters.loads_abandoned == 1 and counters.load_failures_transfer == 0
+    assert counters.blocks_load_failed == 256 - outcome.loaded
+    fetch_only = connector_abr(config.with_node(abr_mode="fetch"), "bfloat16", plans=False)
+    assert fetch_only.deadline(0.0, PUSH_SPEC.block_size) is None
