@@ -755,12 +755,16 @@ class KvAbr:
                 f"fetching a block would take {fetch * 1e3:.1f} ms against {compute * 1e3:.1f} ms "
                 "computing it: no plan could fetch, so no locate"
             ),
-            "inputs": {
-                "throughput_bps": self.throughput.estimate(),
-                "rtt_s": self.rtt.estimate(),
-                "prefill_per_token_s": self.prefill.per_token_s,
-                "prefill_overhead_s": self.prefill.overhead_s,
-            },
+            "inputs": self.inputs(),
+        }
+
+    def inputs(self) -> dict[str, float]:
+        """The estimates a plan is made from now (a skipped locate's report, an engine's metrics file)."""
+        return {
+            "throughput_bps": self.throughput.estimate(),
+            "rtt_s": self.rtt.estimate(),
+            "prefill_per_token_s": self.prefill.per_token_s,
+            "prefill_overhead_s": self.prefill.overhead_s,
         }
 
     def _should_probe(self) -> bool:

@@ -38,17 +38,16 @@ logger = logging.getLogger(__name__)
 
 def connector_abr(settings: ConnectorConfig, dtype: str, *, plans: bool) -> KvAbr:
     """The ABR of one side of an engine connector. The scheduler's ``plans``: it decides, per request, which
-    located blocks to load and which to compute (the ``abr`` key: ``auto``, ``fetch`` or ``recompute``;
-    prefix loads only, as vLLM's API has them). The worker's loads what was planned, gives up the rest of
-    a load that falls behind computing it (``auto`` only: the fetch deadline and its mid-fetch re-plan,
-    ``KvAbr.deadline``; the engine then computes those blocks) and keeps what it measures
-    (``KvAbr.keep_samples``) for the scheduler's estimates."""
+    located blocks to load and which to compute (the ``abr`` key: ``auto``; ``fetch`` loads them all;
+    under ``recompute`` the scheduler never locates). Prefix loads only, as vLLM's API has them. The
+    worker's loads what was planned, gives up the rest of a load that falls behind computing it (``auto``
+    only: the fetch deadline and its mid-fetch re-plan, ``KvAbr.deadline``; the engine then computes
+    those blocks) and keeps what it measures (``KvAbr.keep_samples``) for the scheduler's estimates."""
     node = settings.node
     acceptable = tuple(sorted(node.acceptable_renditions, key=quality_rank))
     abr = KvAbr(AbrConfig(
         acceptable=acceptable, prior_throughput_bps=node.prior_throughput_bps, kv_dtype=dtype, overlap=False,
-        allow_recompute=node.abr_mode != "fetch", force_recompute=plans and node.abr_mode == "recompute",
-        deadline_margin_s=node.fetch_margin,
+        allow_recompute=node.abr_mode != "fetch", deadline_margin_s=node.fetch_margin,
     ))
     if not plans:
         abr.keep_samples()
@@ -151,6 +150,8 @@ class RelayLink:
     """Spaces failed connect attempts (reset by a successful one)."""
     counters: ConnectorCounters = field(default_factory=ConnectorCounters)
     store: BlockStore = field(init=False)
+    block_raw_bytes: int = field(init=False)
+    """Bytes of one block's K and V in the engine's dtype (``block_shape``)."""
     _peer: RelayPeer | None = field(default=None, init=False)
     _retry_at: float = field(default=0.0, init=False)
     _connecting: asyncio.Task[RelayPeer] | None = field(default=None, init=False)
@@ -158,6 +159,7 @@ class RelayLink:
 
     def __post_init__(self) -> None:
         self.store = BlockStore(self.settings.node.store_bytes)
+        self.block_raw_bytes = raw_bytes(self.block_shape, self.dtype)
 
     @property
     def acceptable(self) -> tuple[str, ...]:
@@ -230,7 +232,7 @@ class RelayLink:
         not look for them: measured, no fetch could beat computing them (``KvAbr.skip_locate``; counted,
         logged with its inputs)."""
         block_size = self.block_shape[1]
-        skipped = self.abr.skip_locate(block_size, self._block_raw_bytes, blocks, total_tokens)
+        skipped = self.abr.skip_locate(block_size, self.block_raw_bytes, blocks, total_tokens)
         if skipped is None:
             return False
         self.counters.locates_skipped += 1
@@ -241,7 +243,7 @@ class RelayLink:
         """The renditions to load for the leading located blocks that beat computing them (``KvAbr.plan``;
         ``total_tokens``: what prefill processes with nothing loaded). A plan that declines blocks is
         counted and logged once with its inputs."""
-        plan = self.abr.plan(located.available, self.block_shape[1], self._block_raw_bytes, total_tokens)
+        plan = self.abr.plan(located.available, self.block_shape[1], self.block_raw_bytes, total_tokens)
         if plan.declined_blocks:
             self.counters.hits_declined += 1
             self.counters.blocks_declined += plan.declined_blocks
@@ -251,21 +253,12 @@ class RelayLink:
         return [plan.rendition_of(i) for i in range(plan.fetch_blocks)]
 
     def estimates(self) -> dict[str, float]:
-        """What the plans are made from now (the scheduler's ``metrics_dir`` report)."""
+        """What the plans are made from now, and from how many samples (the scheduler's metrics file)."""
         abr = self.abr
         return {
-            "throughput_bps": round(abr.throughput.estimate(), 1),
-            "throughput_samples": abr.throughput.samples,
-            "rtt_s": round(abr.rtt.estimate(), 6),
-            "first_byte_s": round(abr.first_byte_s(), 6),
-            "prefill_per_token_s": abr.prefill.per_token_s,
-            "prefill_overhead_s": round(abr.prefill.overhead_s, 6),
-            "prefill_samples": len(abr.prefill.samples),
+            **abr.inputs(), "first_byte_s": abr.first_byte_s(),
+            "throughput_samples": abr.throughput.samples, "prefill_samples": len(abr.prefill.samples),
         }
-
-    @property
-    def _block_raw_bytes(self) -> int:
-        return raw_bytes(self.block_shape, self.dtype)
 
     async def fetch(self, expected: Sequence[BlockIdentity], renditions: Sequence[str]) -> FetchOutcome:
         """Fetch, verify and load ``expected`` in chain order into ``cache`` (counted)."""

@@ -695,8 +695,7 @@ class _WorkerSide:
 
     def block_bytes(self) -> int:
         """Bytes of one block's K and V copied out of the engine (what the publish backlog holds)."""
-        num_layers, block_size, heads, head_size = self.identity.block_shape
-        return 2 * num_layers * block_size * heads * head_size * self.layers[0].element_size()
+        return self.link.block_raw_bytes
 
     def save(self, jobs: Sequence[SaveJob]) -> None:
         """Copy the jobs' blocks out now (vLLM may reuse them after this step) and publish them later.
