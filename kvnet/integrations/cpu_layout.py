@@ -174,6 +174,11 @@ class AmxLayout(CpuBlockLayout):
 
     def _key_views(self, engine: torch.Tensor, canonical: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h, b, d, rows, pair = self.num_kv_heads, self.block_size, self.head_size, AMX_TILE_ROWS, AMX_PAIR
+        if canonical.is_contiguous():
+            # K's pairs are adjacent dims on both sides, so each 32-bit lane moves whole: a 4-d permute of
+            # int32 copies ~3x faster than the 5-d one of bf16 whose innermost run is two elements.
+            lanes = canonical.view(torch.int32).view(b // rows, rows, h, d // pair)  # [(g, t), h, j]
+            return engine.view(torch.int32).view(h, b // rows, d // pair, rows), lanes.permute(2, 0, 3, 1)
         engine_view = engine.view(h, b // rows, d // pair, rows, pair)  # [h, g, j, t, e]
         # canonical [token, head, dim] = [(g, t), h, (j, e)] -> [h, g, j, t, e]
         canonical_view = canonical.view(b // rows, rows, h, d // pair, pair).permute(2, 0, 3, 1, 4)
