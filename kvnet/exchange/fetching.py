@@ -476,7 +476,7 @@ class BlockFetcher:
         window = self.window_blocks
         next_issue = 0
         pool = _LayerPool(self.verify_workers, self._pool_slots) if self.verify_workers else None
-        clock = _SampleClock()
+        clock = _SampleClock(decode_inline=pool is None)
         first_byte_wait = _FirstByteWait()
         waiting: asyncio.Timeout | None = None
         """The deadline of the block being waited for, while it is (what the re-plan cuts short)."""
@@ -772,15 +772,26 @@ class _SampleClock:
     object (the relay asking the publisher, or waiting for a block still being pushed) and any block that
     needed a second FETCH or failed are left out: they measure the publisher, not the path.
 
+    For the same reason the time the event loop spent verifying and decoding those blocks itself (no
+    verify pool: nothing is read meanwhile) is left out too: the plan charges each rendition its own
+    measured decode rate on top of bytes over throughput, and a sample that also held the decode charged
+    it twice. Behind a fast link the receiver's decode is most of a fetch, so a sample taken with zstd's
+    ``lossless`` made ``plain`` (more bytes, a copy to decode) look slower than it is, and every fetch
+    look slower than computing.
+
     A fetch stopped before any block came whole (cancelled once a head computing the prefix reached it, or
     abandoned at its deadline) is measured too, by the objects that had arrived by then over the time
     until then: a link too slow to deliver one block in that time must not leave the estimate where it
     was, or the next plan makes the same mistake. One that failed (the relay gone, a stall, a refused
     block) is not: its time measures the failure."""
 
+    decode_inline: bool = True
+    """Blocks are verified and decoded on the event loop (``verify_workers`` 0)."""
     first_object: float | None = None
     last_clean: float | None = None
     clean_bytes: int = 0
+    clean_decode_s: float = 0.0
+    """Seconds the loop spent verifying and decoding the clean blocks (inline decoding only)."""
     arrived_bytes: int = 0
     """Payload bytes of the objects read before anything went wrong, whole blocks or not."""
     disturbed: bool = False
@@ -800,6 +811,8 @@ class _SampleClock:
         if not self.disturbed:
             self.clean_bytes += block.nbytes
             self.last_clean = time.perf_counter()
+            if self.decode_inline:
+                self.clean_decode_s += block.decode_s
 
     def sample(self, unread_bytes: int = 0) -> tuple[int, float]:
         """(bytes, seconds) of the sample; (0, 0.0) when there is none. ``unread_bytes``: objects of later
@@ -807,7 +820,8 @@ class _SampleClock:
         if self.first_object is None:
             return 0, 0.0
         if self.clean_bytes > 0 and self.last_clean is not None:
-            return self.clean_bytes, max(self.last_clean - self.first_object, MIN_SAMPLE_S)
+            elapsed = self.last_clean - self.first_object - self.clean_decode_s
+            return self.clean_bytes, max(elapsed, MIN_SAMPLE_S)
         if self.disturbed or self.arrived_bytes + unread_bytes <= 0:
             return 0, 0.0
         return self.arrived_bytes + unread_bytes, max(time.perf_counter() - self.first_object, MIN_SAMPLE_S)

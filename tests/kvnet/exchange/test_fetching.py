@@ -595,3 +595,21 @@ async def test_a_manifest_too_large_to_be_one_is_refused_as_its_length_arrives(
     assert outcome.loaded == 0 and outcome.error is not None, outcome
     assert f"object 0/0 of {15 << 20} bytes exceeds the limit of {MAX_MANIFEST_BYTES}" in outcome.error
     assert_consistent(cache, 0)
+
+
+def test_a_throughput_sample_leaves_out_the_loops_own_decoding(published: Published) -> None:
+    """The plan charges bytes over throughput plus each rendition's measured decode, so a sample must not
+    hold the time the event loop spent decoding (no verify pool): that would charge it twice. With a pool
+    the loop went on reading meanwhile, and the whole span is the sample."""
+    samples = {}
+    for inline in (True, False):
+        clock = fetching._SampleClock(decode_inline=inline)
+        clock.object_arrived(1000)
+        assert clock.first_object is not None
+        clock.first_object -= 10.0  # the first object came 10 s before the block was done
+        block = fetching._LoadingBlock(0, published.identities[0], "lossless", nbytes=1000, decode_s=4.0)
+        clock.block_done(block, FetchOutcome())
+        nbytes, samples[inline] = clock.sample()
+        assert nbytes == 1000
+    assert samples[False] >= 10.0
+    assert samples[False] - samples[True] == pytest.approx(4.0, abs=0.5)
