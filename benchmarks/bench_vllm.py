@@ -47,7 +47,8 @@ def vllm_python() -> str:
 
 
 def run_engine(python: str, work: Path, name: str, model: Path, relay_url: str, ca: Path,
-               steps: list[dict[str, Any]], max_model_len: int, abr: str = "fetch") -> dict[str, Any]:
+               steps: list[dict[str, Any]], max_model_len: int, renditions: str,
+               abr: str = "fetch") -> dict[str, Any]:
     spec = {
         "model": str(model), "out": str(work / f"{name}.json"), "steps": steps, "max_tokens": 1,
         "logprobs": None, "max_model_len": max_model_len,
@@ -56,7 +57,7 @@ def run_engine(python: str, work: Path, name: str, model: Path, relay_url: str, 
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "relay": relay_url, "ca": str(ca), "metrics_dir": str(work / f"metrics-{name}"),
-                "store_bytes": "2G", "abr": abr,
+                "store_bytes": "2G", "abr": abr, "renditions": renditions, "accept": renditions,
             },
         },
     }
@@ -84,6 +85,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--transport", choices=("quic", "qmux"), default="quic",
                         help="how the engines reach the relay: moqt:// (QUIC) or moqt+qmux:// (TLS/TCP)")
+    parser.add_argument("--renditions", default="lossless",
+                        help="renditions A publishes and B and C accept, comma-separated (lossless,plain: "
+                        "the connector weighs them by measured link and decode rates)")
     parser.add_argument("--work-dir", type=Path, help="keep the engines' logs and counters here (default: a "
                         "temporary directory, removed)")
     args = parser.parse_args()
@@ -116,15 +120,19 @@ def main() -> None:
                 a_steps.append({"name": f"local-{n}-{r}", "prompt_token_ids": prompt})
             b_steps = [{"name": f"remote-{n}-{r}", "prompt_token_ids": p} for (n, r), p in prompts.items()]
             c_steps = [{"name": f"auto-{n}-{r}", "prompt_token_ids": p} for (n, r), p in prompts.items()]
-            a = run_engine(python, work, "A", model, relay_url, certs.ca, a_steps, max_model_len)
+            a = run_engine(python, work, "A", model, relay_url, certs.ca, a_steps, max_model_len,
+                           args.renditions)
             # B loads every located block (the load path); C lets the connector's ABR choose per request.
-            b = run_engine(python, work, "B", model, relay_url, certs.ca, b_steps, max_model_len)
-            c = run_engine(python, work, "C", model, relay_url, certs.ca, c_steps, max_model_len, abr="auto")
+            b = run_engine(python, work, "B", model, relay_url, certs.ca, b_steps, max_model_len,
+                           args.renditions)
+            c = run_engine(python, work, "C", model, relay_url, certs.ca, c_steps, max_model_len,
+                           args.renditions, abr="auto")
         finally:
             relay.stop()
     engine = a["worker"]
     print(f"model: random Llama hidden {args.hidden}, {args.layers} layers; dtype {engine['dtype']}, "
           f"KV layout {engine['kv_layout']} (vLLM's CPU kernel); relay over {args.transport}; "
+          f"renditions {args.renditions}; "
           f"runs {args.runs}")
     print(f"{'tokens':>7} {'cold s':>8} {'remote s':>9} {'local s':>8} {'remote/cold':>12} {'cached':>7} "
           f"{'auto s':>8} {'auto/min':>9}  auto loaded (tokens per run)")
@@ -147,11 +155,14 @@ def main() -> None:
     goodput = w["bytes_fetched"] / w["fetch_seconds"] if w["fetch_seconds"] else 0.0
     print(f"fetch goodput (B): {goodput / 1e6:.1f} MB/s over {w['blocks_loaded']} blocks, "
           f"{w['tokens_loaded'] / w['fetch_seconds']:.0f} tokens/s; load failures "
-          f"{w['load_failures_signature'] + w['load_failures_content'] + w['load_failures_transfer']}")
+          f"{w['load_failures_signature'] + w['load_failures_content'] + w['load_failures_transfer']}; "
+          f"blocks by rendition {json.dumps(w['blocks_loaded_by_rendition'], sort_keys=True)}")
     sched = c["scheduler"]
     print(f"auto (C): {sched['hits_declined']} located prefixes declined ({sched['blocks_declined']} "
           f"blocks), {sched['probes']} probes, {sched['locates_skipped']} locates skipped, "
-          f"{c['worker']['loads_abandoned']} loads given up; last inputs {json.dumps(sched['abr'])}")
+          f"{c['worker']['loads_abandoned']} loads given up, blocks by rendition "
+          f"{json.dumps(c['worker']['blocks_loaded_by_rendition'], sort_keys=True)}; "
+          f"last inputs {json.dumps(sched['abr'])}")
     print(f"load average after: {common.load_average()}")
 
 

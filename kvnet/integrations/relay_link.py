@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
@@ -149,6 +150,8 @@ class RelayLink:
     backoff: Backoff = field(default_factory=Backoff)
     """Spaces failed connect attempts (reset by a successful one)."""
     counters: ConnectorCounters = field(default_factory=ConnectorCounters)
+    blocks_loaded_by_rendition: Counter[str] = field(default_factory=Counter)
+    """Loaded blocks by the rendition they came in (the worker's metrics file)."""
     store: BlockStore = field(init=False)
     block_raw_bytes: int = field(init=False)
     """Bytes of one block's K and V in the engine's dtype (``block_shape``)."""
@@ -272,6 +275,7 @@ class RelayLink:
             outcome = FetchOutcome(error=str(exc))
         self.counters.fetch_seconds += time.perf_counter() - started
         self.counters.blocks_loaded += outcome.loaded
+        self.blocks_loaded_by_rendition.update(outcome.renditions)
         self.counters.tokens_loaded += outcome.loaded * self.block_shape[1]
         self.counters.bytes_fetched += outcome.bytes
         if outcome.abandoned is not None:

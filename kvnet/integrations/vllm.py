@@ -182,11 +182,11 @@ class _CounterReport:
 
     def __init__(
         self, counters: ConnectorCounters, path: Path | None, identity: EngineIdentity,
-        estimates: Callable[[], dict[str, float]] | None = None,
+        sections: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.counters = counters
         self.path = path
-        self._estimates = estimates
+        self._sections = sections
         self._last = counters.to_json()
         self._identity = {
             "fingerprint": identity.fingerprint.hex(), "namespace_id": identity.namespace_id,
@@ -205,8 +205,8 @@ class _CounterReport:
             return
         tmp = self.path.with_suffix(".tmp")
         report: dict[str, Any] = {**self._identity, **self.counters.to_json()}
-        if self._estimates is not None:
-            report["abr"] = self._estimates()
+        if self._sections is not None:
+            report.update(self._sections())
         tmp.write_text(json.dumps(report, sort_keys=True))
         tmp.replace(self.path)
 
@@ -247,7 +247,9 @@ class _SchedulerSide:
             abr=connector_abr(settings, identity.dtype, plans=True),
         )
         path = metrics_dir / "scheduler.json" if metrics_dir else None
-        self.report = _CounterReport(self.link.counters, path, identity, estimates=self.link.estimates)
+        self.report = _CounterReport(
+            self.link.counters, path, identity, sections=lambda: {"abr": self.link.estimates()}
+        )
         self.hashes: dict[str, list[bytes]] = {}
         self.locates: dict[str, _Locate] = {}
         self.planned: dict[str, tuple[int, list[str]]] = {}
@@ -549,7 +551,10 @@ class _WorkerSide:
         )
         self.forwards = _ForwardTimer(min_tokens=identity.block_size)
         path = metrics_dir / "worker.json" if metrics_dir else None
-        self.report = _CounterReport(self.link.counters, path, identity)
+        self.report = _CounterReport(
+            self.link.counters, path, identity,
+            sections=lambda: {"blocks_loaded_by_rendition": dict(self.link.blocks_loaded_by_rendition)},
+        )
         self.layers: list[torch.Tensor] = []
         self.layout: CpuBlockLayout | PagedLayerLayout | None = None
         self.save_pool: PinnedPool | None = None

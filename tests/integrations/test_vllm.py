@@ -436,6 +436,7 @@ def test_remote_prefix_equals_vllms_local_prefix_hit_bit_for_bit(runs: dict[str,
     assert remote["logprobs"] == local["logprobs"]  # every top-5 logprob, bit for bit (float.hex)
     b_worker = counters(runs["setup"], "B", "worker")
     assert b_worker["blocks_loaded"] == 4 and b_worker["tokens_loaded"] == 4 * BLOCK
+    assert b_worker["blocks_loaded_by_rendition"] == {"lossless": 4}  # the default, published and accepted
     assert b_worker["blocks_load_failed"] == 0
     assert b_worker["kv_layout"] == f"cpu_attn/{runs['kernel']}"  # the kernel vLLM picked, in kvnet's layout
     assert counters(runs["setup"], "B", "scheduler")["tokens_located"] == 4 * BLOCK
