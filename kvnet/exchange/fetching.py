@@ -286,6 +286,7 @@ class BlockFetcher:
         verify_workers: int = DEFAULT_VERIFY_WORKERS,
         inflight: InflightBlocks | None = None,
         relay: str = "",
+        locate_fingerprints: Sequence[bytes] = (),
     ) -> None:
         if window_bytes <= 0:
             raise ValueError(f"window_bytes must be positive, got {window_bytes}")
@@ -295,6 +296,9 @@ class BlockFetcher:
         self.conn = conn
         self.cache = cache
         self.fingerprint = fingerprint
+        self.locate_fingerprints = tuple(locate_fingerprints) or (fingerprint,)
+        """Whose tracks a locate probes: a block counts as there only when each of them has it (the slices of
+        a tensor-parallel engine's ranks, each under its own fingerprint); by default this fetcher's own."""
         self.namespace_id = namespace_id
         self.shape = shape
         self.dtype = dtype
@@ -405,11 +409,18 @@ class BlockFetcher:
     def _probe_track_status(
         self, hashes: Sequence[bytes], i: int, rendition: str
     ) -> Coroutine[Any, Any, Any]:
-        ns, name = block_track(self.fingerprint, self.namespace_id, hashes[i], rendition)
-        return self.conn.track_status(ns, name)
+        probes = [self.conn.track_status(*block_track(fp, self.namespace_id, hashes[i], rendition))
+                  for fp in self.locate_fingerprints]
+        return probes[0] if len(probes) == 1 else _every(probes)
 
-    async def _probe_manifest(self, hashes: Sequence[bytes], i: int, rendition: str) -> None:
-        """Returns when block ``i`` exists in ``rendition``: FETCH_OK for its manifest object (object 0
+    def _probe_manifest(self, hashes: Sequence[bytes], i: int, rendition: str) -> Coroutine[Any, Any, Any]:
+        """Returns when block ``i`` exists in ``rendition`` under every locate fingerprint
+        (``_probe_manifest_of`` each); raises otherwise."""
+        probes = [self._probe_manifest_of(fp, hashes[i], rendition) for fp in self.locate_fingerprints]
+        return probes[0] if len(probes) == 1 else _every(probes)
+
+    async def _probe_manifest_of(self, fingerprint: bytes, block_hash: bytes, rendition: str) -> None:
+        """Returns when the block exists in ``rendition``: FETCH_OK for its manifest object (object 0
         only). Raises otherwise.
 
         The FETCH is not cancelled after FETCH_OK (nor when the locate no longer needs the answer): its
@@ -417,7 +428,7 @@ class BlockFetcher:
         reaches a relay that may serve the FETCH by pulling the block upstream, and leaves it with a
         cut-short block the next full FETCH waits for. The rest is read in the background, cancelled only
         after ``timeout`` (a relay that does not finish it by then is not harmed by the cancel any more)."""
-        ns, name = block_track(self.fingerprint, self.namespace_id, hashes[i], rendition)
+        ns, name = block_track(fingerprint, self.namespace_id, block_hash, rendition)
         start = Location(BLOCK_GROUP_ID, MANIFEST_OBJECT_ID)
         handle = await self.conn.fetch(ns, name, start, Location(BLOCK_GROUP_ID, MANIFEST_OBJECT_ID + 1))
         try:
@@ -982,6 +993,11 @@ def _is_not_yet(exc: BaseException) -> bool:
     if isinstance(exc, BlockIncomplete):
         return True
     return isinstance(exc, RequestRejected) and exc.code == RequestErrorCode.TIMEOUT
+
+
+async def _every(probes: Sequence[Coroutine[Any, Any, Any]]) -> None:
+    """Returns when every probe did; raises the first probe's failure (the others still end on their own)."""
+    await asyncio.gather(*probes)
 
 
 def _is_plain_miss(exc: BaseException) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -111,19 +111,20 @@ class RelayPeer:
     async def connect(
         cls, cfg: RelayPeerConfig, store: BlockStore, cache: CacheWriter, trust: TrustStore, abr: KvAbr, *,
         fingerprint: bytes, namespace_id: str, block_shape: tuple[int, int, int, int], dtype: str,
-        device: torch.device, announce: bool = True,
+        device: torch.device, announce: bool = True, locate_fingerprints: Sequence[bytes] = (),
     ) -> RelayPeer:
         """Open the session to ``cfg.relay_url``, announce our namespace and serve ``store`` on it; fetched
         blocks are written into ``cache``. ``namespace_id`` is the namespace-id field of the block
         namespace. A session that only locates passes ``announce=False``: it holds no blocks, so the relay
-        must not route requests for the namespace to it."""
+        must not route requests for the namespace to it. ``locate_fingerprints``: whose tracks a locate
+        needs a block in (``BlockFetcher``; by default ``fingerprint``'s own)."""
         conn = await _open_session(cfg)
         server = BlockServer(conn, store, fingerprint, namespace_id, block_shape[0])
         fetcher = BlockFetcher(
             conn, cache, trust, fingerprint=fingerprint, namespace_id=namespace_id, shape=block_shape,
             dtype=dtype, abr=abr, trust_any=cfg.trust_any, timeout=cfg.request_timeout,
             window_bytes=cfg.fetch_window_bytes, device=device, verify_workers=cfg.fetch_verify_workers,
-            relay=cfg.relay_url,
+            relay=cfg.relay_url, locate_fingerprints=locate_fingerprints,
         )
         peer = cls(conn, server, fetcher, cfg)
         try:
@@ -235,7 +236,7 @@ class RelayPeer:
             shape=main.shape, dtype=main.dtype, abr=main.abr, trust_any=main.trust_any, timeout=main.timeout,
             window_bytes=main.window_bytes, straggler_grace=main.straggler_grace,
             locate_fan_out=main.locate_fan_out, device=main.device, verify_workers=main.verify_workers,
-            inflight=main.inflight, relay=main.relay,
+            inflight=main.inflight, relay=main.relay, locate_fingerprints=main.locate_fingerprints,
         )
 
     async def push(self, blocks: list[StoredBlock]) -> int:

@@ -613,3 +613,28 @@ def test_a_throughput_sample_leaves_out_the_loops_own_decoding(published: Publis
         assert nbytes == 1000
     assert samples[False] >= 10.0
     assert samples[False] - samples[True] == pytest.approx(4.0, abs=0.5)
+
+
+@pytest.mark.parametrize("track_status", [True, False], ids=["track-status", "manifest-fetch"])
+async def test_a_block_is_located_only_where_every_locate_fingerprint_has_it(
+    pair: ConnectionPair, published: Published, track_status: bool
+) -> None:
+    """A tensor-parallel engine's scheduler locates every rank's slice (one fingerprint each): a block
+    counts only when all of them are there, probed by TRACK_STATUS or by the manifest FETCH fallback."""
+    server_class = BlockServer if track_status else TrackStatusRefusingServer
+    server = server_class(pair.server, serving_store(published.blocks[:4]), FINGERPRINT, NAMESPACE_ID,
+                          SPEC.num_layers)
+    task = asyncio.create_task(server.serve())
+    try:
+        every = fetcher(pair, empty_cache(), trusting(published.signer),
+                        locate_fingerprints=(FINGERPRINT, FINGERPRINT))
+        assert (await every.locate(HASHES, ["lossless"])).available == [["lossless"]] * 4
+        other_rank = bytes(32)  # a second rank whose slices nobody published
+        partial = fetcher(pair, empty_cache(), trusting(published.signer),
+                          locate_fingerprints=(FINGERPRINT, other_rank))
+        if not track_status:
+            partial.locate_probe = "fetch"  # as the first fetcher learned of this relay
+        assert (await partial.locate(HASHES, ["lossless"])).available == []
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
