@@ -147,6 +147,9 @@ class RelayLink:
     """Serve our store to the relay (the worker does; a scheduler that only locates does not)."""
     abr: KvAbr
     """The estimates: the scheduler's plans (``connector_abr``), the worker's fetches feed."""
+    locate_fingerprints: tuple[bytes, ...] = ()
+    """Whose tracks a located block must be under: every tensor-parallel rank's (the scheduler's link);
+    empty: ``fingerprint``'s alone."""
     backoff: Backoff = field(default_factory=Backoff)
     """Spaces failed connect attempts (reset by a successful one)."""
     counters: ConnectorCounters = field(default_factory=ConnectorCounters)
@@ -206,6 +209,7 @@ class RelayLink:
                 node.relay_peer_config(), self.store, self.cache, self.trust, self.abr,
                 fingerprint=self.fingerprint, namespace_id=self.namespace_id, block_shape=self.block_shape,
                 dtype=self.dtype, device=torch.device("cpu"), announce=self.announce,
+                locate_fingerprints=self.locate_fingerprints,
             )
         except Exception as exc:  # any failure to connect means: no relay for now
             self._retry_at = time.monotonic() + self.backoff.next_delay()

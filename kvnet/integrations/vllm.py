@@ -39,8 +39,10 @@ out of the request's cached-token count, which vLLM fixed when the load was plan
 
 The wire carries kvnet's canonical per-layer layout, not vLLM's block bytes (docs/vllm.md says why and
 what the fingerprint separates). Supported: vLLM's CPU and CUDA platforms (``kvnet.integrations.platforms``
-says which backends and dtypes), tensor and pipeline parallel size 1, text
-prompts without LoRA, multimodal inputs or cache salt (other requests simply do not use kvnet).
+says which backends and dtypes), any tensor-parallel size (each rank publishes and loads its slice of the
+KV heads under its own fingerprint; a prefix is offered only where every rank's slice is located),
+pipeline parallel size 1, text prompts without LoRA, multimodal inputs or cache salt (other requests
+simply do not use kvnet).
 """
 
 from __future__ import annotations
@@ -245,6 +247,7 @@ class _SchedulerSide:
             settings, identity.fingerprint, identity.namespace_id, identity.block_shape, identity.dtype,
             TrustStore(), _NoCache(), announce=False,
             abr=connector_abr(settings, identity.dtype, plans=True),
+            locate_fingerprints=identity.rank_fingerprints,
         )
         path = metrics_dir / "scheduler.json" if metrics_dir else None
         self.report = _CounterReport(
@@ -550,7 +553,9 @@ class _WorkerSide:
             abr=connector_abr(settings, identity.dtype, plans=False),
         )
         self.forwards = _ForwardTimer(min_tokens=identity.block_size)
-        path = metrics_dir / "worker.json" if metrics_dir else None
+        # One file per tensor-parallel rank: worker.json (rank 0), worker-1.json, ...
+        name = "worker.json" if identity.tp_rank == 0 else f"worker-{identity.tp_rank}.json"
+        path = metrics_dir / name if metrics_dir else None
         self.report = _CounterReport(
             self.link.counters, path, identity,
             sections=lambda: {"blocks_loaded_by_rendition": dict(self.link.blocks_loaded_by_rendition)},

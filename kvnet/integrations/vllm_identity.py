@@ -3,9 +3,10 @@
 ``engine_identity`` checks the engine vLLM configured (platform, parallelism, MLA or hybrid models, the
 attention kernel and KV cache dtype, through ``kvnet.integrations.platforms`` and the layout modules) and
 derives its ``EngineIdentity``: the fingerprint (engine and version, weight and tokenizer digests, dtype, KV
-layout, wire layout, parallel rank), the chain root salted by the tenant, the namespace id and the block
-geometry. Scheduler and worker compute it separately and must agree. ``kvnet.integrations.vllm`` is the
-connector that uses it; this module only asks vLLM about its configuration.
+layout, wire layout, tensor-parallel size and rank), the chain root salted by the tenant, the namespace id
+and the block geometry. Scheduler and worker compute it separately and must agree.
+``kvnet.integrations.vllm`` is the connector that uses it; this module only asks vLLM about its
+configuration.
 """
 
 from __future__ import annotations
@@ -56,6 +57,13 @@ class EngineIdentity:
     fields: dict[str, str | int]
     platform: str = "cpu"
     """vLLM's platform (``cpu`` or ``cuda``): which layout module and copy path the worker uses."""
+    rank_fingerprints: tuple[bytes, ...] = ()
+    """The fingerprint of every tensor-parallel rank (``fingerprint`` is this rank's): a prefix is there to
+    load only when every rank's slice of its blocks is (the scheduler locates them all)."""
+
+    @property
+    def tp_rank(self) -> int:
+        return int(self.fields.get("tp_rank", 0))
 
     @property
     def block_size(self) -> int:
@@ -136,8 +144,12 @@ def engine_identity(vllm_config: Any, settings: ConnectorConfig) -> EngineIdenti
     refused = platform_refusal(platform)
     if refused is not None:
         raise ConfigError(refused)
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise ConfigError("kvnet's vLLM connector supports tensor and pipeline parallel size 1 only")
+    if parallel.pipeline_parallel_size != 1:
+        raise ConfigError("kvnet's vLLM connector supports pipeline parallel size 1 only")
+    tp_size = int(parallel.tensor_parallel_size)
+    # vLLM sets the rank in each worker before it makes the worker's connector; the scheduler's is rank 0.
+    # With pipeline parallel size 1 (and one engine per data-parallel rank) it is the tensor-parallel rank.
+    tp_rank = int(getattr(parallel, "rank", 0)) % tp_size
     if getattr(model, "use_mla", False):
         raise ConfigError("kvnet's vLLM connector does not carry MLA latent KV caches")
     if getattr(model, "is_hybrid", False) or getattr(model, "is_attention_free", False):
@@ -170,13 +182,16 @@ def engine_identity(vllm_config: Any, settings: ConnectorConfig) -> EngineIdenti
         "block_size": block_size,
         "kv_layout": kv_layout,
         "wire_layout": WIRE_LAYOUT,
-        "tp_size": 1,
-        "tp_rank": 0,
+        "tp_size": tp_size,
+        "tp_rank": tp_rank,
     }
-    fingerprint = canonical_fingerprint(fields)
+    # Each rank holds its slice of the KV heads and publishes it as tracks of its own fingerprint; the
+    # block chain is rank 0's, so every rank (and the scheduler) names a prompt's blocks alike.
+    rank_fingerprints = tuple(canonical_fingerprint({**fields, "tp_rank": r}) for r in range(tp_size))
     node = settings.node
     secret = NodeSecret.load(node.node_secret) if node.node_secret is not None else None
     salt, namespace = tenant_salt_and_namespace(node.tenant, secret)
     return EngineIdentity(
-        fingerprint, root_hash(fingerprint, salt), namespace, shape, dtype, kernel, fields, platform
+        rank_fingerprints[tp_rank], root_hash(rank_fingerprints[0], salt), namespace, shape, dtype, kernel,
+        fields, platform, rank_fingerprints,
     )

@@ -149,20 +149,25 @@ def connector_config(relay_url: str, setup: Setup, name: str, **extra: Any) -> d
 
 
 def start_engine(
-    setup: Setup, name: str, relay_url: str, steps: list[dict[str, Any]], **extra: Any
+    setup: Setup, name: str, relay_url: str, steps: list[dict[str, Any]], *, tensor_parallel: int = 1,
+    **extra: Any,
 ) -> subprocess.Popen[bytes]:
     """An engine running ``steps``; ``extra``: connector settings beside the tests' own."""
     spec = {
         "model": str(setup.model), "out": str(setup.tmp / f"{name}.json"), "steps": steps,
         "kv_transfer_config": connector_config(relay_url, setup, name, **extra),
+        "tensor_parallel_size": tensor_parallel,
     }
     spec_path = setup.tmp / f"{name}-spec.json"
     spec_path.write_text(json.dumps(spec))
-    env = dict(
-        os.environ, PYTHONPATH=str(REPO), KVNET_HOME=str(setup.home),
+    env = dict(os.environ, PYTHONPATH=str(REPO), KVNET_HOME=str(setup.home), VLLM_CPU_KVCACHE_SPACE="1")
+    if tensor_parallel == 1:
         # vLLM reserves a core for a connector; on 2 cores that leaves none (ENGINES.md).
-        VLLM_CPU_NUM_OF_RESERVED_CPU="1", VLLM_CPU_KVCACHE_SPACE="1",
-    )
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
+    else:
+        # vLLM binds each CPU rank to a NUMA node of its own unless told which cores: one core a rank.
+        cores = sorted(os.sched_getaffinity(0))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in cores[:tensor_parallel])
     log = open(setup.tmp / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
     proc = subprocess.Popen(
         [setup.python, str(Path(__file__).with_name("vllm_engine.py")), str(spec_path)],

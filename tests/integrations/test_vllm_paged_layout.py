@@ -233,7 +233,7 @@ def test_the_connector_refuses_other_platforms_and_unsupported_cuda_engines_in_o
     assert refusals["cuda"].endswith("attention backends, not FLEX_ATTENTION")
     assert "does not carry fp8 KV caches" in refusals["cuda/fp8"]
     assert "per-head scales" in refusals["cuda/fp8"]
-    assert refusals["cuda/tp2"] == f"{head} supports tensor and pipeline parallel size 1 only"
+    assert refusals["cuda/pp2"] == f"{head} supports pipeline parallel size 1 only"
     assert refusals["cuda/mla"] == f"{head} does not carry MLA latent KV caches"
     assert refusals["cuda/hybrid"] == f"{head} does not carry the recurrent state of hybrid models"
     assert all("\n" not in line for line in refusals.values())

@@ -179,7 +179,7 @@ def refusals(home: Path) -> dict[str, str]:
         (p.name.lower(), p, {}) for p in PlatformEnum if p != PlatformEnum.CPU
     ] + [
         ("cuda/fp8", PlatformEnum.CUDA, {"cache_dtype": "fp8_e4m3"}),
-        ("cuda/tp2", PlatformEnum.CUDA, {"tensor_parallel_size": 2}),
+        ("cuda/pp2", PlatformEnum.CUDA, {"pipeline_parallel_size": 2}),
         ("cuda/mla", PlatformEnum.CUDA, {"use_mla": True}),
         ("cuda/hybrid", PlatformEnum.CUDA, {"is_hybrid": True}),
     ]
@@ -196,7 +196,7 @@ def refusals(home: Path) -> dict[str, str]:
         )
         cache = types.SimpleNamespace(block_size=16, cache_dtype=overrides.get("cache_dtype", "auto"))
         parallel = types.SimpleNamespace(
-            tensor_parallel_size=overrides.get("tensor_parallel_size", 1), pipeline_parallel_size=1
+            tensor_parallel_size=1, pipeline_parallel_size=overrides.get("pipeline_parallel_size", 1)
         )
         config = types.SimpleNamespace(model_config=model, cache_config=cache, parallel_config=parallel)
         try:

@@ -3,7 +3,7 @@
 Runs in the vLLM environment with the checkout on ``PYTHONPATH``. SPEC::
 
     {"model": DIR, "kv_transfer_config": {...} | null, "out": RESULT.json,
-     "max_tokens": 4, "logprobs": 5, "max_model_len": 4096,
+     "max_tokens": 4, "logprobs": 5, "max_model_len": 4096, "tensor_parallel_size": 1,
      "steps": [{"name": "a", "prompt_token_ids": [...]}, {"wait_for_file": PATH},
                {"batch": {"b": [...], "c": [...]}}, ...]}
 
@@ -58,7 +58,8 @@ def run(spec: dict[str, Any]) -> None:
         model=spec["model"], dtype="bfloat16", enforce_eager=True, block_size=128,
         max_model_len=spec.get("max_model_len", 4096), seed=0,
         kv_transfer_config=spec.get("kv_transfer_config"), disable_log_stats=False,
-        enable_prefix_caching=True,
+        enable_prefix_caching=True, tensor_parallel_size=spec.get("tensor_parallel_size", 1),
+        distributed_executor_backend="mp" if spec.get("tensor_parallel_size", 1) > 1 else None,
     )
     params = SamplingParams(
         temperature=0.0, max_tokens=spec.get("max_tokens", 4), logprobs=spec.get("logprobs", 5)
