@@ -47,11 +47,11 @@ def vllm_python() -> str:
 
 
 def run_engine(python: str, work: Path, name: str, model: Path, relay_url: str, ca: Path,
-               steps: list[dict[str, Any]], max_model_len: int, renditions: str,
+               steps: list[dict[str, Any]], max_model_len: int, renditions: str, tensor_parallel: int,
                abr: str = "fetch") -> dict[str, Any]:
     spec = {
         "model": str(model), "out": str(work / f"{name}.json"), "steps": steps, "max_tokens": 1,
-        "logprobs": None, "max_model_len": max_model_len,
+        "logprobs": None, "max_model_len": max_model_len, "tensor_parallel_size": tensor_parallel,
         "kv_transfer_config": {
             "kv_connector": "KvnetConnector", "kv_connector_module_path": "kvnet.integrations.vllm",
             "kv_role": "kv_both",
@@ -62,8 +62,12 @@ def run_engine(python: str, work: Path, name: str, model: Path, relay_url: str, 
         },
     }
     (work / f"{name}-spec.json").write_text(json.dumps(spec))
-    env = dict(os.environ, PYTHONPATH=str(REPO), KVNET_HOME=str(work / "home"),
-               VLLM_CPU_NUM_OF_RESERVED_CPU="1", VLLM_CPU_KVCACHE_SPACE="2")
+    env = dict(os.environ, PYTHONPATH=str(REPO), KVNET_HOME=str(work / "home"), VLLM_CPU_KVCACHE_SPACE="2")
+    if tensor_parallel == 1:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
+    else:  # one core a rank (vLLM would bind each rank to a NUMA node of its own)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in sorted(os.sched_getaffinity(0))[
+            :tensor_parallel])
     with open(work / f"{name}.log", "wb") as log:
         rc = subprocess.call([python, str(ENGINE), str(work / f"{name}-spec.json")], env=env, cwd=REPO,
                              stdout=log, stderr=subprocess.STDOUT)
@@ -71,6 +75,10 @@ def run_engine(python: str, work: Path, name: str, model: Path, relay_url: str, 
         raise SystemExit(f"engine {name} failed ({rc}); log: {work / f'{name}.log'}")
     result: dict[str, Any] = json.loads((work / f"{name}.json").read_text())
     result["worker"] = json.loads((work / f"metrics-{name}" / "worker.json").read_text())
+    metrics = work / f"metrics-{name}"
+    result["ranks"] = [result["worker"]] + [
+        json.loads((metrics / f"worker-{r}.json").read_text()) for r in range(1, tensor_parallel)
+    ]
     result["scheduler"] = json.loads((work / f"metrics-{name}" / "scheduler.json").read_text())
     return result
 
@@ -88,6 +96,9 @@ def main() -> None:
     parser.add_argument("--renditions", default="lossless",
                         help="renditions A publishes and B and C accept, comma-separated (lossless,plain: "
                         "the connector weighs them by measured link and decode rates)")
+    parser.add_argument("--tensor-parallel", type=int, default=1,
+                        help="tensor-parallel size of every engine (each rank loads its slice of the KV "
+                        "heads; on CPU one core a rank)")
     parser.add_argument("--work-dir", type=Path, help="keep the engines' logs and counters here (default: a "
                         "temporary directory, removed)")
     args = parser.parse_args()
@@ -121,18 +132,18 @@ def main() -> None:
             b_steps = [{"name": f"remote-{n}-{r}", "prompt_token_ids": p} for (n, r), p in prompts.items()]
             c_steps = [{"name": f"auto-{n}-{r}", "prompt_token_ids": p} for (n, r), p in prompts.items()]
             a = run_engine(python, work, "A", model, relay_url, certs.ca, a_steps, max_model_len,
-                           args.renditions)
+                           args.renditions, args.tensor_parallel)
             # B loads every located block (the load path); C lets the connector's ABR choose per request.
             b = run_engine(python, work, "B", model, relay_url, certs.ca, b_steps, max_model_len,
-                           args.renditions)
+                           args.renditions, args.tensor_parallel)
             c = run_engine(python, work, "C", model, relay_url, certs.ca, c_steps, max_model_len,
-                           args.renditions, abr="auto")
+                           args.renditions, args.tensor_parallel, abr="auto")
         finally:
             relay.stop()
     engine = a["worker"]
     print(f"model: random Llama hidden {args.hidden}, {args.layers} layers; dtype {engine['dtype']}, "
           f"KV layout {engine['kv_layout']} (vLLM's CPU kernel); relay over {args.transport}; "
-          f"renditions {args.renditions}; "
+          f"renditions {args.renditions}; tensor parallel {args.tensor_parallel}; "
           f"runs {args.runs}")
     print(f"{'tokens':>7} {'cold s':>8} {'remote s':>9} {'local s':>8} {'remote/cold':>12} {'cached':>7} "
           f"{'auto s':>8} {'auto/min':>9}  auto loaded (tokens per run)")
@@ -152,9 +163,11 @@ def main() -> None:
           f"{published['push_failures_transfer']}, dropped at a full backlog "
           f"{published['blocks_save_dropped']}, {published['publish_failures']} failed saves)")
     w = b["worker"]
-    goodput = w["bytes_fetched"] / w["fetch_seconds"] if w["fetch_seconds"] else 0.0
+    # The ranks load their slices at once: all their bytes over the slowest rank's fetch time.
+    fetch_s = max(r["fetch_seconds"] for r in b["ranks"])
+    goodput = sum(r["bytes_fetched"] for r in b["ranks"]) / fetch_s if fetch_s else 0.0
     print(f"fetch goodput (B): {goodput / 1e6:.1f} MB/s over {w['blocks_loaded']} blocks, "
-          f"{w['tokens_loaded'] / w['fetch_seconds']:.0f} tokens/s; load failures "
+          f"{w['tokens_loaded'] / fetch_s if fetch_s else 0.0:.0f} tokens/s; load failures "
           f"{w['load_failures_signature'] + w['load_failures_content'] + w['load_failures_transfer']}; "
           f"blocks by rendition {json.dumps(w['blocks_loaded_by_rendition'], sort_keys=True)}")
     sched = c["scheduler"]
