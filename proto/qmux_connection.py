@@ -150,6 +150,12 @@ class QMuxConnection:
         return self._finished
 
     @property
+    def closed_by_us(self) -> bool:
+        """We sent CONNECTION_CLOSE (``close``, or a peer error we answered with one): the peer may still be
+        sending until it reads it, so the transport is best kept open for its close in turn."""
+        return self._close_frame is not None
+
+    @property
     def peer_transport_parameters(self) -> TransportParameters | None:
         """The peer's QX_TRANSPORT_PARAMETERS, once received."""
         return self._peer_tp

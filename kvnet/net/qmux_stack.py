@@ -69,6 +69,11 @@ _WRITE_LOW_WATER = 1 << 20
 # requests-in-flight limit with requests it could have answered in between, as it does between datagrams
 # on the QUIC stacks. Reading pauses while events wait.
 _EVENTS_PER_TURN = 32
+CLOSE_LINGER_S = 5.0
+"""After our own CONNECTION_CLOSE, how long the TLS/TCP connection stays open for the peer to read up to
+it and close in turn. Closing at once sent TLS close_notify while the peer was still sending (a relay
+answering pushes it had not read yet), which Python's TLS answers with an abort: the reset made the
+peer's kernel drop what it had received and not read, a publisher's last pushed blocks among it."""
 # Pending TCP connections the listening socket queues.
 _BACKLOG = 1024
 
@@ -129,6 +134,9 @@ class QMuxProtocol(asyncio.BufferedProtocol):
         self._handshake_error: ConnectionError | None = None
         self._ping_waiters: dict[int, asyncio.Future[None]] = {}
         self._timer: asyncio.TimerHandle | None = None
+        self._linger: asyncio.TimerHandle | None = None
+        """Set once our CONNECTION_CLOSE is written: closes the transport at ``CLOSE_LINGER_S`` unless the
+        peer closed it first."""
         self._timer_at: float | None = None
         self._writing_paused = False
         self._opening: asyncio.Task[None] | None = None
@@ -171,7 +179,8 @@ class QMuxProtocol(asyncio.BufferedProtocol):
         await self._closed.wait()
 
     def close(self, error_code: int = 0, reason_phrase: str = "") -> None:
-        """CONNECTION_CLOSE to the peer, then the transport closes once it is written."""
+        """CONNECTION_CLOSE to the peer; the transport closes when the peer closes its side, having read
+        everything before it, or ``CLOSE_LINGER_S`` later (what arrives meanwhile is discarded)."""
         self._quic.close(error_code=error_code, reason_phrase=reason_phrase)
         self.transmit()
         self._process_events()
@@ -230,6 +239,9 @@ class QMuxProtocol(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
         self._transport = None
         self._closed.set()
 
@@ -252,7 +264,10 @@ class QMuxProtocol(asyncio.BufferedProtocol):
             while data := quic.data_to_send(now, max_bytes=0 if self._writing_paused else _WRITE_PIECE):
                 transport.write(data)
             if quic.finished:
-                transport.close()
+                if not quic.closed_by_us:
+                    transport.close()  # the peer closed, or the transport failed: nothing more to read
+                elif self._linger is None:
+                    self._linger = self._loop.call_later(CLOSE_LINGER_S, transport.close)
         arm_timer(self)
 
     def _handle_timer(self) -> None:
@@ -305,7 +320,11 @@ class QMuxProtocol(asyncio.BufferedProtocol):
                 if not ping.done():
                     ping.set_exception(ConnectionError(event.reason_phrase))
             self._ping_waiters.clear()
-            self._closed.set()
+            if self._transport is None:
+                self._closed.set()
+            # Else closed once the transport is (``connection_lost``): what was written before the
+            # CONNECTION_CLOSE may still sit in the TLS transport's buffer, and a process that stops its
+            # loop as soon as ``wait_closed`` returns would lose it (a worker's last pushed blocks did).
         elif isinstance(event, PingAcknowledged):
             answered = self._ping_waiters.pop(event.uid, None)
             if answered is not None and not answered.done():

@@ -241,3 +241,75 @@ async def test_tokens_over_qmux(relay_factory: RelayFactory, cert_dir: CertDir, 
         await pub.stop()
         for c in (allowed, other):
             await c.close_session()
+
+
+class _PushOnly:
+    """The pushing session's cache: it fetches nothing."""
+
+    def begin_import(self, block_hash: bytes) -> bool:
+        raise AssertionError("the publisher does not fetch")
+
+    def import_layer(self, block_hash: bytes, layer: int, k: object, v: object) -> None:
+        raise AssertionError("the publisher does not fetch")
+
+    def finish_import(self, block_hash: bytes) -> None:
+        pass
+
+    def abort_import(self, block_hash: bytes) -> None:
+        pass
+
+
+def test_a_publisher_that_stops_right_after_pushing_over_qmux_loses_no_block(
+    relay_factory: RelayFactory, cert_dir: CertDir
+) -> None:
+    """A vLLM worker at shutdown pushes its last blocks, closes its relay session and stops its event loop
+    at once. Over QMux the close used to send TLS close_notify while the relay, still reading the burst,
+    answered the pushes: Python's TLS aborted on that data, and the reset made the relay's kernel drop
+    what it had received and not read (21 of these 48 blocks). The session now stays open until the relay
+    has read up to the CONNECTION_CLOSE and closes in turn, so every pushed block is cached."""
+    import torch
+
+    from kvnet.blocks.identity import prompt_blocks
+    from kvnet.cache.hashing import block_hashes, root_hash
+    from kvnet.exchange.abr import AbrConfig, KvAbr
+    from kvnet.exchange.blockstore import BlockStore
+    from kvnet.exchange.publishing import encode_block
+    from kvnet.exchange.relay_peer import RelayPeer
+    from kvnet.integrations.background import BackgroundLoop
+    from kvnet.node.config import NodeConfig
+    from kvnet.security.signing import Signer, TrustStore
+
+    rp = relay_factory(*_qmux_flags(), name="relay-push")
+    config = NodeConfig(relay_url=_qmux_url(rp), ca_file=cert_dir.ca).relay_peer_config()
+    fingerprint, shape, blocks = bytes(range(32)), (8, 128, 2, 64), 48
+    prompt = list(range(3, 3 + blocks * shape[1] + 1))
+    root = root_hash(fingerprint)
+    hashes = block_hashes(prompt, shape[1], root)
+    signer = Signer.generate()
+    generator = torch.Generator().manual_seed(0)
+    stored = []
+    for ident in prompt_blocks(prompt, shape[1], hashes, root, 0, blocks):
+        k, v = (torch.randn(shape, generator=generator).bfloat16() for _ in range(2))
+        stored += encode_block(k, v, ident, fingerprint=fingerprint, renditions=("plain",), signer=signer)
+
+    async def session() -> RelayPeer:
+        return await RelayPeer.connect(
+            config, BlockStore(1 << 30), _PushOnly(), TrustStore(), KvAbr(AbrConfig()),
+            fingerprint=fingerprint, namespace_id="t", block_shape=shape, dtype="bfloat16",
+            device=torch.device("cpu"), announce=False,
+        )
+
+    background = BackgroundLoop("pusher")
+    peer = background.submit(session()).result(60)
+    results = background.submit(peer.server.push_each(stored)).result(120)
+    background.stop(peer.close(), timeout=30)  # as the connector's shutdown: close, then stop the loop
+    assert [r.name for r in results] == ["ACCEPTED"] * blocks
+
+    async def locate() -> int:
+        reader = await session()
+        try:
+            return len((await reader.locate(hashes[:blocks], ["plain"])).available)
+        finally:
+            await reader.close()
+
+    assert asyncio.run(locate()) == blocks
