@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
 
-from tests.helpers.processes import REPO, free_port, make_certificates, start_relay
+from tests.helpers.processes import REPO, free_port, make_certificates, start_relay, vllm_cpu_env
 
 ENGINE = REPO / "tests" / "integrations" / "vllm_engine.py"
 MODEL = REPO / "tests" / "integrations" / "vllm_model.py"
@@ -62,12 +62,8 @@ def run_engine(python: str, work: Path, name: str, model: Path, relay_url: str, 
         },
     }
     (work / f"{name}-spec.json").write_text(json.dumps(spec))
-    env = dict(os.environ, PYTHONPATH=str(REPO), KVNET_HOME=str(work / "home"), VLLM_CPU_KVCACHE_SPACE="2")
-    if tensor_parallel == 1:
-        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
-    else:  # one core a rank (vLLM would bind each rank to a NUMA node of its own)
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in sorted(os.sched_getaffinity(0))[
-            :tensor_parallel])
+    env = dict(os.environ, PYTHONPATH=str(REPO), KVNET_HOME=str(work / "home"), VLLM_CPU_KVCACHE_SPACE="2",
+               **vllm_cpu_env(tensor_parallel))
     with open(work / f"{name}.log", "wb") as log:
         rc = subprocess.call([python, str(ENGINE), str(work / f"{name}-spec.json")], env=env, cwd=REPO,
                              stdout=log, stderr=subprocess.STDOUT)

@@ -43,6 +43,7 @@ __all__ = [
     "native_quic_python",
     "sigterm",
     "start_relay",
+    "vllm_cpu_env",
     "wait_for_output",
 ]
 
@@ -66,6 +67,16 @@ def free_port() -> int:
             continue
         return port
     raise RuntimeError(f"no free loopback port in {_TEST_PORTS.start}-{_TEST_PORTS.stop - 1}")
+
+
+def vllm_cpu_env(tensor_parallel: int) -> dict[str, str]:
+    """The CPU settings a vLLM engine with ``tensor_parallel`` ranks needs on this host (ENGINES.md)."""
+    if tensor_parallel == 1:
+        # vLLM reserves a core for a connector; on 2 cores that leaves none.
+        return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    # vLLM binds each CPU rank to a NUMA node of its own unless told which cores: one core a rank.
+    cores = sorted(os.sched_getaffinity(0))[:tensor_parallel]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c) for c in cores)}
 
 
 def free_port_run(count: int) -> int:

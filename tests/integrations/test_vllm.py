@@ -46,7 +46,15 @@ from kvnet.exchange.publishing import encode_block
 from kvnet.exchange.relay_peer import RelayPeer
 from kvnet.node.config import NodeConfig
 from kvnet.security.signing import Signer, TrustStore, load_signer
-from tests.helpers.processes import REPO, CertDir, RelayProcess, free_port, make_certificates, start_relay
+from tests.helpers.processes import (
+    REPO,
+    CertDir,
+    RelayProcess,
+    free_port,
+    make_certificates,
+    start_relay,
+    vllm_cpu_env,
+)
 from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.slow  # several vLLM engine processes: minutes, most of it vLLM's start-up
@@ -160,14 +168,8 @@ def start_engine(
     }
     spec_path = setup.tmp / f"{name}-spec.json"
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, PYTHONPATH=str(REPO), KVNET_HOME=str(setup.home), VLLM_CPU_KVCACHE_SPACE="1")
-    if tensor_parallel == 1:
-        # vLLM reserves a core for a connector; on 2 cores that leaves none (ENGINES.md).
-        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
-    else:
-        # vLLM binds each CPU rank to a NUMA node of its own unless told which cores: one core a rank.
-        cores = sorted(os.sched_getaffinity(0))
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in cores[:tensor_parallel])
+    env = dict(os.environ, PYTHONPATH=str(REPO), KVNET_HOME=str(setup.home), VLLM_CPU_KVCACHE_SPACE="1",
+               **vllm_cpu_env(tensor_parallel))
     log = open(setup.tmp / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
     proc = subprocess.Popen(
         [setup.python, str(Path(__file__).with_name("vllm_engine.py")), str(spec_path)],
@@ -185,10 +187,8 @@ def start_server(setup: Setup, name: str, relay_url: str, port: int) -> subproce
         "--seed", "0", "--enable-prefix-caching", "--enable-prompt-tokens-details",
         "--host", "127.0.0.1", "--port", str(port), "--kv-transfer-config", json.dumps(config),
     ]
-    env = dict(
-        os.environ, PYTHONPATH=str(REPO), KVNET_HOME=str(setup.home),
-        VLLM_CPU_NUM_OF_RESERVED_CPU="1", VLLM_CPU_KVCACHE_SPACE="1",
-    )
+    env = dict(os.environ, PYTHONPATH=str(REPO), KVNET_HOME=str(setup.home), VLLM_CPU_KVCACHE_SPACE="1",
+               **vllm_cpu_env(1))
     with open(setup.tmp / f"{name}.log", "wb") as log:
         return subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
