@@ -411,13 +411,13 @@ class BlockFetcher:
     ) -> Coroutine[Any, Any, Any]:
         probes = [self.conn.track_status(*block_track(fp, self.namespace_id, hashes[i], rendition))
                   for fp in self.locate_fingerprints]
-        return probes[0] if len(probes) == 1 else _every(probes)
+        return _every(probes)
 
     def _probe_manifest(self, hashes: Sequence[bytes], i: int, rendition: str) -> Coroutine[Any, Any, Any]:
         """Returns when block ``i`` exists in ``rendition`` under every locate fingerprint
         (``_probe_manifest_of`` each); raises otherwise."""
         probes = [self._probe_manifest_of(fp, hashes[i], rendition) for fp in self.locate_fingerprints]
-        return probes[0] if len(probes) == 1 else _every(probes)
+        return _every(probes)
 
     async def _probe_manifest_of(self, fingerprint: bytes, block_hash: bytes, rendition: str) -> None:
         """Returns when the block exists in ``rendition``: FETCH_OK for its manifest object (object 0
@@ -798,6 +798,7 @@ class _SampleClock:
 
     decode_inline: bool = True
     """Blocks are verified and decoded on the event loop (``verify_workers`` 0)."""
+    now: Callable[[], float] = time.perf_counter
     first_object: float | None = None
     last_clean: float | None = None
     clean_bytes: int = 0
@@ -813,7 +814,7 @@ class _SampleClock:
 
     def object_arrived(self, nbytes: int) -> None:
         if self.first_object is None:
-            self.first_object = time.perf_counter()
+            self.first_object = self.now()
             self.first_object_clean = not self.disturbed
         if not self.disturbed:
             self.arrived_bytes += nbytes
@@ -821,7 +822,7 @@ class _SampleClock:
     def block_done(self, block: _LoadingBlock, out: FetchOutcome) -> None:
         if not self.disturbed:
             self.clean_bytes += block.nbytes
-            self.last_clean = time.perf_counter()
+            self.last_clean = self.now()
             if self.decode_inline:
                 self.clean_decode_s += block.decode_s
 
@@ -835,7 +836,7 @@ class _SampleClock:
             return self.clean_bytes, max(elapsed, MIN_SAMPLE_S)
         if self.disturbed or self.arrived_bytes + unread_bytes <= 0:
             return 0, 0.0
-        return self.arrived_bytes + unread_bytes, max(time.perf_counter() - self.first_object, MIN_SAMPLE_S)
+        return self.arrived_bytes + unread_bytes, max(self.now() - self.first_object, MIN_SAMPLE_S)
 
 
 @dataclass
@@ -995,9 +996,16 @@ def _is_not_yet(exc: BaseException) -> bool:
     return isinstance(exc, RequestRejected) and exc.code == RequestErrorCode.TIMEOUT
 
 
-async def _every(probes: Sequence[Coroutine[Any, Any, Any]]) -> None:
-    """Returns when every probe did; raises the first probe's failure (the others still end on their own)."""
-    await asyncio.gather(*probes)
+def _every(probes: Sequence[Coroutine[Any, Any, Any]]) -> Coroutine[Any, Any, Any]:
+    """One probe that returns when every probe did and raises the first probe's failure (the others still
+    end on their own). A lone probe is returned as it is: no gather task for the common single-rank case."""
+    if len(probes) == 1:
+        return probes[0]
+
+    async def every() -> None:
+        await asyncio.gather(*probes)
+
+    return every()
 
 
 def _is_plain_miss(exc: BaseException) -> bool:
