@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import socket
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -168,10 +167,8 @@ class MoqtConnection(_ProtocolBase):
             self._arm_keepalive()
         elif isinstance(event, qe.ConnectionTerminated):
             s.connection_lost(event.error_code, event.reason_phrase)
-            datagrams = self.stack.socket_type == socket.SOCK_DGRAM
-            if self.owns_transport and self._transport is not None and datagrams:
-                # After the stack's closing period nothing more is sent or read on the socket. (A byte
-                # stream's protocol closes its transport itself, once the peer read up to the close.)
+            if self.owns_transport and self._transport is not None and not self.stack.closes_own_transport:
+                # After the stack's closing period nothing more is sent or read on the socket.
                 self._loop.call_soon(self._transport.close)
         self._pump()
 

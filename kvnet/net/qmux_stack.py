@@ -500,4 +500,5 @@ STACK = QMuxStack(
     can_request_client_certificate=True,
     alpn=ALPN_MOQT_QMUX,
     socket_type=socket.SOCK_STREAM,
+    closes_own_transport=True,
 )

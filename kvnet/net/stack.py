@@ -104,6 +104,9 @@ class Stack(ABC):
     """The stack opens and closes its sockets itself (aiopquic): no socket can be given to it."""
     accepts_ca_pem: bool = True
     """Clients can verify servers against a CA held in memory (``TlsConfig.ca_pem``)."""
+    closes_own_transport: bool = False
+    """The stack's protocol closes its transport itself once a connection has ended (QMux: after the peer
+    read up to our CONNECTION_CLOSE), so ``MoqtConnection`` must not close it at the end of the connection."""
     alpn: str = ALPN_MOQT
     socket_type: int = socket.SOCK_DGRAM
     """What a peer's address is resolved for: UDP for QUIC, TCP for a byte-stream transport."""
