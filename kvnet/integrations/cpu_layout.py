@@ -11,6 +11,8 @@ writes them), so the shape's last two dimensions do not describe the bytes:
   elements (one 32-bit lane). K is ``[block_size / 16, head_size / 2, 16, 2]``: per group of 16 tokens,
   per pair of dims, the 16 tokens' pairs. V is ``[head_size / 16, block_size / 2, 16, 2]``: per group of
   16 dims, per pair of tokens, the 16 dims' token pairs.
+* ``CPU_MLA`` (MLA models, e.g. DeepSeek-V2/V3): ``[num_blocks, 1, block_size, latent]``, one latent row
+  per token and no K/V halves (``MlaLatentLayout``).
 
 kvnet's blocks travel as ``k, v: [block_size, num_kv_heads, head_size]`` per layer (what
 ``kvnet.blocks.codecs`` encode and what a manifest's ``layer_shape`` names), so the verifier, the codecs and
@@ -194,8 +196,47 @@ class AmxLayout(CpuBlockLayout):
         return engine_view, canonical_view
 
 
+class MlaLatentLayout(CpuBlockLayout):
+    """``CPU_MLA`` (vLLM's MLA backend for any CPU, DeepSeek-V2/V3-style models): one tensor per layer,
+    ``[num_blocks, 1, block_size, latent]``, each token's compressed KV (``kv_lora_rank`` elements)
+    followed by its rotary key part, written row by row (``CPUMLAImpl.do_kv_cache_update``). There is no V
+    and no head axis to split: every tensor-parallel rank holds the whole latent.
+
+    On the wire a latent block is a block of one KV head whose K is the first half of each token's latent
+    and V the second half (``head_size = latent / 2``), so the block format, its verifier and its codecs
+    carry it unchanged; the fingerprint's ``kv_kind`` says the block is a latent. (``AMX_MLA`` writes
+    another order through its own op and is not mapped.)"""
+
+    kernels = ("CPU_MLA",)
+
+    @classmethod
+    def of(cls, layer_cache: torch.Tensor) -> CpuBlockLayout:
+        """The layout of ``layer_cache``: ``[num_blocks, block_size, latent]`` (``latent`` even), or with a
+        head axis of size 1 after the blocks, as vLLM's CPU model runner allocates it."""
+        shape = tuple(layer_cache.shape)
+        rows = shape[1:] if len(shape) == 3 else shape[2:] if len(shape) == 4 and shape[1] == 1 else ()
+        if not rows or rows[1] % 2:
+            raise LayoutError(f"expected a CPU MLA KV tensor [blocks, (1,) block_size, latent], got {shape}")
+        if not layer_cache.is_contiguous():
+            raise LayoutError("the engine's KV tensor is not contiguous")
+        block_size, latent = rows
+        return cls(1, int(block_size), int(latent) // 2)
+
+    def _halves(self, layer_cache: torch.Tensor, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        latent = layer_cache[block_id].view(self.block_size, 2 * self.head_size)
+        return latent[:, : self.head_size], latent[:, self.head_size :]
+
+    def _key_views(self, engine: torch.Tensor, canonical: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return engine, canonical[:, 0]  # the one head
+
+    def _value_views(
+        self, engine: torch.Tensor, canonical: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return engine, canonical[:, 0]  # the one head
+
+
 CPU_LAYOUTS: Mapping[str, type[CpuBlockLayout]] = {
-    kernel: layout for layout in (VecLayout, AmxLayout) for kernel in layout.kernels
+    kernel: layout for layout in (VecLayout, AmxLayout, MlaLatentLayout) for kernel in layout.kernels
 }
 """The layout class of each vLLM CPU attention kernel kvnet maps, by kernel name."""
 

@@ -17,6 +17,7 @@ from kvnet.integrations.cpu_layout import (
     AmxLayout,
     CpuBlockLayout,
     LayoutError,
+    MlaLatentLayout,
     VecLayout,
     cpu_layout,
     cpu_layout_refusal,
@@ -154,14 +155,18 @@ def test_the_layout_is_chosen_by_kernel_name() -> None:
     assert type(cpu_layout("vec", cache)) is VecLayout
     assert type(cpu_layout("vec16", cache)) is VecLayout
     assert type(cpu_layout("amx", cache)) is AmxLayout
-    assert set(CPU_LAYOUTS) == {"vec", "vec16", "amx"}
+    assert type(cpu_layout("CPU_MLA", torch.zeros(BLOCKS, 16, 576))) is MlaLatentLayout
+    assert cpu_layout("CPU_MLA", torch.zeros(BLOCKS, 1, 16, 576)) == MlaLatentLayout(1, 16, 288)
+    assert set(CPU_LAYOUTS) == {"vec", "vec16", "amx", "CPU_MLA"}
     assert cpu_layout_refusal("amx", 128, 64) is None
+    assert cpu_layout_refusal("CPU_MLA", 16, 0) is None
 
 
 @pytest.mark.parametrize(
     ("kernel", "block_size", "head_size", "reason"),
     [
         ("neon", 128, 64, "does not know the KV layout of vLLM's CPU kernel 'neon'"),
+        ("AMX_MLA", 32, 64, "does not know the KV layout of vLLM's CPU kernel 'AMX_MLA'"),
         ("amx", 48, 64, "block size multiple of 32"),
         ("amx", 128, 40, "head size multiple of 16"),
     ],
@@ -191,3 +196,46 @@ def test_rejects_a_block_of_another_shape() -> None:
     k = torch.zeros(32, HEADS + 1, 8, dtype=torch.bfloat16)
     with pytest.raises(LayoutError, match="does not fit"):
         VecLayout.of(cache).write(cache, 0, k, k)
+
+
+# ---- CPU_MLA: one latent row per token, no heads
+
+MLA_RANK, MLA_ROPE = 512, 64
+"""DeepSeek-V2/V3's latent: ``kv_lora_rank`` compressed KV elements, then the rotary key part."""
+
+
+def mla_cache_write(
+    cache: torch.Tensor, slots: list[int], kv_c: torch.Tensor, k_pe: torch.Tensor
+) -> None:
+    """vLLM's ``CPUMLAImpl.do_kv_cache_update``, written out: token ``i``'s latent row at slot ``slots[i]``
+    of the flattened ``[blocks * block_size, latent]`` cache, compressed KV first."""
+    flat = cache.view(-1, cache.shape[-1])
+    for i, slot in enumerate(slots):
+        flat[slot, :MLA_RANK] = kv_c[i]
+        flat[slot, MLA_RANK:] = k_pe[i]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mla_latent_travels_as_one_head_whose_k_and_v_are_its_halves(dtype: torch.dtype) -> None:
+    block_size, half = 16, (MLA_RANK + MLA_ROPE) // 2
+    g = torch.Generator().manual_seed(7)
+    kv_c = torch.randn(block_size, MLA_RANK, generator=g).to(dtype)
+    k_pe = torch.randn(block_size, MLA_ROPE, generator=g).to(dtype)
+    expected = torch.zeros(BLOCKS, 1, block_size, MLA_RANK + MLA_ROPE, dtype=dtype)  # as vLLM allocates it
+    mla_cache_write(expected, [3 * block_size + t for t in range(block_size)], kv_c, k_pe)
+    layout = MlaLatentLayout.of(expected)
+    assert layout == MlaLatentLayout(1, block_size, half)
+    k, v = layout.read(expected, 3)
+    latent = torch.cat([kv_c, k_pe], dim=1)
+    assert torch.equal(k[:, 0], latent[:, :half]) and torch.equal(v[:, 0], latent[:, half:])
+    # Written back into another engine's cache (a view of a wider batch, as a load's buffer may be), the
+    # block lands in its own rows only.
+    cache = torch.zeros_like(expected)
+    layout.write(cache, 3, torch.stack([k, k], dim=1)[:, 1], v)
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("shape", [(4, 16, 575), (4, 2, 16, 576), (4, 1, 1, 16, 576)])
+def test_the_mla_layout_rejects_other_tensors(shape: tuple[int, ...]) -> None:
+    with pytest.raises(LayoutError, match="CPU MLA KV tensor"):
+        MlaLatentLayout.of(torch.zeros(shape))
