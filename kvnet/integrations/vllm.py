@@ -97,7 +97,7 @@ from kvnet.integrations.paged_layout import PagedLayerLayout
 from kvnet.integrations.relay_link import ConnectorCounters, RelayLink, connector_abr
 from kvnet.integrations.vllm_identity import SUPPORTED_CPU_KERNELS as SUPPORTED_CPU_KERNELS
 from kvnet.integrations.vllm_identity import WIRE_LAYOUT as WIRE_LAYOUT
-from kvnet.integrations.vllm_identity import EngineIdentity, engine_identity, gpu_attention_backend
+from kvnet.integrations.vllm_identity import EngineIdentity, attention_backend, engine_identity
 from kvnet.integrations.vllm_identity import cpu_kernel_support as cpu_kernel_support
 from kvnet.node.config import load_signer_and_trust
 from kvnet.security.signing import TrustStore
@@ -549,7 +549,7 @@ class _WorkerSide:
         self.cache = EngineCache(counters)
         self.link = RelayLink(
             settings, identity.fingerprint, identity.namespace_id, identity.block_shape, identity.dtype,
-            self.trust, self.cache, announce=True, counters=counters,
+            self.trust, self.cache, announce=identity.publishes, counters=counters,
             abr=connector_abr(settings, identity.dtype, plans=False),
         )
         self.forwards = _ForwardTimer(min_tokens=identity.block_size)
@@ -711,8 +711,11 @@ class _WorkerSide:
         """Copy the jobs' blocks out now (vLLM may reuse them after this step) and publish them later.
 
         A job that does not fit in the publish backlog is dropped (counted) before anything is copied:
-        the forward pass never waits for the relay."""
+        the forward pass never waits for the relay. A rank that does not publish (MLA, ranks > 0: rank 0
+        publishes the same latent) copies nothing."""
         assert self.layout is not None
+        if not self.identity.publishes:
+            return
         if self.save_pool is not None:
             self._save_staged(jobs, self.save_pool)
             return
@@ -868,7 +871,7 @@ class KvnetConnector(KVConnectorBase_V1):
         if worker.identity.platform == "cpu":
             worker.register(kv_caches)
             return
-        backend = gpu_attention_backend(self._vllm_config)
+        backend = attention_backend(self._vllm_config)
         if backend != worker.identity.kernel:
             raise ConfigError(f"kvnet: the layers use attention backend {backend}, the engine announced "
                               f"{worker.identity.kernel}")

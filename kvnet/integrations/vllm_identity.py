@@ -59,11 +59,12 @@ class EngineIdentity:
     """vLLM's platform (``cpu`` or ``cuda``): which layout module and copy path the worker uses."""
     rank_fingerprints: tuple[bytes, ...] = ()
     """The fingerprint of every tensor-parallel rank (``fingerprint`` is this rank's): a prefix is there to
-    load only when every rank's slice of its blocks is (the scheduler locates them all)."""
-
-    @property
-    def tp_rank(self) -> int:
-        return int(self.fields.get("tp_rank", 0))
+    load only when every rank's slice of its blocks is (the scheduler locates them all). An MLA model's
+    ranks share one fingerprint."""
+    tp_rank: int = 0
+    publishes: bool = True
+    """This rank publishes the blocks it computes. MLA: rank 0 only, as every rank holds the same latent;
+    every rank loads rank 0's blocks."""
 
     @property
     def block_size(self) -> int:
@@ -111,15 +112,28 @@ def cpu_kernel_support(
     return kernel, cpu_layout_refusal(kernel, block_size, head_size)
 
 
-def gpu_attention_backend(vllm_config: Any) -> str:
-    """The attention backend vLLM chose for this model's layers (as NixlConnector asks for it); one
-    backend for every layer, or ``ConfigError``."""
+def attention_backend(vllm_config: Any) -> str:
+    """The attention backend vLLM chose for this model's layers (as NixlConnector asks for it), on any
+    platform; one backend for every layer, or ``ConfigError``."""
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
     names = sorted({backend.get_name() for backend in get_current_attn_backends(vllm_config)})
     if len(names) != 1:
         raise ConfigError(f"kvnet's vLLM connector needs one attention backend for all layers, not {names}")
     return names[0]
+
+
+def cpu_mla_support(vllm_config: Any) -> tuple[str | None, str | None]:
+    """The MLA attention backend vLLM picked on the CPU, and why kvnet cannot map its latent cache (one
+    line) or None."""
+    refusal = cache_dtype_refusal(str(vllm_config.cache_config.cache_dtype))
+    if refusal is not None:
+        return None, refusal
+    backend = attention_backend(vllm_config)
+    refusal = cpu_layout_refusal(backend, int(vllm_config.cache_config.block_size), 0)
+    if refusal is not None and backend == "AMX_MLA":
+        refusal += " (start vLLM with --attention-backend CPU_MLA)"
+    return backend, refusal
 
 
 def gpu_kernel_support(vllm_config: Any) -> tuple[str, str | None]:
@@ -130,7 +144,7 @@ def gpu_kernel_support(vllm_config: Any) -> tuple[str, str | None]:
     refusal = cache_dtype_refusal(str(cache.cache_dtype))  # before asking which backend reads fp8
     if refusal is not None:
         return "", refusal
-    backend = gpu_attention_backend(vllm_config)
+    backend = attention_backend(vllm_config)
     return backend, gpu_backend_refusal(backend)
 
 
@@ -150,14 +164,18 @@ def engine_identity(vllm_config: Any, settings: ConnectorConfig) -> EngineIdenti
     # vLLM sets the rank in each worker before it makes the worker's connector; the scheduler's is rank 0.
     # With pipeline parallel size 1 (and one engine per data-parallel rank) it is the tensor-parallel rank.
     tp_rank = int(getattr(parallel, "rank", 0)) % tp_size
-    if getattr(model, "use_mla", False):
+    mla = bool(getattr(model, "use_mla", False))
+    if mla and platform != "cpu":
         raise ConfigError("kvnet's vLLM connector does not carry MLA latent KV caches")
     if getattr(model, "is_hybrid", False) or getattr(model, "is_attention_free", False):
         # Restoring attention KV without the recurrent (Mamba / linear attention) state garbles the output.
         raise ConfigError("kvnet's vLLM connector does not carry the recurrent state of hybrid models")
     block_size = int(cache.block_size)
     head_size = int(model.get_head_size())
-    if platform == "cpu":
+    if mla:
+        kernel, refusal = cpu_mla_support(vllm_config)
+        kv_layout = f"cpu_attn/{kernel}"
+    elif platform == "cpu":
         kernel, refusal = cpu_kernel_support(model.dtype, block_size, head_size, cache.cache_dtype)
         kv_layout = f"cpu_attn/{kernel}"
     else:
@@ -168,8 +186,10 @@ def engine_identity(vllm_config: Any, settings: ConnectorConfig) -> EngineIdenti
     model_dir = _local_dir(model.model, model.revision, "model")
     tokenizer_dir = _local_dir(model.tokenizer, model.tokenizer_revision, "tokenizer")
     weights, tokenizer = _file_digests(model_dir, tokenizer_dir)
-    shape = (
-        int(model.get_num_layers(parallel)), block_size, int(model.get_num_kv_heads(parallel)), head_size
+    num_layers = int(model.get_num_layers(parallel))
+    # A latent travels as one head whose K and V are its two halves (``MlaLatentLayout``).
+    shape = (num_layers, block_size, 1, head_size // 2) if mla else (
+        num_layers, block_size, int(model.get_num_kv_heads(parallel)), head_size
     )
     dtype = dtype_name(model.dtype)
     fields: dict[str, str | int] = {
@@ -182,16 +202,20 @@ def engine_identity(vllm_config: Any, settings: ConnectorConfig) -> EngineIdenti
         "block_size": block_size,
         "kv_layout": kv_layout,
         "wire_layout": WIRE_LAYOUT,
-        "tp_size": tp_size,
-        "tp_rank": tp_rank,
     }
-    # Each rank holds its slice of the KV heads and publishes it as tracks of its own fingerprint; the
-    # block chain is rank 0's, so every rank (and the scheduler) names a prompt's blocks alike.
-    rank_fingerprints = tuple(canonical_fingerprint({**fields, "tp_rank": r}) for r in range(tp_size))
+    if mla:
+        # Every rank holds the whole latent: one fingerprint whatever the parallelism, published by rank 0.
+        fields["kv_kind"] = "mla_latent"
+        rank_fingerprints = (canonical_fingerprint(fields),) * tp_size
+    else:
+        # Each rank holds its slice of the KV heads and publishes it as tracks of its own fingerprint; the
+        # block chain is rank 0's, so every rank (and the scheduler) names a prompt's blocks alike.
+        fields.update(tp_size=tp_size, tp_rank=tp_rank)
+        rank_fingerprints = tuple(canonical_fingerprint({**fields, "tp_rank": r}) for r in range(tp_size))
     node = settings.node
     secret = NodeSecret.load(node.node_secret) if node.node_secret is not None else None
     salt, namespace = tenant_salt_and_namespace(node.tenant, secret)
     return EngineIdentity(
         rank_fingerprints[tp_rank], root_hash(rank_fingerprints[0], salt), namespace, shape, dtype, kernel,
-        fields, platform, rank_fingerprints,
+        fields, platform, tuple(dict.fromkeys(rank_fingerprints)), tp_rank, publishes=not mla or tp_rank == 0,
     )

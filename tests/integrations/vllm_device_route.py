@@ -87,7 +87,7 @@ def route(home: Path, layout_name: str, dtype_name: str) -> dict[str, Any]:
     hooks._vllm_config = types.SimpleNamespace(
         cache_config=types.SimpleNamespace(get_resolved_kv_cache_layout=lambda: layout)
     )
-    connector.gpu_attention_backend = lambda config: "FLASH_ATTN"  # type: ignore[assignment]
+    connector.attention_backend = lambda config: "FLASH_ATTN"  # type: ignore[assignment]
     try:
         hooks.register_kv_caches(kv_caches)
         routed = worker.save_pool is not None and worker.cache.staged is not None
@@ -150,7 +150,7 @@ def backend_mismatch(home: Path) -> str:
     worker = connector._WorkerSide(connector_settings(home), identity, None)
     hooks = object.__new__(connector.KvnetConnector)
     hooks._worker, hooks._scheduler, hooks._vllm_config = worker, None, None
-    connector.gpu_attention_backend = lambda config: "TRITON_ATTN"  # type: ignore[assignment]
+    connector.attention_backend = lambda config: "TRITON_ATTN"  # type: ignore[assignment]
     try:
         hooks.register_kv_caches({"layer.0": torch.zeros(1)})
     except ConfigError as exc:
@@ -174,7 +174,7 @@ def refusals(home: Path) -> dict[str, str]:
     settings = connector_settings(home)
     # The backend vLLM would pick needs a GPU to ask; this one is not mapped by kvnet. The start-up
     # checks (``vllm_identity.engine_identity``) ask through their own module's name.
-    vllm_identity.gpu_attention_backend = lambda config: "FLEX_ATTENTION"  # type: ignore[assignment]
+    vllm_identity.attention_backend = lambda config: "FLEX_ATTENTION"  # type: ignore[assignment]
     cases: list[tuple[str, Any, dict[str, Any]]] = [
         (p.name.lower(), p, {}) for p in PlatformEnum if p != PlatformEnum.CPU
     ] + [
