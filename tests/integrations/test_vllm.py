@@ -95,12 +95,13 @@ class Setup:
     r1: RelayProcess
 
 
-def make_setup(tmp_path_factory: pytest.TempPathFactory, name: str) -> Setup:
-    """A temporary directory with vllm_model.py's model, certificates and a started relay ``r1``."""
+def make_setup(tmp_path_factory: pytest.TempPathFactory, name: str, *model_args: str) -> Setup:
+    """A temporary directory with vllm_model.py's model (``model_args``: its options), certificates and a
+    started relay ``r1``."""
     python = vllm_python()
     tmp = tmp_path_factory.mktemp(name)
     model = tmp / "model"
-    made = subprocess.run([python, str(Path(__file__).with_name("vllm_model.py")), str(model)],
+    made = subprocess.run([python, str(Path(__file__).with_name("vllm_model.py")), str(model), *model_args],
                           capture_output=True, text=True, timeout=ENGINE_TIMEOUT, cwd=REPO)
     assert made.returncode == 0, made.stderr[-3000:]
     cert_dir = tmp / "certs"
@@ -158,13 +159,14 @@ def connector_config(relay_url: str, setup: Setup, name: str, **extra: Any) -> d
 
 def start_engine(
     setup: Setup, name: str, relay_url: str, steps: list[dict[str, Any]], *, tensor_parallel: int = 1,
-    **extra: Any,
+    engine: dict[str, Any] | None = None, **extra: Any,
 ) -> subprocess.Popen[bytes]:
-    """An engine running ``steps``; ``extra``: connector settings beside the tests' own."""
+    """An engine running ``steps``; ``engine``: vllm_engine.py settings (``dtype``, ``block_size``, ...);
+    ``extra``: connector settings beside the tests' own."""
     spec = {
         "model": str(setup.model), "out": str(setup.tmp / f"{name}.json"), "steps": steps,
         "kv_transfer_config": connector_config(relay_url, setup, name, **extra),
-        "tensor_parallel_size": tensor_parallel,
+        "tensor_parallel_size": tensor_parallel, **(engine or {}),
     }
     spec_path = setup.tmp / f"{name}-spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -232,6 +234,22 @@ def wait_engine(setup: Setup, name: str, proc: subprocess.Popen[bytes]) -> dict[
     result = engine_result(setup, name)
     assert result.get("done"), f"engine {name} did not shut down cleanly:\n{log[-3000:]}"
     return result
+
+
+def stop_engines(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Kill the engines still running (a fixture's clean-up after a failure)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def require_cores(ranks: int) -> None:
+    """Skip unless this process may use a core for each of ``ranks`` tensor-parallel ranks."""
+    cores = len(os.sched_getaffinity(0))
+    if cores < ranks:
+        pytest.skip(f"tensor parallel size {ranks} on vLLM's CPU build binds one core to each rank; this "
+                    f"process may use {cores}")
 
 
 def counters(setup: Setup, name: str, side: str) -> dict[str, Any]:
@@ -424,10 +442,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             "forged_pushed": pushed, "partly_pushed": partly_pushed,
         }
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(30)
+        stop_engines(procs)
         for relay in relays:
             relay.stop()
 

@@ -24,6 +24,7 @@ from tests.integrations.test_vllm import (
     make_setup,
     start_engine,
     step,
+    stop_engines,
     tokens,
     vllm_cpu_kernel,
     vllm_python,
@@ -75,10 +76,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             "relay_fetches": relay_fetches(relay.metrics()) - before,
         }
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(30)
+        stop_engines(procs)
         relay.stop()
 
 

@@ -37,6 +37,7 @@ from tests.integrations.test_vllm import (
     engine_result,
     start_engine,
     step,
+    stop_engines,
     vllm_cpu_kernel,
     vllm_python,
     wait_engine,
@@ -113,10 +114,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterato
         relay.proc.send_signal(signal.SIGKILL)
         yield {"kernel": kernel, "setup": setup, "A": result_a, "B": wait_engine(setup, "B", b)}
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(30)
+        stop_engines(procs)
         relay.stop()
 
 

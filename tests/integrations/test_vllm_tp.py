@@ -16,7 +16,6 @@ loaded) and is computed.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import subprocess
 from collections.abc import Iterator
@@ -30,8 +29,10 @@ from tests.integrations.test_vllm import (
     counters,
     make_setup,
     push_forged,
+    require_cores,
     start_engine,
     step,
+    stop_engines,
     vllm_cpu_kernel,
     vllm_python,
     wait_engine,
@@ -49,9 +50,7 @@ HALF_PUBLISHED = [_rng.randrange(3, 1000) for _ in range(PREFIX_BLOCKS * BLOCK +
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    if len(os.sched_getaffinity(0)) < RANKS:
-        pytest.skip(f"tensor parallel size {RANKS} on vLLM's CPU build binds one core to each rank; this "
-                    f"process may use {len(os.sched_getaffinity(0))}")
+    require_cores(RANKS)
     vllm_cpu_kernel(vllm_python(), head_size=64)  # skips where kvnet cannot map the kernel vLLM picks
     setup = make_setup(tmp_path_factory, "vllm-tp")
     procs: list[subprocess.Popen[bytes]] = []
@@ -66,10 +65,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         procs.append(b := start_engine(setup, "B", setup.r1.url, b_steps, tensor_parallel=RANKS))
         yield {"setup": setup, "A": result_a, "B": wait_engine(setup, "B", b), "half_pushed": pushed}
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(30)
+        stop_engines(procs)
         setup.r1.stop()
 
 

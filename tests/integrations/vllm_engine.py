@@ -4,6 +4,7 @@ Runs in the vLLM environment with the checkout on ``PYTHONPATH``. SPEC::
 
     {"model": DIR, "kv_transfer_config": {...} | null, "out": RESULT.json,
      "max_tokens": 4, "logprobs": 5, "max_model_len": 4096, "tensor_parallel_size": 1,
+     "dtype": "bfloat16", "block_size": 128, "attention_backend": null,
      "steps": [{"name": "a", "prompt_token_ids": [...]}, {"wait_for_file": PATH},
                {"batch": {"b": [...], "c": [...]}}, ...]}
 
@@ -55,7 +56,8 @@ def run(spec: dict[str, Any]) -> None:
         tmp.replace(out)
 
     llm = LLM(
-        model=spec["model"], dtype="bfloat16", enforce_eager=True, block_size=128,
+        model=spec["model"], dtype=spec.get("dtype", "bfloat16"), enforce_eager=True,
+        block_size=spec.get("block_size", 128), attention_backend=spec.get("attention_backend"),
         max_model_len=spec.get("max_model_len", 4096), seed=0,
         kv_transfer_config=spec.get("kv_transfer_config"), disable_log_stats=False,
         enable_prefix_caching=True, tensor_parallel_size=spec.get("tensor_parallel_size", 1),
