@@ -38,7 +38,9 @@ With the head ``[0, k)`` computed and ``[k, f)`` fetched, the plan's estimate is
 ``f`` is every located block with an acceptable rendition: moving a block out of the serial ``rest`` into
 the parallel part never costs more than computing it there (give the head one more block instead). ``k``
 balances the two sides (``best_split``; an O(f) scan with prefix sums) and the split is chosen only where
-it beats both the fetch cut above and recomputing everything by ``SPLIT_MIN_GAIN``. The split is a
+it beats both the fetch cut above and recomputing everything by ``SPLIT_MIN_GAIN``. Both sides are costed
+as they run beside each other, measured apart from plain fetches and prefills (``head_prefill``,
+``tail_throughput``): on a CPU node they share the cores. The split is a
 starting point, not a commitment: the node moves the meeting point as the two sides actually progress
 (``kvnet.node.overlap``).
 
@@ -607,6 +609,12 @@ class KvAbr:
     would use (a head ran at half its speed alone on 2 cores), which a plan must know before it splits
     again, and which must not make plain recomputes look slower. ``prefill`` stands in until the first
     split is measured."""
+    tail_throughput: ThroughputEstimator = field(init=False)
+    """The throughput of a tail fetched while its head computes, apart from ``throughput`` for the same
+    reason as ``head_prefill``: on a CPU node the head's forwards take the cores the fetch's receive,
+    verify and decode need (over a 3 MB/s WAN path on 2 cores a tail came at 0.8 MB/s beside its head, and
+    the split took 3.6x fetching everything), which a plan must know before it splits again, and which must
+    not make plain fetches look slower. ``throughput`` stands in until the first split is measured."""
     renditions: RenditionStats = field(init=False)
 
     clock: Callable[[], float] = time.monotonic
@@ -628,6 +636,7 @@ class KvAbr:
     def __post_init__(self) -> None:
         self.renditions = RenditionStats(kv_dtype=self.config.kv_dtype, clock=self.clock)
         self.throughput = ThroughputEstimator(self.config.prior_throughput_bps, self.clock)
+        self.tail_throughput = ThroughputEstimator(self.config.prior_throughput_bps, self.clock)
         self.rtt = RttEstimator(self.config.prior_rtt_s)
 
     def keep_samples(self, limit: int = MAX_KEPT_SAMPLES) -> None:
@@ -657,10 +666,13 @@ class KvAbr:
         if self._kept is not None:
             self._kept.append(AbrSample(kind, values))
 
-    def fetch_measured(self, nbytes: int, seconds: float) -> None:
-        """A clean transfer's throughput sample; the first after a probe replaces the estimate."""
-        self._keep("throughput", nbytes, seconds)
-        if self._probe_pending:
+    def fetch_measured(self, nbytes: int, seconds: float, beside_compute: bool = False) -> None:
+        """A clean transfer's throughput sample; the first after a probe replaces the estimate.
+        ``beside_compute``: the tail of a split, fetched while its head computed (``tail_throughput``)."""
+        self._keep("throughput", nbytes, seconds, beside_compute)
+        if beside_compute:
+            self.tail_throughput.add(nbytes, seconds)
+        elif self._probe_pending:
             self._probe_pending = False
             self.throughput.remeasure(nbytes, seconds)
         else:
@@ -742,7 +754,8 @@ class KvAbr:
             return None
         recompute_all = self.prefill.estimate(total_tokens)
         if cfg.overlap:
-            _, parallel = best_split([fetch] * blocks, self.fetch_latency_s(), self.head_cost(block_size))
+            _, tail = self.fetch_cost(block_raw_bytes, cfg.acceptable, beside_compute=True)
+            _, parallel = best_split([tail] * blocks, self.fetch_latency_s(), self.head_cost(block_size))
             rest = self.prefill.estimate(total_tokens - blocks * block_size)
             if parallel + rest < (1 - SPLIT_MIN_GAIN) * recompute_all:
                 return None
@@ -774,9 +787,13 @@ class KvAbr:
         last = self.throughput.last_sample_at
         return bool(cfg.probe_after_s) and last is not None and self.clock() - last > cfg.probe_after_s
 
-    def fetch_cost(self, raw_bytes: int, available: Sequence[str]) -> tuple[str | None, float]:
-        """Best acceptable rendition among ``available`` for a block of ``raw_bytes``, and its cost."""
-        bps = self.throughput.estimate() * self.config.safety
+    def fetch_cost(
+        self, raw_bytes: int, available: Sequence[str], beside_compute: bool = False
+    ) -> tuple[str | None, float]:
+        """Best acceptable rendition among ``available`` for a block of ``raw_bytes``, and its cost;
+        ``beside_compute``: as the tail of a split, fetched while the head computes (``tail_throughput``)."""
+        tail = beside_compute and self.tail_throughput.samples > 0
+        bps = (self.tail_throughput if tail else self.throughput).estimate() * self.config.safety
         best: tuple[float, tuple[int, str], str] | None = None
         for r in available:
             if r not in self.config.acceptable:
@@ -804,9 +821,12 @@ class KvAbr:
         per_tok = self.prefill.per_token_s
         choices: list[BlockChoice] = []
         fetch_costs: list[float] = []
+        tail_costs: list[float] = []
+        """Each block's cost as the tail of a split (``tail_throughput``)."""
         for i, avail in enumerate(located):
             r, cost = self.fetch_cost(block_raw_bytes, avail)
             fetch_costs.append(cost)
+            tail_costs.append(self.fetch_cost(block_raw_bytes, avail, beside_compute=True)[1])
             choices.append(BlockChoice(i, r or RECOMPUTE, cost, block_size * per_tok, r))
         rtt = self.rtt.estimate()
         first_byte = self.first_byte_s(relay)
@@ -829,7 +849,7 @@ class KvAbr:
         compute_k = 0
         if self.config.overlap and self.config.allow_recompute and not self.config.force_recompute:
             rest = self.prefill.estimate(total_tokens - fetchable * block_size)
-            k, parallel = best_split(fetch_costs[:fetchable], latency, self.head_cost(block_size))
+            k, parallel = best_split(tail_costs[:fetchable], latency, self.head_cost(block_size))
             if 0 < k < fetchable and parallel + rest < (1 - SPLIT_MIN_GAIN) * best_t:
                 compute_k, best_k, best_t = k, fetchable, parallel + rest
         declined = max(fetchable - best_k, 0) if self.config.allow_recompute else 0
@@ -878,9 +898,10 @@ class KvAbr:
         base = head.overhead_s if overhead else 0.0
         return lambda n: 0.0 if n <= 0 else base + n * per_block
 
-    def block_fetch_cost(self, block_raw_bytes: int, rendition: str) -> float:
-        """Estimated seconds to fetch and decode one block of ``rendition`` (``inf`` if not acceptable)."""
-        return self.fetch_cost(block_raw_bytes, [rendition])[1]
+    def block_fetch_cost(self, block_raw_bytes: int, rendition: str, beside_compute: bool = False) -> float:
+        """Estimated seconds to fetch and decode one block of ``rendition`` (``inf`` if not acceptable);
+        ``beside_compute`` as in ``fetch_cost``."""
+        return self.fetch_cost(block_raw_bytes, [rendition], beside_compute)[1]
 
     def deadline(self, started: float, block_size: int, relay: str | None = None) -> FetchDeadline | None:
         """The deadline of a fetch from ``relay`` (None: see ``first_byte_s``) starting at ``started``; None

@@ -182,12 +182,14 @@ class RelayPeer:
     async def fetch(
         self, expected: list[BlockIdentity], renditions: list[str], deadline: Deadline | None = None,
         *, outcome: FetchOutcome | None = None, on_loaded: Callable[[int], None] | None = None,
+        beside_compute: bool = False,
     ) -> FetchOutcome:
         """Fetch, verify and load ``expected`` into the cache, striped over the sessions that are up
-        (``kvnet.exchange.striping.fetch_striped``; one session: all blocks on the main session)."""
+        (``kvnet.exchange.striping.fetch_striped``; one session: all blocks on the main session).
+        ``beside_compute``: the tail of a split, fetched while the engine computes its head."""
         fetchers = await self.fetchers()
         return await fetch_striped(fetchers, expected, renditions, deadline, abr=self.fetcher.abr,
-                                   outcome=outcome, on_loaded=on_loaded)
+                                   outcome=outcome, on_loaded=on_loaded, beside_compute=beside_compute)
 
     async def fetchers(self) -> list[BlockFetcher]:
         """The fetchers of the sessions a fetch is striped over now: the main session first, then each

@@ -106,6 +106,7 @@ async def fetch_striped(
     abr: KvAbr,
     outcome: FetchOutcome | None = None,
     on_loaded: Callable[[int], None] | None = None,
+    beside_compute: bool = False,
 ) -> FetchOutcome:
     """Fetch, verify and import ``expected`` over ``fetchers`` (one per session, at least one), each
     stripe with ``BlockFetcher.fetch``; returns (and fills ``outcome`` in place, also when cancelled) the
@@ -114,7 +115,8 @@ async def fetch_striped(
     and ``error`` is that of the failure lowest in the list. ``on_loaded(i)`` is called in list order.
 
     The throughput sample given to ``abr`` is the request's: the stripes' clean bytes over the longest of
-    their sample times (they run at once), so N sessions are measured as the one path they make up."""
+    their sample times (they run at once), so N sessions are measured as the one path they make up;
+    ``beside_compute``: the fetch is a split's tail, measured apart (``KvAbr.tail_throughput``)."""
     if not fetchers:
         raise ValueError("fetch_striped needs at least one fetcher")
     out = outcome if outcome is not None else FetchOutcome()
@@ -167,7 +169,7 @@ async def fetch_striped(
         _merge(out, results, [p[done[s]] if done[s] < len(p) else None for s, (_, p) in enumerate(stripes)],
                prefix, base_loaded)
         if out.sample_bytes:
-            abr.fetch_measured(out.sample_bytes, out.sample_s)
+            abr.fetch_measured(out.sample_bytes, out.sample_s, beside_compute)
     for task in tasks:  # a bug in a stripe (anything but a fetch failure) is not hidden
         bug = None if task.cancelled() else task.exception()
         if bug is not None:

@@ -570,7 +570,8 @@ class Node:
             exp: list[BlockIdentity], renditions: list[str], out: FetchOutcome,
             on_loaded: Callable[[int], None],
         ) -> Awaitable[FetchOutcome]:
-            return peer.fetch(exp, renditions, None, outcome=out, on_loaded=on_loaded)
+            return peer.fetch(exp, renditions, None, outcome=out, on_loaded=on_loaded,
+                              beside_compute=plan.compute_blocks > 0)
 
         t = time.perf_counter()
         done = await fetch_and_compute(

@@ -135,7 +135,7 @@ async def fetch_and_compute(
             done = start + cached_prefix(hashes[start:lo])
             if done >= lo:
                 return
-            costs = [abr.block_fetch_cost(block_raw_bytes, _rendition(plan, i - start))
+            costs = [abr.block_fetch_cost(block_raw_bytes, _rendition(plan, i - start), beside_compute=True)
                      for i in range(done, lo)]
             k, _ = best_split(costs, abr.fetch_latency_s(), abr.head_cost(b, overhead=False))
             if done + k >= lo:

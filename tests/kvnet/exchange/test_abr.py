@@ -417,6 +417,30 @@ def test_a_head_measured_slower_beside_its_fetch_moves_the_split_and_leaves_reco
     assert abr.plan(located, BLOCK, RAW, total_tokens=32 * BLOCK + 5).compute_blocks == 0
 
 
+def test_a_tail_measured_slower_beside_its_head_ends_the_split_and_leaves_fetches_alone() -> None:
+    abr = KvAbr(AbrConfig(prior_throughput_bps=1e8, prior_rtt_s=0.001, safety=1.0))
+    abr.prefill.add(100, 100 * 8e-4)  # a block's prefill 12.8 ms, its fetch 9.5 ms
+    located = [["lossless"]] * 8
+    before = abr.plan(located, BLOCK, RAW, total_tokens=8 * BLOCK + 5)
+    assert 0 < before.compute_blocks < 8
+    # The last split's tail came at a tenth of the path's rate (the head's forwards took its cores).
+    abr.fetch_measured(10_000_000, 1.0, beside_compute=True)
+    assert abr.throughput.estimate() == 1e8 and abr.tail_throughput.estimate() < 2e7
+    after = abr.plan(located, BLOCK, RAW, total_tokens=8 * BLOCK + 5)
+    assert (after.compute_blocks, after.fetch_blocks) == (0, 8)  # fetching alone, at the path's rate
+    no_split = KvAbr(AbrConfig(prior_throughput_bps=1e8, prior_rtt_s=0.001, safety=1.0, overlap=False))
+    no_split.prefill.add(100, 100 * 8e-4)
+    assert after.est_total_s == pytest.approx(
+        no_split.plan(located, BLOCK, RAW, total_tokens=8 * BLOCK + 5).est_total_s
+    )
+    # The sample crosses a process boundary like the others (vLLM's worker -> scheduler).
+    other = KvAbr(AbrConfig(prior_throughput_bps=1e8))
+    abr.keep_samples()
+    abr.fetch_measured(5_000_000, 1.0, beside_compute=True)
+    other.absorb(abr.take_samples())
+    assert other.tail_throughput.samples == 1 and other.throughput.samples == 0
+
+
 def test_no_split_when_overlap_is_off_or_the_mode_forbids_it() -> None:
     assert _split_plan(per_token_s=6e-4, bps=1e8, overlap=False).compute_blocks == 0
     fetch_all = _split_plan(per_token_s=6e-4, bps=1e8, allow_recompute=False)
