@@ -821,12 +821,9 @@ class KvAbr:
         per_tok = self.prefill.per_token_s
         choices: list[BlockChoice] = []
         fetch_costs: list[float] = []
-        tail_costs: list[float] = []
-        """Each block's cost as the tail of a split (``tail_throughput``)."""
         for i, avail in enumerate(located):
             r, cost = self.fetch_cost(block_raw_bytes, avail)
             fetch_costs.append(cost)
-            tail_costs.append(self.fetch_cost(block_raw_bytes, avail, beside_compute=True)[1])
             choices.append(BlockChoice(i, r or RECOMPUTE, cost, block_size * per_tok, r))
         rtt = self.rtt.estimate()
         first_byte = self.first_byte_s(relay)
@@ -849,7 +846,12 @@ class KvAbr:
         compute_k = 0
         if self.config.overlap and self.config.allow_recompute and not self.config.force_recompute:
             rest = self.prefill.estimate(total_tokens - fetchable * block_size)
-            k, parallel = best_split(tail_costs[:fetchable], latency, self.head_cost(block_size))
+            # As the tail of a split: at ``tail_throughput`` once one was measured (the same costs before).
+            tail_costs = fetch_costs[:fetchable] if not self.tail_throughput.samples else [
+                self.fetch_cost(block_raw_bytes, avail, beside_compute=True)[1]
+                for avail in located[:fetchable]
+            ]
+            k, parallel = best_split(tail_costs, latency, self.head_cost(block_size))
             if 0 < k < fetchable and parallel + rest < (1 - SPLIT_MIN_GAIN) * best_t:
                 compute_k, best_k, best_t = k, fetchable, parallel + rest
         declined = max(fetchable - best_k, 0) if self.config.allow_recompute else 0

@@ -229,10 +229,7 @@ class MlaLatentLayout(CpuBlockLayout):
     def _key_views(self, engine: torch.Tensor, canonical: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return engine, canonical[:, 0]  # the one head
 
-    def _value_views(
-        self, engine: torch.Tensor, canonical: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return engine, canonical[:, 0]  # the one head
+    _value_views = _key_views  # both halves are rows of the latent alike
 
 
 CPU_LAYOUTS: Mapping[str, type[CpuBlockLayout]] = {

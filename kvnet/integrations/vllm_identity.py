@@ -38,6 +38,8 @@ SUPPORTED_CPU_KERNELS = tuple(CPU_LAYOUTS)
 """vLLM CPU attention kernels whose KV layout kvnet maps (``kvnet.integrations.cpu_layout``)."""
 WIRE_LAYOUT = "kvnet-canonical/v1"
 """Name of the layout blocks travel in (part of the fingerprint)."""
+MLA_KV_KIND = "mla_latent"
+"""The fingerprint's ``kv_kind`` of an MLA model's blocks: latents, not K/V (``MlaLatentLayout``)."""
 
 
 @dataclass(frozen=True)
@@ -62,9 +64,12 @@ class EngineIdentity:
     load only when every rank's slice of its blocks is (the scheduler locates them all). An MLA model's
     ranks share one fingerprint."""
     tp_rank: int = 0
-    publishes: bool = True
-    """This rank publishes the blocks it computes. MLA: rank 0 only, as every rank holds the same latent;
-    every rank loads rank 0's blocks."""
+
+    @property
+    def publishes(self) -> bool:
+        """This rank publishes the blocks it computes. MLA: rank 0 only, as every rank holds the same
+        latent; every rank loads rank 0's blocks."""
+        return self.tp_rank == 0 or self.fields.get("kv_kind") != MLA_KV_KIND
 
     @property
     def block_size(self) -> int:
@@ -205,7 +210,7 @@ def engine_identity(vllm_config: Any, settings: ConnectorConfig) -> EngineIdenti
     }
     if mla:
         # Every rank holds the whole latent: one fingerprint whatever the parallelism, published by rank 0.
-        fields["kv_kind"] = "mla_latent"
+        fields["kv_kind"] = MLA_KV_KIND
         rank_fingerprints = (canonical_fingerprint(fields),) * tp_size
     else:
         # Each rank holds its slice of the KV heads and publishes it as tracks of its own fingerprint; the
@@ -217,5 +222,5 @@ def engine_identity(vllm_config: Any, settings: ConnectorConfig) -> EngineIdenti
     salt, namespace = tenant_salt_and_namespace(node.tenant, secret)
     return EngineIdentity(
         rank_fingerprints[tp_rank], root_hash(rank_fingerprints[0], salt), namespace, shape, dtype, kernel,
-        fields, platform, tuple(dict.fromkeys(rank_fingerprints)), tp_rank, publishes=not mla or tp_rank == 0,
+        fields, platform, tuple(dict.fromkeys(rank_fingerprints)), tp_rank,
     )

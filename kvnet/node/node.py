@@ -571,7 +571,7 @@ class Node:
             on_loaded: Callable[[int], None],
         ) -> Awaitable[FetchOutcome]:
             return peer.fetch(exp, renditions, None, outcome=out, on_loaded=on_loaded,
-                              beside_compute=plan.compute_blocks > 0)
+                              beside_compute=True)
 
         t = time.perf_counter()
         done = await fetch_and_compute(
