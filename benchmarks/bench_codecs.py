@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvnet.blocks.codecs import CODECS, Codec, Int8Codec
+from kvnet.blocks.codecs import CODECS, Codec, CodecError, Int8Codec
 from kvnet.blocks.transform_codec import TransformCodec
 from kvnet.blocks.transform_tables import (
     TransformTables,
@@ -49,7 +49,7 @@ from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
 from kvnet.model.checkpoint import load_checkpoint
 from kvnet.model.registry import default_models_dir, is_registered, resolve_model
 from kvnet.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
-from kvnet.model.transformer import ModelArgs, Transformer
+from kvnet.model.transformer import Attention, ModelArgs, Transformer, TransformerBlock, apply_rope
 from kvnet.security.signing import Signer, TrustStore
 
 DOCUMENTS = Path(__file__).resolve().parent / "documents"
@@ -182,17 +182,47 @@ def calibrate_step_scale(model: Transformer, blocks: Blocks, block_size: int, sc
     return (kl / kl.log().mean().exp()).pow(-0.5).clamp(0.25, 4.0)
 
 
+@torch.no_grad()
+def query_metric(model: Transformer, prefix: list[int], block_size: int) -> torch.Tensor:
+    """Each KV head's query second moment ``[L, H_kv, D, D]`` over ``prefix`` (its query group's
+    ``E[q q^T]``, after RoPE: the queries that meet the cached keys), for ``calibrate``'s key weight."""
+    a = model.args
+    group = a.n_heads // a.n_kv_heads
+    total = torch.zeros(a.n_layers, a.n_kv_heads, a.head_dim, a.head_dim, dtype=torch.float64)
+
+    def capture(layer: int) -> Callable[..., None]:
+        def hook(module: Attention, inputs: tuple, output: torch.Tensor) -> None:
+            x, cos, sin, _ = inputs
+            q = apply_rope(module.wq(x).view(x.shape[0], a.n_heads, a.head_dim), cos, sin).double()
+            q = q.view(x.shape[0], a.n_kv_heads, group, a.head_dim)
+            total[layer] += torch.einsum("tgqd,tgqe->gde", q, q)
+        return hook
+
+    blocks = [block for block in model.layers if isinstance(block, TransformerBlock)]
+    handles = [block.attention.register_forward_hook(capture(i)) for i, block in enumerate(blocks)]
+    try:
+        prefill_blocks(model, prefix, block_size)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return (total / len(prefix)).float()
+
+
 def kvtc_tables(model: Transformer, tokenizer: Tokenizer, block_size: int, path: Path, tokens: int,
-                rel_step: float, layer_group: int = 0) -> TransformTables:
+                rel_step: float, layer_group: int = 0, key_metric: bool = True) -> TransformTables:
     """kvtc tables calibrated on the project's docs (never the scored documents); their body is cached at
-    ``path``. With ``layer_group`` the steps are allocated by measured sensitivity
+    ``path`` (recalibrated when it is of another format). K is weighted by the queries' metric unless
+    ``key_metric`` is false. With ``layer_group`` the steps are allocated by measured sensitivity
     (``calibrate_step_scale``): the first ``tokens`` are calibrated on, the next 256 scored. Signed here
     under a throwaway key and verified as a node would (signature, digest, model fingerprint): the
     benchmark checks the codec, not the trust chain."""
     fingerprint = model.fingerprint(block_size)
-    if path.is_file():
-        tables = parse_tables_body(path.read_bytes())
-    else:
+    try:
+        tables = parse_tables_body(path.read_bytes()) if path.is_file() else None
+    except CodecError as exc:
+        print(f"  recalibrating: {path}: {exc}", flush=True)
+        tables = None
+    if tables is None:
         docs = sorted((DOCUMENTS.parent.parent / "docs").glob("*.md"))
         all_ids = tokenizer.tokenize("\n".join(p.read_text(encoding="utf-8") for p in docs))
         ids = all_ids[:tokens]
@@ -201,13 +231,16 @@ def kvtc_tables(model: Transformer, tokenizer: Tokenizer, block_size: int, path:
         layers = range(model.args.n_layers)
         k = torch.stack([torch.cat([b[layer][0] for b in blocks]) for layer in layers])
         v = torch.stack([torch.cat([b[layer][1] for b in blocks]) for layer in layers])
-        tables = calibrate(k.float(), v.float(), fingerprint, rel_step)
+        prefix = ids[: len(blocks) * block_size]
+        metric = query_metric(model, prefix, block_size) if key_metric else None
+        tables = calibrate(k.float(), v.float(), fingerprint, rel_step, query_metric=metric)
         if layer_group:
             scored = all_ids[len(blocks) * block_size:len(blocks) * block_size + 256]
             scale = calibrate_step_scale(model, blocks, block_size, scored, tables, layer_group)
             print("  kvtc step scale (K; V) per layer: " + "; ".join(
                 " ".join(f"{x:.2f}" for x in scale[:, kind].tolist()) for kind in range(2)), flush=True)
-            tables = calibrate(k.float(), v.float(), fingerprint, rel_step, step_scale=scale)
+            tables = calibrate(k.float(), v.float(), fingerprint, rel_step, step_scale=scale,
+                               query_metric=metric)
         path.write_bytes(tables.body())
     signer = Signer.generate()
     trust = TrustStore()
@@ -401,7 +434,8 @@ def main_real(args: argparse.Namespace) -> None:
         if args.kvtc_tables:
             KVTC_TABLES = kvtc_tables(model, tokenizer, args.block_size,
                                       Path(f"{args.kvtc_tables}.{dtype_name}"), args.kvtc_calibration_tokens,
-                                      args.kvtc_rel_step, args.kvtc_layer_group)
+                                      args.kvtc_rel_step, args.kvtc_layer_group,
+                                      key_metric=not args.kvtc_unweighted_keys)
         renditions = set(args.renditions.split(",")) if args.renditions else None
         rows += [(dtype_name, *row) for row in real_kv_quality(model, tokenizer, args.block_size,
                                                                args.held_out, args.runs, renditions)]
@@ -436,6 +470,8 @@ def main() -> None:
                         "(calibrated and written when missing; kvtc is skipped without it)")
     parser.add_argument("--kvtc-calibration-tokens", type=int, default=1024)
     parser.add_argument("--kvtc-rel-step", type=float, default=0.15)
+    parser.add_argument("--kvtc-unweighted-keys", action="store_true", help="trained model: code kvtc's K "
+                        "without the queries' metric (the comparison: K's own MSE instead of the logits')")
     parser.add_argument("--kvtc-layer-group", type=int, default=0, help="trained model: allocate kvtc's "
                         "steps by the KL measured per group of this many layers, K and V apart (0: equal)")
     parser.add_argument("--renditions", default="", help="trained model: comma-separated renditions to "

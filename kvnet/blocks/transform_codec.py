@@ -1,11 +1,12 @@
 """The ``kvtc`` rendition: K and V transform-coded like video (PCA basis, uniform quantizer, ANS coder).
 
 Per layer of a block, K and V apart: each token's row (its heads concatenated, C = H_kv * head_dim values)
-is centred and rotated into the layer's PCA basis, the coefficients are rounded to one uniform step, and
-the integers are entropy-coded with rANS (``constriction``) under a per-component Laplace model. Basis,
-means, steps and Laplace scales are the model's ``TransformTables`` (kvnet.blocks.transform_tables):
-calibrated once per model, content-addressed, signed and bound to the model fingerprint. Every payload
-names the exact tables it was coded with.
+is centred, K weighted by its queries' metric (``TransformTables.key_weight``), and rotated into the
+layer's PCA basis; the coefficients are rounded to one uniform step, and the integers are entropy-coded
+with rANS (``constriction``) under a per-component Laplace model. Basis, key weight, means, steps and
+Laplace scales are the model's ``TransformTables`` (kvnet.blocks.transform_tables): calibrated once per
+model, content-addressed, signed and bound to the model fingerprint. Every payload names the exact tables
+it was coded with.
 
 The first token of a sequence is an attention sink: later queries put much of their weight on it, so its
 error costs the model's output far more than any other row's (on SmolLM2, coding it exactly at the same
@@ -132,7 +133,7 @@ class TransformCodec(Codec):
         streams: list[_Section] = [(_MODE_RAW, _DIGEST_LEN, tables.digest)]
         for kind, x in enumerate((k, v)):
             rows = _finite_float32(x.detach().cpu(), "k" if kind == 0 else "v").reshape(t, h * d)
-            coeffs = (rows - tables.mean[layer, kind]) @ tables.basis[layer, kind]
+            coeffs = (rows - tables.mean[layer, kind]) @ tables.analysis[layer, kind]
             steps = tables.step[layer, kind] * _row_scale(t, sink_rows)[:, None]
             q = torch.round(coeffs / steps).clamp_(-_RANGE, _RANGE).to(torch.int32)
             symbols = q.numpy().reshape(-1)
@@ -213,7 +214,7 @@ class TransformCodec(Codec):
         key = (tables.digest, str(device))
         found = self._device_tables.get(key)
         if found is None:
-            found = (tables.mean.to(device), tables.basis.transpose(-1, -2).contiguous().to(device),
+            found = (tables.mean.to(device), tables.synthesis.to(device),
                      tables.step.to(device))
             self._device_tables[key] = found
         return found
@@ -239,12 +240,12 @@ class TransformCodec(Codec):
         if len(digests) != 1:
             raise CodecError("kvtc: payloads decoded together must share their tables")
         tables = parsed[0][1]
-        mean, basis_t, step = self._on_device(tables, dev)
+        mean, synthesis, step = self._on_device(tables, dev)
         layers = torch.tensor([header.param for header, _, _ in parsed], device=dev)
         q = torch.from_numpy(np.stack([p[2] for p in parsed])).to(dev)  # [n, 2, T, C]
         rows_scale = torch.stack([_row_scale(t, header.flags) for header, _, _ in parsed]).to(dev)  # [n, T]
         coeffs = q.to(torch.float32) * step[layers][:, :, None, :] * rows_scale[:, None, :, None]
-        rows = torch.matmul(coeffs, basis_t[layers]) + mean[layers][:, :, None, :]
+        rows = torch.matmul(coeffs, synthesis[layers]) + mean[layers][:, :, None, :]
         out = rows.to(dtype).view(len(parsed), 2, t, h, d)
         return [(out[i, 0], out[i, 1]) for i in range(len(parsed))]
 
