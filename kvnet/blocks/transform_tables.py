@@ -8,9 +8,8 @@ A table object is, all integers little-endian::
 
     body       magic "KVTT", version u8, model fingerprint (32), num_layers u16, num_kv_heads u16,
                head_dim u16, then float32 arrays: mean [L, 2, C], basis [L, 2, C, C] (columns are the
-               components, strongest first), step [L, 2, C], spread [L, 2, C], key_weight [L, H, D, D],
-               key_weight_inverse [L, H, D, D]    (C = num_kv_heads * head_dim = H * D; index 0 of the
-               "2" axis is K, 1 is V)
+               components, strongest first), step [L, 2, C], spread [L, 2, C], key_weight [L, H, D, D]
+               (C = num_kv_heads * head_dim = H * D; index 0 of the "2" axis is K, 1 is V)
     key id     u8 length, then that many bytes
     signature  64 bytes, Ed25519 over "kvnet-kvtc-tables-v1" || 0x00 || SHA-256(body)
 
@@ -22,8 +21,10 @@ K is coded in the metric the model reads it through. A key only ever enters the 
 nothing, and one along the queries' strong directions costs most. ``key_weight`` is, per KV head, the
 square root of the second moment ``E[q q^T]`` of the queries that read the head (summed over its query
 group); K rows are multiplied by it before the PCA and the quantizer, so their squared error is the
-logits' squared error. On SmolLM2 this halved the output KL at the same size. The same for V (weighted
-by the output projection) measured worse than no weight, so V is not weighted.
+logits' squared error. On SmolLM2 bf16 this lowered the output KL at the same size by about a quarter
+(docs/performance.md). The same for V (weighted by the output projection) measured worse than no weight,
+so V is not weighted. The decoder's inverse of the weight is computed from it, not carried: a weight
+that is not symmetric positive definite, or too ill-conditioned to invert, is refused when parsed.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -48,7 +50,7 @@ __all__ = [
     "verify_tables",
 ]
 
-TABLES_VERSION = 3
+TABLES_VERSION = 4
 _MAGIC = b"KVTT"
 _BODY_HEADER = struct.Struct("<4sB32sHHH")
 _SIGNING_PREFIX = b"kvnet-kvtc-tables-v1\x00"
@@ -60,6 +62,12 @@ _MIN_SPREAD = 0.02
 # The query metric's eigenvalues are raised by this fraction of their mean before the square root, so
 # the key weight stays invertible and a direction no calibration query used is still coded coarsely.
 _METRIC_RIDGE = 0.01
+# A received key weight whose eigenvalues spread wider than this is refused: the ridge above bounds an
+# honest one's spread by sqrt(head_dim / _METRIC_RIDGE), about 80 for 64 dimensions.
+_MAX_WEIGHT_CONDITION = 1e4
+
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,19 +88,23 @@ class TransformTables:
     """[L, 2, C] Laplace scale of each component's quantized coefficient, in steps (the entropy model)."""
     key_weight: torch.Tensor
     """[L, H, D, D] per KV head, the square root of its queries' second moment (identity: unweighted)."""
-    key_weight_inverse: torch.Tensor
-    """[L, H, D, D] the inverse of ``key_weight``, which the decoder applies."""
 
     @property
     def channels(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def _cached(self, name: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        found: torch.Tensor | None = self.__dict__.get(name)
+    def _cached(self, name: str, make: Callable[[], _T]) -> _T:
+        found: _T | None = self.__dict__.get(name)
         if found is None:
             found = make()
             object.__setattr__(self, name, found)
         return found
+
+    @property
+    def key_weight_inverse(self) -> torch.Tensor:
+        """[L, H, D, D] the inverse of ``key_weight``, which the decoder applies (``CodecError`` if the
+        weight is not symmetric positive definite)."""
+        return self._cached("_key_weight_inverse", lambda: _symmetric_inverse(self.key_weight))
 
     @property
     def analysis(self) -> torch.Tensor:
@@ -110,17 +122,13 @@ class TransformTables:
     def body(self) -> bytes:
         header = _BODY_HEADER.pack(_MAGIC, TABLES_VERSION, self.fingerprint, self.num_layers,
                                    self.num_kv_heads, self.head_dim)
-        arrays = (self.mean, self.basis, self.step, self.spread, self.key_weight, self.key_weight_inverse)
+        arrays = (self.mean, self.basis, self.step, self.spread, self.key_weight)
         return header + b"".join(a.to(torch.float32).contiguous().numpy().astype("<f4").tobytes()
                                  for a in arrays)
 
     @property
     def digest(self) -> bytes:
-        cached: bytes | None = self.__dict__.get("_digest")
-        if cached is None:
-            cached = hashlib.sha256(self.body()).digest()
-            object.__setattr__(self, "_digest", cached)
-        return cached
+        return self._cached("_digest", lambda: hashlib.sha256(self.body()).digest())
 
 
 def _block_diagonal(blocks: torch.Tensor) -> torch.Tensor:
@@ -136,7 +144,7 @@ def _body_floats(layers: int, heads: int, head_dim: int) -> tuple[int, ...]:
     """How many float32 values each array of a body holds, in order."""
     c = heads * head_dim
     weight = layers * heads * head_dim * head_dim
-    return (layers * 2 * c, layers * 2 * c * c, layers * 2 * c, layers * 2 * c, weight, weight)
+    return (layers * 2 * c, layers * 2 * c * c, layers * 2 * c, layers * 2 * c, weight)
 
 
 def parse_tables_body(body: bytes) -> TransformTables:
@@ -162,10 +170,11 @@ def parse_tables_body(body: bytes) -> TransformTables:
     step, spread = parts[2].view(layers, 2, c), parts[3].view(layers, 2, c)
     if bool((step <= 0).any()) or bool((spread <= 0).any()):
         raise CodecError("kvtc tables: non-positive quantizer step or spread")
-    weights = (parts[4].view(layers, heads, head_dim, head_dim), parts[5].view(layers, heads, head_dim,
-                                                                                 head_dim))
-    return TransformTables(fingerprint, layers, heads, head_dim, parts[0].view(layers, 2, c),
-                           parts[1].view(layers, 2, c, c), step, spread, *weights)
+    tables = TransformTables(fingerprint, layers, heads, head_dim, parts[0].view(layers, 2, c),
+                             parts[1].view(layers, 2, c, c), step, spread,
+                             parts[4].view(layers, heads, head_dim, head_dim))
+    _ = tables.key_weight_inverse  # refuses a weight the decoder could not invert, here rather than at decode
+    return tables
 
 
 def sign_tables(tables: TransformTables, signer: Signer) -> bytes:
@@ -206,17 +215,32 @@ def verify_tables(data: bytes, trust: TrustStore, fingerprint: bytes,
     return tables
 
 
-def key_weights(query_metric: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``key_weight`` and its inverse (``[L, H, D, D]``) from each KV head's query second moment: the
-    symmetric square root of ``E[q q^T]``, its eigenvalues raised by ``_METRIC_RIDGE`` of their mean."""
+def key_weights(query_metric: torch.Tensor) -> torch.Tensor:
+    """``key_weight`` (``[L, H, D, D]``) from each KV head's query second moment: the symmetric square
+    root of ``E[q q^T]``, its eigenvalues raised by ``_METRIC_RIDGE`` of their mean. A head no query
+    reads (an all-zero metric) has no metric to code in: ``CodecError``."""
     m = query_metric.to(torch.float64)
     m = (m + m.transpose(-1, -2)) / 2
     values, vectors = torch.linalg.eigh(m)
     values = values.clamp(min=0)
-    values = values + _METRIC_RIDGE * values.mean(-1, keepdim=True) + 1e-30
-    root = (vectors * values.sqrt()[..., None, :]) @ vectors.transpose(-1, -2)
-    inverse = (vectors * values.rsqrt()[..., None, :]) @ vectors.transpose(-1, -2)
-    return root.float(), inverse.float()
+    mean = values.mean(-1, keepdim=True)
+    if not bool((mean > 0).all()):
+        raise CodecError("kvtc query metric is zero for some KV head (no query energy to weight K by)")
+    values = values + _METRIC_RIDGE * mean
+    return ((vectors * values.sqrt()[..., None, :]) @ vectors.transpose(-1, -2)).float()
+
+
+def _symmetric_inverse(weight: torch.Tensor) -> torch.Tensor:
+    """The inverse of each ``[D, D]`` block of a symmetric positive definite ``[L, H, D, D]`` weight,
+    through its eigenvectors (float64); anything else raises ``CodecError``."""
+    w = weight.to(torch.float64)
+    scale = float(w.abs().max())
+    if not scale or float((w - w.transpose(-1, -2)).abs().max()) > 1e-5 * scale:
+        raise CodecError("kvtc tables: key weight is not symmetric")
+    values, vectors = torch.linalg.eigh((w + w.transpose(-1, -2)) / 2)
+    if not bool((values[..., 0] * _MAX_WEIGHT_CONDITION > values[..., -1]).all()):
+        raise CodecError("kvtc tables: key weight is not positive definite or too ill-conditioned")
+    return ((vectors * values.reciprocal()[..., None, :]) @ vectors.transpose(-1, -2)).float()
 
 
 def calibrate(k: torch.Tensor, v: torch.Tensor, fingerprint: bytes, rel_step: float = 0.04,
@@ -249,13 +273,12 @@ def calibrate(k: torch.Tensor, v: torch.Tensor, fingerprint: bytes, rel_step: fl
         raise CodecError(f"kvtc step scale of shape {tuple(step_scale.shape)} is not positive [L, 2(, C)]")
     if query_metric is None:
         weight = torch.eye(head_dim).expand(layers, heads, head_dim, head_dim).contiguous()
-        weight_inverse = weight
     elif tuple(query_metric.shape) != (layers, heads, head_dim, head_dim) or \
             not bool(torch.isfinite(query_metric).all()):
         raise CodecError(f"kvtc query metric of shape {tuple(query_metric.shape)} is not finite "
                          f"[{layers}, {heads}, {head_dim}, {head_dim}]")
     else:
-        weight, weight_inverse = key_weights(query_metric)
+        weight = key_weights(query_metric)
     key_weight = _block_diagonal(weight.to(torch.float64))
     mean = torch.empty(layers, 2, c)
     basis = torch.empty(layers, 2, c, c)
@@ -280,8 +303,7 @@ def calibrate(k: torch.Tensor, v: torch.Tensor, fingerprint: bytes, rel_step: fl
             basis[layer, kind] = vectors.float()
             step[layer, kind] = s.float()
             spread[layer, kind] = q.abs().mean(0).clamp(min=_MIN_SPREAD).float()
-    return TransformTables(bytes(fingerprint), layers, heads, head_dim, mean, basis, step, spread, weight,
-                           weight_inverse)
+    return TransformTables(bytes(fingerprint), layers, heads, head_dim, mean, basis, step, spread, weight)
 
 
 class TableStore:

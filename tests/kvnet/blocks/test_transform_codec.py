@@ -251,3 +251,29 @@ def test_query_metric_spends_bits_where_queries_look() -> None:
         calibrate(k, v, FP_A, 0.05, query_metric=metric[:, :1])
     with pytest.raises(CodecError, match="query metric"):
         calibrate(k, v, FP_A, 0.05, query_metric=metric * float("nan"))
+    silent_head = metric.clone()
+    silent_head[0, 1] = 0
+    with pytest.raises(CodecError, match="query metric is zero"):
+        calibrate(k, v, FP_A, 0.05, query_metric=silent_head)
+
+
+@pytest.mark.parametrize("damage, refusal", [("skew", "not symmetric"), ("singular", "not positive definite"),
+                                             ("negative", "not positive definite")])
+def test_received_key_weight_that_cannot_be_inverted_refused(damage: str, refusal: str) -> None:
+    """The decoder inverts the key weight itself (the tables do not carry the inverse), so a body whose
+    weight is not symmetric positive definite is refused when parsed, in one line, not at decode."""
+    k, v = torch.randn(2, LAYERS, 256, HEADS, DIM, generator=torch.Generator().manual_seed(9))
+    tables = calibrate(k, v, FP_A, 0.05, query_metric=torch.eye(DIM).expand(LAYERS, HEADS, DIM, DIM))
+    weight = tables.key_weight.clone()
+    if damage == "skew":
+        weight[0, 0, 0, 1] += 0.5
+    elif damage == "singular":
+        weight[1, 0] = torch.diag(torch.tensor([1.0] + [0.0] * (DIM - 1)))
+    else:
+        weight[0, 1] = -weight[0, 1]
+    body = tables.body()
+    weight_offset = len(body) - weight.numel() * 4
+    damaged = body[:weight_offset] + weight.numpy().astype("<f4").tobytes()
+    assert parse_tables_body(body).key_weight_inverse.shape == weight.shape
+    with pytest.raises(CodecError, match=refusal):
+        parse_tables_body(damaged)
