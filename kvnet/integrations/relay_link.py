@@ -116,6 +116,8 @@ class ConnectorCounters:
     """(Scheduler) located blocks not loaded because computing them was estimated faster."""
     probes: int = 0
     """(Scheduler) loads of blocks the estimates declined, made to measure the path again."""
+    forwards_timed: int = 0
+    """(Worker, tensor-parallel rank 0 only) forwards timed as prefill samples for the scheduler's plans."""
 
     def to_json(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -553,6 +553,9 @@ class _WorkerSide:
             abr=connector_abr(settings, identity.dtype, plans=False),
         )
         self.forwards = _ForwardTimer(min_tokens=identity.block_size)
+        # With tensor parallelism every rank runs the same forward: rank 0's timings are the step's, and
+        # every rank's would count each step once per rank in the scheduler's prefill estimate.
+        self.times_forwards = identity.tp_rank == 0
         # One file per tensor-parallel rank: worker.json (rank 0), worker-1.json, ...
         name = "worker.json" if identity.tp_rank == 0 else f"worker-{identity.tp_rank}.json"
         path = metrics_dir / name if metrics_dir else None
@@ -802,8 +805,11 @@ class _WorkerSide:
 
     def measurements(self) -> KvnetWorkerMetadata | None:
         """What was measured since the last step, for the scheduler (forwards timed, fetches sampled)."""
-        for tokens, seconds in self.forwards.take():
-            self.link.abr.prefill_measured(tokens, seconds)
+        timed = self.forwards.take()
+        if self.times_forwards:
+            for tokens, seconds in timed:
+                self.link.abr.prefill_measured(tokens, seconds)
+            self.link.counters.forwards_timed += len(timed)
         samples = self.link.abr.take_samples()
         return KvnetWorkerMetadata(samples) if samples else None
 

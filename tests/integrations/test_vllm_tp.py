@@ -93,6 +93,16 @@ def test_a_tp2_remote_hit_loads_every_ranks_slice_and_equals_vllms_local_hit(run
         assert worker["blocks_loaded"] == PREFIX_BLOCKS and worker["blocks_load_failed"] == 0
 
 
+def test_one_rank_times_the_forwards_for_the_prefill_estimate(runs: dict[str, Any]) -> None:
+    """Every rank runs the same forward; only rank 0's timings reach the scheduler, so each step is one
+    prefill sample, not one per rank."""
+    setup = runs["setup"]
+    rank0, rank1 = counters(setup, "B", "worker"), counters(setup, "B", "worker-1")
+    assert rank0["forwards_timed"] >= 1 and rank1["forwards_timed"] == 0
+    samples = counters(setup, "B", "scheduler")["abr"]["prefill_samples"]
+    assert 1 <= samples <= rank0["forwards_timed"]
+
+
 def test_a_prefix_missing_on_one_rank_is_not_offered(runs: dict[str, Any]) -> None:
     assert runs["half_pushed"] == PREFIX_BLOCKS  # rank 0's slice of the prefix is in the relay
     half = runs["B"]["steps"]["half_published"]
