@@ -2,7 +2,8 @@
 published at site a is asked for at site b, with the subscriber's ABR deciding on its own whether to fetch
 its KV over the emulated WAN (edge-b -> origin -> edge-a), recompute it, or compute its head while
 fetching its tail. The same request is then timed on the rungs the ABR did not take (fetched whole with
-``--abr fetch``, recomputed with ``--abr recompute``), so the demo says what the ABR chose, why (its
+``--abr fetch``, on a second copy of the document so that it crosses the WAN as the ABR's request did;
+recomputed with ``--abr recompute``), so the demo says what the ABR chose, why (its
 estimates), and how its time to first token compares with the faster of fetching and recomputing (the
 target: within 10%). That comparison is reported, never a failure: it is a measurement, and on a loaded
 machine a measurement. What fails the smoke is a broken path: the whole-prefix fetch (the ABR's, or the
@@ -173,18 +174,23 @@ def fetched_whole(report: dict[str, Any]) -> bool:
 
 def run_smoke(cluster: NetnsCluster, tag: str = "smoke") -> WanDemo:
     """Publish the warm-up and demo documents at pub-a (site a) and ask for each plus a question at sub-b
-    (site b) in one subscriber with the ABR deciding; then the demo request again in new subscribers,
-    unless the ABR already fetched its whole prefix with ``--abr fetch`` (so the edges' caches are cold for
-    the first fetch either way), and recomputed. Raise ``ClusterError`` unless the whole-prefix fetch loaded
-    the prefix without falling back and its output is verified. ``tag`` keeps runs' documents apart."""
+    (site b) in one subscriber with the ABR deciding; then the demo request in new subscribers fetched
+    whole with ``--abr fetch`` (unless the ABR did exactly that) and recomputed. The forced fetch asks for
+    a second copy of the document (its own chain hashes, published beside it), so it crosses the WAN with
+    the edges' caches as cold as the ABR's request found them: after a split or a partial fetch the same
+    document would come mostly from edge-b's cache and make fetching look faster than it is. Raise
+    ``ClusterError`` unless the whole-prefix fetch loaded the prefix without falling back and its output is
+    verified. ``tag`` keeps runs' documents apart."""
     stamp = f"[{tag} {time.time_ns()}]"
     document, warmup = f"{stamp} {DEMO_DOCUMENT}", f"{stamp} {WARMUP_DOCUMENT}"
+    twin = f"{stamp} (second copy) {DEMO_DOCUMENT}"
     log_name = f"{tag}-publisher"
     log = cluster.run_dir / "logs" / f"{log_name}.log"
     # The log is appended to by every run in this run directory: only this publisher's READY counts (an
     # earlier run's sent the subscriber off before the document was published, and it located nothing).
     earlier = log.stat().st_size if log.exists() else 0
-    argv = publisher_argv("edge-a", "/keys/pub-a", warmup, "--prompt", document, *DEMO_MODEL)
+    argv = publisher_argv("edge-a", "/keys/pub-a", warmup, "--prompt", document, "--prompt", twin,
+                          *DEMO_MODEL)
     publisher = cluster.spawn("pub-a", argv, log_name)
     try:
         deadline = time.monotonic() + PUBLISHER_READY_S
@@ -200,7 +206,7 @@ def run_smoke(cluster: NetnsCluster, tag: str = "smoke") -> WanDemo:
             logger.info("%s: %s", name, json.dumps(shown))
         fetched = chosen
         if not fetched_whole(chosen):
-            [fetched] = _subscribe(cluster, [prompt], *DEMO_MODEL, "--verify", "--abr", "fetch")
+            [fetched] = _subscribe(cluster, [twin + DEMO_QUESTION], *DEMO_MODEL, "--verify", "--abr", "fetch")
         [recomputed] = _subscribe(cluster, [prompt], *DEMO_MODEL, "--abr", "recompute")
     finally:
         stop_process(publisher)
