@@ -234,8 +234,7 @@ def _symmetric_inverse(weight: torch.Tensor) -> torch.Tensor:
     """The inverse of each ``[D, D]`` block of a symmetric positive definite ``[L, H, D, D]`` weight,
     through its eigenvectors (float64); anything else raises ``CodecError``."""
     w = weight.to(torch.float64)
-    scale = float(w.abs().max())
-    if not scale or float((w - w.transpose(-1, -2)).abs().max()) > 1e-5 * scale:
+    if float((w - w.transpose(-1, -2)).abs().max()) > 1e-5 * float(w.abs().max()):
         raise CodecError("kvtc tables: key weight is not symmetric")
     values, vectors = torch.linalg.eigh((w + w.transpose(-1, -2)) / 2)
     if not bool((values[..., 0] * _MAX_WEIGHT_CONDITION > values[..., -1]).all()):

@@ -258,7 +258,8 @@ def test_query_metric_spends_bits_where_queries_look() -> None:
 
 
 @pytest.mark.parametrize("damage, refusal", [("skew", "not symmetric"), ("singular", "not positive definite"),
-                                             ("negative", "not positive definite")])
+                                             ("negative", "not positive definite"),
+                                             ("zero", "not positive definite")])
 def test_received_key_weight_that_cannot_be_inverted_refused(damage: str, refusal: str) -> None:
     """The decoder inverts the key weight itself (the tables do not carry the inverse), so a body whose
     weight is not symmetric positive definite is refused when parsed, in one line, not at decode."""
@@ -267,6 +268,8 @@ def test_received_key_weight_that_cannot_be_inverted_refused(damage: str, refusa
     weight = tables.key_weight.clone()
     if damage == "skew":
         weight[0, 0, 0, 1] += 0.5
+    elif damage == "zero":
+        weight.zero_()
     elif damage == "singular":
         weight[1, 0] = torch.diag(torch.tensor([1.0] + [0.0] * (DIM - 1)))
     else:
