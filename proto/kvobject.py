@@ -34,16 +34,22 @@ __all__ = [
     "NAMESPACE_ROOT",
     "NAMESPACE_VERSION",
     "SIGNING_CONTEXT",
+    "TABLES_CHUNK_BYTES",
+    "TABLES_TRACK_PREFIX",
     "BlockManifest",
     "BlockTrack",
     "KVObjectError",
+    "TablesTrack",
     "block_namespace",
     "block_track",
     "end_of_track_object_id",
     "layer_object_id",
     "object_layer",
     "parse_block_track",
+    "parse_tables_track",
     "payload_digest",
+    "tables_chunks",
+    "tables_track",
 ]
 
 FORMAT_VERSION: Final = 1
@@ -77,6 +83,11 @@ MAX_NAMESPACE_ID_LEN: Final = 64
 MAX_RENDITION_LEN: Final = 32
 MAX_MANIFEST_BYTES: Final = 256 * 1024
 """Upper bound of an encoded manifest; checked before unpacking anything."""
+TABLES_TRACK_PREFIX: Final = b"tables."
+"""Start of a tables track's name (a codec's decoder tables, named by their digest; KVOBJECT.md 2.3)."""
+TABLES_CHUNK_BYTES: Final = MAX_MANIFEST_BYTES
+"""Largest object of a tables track: no larger than a manifest, so every object fits a receiver's limit
+for the object at (0, 0)."""
 
 DTYPES: Final = frozenset({"bfloat16", "float16", "float32", "float64"})
 """Element dtype names a manifest may carry (torch names without the ``torch.`` prefix)."""
@@ -213,6 +224,45 @@ def parse_block_track(namespace: Sequence[bytes], track_name: bytes) -> BlockTra
         raise KVObjectError(f"rendition {rendition!r} is not 1..{MAX_RENDITION_LEN} of [a-z0-9_]")
     return BlockTrack(bytes.fromhex(fp_hex.decode("ascii")), namespace_id_raw.decode("ascii"),
                       bytes.fromhex(hash_hex.decode("ascii")), rendition.decode("ascii"))
+
+
+@dataclass(frozen=True, slots=True)
+class TablesTrack:
+    """The parts of a tables track's Full Track Name."""
+
+    fingerprint: bytes
+    namespace_id: str
+    digest: bytes
+    """SHA-256 of the tables' body: what a payload coded with them names."""
+
+
+def tables_track(fingerprint: bytes, namespace_id: str, digest: bytes) -> tuple[tuple[bytes, ...], bytes]:
+    """``(track_namespace, track_name)`` of a codec's decoder tables (kvtc's ``TransformTables``), in the
+    block namespace of the publisher that codes with them.
+
+    Track Name = ``b"tables."`` + the tables' digest as 64 lowercase hex digits: it never parses as a block
+    track (those start with the hex hash), so relays and servers tell the two apart by name.
+    """
+    namespace = block_namespace(fingerprint, namespace_id)
+    return namespace, TABLES_TRACK_PREFIX + _check_hash("digest", digest).hex().encode("ascii")
+
+
+def parse_tables_track(namespace: Sequence[bytes], track_name: bytes) -> TablesTrack:
+    """Inverse of ``tables_track``; ``KVObjectError`` for anything ``tables_track`` cannot produce."""
+    if not isinstance(track_name, bytes) or not track_name.startswith(TABLES_TRACK_PREFIX):
+        raise KVObjectError("not a tables track name")
+    digest_hex = track_name[len(TABLES_TRACK_PREFIX):]
+    if not _HASH_HEX_RE.fullmatch(digest_hex):
+        raise KVObjectError("tables track name must be 'tables.' and a digest in 64 lowercase hex digits")
+    # The namespace is a block namespace; parse it with a syntactically valid block name.
+    parts = parse_block_track(namespace, digest_hex + TRACK_NAME_SEPARATOR + b"tables")
+    return TablesTrack(parts.fingerprint, parts.namespace_id, bytes.fromhex(digest_hex.decode("ascii")))
+
+
+def tables_chunks(data: bytes) -> tuple[bytes, ...]:
+    """A signed tables object cut into the objects of its track (0, 1, ... in group 0), each at most
+    ``TABLES_CHUNK_BYTES``; the receiver joins them in order."""
+    return tuple(data[i:i + TABLES_CHUNK_BYTES] for i in range(0, len(data), TABLES_CHUNK_BYTES)) or (b"",)
 
 
 # ---------------------------------------------------------------------------------------------------

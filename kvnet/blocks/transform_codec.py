@@ -158,6 +158,20 @@ class TransformCodec(Codec):
 
     # -- decode ---------------------------------------------------------------------------------------
 
+    @staticmethod
+    def tables_digest(data: bytes | bytearray | memoryview) -> bytes:
+        """The digest of the tables a payload names (its first section), without decoding it: what a
+        receiver fetches before it can decode (``CodecError`` if the payload is not a kvtc payload)."""
+        header = read_header(data)
+        start = _HEADER.size + header.num_sections * _SECTION.size
+        if header.codec_id != TransformCodec.codec_id or header.num_sections != 3 or len(data) < start:
+            raise CodecError("not a kvtc payload")
+        mode, raw_len, stored = _SECTION.unpack_from(data, _HEADER.size)
+        if (mode, raw_len, stored) != (_MODE_RAW, _DIGEST_LEN, _DIGEST_LEN) or \
+                len(data) < start + _DIGEST_LEN:
+            raise CodecError("kvtc payload does not start with its tables' digest")
+        return bytes(memoryview(data)[start:start + _DIGEST_LEN])
+
     def _parse(self, data: bytes | bytearray | memoryview, shape: tuple[int, ...], dtype: torch.dtype
                ) -> tuple[PayloadHeader, TransformTables, np.ndarray]:
         """Header, tables and the entropy-decoded integers ``[2, T, C]`` of one payload."""

@@ -57,14 +57,16 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from kvnet.blocks.codecs import CodecError, get_codec
+from kvnet.blocks.codecs import Codec, CodecError, get_codec
 from kvnet.blocks.identity import BlockIdentity
+from kvnet.blocks.transform_codec import TransformCodec
 from kvnet.cache.hashing import hash_block
 from kvnet.dtypes import dtype_from_name
 from kvnet.errors import KVCacheError
 from kvnet.exchange.abr import AbrConfig, KvAbr, MeasuredRate
 from kvnet.exchange.config import DEFAULT_VERIFY_WORKERS, DEFAULT_WINDOW_BYTES, MAX_VERIFY_WORKERS
 from kvnet.exchange.locate import DEFAULT_LOCATE_FAN_OUT, DEFAULT_STRAGGLER_GRACE, Located, locate_prefix
+from kvnet.exchange.tables import TablesSource
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.errors import LimitError, MoqtConnectionError, RequestRejected, StreamResetError
 from kvnet.net.handles import FetchHandle
@@ -294,6 +296,7 @@ class BlockFetcher:
         inflight: InflightBlocks | None = None,
         relay: str = "",
         locate_fingerprints: Sequence[bytes] = (),
+        tables: TablesSource | None = None,
     ) -> None:
         if window_bytes <= 0:
             raise ValueError(f"window_bytes must be positive, got {window_bytes}")
@@ -339,6 +342,9 @@ class BlockFetcher:
         loading, by hash: concurrent requests that need the same block wait for that one FETCH instead of
         sending their own (resolved once it is in, with how it came)."""
         self.stats = FetcherStats()
+        self.tables = tables if tables is not None else TablesSource(trust, fingerprint, namespace_id,
+                                                                     timeout=timeout)
+        """Decoder tables that ``kvtc`` blocks name (shared by a node's sessions: each is fetched once)."""
         self._pool_slots = self._slot_cache if self.device.type == "cpu" else None
         """The cache where verify workers decode straight into its slots: a CPU cache's slots are its own
         memory, while an accelerator's cache stages each layer in one host buffer (one writer at a time)."""
@@ -709,7 +715,10 @@ class BlockFetcher:
                         return  # already cached (imported meanwhile by another request): nothing to load
                 else:
                     assert block.manifest is not None
-                    layer = _LayerPayload(block.manifest, rendition, obj.object_id, payload, self.device)
+                    if obj.object_id == 1 and rendition == TransformCodec.name:
+                        await self._resolve_tables(block.manifest, payload, clock)
+                    layer = _LayerPayload(block.manifest, self._codec(rendition), obj.object_id, payload,
+                                          self.device)
                     if pool is None:
                         block.decode_s += self._load_layer(exp.block_hash, layer, out)
                     else:
@@ -731,6 +740,20 @@ class BlockFetcher:
                 # Workers may be writing this block's reserved slots; the caller gives the block back
                 # (abort_import) only after they stopped, or a late write could land in a reused block.
                 pool.wait_idle()
+
+    def _codec(self, rendition: str) -> Codec:
+        """What decodes ``rendition``: ``kvtc`` with the tables verified for this model only."""
+        return self.tables.codec if rendition == TransformCodec.name else get_codec(rendition)
+
+    async def _resolve_tables(self, manifest: BlockManifest, payload: bytes, clock: _SampleClock) -> None:
+        """Make sure the tables a ``kvtc`` payload names are installed (``CodecError`` if they cannot be had):
+        fetched once per digest; a block that waited for them is not a sample of the path's rate."""
+        if not manifest.verify_payload(1, payload):  # only a signed payload decides what is fetched
+            raise BlockRejected("payload digest of layer 0 differs")
+        digest = TransformCodec.tables_digest(payload)
+        if self.tables.local(digest) is None:
+            clock.disturbed = True
+            await self.tables.resolve(self.conn, digest)
 
     def _load_layer(self, block_hash: bytes, layer: _LayerPayload, out: FetchOutcome) -> float:
         """Check one layer's digest, then decode it into the block reserved for it: in place where the cache
@@ -911,7 +934,7 @@ class _LayerPayload:
     """A layer object as it arrived, with what checking and decoding it needs."""
 
     manifest: BlockManifest
-    rendition: str
+    codec: Codec
     object_id: int
     payload: bytes
     device: torch.device
@@ -922,7 +945,7 @@ def _decode_layer(layer: _LayerPayload) -> _DecodedLayer:
     t = time.perf_counter()
     _check_digest(layer)
     manifest = layer.manifest
-    k, v = get_codec(layer.rendition).decode(
+    k, v = layer.codec.decode(
         layer.payload, manifest.layer_shape, dtype_from_name(manifest.dtype), layer.device
     )
     return _DecodedLayer(layer.object_id - 1, k, v, time.perf_counter() - t)
@@ -933,7 +956,7 @@ def _decode_layer_into(cache: SlotCacheWriter, block_hash: bytes, layer: _LayerP
     may run it for a CPU cache: each layer has slots of its own)."""
     t = time.perf_counter()
     _check_digest(layer)
-    codec = get_codec(layer.rendition)
+    codec = layer.codec
     payload = layer.payload
     cache.import_layer_with(block_hash, layer.object_id - 1, lambda k, v: codec.decode_into(payload, k, v))
     return _DecodedLayer(layer.object_id - 1, None, None, time.perf_counter() - t)

@@ -19,13 +19,15 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kvnet.blocks.codecs import get_codec
+from kvnet.blocks.codecs import CodecError, get_codec
 from kvnet.blocks.identity import BlockIdentity
+from kvnet.blocks.transform_codec import TransformCodec
+from kvnet.blocks.transform_tables import TransformTables
 from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.dtypes import dtype_name
 from kvnet.exchange.blockstore import BlockStore, StoredBlock
@@ -42,6 +44,7 @@ from proto.kvobject import (
     block_namespace,
     block_track,
     parse_block_track,
+    parse_tables_track,
 )
 from proto.messages import Location, MessageParameters, TrackNamespace
 
@@ -55,18 +58,21 @@ def encode_blocks(
     fingerprint: bytes,
     renditions: Sequence[str],
     signer: Signer,
+    tables: TransformTables | None = None,
 ) -> list[StoredBlock]:
     """Encoded, signed objects of ``sources`` (blocks cached in ``cache``), one entry per rendition.
 
     Object payloads: object 0 is the manifest, object ``l + 1`` the codec payload of layer ``l``.
-    Blocks that are no longer cached (evicted meanwhile) are skipped.
+    Blocks that are no longer cached (evicted meanwhile) are skipped. ``tables``: the model's ``kvtc``
+    tables, which that rendition needs.
     """
     out: list[StoredBlock] = []
     for src in sources:
         if not cache.contains_block(src.block_hash):
             continue
         kv = cache.export_block(src.block_hash)
-        out += encode_block(kv.k, kv.v, src, fingerprint=fingerprint, renditions=renditions, signer=signer)
+        out += encode_block(kv.k, kv.v, src, fingerprint=fingerprint, renditions=renditions, signer=signer,
+                            tables=tables)
     return out
 
 
@@ -78,21 +84,30 @@ def encode_block(
     fingerprint: bytes,
     renditions: Sequence[str],
     signer: Signer,
+    tables: TransformTables | None = None,
 ) -> list[StoredBlock]:
     """Encoded, signed objects of one block whose K and V over all layers are ``k, v: [L, B, H_kv, D]``,
     one entry per rendition (``encode_blocks`` for blocks held by another engine's cache)."""
     shape = (int(k.shape[0]), int(k.shape[1]), int(k.shape[2]), int(k.shape[3]))
     now_ms = int(time.time() * 1000)
     out: list[StoredBlock] = []
-    for codec in (get_codec(r) for r in renditions):
-        payloads = [codec.encode(k[layer], v[layer]) for layer in range(shape[0])]
+    for rendition in renditions:
+        if rendition == TransformCodec.name:
+            if tables is None:
+                raise CodecError("the kvtc rendition needs the model's tables (--kvtc-tables)")
+            # The sequence's first token is an attention sink: coded finer (kvnet.blocks.transform_codec).
+            sinks = int(src.block_index == 0)
+            payloads = TransformCodec(fingerprint).encode_block(k, v, tables, sink_rows=sinks)
+        else:
+            codec = get_codec(rendition)
+            payloads = [codec.encode(k[layer], v[layer]) for layer in range(shape[0])]
         manifest = BlockManifest.for_payloads(
             fingerprint=fingerprint,
             block_hash=src.block_hash,
             parent_hash=src.parent_hash,
             token_ids=src.token_ids,
             block_index=src.block_index,
-            codec=codec.name,
+            codec=rendition,
             dtype=dtype_name(k.dtype),
             shape=shape,
             payloads=payloads,
@@ -103,7 +118,7 @@ def encode_block(
         out.append(
             StoredBlock(
                 block_hash=src.block_hash,
-                rendition=codec.name,
+                rendition=rendition,
                 objects=(manifest.encode(), *payloads),
                 manifest=manifest,
             )
@@ -145,15 +160,18 @@ class BlockServer:
     """
 
     def __init__(
-        self, conn: MoqtConnection, store: BlockStore, fingerprint: bytes, namespace_id: str, num_layers: int
+        self, conn: MoqtConnection, store: BlockStore, fingerprint: bytes, namespace_id: str, num_layers: int,
+        tables: Mapping[bytes, tuple[bytes, ...]] | None = None,
     ) -> None:
         """``namespace_id`` is the namespace-id field of our block namespace (``NodeSecret.namespace_id``
-        of the tenant, or the tenant id itself without a node secret)."""
+        of the tenant, or the tenant id itself without a node secret). ``tables``: the objects of each
+        tables track we serve (``proto.kvobject.tables_chunks`` of a signed table object), by digest."""
         self.conn = conn
         self.store = store
         self.fingerprint = fingerprint
         self.namespace_id = namespace_id
         self.num_layers = num_layers
+        self.tables: Mapping[bytes, tuple[bytes, ...]] = tables if tables is not None else {}
         self.stats = ServerStats()
         self._next_alias = 1
 
@@ -165,17 +183,29 @@ class BlockServer:
         """PUBLISH_NAMESPACE for our block namespace, so the relay routes requests for it to us."""
         await self.conn.publish_namespace(self.namespace)
 
-    def _lookup(self, namespace: Sequence[bytes], name: bytes) -> StoredBlock | None:
+    def _lookup(self, namespace: Sequence[bytes], name: bytes) -> tuple[bytes, ...] | None:
+        """The objects of the block or tables track called ``name``, or None if we do not serve it."""
         try:
             track = parse_block_track(namespace, name)
+        except KVObjectError:
+            return self._lookup_tables(namespace, name)
+        if track.fingerprint != self.fingerprint or track.namespace_id != self.namespace_id:
+            return None
+        block = self.store.get(track.block_hash, track.rendition)
+        return None if block is None else block.objects
+
+    def _lookup_tables(self, namespace: Sequence[bytes], name: bytes) -> tuple[bytes, ...] | None:
+        try:
+            track = parse_tables_track(namespace, name)
         except KVObjectError:
             return None
         if track.fingerprint != self.fingerprint or track.namespace_id != self.namespace_id:
             return None
-        return self.store.get(track.block_hash, track.rendition)
+        return self.tables.get(track.digest)
 
-    def _largest(self) -> Location:
-        return Location(BLOCK_GROUP_ID, self.num_layers)
+    @staticmethod
+    def _largest(objects: tuple[bytes, ...]) -> Location:
+        return Location(BLOCK_GROUP_ID, len(objects) - 1)
 
     async def serve(self) -> None:
         """Answer requests until the session ends."""
@@ -203,25 +233,26 @@ class BlockServer:
 
     def _answer_track_status(self, req: IncomingTrackStatus) -> None:
         ev = req.event
-        if self._lookup(ev.track_namespace, ev.track_name) is None:
+        objects = self._lookup(ev.track_namespace, ev.track_name)
+        if objects is None:
             self.stats.track_status_missing += 1
             req.reject(RequestErrorCode.DOES_NOT_EXIST, "no such block")
             return
         self.stats.track_status_ok += 1
-        req.respond(MessageParameters(largest_object=self._largest()))
+        req.respond(MessageParameters(largest_object=self._largest(objects)))
 
     async def _serve_fetch(self, req: IncomingFetch) -> None:
         ev = req.event
         if ev.track_namespace is None or ev.track_name is None:
             req.reject(RequestErrorCode.NOT_SUPPORTED, "joining fetch")
             return
-        block = self._lookup(ev.track_namespace, ev.track_name)
-        if block is None:
+        objects = self._lookup(ev.track_namespace, ev.track_name)
+        if objects is None:
             req.reject(RequestErrorCode.DOES_NOT_EXIST, "no such block")
             return
         start = ev.start or Location(0, 0)
         end = ev.end or Location(0, 0)
-        last = len(block.objects) - 1
+        last = len(objects) - 1
         # End {g, 0} with g past the block's group means "everything"; otherwise objects up to end.object-1.
         stop = last if end.group > BLOCK_GROUP_ID or end.object == 0 else min(end.object - 1, last)
         first = start.object if start.group == BLOCK_GROUP_ID else last + 1
@@ -236,7 +267,7 @@ class BlockServer:
         for object_id in range(first, stop + 1):
             if req.cancelled.is_set():
                 return
-            payload = block.objects[object_id]
+            payload = objects[object_id]
             req.send_object(BLOCK_GROUP_ID, 0, object_id, payload)
             self.stats.objects_sent += 1
             self.stats.bytes_sent += len(payload)
@@ -247,13 +278,13 @@ class BlockServer:
 
     async def _serve_subscribe(self, req: IncomingSubscribe) -> None:
         ev = req.event
-        block = self._lookup(ev.track_namespace, ev.track_name)
-        if block is None:
+        objects = self._lookup(ev.track_namespace, ev.track_name)
+        if objects is None:
             req.reject(RequestErrorCode.DOES_NOT_EXIST, "no such block")
             return
-        req.accept_subscribe(self._alias(), MessageParameters(largest_object=self._largest()))
+        req.accept_subscribe(self._alias(), MessageParameters(largest_object=self._largest(objects)))
         stream_id = req.open_subgroup(BLOCK_GROUP_ID, 0, first_object=True)  # it starts at object 0
-        for object_id, payload in enumerate(block.objects):
+        for object_id, payload in enumerate(objects):
             if req.cancelled.is_set():
                 return
             req.send_object(stream_id, object_id, payload)
@@ -261,7 +292,7 @@ class BlockServer:
             self.stats.bytes_sent += len(payload)
             await req.drain()
         # END_OF_TRACK status object after the last layer, then FIN (KVOBJECT.md section 3).
-        req.send_object(stream_id, len(block.objects), b"", True, status=ObjectStatus.END_OF_TRACK)
+        req.send_object(stream_id, len(objects), b"", True, status=ObjectStatus.END_OF_TRACK)
         req.publish_done(PublishDoneCode.TRACK_ENDED, "block complete")
         self.stats.subscribes_served += 1
 
@@ -296,7 +327,7 @@ class BlockServer:
                 ns, name = block_track(self.fingerprint, self.namespace_id, block.block_hash, block.rendition)
                 alias = self._alias()
                 try:
-                    params = MessageParameters(largest_object=self._largest())
+                    params = MessageParameters(largest_object=self._largest(block.objects))
                     ok = await self.conn.publish(ns, name, alias, params)
                 except RequestRejected as exc:
                     self.stats.requests_refused += 1

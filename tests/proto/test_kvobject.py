@@ -14,16 +14,21 @@ from proto.kvobject import (
     DTYPES,
     MAX_MANIFEST_BYTES,
     SIGNING_CONTEXT,
+    TABLES_CHUNK_BYTES,
     BlockManifest,
     BlockTrack,
     KVObjectError,
+    TablesTrack,
     block_namespace,
     block_track,
     end_of_track_object_id,
     layer_object_id,
     object_layer,
     parse_block_track,
+    parse_tables_track,
     payload_digest,
+    tables_chunks,
+    tables_track,
 )
 
 FP = hashlib.sha256(b"model").digest()
@@ -115,6 +120,34 @@ def test_parse_block_track_rejects_bad_names() -> None:
     for namespace, track_name in bad:
         with pytest.raises(KVObjectError):
             parse_block_track(namespace, track_name)
+
+
+def test_tables_track_is_named_by_digest_and_never_parses_as_a_block() -> None:
+    ns, name = tables_track(FP, "t", H1)
+    assert ns == block_namespace(FP, "t") and name == b"tables." + H1.hex().encode()
+    assert parse_tables_track(ns, name) == TablesTrack(FP, "t", H1)
+    with pytest.raises(KVObjectError):
+        parse_block_track(ns, name)
+    block_ns, block_name = block_track(FP, "t", H1, "kvtc")
+    bad: list[tuple[tuple[bytes, ...], bytes]] = [
+        (block_ns, block_name),
+        (ns, b"tables." + H1.hex().upper().encode()),
+        (ns, b"tables." + H1.hex().encode()[:-2]),
+        (ns, b"tables" + H1.hex().encode()),
+        (ns, b"tables." + H1),
+        (ns[:3], name),
+        ((*ns[:3], b"bad namespace id"), name),
+    ]
+    for namespace, track_name in bad:
+        with pytest.raises(KVObjectError):
+            parse_tables_track(namespace, track_name)
+
+
+def test_tables_chunks_join_to_the_object_and_fit_the_manifest_bound() -> None:
+    data = bytes(range(256)) * (3 * TABLES_CHUNK_BYTES // 256 + 7)
+    chunks = tables_chunks(data)
+    assert b"".join(chunks) == data and len(chunks) == 4
+    assert all(len(c) <= TABLES_CHUNK_BYTES <= MAX_MANIFEST_BYTES for c in chunks)
 
 
 def test_object_ids() -> None:

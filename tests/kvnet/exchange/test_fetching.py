@@ -405,11 +405,11 @@ class StallingServer(BlockServer):
     async def _serve_fetch(self, req: IncomingFetch) -> None:
         ev = req.event
         assert ev.track_namespace is not None and ev.track_name is not None
-        block = self._lookup(ev.track_namespace, ev.track_name)
-        assert block is not None
-        req.accept_fetch(True, Location(BLOCK_GROUP_ID, len(block.objects)))
+        objects = self._lookup(ev.track_namespace, ev.track_name)
+        assert objects is not None
+        req.accept_fetch(True, Location(BLOCK_GROUP_ID, len(objects)))
         for object_id in range(2):
-            req.send_object(BLOCK_GROUP_ID, 0, object_id, block.objects[object_id])
+            req.send_object(BLOCK_GROUP_ID, 0, object_id, objects[object_id])
         await req.drain()
         await asyncio.Event().wait()  # until the fetch is cancelled
 

@@ -1,0 +1,151 @@
+"""Decoder tables that a rendition names by digest (``kvtc``'s ``TransformTables``), fetched over MoQT.
+
+Owns: ``TablesSource``, what a node's fetch sessions share to turn a tables digest named by a ``kvtc`` payload
+into verified tables: kept in memory (and in a directory when given, ``TableStore``), else fetched once from
+the relay's tables track (``proto.kvobject.tables_track``, KVOBJECT.md 2.3), joined, checked (digest of the
+track name, signature under a trusted key, this node's model fingerprint) and installed in the model-bound
+``kvtc`` codec the fetch sessions decode with. Concurrent requests for one digest share one FETCH; tables
+that failed verification are remembered (a bounded set) so a bad publisher costs one fetch per digest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvnet.blocks.codecs import CodecError
+from kvnet.blocks.transform_codec import TransformCodec
+from kvnet.blocks.transform_tables import MAX_TABLES_BYTES, TableStore, TransformTables, verify_tables
+from kvnet.net.connection import MoqtConnection
+from kvnet.net.errors import LimitError, MoqtConnectionError, RequestRejected, StreamResetError
+from kvnet.security.signing import TrustStore
+from proto.kvobject import BLOCK_GROUP_ID, tables_track
+from proto.messages import Location
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TablesSource", "TablesStats"]
+
+MAX_REFUSED_DIGESTS = 256
+"""Digests whose tables failed verification, remembered so they are not fetched again (oldest dropped)."""
+
+
+@dataclass
+class TablesStats:
+    """Counters for logs and tests."""
+
+    fetched: int = 0
+    """Table objects fetched from a relay and verified."""
+    fetched_bytes: int = 0
+    refused: int = 0
+    """Table objects that failed verification (never installed)."""
+
+
+class TablesSource:
+    """Verified decoder tables of one model, by digest: memory, then ``directory``, then the relay."""
+
+    def __init__(self, trust: TrustStore, fingerprint: bytes, namespace_id: str, *,
+                 directory: Path | None = None, timeout: float = 30.0) -> None:
+        self.trust = trust
+        self.fingerprint = fingerprint
+        self.namespace_id = namespace_id
+        self.timeout = timeout
+        self.codec = TransformCodec(fingerprint)
+        """The ``kvtc`` codec this node decodes with: it holds only tables verified for ``fingerprint``."""
+        self._store = TableStore(directory, trust, fingerprint) if directory is not None else None
+        self._pending: dict[bytes, asyncio.Future[TransformTables]] = {}
+        self._refused: OrderedDict[bytes, str] = OrderedDict()
+        self.stats = TablesStats()
+
+    def install(self, tables: TransformTables) -> None:
+        """Tables this node holds already (its own, which it codes with): never fetched."""
+        if tables.fingerprint != self.fingerprint:
+            raise CodecError(f"kvtc tables are bound to model {tables.fingerprint.hex()[:16]}, not "
+                             f"{self.fingerprint.hex()[:16]}")
+        self.codec.install(tables)
+
+    def local(self, digest: bytes) -> TransformTables | None:
+        """The tables called ``digest`` if this node has them without asking the relay."""
+        try:
+            return self.codec.tables(digest)
+        except CodecError:
+            pass
+        if self._store is None:
+            return None
+        tables = self._store.get(digest)
+        if tables is not None:
+            self.codec.install(tables)
+        return tables
+
+    async def resolve(self, conn: MoqtConnection, digest: bytes) -> TransformTables:
+        """Verified tables called ``digest``, fetched over ``conn`` when this node lacks them (once, however
+        many blocks ask at the same time); ``CodecError`` with one line when they cannot be had."""
+        found = self.local(digest)
+        if found is not None:
+            return found
+        reason = self._refused.get(digest)
+        if reason is not None:
+            raise CodecError(reason)
+        pending = self._pending.get(digest)
+        if pending is None:
+            pending = asyncio.get_running_loop().create_future()
+            self._pending[digest] = pending
+            try:
+                pending.set_result(await self._fetch(conn, digest))
+            except BaseException as exc:
+                failure = exc if isinstance(exc, Exception) else CodecError("kvtc tables fetch cancelled")
+                pending.set_exception(failure)
+                pending.exception()  # retrieved: the waiters below (if any) see it
+                raise
+            finally:
+                del self._pending[digest]
+        return await asyncio.shield(pending)
+
+    async def _fetch(self, conn: MoqtConnection, digest: bytes) -> TransformTables:
+        ns, name = tables_track(self.fingerprint, self.namespace_id, digest)
+        handle = await conn.fetch(ns, name, Location(BLOCK_GROUP_ID, 0), Location(BLOCK_GROUP_ID + 1, 0))
+        parts: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self.timeout):
+                async for obj in handle:
+                    if obj.status != 0:
+                        continue  # END_OF_TRACK / END_OF_GROUP carry nothing
+                    if obj.group_id != BLOCK_GROUP_ID or obj.object_id != len(parts):
+                        raise self._refuse(digest, f"unexpected object {obj.group_id}/{obj.object_id}")
+                    size += len(obj.payload)
+                    if size > MAX_TABLES_BYTES:
+                        raise self._refuse(digest, f"more than {MAX_TABLES_BYTES} bytes")
+                    parts.append(bytes(obj.payload))
+        except TimeoutError:
+            why = f"not fetched within {self.timeout:.0f}s"
+            raise CodecError(f"kvtc tables {digest.hex()[:16]}: {why}") from None
+        except (MoqtConnectionError, RequestRejected, StreamResetError, LimitError) as exc:
+            # Not the block's own failure: a block fetch would take a rejection as "not whole yet" and retry.
+            raise CodecError(f"kvtc tables {digest.hex()[:16]}: fetch failed ({exc})") from None
+        finally:
+            handle.cancel()
+        data = b"".join(parts)
+        try:
+            tables = verify_tables(data, self.trust, self.fingerprint, digest)
+        except CodecError as exc:
+            raise self._refuse(digest, str(exc)) from None
+        if self._store is not None:
+            self._store.add(data)
+        self.codec.install(tables)
+        self.stats.fetched += 1
+        self.stats.fetched_bytes += len(data)
+        logger.info("kvtc tables %s fetched and verified (%.1f MB)", digest.hex()[:16], len(data) / 1e6)
+        return tables
+
+    def _refuse(self, digest: bytes, why: str) -> CodecError:
+        reason = f"kvtc tables {digest.hex()[:16]} refused: {why}"
+        self._refused[digest] = reason
+        while len(self._refused) > MAX_REFUSED_DIGESTS:
+            self._refused.popitem(last=False)
+        self.stats.refused += 1
+        logger.warning("%s", reason)
+        return CodecError(reason)

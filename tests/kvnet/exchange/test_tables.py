@@ -1,0 +1,165 @@
+"""kvtc's decoder tables over MoQT (``kvnet.exchange.tables.TablesSource``): a fetcher that meets a ``kvtc``
+block fetches the tables it names once from the publisher's tables track, verifies them and decodes with
+them; tables that fail verification are refused in one line and the cache is left as it was."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from kvnet.blocks.codecs import CodecError
+from kvnet.blocks.transform_codec import TransformCodec
+from kvnet.blocks.transform_tables import TransformTables, calibrate, sign_tables
+from kvnet.cache.paged_cache import PagedKVCache
+from kvnet.exchange.blockstore import StoredBlock
+from kvnet.exchange.fetching import BlockFetcher
+from kvnet.exchange.publishing import BlockServer, encode_blocks
+from kvnet.exchange.tables import TablesSource
+from kvnet.security.signing import Signer
+from proto.kvobject import TABLES_CHUNK_BYTES, tables_chunks
+from tests.helpers.connections import ConnectionPair
+from tests.kvnet.exchange.conftest import (
+    FINGERPRINT,
+    HASHES,
+    NAMESPACE_ID,
+    SPEC,
+    Published,
+    serving_store,
+    trusting,
+)
+
+OTHER_MODEL = bytes(range(1, 33))
+
+
+def calibrated(fingerprint: bytes = FINGERPRINT) -> TransformTables:
+    """Tables for the test cache's shape from K/V like the blocks' (random), on other draws."""
+    g = torch.Generator().manual_seed(7)
+    shape = (SPEC.num_layers, 256, SPEC.num_kv_heads, SPEC.head_dim)
+    return calibrate(torch.randn(shape, generator=g), torch.randn(shape, generator=g), fingerprint, 0.02)
+
+
+def kvtc_blocks(published: Published, tables: TransformTables) -> list[StoredBlock]:
+    return encode_blocks(published.cache, published.identities, fingerprint=FINGERPRINT, renditions=("kvtc",),
+                         signer=published.signer, tables=tables)
+
+
+class Served:
+    """A block server on the pair's server side holding kvtc blocks and the tables objects given."""
+
+    def __init__(self, pair: ConnectionPair) -> None:
+        self.pair = pair
+        self.server: BlockServer | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self, blocks: list[StoredBlock], tables: dict[bytes, tuple[bytes, ...]]) -> BlockServer:
+        self.server = BlockServer(self.pair.server, serving_store(blocks), FINGERPRINT, NAMESPACE_ID,
+                                  SPEC.num_layers, tables=tables)
+        self.task = asyncio.create_task(self.server.serve())
+        return self.server
+
+
+@pytest.fixture
+async def served(pair: ConnectionPair) -> AsyncIterator[Served]:
+    s = Served(pair)
+    yield s
+    if s.task is not None:
+        s.task.cancel()
+        await asyncio.gather(s.task, return_exceptions=True)
+
+
+def fetcher(pair: ConnectionPair, published: Published, cache: PagedKVCache,
+            tables: TablesSource | None = None) -> BlockFetcher:
+    return BlockFetcher(pair.client, cache, trusting(published.signer), fingerprint=FINGERPRINT,
+                        namespace_id=NAMESPACE_ID, shape=SPEC.block_shape, dtype="float32", tables=tables)
+
+
+def empty_cache() -> PagedKVCache:
+    return PagedKVCache(SPEC, num_blocks=16, device=torch.device("cpu"))
+
+
+async def test_kvtc_blocks_fetch_their_tables_once_and_load_what_the_publisher_coded(
+    pair: ConnectionPair, served: Served, published: Published
+) -> None:
+    tables = calibrated()
+    signed = sign_tables(tables, published.signer)
+    blocks = kvtc_blocks(published, tables)
+    server = served.start(blocks, {tables.digest: tables_chunks(signed)})
+    source = TablesSource(trusting(published.signer), FINGERPRINT, NAMESPACE_ID)
+    cache = empty_cache()
+    f = fetcher(pair, published, cache, source)
+    outcome = await f.fetch(published.identities, ["kvtc"] * len(HASHES))
+    assert (outcome.loaded, outcome.error, outcome.renditions) == (len(HASHES), None, {"kvtc": len(HASHES)})
+    assert (source.stats.fetched, source.stats.fetched_bytes, source.stats.refused) == (1, len(signed), 0)
+    # What the cache holds is exactly the publisher's payloads decoded (same function, same shapes), and
+    # near the publisher's K/V (the rendition is lossy).
+    reference = TransformCodec(FINGERPRINT)
+    reference.install(tables)
+    for block in blocks:
+        got = cache.export_block(block.block_hash)
+        want = published.cache.export_block(block.block_hash)
+        for layer in range(SPEC.num_layers):
+            k, v = reference.decode(block.objects[layer + 1], SPEC.block_shape[1:], torch.float32)
+            assert torch.equal(got.k[layer], k) and torch.equal(got.v[layer], v)
+        assert float((got.k - want.k).abs().max()) < 0.5 * float(want.k.abs().max())
+    # A second request needs no second tables fetch.
+    fetched_before = server.stats.fetches_served
+    f = fetcher(pair, published, empty_cache(), source)
+    again = await f.fetch(published.identities[:2], ["kvtc"] * 2)
+    assert (again.loaded, source.stats.fetched) == (2, 1)
+    assert server.stats.fetches_served == fetched_before + 2  # the two blocks only
+
+
+async def test_concurrent_requests_for_one_digest_share_one_fetch_of_every_piece(
+    pair: ConnectionPair, served: Served, published: Published
+) -> None:
+    """Four requests, one FETCH; the tables arrive in many objects (pieces of 1,000 bytes here, of
+    ``TABLES_CHUNK_BYTES`` from a node) and are joined in order."""
+    tables = calibrated()
+    signed = sign_tables(tables, published.signer)
+    pieces = tuple(signed[i:i + 1000] for i in range(0, len(signed), 1000))
+    assert len(pieces) > 3 and len(tables_chunks(signed)) == -(-len(signed) // TABLES_CHUNK_BYTES)
+    server = served.start([], {tables.digest: pieces})
+    source = TablesSource(trusting(published.signer), FINGERPRINT, NAMESPACE_ID)
+    got = await asyncio.gather(*(source.resolve(pair.client, tables.digest) for _ in range(4)))
+    assert all(t.digest == tables.digest for t in got)
+    assert (source.stats.fetched, server.stats.fetches_served) == (1, 1)
+
+
+@pytest.mark.parametrize("fault", ["untrusted key", "another model", "not served"])
+async def test_tables_that_cannot_be_verified_end_the_prefix_in_one_line(
+    pair: ConnectionPair, served: Served, published: Published, fault: str
+) -> None:
+    """The blocks are signed by a trusted key, but their tables are signed by a stranger, calibrated for
+    another model (served under this model's name), or not served at all: nothing is loaded, the cache is
+    left as it was, and a refused digest is not fetched again."""
+    tables = calibrated(OTHER_MODEL if fault == "another model" else FINGERPRINT)
+    signer = Signer.generate() if fault == "untrusted key" else published.signer
+    signed = tables_chunks(sign_tables(tables, signer))
+    served_tables = {} if fault == "not served" else {tables.digest: signed}
+    # A trusted publisher's blocks that name those tables (the encoder codes with whatever it is given).
+    blocks = kvtc_blocks(published, tables)
+    server = served.start(blocks, served_tables)
+    source = TablesSource(trusting(published.signer), FINGERPRINT, NAMESPACE_ID)
+    cache = empty_cache()
+    outcome = await fetcher(pair, published, cache, source).fetch(published.identities[:3], ["kvtc"] * 3)
+    assert outcome.loaded == 0 and outcome.error is not None
+    assert "kvtc tables" in outcome.error and "\n" not in outcome.error
+    expected = {"untrusted key": "signature", "another model": "bound to model", "not served": "fetch failed"}
+    assert expected[fault] in outcome.error
+    stats = cache.stats()
+    assert stats.pending_imports == 0 and stats.free_blocks == stats.num_blocks
+    assert source.stats.fetched == 0 and source.stats.refused == (0 if fault == "not served" else 1)
+    if fault != "not served":
+        served_before = server.stats.fetches_served
+        with pytest.raises(CodecError, match="refused"):
+            await source.resolve(pair.client, tables.digest)
+        assert server.stats.fetches_served == served_before
+
+
+async def test_a_publisher_without_tables_cannot_publish_kvtc(published: Published) -> None:
+    with pytest.raises(CodecError, match="needs the model's tables"):
+        encode_blocks(published.cache, published.identities[:1], fingerprint=FINGERPRINT,
+                      renditions=("kvtc",), signer=published.signer)
