@@ -40,7 +40,6 @@ from kvnet.blocks.codecs import CODECS, Codec, CodecError, Int8Codec
 from kvnet.blocks.transform_codec import TransformCodec
 from kvnet.blocks.transform_tables import (
     TransformTables,
-    calibrate,
     parse_tables_body,
     sign_tables,
     verify_tables,
@@ -49,7 +48,8 @@ from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
 from kvnet.model.checkpoint import load_checkpoint
 from kvnet.model.registry import default_models_dir, is_registered, resolve_model
 from kvnet.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
-from kvnet.model.transformer import Attention, ModelArgs, Transformer, TransformerBlock, apply_rope
+from kvnet.model.transformer import ModelArgs, Transformer
+from kvnet.node.kvtc_calibration import calibrate_model_tables
 from kvnet.security.signing import Signer, TrustStore
 
 DOCUMENTS = Path(__file__).resolve().parent / "documents"
@@ -148,7 +148,7 @@ KVTC_TABLES: TransformTables | None = None
 
 def calibrate_step_scale(model: Transformer, blocks: Blocks, block_size: int, scored: list[int],
                          tables: TransformTables, group: int) -> torch.Tensor:
-    """Per (layer, K/V) step factors ``[L, 2]`` from the model's measured sensitivity, for ``calibrate``.
+    """Per (layer, K/V) step factors ``[L, 2]`` from the model's measured sensitivity (``step_scale``).
 
     The calibration prefix goes through kvtc with ``tables`` (equal relative step everywhere); then, for
     each group of ``group`` consecutive layers and K or V apart, only that group's decoded K (or V)
@@ -182,32 +182,6 @@ def calibrate_step_scale(model: Transformer, blocks: Blocks, block_size: int, sc
     return (kl / kl.log().mean().exp()).pow(-0.5).clamp(0.25, 4.0)
 
 
-@torch.no_grad()
-def query_metric(model: Transformer, prefix: list[int], block_size: int) -> torch.Tensor:
-    """Each KV head's query second moment ``[L, H_kv, D, D]`` over ``prefix`` (its query group's
-    ``E[q q^T]``, after RoPE: the queries that meet the cached keys), for ``calibrate``'s key weight."""
-    a = model.args
-    group = a.n_heads // a.n_kv_heads
-    total = torch.zeros(a.n_layers, a.n_kv_heads, a.head_dim, a.head_dim, dtype=torch.float64)
-
-    def capture(layer: int) -> Callable[..., None]:
-        def hook(module: Attention, inputs: tuple, output: torch.Tensor) -> None:
-            x, cos, sin, _ = inputs
-            q = apply_rope(module.wq(x).view(x.shape[0], a.n_heads, a.head_dim), cos, sin).double()
-            q = q.view(x.shape[0], a.n_kv_heads, group, a.head_dim)
-            total[layer] += torch.einsum("tgqd,tgqe->gde", q, q)
-        return hook
-
-    blocks = [block for block in model.layers if isinstance(block, TransformerBlock)]
-    handles = [block.attention.register_forward_hook(capture(i)) for i, block in enumerate(blocks)]
-    try:
-        prefill_blocks(model, prefix, block_size)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return (total / len(prefix)).float()
-
-
 def kvtc_tables(model: Transformer, tokenizer: Tokenizer, block_size: int, path: Path, tokens: int,
                 rel_step: float, layer_group: int = 0, key_metric: bool = True) -> TransformTables:
     """kvtc tables calibrated on the project's docs (never the scored documents); their body is cached at
@@ -227,20 +201,15 @@ def kvtc_tables(model: Transformer, tokenizer: Tokenizer, block_size: int, path:
         all_ids = tokenizer.tokenize("\n".join(p.read_text(encoding="utf-8") for p in docs))
         ids = all_ids[:tokens]
         print(f"  calibrating kvtc tables on {len(ids)} tokens of docs/*.md", flush=True)
-        blocks = prefill_blocks(model, ids[: len(ids) // block_size * block_size], block_size)
-        layers = range(model.args.n_layers)
-        k = torch.stack([torch.cat([b[layer][0] for b in blocks]) for layer in layers])
-        v = torch.stack([torch.cat([b[layer][1] for b in blocks]) for layer in layers])
-        prefix = ids[: len(blocks) * block_size]
-        metric = query_metric(model, prefix, block_size) if key_metric else None
-        tables = calibrate(k.float(), v.float(), fingerprint, rel_step, query_metric=metric)
+        tables = calibrate_model_tables(model, ids, block_size, rel_step, key_metric=key_metric)
         if layer_group:
+            blocks = prefill_blocks(model, ids[: len(ids) // block_size * block_size], block_size)
             scored = all_ids[len(blocks) * block_size:len(blocks) * block_size + 256]
             scale = calibrate_step_scale(model, blocks, block_size, scored, tables, layer_group)
             print("  kvtc step scale (K; V) per layer: " + "; ".join(
                 " ".join(f"{x:.2f}" for x in scale[:, kind].tolist()) for kind in range(2)), flush=True)
-            tables = calibrate(k.float(), v.float(), fingerprint, rel_step, step_scale=scale,
-                               query_metric=metric)
+            tables = calibrate_model_tables(model, ids, block_size, rel_step, key_metric=key_metric,
+                                            step_scale=scale)
         path.write_bytes(tables.body())
     signer = Signer.generate()
     trust = TrustStore()

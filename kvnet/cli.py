@@ -1,4 +1,5 @@
-"""The ``kvnet`` command: certificates, authorization tokens, the link emulator and model conversion.
+"""The ``kvnet`` command: certificates, authorization tokens, the link emulator, model conversion and
+kvtc tables.
 
 Each subcommand registers itself with ``_add_<name>(subparsers)`` and sets ``func`` on its parser; ``main``
 parses argv and dispatches. Only this module reads the command line; everything below gets plain arguments.
@@ -267,6 +268,61 @@ def _add_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     listing.set_defaults(func=_cmd_model_list)
 
 
+def _cmd_kvtc_calibrate(args: argparse.Namespace) -> int:
+    from kvnet.model.registry import default_models_dir
+    from kvnet.node.config import NodeConfig
+    from kvnet.node.kvtc_calibration import DEFAULT_REL_STEP, calibrate_model_tables
+    from kvnet.node.node import build_model
+
+    if args.out.exists() and not args.force:
+        raise FileExistsError(0, "exists", str(args.out))
+    text = "\n".join(path.read_text(encoding="utf-8") for path in args.text)
+    config = NodeConfig(model=args.model, checkpoint=args.checkpoint, seed=args.seed, dtype=args.dtype,
+                        block_size=args.block_size)
+
+    def work() -> tuple[int, bytes, bytes]:
+        model, tokenizer = build_model(config, default_models_dir(os.environ))
+        ids = tokenizer.tokenize(text)[:args.tokens]
+        rel_step = DEFAULT_REL_STEP if args.rel_step is None else args.rel_step
+        tables = calibrate_model_tables(model, ids, args.block_size, rel_step)
+        return len(ids), tables.body(), tables.fingerprint
+
+    tokens, body, fingerprint = _with_progress("calibrating kvtc tables", work)
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    tmp.write_bytes(body)
+    os.replace(tmp, args.out)
+    print(f"kvtc tables: {args.out} ({len(body):,} bytes, {tokens} tokens, model fingerprint "
+          f"{fingerprint.hex()[:16]}); publish with: kvnet-node --renditions kvtc --kvtc-tables {args.out}")
+    return 0
+
+
+def _add_kvtc(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from kvnet.node.config import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL
+
+    p = sub.add_parser("kvtc", help="tables of the kvtc rendition (transform-coded KV)")
+    ksub = p.add_subparsers(dest="kvtc_cmd", required=True)
+    cal = ksub.add_parser(
+        "calibrate", help="calibrate a model's kvtc tables on text, for kvnet-node --kvtc-tables",
+        description="Runs the model's prefill over the text and writes its kvtc tables (PCA basis, "
+        "quantizer steps, coder scales, the key weight), bound to the model's fingerprint: use the model, "
+        "dtype and block size the nodes run. Nodes sign the tables with their key and serve them.",
+    )
+    cal.add_argument("--text", type=Path, action="append", required=True,
+                     help="calibration text file, ordinary text of the kind the nodes serve (repeatable)")
+    cal.add_argument("--out", type=Path, required=True, help="tables file to write")
+    cal.add_argument("--model", default=DEFAULT_MODEL, help="model name or built-in preset (as kvnet-node)")
+    cal.add_argument("--checkpoint", type=Path, help="local checkpoint directory instead of --model")
+    cal.add_argument("--seed", type=int, default=0, help="seed of a built-in preset's weights")
+    cal.add_argument("--dtype", help="model and KV dtype, as kvnet-node runs it")
+    cal.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
+    cal.add_argument("--tokens", type=int, default=4096, help="most tokens of the text to calibrate on")
+    cal.add_argument("--rel-step", type=float,
+                     help="quantizer step relative to each layer's RMS (larger: smaller and coarser; default "
+                     "the step measured in docs/performance.md)")
+    cal.add_argument("--force", action="store_true", help="replace --out if it exists")
+    cal.set_defaults(func=_cmd_kvtc_calibrate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = config_parser("kvnet", "kvnet tools", config_file=False)
     add_log_arguments(parser)
@@ -275,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_token(sub)
     _add_linkemu(sub)
     _add_model(sub)
+    _add_kvtc(sub)
     return parser
 
 

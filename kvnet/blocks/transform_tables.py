@@ -46,8 +46,8 @@ from kvnet.blocks.codecs import CodecError
 from kvnet.security.signing import SIGNATURE_LEN, Signer, TrustStore
 
 __all__ = [
-    "TableStore", "TransformTables", "calibrate", "key_weights", "parse_tables_body", "sign_tables",
-    "verify_tables",
+    "TableStore", "TransformTables", "calibrate", "key_weights", "load_tables", "parse_tables_body",
+    "sign_tables", "verify_tables",
 ]
 
 TABLES_VERSION = 4
@@ -177,6 +177,35 @@ def parse_tables_body(body: bytes) -> TransformTables:
     return tables
 
 
+def _body_length(data: bytes) -> int:
+    """Bytes of the body that starts ``data``, from the model shape in its header (the shape fixes it)."""
+    if len(data) < _BODY_HEADER.size:
+        raise CodecError("kvtc tables: shorter than their header")
+    layers, heads, head_dim = _BODY_HEADER.unpack_from(data, 0)[3:]
+    return _BODY_HEADER.size + 4 * sum(_body_floats(layers, heads, head_dim))
+
+
+def load_tables(path: Path, fingerprint: bytes) -> TransformTables:
+    """A node's own tables from ``path`` (what ``kvnet kvtc calibrate`` writes: a body, or a signed table
+    object whose signature is ignored, since the node signs them again with its key), checked against the
+    model ``fingerprint``; ``CodecError`` with one line when they cannot be used."""
+    try:
+        if path.stat().st_size > MAX_TABLES_BYTES:
+            raise CodecError(f"kvtc tables {path}: larger than {MAX_TABLES_BYTES} bytes")
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CodecError(f"kvtc tables {path}: {exc.strerror or exc}") from None
+    try:
+        tables = parse_tables_body(data[:_body_length(data)])
+    except CodecError as exc:
+        raise CodecError(f"{path}: {exc}") from None
+    if tables.fingerprint != fingerprint:
+        raise CodecError(f"kvtc tables {path} were calibrated for model {tables.fingerprint.hex()[:16]}, not "
+                         f"this node's {fingerprint.hex()[:16]} (calibrate them with the same model, dtype "
+                         "and block size)")
+    return tables
+
+
 def sign_tables(tables: TransformTables, signer: Signer) -> bytes:
     """The table object: body, key id and signature over the body's digest."""
     kid = signer.key_id
@@ -191,10 +220,8 @@ def verify_tables(data: bytes, trust: TrustStore, fingerprint: bytes,
     if len(data) > MAX_TABLES_BYTES or len(data) < _BODY_HEADER.size + 1 + SIGNATURE_LEN:
         raise CodecError(f"kvtc tables: object of {len(data)} bytes out of bounds")
     signature = data[-SIGNATURE_LEN:]
-    # The key id length byte sits just before the key id; find it by trying the body length the header
-    # implies (the body's shape fixes its size).
-    layers, heads, head_dim = _BODY_HEADER.unpack_from(data, 0)[3:]
-    body_len = _BODY_HEADER.size + 4 * sum(_body_floats(layers, heads, head_dim))
+    # The key id length byte sits just before the key id, where the body the header describes ends.
+    body_len = _body_length(data)
     if body_len >= len(data) - SIGNATURE_LEN:
         raise CodecError("kvtc tables: object truncated")
     kid_len = data[body_len]

@@ -83,20 +83,26 @@ over a fraction of a second is noisy, and a fetch nearly done must not be thrown
 # Higher quality first; a rendition not listed ranks after these, in name order. ``plain`` is exact like
 # ``lossless`` (so accepting it lowers no floor); it ranks after it so that a tie in cost goes to the
 # smaller payload (less for relays to cache and links to carry).
-QUALITY_ORDER: tuple[str, ...] = ("lossless", "plain", "int8", "int4")
+QUALITY_ORDER: tuple[str, ...] = ("lossless", "plain", "int8", "int4", "kvtc")
 # Encoded size / raw size before anything was measured, by KV dtype. Measured on SmolLM2's KV (docs/
 # performance.md, "Codec quality on real KV"): int8 and int4 are fixed fractions of the element size plus
 # scales, so they save half as much on bf16 as on fp32, while bf16's short mantissas compress better
-# losslessly. A dtype not listed uses the fp32 row.
+# losslessly. kvtc codes the same bytes whatever the dtype: 4.2x of bf16 measured, so about 8x of fp32.
+# A dtype not listed uses the fp32 row.
 DEFAULT_SIZE_RATIO: Mapping[str, Mapping[str, float]] = {
-    "float32": {"lossless": 0.85, "plain": 1.0, "int8": 0.25, "int4": 0.14},
-    "bfloat16": {"lossless": 0.69, "plain": 1.0, "int8": 0.50, "int4": 0.28},
-    "float16": {"lossless": 0.90, "plain": 1.0, "int8": 0.50, "int4": 0.28},
+    "float32": {"lossless": 0.85, "plain": 1.0, "int8": 0.25, "int4": 0.14, "kvtc": 0.12},
+    "bfloat16": {"lossless": 0.69, "plain": 1.0, "int8": 0.50, "int4": 0.28, "kvtc": 0.24},
+    "float16": {"lossless": 0.90, "plain": 1.0, "int8": 0.50, "int4": 0.28, "kvtc": 0.24},
 }
 # Verify + decode speed (a layer's digest and its decode into the cache) in raw bytes per second before
 # anything was measured; the node's own fetches replace these (``RenditionStats``). ``plain`` is a digest
 # and a copy; with lossless at 1e9 the bf16 crossover is ~620 MB/s of link (docs/nodes.md, "Renditions").
-DEFAULT_DECODE_BPS: Mapping[str, float] = {"lossless": 1.0e9, "plain": 2.0e9, "int8": 6.0e8, "int4": 4.0e8}
+DEFAULT_DECODE_BPS: Mapping[str, float] = {
+    "lossless": 1.0e9, "plain": 2.0e9, "int8": 6.0e8, "int4": 4.0e8,
+    # kvtc's rANS decode runs symbol by symbol on the CPU: ~8 MB/s of raw KV (docs/performance.md), so it
+    # pays only on links slower than about 2 MB/s.
+    "kvtc": 8.0e6,
+}
 
 
 def quality_rank(rendition: str) -> tuple[int, str]:

@@ -27,6 +27,7 @@ from kvnet.exchange.fetching import BlockFetcher, CacheWriter, Deadline, FetchOu
 from kvnet.exchange.locate import Located
 from kvnet.exchange.publishing import BlockServer
 from kvnet.exchange.striping import fetch_striped
+from kvnet.exchange.tables import TablesSource
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect
 from kvnet.net.errors import MoqtConnectionError, RequestRejected
@@ -112,19 +113,22 @@ class RelayPeer:
         cls, cfg: RelayPeerConfig, store: BlockStore, cache: CacheWriter, trust: TrustStore, abr: KvAbr, *,
         fingerprint: bytes, namespace_id: str, block_shape: tuple[int, int, int, int], dtype: str,
         device: torch.device, announce: bool = True, locate_fingerprints: Sequence[bytes] = (),
+        tables: TablesSource | None = None,
     ) -> RelayPeer:
         """Open the session to ``cfg.relay_url``, announce our namespace and serve ``store`` on it; fetched
         blocks are written into ``cache``. ``namespace_id`` is the namespace-id field of the block
         namespace. A session that only locates passes ``announce=False``: it holds no blocks, so the relay
         must not route requests for the namespace to it. ``locate_fingerprints``: whose tracks a locate
-        needs a block in (``BlockFetcher``; by default ``fingerprint``'s own)."""
+        needs a block in (``BlockFetcher``; by default ``fingerprint``'s own). ``tables``: the node's kvtc
+        tables (served from ``tables.served``, fetched into it; a fresh one per session when None)."""
         conn = await _open_session(cfg)
-        server = BlockServer(conn, store, fingerprint, namespace_id, block_shape[0])
+        server = BlockServer(conn, store, fingerprint, namespace_id, block_shape[0],
+                             tables=tables.served if tables is not None else None)
         fetcher = BlockFetcher(
             conn, cache, trust, fingerprint=fingerprint, namespace_id=namespace_id, shape=block_shape,
             dtype=dtype, abr=abr, trust_any=cfg.trust_any, timeout=cfg.request_timeout,
             window_bytes=cfg.fetch_window_bytes, device=device, verify_workers=cfg.fetch_verify_workers,
-            relay=cfg.relay_url, locate_fingerprints=locate_fingerprints,
+            relay=cfg.relay_url, locate_fingerprints=locate_fingerprints, tables=tables,
         )
         peer = cls(conn, server, fetcher, cfg)
         try:
@@ -239,6 +243,7 @@ class RelayPeer:
             window_bytes=main.window_bytes, straggler_grace=main.straggler_grace,
             locate_fan_out=main.locate_fan_out, device=main.device, verify_workers=main.verify_workers,
             inflight=main.inflight, relay=main.relay, locate_fingerprints=main.locate_fingerprints,
+            tables=main.tables,
         )
 
     async def push(self, blocks: list[StoredBlock]) -> int:

@@ -18,11 +18,17 @@ from pathlib import Path
 
 from kvnet.blocks.codecs import CodecError
 from kvnet.blocks.transform_codec import TransformCodec
-from kvnet.blocks.transform_tables import MAX_TABLES_BYTES, TableStore, TransformTables, verify_tables
+from kvnet.blocks.transform_tables import (
+    MAX_TABLES_BYTES,
+    TableStore,
+    TransformTables,
+    sign_tables,
+    verify_tables,
+)
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.errors import LimitError, MoqtConnectionError, RequestRejected, StreamResetError
-from kvnet.security.signing import TrustStore
-from proto.kvobject import BLOCK_GROUP_ID, tables_track
+from kvnet.security.signing import Signer, TrustStore
+from proto.kvobject import BLOCK_GROUP_ID, tables_chunks, tables_track
 from proto.messages import Location
 
 logger = logging.getLogger(__name__)
@@ -56,16 +62,21 @@ class TablesSource:
         self.codec = TransformCodec(fingerprint)
         """The ``kvtc`` codec this node decodes with: it holds only tables verified for ``fingerprint``."""
         self._store = TableStore(directory, trust, fingerprint) if directory is not None else None
-        self._pending: dict[bytes, asyncio.Future[TransformTables]] = {}
+        self.served: dict[bytes, tuple[bytes, ...]] = {}
+        """The objects of the tables tracks this node serves (its own tables), by digest."""
+        self._pending: dict[bytes, asyncio.Task[TransformTables]] = {}
         self._refused: OrderedDict[bytes, str] = OrderedDict()
         self.stats = TablesStats()
 
-    def install(self, tables: TransformTables) -> None:
-        """Tables this node holds already (its own, which it codes with): never fetched."""
+    def publish(self, tables: TransformTables, signer: Signer) -> None:
+        """Tables this node codes its own blocks with: signed with its key (as its blocks are, so whoever
+        trusts its blocks trusts them), decoded locally without a fetch, and served as a tables track
+        (``served``, which the node's ``BlockServer`` answers from)."""
         if tables.fingerprint != self.fingerprint:
             raise CodecError(f"kvtc tables are bound to model {tables.fingerprint.hex()[:16]}, not "
                              f"{self.fingerprint.hex()[:16]}")
         self.codec.install(tables)
+        self.served[tables.digest] = tables_chunks(sign_tables(tables, signer))
 
     def local(self, digest: bytes) -> TransformTables | None:
         """The tables called ``digest`` if this node has them without asking the relay."""
@@ -82,27 +93,27 @@ class TablesSource:
 
     async def resolve(self, conn: MoqtConnection, digest: bytes) -> TransformTables:
         """Verified tables called ``digest``, fetched over ``conn`` when this node lacks them (once, however
-        many blocks ask at the same time); ``CodecError`` with one line when they cannot be had."""
+        many blocks ask at the same time); ``CodecError`` with one line when they cannot be had.
+
+        The fetch is a task of its own: a request that gives up (its deadline passed, the ABR recomputes)
+        stops waiting, and the tables still arrive for the next one, on a slow link too."""
         found = self.local(digest)
         if found is not None:
             return found
         reason = self._refused.get(digest)
         if reason is not None:
             raise CodecError(reason)
-        pending = self._pending.get(digest)
-        if pending is None:
-            pending = asyncio.get_running_loop().create_future()
-            self._pending[digest] = pending
-            try:
-                pending.set_result(await self._fetch(conn, digest))
-            except BaseException as exc:
-                failure = exc if isinstance(exc, Exception) else CodecError("kvtc tables fetch cancelled")
-                pending.set_exception(failure)
-                pending.exception()  # retrieved: the waiters below (if any) see it
-                raise
-            finally:
-                del self._pending[digest]
-        return await asyncio.shield(pending)
+        task = self._pending.get(digest)
+        if task is None:
+            task = asyncio.create_task(self._fetch(conn, digest), name=f"kvtc-tables-{digest.hex()[:8]}")
+            self._pending[digest] = task
+            task.add_done_callback(lambda done: self._fetched(digest, done))
+        return await asyncio.shield(task)
+
+    def _fetched(self, digest: bytes, task: asyncio.Task[TransformTables]) -> None:
+        self._pending.pop(digest, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: whoever awaited it has seen it, and nobody else must log it
 
     async def _fetch(self, conn: MoqtConnection, digest: bytes) -> TransformTables:
         ns, name = tables_track(self.fingerprint, self.namespace_id, digest)

@@ -109,6 +109,10 @@ class NodeConfig:
     """Renditions a publisher encodes and serves for every block."""
     acceptable_renditions: tuple[str, ...] = ("lossless",)
     """Renditions a subscriber accepts (quality floor); lossless only by default."""
+    kvtc_tables: Path | None = None
+    """The model's ``kvtc`` tables (a file ``kvnet kvtc calibrate`` writes), which publishing ``kvtc`` needs:
+    the node signs them with its key and serves them beside its blocks. Subscribers need none (they fetch
+    the tables a block names)."""
     store_bytes: int = 512 << 20
     """Byte budget of the publisher-side block store."""
     cache_dir: Path | None = None
@@ -190,6 +194,9 @@ class NodeConfig:
             unknown = [r for r in values if r not in KNOWN_RENDITIONS]
             if unknown:
                 raise ValueError(f"{name}: unknown rendition(s) {unknown}; known: {list(KNOWN_RENDITIONS)}")
+        if "kvtc" in self.publish_renditions and self.kvtc_tables is None:
+            raise ValueError("publish_renditions: kvtc needs the model's tables (--kvtc-tables FILE, from "
+                             "'kvnet kvtc calibrate')")
         if self.store_bytes <= 0:
             raise ValueError(f"store_bytes must be positive, got {self.store_bytes}")
         if self.republish_bytes < 0:
@@ -358,7 +365,11 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
     k = parser.add_argument_group("blocks, signing, ABR")
     k.add_argument(
         "--renditions", type=parse_renditions, default=("lossless",),
-        help="publisher: renditions to publish, comma-separated (lossless,plain,int8,int4)",
+        help="publisher: renditions to publish, comma-separated (lossless,plain,int8,int4,kvtc)",
+    )
+    k.add_argument(
+        "--kvtc-tables", type=Path,
+        help="publisher: the model's kvtc tables ('kvnet kvtc calibrate'), which --renditions kvtc needs",
     )
     k.add_argument(
         "--accept", type=parse_renditions, default=("lossless",),
@@ -434,6 +445,7 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         node_secret=args.node_secret,
         publish_renditions=tuple(args.renditions),
         acceptable_renditions=tuple(args.accept),
+        kvtc_tables=args.kvtc_tables,
         store_bytes=args.store_bytes,
         cache_dir=args.cache_dir,
         cache_dir_bytes=args.cache_dir_bytes,

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from kvnet.blocks.identity import BlockIdentity, prompt_blocks
+from kvnet.blocks.transform_tables import load_tables
 from kvnet.cache.hashing import block_hashes, root_hash
 from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.dtypes import dtype_from_name, dtype_name
@@ -41,6 +42,7 @@ from kvnet.exchange.blockstore import BlockStore
 from kvnet.exchange.fetching import FetchOutcome
 from kvnet.exchange.publishing import encode_blocks
 from kvnet.exchange.relay_peer import RelayPeer
+from kvnet.exchange.tables import TablesSource
 from kvnet.model.batching import SchedulerConfig, SequenceFinished, SequenceRequest
 from kvnet.model.checkpoint import load_checkpoint
 from kvnet.model.engine import Admission, BatchEngine, RequestTooLargeError
@@ -160,6 +162,15 @@ class Node:
         self.trust = trust if trust is not None else TrustStore()
         if trust is None:
             self.trust.add(self.signer.public_key)
+        self.kvtc_tables = (None if config.kvtc_tables is None
+                            else load_tables(config.kvtc_tables, self.fingerprint))
+        self.tables = TablesSource(
+            self.trust, self.fingerprint, self.namespace_id, timeout=config.request_timeout,
+            directory=config.cache_dir / "kvtc-tables" if config.cache_dir is not None else None,
+        )
+        """kvtc tables: this node's own (served beside its blocks) and those fetched for blocks it loads."""
+        if self.kvtc_tables is not None:
+            self.tables.publish(self.kvtc_tables, self.signer)
         acceptable = tuple(r for r in QUALITY_ORDER if r in config.acceptable_renditions)
         self.abr = KvAbr(
             AbrConfig(
@@ -294,6 +305,7 @@ class Node:
             fingerprint=self.fingerprint,
             renditions=self.config.publish_renditions,
             signer=self.signer,
+            tables=self.kvtc_tables,
         )
         self.store.put_chain(blocks)
         self.counters.published_blocks += len(sources)
@@ -659,7 +671,7 @@ class Node:
         return await RelayPeer.connect(
             self.config.relay_peer_config(url), self.store, self.cache, self.trust, self.abr,
             fingerprint=self.fingerprint, namespace_id=self.namespace_id, block_shape=spec.block_shape,
-            dtype=dtype_name(spec.dtype), device=self.device,
+            dtype=dtype_name(spec.dtype), device=self.device, tables=self.tables,
         )
 
     async def _republish(self, peer: RelayPeer) -> None:

@@ -9,6 +9,9 @@ inside blocks, so the usable remote prefix is the floor of the shared tokens to 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -79,6 +82,33 @@ def test_a_hit_loaded_in_a_lossy_rendition_is_not_kv_exact_so_not_verified(kv_cl
     assert report["remote_hit_tokens"] == shared * B and report["renditions"] == {"int8": shared}, report
     assert report["kv_exact"] is False and report["verified"] is False, report
     assert report["security_events"] == [], report
+
+
+def test_a_kvtc_hit_loads_with_the_tables_the_publisher_serves(kv_cluster: Cluster, tmp_path: Path) -> None:
+    """kvtc: the operator calibrates the model's tables (``kvnet kvtc calibrate``); the publisher signs them
+    and serves them beside its blocks; a subscriber that accepts kvtc fetches them through the relay,
+    verifies them, and loads every shared block. The KV is the publisher's signed bytes but lossy, so the
+    report says it is not exact and ``--verify`` fails (exit 3)."""
+    text = tmp_path / "calibration.txt"
+    text.write_text("Relays cache named objects; nodes fetch the longest prefix they share. " * 60)
+    tables = tmp_path / "tiny.kvtc"
+    calibrated = subprocess.run(
+        [sys.executable, "-m", "kvnet.cli", "kvtc", "calibrate", "--model", "tiny", "--block-size", str(B),
+         "--text", str(text), "--out", str(tables)], capture_output=True, text=True, timeout=300)
+    assert calibrated.returncode == 0 and "kvtc tables:" in calibrated.stdout, calibrated.stderr[-2000:]
+    kv_cluster.start_relay()
+    kv_cluster.start_publisher([SHARED_PREFIX], "--renditions", "kvtc", "--kvtc-tables", str(tables))
+    proc = kv_cluster.start_subscriber([SHARED_PREFIX + "Q: transform coded?"], "--accept", "kvtc",
+                                       "--verify")
+    out, _ = proc.communicate(timeout=120)
+    log = kv_cluster.log_of(proc)
+    assert proc.returncode == 3, log[-3000:]
+    (report,) = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
+    shared = (len(SHARED_PREFIX) + 1) // B
+    assert report["remote_hit_tokens"] == shared * B and report["renditions"] == {"kvtc": shared}, report
+    assert report["kv_exact"] is False and report["verified"] is False, report
+    assert report["security_events"] == [], report
+    assert log.count("fetched and verified") == 1, log[-3000:]
 
 
 def test_tenants_are_isolated_by_node_secret_salts(kv_cluster: Cluster) -> None:

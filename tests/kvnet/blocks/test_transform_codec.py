@@ -17,10 +17,13 @@ from kvnet.blocks.transform_tables import (
     TableStore,
     TransformTables,
     calibrate,
+    load_tables,
     parse_tables_body,
     sign_tables,
     verify_tables,
 )
+from kvnet.exchange.abr import QUALITY_ORDER
+from kvnet.node.verification import EXACT_RENDITIONS
 from kvnet.security.signing import Signer, TrustStore
 
 LAYERS, TOKENS, HEADS, DIM = 3, 16, 2, 8
@@ -44,9 +47,10 @@ def _tables(fp: bytes = FP_A, rel_step: float = 0.02) -> TransformTables:
     return calibrate(k, v, fp, rel_step)
 
 
-def test_not_a_network_rendition_yet() -> None:
-    """kvtc's tables do not travel over MoQT yet, so nodes cannot publish or accept it: it is measured in
-    bench_codecs only, and its codec id is reserved."""
+def test_a_lossy_network_rendition_outside_the_per_layer_registry() -> None:
+    """Nodes publish and accept kvtc (the ABR ranks it last in quality), but it is not among the codecs
+    that code a layer alone: it needs its model's tables, which kvnet.exchange.tables fetches."""
+    assert QUALITY_ORDER[-1] == "kvtc" and "kvtc" not in EXACT_RENDITIONS
     assert "kvtc" not in CODECS and not TransformCodec().lossless
     assert TransformCodec.codec_id not in {c.codec_id for c in CODECS.values()}
 
@@ -98,6 +102,24 @@ def test_tables_signed_and_bound_to_fingerprint(tmp_path: Path) -> None:
         TableStore(tmp_path, trust, FP_A).get(tables.digest)
     with pytest.raises(CodecError, match="bound to model"):
         TableStore(tmp_path / "b", trust, FP_B).add(data)
+
+
+def test_a_nodes_own_tables_file_is_checked_against_its_model(tmp_path: Path) -> None:
+    """``kvnet-node --kvtc-tables``: the body ``kvnet kvtc calibrate`` writes, or a signed object (the node
+    signs again); another model's tables, a truncated file or a missing one are refused in one line."""
+    tables = _tables()
+    body, signed = tmp_path / "body.kvtc", tmp_path / "signed.kvtt"
+    body.write_bytes(tables.body())
+    signed.write_bytes(sign_tables(tables, Signer.generate()))
+    assert load_tables(body, FP_A).digest == load_tables(signed, FP_A).digest == tables.digest
+    truncated = tmp_path / "truncated.kvtc"
+    truncated.write_bytes(tables.body()[:-5])
+    cases = [(body, FP_B, "calibrated for model"), (truncated, FP_A, "does not match"),
+             (tmp_path / "missing", FP_A, "No such file")]
+    for path, fingerprint, message in cases:
+        with pytest.raises(CodecError, match=message) as info:
+            load_tables(path, fingerprint)
+        assert "\n" not in str(info.value)
 
 
 def test_block_with_another_models_tables_refused() -> None:

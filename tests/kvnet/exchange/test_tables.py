@@ -21,6 +21,7 @@ from kvnet.exchange.tables import TablesSource
 from kvnet.security.signing import Signer
 from proto.kvobject import TABLES_CHUNK_BYTES, tables_chunks
 from tests.helpers.connections import ConnectionPair
+from tests.helpers.waiting import async_wait_until
 from tests.kvnet.exchange.conftest import (
     FINGERPRINT,
     HASHES,
@@ -126,6 +127,24 @@ async def test_concurrent_requests_for_one_digest_share_one_fetch_of_every_piece
     got = await asyncio.gather(*(source.resolve(pair.client, tables.digest) for _ in range(4)))
     assert all(t.digest == tables.digest for t in got)
     assert (source.stats.fetched, server.stats.fetches_served) == (1, 1)
+
+
+async def test_tables_keep_arriving_after_the_request_that_asked_gave_up(
+    pair: ConnectionPair, served: Served, published: Published
+) -> None:
+    """A request whose deadline passes stops waiting; the tables fetch goes on, so on a link too slow to
+    bring them within one request's deadline the next request still finds them."""
+    tables = calibrated()
+    signed = sign_tables(tables, published.signer)
+    served.start([], {tables.digest: tuple(signed[i:i + 500] for i in range(0, len(signed), 500))})
+    source = TablesSource(trusting(published.signer), FINGERPRINT, NAMESPACE_ID)
+    request = asyncio.create_task(source.resolve(pair.client, tables.digest))
+    await asyncio.sleep(0)  # one turn of the loop: the request starts the fetch and waits for it
+    assert tables.digest in source._pending
+    request.cancel()
+    await asyncio.gather(request, return_exceptions=True)
+    await async_wait_until(lambda: source.local(tables.digest), "the tables to arrive anyway")
+    assert source.stats.fetched == 1 and request.cancelled()
 
 
 @pytest.mark.parametrize("fault", ["untrusted key", "another model", "not served"])

@@ -20,6 +20,7 @@ from kvnet.node.config import NodeConfig, add_node_arguments, explain_relay_prob
         ("dtype", "int8", "dtype must be one of"),
         ("block_size", 0, "block_size must be positive"),
         ("publish_renditions", ("lossless", "fp4"), "unknown rendition"),
+        ("publish_renditions", ("lossless", "kvtc"), "kvtc needs the model's tables"),
         ("abr_mode", "sometimes", "abr_mode must be"),
         ("fetch_verify_workers", -1, "fetch_verify_workers must be in"),
         ("fetch_connections", 0, r"fetch_connections must be in \[1, 16\]"),
