@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import hmac
 import re
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -31,14 +32,20 @@ __all__ = [
     "MAX_BLOCK_TOKENS",
     "MAX_LAYERS",
     "MAX_MANIFEST_BYTES",
+    "MAX_TABLES_BYTES",
     "NAMESPACE_ROOT",
     "NAMESPACE_VERSION",
     "SIGNING_CONTEXT",
     "TABLES_CHUNK_BYTES",
+    "TABLES_HEADER",
+    "TABLES_MAGIC",
+    "TABLES_SIGNATURE_LEN",
+    "TABLES_SIGNING_CONTEXT",
     "TABLES_TRACK_PREFIX",
     "BlockManifest",
     "BlockTrack",
     "KVObjectError",
+    "SignedTables",
     "TablesTrack",
     "block_namespace",
     "block_track",
@@ -48,6 +55,8 @@ __all__ = [
     "parse_block_track",
     "parse_tables_track",
     "payload_digest",
+    "split_signed_tables",
+    "tables_body_length",
     "tables_chunks",
     "tables_track",
 ]
@@ -85,6 +94,8 @@ MAX_MANIFEST_BYTES: Final = 256 * 1024
 """Upper bound of an encoded manifest; checked before unpacking anything."""
 TABLES_TRACK_PREFIX: Final = b"tables."
 """Start of a tables track's name (a codec's decoder tables, named by their digest; KVOBJECT.md 2.3)."""
+TABLES_SIGNATURE_LEN: Final = 64
+"""Ed25519 signature at the end of a table object."""
 TABLES_CHUNK_BYTES: Final = MAX_MANIFEST_BYTES
 """Largest object of a tables track: no larger than a manifest, so every object fits a receiver's limit
 for the object at (0, 0)."""
@@ -257,6 +268,63 @@ def parse_tables_track(namespace: Sequence[bytes], track_name: bytes) -> TablesT
     # The namespace is a block namespace; parse it with a syntactically valid block name.
     parts = parse_block_track(namespace, digest_hex + TRACK_NAME_SEPARATOR + b"tables")
     return TablesTrack(parts.fingerprint, parts.namespace_id, bytes.fromhex(digest_hex.decode("ascii")))
+
+
+TABLES_SIGNING_CONTEXT: Final = b"kvnet-kvtc-tables-v1\x00"
+"""Domain-separation prefix of what a table object's signature covers (``SignedTables.signing_bytes``)."""
+TABLES_MAGIC: Final = b"KVTT"
+MAX_TABLES_BYTES: Final = 256 * 1024 * 1024
+"""Largest table object a receiver accepts (joined from its track's objects)."""
+TABLES_HEADER: Final = struct.Struct("<4sB32sHHH")
+"""Start of a tables body: magic, version, model fingerprint, layers, KV heads, head dim."""
+
+
+@dataclass(frozen=True, slots=True)
+class SignedTables:
+    """A table object cut into its parts (KVOBJECT.md 2.3): what a relay checks before it caches one, and
+    what a node verifies before it decodes with it. The body's arrays are the codec's business."""
+
+    body: bytes
+    fingerprint: bytes
+    key_id: bytes
+    signature: bytes
+
+    @property
+    def digest(self) -> bytes:
+        """The tables' name: SHA-256 of the body."""
+        return hashlib.sha256(self.body).digest()
+
+    def signing_bytes(self) -> bytes:
+        return TABLES_SIGNING_CONTEXT + self.digest
+
+
+def tables_body_length(data: bytes) -> int:
+    """Bytes of the kvtc tables body that starts ``data``: its header names the model's shape (layers L, KV
+    heads H, head dim D; C = H D), and the body holds ``L (6 C + 2 C^2) + L H D^2`` float32 values after it
+    (kvnet.blocks.transform_tables)."""
+    if len(data) < TABLES_HEADER.size:
+        raise KVObjectError("kvtc tables shorter than their header")
+    magic, _, _, layers, heads, head_dim = TABLES_HEADER.unpack_from(data, 0)
+    if magic != TABLES_MAGIC:
+        raise KVObjectError(f"kvtc tables: bad magic {magic!r}")
+    c = heads * head_dim
+    return TABLES_HEADER.size + 4 * (layers * (6 * c + 2 * c * c) + layers * heads * head_dim * head_dim)
+
+
+def split_signed_tables(data: bytes) -> SignedTables:
+    """``body || key id length (u8) || key id || signature (64)`` cut apart; ``KVObjectError`` when the
+    sizes do not add up (nothing is verified here)."""
+    if not TABLES_HEADER.size + 1 + TABLES_SIGNATURE_LEN <= len(data) <= MAX_TABLES_BYTES:
+        raise KVObjectError(f"kvtc tables: object of {len(data)} bytes out of bounds")
+    body_len = tables_body_length(data)
+    if body_len >= len(data) - TABLES_SIGNATURE_LEN:
+        raise KVObjectError("kvtc tables: object truncated")
+    kid_len = data[body_len]
+    if body_len + 1 + kid_len + TABLES_SIGNATURE_LEN != len(data):
+        raise KVObjectError("kvtc tables: key id length does not match the object size")
+    fingerprint: bytes = TABLES_HEADER.unpack_from(data, 0)[2]
+    return SignedTables(bytes(data[:body_len]), fingerprint, bytes(data[body_len + 1:body_len + 1 + kid_len]),
+                        bytes(data[-TABLES_SIGNATURE_LEN:]))
 
 
 def tables_chunks(data: bytes) -> tuple[bytes, ...]:

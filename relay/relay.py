@@ -617,7 +617,7 @@ class Relay:
         ev = req.event
         key: TrackKey = (ev.track_namespace, ev.track_name)
         if key in self.fanouts:
-            if self.admission is not None and self.admission.is_block_track(key):
+            if self.admission is not None and self.admission.checks(key):
                 # The first PUBLISH of a block proves nothing (it may be empty or forged): with a trust set
                 # every copy is collected and the first that passes admission is cached.
                 await self._collect_contender(peer, req, key)

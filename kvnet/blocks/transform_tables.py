@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +42,16 @@ import numpy as np
 import torch
 
 from kvnet.blocks.codecs import CodecError
-from kvnet.security.signing import SIGNATURE_LEN, Signer, TrustStore
+from kvnet.security.signing import Signer, TrustStore
+from proto.kvobject import (
+    MAX_TABLES_BYTES,
+    TABLES_HEADER,
+    TABLES_MAGIC,
+    TABLES_SIGNING_CONTEXT,
+    KVObjectError,
+    split_signed_tables,
+    tables_body_length,
+)
 
 __all__ = [
     "TableStore", "TransformTables", "calibrate", "key_weights", "load_tables", "parse_tables_body",
@@ -51,11 +59,6 @@ __all__ = [
 ]
 
 TABLES_VERSION = 4
-_MAGIC = b"KVTT"
-_BODY_HEADER = struct.Struct("<4sB32sHHH")
-_SIGNING_PREFIX = b"kvnet-kvtc-tables-v1\x00"
-# Largest table object accepted: 1024 layers of 8 KiB components would be absurd; this bounds the parse.
-MAX_TABLES_BYTES = 256 * 1024 * 1024
 # Laplace scales below this (in quantizer steps) are raised to it: a component that was always zero in
 # calibration can still be coded, at a few bits, if a block ever has it non-zero.
 _MIN_SPREAD = 0.02
@@ -120,7 +123,7 @@ class TransformTables:
              self.basis[:, 1].transpose(-1, -2)), dim=1).contiguous())
 
     def body(self) -> bytes:
-        header = _BODY_HEADER.pack(_MAGIC, TABLES_VERSION, self.fingerprint, self.num_layers,
+        header = TABLES_HEADER.pack(TABLES_MAGIC, TABLES_VERSION, self.fingerprint, self.num_layers,
                                    self.num_kv_heads, self.head_dim)
         arrays = (self.mean, self.basis, self.step, self.spread, self.key_weight)
         return header + b"".join(a.to(torch.float32).contiguous().numpy().astype("<f4").tobytes()
@@ -149,18 +152,18 @@ def _body_floats(layers: int, heads: int, head_dim: int) -> tuple[int, ...]:
 
 def parse_tables_body(body: bytes) -> TransformTables:
     """Tables from a body (unverified: a received object goes through ``verify_tables``)."""
-    if len(body) < _BODY_HEADER.size:
+    if len(body) < TABLES_HEADER.size:
         raise CodecError("kvtc tables: body shorter than its header")
-    magic, version, fingerprint, layers, heads, head_dim = _BODY_HEADER.unpack_from(body, 0)
-    if magic != _MAGIC or version != TABLES_VERSION:
+    magic, version, fingerprint, layers, heads, head_dim = TABLES_HEADER.unpack_from(body, 0)
+    if magic != TABLES_MAGIC or version != TABLES_VERSION:
         raise CodecError(f"kvtc tables: bad magic {magic!r} or version {version}")
     if not (layers and heads and head_dim):
         raise CodecError("kvtc tables: empty model shape")
     c = heads * head_dim
     counts = _body_floats(layers, heads, head_dim)
-    if _BODY_HEADER.size + 4 * sum(counts) != len(body):
+    if TABLES_HEADER.size + 4 * sum(counts) != len(body):
         raise CodecError(f"kvtc tables: body of {len(body)} bytes does not match its shape")
-    flat = np.frombuffer(body, dtype="<f4", offset=_BODY_HEADER.size).astype(np.float32)
+    flat = np.frombuffer(body, dtype="<f4", offset=TABLES_HEADER.size).astype(np.float32)
     if not np.isfinite(flat).all():
         raise CodecError("kvtc tables: non-finite value")
     parts, offset = [], 0
@@ -177,14 +180,6 @@ def parse_tables_body(body: bytes) -> TransformTables:
     return tables
 
 
-def _body_length(data: bytes) -> int:
-    """Bytes of the body that starts ``data``, from the model shape in its header (the shape fixes it)."""
-    if len(data) < _BODY_HEADER.size:
-        raise CodecError("kvtc tables: shorter than their header")
-    layers, heads, head_dim = _BODY_HEADER.unpack_from(data, 0)[3:]
-    return _BODY_HEADER.size + 4 * sum(_body_floats(layers, heads, head_dim))
-
-
 def load_tables(path: Path, fingerprint: bytes) -> TransformTables:
     """A node's own tables from ``path`` (what ``kvnet kvtc calibrate`` writes: a body, or a signed table
     object whose signature is ignored, since the node signs them again with its key), checked against the
@@ -196,8 +191,8 @@ def load_tables(path: Path, fingerprint: bytes) -> TransformTables:
     except OSError as exc:
         raise CodecError(f"kvtc tables {path}: {exc.strerror or exc}") from None
     try:
-        tables = parse_tables_body(data[:_body_length(data)])
-    except CodecError as exc:
+        tables = parse_tables_body(data[:tables_body_length(data)])
+    except (CodecError, KVObjectError) as exc:
         raise CodecError(f"{path}: {exc}") from None
     if tables.fingerprint != fingerprint:
         raise CodecError(f"kvtc tables {path} were calibrated for model {tables.fingerprint.hex()[:16]}, not "
@@ -209,7 +204,7 @@ def load_tables(path: Path, fingerprint: bytes) -> TransformTables:
 def sign_tables(tables: TransformTables, signer: Signer) -> bytes:
     """The table object: body, key id and signature over the body's digest."""
     kid = signer.key_id
-    signature = signer.sign(_SIGNING_PREFIX + tables.digest)
+    signature = signer.sign(TABLES_SIGNING_CONTEXT + tables.digest)
     return tables.body() + bytes([len(kid)]) + kid + signature
 
 
@@ -217,25 +212,17 @@ def verify_tables(data: bytes, trust: TrustStore, fingerprint: bytes,
                   digest: bytes | None = None) -> TransformTables:
     """Parse a table object and check it: signed by a trusted key, for the model ``fingerprint``, and (when
     given) named ``digest``. Any failure raises ``CodecError`` with one line."""
-    if len(data) > MAX_TABLES_BYTES or len(data) < _BODY_HEADER.size + 1 + SIGNATURE_LEN:
-        raise CodecError(f"kvtc tables: object of {len(data)} bytes out of bounds")
-    signature = data[-SIGNATURE_LEN:]
-    # The key id length byte sits just before the key id, where the body the header describes ends.
-    body_len = _body_length(data)
-    if body_len >= len(data) - SIGNATURE_LEN:
-        raise CodecError("kvtc tables: object truncated")
-    kid_len = data[body_len]
-    if body_len + 1 + kid_len + SIGNATURE_LEN != len(data):
-        raise CodecError("kvtc tables: key id length does not match the object size")
-    body = bytes(data[:body_len])
-    kid = bytes(data[body_len + 1:body_len + 1 + kid_len])
-    body_digest = hashlib.sha256(body).digest()
+    try:
+        signed = split_signed_tables(data)
+    except KVObjectError as exc:
+        raise CodecError(str(exc)) from None
+    body_digest = signed.digest
     if digest is not None and body_digest != digest:
         raise CodecError(f"kvtc tables: content digest {body_digest.hex()[:16]} is not the requested "
                          f"{digest.hex()[:16]}")
-    if not trust.verify(kid, _SIGNING_PREFIX + body_digest, bytes(signature)):
+    if not trust.verify(signed.key_id, signed.signing_bytes(), signed.signature):
         raise CodecError("kvtc tables: signature does not verify under a trusted key")
-    tables = parse_tables_body(body)
+    tables = parse_tables_body(signed.body)
     if tables.fingerprint != fingerprint:
         raise CodecError(f"kvtc tables are bound to model {tables.fingerprint.hex()[:16]}, not "
                          f"{fingerprint.hex()[:16]}")

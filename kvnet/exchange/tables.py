@@ -19,7 +19,6 @@ from pathlib import Path
 from kvnet.blocks.codecs import CodecError
 from kvnet.blocks.transform_codec import TransformCodec
 from kvnet.blocks.transform_tables import (
-    MAX_TABLES_BYTES,
     TableStore,
     TransformTables,
     sign_tables,
@@ -28,7 +27,7 @@ from kvnet.blocks.transform_tables import (
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.errors import LimitError, MoqtConnectionError, RequestRejected, StreamResetError
 from kvnet.security.signing import Signer, TrustStore
-from proto.kvobject import BLOCK_GROUP_ID, tables_chunks, tables_track
+from proto.kvobject import BLOCK_GROUP_ID, MAX_TABLES_BYTES, tables_chunks, tables_track
 from proto.messages import Location
 
 logger = logging.getLogger(__name__)

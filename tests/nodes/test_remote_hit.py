@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from kvnet.security.signing import generate_keypair
 from tests.helpers.processes import free_port, start_relay
+from tests.helpers.waiting import wait_until
 from tests.nodes.cluster import SHARED_PREFIX, TEST_BLOCK_SIZE, Cluster
 
 B = TEST_BLOCK_SIZE
@@ -86,9 +88,10 @@ def test_a_hit_loaded_in_a_lossy_rendition_is_not_kv_exact_so_not_verified(kv_cl
 
 def test_a_kvtc_hit_loads_with_the_tables_the_publisher_serves(kv_cluster: Cluster, tmp_path: Path) -> None:
     """kvtc: the operator calibrates the model's tables (``kvnet kvtc calibrate``); the publisher signs them
-    and serves them beside its blocks; a subscriber that accepts kvtc fetches them through the relay,
-    verifies them, and loads every shared block. The KV is the publisher's signed bytes but lossy, so the
-    report says it is not exact and ``--verify`` fails (exit 3)."""
+    and serves them beside its blocks; a subscriber that accepts kvtc fetches them through a relay that
+    admits only what the publisher's key signed (``--trust``), verifies them, and loads every shared block.
+    The KV is the publisher's signed bytes but lossy, so the report says it is not exact and ``--verify``
+    fails (exit 3)."""
     text = tmp_path / "calibration.txt"
     text.write_text("Relays cache named objects; nodes fetch the longest prefix they share. " * 60)
     tables = tmp_path / "tiny.kvtc"
@@ -96,10 +99,12 @@ def test_a_kvtc_hit_loads_with_the_tables_the_publisher_serves(kv_cluster: Clust
         [sys.executable, "-m", "kvnet.cli", "kvtc", "calibrate", "--model", "tiny", "--block-size", str(B),
          "--text", str(text), "--out", str(tables)], capture_output=True, text=True, timeout=300)
     assert calibrated.returncode == 0 and "kvtc tables:" in calibrated.stdout, calibrated.stderr[-2000:]
-    kv_cluster.start_relay()
-    kv_cluster.start_publisher([SHARED_PREFIX], "--renditions", "kvtc", "--kvtc-tables", str(tables))
+    keys = generate_keypair(tmp_path / "keys")
+    kv_cluster.start_relay("--trust", str(keys.public))
+    kv_cluster.start_publisher([SHARED_PREFIX], "--renditions", "kvtc", "--kvtc-tables", str(tables),
+                               "--key-dir", str(keys.private.parent))
     proc = kv_cluster.start_subscriber([SHARED_PREFIX + "Q: transform coded?"], "--accept", "kvtc",
-                                       "--verify")
+                                       "--verify", "--trust", str(keys.public))
     out, _ = proc.communicate(timeout=120)
     log = kv_cluster.log_of(proc)
     assert proc.returncode == 3, log[-3000:]
@@ -109,6 +114,12 @@ def test_a_kvtc_hit_loads_with_the_tables_the_publisher_serves(kv_cluster: Clust
     assert report["kv_exact"] is False and report["verified"] is False, report
     assert report["security_events"] == [], report
     assert log.count("fetched and verified") == 1, log[-3000:]
+    # The relay checked the tables track like the blocks (signed by the key it trusts) and cached it too.
+    wait_until(lambda: kv_cluster.relay_metrics()["kvnet_relay_cache_tracks"] == shared + 1,
+               "the relay to cache the blocks and the tables")
+    metrics = kv_cluster.relay_metrics()
+    refused = {k: v for k, v in metrics.items() if k.startswith("kvnet_relay_blocks_refused")}
+    assert not any(refused.values()), refused
 
 
 def test_tenants_are_isolated_by_node_secret_salts(kv_cluster: Cluster) -> None:

@@ -9,13 +9,15 @@ import secrets
 from pathlib import Path
 
 import pytest
+import torch
 
+from kvnet.blocks.transform_tables import calibrate, sign_tables
 from kvnet.cache.hashing import hash_block
 from kvnet.net.connection import MoqtConnection
 from kvnet.security.keys import save_public_key
 from kvnet.security.signing import Signer, TrustStore
 from proto.data import ObjectStatus
-from proto.kvobject import BlockManifest, block_track, parse_block_track
+from proto.kvobject import BlockManifest, block_track, parse_block_track, tables_track
 from proto.messages import Location
 from relay.admission import BlockAdmission
 from relay.cache import CachedObject, TrackKey
@@ -68,7 +70,7 @@ def admission(trusted: Signer) -> BlockAdmission:
 
 def test_complete_trusted_block_is_admitted(admission: BlockAdmission, trusted: Signer) -> None:
     key, objects = signed_block(trusted)
-    assert admission.is_block_track(key)
+    assert admission.checks(key)
     assert admission.refusal(key, objects) is None
 
 
@@ -105,8 +107,42 @@ def test_a_manifest_whose_block_hash_is_not_its_chain_hash_is_refused(
 
 def test_tracks_that_are_not_blocks_are_admitted(admission: BlockAdmission) -> None:
     key = ((b"live", b"chat"), b"room-1")
-    assert not admission.is_block_track(key)
+    assert not admission.checks(key)
     assert admission.refusal(key, [CachedObject(0, 0, 0, 0, 0, (), b"anything")]) is None
+
+
+def signed_tables(signer: Signer, fingerprint: bytes = FINGERPRINT) -> tuple[bytes, bytes]:
+    """A kvtc table object signed by ``signer`` and its digest (tables of a 2-layer, 1x8-head model)."""
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(2, 64, 1, 8, generator=g) for _ in range(2))
+    tables = calibrate(k, v, fingerprint)
+    return sign_tables(tables, signer), tables.digest
+
+
+def tables_objects(data: bytes, piece: int = 1000) -> list[CachedObject]:
+    pieces = [data[i:i + piece] for i in range(0, len(data), piece)]
+    objects = [CachedObject(0, 0, i, 0, 0, (), p) for i, p in enumerate(pieces)]
+    return [*objects, CachedObject(0, 0, len(objects), 0, ObjectStatus.END_OF_TRACK, (), b"")]
+
+
+def test_tables_tracks_are_admitted_only_signed_whole_and_named_by_their_digest(
+    admission: BlockAdmission, trusted: Signer
+) -> None:
+    data, digest = signed_tables(trusted)
+    key = tables_track(FINGERPRINT, "default", digest)
+    objects = tables_objects(data)
+    assert admission.checks(key) and len(objects) > 3
+    assert admission.refusal(key, objects) is None
+    stranger, _ = signed_tables(Signer.generate())
+    assert "signature not from a trusted key" in (admission.refusal(key, tables_objects(stranger)) or "")
+    assert admission.refusal(tables_track(FINGERPRINT, "default", bytes(32)), objects) == (
+        "tables digest differs from the track name")
+    other_model, other_digest = signed_tables(trusted, secrets.token_bytes(32))
+    other_key = tables_track(FINGERPRINT, "default", other_digest)
+    assert admission.refusal(other_key, tables_objects(other_model)) == (
+        "model fingerprint differs from the track's namespace")
+    assert (admission.refusal(key, objects[:2]) or "").startswith("malformed tables")
+    assert admission.refusal(key, [objects[1], objects[0], *objects[2:]]) == "unexpected tables object 0/1"
 
 
 def test_an_empty_trust_set_is_a_configuration_error() -> None:
