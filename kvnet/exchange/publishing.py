@@ -45,6 +45,7 @@ from proto.kvobject import (
     block_track,
     parse_block_track,
     parse_tables_track,
+    tables_track,
 )
 from proto.messages import Location, MessageParameters, TrackNamespace
 
@@ -322,44 +323,53 @@ class BlockServer:
 
         async def one(block: StoredBlock) -> PushResult:
             async with slots:
-                if self.conn.is_closed:
-                    return PushResult.LOST
                 ns, name = block_track(self.fingerprint, self.namespace_id, block.block_hash, block.rendition)
-                alias = self._alias()
-                try:
-                    params = MessageParameters(largest_object=self._largest(block.objects))
-                    ok = await self.conn.publish(ns, name, alias, params)
-                except RequestRejected as exc:
-                    self.stats.requests_refused += 1
-                    logger.debug("relay refused PUBLISH (%s): serving on request only", exc)
-                    return PushResult.REFUSED
-                except (MoqtConnectionError, UsageError):
-                    return PushResult.LOST
-                if self.conn.is_closed:
-                    return PushResult.LOST
-                try:
-                    stream_id = self._send_pushed_track(alias, block)
-                    await self.conn.wait_stream_sent(stream_id)
-                    if self.conn.is_closed:
-                        return PushResult.LOST
-                    self.conn.publish_done(ok.request_id, PublishDoneCode.TRACK_ENDED, "block complete")
-                    await self.conn.wait_writable()
-                except (MoqtConnectionError, UsageError):
-                    return PushResult.LOST
-                return PushResult.ACCEPTED
+                return await self._push_track(ns, name, block.objects)
 
         return list(await asyncio.gather(*(one(b) for b in blocks)))
 
-    def _send_pushed_track(self, alias: int, block: StoredBlock) -> int:
-        """All objects of one pushed block, then END_OF_TRACK + FIN (KVOBJECT.md section 3); returns the
+    async def push_tables(self) -> list[PushResult]:
+        """PUBLISH every tables track we serve into the relay's cache (as ``push_each`` a block), so blocks
+        that name them stay decodable from the relay after we left."""
+        return [await self._push_track(*tables_track(self.fingerprint, self.namespace_id, digest), objects)
+                for digest, objects in list(self.tables.items())]
+
+    async def _push_track(self, ns: TrackNamespace, name: bytes, objects: tuple[bytes, ...]) -> PushResult:
+        if self.conn.is_closed:
+            return PushResult.LOST
+        alias = self._alias()
+        try:
+            params = MessageParameters(largest_object=self._largest(objects))
+            ok = await self.conn.publish(ns, name, alias, params)
+        except RequestRejected as exc:
+            self.stats.requests_refused += 1
+            logger.debug("relay refused PUBLISH (%s): serving on request only", exc)
+            return PushResult.REFUSED
+        except (MoqtConnectionError, UsageError):
+            return PushResult.LOST
+        if self.conn.is_closed:
+            return PushResult.LOST
+        try:
+            stream_id = self._send_pushed_track(alias, objects)
+            await self.conn.wait_stream_sent(stream_id)
+            if self.conn.is_closed:
+                return PushResult.LOST
+            self.conn.publish_done(ok.request_id, PublishDoneCode.TRACK_ENDED, "track complete")
+            await self.conn.wait_writable()
+        except (MoqtConnectionError, UsageError):
+            return PushResult.LOST
+        return PushResult.ACCEPTED
+
+    def _send_pushed_track(self, alias: int, objects: tuple[bytes, ...]) -> int:
+        """All objects of one pushed track, then END_OF_TRACK + FIN (KVOBJECT.md section 3); returns the
         subgroup stream's id."""
         stream_id = self.conn.open_subgroup(alias, BLOCK_GROUP_ID, 0, first_object=True)
-        for object_id, payload in enumerate(block.objects):
+        for object_id, payload in enumerate(objects):
             self.conn.send_subgroup_object(stream_id, object_id, payload)
             self.stats.objects_sent += 1
             self.stats.bytes_sent += len(payload)
         self.conn.send_subgroup_object(
-            stream_id, len(block.objects), b"", (), ObjectStatus.END_OF_TRACK, end_stream=True
+            stream_id, len(objects), b"", (), ObjectStatus.END_OF_TRACK, end_stream=True
         )
         self.stats.pushed_tracks += 1
         return stream_id

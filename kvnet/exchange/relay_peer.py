@@ -107,6 +107,8 @@ class RelayPeer:
         self._opening = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
+        self._tables_pushed = False
+        """This session has pushed the tables of kvtc blocks into the relay (``push``)."""
 
     @classmethod
     async def connect(
@@ -250,6 +252,11 @@ class RelayPeer:
         if not self.connected or not blocks:
             return 0
         try:
+            if self.server.tables and not self._tables_pushed:
+                # Before the first blocks of the session: a relay that caches kvtc blocks can decode them
+                # only with their tables, also after we left.
+                self._tables_pushed = True
+                await self.server.push_tables()
             return await self.server.push(blocks)
         except (MoqtConnectionError, UsageError) as exc:
             logger.warning("pushing blocks to the relay failed: %s", exc)

@@ -88,10 +88,10 @@ def test_a_hit_loaded_in_a_lossy_rendition_is_not_kv_exact_so_not_verified(kv_cl
 
 def test_a_kvtc_hit_loads_with_the_tables_the_publisher_serves(kv_cluster: Cluster, tmp_path: Path) -> None:
     """kvtc: the operator calibrates the model's tables (``kvnet kvtc calibrate``); the publisher signs them
-    and serves them beside its blocks; a subscriber that accepts kvtc fetches them through a relay that
-    admits only what the publisher's key signed (``--trust``), verifies them, and loads every shared block.
-    The KV is the publisher's signed bytes but lossy, so the report says it is not exact and ``--verify``
-    fails (exit 3)."""
+    and pushes them with its blocks into a relay that admits only what the publisher's key signed
+    (``--trust``), then exits; a subscriber that accepts kvtc fetches the tables from the relay's cache,
+    verifies them, and loads every shared block. The KV is the publisher's signed bytes but lossy, so the
+    report says it is not exact and ``--verify`` fails (exit 3)."""
     text = tmp_path / "calibration.txt"
     text.write_text("Relays cache named objects; nodes fetch the longest prefix they share. " * 60)
     tables = tmp_path / "tiny.kvtc"
@@ -101,22 +101,22 @@ def test_a_kvtc_hit_loads_with_the_tables_the_publisher_serves(kv_cluster: Clust
     assert calibrated.returncode == 0 and "kvtc tables:" in calibrated.stdout, calibrated.stderr[-2000:]
     keys = generate_keypair(tmp_path / "keys")
     kv_cluster.start_relay("--trust", str(keys.public))
-    kv_cluster.start_publisher([SHARED_PREFIX], "--renditions", "kvtc", "--kvtc-tables", str(tables),
-                               "--key-dir", str(keys.private.parent))
+    kv_cluster.publish_and_exit([SHARED_PREFIX], "--renditions", "kvtc", "--kvtc-tables", str(tables),
+                                "--key-dir", str(keys.private.parent))
+    shared = (len(SHARED_PREFIX) + 1) // B
+    wait_until(lambda: kv_cluster.relay_metrics()["kvnet_relay_cache_tracks"] == shared + 1,
+               "the relay to cache the pushed blocks and their tables")
     proc = kv_cluster.start_subscriber([SHARED_PREFIX + "Q: transform coded?"], "--accept", "kvtc",
                                        "--verify", "--trust", str(keys.public))
     out, _ = proc.communicate(timeout=120)
     log = kv_cluster.log_of(proc)
     assert proc.returncode == 3, log[-3000:]
     (report,) = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
-    shared = (len(SHARED_PREFIX) + 1) // B
     assert report["remote_hit_tokens"] == shared * B and report["renditions"] == {"kvtc": shared}, report
     assert report["kv_exact"] is False and report["verified"] is False, report
     assert report["security_events"] == [], report
     assert log.count("fetched and verified") == 1, log[-3000:]
-    # The relay checked the tables track like the blocks (signed by the key it trusts) and cached it too.
-    wait_until(lambda: kv_cluster.relay_metrics()["kvnet_relay_cache_tracks"] == shared + 1,
-               "the relay to cache the blocks and the tables")
+    # The relay checked the tables track like the blocks (signed by the key it trusts) before caching it.
     metrics = kv_cluster.relay_metrics()
     refused = {k: v for k, v in metrics.items() if k.startswith("kvnet_relay_blocks_refused")}
     assert not any(refused.values()), refused
