@@ -15,6 +15,8 @@ from proto.kvobject import (
     MAX_MANIFEST_BYTES,
     SIGNING_CONTEXT,
     TABLES_CHUNK_BYTES,
+    TABLES_HEADER,
+    TABLES_MAGIC,
     BlockManifest,
     BlockTrack,
     KVObjectError,
@@ -27,6 +29,7 @@ from proto.kvobject import (
     parse_block_track,
     parse_tables_track,
     payload_digest,
+    split_signed_tables,
     tables_chunks,
     tables_track,
 )
@@ -346,6 +349,23 @@ def test_decode_rejects_missing_extra_and_non_canonical() -> None:
 def test_decode_rejects_oversize_before_parsing() -> None:
     with pytest.raises(KVObjectError, match="exceeds"):
         BlockManifest.decode(b"\x80" * (MAX_MANIFEST_BYTES + 1))
+
+
+@given(st.binary(max_size=400), st.integers(0, 3), st.integers(0, 3), st.integers(0, 8), st.integers(0, 80))
+@settings(max_examples=400)
+def test_signed_tables_from_any_bytes_split_or_raise_kvobject_error(
+    tail: bytes, layers: int, heads: int, head_dim: int, kid_len: int
+) -> None:
+    """Random sizes behind a real header (and random bytes alone): the parts add up exactly, or one
+    KVObjectError."""
+    for data in (TABLES_HEADER.pack(TABLES_MAGIC, 4, FP, layers, heads, head_dim) + bytes([kid_len]) + tail,
+                 tail):
+        try:
+            signed = split_signed_tables(data)
+        except KVObjectError:
+            continue
+        assert signed.body + bytes([len(signed.key_id)]) + signed.key_id + signed.signature == data
+        assert signed.fingerprint == FP and len(signed.signature) == 64
 
 
 @given(st.binary(max_size=600))
