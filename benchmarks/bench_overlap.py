@@ -9,18 +9,28 @@ round trip) in front of the relay and runs one-shot subscribers through it (sepa
 * fetch+compute   — ``--abr auto``: the ABR may compute the head while fetching the tail
   (``kvnet.node.overlap``), or choose one side alone where that is faster.
 
-Each subscriber first answers the warm-up prompt (its blocks also on the relay), so its kernels are warm
-and, in ``auto``, the ABR has measured the link before the timed request, as a running node would have.
+With ``--kvtc`` the publisher also publishes the ``kvtc`` rendition (tables calibrated first with ``kvnet
+kvtc calibrate`` on docs/*.md), and two more subscribers run per rate:
+
+* kvtc            — ``--abr fetch --accept kvtc``: the whole prefix fetched transform-coded (lossy);
+* auto+kvtc       — ``--abr auto --accept lossless,kvtc``: the ABR picks the rendition, or recomputes.
+
+Their output is lossy, so it is compared with cold's (``same`` counts runs whose tokens are equal), not
+asserted equal. Each subscriber first answers the warm-up prompt (its blocks also on the relay), so its
+kernels are warm, kvtc's tables are fetched and, in ``auto``, the ABR has measured the link before the
+timed request, as a running node would have.
 Medians over ``--runs``; the load average of the machine is printed with each run (other work on the same
 cores moves these figures a lot):
 
     python benchmarks/bench_overlap.py --model small --prefix-tokens 2048 --rates 10,30,100,300 --runs 3
+    python benchmarks/bench_overlap.py --model smollm2 --prefix-tokens 1024 --rates 2,5 --runs 3 --kvtc
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,6 +43,20 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import common  # noqa: E402
 
 MODES = ("cold", "fetch-only", "fetch+compute")
+KVTC_RUNS = (("kvtc", "fetch", "kvtc"), ("auto+kvtc", "auto", "lossless,kvtc"))
+"""``--kvtc``'s extra subscribers: (mode, --abr, --accept)."""
+KVTC_MODES = tuple(mode for mode, _, _ in KVTC_RUNS)
+
+
+def _kvtc_tables(model: str, directory: Path) -> Path:
+    """The model's kvtc tables, calibrated by ``kvnet kvtc calibrate`` on docs/*.md (never the timed text)."""
+    text = directory / "calibration.txt"
+    text.write_text("\n".join(p.read_text(encoding="utf-8") for p in sorted((REPO / "docs").glob("*.md"))),
+                    encoding="utf-8")
+    tables = directory / f"{model}.kvtc"
+    subprocess.run([sys.executable, "-m", "kvnet.cli", "kvtc", "calibrate", "--model", model, "--text",
+                    str(text), "--tokens", "2048", "--out", str(tables)], cwd=REPO, check=True)
+    return tables
 
 
 def _linkemu(bench: Any, rate_mbps: float, rtt_ms: float) -> tuple[Any, int]:
@@ -71,7 +95,12 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=1,
                     help="prompts each subscriber answers after the warm-up, each on a prefix of its own; "
                          "the last is timed (more than 1: the ABR plans from what the earlier ones measured)")
+    ap.add_argument("--kvtc", action="store_true",
+                    help="also publish kvtc; time a kvtc fetch and the ABR choosing lossless or kvtc")
     args = ap.parse_args()
+    modes = MODES + (KVTC_MODES if args.kvtc else ())
+    same: dict[tuple[str, float], int] = {}
+    chosen: dict[float, list[str]] = {r: [] for r in [float(r) for r in args.rates.split(",")]}
     ttft = common.load_bench("bench_ttft")
     assert ttft is not None, "benchmarks/bench_ttft.py is needed (relay and publisher set-up)"
     rates = [float(r) for r in args.rates.split(",")]
@@ -82,7 +111,12 @@ def main() -> int:
     loads: list[str] = []
     n = str(args.max_tokens)
     with tempfile.TemporaryDirectory() as d:
-        bench = ttft.Bench(Path(d), args.model, args.threads, [])
+        node_extra: list[str] = []
+        if args.kvtc:
+            print(f"calibrating kvtc tables for {args.model} ...", file=sys.stderr)
+            tables = _kvtc_tables(args.model, Path(d))
+            node_extra = ["--renditions", "lossless,kvtc", "--kvtc-tables", str(tables)]
+        bench = ttft.Bench(Path(d), args.model, args.threads, node_extra)
         try:
             print(f"publishing {args.prefix_tokens} tokens on model {args.model} ...", file=sys.stderr)
             bench.start(prefix)
@@ -104,12 +138,26 @@ def main() -> int:
                     try:
                         fetch = _timed(bench, warm, prompts, port, "--abr", "fetch", "--max-tokens", n)
                         both = _timed(bench, warm, prompts, port, "--abr", "auto", "--max-tokens", n)
+                        lossy = {}
+                        for mode, abr, accept in KVTC_RUNS if args.kvtc else ():
+                            lossy[mode] = _timed(bench, warm, prompts, port, "--abr", abr, "--accept", accept,
+                                                 "--max-tokens", n)
                     finally:
                         emu.terminate()
                         emu.wait(timeout=10)
                     for mode, report in (("cold", cold), ("fetch-only", fetch), ("fetch+compute", both)):
                         assert report["output_token_ids"] == reference, f"{mode} changed the output"
                         times.setdefault((mode, rate), []).append(report["timings"]["ttft_s"])
+                    for mode, report in lossy.items():
+                        times.setdefault((mode, rate), []).append(report["timings"]["ttft_s"])
+                        equal = report["output_token_ids"] == reference
+                        same[(mode, rate)] = same.get((mode, rate), 0) + equal
+                    if lossy:
+                        took = lossy["auto+kvtc"].get("renditions") or {"recompute": 0}
+                        chosen[rate].append("+".join(sorted(took)))
+                        print(f"run {run + 1} {rate:g} MB/s: kvtc {lossy['kvtc']['timings']['ttft_s']:.3f}s "
+                              f"auto+kvtc {lossy['auto+kvtc']['timings']['ttft_s']:.3f}s (took "
+                              f"{chosen[rate][-1]})", file=sys.stderr)
                     plan = both["abr"]
                     skipped = plan.get("locate_skipped")
                     split = (f"{both['head_computed_blocks']}c/{both['tail_fetched_blocks']}f"
@@ -135,12 +183,17 @@ def main() -> int:
     print(f"model={args.model} prefix_tokens={args.prefix_tokens} rtt={args.rtt_ms:g} ms runs={args.runs} "
           f"requests={args.requests} "
           f"(medians; load average after each run: {', '.join(loads)})")
-    print(f"{'MB/s':>6}{'cold s':>9}{'fetch s':>9}{'f+c s':>9}{'f+c/min':>9}  head computed / tail fetched")
+    kvtc_head = f"{'kvtc s':>9}{'a+kvtc s':>9}{'same':>6}" if args.kvtc else ""
+    print(f"{'MB/s':>6}{'cold s':>9}{'fetch s':>9}{'f+c s':>9}{'f+c/min':>9}{kvtc_head}  head computed / "
+          f"tail fetched{'; auto+kvtc took' if args.kvtc else ''}")
     for rate in rates:
-        med = {m: statistics.median(times[(m, rate)]) for m in MODES}
+        med = {m: statistics.median(times[(m, rate)]) for m in modes}
         ratio = med["fetch+compute"] / min(med["cold"], med["fetch-only"])
+        kvtc_cols = (f"{med['kvtc']:>9.3f}{med['auto+kvtc']:>9.3f}{same[('kvtc', rate)]:>4}/{args.runs}"
+                     if args.kvtc else "")
+        took = f"; {' '.join(chosen[rate])}" if args.kvtc else ""
         print(f"{rate:>6g}{med['cold']:>9.3f}{med['fetch-only']:>9.3f}{med['fetch+compute']:>9.3f}"
-              f"{ratio:>9.2f}  {' '.join(splits[rate])}")
+              f"{ratio:>9.2f}{kvtc_cols}  {' '.join(splits[rate])}{took}")
     return 0
 
 

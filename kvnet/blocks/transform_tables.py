@@ -338,13 +338,17 @@ class TableStore:
 
     def add(self, data: bytes) -> TransformTables:
         tables = verify_tables(data, self.trust, self.fingerprint)
+        self.keep(data, tables)
+        return tables
+
+    def keep(self, data: bytes, tables: TransformTables) -> None:
+        """Store ``data``, which the caller verified into ``tables`` (``verify_tables``)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         tmp = self._path(tables.digest).with_suffix(".tmp")
         tmp.write_bytes(data)
         os.replace(tmp, self._path(tables.digest))
         with self._lock:
             self._loaded[tables.digest] = tables
-        return tables
 
     def get(self, digest: bytes) -> TransformTables | None:
         with self._lock:

@@ -117,21 +117,27 @@ class TablesSource:
     async def _fetch(self, conn: MoqtConnection, digest: bytes) -> TransformTables:
         ns, name = tables_track(self.fingerprint, self.namespace_id, digest)
         handle = await conn.fetch(ns, name, Location(BLOCK_GROUP_ID, 0), Location(BLOCK_GROUP_ID + 1, 0))
+        objects = aiter(handle)
         parts: list[bytes] = []
         size = 0
         try:
-            async with asyncio.timeout(self.timeout):
-                async for obj in handle:
-                    if obj.status != 0:
-                        continue  # END_OF_TRACK / END_OF_GROUP carry nothing
-                    if obj.group_id != BLOCK_GROUP_ID or obj.object_id != len(parts):
-                        raise self._refuse(digest, f"unexpected object {obj.group_id}/{obj.object_id}")
-                    size += len(obj.payload)
-                    if size > MAX_TABLES_BYTES:
-                        raise self._refuse(digest, f"more than {MAX_TABLES_BYTES} bytes")
-                    parts.append(bytes(obj.payload))
+            while True:
+                # A bound on each wait, not on the whole: 10 MB of tables take seconds on a WAN link.
+                try:
+                    async with asyncio.timeout(self.timeout):
+                        obj = await anext(objects)
+                except StopAsyncIteration:
+                    break
+                if obj.status != 0:
+                    continue  # END_OF_TRACK / END_OF_GROUP carry nothing
+                if obj.group_id != BLOCK_GROUP_ID or obj.object_id != len(parts):
+                    raise self._refuse(digest, f"unexpected object {obj.group_id}/{obj.object_id}")
+                size += len(obj.payload)
+                if size > MAX_TABLES_BYTES:
+                    raise self._refuse(digest, f"more than {MAX_TABLES_BYTES} bytes")
+                parts.append(bytes(obj.payload))
         except TimeoutError:
-            why = f"not fetched within {self.timeout:.0f}s"
+            why = f"nothing arrived for {self.timeout:.0f}s after {size} bytes"
             raise CodecError(f"kvtc tables {digest.hex()[:16]}: {why}") from None
         except (MoqtConnectionError, RequestRejected, StreamResetError, LimitError) as exc:
             # Not the block's own failure: a block fetch would take a rejection as "not whole yet" and retry.
@@ -140,15 +146,20 @@ class TablesSource:
             handle.cancel()
         data = b"".join(parts)
         try:
-            tables = verify_tables(data, self.trust, self.fingerprint, digest)
+            # Hashing, parsing and inverting 10 MB of tables is not the event loop's work.
+            tables = await asyncio.to_thread(self._verified, data, digest)
         except CodecError as exc:
             raise self._refuse(digest, str(exc)) from None
-        if self._store is not None:
-            self._store.add(data)
         self.codec.install(tables)
         self.stats.fetched += 1
         self.stats.fetched_bytes += len(data)
         logger.info("kvtc tables %s fetched and verified (%.1f MB)", digest.hex()[:16], len(data) / 1e6)
+        return tables
+
+    def _verified(self, data: bytes, digest: bytes) -> TransformTables:
+        tables = verify_tables(data, self.trust, self.fingerprint, digest)
+        if self._store is not None:
+            self._store.keep(data, tables)
         return tables
 
     def _refuse(self, digest: bytes, why: str) -> CodecError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,6 +128,19 @@ async def test_concurrent_requests_for_one_digest_share_one_fetch_of_every_piece
     got = await asyncio.gather(*(source.resolve(pair.client, tables.digest) for _ in range(4)))
     assert all(t.digest == tables.digest for t in got)
     assert (source.stats.fetched, server.stats.fetches_served) == (1, 1)
+
+
+async def test_tables_fetched_once_are_kept_in_the_directory_for_the_next_process(
+    pair: ConnectionPair, served: Served, published: Published, tmp_path: Path
+) -> None:
+    tables = calibrated()
+    server = served.start([], {tables.digest: tables_chunks(sign_tables(tables, published.signer))})
+    trust = trusting(published.signer)
+    first = TablesSource(trust, FINGERPRINT, NAMESPACE_ID, directory=tmp_path)
+    await first.resolve(pair.client, tables.digest)
+    restarted = TablesSource(trust, FINGERPRINT, NAMESPACE_ID, directory=tmp_path)
+    assert (await restarted.resolve(pair.client, tables.digest)).digest == tables.digest
+    assert (first.stats.fetched, restarted.stats.fetched, server.stats.fetches_served) == (1, 0, 1)
 
 
 async def test_tables_keep_arriving_after_the_request_that_asked_gave_up(
