@@ -27,7 +27,15 @@ from kvnet.blocks.transform_tables import (
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.errors import LimitError, MoqtConnectionError, RequestRejected, StreamResetError
 from kvnet.security.signing import Signer, TrustStore
-from proto.kvobject import BLOCK_GROUP_ID, MAX_TABLES_BYTES, tables_chunks, tables_track
+from proto.kvobject import (
+    BLOCK_GROUP_ID,
+    MAX_TABLES_BYTES,
+    TABLES_SIGNATURE_LEN,
+    KVObjectError,
+    tables_body_length,
+    tables_chunks,
+    tables_track,
+)
 from proto.messages import Location
 
 logger = logging.getLogger(__name__)
@@ -36,6 +44,9 @@ __all__ = ["TablesSource", "TablesStats"]
 
 MAX_REFUSED_DIGESTS = 256
 """Digests whose tables failed verification, remembered so they are not fetched again (oldest dropped)."""
+MAX_FETCHES_IN_FLIGHT = 2
+"""Tables fetches at once: an honest publisher has one set per model, and a hostile one naming a new digest
+in every block must not make a node buffer many table objects at a time."""
 
 
 @dataclass
@@ -104,6 +115,9 @@ class TablesSource:
             raise CodecError(reason)
         task = self._pending.get(digest)
         if task is None:
+            if len(self._pending) >= MAX_FETCHES_IN_FLIGHT:
+                busy = f"{len(self._pending)} other tables are being fetched"
+                raise CodecError(f"kvtc tables {digest.hex()[:16]}: {busy}")
             task = asyncio.create_task(self._fetch(conn, digest), name=f"kvtc-tables-{digest.hex()[:8]}")
             self._pending[digest] = task
             task.add_done_callback(lambda done: self._fetched(digest, done))
@@ -119,7 +133,7 @@ class TablesSource:
         handle = await conn.fetch(ns, name, Location(BLOCK_GROUP_ID, 0), Location(BLOCK_GROUP_ID + 1, 0))
         objects = aiter(handle)
         parts: list[bytes] = []
-        size = 0
+        size = limit = 0
         try:
             while True:
                 # A bound on each wait, not on the whole: 10 MB of tables take seconds on a WAN link.
@@ -133,8 +147,14 @@ class TablesSource:
                 if obj.group_id != BLOCK_GROUP_ID or obj.object_id != len(parts):
                     raise self._refuse(digest, f"unexpected object {obj.group_id}/{obj.object_id}")
                 size += len(obj.payload)
-                if size > MAX_TABLES_BYTES:
-                    raise self._refuse(digest, f"more than {MAX_TABLES_BYTES} bytes")
+                if not parts:  # the first piece holds the header, which fixes the size
+                    try:
+                        body = tables_body_length(obj.payload)
+                        limit = min(MAX_TABLES_BYTES, body + 1 + 255 + TABLES_SIGNATURE_LEN)
+                    except KVObjectError as exc:
+                        raise self._refuse(digest, str(exc)) from None
+                if size > limit:
+                    raise self._refuse(digest, f"more than the {limit} bytes its header allows")
                 parts.append(bytes(obj.payload))
         except TimeoutError:
             why = f"nothing arrived for {self.timeout:.0f}s after {size} bytes"

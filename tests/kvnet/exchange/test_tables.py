@@ -18,9 +18,11 @@ from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.exchange.blockstore import StoredBlock
 from kvnet.exchange.fetching import BlockFetcher
 from kvnet.exchange.publishing import BlockServer, encode_blocks
-from kvnet.exchange.tables import TablesSource
+from kvnet.exchange.tables import MAX_FETCHES_IN_FLIGHT, TablesSource
+from kvnet.net.handles import IncomingFetch
 from kvnet.security.signing import Signer
-from proto.kvobject import TABLES_CHUNK_BYTES, tables_chunks
+from proto.kvobject import BLOCK_GROUP_ID, TABLES_CHUNK_BYTES, tables_chunks
+from proto.messages import Location
 from tests.helpers.connections import ConnectionPair
 from tests.helpers.waiting import async_wait_until
 from tests.kvnet.exchange.conftest import (
@@ -159,6 +161,43 @@ async def test_tables_keep_arriving_after_the_request_that_asked_gave_up(
     await asyncio.gather(request, return_exceptions=True)
     await async_wait_until(lambda: source.local(tables.digest), "the tables to arrive anyway")
     assert source.stats.fetched == 1 and request.cancelled()
+
+
+async def test_a_tables_track_longer_than_its_header_allows_is_refused_as_it_arrives(
+    pair: ConnectionPair, served: Served, published: Published
+) -> None:
+    tables = calibrated()
+    pieces = tables_chunks(sign_tables(tables, published.signer))
+    served.start([], {tables.digest: (*pieces, bytes(4096), bytes(4096))})
+    source = TablesSource(trusting(published.signer), FINGERPRINT, NAMESPACE_ID)
+    with pytest.raises(CodecError, match="bytes its header allows"):
+        await source.resolve(pair.client, tables.digest)
+    assert (source.stats.fetched, source.stats.refused) == (0, 1)
+
+
+class SilentTablesServer(BlockServer):
+    """Accepts every tables FETCH and sends nothing (a peer that holds fetches open)."""
+
+    async def _serve_fetch(self, req: IncomingFetch) -> None:
+        req.accept_fetch(True, Location(BLOCK_GROUP_ID, 1))
+        await asyncio.Event().wait()  # until the fetch is cancelled
+
+
+async def test_tables_fetches_in_flight_are_bounded(pair: ConnectionPair, published: Published) -> None:
+    """A publisher that names a new digest in every block cannot make a node fetch many tables at once."""
+    server = SilentTablesServer(pair.server, serving_store([]), FINGERPRINT, NAMESPACE_ID, SPEC.num_layers)
+    task = asyncio.create_task(server.serve())
+    source = TablesSource(trusting(published.signer), FINGERPRINT, NAMESPACE_ID, timeout=60)
+    waiting = [asyncio.create_task(source.resolve(pair.client, bytes([i]) * 32))
+               for i in range(MAX_FETCHES_IN_FLIGHT)]
+    try:
+        await asyncio.sleep(0)  # one turn of the loop: each request starts its fetch
+        with pytest.raises(CodecError, match="other tables are being fetched"):
+            await source.resolve(pair.client, bytes([99]) * 32)
+    finally:
+        for t in (*waiting, task):
+            t.cancel()
+        await asyncio.gather(*waiting, task, return_exceptions=True)
 
 
 @pytest.mark.parametrize("fault", ["untrusted key", "another model", "not served"])
