@@ -53,6 +53,9 @@ from kvnet.node.kvtc_calibration import calibrate_model_tables
 from kvnet.security.signing import Signer, TrustStore
 
 DOCUMENTS = Path(__file__).resolve().parent / "documents"
+CALIBRATION_TEXT = Path(__file__).resolve().parent / "kvtc-calibration.txt"
+"""kvtc's calibration text: a frozen excerpt of the project's docs (never the scored documents), so the
+tables, and the rows measured with them, do not drift as the docs change."""
 
 TEXT = (
     "Media over QUIC carries named, immutable objects through caching relays. A KV cache block is such "
@@ -184,7 +187,7 @@ def calibrate_step_scale(model: Transformer, blocks: Blocks, block_size: int, sc
 
 def kvtc_tables(model: Transformer, tokenizer: Tokenizer, block_size: int, path: Path, tokens: int,
                 rel_step: float, layer_group: int = 0, key_metric: bool = True) -> TransformTables:
-    """kvtc tables calibrated on the project's docs (never the scored documents); their body is cached at
+    """kvtc tables calibrated on ``CALIBRATION_TEXT`` (never the scored documents); their body is cached at
     ``path`` (recalibrated when it is of another format). K is weighted by the queries' metric unless
     ``key_metric`` is false. With ``layer_group`` the steps are allocated by measured sensitivity
     (``calibrate_step_scale``): the first ``tokens`` are calibrated on, the next 256 scored. Signed here
@@ -197,10 +200,9 @@ def kvtc_tables(model: Transformer, tokenizer: Tokenizer, block_size: int, path:
         print(f"  recalibrating: {path}: {exc}", flush=True)
         tables = None
     if tables is None:
-        docs = sorted((DOCUMENTS.parent.parent / "docs").glob("*.md"))
-        all_ids = tokenizer.tokenize("\n".join(p.read_text(encoding="utf-8") for p in docs))
+        all_ids = tokenizer.tokenize(CALIBRATION_TEXT.read_text(encoding="utf-8"))
         ids = all_ids[:tokens]
-        print(f"  calibrating kvtc tables on {len(ids)} tokens of docs/*.md", flush=True)
+        print(f"  calibrating kvtc tables on {len(ids)} tokens of {CALIBRATION_TEXT.name}", flush=True)
         tables = calibrate_model_tables(model, ids, block_size, rel_step, key_metric=key_metric)
         if layer_group:
             blocks = prefill_blocks(model, ids[: len(ids) // block_size * block_size], block_size)

@@ -10,7 +10,7 @@ round trip) in front of the relay and runs one-shot subscribers through it (sepa
   (``kvnet.node.overlap``), or choose one side alone where that is faster.
 
 With ``--kvtc`` the publisher also publishes the ``kvtc`` rendition (tables calibrated first with ``kvnet
-kvtc calibrate`` on docs/*.md), and two more subscribers run per rate:
+kvtc calibrate`` on benchmarks/kvtc-calibration.txt), and two more subscribers run per rate:
 
 * kvtc            — ``--abr fetch --accept kvtc``: the whole prefix fetched transform-coded (lossy);
 * auto+kvtc       — ``--abr auto --accept lossless,kvtc``: the ABR picks the rendition, or recomputes.
@@ -49,11 +49,10 @@ KVTC_MODES = tuple(mode for mode, _, _ in KVTC_RUNS)
 
 
 def _kvtc_tables(model: str, directory: Path) -> Path:
-    """The model's kvtc tables, calibrated by ``kvnet kvtc calibrate`` on docs/*.md (never the timed text)."""
-    text = directory / "calibration.txt"
-    text.write_text("\n".join(p.read_text(encoding="utf-8") for p in sorted((REPO / "docs").glob("*.md"))),
-                    encoding="utf-8")
+    """The model's kvtc tables, calibrated by ``kvnet kvtc calibrate`` on benchmarks/kvtc-calibration.txt
+    (never the timed text)."""
     tables = directory / f"{model}.kvtc"
+    text = REPO / "benchmarks" / "kvtc-calibration.txt"
     subprocess.run([sys.executable, "-m", "kvnet.cli", "kvtc", "calibrate", "--model", model, "--text",
                     str(text), "--tokens", "2048", "--out", str(tables)], cwd=REPO, check=True)
     return tables
