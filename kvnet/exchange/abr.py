@@ -40,9 +40,12 @@ the parallel part never costs more than computing it there (give the head one mo
 balances the two sides (``best_split``; an O(f) scan with prefix sums) and the split is chosen only where
 it beats both the fetch cut above and recomputing everything by ``SPLIT_MIN_GAIN``. Both sides are costed
 as they run beside each other, measured apart from plain fetches and prefills (``head_prefill``,
-``tail_throughput``): on a CPU node they share the cores. The split is a
-starting point, not a commitment: the node moves the meeting point as the two sides actually progress
-(``kvnet.node.overlap``).
+``tail_throughput``): on a CPU node they share the cores. Before the first split was measured, a node whose
+forwards leave no core for decoding (``decode_beside_compute``) charges the head what the tail's decoding
+takes (``decode_i``, raw bytes over the rendition's decode rate) while the tail's bytes still cross the
+network beside it: ``max(prefill(k * block_size) + sum(decode_i for k <= i < f), ...)``. That is next to
+nothing for lossless, and most of kvtc's cost. The split is a starting point, not a commitment: the node
+moves the meeting point as the two sides actually progress (``kvnet.node.overlap``).
 
 Whatever the estimates said, a fetch also has one deadline (``FetchDeadline``): it may take at most
 ``deadline_margin_s`` plus the relay's learned first-byte delay plus the estimated recompute time of the
@@ -142,6 +145,11 @@ class AbrConfig:
     overlap: bool = True
     """Plans may compute the head of the located prefix while fetching the tail (see the module
     docstring); False: fetch a prefix and recompute the rest, never both at once."""
+    decode_beside_compute: bool = False
+    """The node's forwards take every core its decoding of fetched layers needs (a CPU node whose torch
+    threads and decode threads outnumber its cores): a split's head then pays for its tail's decoding,
+    while the tail's bytes still cross the network beside it (``best_split``'s ``head_extra``). Decoding
+    is a small part of lossless and plain; kvtc's rANS decode is most of its cost."""
     deadline_margin_s: float = 1.0
     """Seconds a fetch may cost beyond the recompute time of the blocks it delivered before it is abandoned
     (``FetchDeadline``); bounds TTFT by recompute time plus this. Generous enough that a loaded machine's
@@ -467,10 +475,13 @@ class AbrPlan:
 
 
 def best_split(
-    fetch_costs: Sequence[float], rtt_s: float, head_cost: Callable[[int], float]
+    fetch_costs: Sequence[float], rtt_s: float, head_cost: Callable[[int], float],
+    head_extra: Sequence[float] | None = None,
 ) -> tuple[int, float]:
     """Where computing ``[0, k)`` while fetching ``[k, n)`` of ``n`` blocks finishes soonest: ``(k, T)``
-    with ``T = max(head_cost(k), rtt + sum(fetch_costs[k:]))`` (no fetch, no round trip, for ``k = n``).
+    with ``T = max(head_cost(k) + sum(head_extra[k:]), rtt + sum(fetch_costs[k:]))`` (no fetch, no round
+    trip, for ``k = n``). ``head_extra``: what each tail block's decoding takes from the head's cores
+    (``AbrConfig.decode_beside_compute``), none by default.
 
     The head's cost grows with ``k`` and the fetch's shrinks, so ``T`` is their crossing; every ``k`` is
     scanned anyway (O(n), exact for uneven costs). Ties go to the smaller ``k``: fetching saves compute
@@ -478,11 +489,13 @@ def best_split(
     """
     n = len(fetch_costs)
     tail = [0.0] * (n + 1)  # tail[k] = sum(fetch_costs[k:])
+    extra = [0.0] * (n + 1)  # extra[k] = sum(head_extra[k:])
     for i in range(n - 1, -1, -1):
         tail[i] = tail[i + 1] + fetch_costs[i]
+        extra[i] = extra[i + 1] + (head_extra[i] if head_extra is not None else 0.0)
     best_k, best_t = n, head_cost(n)
     for k in range(n):
-        t = max(head_cost(k), rtt_s + tail[k])
+        t = max(head_cost(k) + extra[k], rtt_s + tail[k])
         if t < best_t:
             best_k, best_t = k, t
     return best_k, best_t
@@ -760,8 +773,10 @@ class KvAbr:
             return None
         recompute_all = self.prefill.estimate(total_tokens)
         if cfg.overlap:
-            _, tail = self.fetch_cost(block_raw_bytes, cfg.acceptable, beside_compute=True)
-            _, parallel = best_split([tail] * blocks, self.fetch_latency_s(), self.head_cost(block_size))
+            best, tail = self.fetch_cost(block_raw_bytes, cfg.acceptable, beside_compute=True)
+            extra = [self.decode_beside_head(block_raw_bytes, best)] * blocks
+            _, parallel = best_split([tail] * blocks, self.fetch_latency_s(), self.head_cost(block_size),
+                                     extra)
             rest = self.prefill.estimate(total_tokens - blocks * block_size)
             if parallel + rest < (1 - SPLIT_MIN_GAIN) * recompute_all:
                 return None
@@ -857,7 +872,8 @@ class KvAbr:
                 self.fetch_cost(block_raw_bytes, avail, beside_compute=True)[1]
                 for avail in located[:fetchable]
             ]
-            k, parallel = best_split(tail_costs, latency, self.head_cost(block_size))
+            extra = [self.decode_beside_head(block_raw_bytes, c.best) for c in choices[:fetchable]]
+            k, parallel = best_split(tail_costs, latency, self.head_cost(block_size), extra)
             if 0 < k < fetchable and parallel + rest < (1 - SPLIT_MIN_GAIN) * best_t:
                 compute_k, best_k, best_t = k, fetchable, parallel + rest
         declined = max(fetchable - best_k, 0) if self.config.allow_recompute else 0
@@ -905,6 +921,14 @@ class KvAbr:
         per_block = block_size * head.per_token_s
         base = head.overhead_s if overhead else 0.0
         return lambda n: 0.0 if n <= 0 else base + n * per_block
+
+    def decode_beside_head(self, block_raw_bytes: int, rendition: str | None) -> float:
+        """Seconds a split's head waits for the decoding of one tail block in ``rendition``: 0 unless
+        ``AbrConfig.decode_beside_compute``, where no rendition is acceptable, and once a head was measured
+        beside its tail (``head_prefill`` has counted the sharing then)."""
+        if not self.config.decode_beside_compute or rendition is None or self.head_prefill.has_samples:
+            return 0.0
+        return block_raw_bytes / self.renditions.decode_bps(rendition)
 
     def block_fetch_cost(self, block_raw_bytes: int, rendition: str, beside_compute: bool = False) -> float:
         """Estimated seconds to fetch and decode one block of ``rendition`` (``inf`` if not acceptable);

@@ -39,6 +39,7 @@ from kvnet.dtypes import dtype_from_name, dtype_name
 from kvnet.errors import ContextLengthError
 from kvnet.exchange.abr import QUALITY_ORDER, AbrConfig, AbrPlan, KvAbr
 from kvnet.exchange.blockstore import BlockStore
+from kvnet.exchange.config import usable_cores
 from kvnet.exchange.fetching import FetchOutcome
 from kvnet.exchange.publishing import encode_blocks
 from kvnet.exchange.relay_peer import RelayPeer
@@ -181,6 +182,9 @@ class Node:
                 deadline_margin_s=config.fetch_margin,
                 kv_dtype=dtype_name(spec.dtype),
                 overlap=config.abr_overlap,
+                # Decoding runs on the verify threads, or the event loop's thread without them.
+                decode_beside_compute=self.device.type == "cpu"
+                and config.torch_threads + max(1, config.fetch_verify_workers) > usable_cores(),
             )
         )
         self.counters = NodeCounters()

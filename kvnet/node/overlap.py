@@ -135,9 +135,10 @@ async def fetch_and_compute(
             done = start + cached_prefix(hashes[start:lo])
             if done >= lo:
                 return
-            costs = [abr.block_fetch_cost(block_raw_bytes, _rendition(plan, i - start), beside_compute=True)
-                     for i in range(done, lo)]
-            k, _ = best_split(costs, abr.fetch_latency_s(), abr.head_cost(b, overhead=False))
+            renditions = [_rendition(plan, i - start) for i in range(done, lo)]
+            costs = [abr.block_fetch_cost(block_raw_bytes, r, beside_compute=True) for r in renditions]
+            extra = [abr.decode_beside_head(block_raw_bytes, r) for r in renditions]
+            k, _ = best_split(costs, abr.fetch_latency_s(), abr.head_cost(b, overhead=False), extra)
             if done + k >= lo:
                 return
             result.fetch_extensions += 1

@@ -459,6 +459,33 @@ def test_best_split_is_the_exact_argmin() -> None:
     assert best_split([], 0.005, lambda n: 0.0) == (0, 0.0)
 
 
+def test_a_tail_decoded_on_the_heads_cores_costs_the_head_its_decoding() -> None:
+    """Measured on SmolLM2 bf16, 2 cores, a 2 MB/s link (docs/performance.md, "kvtc over the network"): a
+    split whose kvtc tail decoded beside the head took 2.07 s where fetching all three blocks in kvtc took
+    0.97 s. With ``decode_beside_compute`` the head pays for the tail's decoding, so the plan fetches
+    everything; lossless, whose decode costs next to nothing, still splits as before."""
+    def plan(accept: tuple[str, ...], shared: bool) -> AbrPlan:
+        abr = KvAbr(AbrConfig(acceptable=accept, prior_throughput_bps=2e6, prior_rtt_s=0.02, safety=1.0,
+                              kv_dtype="bfloat16", decode_beside_compute=shared))
+        abr.prefill.add(64, 64 * 0.0136)  # a 64-token block: 0.87 s; its KV 1.47 MB
+        return abr.plan([list(accept)] * 3, 64, 1_470_000, total_tokens=3 * 64 + 6)
+
+    apart, shared = plan(("lossless", "kvtc"), False), plan(("lossless", "kvtc"), True)
+    assert [c.action for c in apart.choices] == [RECOMPUTE, "kvtc", "kvtc"]
+    assert [c.action for c in shared.choices] == ["kvtc"] * 3 and shared.compute_blocks == 0
+    assert plan(("lossless",), True).compute_blocks == plan(("lossless",), False).compute_blocks == 1
+
+
+def test_best_split_charges_the_head_what_the_tail_takes_from_its_cores() -> None:
+    costs, extra = [0.010, 0.010, 0.030, 0.010], [0.004, 0.004, 0.004, 0.004]
+    k, t = best_split(costs, 0.005, lambda n: 0.012 * n, extra)
+    brute = min(
+        (max(0.012 * j + sum(extra[j:]), (0.005 + sum(costs[j:])) if j < len(costs) else 0.0), j)
+        for j in range(len(costs) + 1)
+    )
+    assert (k, t) == (brute[1], pytest.approx(brute[0]))
+
+
 def test_no_split_for_a_near_tie() -> None:
     # 64 blocks: fetching one costs ~1.1 ms (mostly decode), computing one 60 ms. Computing the first
     # block while the other 63 arrive would save ~1 ms of ~89: not worth a second prefill.
