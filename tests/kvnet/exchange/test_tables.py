@@ -152,15 +152,35 @@ async def test_tables_keep_arriving_after_the_request_that_asked_gave_up(
     bring them within one request's deadline the next request still finds them."""
     tables = calibrated()
     signed = sign_tables(tables, published.signer)
-    served.start([], {tables.digest: tuple(signed[i:i + 500] for i in range(0, len(signed), 500))})
+    server = HeldTablesServer(pair.server, serving_store([]), FINGERPRINT, NAMESPACE_ID, SPEC.num_layers,
+                              tables={tables.digest: tables_chunks(signed)})
+    serving = asyncio.create_task(server.serve())
     source = TablesSource(trusting(published.signer), FINGERPRINT, NAMESPACE_ID)
     request = asyncio.create_task(source.resolve(pair.client, tables.digest))
-    await asyncio.sleep(0)  # one turn of the loop: the request starts the fetch and waits for it
-    assert tables.digest in source._pending
-    request.cancel()
-    await asyncio.gather(request, return_exceptions=True)
-    await async_wait_until(lambda: source.local(tables.digest), "the tables to arrive anyway")
-    assert source.stats.fetched == 1 and request.cancelled()
+    try:
+        await async_wait_until(lambda: server.held, "the tables FETCH to reach the publisher")
+        request.cancel()  # the request gives up while its tables are still on the way
+        await asyncio.gather(request, return_exceptions=True)
+        server.release.set()
+        await async_wait_until(lambda: source.local(tables.digest), "the tables to arrive anyway")
+        assert source.stats.fetched == 1 and request.cancelled()
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+
+
+class HeldTablesServer(BlockServer):
+    """Answers each FETCH only once ``release`` is set (a slow link, made deterministic)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.release = asyncio.Event()
+        self.held = 0
+
+    async def _serve_fetch(self, req: IncomingFetch) -> None:
+        self.held += 1
+        await self.release.wait()
+        await super()._serve_fetch(req)
 
 
 async def test_a_tables_track_longer_than_its_header_allows_is_refused_as_it_arrives(
@@ -178,7 +198,10 @@ async def test_a_tables_track_longer_than_its_header_allows_is_refused_as_it_arr
 class SilentTablesServer(BlockServer):
     """Accepts every tables FETCH and sends nothing (a peer that holds fetches open)."""
 
+    held = 0
+
     async def _serve_fetch(self, req: IncomingFetch) -> None:
+        self.held += 1
         req.accept_fetch(True, Location(BLOCK_GROUP_ID, 1))
         await asyncio.Event().wait()  # until the fetch is cancelled
 
@@ -191,7 +214,7 @@ async def test_tables_fetches_in_flight_are_bounded(pair: ConnectionPair, publis
     waiting = [asyncio.create_task(source.resolve(pair.client, bytes([i]) * 32))
                for i in range(MAX_FETCHES_IN_FLIGHT)]
     try:
-        await asyncio.sleep(0)  # one turn of the loop: each request starts its fetch
+        await async_wait_until(lambda: server.held == MAX_FETCHES_IN_FLIGHT, "every allowed fetch to start")
         with pytest.raises(CodecError, match="other tables are being fetched"):
             await source.resolve(pair.client, bytes([99]) * 32)
     finally:
