@@ -6,13 +6,23 @@ import hashlib
 import struct
 from pathlib import Path
 
+import constriction
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvnet.blocks.codecs import CODECS, CodecError
-from kvnet.blocks.transform_codec import SINK_SHIFT, TransformCodec
+from kvnet.blocks.transform_codec import (
+    _ESCAPE_MODEL,
+    _RANGE,
+    SINK_SHIFT,
+    TransformCodec,
+    _decode_stream,
+    _encode_stream,
+    _stream_plan,
+)
 from kvnet.blocks.transform_tables import (
     TableStore,
     TransformTables,
@@ -30,6 +40,8 @@ LAYERS, TOKENS, HEADS, DIM = 3, 16, 2, 8
 SHAPE = (TOKENS, HEADS, DIM)
 FP_A = hashlib.sha256(b"model a").digest()
 FP_B = hashlib.sha256(b"model b").digest()
+GOLDEN_WORDS = "a1391bd00881ec30"
+"""The first 16 hex digits of the SHA-256 of ``test_the_bitstream_is_the_same_on_every_host``'s words."""
 
 
 def _kv(seed: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,7 +228,8 @@ def test_step_scale_allocates_per_layer_kind_and_component() -> None:
     codec = TransformCodec()
     k1, v1 = _kv(6, TOKENS)
     payloads = codec.encode_block(k1, v1, tables)
-    assert sum(map(len, payloads)) != sum(map(len, codec.encode_block(k1, v1, base)))
+    before = codec.encode_block(k1, v1, base)
+    assert len(payloads[0]) > len(before[0]) and len(payloads[2]) < len(before[2])  # finer K, coarser V
     for layer, (k2, v2) in enumerate(codec.decode_block(payloads, SHAPE, torch.float32)):
         for kind, (x, y) in enumerate(((k1[layer], k2), (v1[layer], v2))):
             rows = x.reshape(TOKENS, -1) - tables.mean[layer, kind]
@@ -302,3 +315,61 @@ def test_received_key_weight_that_cannot_be_inverted_refused(damage: str, refusa
     assert parse_tables_body(body).key_weight_inverse.shape == weight.shape
     with pytest.raises(CodecError, match=refusal):
         parse_tables_body(damaged)
+
+
+def test_values_beyond_a_class_alphabet_travel_as_escapes() -> None:
+    """A coefficient far outside its component's calibrated spread (an outlier token) is coded as an
+    escape and comes back within the same bound as every other."""
+    tables = _tables(rel_step=0.02)
+    codec = TransformCodec()
+    k, v = _kv(7, TOKENS)
+    k[1, 3] *= 300.0  # one token's K of layer 1, hundreds of steps out in its strongest components
+    payload = codec.encode_layer(k[1], v[1], 1, tables)
+    k2, _ = codec.decode(payload, SHAPE, torch.float32)
+    bound = float(tables.step[1, 0].norm()) / 2 * 1.001
+    assert float((k[1] - k2).reshape(TOKENS, -1).norm(dim=1).max()) <= bound
+    plan = codec._plan(tables, 1, 0, TOKENS, 0)
+    largest_half = int(plan.half.max())
+    coeffs = (k[1].reshape(TOKENS, -1) - tables.mean[1, 0]) @ tables.analysis[1, 0] / tables.step[1, 0]
+    assert float(coeffs.abs().max()) > largest_half  # so the escape path was taken
+    # The worst case: every coefficient escaped (clamped at the coder's range); still within the
+    # stream's size limit, so what an encoder writes a decoder accepts.
+    wild = codec.encode_layer(k[1] * 1e6, v[1] * 1e6, 1, tables)
+    k3, v3 = codec.decode(wild, SHAPE, torch.float32)
+    assert k3.shape == SHAPE and bool(torch.isfinite(k3).all() and torch.isfinite(v3).all())
+
+
+def test_an_escape_holding_a_value_its_class_codes_is_refused() -> None:
+    """Only values outside a class's alphabet are escaped; a stream that escapes another is not one an
+    encoder writes, and is refused rather than decoded."""
+    plan = _stream_plan(np.array([1.0, 0.5]), 2, 0)
+    symbols = np.array([0, 1, 2, -1], dtype=np.int32)
+    coder = constriction.stream.stack.AnsCoder(_encode_stream(symbols, plan))
+    assert _decode_stream(coder, plan).tolist() == symbols.tolist()
+    model, count = plan.classes[0]
+    half = int(plan.half[0])
+    forged = constriction.stream.stack.AnsCoder()
+    forged.encode_reverse(np.array([_RANGE + 1], dtype=np.int32), _ESCAPE_MODEL)  # the value 1, escaped
+    end = len(plan.order)
+    for model2, n2 in reversed(plan.classes[1:]):
+        forged.encode_reverse(plan.half[end - n2:end], model2)  # zeros
+        end -= n2
+    forged.encode_reverse(np.array([2 * half + 1] + [half] * (count - 1), dtype=np.int32), model)
+    with pytest.raises(CodecError, match="escaped"):
+        _decode_stream(constriction.stream.stack.AnsCoder(forged.get_compressed()), plan)
+
+
+def test_the_bitstream_is_the_same_on_every_host() -> None:
+    """Encoder and decoder may run on different CPUs and library builds: the entropy models are built
+    in decimal arithmetic, so a fixed stream codes to the same words everywhere (a float exp that
+    differed in its last bit between builds would give other words, and a receiver garbage)."""
+    spread = np.array([0.02, 0.3, 1.0, 2.5, 17.0, 400.0])
+    plan = _stream_plan(spread, 4, 1)
+    symbols = np.array([0, 0, 1, -3, 40, -2000,
+                        0, 1, -1, 2, 9, 300,
+                        0, 0, 0, -1, -70, 900,
+                        0, 0, 2, 5, 3, 32767], dtype=np.int32)
+    words = _encode_stream(symbols, plan)
+    assert hashlib.sha256(words.astype("<u4").tobytes()).hexdigest()[:16] == GOLDEN_WORDS
+    coder = constriction.stream.stack.AnsCoder(words)
+    assert _decode_stream(coder, plan).tolist() == symbols.tolist() and coder.is_empty()
