@@ -715,10 +715,11 @@ class BlockFetcher:
                         return  # already cached (imported meanwhile by another request): nothing to load
                 else:
                     assert block.manifest is not None
-                    if obj.object_id == 1 and rendition == TransformCodec.name:
+                    checked = obj.object_id == 1 and rendition == TransformCodec.name
+                    if checked:
                         await self._resolve_tables(block.manifest, payload, clock)
                     layer = _LayerPayload(block.manifest, self._codec(rendition), obj.object_id, payload,
-                                          self.device)
+                                          self.device, digest_checked=checked)
                     if pool is None:
                         block.decode_s += self._load_layer(exp.block_hash, layer, out)
                     else:
@@ -747,8 +748,10 @@ class BlockFetcher:
 
     async def _resolve_tables(self, manifest: BlockManifest, payload: bytes, clock: _SampleClock) -> None:
         """Make sure the tables a ``kvtc`` payload names are installed (``CodecError`` if they cannot be had):
-        fetched once per digest; a block that waited for them is not a sample of the path's rate."""
-        if not manifest.verify_payload(1, payload):  # only a signed payload decides what is fetched
+        fetched once per digest; a block that waited for them is not a sample of the path's rate. The
+        payload's digest is checked first (only a signed payload decides what is fetched), and not again
+        before it is decoded (``_LayerPayload.digest_checked``)."""
+        if not manifest.verify_payload(1, payload):
             raise BlockRejected("payload digest of layer 0 differs")
         digest = TransformCodec.tables_digest(payload)
         if self.tables.local(digest) is None:
@@ -938,6 +941,8 @@ class _LayerPayload:
     object_id: int
     payload: bytes
     device: torch.device
+    digest_checked: bool = False
+    """Its digest was checked already (a kvtc block's first layer, before its tables were resolved)."""
 
 
 def _decode_layer(layer: _LayerPayload) -> _DecodedLayer:
@@ -963,7 +968,7 @@ def _decode_layer_into(cache: SlotCacheWriter, block_hash: bytes, layer: _LayerP
 
 
 def _check_digest(layer: _LayerPayload) -> None:
-    if not layer.manifest.verify_payload(layer.object_id, layer.payload):
+    if not layer.digest_checked and not layer.manifest.verify_payload(layer.object_id, layer.payload):
         raise BlockRejected(f"payload digest of layer {layer.object_id - 1} differs")
 
 
