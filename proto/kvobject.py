@@ -298,17 +298,24 @@ class SignedTables:
         return TABLES_SIGNING_CONTEXT + self.digest
 
 
+def tables_array_sizes(layers: int, heads: int, head_dim: int) -> tuple[int, ...]:
+    """How many float32 values each array of a kvtc tables body holds, in order (C = heads x head_dim):
+    mean ``[L, 2, C]``, basis ``[L, 2, C, C]``, step ``[L, 2, C]``, spread ``[L, 2, C]``, key weight
+    ``[L, H, D, D]`` (kvnet.blocks.transform_tables)."""
+    c = heads * head_dim
+    return (layers * 2 * c, layers * 2 * c * c, layers * 2 * c, layers * 2 * c,
+            layers * heads * head_dim * head_dim)
+
+
 def tables_body_length(data: bytes) -> int:
-    """Bytes of the kvtc tables body that starts ``data``: its header names the model's shape (layers L, KV
-    heads H, head dim D; C = H D), and the body holds ``L (6 C + 2 C^2) + L H D^2`` float32 values after it
-    (kvnet.blocks.transform_tables)."""
+    """Bytes of the kvtc tables body that starts ``data``: its header names the model's shape, and the
+    arrays of ``tables_array_sizes`` follow it."""
     if len(data) < TABLES_HEADER.size:
         raise KVObjectError("kvtc tables shorter than their header")
     magic, _, _, layers, heads, head_dim = TABLES_HEADER.unpack_from(data, 0)
     if magic != TABLES_MAGIC:
         raise KVObjectError(f"kvtc tables: bad magic {magic!r}")
-    c = heads * head_dim
-    return TABLES_HEADER.size + 4 * (layers * (6 * c + 2 * c * c) + layers * heads * head_dim * head_dim)
+    return TABLES_HEADER.size + 4 * sum(tables_array_sizes(layers, heads, head_dim))
 
 
 def split_signed_tables(data: bytes) -> SignedTables:

@@ -50,6 +50,7 @@ from proto.kvobject import (
     TABLES_SIGNING_CONTEXT,
     KVObjectError,
     split_signed_tables,
+    tables_array_sizes,
     tables_body_length,
 )
 
@@ -143,13 +144,6 @@ def _block_diagonal(blocks: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _body_floats(layers: int, heads: int, head_dim: int) -> tuple[int, ...]:
-    """How many float32 values each array of a body holds, in order."""
-    c = heads * head_dim
-    weight = layers * heads * head_dim * head_dim
-    return (layers * 2 * c, layers * 2 * c * c, layers * 2 * c, layers * 2 * c, weight)
-
-
 def parse_tables_body(body: bytes) -> TransformTables:
     """Tables from a body (unverified: a received object goes through ``verify_tables``)."""
     if len(body) < TABLES_HEADER.size:
@@ -160,7 +154,7 @@ def parse_tables_body(body: bytes) -> TransformTables:
     if not (layers and heads and head_dim):
         raise CodecError("kvtc tables: empty model shape")
     c = heads * head_dim
-    counts = _body_floats(layers, heads, head_dim)
+    counts = tables_array_sizes(layers, heads, head_dim)
     if TABLES_HEADER.size + 4 * sum(counts) != len(body):
         raise CodecError(f"kvtc tables: body of {len(body)} bytes does not match its shape")
     flat = np.frombuffer(body, dtype="<f4", offset=TABLES_HEADER.size).astype(np.float32)
