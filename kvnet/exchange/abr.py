@@ -102,9 +102,10 @@ DEFAULT_SIZE_RATIO: Mapping[str, Mapping[str, float]] = {
 # and a copy; with lossless at 1e9 the bf16 crossover is ~620 MB/s of link (docs/nodes.md, "Renditions").
 DEFAULT_DECODE_BPS: Mapping[str, float] = {
     "lossless": 1.0e9, "plain": 2.0e9, "int8": 6.0e8, "int4": 4.0e8,
-    # kvtc's rANS decode runs symbol by symbol on the CPU: ~8 MB/s of raw KV (docs/performance.md), so it
-    # pays only on links slower than about 2 MB/s.
-    "kvtc": 8.0e6,
+    # kvtc's rANS decode runs symbol by symbol on one CPU thread: ~43 MB/s of raw KV on SmolLM2 at load 1
+    # (docs/performance.md, "kvtc's entropy models"); 30 allows for a busier node. With lossless's size and
+    # speed, kvtc then wins on links below ~14 MB/s for bf16.
+    "kvtc": 3.0e7,
 }
 
 
