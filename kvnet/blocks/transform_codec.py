@@ -3,8 +3,9 @@
 Per layer of a block, K and V apart: each token's row (its heads concatenated, C = H_kv * head_dim values)
 is centred, K weighted by its queries' metric (``TransformTables.key_weight``), and rotated into the
 layer's PCA basis; the coefficients are rounded to one uniform step, and the integers are entropy-coded
-with rANS (``constriction``) under a per-component Laplace model, its scale rounded to a quarter octave so
-that each class of scales is one precomputed categorical model (below). Basis, key weight, means, steps and
+with rANS (``constriction``) under a per-component Laplace model whose scale the encoder picks from the
+block's own coefficients (sent as an offset from the calibrated one; each class of scales, a quarter
+octave wide, is one precomputed categorical model: below). Basis, key weight, means, steps and
 Laplace scales are the model's ``TransformTables`` (kvnet.blocks.transform_tables): calibrated once per
 model, content-addressed, signed and bound to the model fingerprint. Every payload names the exact tables
 it was coded with.
@@ -17,10 +18,10 @@ large; they cost a few hundred bytes once per sequence.
 
 Payload: the common header of kvnet.blocks.codecs (codec id 5, Flags = sink rows, Param = layer index)
 with three raw sections: the tables' SHA-256 digest (32 bytes), then for K and for V the rANS words (u32
-LE) followed by the CRC-32 of the decoded integers (int32 LE), so a corrupted bitstream is refused, not
-decoded into a wrong tensor. Inside a stream the integers are decoded class by class (ascending scale
-class; within a class in row-major order), then the escaped values, in the same order, under a uniform
-model of ``[-32767, 32767]`` (proto/KVOBJECT.md section 5 states it for other implementations).
+LE) followed by the CRC-32 of the decoded integers (int32 LE) and class offsets, so a corrupted bitstream
+is refused, not decoded into a wrong tensor. Inside a stream: each component's class offset, then the
+integers class by class, then the escaped values (proto/KVOBJECT.md section 5 states the order for other
+implementations).
 Decoding rebuilds a block's layers together in torch (one batched matmul), on CPU or CUDA.
 """
 
@@ -66,19 +67,27 @@ _DIGEST_LEN = 32
 # Sink rows are coded with steps this many halvings finer than the tables' (see the module docstring).
 SINK_SHIFT = 6
 
-# The entropy models. A symbol's Laplace scale (its component's ``spread``, 2**SINK_SHIFT times that in a
-# sink row) is rounded to one of a fixed set of classes, a quarter of an octave apart (costing ~0.1% of
-# the rate), and every class has one categorical model: the coder then decodes a class's symbols with a
-# table search instead of evaluating a parametric CDF per symbol (4-8x faster). A class's alphabet spans
-# ``_TAIL`` scales either side of zero (at most ``_MAX_HALF``); a rarer value is an escape symbol followed,
-# after every class, by the value itself under a uniform model. Models and class bounds are computed in
-# decimal arithmetic, whose results are exactly specified, so an encoder and a decoder on different CPUs or
-# libraries build bit-identical models (a float ``exp`` may differ in its last bit between builds).
+# The entropy models. Each coefficient is coded under a quantized Laplace whose scale is one of a fixed set
+# of classes, a quarter of an octave apart, and every class has one categorical model: the coder decodes a
+# class's symbols with a table search instead of evaluating a parametric CDF per symbol (4-8x faster). A
+# class's alphabet spans ``_TAIL`` scales either side of zero (at most ``_MAX_HALF``); a rarer value is an
+# escape symbol followed, after every class, by the value itself under a uniform model. Models and class
+# bounds are computed in decimal arithmetic, whose results are exactly specified, so an encoder and a
+# decoder on different CPUs or libraries build bit-identical models (a float ``exp`` may differ in its last
+# bit between builds).
+#
+# Which class a component uses is the encoder's choice, sent with the stream: its offset (in classes) from
+# the class of the tables' spread. The calibration text's spreads are not the served text's: on SmolLM2 the
+# coefficients of other documents were twice as wide as calibrated (median), and coding them under the
+# calibrated scales cost 1.5x the bits of their own (docs/performance.md, "kvtc's entropy models"). A sink
+# row's class is its component's plus ``4 * SINK_SHIFT`` (its integers are 2**SINK_SHIFT times larger).
 _CLASSES_PER_OCTAVE = 4
 _CLASS_MIN, _CLASS_MAX = -32, 64  # scales 2**-8 .. 2**16
 _TAIL = 64
 _MAX_HALF = 8192
 _ESCAPE_MODEL = constriction.stream.model.Uniform(2 * _RANGE + 1)
+_OFFSET_MIN, _OFFSET_COUNT = -16, 32  # a component's class offset: -4 .. +3.75 octaves
+_OFFSET_MODEL = constriction.stream.model.Uniform(_OFFSET_COUNT)
 
 
 def _class_scale(c: int) -> Decimal:
@@ -95,32 +104,48 @@ def _class_bounds() -> np.ndarray:
         return np.array([float(m) for m in mids], dtype=np.float64)
 
 
-@functools.cache
-def _class_model(c: int) -> tuple[int, constriction.stream.model.Categorical]:
-    """``(half, model)`` of class ``c``: a quantized Laplace over ``[-half, half]`` (indices ``0 .. 2 half``)
-    and the escape (index ``2 half + 1``) carrying the mass beyond."""
+def _class_of(scale: np.ndarray) -> np.ndarray:
+    """The class of each scale (exact comparisons with the decimal bounds: the same on every host)."""
+    return np.searchsorted(_class_bounds(), scale, side="left") + _CLASS_MIN
+
+
+def _half_of(c: int) -> int:
     with localcontext() as ctx:
         ctx.prec = 40
-        b = _class_scale(c)
-        half = min(_MAX_HALF, max(1, int((b * _TAIL).to_integral_value(rounding=ROUND_CEILING))))
-        q = (Decimal(-1) / (2 * b)).exp()  # P(|x| > n) = q**(2n + 1) for an integer n >= 0
+        wide = (_class_scale(c) * _TAIL).to_integral_value(rounding=ROUND_CEILING)
+        return min(_MAX_HALF, max(1, int(wide)))
+
+
+@functools.cache
+def _class_halves() -> np.ndarray:
+    """Every class's alphabet half-width, indexed by ``class - _CLASS_MIN``."""
+    return np.array([_half_of(c) for c in range(_CLASS_MIN, _CLASS_MAX + 1)], dtype=np.int32)
+
+
+@functools.cache
+def _class_model(c: int) -> constriction.stream.model.Categorical:
+    """Class ``c``'s model: a quantized Laplace over ``[-half, half]`` (indices ``0 .. 2 half``) and the
+    escape (index ``2 half + 1``) carrying the mass beyond."""
+    half = _half_of(c)
+    with localcontext() as ctx:
+        ctx.prec = 40
+        q = (Decimal(-1) / (2 * _class_scale(c))).exp()  # P(|x| > n) = q**(2n + 1) for an integer n >= 0
         r = q * q
         p = [Decimal(0)] * (half + 1)
         p[0] = 1 - q
-        if half >= 1:
-            p[1] = q * (1 - r) / 2
+        p[1] = q * (1 - r) / 2
         for n in range(2, half + 1):
             p[n] = p[n - 1] * r
         escape = q ** (2 * half + 1)
         side = [float(x) for x in p]
     probs = np.array(side[:0:-1] + side + [float(escape)], dtype=np.float64)
-    return half, constriction.stream.model.Categorical(probs, perfect=False)
+    return constriction.stream.model.Categorical(probs, perfect=False)
 
 
 @dataclass(frozen=True, slots=True)
 class _StreamPlan:
     """How one ``[t, C]`` coefficient stream is ordered for the coder: ``order`` lists its (row-major)
-    positions class by class, ``classes`` each class's model and symbol count in that order; ``half`` and
+    positions in coding order, ``classes`` each class's model and symbol count in that order; ``half`` and
     ``escape`` give, per position in that order, its class's alphabet half-width and escape index."""
 
     order: np.ndarray
@@ -129,28 +154,47 @@ class _StreamPlan:
     escape: np.ndarray
 
 
-def _stream_plan(spread: np.ndarray, t: int, sink_rows: int) -> _StreamPlan:
-    bounds = _class_bounds()
-    row = np.searchsorted(bounds, spread, side="left") + _CLASS_MIN
-    sink = np.searchsorted(bounds, spread * 2.0 ** SINK_SHIFT, side="left") + _CLASS_MIN
-    cls = np.tile(row, (t, 1))
-    cls[:sink_rows] = sink
-    flat = cls.reshape(-1)
-    order = np.argsort(flat, kind="stable")
-    values, counts = np.unique(flat[order], return_counts=True)
-    models = [_class_model(int(c)) for c in values]
-    half = np.repeat(np.array([h for h, _ in models], dtype=np.int32), counts)
-    return _StreamPlan(order, tuple((m, int(n)) for (_, m), n in zip(models, counts, strict=True)),
-                       half, 2 * half + 1)
+def _stream_plan(column_classes: np.ndarray, t: int, sink_rows: int) -> _StreamPlan:
+    """The coding order of a stream whose components use ``column_classes``: the rows after the sink rows,
+    then the sink rows; in each, the components by ascending class (ties in component order), each
+    component's rows top to bottom."""
+    c = len(column_classes)
+    columns = np.argsort(column_classes, kind="stable")
+    halves = _class_halves()
+    orders: list[np.ndarray] = []
+    half_parts: list[np.ndarray] = []
+    classes: list[tuple[constriction.stream.model.Categorical, int]] = []
+    sink_shift = _CLASSES_PER_OCTAVE * SINK_SHIFT
+    for rows, shift in ((np.arange(sink_rows, t), 0), (np.arange(sink_rows), sink_shift)):
+        if not rows.size:
+            continue
+        ordered_classes = np.minimum(column_classes[columns] + shift, _CLASS_MAX)
+        orders.append((columns[:, None] + rows[None, :] * c).reshape(-1))
+        half_parts.append(np.repeat(halves[ordered_classes - _CLASS_MIN], rows.size))
+        values, counts = np.unique(ordered_classes, return_counts=True)
+        classes += [(_class_model(int(v)), int(n) * rows.size) for v, n in zip(values, counts, strict=True)]
+    half = np.concatenate(half_parts)
+    return _StreamPlan(np.concatenate(orders), tuple(classes), half, 2 * half + 1)
 
 
-def _encode_stream(symbols: np.ndarray, plan: _StreamPlan) -> np.ndarray:
-    """rANS words of ``symbols`` (int32, row-major) under ``plan``."""
-    ordered = symbols[plan.order]
+def _encode_coefficients(q: np.ndarray, base: np.ndarray, sink_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """rANS words of the integers ``q`` (``[t, C]`` int32) and the class offsets chosen for them: each
+    component's class is the one nearest the mean magnitude of its integers outside the sink rows (the
+    scale that fits them), as an offset from ``base``, the class of the tables' spread."""
+    t = q.shape[0]
+    body = q[sink_rows:]
+    if body.shape[0]:
+        wanted = _class_of(np.abs(body).mean(0, dtype=np.float64))
+        offsets = np.clip(wanted - base, _OFFSET_MIN, _OFFSET_MIN + _OFFSET_COUNT - 1)
+    else:
+        offsets = np.zeros_like(base)
+    plan = _stream_plan(np.clip(base + offsets, _CLASS_MIN, _CLASS_MAX), t, sink_rows)
+    ordered = q.reshape(-1)[plan.order]
     outside = np.abs(ordered) > plan.half
     indices = np.where(outside, plan.escape, ordered + plan.half).astype(np.int32)
     coder = constriction.stream.stack.AnsCoder()
-    # A stack: what is decoded last is encoded first (the escaped values), then the classes in reverse.
+    # A stack: what is decoded last is encoded first: the escaped values, the classes in reverse, then
+    # the offsets (decoded first).
     escaped = ordered[outside].astype(np.int32) + _RANGE
     if escaped.size:
         coder.encode_reverse(escaped, _ESCAPE_MODEL)
@@ -158,12 +202,16 @@ def _encode_stream(symbols: np.ndarray, plan: _StreamPlan) -> np.ndarray:
     for model, count in reversed(plan.classes):
         coder.encode_reverse(indices[end - count:end], model)
         end -= count
-    return coder.get_compressed()
+    coder.encode_reverse((offsets - _OFFSET_MIN).astype(np.int32), _OFFSET_MODEL)
+    return coder.get_compressed(), offsets
 
 
-def _decode_stream(coder: constriction.stream.stack.AnsCoder, plan: _StreamPlan) -> np.ndarray:
-    """The int32 symbols (row-major) ``_encode_stream`` coded; ``CodecError`` for an escape that
-    holds a value its class's alphabet covers (no encoder writes one)."""
+def _decode_coefficients(coder: constriction.stream.stack.AnsCoder, base: np.ndarray, t: int, sink_rows: int
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """The integers (row-major int32) and class offsets ``_encode_coefficients`` coded; ``CodecError`` for
+    an escape that holds a value its class's alphabet covers (no encoder writes one)."""
+    offsets = coder.decode(_OFFSET_MODEL, len(base)).astype(np.int64) + _OFFSET_MIN
+    plan = _stream_plan(np.clip(base + offsets, _CLASS_MIN, _CLASS_MAX), t, sink_rows)
     indices = np.concatenate([coder.decode(model, count) for model, count in plan.classes]).astype(np.int32)
     ordered = indices - plan.half
     outside = np.flatnonzero(indices == plan.escape)
@@ -174,7 +222,14 @@ def _decode_stream(coder: constriction.stream.stack.AnsCoder, plan: _StreamPlan)
         ordered[outside] = values
     symbols = np.empty_like(ordered)
     symbols[plan.order] = ordered
-    return symbols
+    return symbols, offsets
+
+
+def _stream_crc(symbols: np.ndarray, offsets: np.ndarray, sink_rows: int) -> int:
+    """CRC-32 of a stream's integers (int32 LE) and then its class offsets (int8), seeded with the sink-row
+    count, so a changed Flags byte is refused too."""
+    crc = zlib.crc32(symbols.astype("<i4").tobytes(), sink_rows)
+    return zlib.crc32(offsets.astype(np.int8).tobytes(), crc)
 
 
 def _row_scale(t: int, sink_rows: int) -> torch.Tensor:
@@ -198,7 +253,7 @@ class TransformCodec(Codec):
         self.fingerprint = fingerprint
         self._tables: dict[bytes, TransformTables] = {} if shared is None else shared
         self._device_tables: dict[tuple[bytes, str], tuple[torch.Tensor, ...]] = {}
-        self._plans: dict[tuple[bytes, int, int, int, int], _StreamPlan] = {}
+        self._bases: dict[tuple[bytes, int, int], np.ndarray] = {}
         self._lock = threading.Lock()
 
     def for_model(self, fingerprint: bytes) -> TransformCodec:
@@ -220,15 +275,14 @@ class TransformCodec(Codec):
                              f"{self.fingerprint.hex()[:16]}")
         return found
 
-    def _plan(self, tables: TransformTables, layer: int, kind: int, t: int, sink_rows: int) -> _StreamPlan:
-        """The coder's order of one layer's K (``kind`` 0) or V stream, kept per tables and shape (a dict
-        assignment of an equal value is harmless when two threads make it at once)."""
-        key = (tables.digest, layer, kind, t, sink_rows)
-        plan = self._plans.get(key)
-        if plan is None:
-            spread = tables.spread[layer, kind].numpy().astype(np.float64)
-            plan = self._plans[key] = _stream_plan(spread, t, sink_rows)
-        return plan
+    def _base_classes(self, tables: TransformTables, layer: int, kind: int) -> np.ndarray:
+        """The class of each component's calibrated spread, for one layer's K (``kind`` 0) or V; kept per
+        tables (a dict assignment of an equal value is harmless when two threads make it at once)."""
+        key = (tables.digest, layer, kind)
+        base = self._bases.get(key)
+        if base is None:
+            base = self._bases[key] = _class_of(tables.spread[layer, kind].numpy().astype(np.float64))
+        return base
 
     # -- encode ---------------------------------------------------------------------------------------
 
@@ -253,11 +307,10 @@ class TransformCodec(Codec):
             coeffs = (rows - tables.mean[layer, kind]) @ tables.analysis[layer, kind]
             steps = tables.step[layer, kind] * _row_scale(t, sink_rows)[:, None]
             q = torch.round(coeffs / steps).clamp_(-_RANGE, _RANGE).to(torch.int32)
-            symbols = q.numpy().reshape(-1)
-            plan = self._plan(tables, layer, kind, t, sink_rows)
-            words = _encode_stream(symbols, plan).astype("<u4").tobytes()
-            # The CRC starts from the sink-row count, so a changed Flags byte is refused too.
-            crc = zlib.crc32(symbols.astype("<i4").tobytes(), sink_rows).to_bytes(4, "little")
+            base = self._base_classes(tables, layer, kind)
+            coded, offsets = _encode_coefficients(q.numpy(), base, sink_rows)
+            words = coded.astype("<u4").tobytes()
+            crc = _stream_crc(q.numpy(), offsets, sink_rows).to_bytes(4, "little")
             body = words + crc
             streams.append((_MODE_RAW, len(body), body))
         header = _HEADER.pack(_MAGIC, FORMAT_VERSION, self.codec_id, _DTYPE_CODES[dtype], sink_rows,
@@ -308,9 +361,9 @@ class TransformCodec(Codec):
         for i in range(3):
             mode, raw_len, stored = _SECTION.unpack_from(view, _HEADER.size + i * _SECTION.size)
             # rANS spends at most 24 bits on a class symbol (its models' precision) and 16 more on an
-            # escaped value, plus its state and the CRC (64 bytes allow for both); more is not a kvtc
-            # stream.
-            limit = _DIGEST_LEN if i == 0 else 5 * n + 64
+            # escaped value, 5 bits on a component's class offset, plus its state and the CRC (64 bytes
+            # allow for both); more is not a kvtc stream.
+            limit = _DIGEST_LEN if i == 0 else 5 * n + h * d + 64
             if mode != _MODE_RAW or raw_len != stored or (i == 0 and raw_len != _DIGEST_LEN) or \
                     (i > 0 and (raw_len % 4 or not 8 <= raw_len <= limit)):
                 raise CodecError(f"kvtc section {i}: bad mode {mode} or length {raw_len}/{stored}")
@@ -328,16 +381,16 @@ class TransformCodec(Codec):
         for kind in range(2):
             body = bodies[1 + kind]
             words = np.frombuffer(body[:-4], dtype="<u4").astype(np.uint32)
-            plan = self._plan(tables, layer, kind, t, header.flags)
+            base = self._base_classes(tables, layer, kind)
             try:
                 coder = constriction.stream.stack.AnsCoder(words)
-                symbols = _decode_stream(coder, plan)
+                symbols, offsets = _decode_coefficients(coder, base, t, header.flags)
                 exhausted = coder.is_empty()
             except CodecError:
                 raise
             except Exception as exc:  # the coder's own error types vary by input
                 raise CodecError(f"kvtc: corrupt {'KV'[kind]} bitstream ({exc})") from None
-            crc = zlib.crc32(symbols.astype("<i4").tobytes(), header.flags)
+            crc = _stream_crc(symbols, offsets, header.flags)
             if not exhausted or crc != int.from_bytes(body[-4:], "little"):
                 raise CodecError(f"kvtc: corrupt {'KV'[kind]} bitstream (checksum mismatch)")
             q[kind] = symbols.reshape(t, h * d)

@@ -16,11 +16,15 @@ from hypothesis import strategies as st
 from kvnet.blocks.codecs import CODECS, CodecError
 from kvnet.blocks.transform_codec import (
     _ESCAPE_MODEL,
+    _OFFSET_MIN,
+    _OFFSET_MODEL,
     _RANGE,
     SINK_SHIFT,
     TransformCodec,
-    _decode_stream,
-    _encode_stream,
+    _class_model,
+    _class_of,
+    _decode_coefficients,
+    _encode_coefficients,
     _stream_plan,
 )
 from kvnet.blocks.transform_tables import (
@@ -40,7 +44,7 @@ LAYERS, TOKENS, HEADS, DIM = 3, 16, 2, 8
 SHAPE = (TOKENS, HEADS, DIM)
 FP_A = hashlib.sha256(b"model a").digest()
 FP_B = hashlib.sha256(b"model b").digest()
-GOLDEN_WORDS = "a1391bd00881ec30"
+GOLDEN_WORDS = "9b2f836c11e32093"
 """The first 16 hex digits of the SHA-256 of ``test_the_bitstream_is_the_same_on_every_host``'s words."""
 
 
@@ -317,9 +321,11 @@ def test_received_key_weight_that_cannot_be_inverted_refused(damage: str, refusa
         parse_tables_body(damaged)
 
 
-def test_values_beyond_a_class_alphabet_travel_as_escapes() -> None:
-    """A coefficient far outside its component's calibrated spread (an outlier token) is coded as an
-    escape and comes back within the same bound as every other."""
+def test_an_outlier_token_comes_back_within_the_bound() -> None:
+    """A token far outside its components' calibrated spread widens the classes the encoder picks for
+    them (or travels as escapes) and comes back within the same bound as every other; so does a layer
+    whose every coefficient is clamped at the coder's range, the worst case for the stream's size limit
+    (what an encoder writes, a decoder accepts)."""
     tables = _tables(rel_step=0.02)
     codec = TransformCodec()
     k, v = _kv(7, TOKENS)
@@ -328,48 +334,53 @@ def test_values_beyond_a_class_alphabet_travel_as_escapes() -> None:
     k2, _ = codec.decode(payload, SHAPE, torch.float32)
     bound = float(tables.step[1, 0].norm()) / 2 * 1.001
     assert float((k[1] - k2).reshape(TOKENS, -1).norm(dim=1).max()) <= bound
-    plan = codec._plan(tables, 1, 0, TOKENS, 0)
-    largest_half = int(plan.half.max())
-    coeffs = (k[1].reshape(TOKENS, -1) - tables.mean[1, 0]) @ tables.analysis[1, 0] / tables.step[1, 0]
-    assert float(coeffs.abs().max()) > largest_half  # so the escape path was taken
-    # The worst case: every coefficient escaped (clamped at the coder's range); still within the
-    # stream's size limit, so what an encoder writes a decoder accepts.
     wild = codec.encode_layer(k[1] * 1e6, v[1] * 1e6, 1, tables)
     k3, v3 = codec.decode(wild, SHAPE, torch.float32)
     assert k3.shape == SHAPE and bool(torch.isfinite(k3).all() and torch.isfinite(v3).all())
 
 
+def test_values_beyond_a_class_alphabet_travel_as_escapes() -> None:
+    """A value the widest class the encoder may pick cannot hold (the offset is bounded) is an escape."""
+    base = _class_of(np.array([0.5, 0.5]))
+    q = np.zeros((16, 2), dtype=np.int32)
+    q[5, 1], q[9, 0] = 30000, -7
+    words, offsets = _encode_coefficients(q, base, 0)
+    plan = _stream_plan(base + offsets, 16, 0)
+    assert int(plan.half.max()) < 30000  # so the escape path was taken
+    coder = constriction.stream.stack.AnsCoder(words)
+    symbols, decoded_offsets = _decode_coefficients(coder, base, 16, 0)
+    assert symbols.tolist() == q.reshape(-1).tolist() and decoded_offsets.tolist() == offsets.tolist()
+    assert coder.is_empty()
+
+
 def test_an_escape_holding_a_value_its_class_codes_is_refused() -> None:
     """Only values outside a class's alphabet are escaped; a stream that escapes another is not one an
     encoder writes, and is refused rather than decoded."""
-    plan = _stream_plan(np.array([1.0, 0.5]), 2, 0)
-    symbols = np.array([0, 1, 2, -1], dtype=np.int32)
-    coder = constriction.stream.stack.AnsCoder(_encode_stream(symbols, plan))
-    assert _decode_stream(coder, plan).tolist() == symbols.tolist()
-    model, count = plan.classes[0]
+    base = _class_of(np.array([1.0, 1.0]))
+    plan = _stream_plan(base, 2, 0)  # both components at offset 0: one class
+    (model, count), = plan.classes
     half = int(plan.half[0])
     forged = constriction.stream.stack.AnsCoder()
     forged.encode_reverse(np.array([_RANGE + 1], dtype=np.int32), _ESCAPE_MODEL)  # the value 1, escaped
-    end = len(plan.order)
-    for model2, n2 in reversed(plan.classes[1:]):
-        forged.encode_reverse(plan.half[end - n2:end], model2)  # zeros
-        end -= n2
     forged.encode_reverse(np.array([2 * half + 1] + [half] * (count - 1), dtype=np.int32), model)
+    forged.encode_reverse(np.array([-_OFFSET_MIN] * 2, dtype=np.int32), _OFFSET_MODEL)
     with pytest.raises(CodecError, match="escaped"):
-        _decode_stream(constriction.stream.stack.AnsCoder(forged.get_compressed()), plan)
+        _decode_coefficients(constriction.stream.stack.AnsCoder(forged.get_compressed()), base, 2, 0)
 
 
 def test_the_bitstream_is_the_same_on_every_host() -> None:
     """Encoder and decoder may run on different CPUs and library builds: the entropy models are built
     in decimal arithmetic, so a fixed stream codes to the same words everywhere (a float exp that
     differed in its last bit between builds would give other words, and a receiver garbage)."""
-    spread = np.array([0.02, 0.3, 1.0, 2.5, 17.0, 400.0])
-    plan = _stream_plan(spread, 4, 1)
-    symbols = np.array([0, 0, 1, -3, 40, -2000,
-                        0, 1, -1, 2, 9, 300,
-                        0, 0, 0, -1, -70, 900,
-                        0, 0, 2, 5, 3, 32767], dtype=np.int32)
-    words = _encode_stream(symbols, plan)
+    base = _class_of(np.array([0.02, 0.3, 1.0, 2.5, 17.0, 400.0]))
+    q = np.array([[0, 0, 1, -3, 40, -2000],
+                  [0, 1, -1, 2, 9, 300],
+                  [0, 0, 0, -1, -70, 900],
+                  [0, 0, 2, 5, 3, 32767]], dtype=np.int32)
+    words, offsets = _encode_coefficients(q, base, 1)
     assert hashlib.sha256(words.astype("<u4").tobytes()).hexdigest()[:16] == GOLDEN_WORDS
     coder = constriction.stream.stack.AnsCoder(words)
-    assert _decode_stream(coder, plan).tolist() == symbols.tolist() and coder.is_empty()
+    symbols, decoded_offsets = _decode_coefficients(coder, base, 4, 1)
+    assert symbols.tolist() == q.reshape(-1).tolist() and coder.is_empty()
+    assert decoded_offsets.tolist() == offsets.tolist()
+    assert _class_model(0) is _class_model(0)  # built once per process
