@@ -48,6 +48,17 @@ KVTC_RUNS = (("kvtc", "fetch", "kvtc"), ("auto+kvtc", "auto", "lossless,kvtc"))
 KVTC_MODES = tuple(mode for mode, _, _ in KVTC_RUNS)
 
 
+def _plan_shape(report: dict) -> str:
+    """What a subscriber's plan did: ``2c/1f`` (head computed, tail fetched), ``fetch``, ``no locate`` or
+    ``recompute``."""
+    plan = report["abr"]
+    if plan.get("compute_blocks"):
+        return f"{report['head_computed_blocks']}c/{report['tail_fetched_blocks']}f"
+    if plan.get("fetch_blocks"):
+        return "fetch"
+    return "no locate" if plan.get("locate_skipped") else "recompute"
+
+
 def _kvtc_tables(model: str, directory: Path) -> Path:
     """The model's kvtc tables, calibrated by ``kvnet kvtc calibrate`` on benchmarks/kvtc-calibration.txt
     (never the timed text)."""
@@ -152,17 +163,15 @@ def main() -> int:
                         equal = report["output_token_ids"] == reference
                         same[(mode, rate)] = same.get((mode, rate), 0) + equal
                     if lossy:
-                        took = lossy["auto+kvtc"].get("renditions") or {"recompute": 0}
-                        chosen[rate].append("+".join(sorted(took)))
+                        auto = lossy["auto+kvtc"]
+                        took = "+".join(sorted(auto.get("renditions") or {"recompute": 0}))
+                        chosen[rate].append(f"{took}({_plan_shape(auto)})")
                         print(f"run {run + 1} {rate:g} MB/s: kvtc {lossy['kvtc']['timings']['ttft_s']:.3f}s "
                               f"auto+kvtc {lossy['auto+kvtc']['timings']['ttft_s']:.3f}s (took "
                               f"{chosen[rate][-1]})", file=sys.stderr)
                     plan = both["abr"]
                     skipped = plan.get("locate_skipped")
-                    split = (f"{both['head_computed_blocks']}c/{both['tail_fetched_blocks']}f"
-                             if plan.get("compute_blocks") else
-                             ("fetch" if plan.get("fetch_blocks") else
-                              "no locate" if skipped else "recompute"))
+                    split = _plan_shape(both)
                     splits[rate].append(split)
                     inputs = plan.get("inputs", {})
                     why = (f"locate skipped: {skipped}" if skipped else
