@@ -28,6 +28,8 @@ Decoding rebuilds a block's layers together in torch (one batched matmul), on CP
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 import threading
 import zlib
 from collections.abc import Sequence
@@ -130,15 +132,11 @@ def _class_model(c: int) -> constriction.stream.model.Categorical:
     with localcontext() as ctx:
         ctx.prec = 40
         q = (Decimal(-1) / (2 * _class_scale(c))).exp()  # P(|x| > n) = q**(2n + 1) for an integer n >= 0
-        r = q * q
-        p = [Decimal(0)] * (half + 1)
-        p[0] = 1 - q
-        p[1] = q * (1 - r) / 2
-        for n in range(2, half + 1):
-            p[n] = p[n - 1] * r
-        escape = q ** (2 * half + 1)
-        side = [float(x) for x in p]
-    probs = np.array(side[:0:-1] + side + [float(escape)], dtype=np.float64)
+        p0, p1, r, escape = (float(x) for x in (1 - q, q * (1 - q * q) / 2, q * q, q ** (2 * half + 1)))
+    # P(n) = P(n - 1) r for n >= 2: one float64 product each, in order (IEEE multiplication is exact to the
+    # same bit everywhere; only the transcendental values above needed decimal arithmetic).
+    side = [p0, *itertools.accumulate(itertools.repeat(r, half - 1), operator.mul, initial=p1)]
+    probs = np.array(side[:0:-1] + side + [escape], dtype=np.float64)
     return constriction.stream.model.Categorical(probs, perfect=False)
 
 
