@@ -263,6 +263,14 @@ class TransformCodec(Codec):
         with self._lock:
             self._tables[tables.digest] = tables
 
+    @staticmethod
+    def prepare(tables: TransformTables) -> None:
+        """Compute what decoding with ``tables`` needs before the first block does: the synthesis matrices
+        and every coder model (~70 ms for SmolLM2's), e.g. on the thread that verified them."""
+        _ = tables.synthesis
+        for c in range(_CLASS_MIN, _CLASS_MAX + 1):
+            _class_model(c)
+
     def tables(self, digest: bytes) -> TransformTables:
         found = self._tables.get(bytes(digest))
         if found is None:

@@ -180,6 +180,7 @@ class TablesSource:
         tables = verify_tables(data, self.trust, self.fingerprint, digest)
         if self._store is not None:
             self._store.keep(data, tables)
+        TransformCodec.prepare(tables)  # here, off the event loop, rather than in the first block's decode
         return tables
 
     def _refuse(self, digest: bytes, why: str) -> CodecError:

@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 
 from kvnet.blocks.codecs import CODECS, CodecError
 from kvnet.blocks.transform_codec import (
+    _CLASS_MAX,
+    _CLASS_MIN,
     _ESCAPE_MODEL,
     _OFFSET_MIN,
     _OFFSET_MODEL,
@@ -384,3 +386,12 @@ def test_the_bitstream_is_the_same_on_every_host() -> None:
     assert symbols.tolist() == q.reshape(-1).tolist() and coder.is_empty()
     assert decoded_offsets.tolist() == offsets.tolist()
     assert _class_model(0) is _class_model(0)  # built once per process
+
+
+def test_prepare_computes_what_the_first_decode_would() -> None:
+    """A receiver prepares verified tables off its event loop, so the first block decoded with them does
+    not build the coder's models (97 of them) or the synthesis matrices."""
+    tables = _tables()
+    TransformCodec.prepare(tables)
+    assert "_synthesis" in tables.__dict__
+    assert _class_model.cache_info().currsize == _CLASS_MAX - _CLASS_MIN + 1
