@@ -73,15 +73,16 @@ SINK_SHIFT = 6
 # of classes, a quarter of an octave apart, and every class has one categorical model: the coder decodes a
 # class's symbols with a table search instead of evaluating a parametric CDF per symbol (4-8x faster). A
 # class's alphabet spans ``_TAIL`` scales either side of zero (at most ``_MAX_HALF``); a rarer value is an
-# escape symbol followed, after every class, by the value itself under a uniform model. Models and class
-# bounds are computed in decimal arithmetic, whose results are exactly specified, so an encoder and a
-# decoder on different CPUs or libraries build bit-identical models (a float ``exp`` may differ in its last
-# bit between builds).
+# escape symbol followed, after every class, by the value itself under a uniform model. Class bounds and
+# the models' transcendental values are computed in decimal arithmetic, whose results are exactly
+# specified, and the rest in float64 products, exact to the bit on every host, so an encoder and a decoder
+# on different CPUs or libraries build bit-identical models (a float ``exp`` may differ in its last bit
+# between builds).
 #
 # Which class a component uses is the encoder's choice, sent with the stream: its offset (in classes) from
 # the class of the tables' spread. The calibration text's spreads are not the served text's: on SmolLM2 the
 # coefficients of other documents were twice as wide as calibrated (median), and coding them under the
-# calibrated scales cost 1.5x the bits of their own (docs/performance.md, "kvtc's entropy models"). A sink
+# calibrated scales cost 1.5x the bits of their own (docs/performance.md, "kvtc's coder scales"). A sink
 # row's class is its component's plus ``4 * SINK_SHIFT`` (its integers are 2**SINK_SHIFT times larger).
 _CLASSES_PER_OCTAVE = 4
 _CLASS_MIN, _CLASS_MAX = -32, 64  # scales 2**-8 .. 2**16
