@@ -129,7 +129,7 @@ def _class_halves() -> np.ndarray:
 def _class_model(c: int) -> constriction.stream.model.Categorical:
     """Class ``c``'s model: a quantized Laplace over ``[-half, half]`` (indices ``0 .. 2 half``) and the
     escape (index ``2 half + 1``) carrying the mass beyond."""
-    half = _half_of(c)
+    half = int(_class_halves()[c - _CLASS_MIN])
     with localcontext() as ctx:
         ctx.prec = 40
         q = (Decimal(-1) / (2 * _class_scale(c))).exp()  # P(|x| > n) = q**(2n + 1) for an integer n >= 0
@@ -211,7 +211,7 @@ def _decode_coefficients(coder: constriction.stream.stack.AnsCoder, base: np.nda
     an escape that holds a value its class's alphabet covers (no encoder writes one)."""
     offsets = coder.decode(_OFFSET_MODEL, len(base)).astype(np.int64) + _OFFSET_MIN
     plan = _stream_plan(np.clip(base + offsets, _CLASS_MIN, _CLASS_MAX), t, sink_rows)
-    indices = np.concatenate([coder.decode(model, count) for model, count in plan.classes]).astype(np.int32)
+    indices = np.concatenate([coder.decode(model, count) for model, count in plan.classes])
     ordered = indices - plan.half
     outside = np.flatnonzero(indices == plan.escape)
     if outside.size:
@@ -227,7 +227,7 @@ def _decode_coefficients(coder: constriction.stream.stack.AnsCoder, base: np.nda
 def _stream_crc(symbols: np.ndarray, offsets: np.ndarray, sink_rows: int) -> int:
     """CRC-32 of a stream's integers (int32 LE) and then its class offsets (int8), seeded with the sink-row
     count, so a changed Flags byte is refused too."""
-    crc = zlib.crc32(symbols.astype("<i4").tobytes(), sink_rows)
+    crc = zlib.crc32(symbols.astype("<i4", copy=False).tobytes(), sink_rows)
     return zlib.crc32(offsets.astype(np.int8).tobytes(), crc)
 
 
@@ -315,9 +315,10 @@ class TransformCodec(Codec):
             steps = tables.step[layer, kind] * _row_scale(t, sink_rows)[:, None]
             q = torch.round(coeffs / steps).clamp_(-_RANGE, _RANGE).to(torch.int32)
             base = self._base_classes(tables, layer, kind)
-            coded, offsets = _encode_coefficients(q.numpy(), base, sink_rows)
+            integers = q.numpy()
+            coded, offsets = _encode_coefficients(integers, base, sink_rows)
             words = coded.astype("<u4").tobytes()
-            crc = _stream_crc(q.numpy(), offsets, sink_rows).to_bytes(4, "little")
+            crc = _stream_crc(integers, offsets, sink_rows).to_bytes(4, "little")
             body = words + crc
             streams.append((_MODE_RAW, len(body), body))
         header = _HEADER.pack(_MAGIC, FORMAT_VERSION, self.codec_id, _DTYPE_CODES[dtype], sink_rows,
