@@ -754,7 +754,7 @@ class BlockFetcher:
         if not manifest.verify_payload(1, payload):
             raise BlockRejected("payload digest of layer 0 differs")
         digest = TransformCodec.tables_digest(payload)
-        if self.tables.local(digest) is None:
+        if self.tables.installed(digest) is None:
             clock.disturbed = True
             await self.tables.resolve(self.conn, digest)
 

@@ -88,18 +88,12 @@ class TablesSource:
         self.codec.install(tables)
         self.served[tables.digest] = tables_chunks(sign_tables(tables, signer))
 
-    def local(self, digest: bytes) -> TransformTables | None:
-        """The tables called ``digest`` if this node has them without asking the relay."""
+    def installed(self, digest: bytes) -> TransformTables | None:
+        """The tables called ``digest`` if this node's codec holds them (no disk, no relay)."""
         try:
             return self.codec.tables(digest)
         except CodecError:
-            pass
-        if self._store is None:
             return None
-        tables = self._store.get(digest)
-        if tables is not None:
-            self.codec.install(tables)
-        return tables
 
     async def resolve(self, conn: MoqtConnection, digest: bytes) -> TransformTables:
         """Verified tables called ``digest``, fetched over ``conn`` when this node lacks them (once, however
@@ -107,7 +101,7 @@ class TablesSource:
 
         The fetch is a task of its own: a request that gives up (its deadline passed, the ABR recomputes)
         stops waiting, and the tables still arrive for the next one, on a slow link too."""
-        found = self.local(digest)
+        found = self.installed(digest)
         if found is not None:
             return found
         reason = self._refused.get(digest)
@@ -118,7 +112,7 @@ class TablesSource:
             if len(self._pending) >= MAX_FETCHES_IN_FLIGHT:
                 busy = f"{len(self._pending)} other tables are being fetched"
                 raise CodecError(f"kvtc tables {digest.hex()[:16]}: {busy}")
-            task = asyncio.create_task(self._fetch(conn, digest), name=f"kvtc-tables-{digest.hex()[:8]}")
+            task = asyncio.create_task(self._obtain(conn, digest), name=f"kvtc-tables-{digest.hex()[:8]}")
             self._pending[digest] = task
             task.add_done_callback(lambda done: self._fetched(digest, done))
         return await asyncio.shield(task)
@@ -127,6 +121,29 @@ class TablesSource:
         self._pending.pop(digest, None)
         if not task.cancelled():
             task.exception()  # retrieved: whoever awaited it has seen it, and nobody else must log it
+
+    async def _obtain(self, conn: MoqtConnection, digest: bytes) -> TransformTables:
+        """The tables from this node's directory, else from the relay; either way verified and prepared on
+        a thread (10 MB hashed, parsed, inverted), not on the event loop. A stored copy that no longer
+        verifies (altered on disk) is fetched again, and the good copy replaces it."""
+        if self._store is not None:
+            try:
+                stored = await asyncio.to_thread(self._stored, digest)
+            except CodecError as exc:
+                logger.warning("kvtc tables %s in %s: %s; fetching them again", digest.hex()[:16],
+                               self._store.directory, exc)
+                stored = None
+            if stored is not None:
+                self.codec.install(stored)
+                return stored
+        return await self._fetch(conn, digest)
+
+    def _stored(self, digest: bytes) -> TransformTables | None:
+        assert self._store is not None
+        tables = self._store.get(digest)
+        if tables is not None:
+            TransformCodec.prepare(tables)
+        return tables
 
     async def _fetch(self, conn: MoqtConnection, digest: bytes) -> TransformTables:
         ns, name = tables_track(self.fingerprint, self.namespace_id, digest)

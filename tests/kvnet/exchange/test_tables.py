@@ -145,6 +145,26 @@ async def test_tables_fetched_once_are_kept_in_the_directory_for_the_next_proces
     assert (first.stats.fetched, restarted.stats.fetched, server.stats.fetches_served) == (1, 0, 1)
 
 
+async def test_tables_altered_in_the_directory_are_fetched_again_and_replaced(
+    pair: ConnectionPair, served: Served, published: Published, tmp_path: Path
+) -> None:
+    tables = calibrated()
+    server = served.start([], {tables.digest: tables_chunks(sign_tables(tables, published.signer))})
+    trust = trusting(published.signer)
+    first = TablesSource(trust, FINGERPRINT, NAMESPACE_ID, directory=tmp_path)
+    await first.resolve(pair.client, tables.digest)
+    (stored,) = tmp_path.iterdir()
+    data = bytearray(stored.read_bytes())
+    data[len(data) // 2] ^= 1
+    stored.write_bytes(bytes(data))
+    restarted = TablesSource(trust, FINGERPRINT, NAMESPACE_ID, directory=tmp_path)
+    assert (await restarted.resolve(pair.client, tables.digest)).digest == tables.digest
+    assert (restarted.stats.fetched, server.stats.fetches_served) == (1, 2)
+    again = TablesSource(trust, FINGERPRINT, NAMESPACE_ID, directory=tmp_path)
+    assert (await again.resolve(pair.client, tables.digest)).digest == tables.digest
+    assert again.stats.fetched == 0
+
+
 async def test_tables_keep_arriving_after_the_request_that_asked_gave_up(
     pair: ConnectionPair, served: Served, published: Published
 ) -> None:
@@ -162,7 +182,7 @@ async def test_tables_keep_arriving_after_the_request_that_asked_gave_up(
         request.cancel()  # the request gives up while its tables are still on the way
         await asyncio.gather(request, return_exceptions=True)
         server.release.set()
-        await async_wait_until(lambda: source.local(tables.digest), "the tables to arrive anyway")
+        await async_wait_until(lambda: source.installed(tables.digest), "the tables to arrive anyway")
         assert source.stats.fetched == 1 and request.cancelled()
     finally:
         serving.cancel()
