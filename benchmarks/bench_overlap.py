@@ -114,8 +114,8 @@ def main() -> int:
     ttft = common.load_bench("bench_ttft")
     assert ttft is not None, "benchmarks/bench_ttft.py is needed (relay and publisher set-up)"
     rates = [float(r) for r in args.rates.split(",")]
-    prefix = ttft._prefix(args.prefix_tokens)
-    warm = "warm-up " + ttft._prefix(args.warm_tokens)[::-1]
+    prefix = ttft._prefix(args.prefix_tokens, args.model)
+    warm = "warm-up " + ttft._prefix(args.warm_tokens, args.model)[::-1]
     times: dict[tuple[str, float], list[float]] = {}
     splits: dict[float, list[str]] = {r: [] for r in rates}
     loads: list[str] = []

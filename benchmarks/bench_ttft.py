@@ -34,19 +34,36 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import common  # noqa: E402
 
+from kvnet.model.registry import default_models_dir, is_registered, resolve_model  # noqa: E402
+from kvnet.model.tokenizer import load_tokenizer  # noqa: E402
 from kvnet.security import certs  # noqa: E402
 from kvnet.security.signing import generate_keypair  # noqa: E402
 
 
-def _prefix(tokens: int) -> str:
-    # Deterministic text of `tokens - 1` bytes (BOS is the first token).
+def _prefix(tokens: int, model: str = "bench") -> str:
+    """Deterministic text of ``tokens`` tokens (BOS included) under ``model``'s tokenizer: one token per
+    byte on a preset (``bench``, ``small``: byte-level), the model's own count on a trained model (SmolLM2's
+    BPE makes a word of this text one or two tokens, so counting characters would publish a quarter of the
+    prefix the figures claim)."""
     words = ("kv", "cache", "block", "relay", "quic", "prefix", "token", "layer", "fetch", "publish")
     out: list[str] = []
     i = 0
     while sum(len(w) + 1 for w in out) < tokens:
         out.append(words[(i * 7 + i // 10) % len(words)])
         i += 1
-    return " ".join(out)[: tokens - 1]
+    if not is_registered(model):
+        return " ".join(out)[: tokens - 1]
+    tokenizer = load_tokenizer(resolve_model(model, default_models_dir(os.environ)))
+    while len(tokenizer.tokenize(" ".join(out))) < tokens:  # each word is at least one token
+        out += out
+    low, high = 0, len(out)  # the most words whose text is at most `tokens` tokens
+    while low < high:
+        mid = (low + high + 1) // 2
+        if len(tokenizer.tokenize(" ".join(out[:mid]))) <= tokens:
+            low = mid
+        else:
+            high = mid - 1
+    return " ".join(out[:low])
 
 
 class Bench:
@@ -137,7 +154,7 @@ def main() -> int:
                         ("--fetch-window", args.fetch_window)):
         if value is not None:
             node_extra += [flag, str(value)]
-    prefix = _prefix(args.prefix_tokens)
+    prefix = _prefix(args.prefix_tokens, args.model)
     rows: dict[str, list[float]] = {"cold": [], "remote": [], "local": []}
     goodput, raw, fetched, locate, loads = [], [], [], [], []
     with tempfile.TemporaryDirectory() as d:
