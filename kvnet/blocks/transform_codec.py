@@ -14,14 +14,16 @@ The first token of a sequence is an attention sink: later queries put much of th
 error costs the model's output far more than any other row's (on SmolLM2, coding it exactly at the same
 steps cuts the output KL about 4x). The encoder is told how many leading rows of the block are sinks
 (``sink_rows``, the caller knows the block's position) and codes them with steps ``2**-SINK_SHIFT`` as
-large; they cost a few hundred bytes once per sequence.
+large, or as fine as the coder's range allows (a sink's coefficients can be thousands of steps: the
+encoder picks the shift per stream and sends it); they cost a few hundred bytes once per sequence. No
+coefficient is ever clamped: a block with one beyond the coder's range is refused (``CodecError``).
 
 Payload: the common header of kvnet.blocks.codecs (codec id 5, Flags = sink rows, Param = layer index)
 with three raw sections: the tables' SHA-256 digest (32 bytes), then for K and for V the rANS words (u32
 LE) followed by the CRC-32 of the decoded integers (int32 LE) and class offsets, so a corrupted bitstream
 is refused, not decoded into a wrong tensor. Inside a stream: each component's class offset, then the
-integers class by class, then the escaped values (proto/KVOBJECT.md section 5 states the order for other
-implementations).
+integers class by class, then the escaped values; a stream with sink rows starts with their shift
+(proto/KVOBJECT.md section 5 states the order for other implementations).
 Decoding rebuilds a block's layers together in torch (one batched matmul), on CPU or CUDA.
 """
 
@@ -63,11 +65,12 @@ if TYPE_CHECKING:  # transform_tables imports codecs, which imports this module
 
 __all__ = ["TransformCodec"]
 
-# Coefficients are clamped to this many steps either side of zero.
+# The coder carries integers of at most this many steps either side of zero (an escape's uniform model).
 _RANGE = 32767
 _DIGEST_LEN = 32
-# Sink rows are coded with steps this many halvings finer than the tables' (see the module docstring).
+# Sink rows are coded with steps at most this many halvings finer than the tables' (the module docstring).
 SINK_SHIFT = 6
+_SHIFT_MODEL = constriction.stream.model.Uniform(SINK_SHIFT + 1)
 
 # The entropy models. Each coefficient is coded under a quantized Laplace whose scale is one of a fixed set
 # of classes, a quarter of an octave apart, and every class has one categorical model: the coder decodes a
@@ -83,7 +86,7 @@ SINK_SHIFT = 6
 # the class of the tables' spread. The calibration text's spreads are not the served text's: on SmolLM2 the
 # coefficients of other documents were twice as wide as calibrated (median), and coding them under the
 # calibrated scales cost 1.5x the bits of their own (docs/performance.md, "kvtc's coder scales"). A sink
-# row's class is its component's plus ``4 * SINK_SHIFT`` (its integers are 2**SINK_SHIFT times larger).
+# row's class is its component's plus ``4 * shift`` (its integers are 2**shift times larger).
 _CLASSES_PER_OCTAVE = 4
 _CLASS_MIN, _CLASS_MAX = -32, 64  # scales 2**-8 .. 2**16
 _TAIL = 64
@@ -153,18 +156,18 @@ class _StreamPlan:
     escape: np.ndarray
 
 
-def _stream_plan(column_classes: np.ndarray, t: int, sink_rows: int) -> _StreamPlan:
+def _stream_plan(column_classes: np.ndarray, t: int, sink_rows: int, sink_shift: int) -> _StreamPlan:
     """The coding order of a stream whose components use ``column_classes``: the rows after the sink rows,
-    then the sink rows; in each, the components by ascending class (ties in component order), each
-    component's rows top to bottom."""
+    then the sink rows (coded ``sink_shift`` halvings finer); in each, the components by ascending class
+    (ties in component order), each component's rows top to bottom."""
     c = len(column_classes)
     columns = np.argsort(column_classes, kind="stable")
     halves = _class_halves()
     orders: list[np.ndarray] = []
     half_parts: list[np.ndarray] = []
     classes: list[tuple[constriction.stream.model.Categorical, int]] = []
-    sink_shift = _CLASSES_PER_OCTAVE * SINK_SHIFT
-    for rows, shift in ((np.arange(sink_rows, t), 0), (np.arange(sink_rows), sink_shift)):
+    sink_classes = _CLASSES_PER_OCTAVE * sink_shift
+    for rows, shift in ((np.arange(sink_rows, t), 0), (np.arange(sink_rows), sink_classes)):
         if not rows.size:
             continue
         ordered_classes = np.minimum(column_classes[columns] + shift, _CLASS_MAX)
@@ -176,10 +179,12 @@ def _stream_plan(column_classes: np.ndarray, t: int, sink_rows: int) -> _StreamP
     return _StreamPlan(np.concatenate(orders), tuple(classes), half, 2 * half + 1)
 
 
-def _encode_coefficients(q: np.ndarray, base: np.ndarray, sink_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """rANS words of the integers ``q`` (``[t, C]`` int32) and the class offsets chosen for them: each
-    component's class is the one nearest the mean magnitude of its integers outside the sink rows (the
-    scale that fits them), as an offset from ``base``, the class of the tables' spread."""
+def _encode_coefficients(q: np.ndarray, base: np.ndarray, sink_rows: int, sink_shift: int
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """rANS words of the integers ``q`` (``[t, C]`` int32, its sink rows ``sink_shift`` halvings finer)
+    and the class offsets chosen for them: each component's class is the one nearest the mean magnitude
+    of its integers outside the sink rows (the scale that fits them), as an offset from ``base``, the
+    class of the tables' spread."""
     t = q.shape[0]
     body = q[sink_rows:]
     if body.shape[0]:
@@ -187,13 +192,13 @@ def _encode_coefficients(q: np.ndarray, base: np.ndarray, sink_rows: int) -> tup
         offsets = np.clip(wanted - base, _OFFSET_MIN, _OFFSET_MIN + _OFFSET_COUNT - 1)
     else:
         offsets = np.zeros_like(base)
-    plan = _stream_plan(np.clip(base + offsets, _CLASS_MIN, _CLASS_MAX), t, sink_rows)
+    plan = _stream_plan(np.clip(base + offsets, _CLASS_MIN, _CLASS_MAX), t, sink_rows, sink_shift)
     ordered = q.reshape(-1)[plan.order]
     outside = np.abs(ordered) > plan.half
     indices = np.where(outside, plan.escape, ordered + plan.half).astype(np.int32)
     coder = constriction.stream.stack.AnsCoder()
-    # A stack: what is decoded last is encoded first: the escaped values, the classes in reverse, then
-    # the offsets (decoded first).
+    # A stack: what is decoded last is encoded first: the escaped values, the classes in reverse, the
+    # offsets, then the sink shift (decoded first).
     escaped = ordered[outside].astype(np.int32) + _RANGE
     if escaped.size:
         coder.encode_reverse(escaped, _ESCAPE_MODEL)
@@ -202,15 +207,18 @@ def _encode_coefficients(q: np.ndarray, base: np.ndarray, sink_rows: int) -> tup
         coder.encode_reverse(indices[end - count:end], model)
         end -= count
     coder.encode_reverse((offsets - _OFFSET_MIN).astype(np.int32), _OFFSET_MODEL)
+    if sink_rows:
+        coder.encode_reverse(np.array([sink_shift], dtype=np.int32), _SHIFT_MODEL)
     return coder.get_compressed(), offsets
 
 
 def _decode_coefficients(coder: constriction.stream.stack.AnsCoder, base: np.ndarray, t: int, sink_rows: int
-                         ) -> tuple[np.ndarray, np.ndarray]:
-    """The integers (row-major int32) and class offsets ``_encode_coefficients`` coded; ``CodecError`` for
-    an escape that holds a value its class's alphabet covers (no encoder writes one)."""
+                         ) -> tuple[np.ndarray, np.ndarray, int]:
+    """The integers (row-major int32), class offsets and sink shift ``_encode_coefficients`` coded;
+    ``CodecError`` for an escape that holds a value its class's alphabet covers (no encoder writes one)."""
+    sink_shift = int(coder.decode(_SHIFT_MODEL, 1)[0]) if sink_rows else 0
     offsets = coder.decode(_OFFSET_MODEL, len(base)).astype(np.int64) + _OFFSET_MIN
-    plan = _stream_plan(np.clip(base + offsets, _CLASS_MIN, _CLASS_MAX), t, sink_rows)
+    plan = _stream_plan(np.clip(base + offsets, _CLASS_MIN, _CLASS_MAX), t, sink_rows, sink_shift)
     indices = np.concatenate([coder.decode(model, count) for model, count in plan.classes])
     ordered = indices - plan.half
     outside = np.flatnonzero(indices == plan.escape)
@@ -221,21 +229,41 @@ def _decode_coefficients(coder: constriction.stream.stack.AnsCoder, base: np.nda
         ordered[outside] = values
     symbols = np.empty_like(ordered)
     symbols[plan.order] = ordered
-    return symbols, offsets
+    return symbols, offsets, sink_shift
 
 
-def _stream_crc(symbols: np.ndarray, offsets: np.ndarray, sink_rows: int) -> int:
-    """CRC-32 of a stream's integers (int32 LE) and then its class offsets (int8), seeded with the sink-row
-    count, so a changed Flags byte is refused too."""
+def _stream_crc(symbols: np.ndarray, offsets: np.ndarray, sink_rows: int, sink_shift: int) -> int:
+    """CRC-32 of a stream's integers (int32 LE), its class offsets (int8) and, with sink rows, their
+    shift (one byte), seeded with the sink-row count, so a changed Flags byte is refused too."""
     crc = zlib.crc32(symbols.astype("<i4", copy=False).tobytes(), sink_rows)
-    return zlib.crc32(offsets.astype(np.int8).tobytes(), crc)
+    crc = zlib.crc32(offsets.astype(np.int8).tobytes(), crc)
+    return zlib.crc32(bytes([sink_shift]), crc) if sink_rows else crc
 
 
-def _row_scale(t: int, sink_rows: int) -> torch.Tensor:
-    """``[t]`` factor of each row's steps: finer for the sink rows."""
+def _row_scale(t: int, sink_rows: int, sink_shift: int) -> torch.Tensor:
+    """``[t]`` factor of each row's steps: ``2**-sink_shift`` for the sink rows."""
     scale = torch.ones(t)
-    scale[:sink_rows] = 2.0 ** -SINK_SHIFT
+    scale[:sink_rows] = 2.0 ** -sink_shift
     return scale
+
+
+def _quantize(coeffs: torch.Tensor, steps: torch.Tensor, sink_rows: int, what: str
+              ) -> tuple[torch.Tensor, int]:
+    """The integers of ``coeffs`` (``[t, C]``) at ``steps``, the sink rows as many halvings finer (at most
+    ``SINK_SHIFT``) as keep them within the coder's range, and that shift; ``CodecError`` for a coefficient
+    beyond the range at the tables' own step (never clamped: that would decode a wrong value)."""
+    units = coeffs / steps
+    widest = float(units.abs().amax()) if units.numel() else 0.0
+    if widest > _RANGE:
+        raise CodecError(f"kvtc: {what} holds a coefficient of {widest:.3g} steps, beyond the coder's "
+                         f"{_RANGE} (far outside what its tables were calibrated on)")
+    sink_shift = 0
+    if sink_rows:
+        sink_widest = float(units[:sink_rows].abs().amax())
+        while sink_shift < SINK_SHIFT and sink_widest * 2.0 ** (sink_shift + 1) <= _RANGE:
+            sink_shift += 1
+    return torch.round(units * _row_scale(len(units), sink_rows, sink_shift)[:, None].reciprocal()
+                       ).to(torch.int32), sink_shift
 
 
 class TransformCodec(Codec):
@@ -312,13 +340,13 @@ class TransformCodec(Codec):
         for kind, x in enumerate((k, v)):
             rows = _finite_float32(x.detach().cpu(), "k" if kind == 0 else "v").reshape(t, h * d)
             coeffs = (rows - tables.mean[layer, kind]) @ tables.analysis[layer, kind]
-            steps = tables.step[layer, kind] * _row_scale(t, sink_rows)[:, None]
-            q = torch.round(coeffs / steps).clamp_(-_RANGE, _RANGE).to(torch.int32)
+            what = f"layer {layer}'s {'KV'[kind]}"
+            q, sink_shift = _quantize(coeffs, tables.step[layer, kind], sink_rows, what)
             base = self._base_classes(tables, layer, kind)
             integers = q.numpy()
-            coded, offsets = _encode_coefficients(integers, base, sink_rows)
+            coded, offsets = _encode_coefficients(integers, base, sink_rows, sink_shift)
             words = coded.astype("<u4").tobytes()
-            crc = _stream_crc(integers, offsets, sink_rows).to_bytes(4, "little")
+            crc = _stream_crc(integers, offsets, sink_rows, sink_shift).to_bytes(4, "little")
             body = words + crc
             streams.append((_MODE_RAW, len(body), body))
         header = _HEADER.pack(_MAGIC, FORMAT_VERSION, self.codec_id, _DTYPE_CODES[dtype], sink_rows,
@@ -349,8 +377,9 @@ class TransformCodec(Codec):
         return bytes(memoryview(data)[start:start + _DIGEST_LEN])
 
     def _parse(self, data: bytes | bytearray | memoryview, shape: tuple[int, ...], dtype: torch.dtype
-               ) -> tuple[PayloadHeader, TransformTables, np.ndarray]:
-        """Header, tables and the entropy-decoded integers ``[2, T, C]`` of one payload."""
+               ) -> tuple[PayloadHeader, TransformTables, np.ndarray, torch.Tensor]:
+        """Header, tables, the entropy-decoded integers ``[2, T, C]`` of one payload and the factor of each
+        row's steps ``[2, T]`` (K's and V's sink rows may be coded at different shifts)."""
         header = read_header(data)
         if header.codec_id != self.codec_id:
             raise CodecError(f"payload was written by codec id {header.codec_id}, not {self.name}")
@@ -386,23 +415,25 @@ class TransformCodec(Codec):
         if (h, d) != (tables.num_kv_heads, tables.head_dim) or layer >= tables.num_layers:
             raise CodecError(f"kvtc payload layer {layer} of {h}x{d} does not fit its tables")
         q = np.empty((2, t, h * d), dtype=np.int32)
+        row_scale = torch.empty(2, t)
         for kind in range(2):
             body = bodies[1 + kind]
             words = np.frombuffer(body[:-4], dtype="<u4").astype(np.uint32)
             base = self._base_classes(tables, layer, kind)
             try:
                 coder = constriction.stream.stack.AnsCoder(words)
-                symbols, offsets = _decode_coefficients(coder, base, t, header.flags)
+                symbols, offsets, sink_shift = _decode_coefficients(coder, base, t, header.flags)
                 exhausted = coder.is_empty()
             except CodecError:
                 raise
             except Exception as exc:  # the coder's own error types vary by input
                 raise CodecError(f"kvtc: corrupt {'KV'[kind]} bitstream ({exc})") from None
-            crc = _stream_crc(symbols, offsets, header.flags)
+            crc = _stream_crc(symbols, offsets, header.flags, sink_shift)
             if not exhausted or crc != int.from_bytes(body[-4:], "little"):
                 raise CodecError(f"kvtc: corrupt {'KV'[kind]} bitstream (checksum mismatch)")
             q[kind] = symbols.reshape(t, h * d)
-        return header, tables, q
+            row_scale[kind] = _row_scale(t, header.flags, sink_shift)
+        return header, tables, q, row_scale
 
     def _on_device(self, tables: TransformTables, device: torch.device) -> tuple[torch.Tensor, ...]:
         key = (tables.digest, str(device))
@@ -430,15 +461,15 @@ class TransformCodec(Codec):
         if not parsed:
             return []
         t, h, d = shape
-        digests = {tables.digest for _, tables, _ in parsed}
+        digests = {tables.digest for _, tables, _, _ in parsed}
         if len(digests) != 1:
             raise CodecError("kvtc: payloads decoded together must share their tables")
         tables = parsed[0][1]
         mean, synthesis, step = self._on_device(tables, dev)
-        layers = torch.tensor([header.param for header, _, _ in parsed], device=dev)
+        layers = torch.tensor([header.param for header, _, _, _ in parsed], device=dev)
         q = torch.from_numpy(np.stack([p[2] for p in parsed])).to(dev)  # [n, 2, T, C]
-        rows_scale = torch.stack([_row_scale(t, header.flags) for header, _, _ in parsed]).to(dev)  # [n, T]
-        coeffs = q.to(torch.float32) * step[layers][:, :, None, :] * rows_scale[:, None, :, None]
+        rows_scale = torch.stack([p[3] for p in parsed]).to(dev)  # [n, 2, T]
+        coeffs = q.to(torch.float32) * step[layers][:, :, None, :] * rows_scale[:, :, :, None]
         rows = torch.matmul(coeffs, synthesis[layers]) + mean[layers][:, :, None, :]
         out = rows.to(dtype).view(len(parsed), 2, t, h, d)
         return [(out[i, 0], out[i, 1]) for i in range(len(parsed))]

@@ -88,7 +88,8 @@ def encode_block(
     tables: TransformTables | None = None,
 ) -> list[StoredBlock]:
     """Encoded, signed objects of one block whose K and V over all layers are ``k, v: [L, B, H_kv, D]``,
-    one entry per rendition (``encode_blocks`` for blocks held by another engine's cache)."""
+    one entry per rendition (``encode_blocks`` for blocks held by another engine's cache); none for kvtc
+    when the block holds values its tables cannot code (logged)."""
     shape = (int(k.shape[0]), int(k.shape[1]), int(k.shape[2]), int(k.shape[3]))
     now_ms = int(time.time() * 1000)
     out: list[StoredBlock] = []
@@ -98,7 +99,14 @@ def encode_block(
                 raise CodecError("the kvtc rendition needs the model's tables (--kvtc-tables)")
             # The sequence's first token is an attention sink: coded finer (kvnet.blocks.transform_codec).
             sinks = int(src.block_index == 0)
-            payloads = TransformCodec(fingerprint).encode_block(k, v, tables, sink_rows=sinks)
+            try:
+                payloads = TransformCodec(fingerprint).encode_block(k, v, tables, sink_rows=sinks)
+            except CodecError as exc:
+                # Values far outside what the tables were calibrated on: the block's other renditions
+                # still go out, and a subscriber that asks for kvtc finds this block missing, not wrong.
+                logger.warning("block %d (%s): not published as kvtc: %s", src.block_index,
+                               src.block_hash.hex()[:16], exc)
+                continue
         else:
             codec = get_codec(rendition)
             payloads = [codec.encode(k[layer], v[layer]) for layer in range(shape[0])]

@@ -46,7 +46,7 @@ LAYERS, TOKENS, HEADS, DIM = 3, 16, 2, 8
 SHAPE = (TOKENS, HEADS, DIM)
 FP_A = hashlib.sha256(b"model a").digest()
 FP_B = hashlib.sha256(b"model b").digest()
-GOLDEN_WORDS = "9b2f836c11e32093"
+GOLDEN_WORDS = "6e68ad19005c308e"
 """The first 16 hex digits of the SHA-256 of ``test_the_bitstream_is_the_same_on_every_host``'s words."""
 
 
@@ -220,6 +220,27 @@ def test_sink_rows_coded_finer() -> None:
         codec.encode_layer(k[1], v[1], 1, tables, sink_rows=TOKENS + 1)
 
 
+def test_a_sink_row_too_large_for_the_finest_shift_is_coded_at_the_finest_that_fits() -> None:
+    """A sink row thousands of steps out (K's sink on SmolLM2 in its last layers, at fine steps) would
+    leave the coder's range at 2**-SINK_SHIFT steps; the encoder codes it as finely as the range allows,
+    and it comes back within that step, not clamped. Each of K and V picks its own shift."""
+    tables = _tables(rel_step=0.05)
+    codec = TransformCodec()
+    k, v = _kv(5, TOKENS)
+    k1 = k[1].clone()
+    coeffs = (k1.reshape(TOKENS, -1) - tables.mean[1, 0]) @ tables.analysis[1, 0] / tables.step[1, 0]
+    k1[0] = tables.mean[1, 0].view(HEADS, DIM) + (
+        (coeffs[0] / coeffs[0].abs().max() * 3000.0 * tables.step[1, 0]) @ tables.synthesis[1, 0]
+    ).view(HEADS, DIM)  # its widest coefficient 3000 steps: 2**3 finer fits the range, 2**4 does not
+    payload = codec.encode_layer(k1, v[1], 1, tables, sink_rows=1)
+    k2, v2 = codec.decode(payload, SHAPE, torch.float32)
+    bound = float(tables.step[1, 0].norm()) / 2 * 1.001
+    assert float((k1[0] - k2[0]).norm()) <= bound * 2.0 ** -3
+    assert float((k1[0] - k2[0]).norm()) > bound * 2.0 ** -SINK_SHIFT  # not the finest shift
+    v_bound = float(tables.step[1, 1].norm()) / 2 * 1.001
+    assert float((v[1][0] - v2[0]).norm()) <= v_bound * 2.0 ** -SINK_SHIFT  # V's sink at the finest
+
+
 def test_step_scale_allocates_per_layer_kind_and_component() -> None:
     """``step_scale`` multiplies the calibrated steps; the round trip keeps each component within half its
     own step; a body of another version or with a non-positive step is refused with one line."""
@@ -326,8 +347,9 @@ def test_received_key_weight_that_cannot_be_inverted_refused(damage: str, refusa
 def test_an_outlier_token_comes_back_within_the_bound() -> None:
     """A token far outside its components' calibrated spread widens the classes the encoder picks for
     them (or travels as escapes) and comes back within the same bound as every other; so does a layer
-    whose every coefficient is clamped at the coder's range, the worst case for the stream's size limit
-    (what an encoder writes, a decoder accepts)."""
+    whose every coefficient is an escape at the edge of the coder's range, the worst case for the
+    stream's size limit (what an encoder writes, a decoder accepts). A coefficient beyond that range is
+    refused at encode, never clamped into a wrong value."""
     tables = _tables(rel_step=0.02)
     codec = TransformCodec()
     k, v = _kv(7, TOKENS)
@@ -336,9 +358,18 @@ def test_an_outlier_token_comes_back_within_the_bound() -> None:
     k2, _ = codec.decode(payload, SHAPE, torch.float32)
     bound = float(tables.step[1, 0].norm()) / 2 * 1.001
     assert float((k[1] - k2).reshape(TOKENS, -1).norm(dim=1).max()) <= bound
-    wild = codec.encode_layer(k[1] * 1e6, v[1] * 1e6, 1, tables)
-    k3, v3 = codec.decode(wild, SHAPE, torch.float32)
-    assert k3.shape == SHAPE and bool(torch.isfinite(k3).all() and torch.isfinite(v3).all())
+    centred = [(x.reshape(TOKENS, -1) - tables.mean[1, kind]) @ tables.analysis[1, kind]
+               for kind, x in enumerate((k[1], v[1]))]
+    edge = [((c.sign() + (c == 0)) * (_RANGE - 0.5)) for c in centred]  # every coefficient |32766.5| steps
+    k_edge, v_edge = ((e * tables.step[1, kind]) @ tables.synthesis[1, kind] + tables.mean[1, kind]
+                      for kind, e in enumerate(edge))
+    edge_payload = codec.encode_layer(k_edge.view(SHAPE), v_edge.view(SHAPE), 1, tables)
+    n = TOKENS * HEADS * DIM
+    assert len(edge_payload) > 2 * 4 * n  # escapes: more than 4 bytes per integer, within 5n + C + 64
+    k3, _ = codec.decode(edge_payload, SHAPE, torch.float32)
+    assert float((k3 - k_edge.view(SHAPE)).abs().max()) <= float(tables.step[1, 0].norm()) * 1.001
+    with pytest.raises(CodecError, match=r"layer 1's K holds a coefficient of .* beyond the coder's 32767"):
+        codec.encode_layer(k[1] * 1e6, v[1], 1, tables)
 
 
 def test_values_beyond_a_class_alphabet_travel_as_escapes() -> None:
@@ -346,11 +377,11 @@ def test_values_beyond_a_class_alphabet_travel_as_escapes() -> None:
     base = _class_of(np.array([0.5, 0.5]))
     q = np.zeros((16, 2), dtype=np.int32)
     q[5, 1], q[9, 0] = 30000, -7
-    words, offsets = _encode_coefficients(q, base, 0)
-    plan = _stream_plan(base + offsets, 16, 0)
+    words, offsets = _encode_coefficients(q, base, 0, 0)
+    plan = _stream_plan(base + offsets, 16, 0, 0)
     assert int(plan.half.max()) < 30000  # so the escape path was taken
     coder = constriction.stream.stack.AnsCoder(words)
-    symbols, decoded_offsets = _decode_coefficients(coder, base, 16, 0)
+    symbols, decoded_offsets, _ = _decode_coefficients(coder, base, 16, 0)
     assert symbols.tolist() == q.reshape(-1).tolist() and decoded_offsets.tolist() == offsets.tolist()
     assert coder.is_empty()
 
@@ -359,7 +390,7 @@ def test_an_escape_holding_a_value_its_class_codes_is_refused() -> None:
     """Only values outside a class's alphabet are escaped; a stream that escapes another is not one an
     encoder writes, and is refused rather than decoded."""
     base = _class_of(np.array([1.0, 1.0]))
-    plan = _stream_plan(base, 2, 0)  # both components at offset 0: one class
+    plan = _stream_plan(base, 2, 0, 0)  # both components at offset 0: one class
     (model, count), = plan.classes
     half = int(plan.half[0])
     forged = constriction.stream.stack.AnsCoder()
@@ -379,11 +410,11 @@ def test_the_bitstream_is_the_same_on_every_host() -> None:
                   [0, 1, -1, 2, 9, 300],
                   [0, 0, 0, -1, -70, 900],
                   [0, 0, 2, 5, 3, 32767]], dtype=np.int32)
-    words, offsets = _encode_coefficients(q, base, 1)
+    words, offsets = _encode_coefficients(q, base, 1, 2)
     assert hashlib.sha256(words.astype("<u4").tobytes()).hexdigest()[:16] == GOLDEN_WORDS
     coder = constriction.stream.stack.AnsCoder(words)
-    symbols, decoded_offsets = _decode_coefficients(coder, base, 4, 1)
-    assert symbols.tolist() == q.reshape(-1).tolist() and coder.is_empty()
+    symbols, decoded_offsets, sink_shift = _decode_coefficients(coder, base, 4, 1)
+    assert symbols.tolist() == q.reshape(-1).tolist() and coder.is_empty() and sink_shift == 2
     assert decoded_offsets.tolist() == offsets.tolist()
     assert _class_model(0) is _class_model(0)  # built once per process
 

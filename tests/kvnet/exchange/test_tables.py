@@ -17,7 +17,7 @@ from kvnet.blocks.transform_tables import TransformTables, calibrate, sign_table
 from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.exchange.blockstore import StoredBlock
 from kvnet.exchange.fetching import BlockFetcher
-from kvnet.exchange.publishing import BlockServer, encode_blocks
+from kvnet.exchange.publishing import BlockServer, encode_block, encode_blocks
 from kvnet.exchange.tables import MAX_FETCHES_IN_FLIGHT, TablesSource
 from kvnet.net.handles import IncomingFetch
 from kvnet.security.signing import Signer
@@ -272,6 +272,21 @@ async def test_tables_that_cannot_be_verified_end_the_prefix_in_one_line(
         with pytest.raises(CodecError, match="refused"):
             await source.resolve(pair.client, tables.digest)
         assert server.stats.fetches_served == served_before
+
+
+def test_a_block_kvtc_cannot_code_goes_out_in_its_other_renditions(
+    published: Published, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A block whose values lie far outside what the tables were calibrated on (here a million times) is
+    not published as kvtc, rather than as clamped, wrong KV; its lossless rendition still is."""
+    tables = calibrated()
+    kv = published.cache.export_block(published.identities[1].block_hash)
+    src = published.identities[1]
+    out = encode_block(kv.k * 1e6, kv.v, src, fingerprint=FINGERPRINT, renditions=("lossless", "kvtc"),
+                       signer=published.signer, tables=tables)
+    assert [b.rendition for b in out] == ["lossless"]
+    (record,) = [r for r in caplog.records if "not published as kvtc" in r.getMessage()]
+    assert "beyond the coder's" in record.getMessage() and "\n" not in record.getMessage()
 
 
 async def test_a_publisher_without_tables_cannot_publish_kvtc(published: Published) -> None:
