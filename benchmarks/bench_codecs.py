@@ -149,14 +149,15 @@ KVTC_TABLES: TransformTables | None = None
 """The model's kvtc tables for this run (``kvtc_tables``); kvtc is skipped without them."""
 
 
-def calibrate_step_scale(model: Transformer, blocks: Blocks, block_size: int, scored: list[int],
+def calibrate_step_scale(scorer: Transformer, blocks: Blocks, block_size: int, scored: list[int],
                          tables: TransformTables, group: int) -> torch.Tensor:
     """Per (layer, K/V) step factors ``[L, 2]`` from the model's measured sensitivity (``step_scale``).
 
     The calibration prefix goes through kvtc with ``tables`` (equal relative step everywhere); then, for
     each group of ``group`` consecutive layers and K or V apart, only that group's decoded K (or V)
     replaces the exact one and the mean KL of the ``scored`` tokens' outputs from the exact run is
-    measured. With the KL of a group ~ a_g * step_g**2 and its rate ~ -log2(step_g) per component,
+    measured by ``scorer`` (the model, in float32 unless asked otherwise: ``--score-dtype``). With the KL
+    of a group ~ a_g * step_g**2 and its rate ~ -log2(step_g) per component,
     minimising the sum of KLs at a fixed rate gives equal a_g * step_g**2 (reverse water-filling across
     groups): step_g scales by (KL_g / geometric mean)**-1/2, which keeps the mean log step, hence the
     rate, about where it was."""
@@ -168,8 +169,8 @@ def calibrate_step_scale(model: Transformer, blocks: Blocks, block_size: int, sc
                                               sink_rows=int(index == 0)),
                            shape, dtype)  # type: ignore[arg-type]
         for index, layers in enumerate(blocks)]
-    reference = torch.log_softmax(held_out_logits(model, blocks, block_size, scored)[:-1], dim=-1)
-    num_layers = model.args.n_layers
+    reference = torch.log_softmax(held_out_logits(scorer, blocks, block_size, scored)[:-1], dim=-1)
+    num_layers = scorer.args.n_layers
     kl = torch.empty(num_layers, 2)
     for start in range(0, num_layers, group):
         members = range(start, min(start + group, num_layers))
@@ -179,14 +180,15 @@ def calibrate_step_scale(model: Transformer, blocks: Blocks, block_size: int, sc
                   dec[layer][1] if layer in members and kind == 1 else exact[layer][1])
                  for layer in range(num_layers)]
                 for exact, dec in zip(blocks, decoded, strict=True)]
-            log_probs = torch.log_softmax(held_out_logits(model, mixed, block_size, scored)[:-1], dim=-1)
+            log_probs = torch.log_softmax(held_out_logits(scorer, mixed, block_size, scored)[:-1], dim=-1)
             kl[start:start + group, kind] = float((reference.exp() * (reference - log_probs)).sum(-1).mean())
     kl = kl.clamp(min=1e-9)
     return (kl / kl.log().mean().exp()).pow(-0.5).clamp(0.25, 4.0)
 
 
 def kvtc_tables(model: Transformer, tokenizer: Tokenizer, block_size: int, path: Path, tokens: int,
-                rel_step: float, layer_group: int = 0, key_metric: bool = True) -> TransformTables:
+                rel_step: float, layer_group: int = 0, key_metric: bool = True,
+                scorer: Transformer | None = None) -> TransformTables:
     """kvtc tables calibrated on ``CALIBRATION_TEXT`` (never the scored documents); their body is cached at
     ``path`` (recalibrated when it is of another format). K is weighted by the queries' metric unless
     ``key_metric`` is false. With ``layer_group`` the steps are allocated by measured sensitivity
@@ -207,7 +209,7 @@ def kvtc_tables(model: Transformer, tokenizer: Tokenizer, block_size: int, path:
         if layer_group:
             blocks = prefill_blocks(model, ids[: len(ids) // block_size * block_size], block_size)
             scored = all_ids[len(blocks) * block_size:len(blocks) * block_size + 256]
-            scale = calibrate_step_scale(model, blocks, block_size, scored, tables, layer_group)
+            scale = calibrate_step_scale(scorer or model, blocks, block_size, scored, tables, layer_group)
             print("  kvtc step scale (K; V) per layer: " + "; ".join(
                 " ".join(f"{x:.2f}" for x in scale[:, kind].tolist()) for kind in range(2)), flush=True)
             tables = calibrate_model_tables(model, ids, block_size, rel_step, key_metric=key_metric,
@@ -331,14 +333,16 @@ def int8_layouts(blocks: Blocks) -> None:
 
 @torch.no_grad()
 def held_out_logits(model: Transformer, blocks: Blocks, block_size: int, held_out: list[int]) -> torch.Tensor:
-    """Logits ``[len(held_out), vocab]`` (float32) of the held-out tokens after the given prefix K/V."""
+    """Logits ``[len(held_out), vocab]`` (float32) of the held-out tokens after the given prefix K/V (cast
+    to ``model``'s dtype: a float32 scorer reads a bf16 cache exactly)."""
+    blocks = [[(k.to(model.dtype), v.to(model.dtype)) for k, v in layers] for layers in blocks]
     cache, _ = load_prefix(model, blocks, block_size, len(blocks) * block_size + len(held_out))
     return run(model, cache, 0, held_out).float()
 
 
 def real_kv_quality(
     model: Transformer, tokenizer: Tokenizer, block_size: int, held_out: int, runs: int,
-    renditions: set[str] | None = None,
+    renditions: set[str] | None = None, scorer: Transformer | None = None,
 ) -> list[tuple[str, float, float, float, float, int, float, float]]:
     """Per rendition over all documents: (name, size vs raw, mean KL vs lossless, delta log-loss, top-1
     agreement, positions scored, encode MB/s, decode MB/s), for ``renditions`` (all when None; lossless,
@@ -364,7 +368,7 @@ def real_kv_quality(
             ratio = speed.ratio
             print(f"    {name}: {SPEED_HEADER}\n    {name}: {speed.columns()}", flush=True)
             log_probs = torch.log_softmax(held_out_logits(
-                model, decoded_blocks(codec, payloads, blocks), block_size, scored)[:-1], dim=-1)
+                scorer or model, decoded_blocks(codec, payloads, blocks), block_size, scored)[:-1], dim=-1)
             if reference is None:
                 reference = log_probs
             kl = (reference.exp() * (reference - log_probs)).sum(-1)
@@ -400,16 +404,18 @@ def main_real(args: argparse.Namespace) -> None:
     rows = []
     for dtype_name in args.dtypes.split(","):
         model, tokenizer = load_trained(args.model, dtype_name)
-        print(f"== {dtype_name}", flush=True)
+        scorer = model if args.score_dtype in ("same", dtype_name) else \
+            load_trained(args.model, args.score_dtype)[0]
+        print(f"== {dtype_name} (scored by the model in {scorer.dtype})", flush=True)
         KVTC_TABLES = None
         if args.kvtc_tables:
             KVTC_TABLES = kvtc_tables(model, tokenizer, args.block_size,
                                       Path(f"{args.kvtc_tables}.{dtype_name}"), args.kvtc_calibration_tokens,
                                       args.kvtc_rel_step, args.kvtc_layer_group,
-                                      key_metric=not args.kvtc_unweighted_keys)
+                                      key_metric=not args.kvtc_unweighted_keys, scorer=scorer)
         renditions = set(args.renditions.split(",")) if args.renditions else None
         rows += [(dtype_name, *row) for row in real_kv_quality(model, tokenizer, args.block_size,
-                                                               args.held_out, args.runs, renditions)]
+                                                               args.held_out, args.runs, renditions, scorer)]
     print("\n| model dtype | rendition | size vs raw | mean KL vs lossless | Δ log-loss (nats/token) "
           "| top-1 agreement | encode MB/s | decode MB/s |")
     print("|---|---|---|---|---|---|---|---|")
@@ -449,6 +455,11 @@ def main() -> None:
                         "measure besides lossless (default all; kvtc needs --kvtc-tables)")
     parser.add_argument("--no-quality", action="store_true", help="skip the model quality check")
     parser.add_argument("--held-out", type=int, default=256, help="trained model: tokens scored per document")
+    parser.add_argument("--score-dtype", default="float32", choices=("float32", "same"),
+                        help="trained model: the dtype of the model that scores the decoded KV (KL, "
+                        "log-loss, top-1; the KV itself stays in --dtypes). In bfloat16 arithmetic any "
+                        "change to the KV at all, even noise of 1e-3 of each value, costs ~1.6e-3 of KL: "
+                        "a floor that hides the codecs' differences ('same' measures with it)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # per-core figures
     if is_registered(args.model):
