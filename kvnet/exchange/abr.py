@@ -40,7 +40,12 @@ the parallel part never costs more than computing it there (give the head one mo
 balances the two sides (``best_split``; an O(f) scan with prefix sums) and the split is chosen only where
 it beats both the fetch cut above and recomputing everything by ``SPLIT_MIN_GAIN``. Both sides are costed
 as they run beside each other, measured apart from plain fetches and prefills (``head_prefill``,
-``tail_throughput``): on a CPU node they share the cores. Before the first split was measured, a node whose
+``tail_throughput``): on a CPU node they share the cores. A node whose only throughput samples are a split's
+tails costs a whole fetch at their rate too, not at the prior: a rate measured beside compute is at most
+the path's, but it is a measurement and the prior a guess (a node's first request split, its tail came at
+4 MB/s over a WAN, and its second planned a whole fetch at the 100 MB/s prior and took 2.1x recomputing);
+if the head's forwards were what slowed the tail, the plans it declines lead to a probe, which measures
+the path alone. Before the first split was measured, a node whose
 forwards leave no core for decoding (``decode_beside_compute``) charges the head what the tail's decoding
 takes (``decode_i``, raw bytes over the rendition's decode rate) while the tail's bytes still cross the
 network beside it: ``max(prefill(k * block_size) + sum(decode_i for k <= i < f), ...)``. That is next to
@@ -797,7 +802,7 @@ class KvAbr:
     def inputs(self) -> dict[str, float]:
         """The estimates a plan is made from now (a skipped locate's report, an engine's metrics file)."""
         return {
-            "throughput_bps": self.throughput.estimate(),
+            "throughput_bps": self._fetch_throughput().estimate(),
             "rtt_s": self.rtt.estimate(),
             "prefill_per_token_s": self.prefill.per_token_s,
             "prefill_overhead_s": self.prefill.overhead_s,
@@ -810,13 +815,21 @@ class KvAbr:
         last = self.throughput.last_sample_at
         return bool(cfg.probe_after_s) and last is not None and self.clock() - last > cfg.probe_after_s
 
+    def _fetch_throughput(self, beside_compute: bool = False) -> ThroughputEstimator:
+        """What a fetch is costed at: as a split's tail, ``tail_throughput`` once one was measured; whole,
+        ``throughput``, or ``tail_throughput`` while only the former's prior stands (module docstring)."""
+        if beside_compute:
+            return self.tail_throughput if self.tail_throughput.samples else self.throughput
+        if not self.throughput.samples and self.tail_throughput.samples:
+            return self.tail_throughput
+        return self.throughput
+
     def fetch_cost(
         self, raw_bytes: int, available: Sequence[str], beside_compute: bool = False
     ) -> tuple[str | None, float]:
         """Best acceptable rendition among ``available`` for a block of ``raw_bytes``, and its cost;
         ``beside_compute``: as the tail of a split, fetched while the head computes (``tail_throughput``)."""
-        tail = beside_compute and self.tail_throughput.samples > 0
-        bps = (self.tail_throughput if tail else self.throughput).estimate() * self.config.safety
+        bps = self._fetch_throughput(beside_compute).estimate() * self.config.safety
         best: tuple[float, tuple[int, str], str] | None = None
         for r in available:
             if r not in self.config.acceptable:
@@ -904,7 +917,7 @@ class KvAbr:
         return AbrPlan(
             choices=final,
             fetch_blocks=best_k,
-            throughput_bps=self.throughput.estimate(),
+            throughput_bps=self._fetch_throughput().estimate(),
             rtt_s=rtt,
             first_byte_s=first_byte,
             prefill_per_token_s=per_tok,

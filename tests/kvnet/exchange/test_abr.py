@@ -423,8 +423,10 @@ def test_a_tail_measured_slower_beside_its_head_ends_the_split_and_leaves_fetche
     located = [["lossless"]] * 8
     before = abr.plan(located, BLOCK, RAW, total_tokens=8 * BLOCK + 5)
     assert 0 < before.compute_blocks < 8
-    # The last split's tail came at a tenth of the path's rate (the head's forwards took its cores).
+    # The last split's tail came at a tenth of the path's rate (the head's forwards took its cores), and
+    # the path alone was measured at its rate.
     abr.fetch_measured(10_000_000, 1.0, beside_compute=True)
+    abr.fetch_measured(100_000_000, 1.0)
     assert abr.throughput.estimate() == 1e8 and abr.tail_throughput.estimate() < 2e7
     after = abr.plan(located, BLOCK, RAW, total_tokens=8 * BLOCK + 5)
     assert (after.compute_blocks, after.fetch_blocks) == (0, 8)  # fetching alone, at the path's rate
@@ -439,6 +441,22 @@ def test_a_tail_measured_slower_beside_its_head_ends_the_split_and_leaves_fetche
     abr.fetch_measured(5_000_000, 1.0, beside_compute=True)
     other.absorb(abr.take_samples())
     assert other.tail_throughput.samples == 1 and other.throughput.samples == 0
+
+
+def test_a_node_that_measured_only_a_split_tail_costs_a_whole_fetch_at_its_rate_not_the_prior() -> None:
+    """The WAN demo on a fast CPU: the first request split, its tail came at 4 MB/s; the second must not
+    plan a whole fetch at the 100 MB/s prior (it took 2.1x recomputing). Until the path alone is
+    measured, the tail's rate is the best evidence; once it is, the path's own estimate rules again."""
+    abr = KvAbr(AbrConfig(prior_throughput_bps=1e8, prior_rtt_s=0.001, safety=1.0))
+    abr.prefill.add(100, 100 * 2e-4)  # a block's prefill 3.2 ms, its fetch at the prior 10 ms
+    located = [["lossless"]] * 8
+    abr.fetch_measured(4_000_000, 1.0, beside_compute=True)
+    plan = abr.plan(located, BLOCK, RAW, total_tokens=8 * BLOCK + 5)
+    assert plan.fetch_blocks == 0 and plan.throughput_bps == pytest.approx(4e6)
+    assert abr.inputs()["throughput_bps"] == pytest.approx(4e6)
+    abr.fetch_measured(1_000_000_000, 1.0)  # a probe measured the path alone at 1 GB/s
+    plan = abr.plan(located, BLOCK, RAW, total_tokens=8 * BLOCK + 5)
+    assert plan.throughput_bps == pytest.approx(1e9) and plan.fetch_blocks == 8
 
 
 def test_no_split_when_overlap_is_off_or_the_mode_forbids_it() -> None:
