@@ -49,7 +49,7 @@ from kvnet.model.checkpoint import load_checkpoint
 from kvnet.model.registry import default_models_dir, is_registered, resolve_model
 from kvnet.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvnet.model.transformer import ModelArgs, Transformer
-from kvnet.node.kvtc_calibration import calibrate_model_tables
+from kvnet.node.kvtc_calibration import HELD_OUT_TOKENS, calibrate_model_tables
 from kvnet.security.signing import Signer, TrustStore
 
 DOCUMENTS = Path(__file__).resolve().parent / "documents"
@@ -149,52 +149,15 @@ KVTC_TABLES: TransformTables | None = None
 """The model's kvtc tables for this run (``kvtc_tables``); kvtc is skipped without them."""
 
 
-def calibrate_step_scale(scorer: Transformer, blocks: Blocks, block_size: int, scored: list[int],
-                         tables: TransformTables, group: int) -> torch.Tensor:
-    """Per (layer, K/V) step factors ``[L, 2]`` from the model's measured sensitivity (``step_scale``).
-
-    The calibration prefix goes through kvtc with ``tables`` (equal relative step everywhere); then, for
-    each group of ``group`` consecutive layers and K or V apart, only that group's decoded K (or V)
-    replaces the exact one and the mean KL of the ``scored`` tokens' outputs from the exact run is
-    measured by ``scorer`` (the model, in float32 unless asked otherwise: ``--score-dtype``). With the KL
-    of a group ~ a_g * step_g**2 and its rate ~ -log2(step_g) per component,
-    minimising the sum of KLs at a fixed rate gives equal a_g * step_g**2 (reverse water-filling across
-    groups): step_g scales by (KL_g / geometric mean)**-1/2, which keeps the mean log step, hence the
-    rate, about where it was."""
-    codec = TransformCodec()
-    shape, dtype = tuple(blocks[0][0][0].shape), blocks[0][0][0].dtype
-    decoded = [
-        codec.decode_block(codec.encode_block(torch.stack([k for k, _ in layers]),
-                                              torch.stack([v for _, v in layers]), tables,
-                                              sink_rows=int(index == 0)),
-                           shape, dtype)  # type: ignore[arg-type]
-        for index, layers in enumerate(blocks)]
-    reference = torch.log_softmax(held_out_logits(scorer, blocks, block_size, scored)[:-1], dim=-1)
-    num_layers = scorer.args.n_layers
-    kl = torch.empty(num_layers, 2)
-    for start in range(0, num_layers, group):
-        members = range(start, min(start + group, num_layers))
-        for kind in range(2):
-            mixed: Blocks = [
-                [(dec[layer][0] if layer in members and kind == 0 else exact[layer][0],
-                  dec[layer][1] if layer in members and kind == 1 else exact[layer][1])
-                 for layer in range(num_layers)]
-                for exact, dec in zip(blocks, decoded, strict=True)]
-            log_probs = torch.log_softmax(held_out_logits(scorer, mixed, block_size, scored)[:-1], dim=-1)
-            kl[start:start + group, kind] = float((reference.exp() * (reference - log_probs)).sum(-1).mean())
-    kl = kl.clamp(min=1e-9)
-    return (kl / kl.log().mean().exp()).pow(-0.5).clamp(0.25, 4.0)
-
-
 def kvtc_tables(model: Transformer, tokenizer: Tokenizer, block_size: int, path: Path, tokens: int,
                 rel_step: float, layer_group: int = 0, key_metric: bool = True,
                 scorer: Transformer | None = None) -> TransformTables:
     """kvtc tables calibrated on ``CALIBRATION_TEXT`` (never the scored documents); their body is cached at
     ``path`` (recalibrated when it is of another format). K is weighted by the queries' metric unless
-    ``key_metric`` is false. With ``layer_group`` the steps are allocated by measured sensitivity
-    (``calibrate_step_scale``): the first ``tokens`` are calibrated on, the next 256 scored. Signed here
-    under a throwaway key and verified as a node would (signature, digest, model fingerprint): the
-    benchmark checks the codec, not the trust chain."""
+    ``key_metric`` is false. With ``layer_group`` the steps are allocated by measured sensitivity, scored
+    by ``scorer`` (``kvnet.node.kvtc_calibration.measure_step_scale``): the first ``tokens`` are calibrated
+    on, the next 256 scored. Signed here under a throwaway key and verified as a node would (signature,
+    digest, model fingerprint): the benchmark checks the codec, not the trust chain."""
     fingerprint = model.fingerprint(block_size)
     try:
         tables = parse_tables_body(path.read_bytes()) if path.is_file() else None
@@ -203,17 +166,11 @@ def kvtc_tables(model: Transformer, tokenizer: Tokenizer, block_size: int, path:
         tables = None
     if tables is None:
         all_ids = tokenizer.tokenize(CALIBRATION_TEXT.read_text(encoding="utf-8"))
-        ids = all_ids[:tokens]
-        print(f"  calibrating kvtc tables on {len(ids)} tokens of {CALIBRATION_TEXT.name}", flush=True)
-        tables = calibrate_model_tables(model, ids, block_size, rel_step, key_metric=key_metric)
-        if layer_group:
-            blocks = prefill_blocks(model, ids[: len(ids) // block_size * block_size], block_size)
-            scored = all_ids[len(blocks) * block_size:len(blocks) * block_size + 256]
-            scale = calibrate_step_scale(scorer or model, blocks, block_size, scored, tables, layer_group)
-            print("  kvtc step scale (K; V) per layer: " + "; ".join(
-                " ".join(f"{x:.2f}" for x in scale[:, kind].tolist()) for kind in range(2)), flush=True)
-            tables = calibrate_model_tables(model, ids, block_size, rel_step, key_metric=key_metric,
-                                            step_scale=scale)
+        held = HELD_OUT_TOKENS if layer_group else 0
+        ids = all_ids[:tokens + held]
+        print(f"  calibrating kvtc tables on {len(ids) - held} tokens of {CALIBRATION_TEXT.name}", flush=True)
+        tables = calibrate_model_tables(model, ids, block_size, rel_step, key_metric=key_metric,
+                                        layer_group=layer_group, scorer=scorer, held_out=held)
         path.write_bytes(tables.body())
     signer = Signer.generate()
     trust = TrustStore()

@@ -269,9 +269,13 @@ def _add_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _cmd_kvtc_calibrate(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import torch
+
     from kvnet.model.registry import default_models_dir
     from kvnet.node.config import NodeConfig
-    from kvnet.node.kvtc_calibration import DEFAULT_REL_STEP, calibrate_model_tables
+    from kvnet.node.kvtc_calibration import DEFAULT_LAYER_GROUP, DEFAULT_REL_STEP, calibrate_model_tables
     from kvnet.node.node import build_model
 
     if args.out.exists() and not args.force:
@@ -281,10 +285,16 @@ def _cmd_kvtc_calibrate(args: argparse.Namespace) -> int:
                         block_size=args.block_size)
 
     def work() -> tuple[int, bytes, bytes]:
-        model, tokenizer = build_model(config, default_models_dir(os.environ))
+        models_dir = default_models_dir(os.environ)
+        model, tokenizer = build_model(config, models_dir)
+        # The allocation scores in float32: bfloat16 arithmetic has a KL floor that would drown it.
+        group = DEFAULT_LAYER_GROUP if args.layer_group is None else args.layer_group
+        scorer = model if model.dtype == torch.float32 or not group else \
+            build_model(dataclasses.replace(config, dtype="float32"), models_dir)[0]
         ids = tokenizer.tokenize(text)[:args.tokens]
         rel_step = DEFAULT_REL_STEP if args.rel_step is None else args.rel_step
-        tables = calibrate_model_tables(model, ids, args.block_size, rel_step)
+        tables = calibrate_model_tables(model, ids, args.block_size, rel_step, layer_group=group,
+                                        scorer=scorer)
         return len(ids), tables.body(), tables.fingerprint
 
     tokens, body, fingerprint = _with_progress("calibrating kvtc tables", work)
@@ -319,6 +329,10 @@ def _add_kvtc(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cal.add_argument("--rel-step", type=float,
                      help="quantizer step relative to each layer's RMS (larger: smaller and coarser; default "
                      "the step measured in docs/performance.md)")
+    cal.add_argument("--layer-group", type=int,
+                     help="allocate the steps by the model's measured sensitivity per group of this many "
+                     "layers, K and V apart (default 5; 0: the same relative step everywhere); the last "
+                     "tokens of the text (at most 256) are scored for it, by the model in float32")
     cal.add_argument("--force", action="store_true", help="replace --out if it exists")
     cal.set_defaults(func=_cmd_kvtc_calibrate)
 

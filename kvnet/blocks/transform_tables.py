@@ -268,7 +268,7 @@ def calibrate(k: torch.Tensor, v: torch.Tensor, fingerprint: bytes, rel_step: fl
 
     Equal relative error is not equal harm to the model's output: ``step_scale`` (``[L, 2]``, or ``[L, 2,
     C]`` per component) multiplies each step by a factor chosen from the model's measured sensitivity
-    (``calibrate_step_scale`` in benchmarks/bench_codecs.py measures it as output KL on the calibration
+    (``kvnet.node.kvtc_calibration.measure_step_scale`` measures it as output KL on the calibration
     text), spending bits where the output needs them.
     """
     if k.dim() != 4 or k.shape != v.shape:

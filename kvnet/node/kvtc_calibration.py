@@ -1,7 +1,8 @@
 """A model's ``kvtc`` tables (``kvnet.blocks.transform_tables``), calibrated on text as its nodes run it.
 
 Owns: running the model's prefill over calibration text for every layer's K/V and each KV head's query
-second moment (the metric K is coded in), and ``calibrate`` over them. ``kvnet kvtc calibrate`` writes the
+second moment (the metric K is coded in), the steps' allocation across layers by the model's measured
+sensitivity (``measure_step_scale``), and ``calibrate`` over them. ``kvnet kvtc calibrate`` writes the
 result for ``kvnet-node --kvtc-tables``; benchmarks/bench_codecs.py calibrates through the same functions.
 The tables are bound to the model's fingerprint, which includes the block size: calibrate with the block
 size and dtype the nodes run.
@@ -19,11 +20,17 @@ from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.model.generate import cache_spec_for, prefill, prefix_root
 from kvnet.model.transformer import Attention, Transformer, TransformerBlock, apply_rope
 
-__all__ = ["DEFAULT_REL_STEP", "calibrate_model_tables", "prefill_kv", "query_metric"]
+__all__ = ["DEFAULT_LAYER_GROUP", "DEFAULT_REL_STEP", "HELD_OUT_TOKENS", "calibrate_model_tables",
+           "measure_step_scale", "prefill_kv", "query_metric"]
 
 DEFAULT_REL_STEP = 0.12
-"""The quantizer step relative to each layer's RMS: on SmolLM2 bf16 5.85x smaller than raw at an output
-KL of 9.7e-3 from lossless, 64-token blocks (docs/performance.md, "kvtc's coder scales")."""
+"""The quantizer step relative to each layer's RMS: on SmolLM2 bf16 5.8x smaller than raw at an output
+KL of 5.4e-3 from lossless with the steps allocated by layer group, 1.1e-2 without (64-token blocks,
+scored in float32; docs/performance.md, "kvtc scored without bf16's floor")."""
+DEFAULT_LAYER_GROUP = 5
+"""Layers whose steps are scaled together by ``measure_step_scale`` (0: one relative step everywhere)."""
+HELD_OUT_TOKENS = 256
+"""The most tokens at the end of the calibration text that the allocation scores instead of coding."""
 
 
 @torch.no_grad()
@@ -84,11 +91,96 @@ def query_metric(model: Transformer, token_ids: Sequence[int], block_size: int) 
 
 def calibrate_model_tables(model: Transformer, token_ids: Sequence[int], block_size: int,
                            rel_step: float = DEFAULT_REL_STEP, key_metric: bool = True,
-                           step_scale: torch.Tensor | None = None) -> TransformTables:
+                           layer_group: int = 0, scorer: Transformer | None = None,
+                           held_out: int = HELD_OUT_TOKENS) -> TransformTables:
     """kvtc tables of ``model`` (as its nodes run it with ``block_size``) from the prefill of ``token_ids``:
     ordinary text of the kind the nodes will serve, never the text a quality measurement scores. K is
-    coded in its queries' metric unless ``key_metric`` is false; ``step_scale`` as in ``calibrate``."""
+    coded in its queries' metric unless ``key_metric`` is false.
+
+    With ``layer_group``, the last tokens (at most ``held_out``, a fifth of the text at most) are scored
+    instead of calibrated on, and the steps are allocated by ``measure_step_scale`` with ``scorer`` (the
+    same model in float32: ``model`` itself when None)."""
+    if not layer_group:
+        return _tables(model, token_ids, block_size, rel_step, key_metric, None)
+    held = min(held_out, len(token_ids) // 5)
+    calibration, scored = list(token_ids[:len(token_ids) - held]), list(token_ids[len(token_ids) - held:])
+    if len(scored) < 2:
+        raise CodecError(f"allocating kvtc's steps needs more text: {len(token_ids)} tokens")
+    tables = _tables(model, calibration, block_size, rel_step, key_metric, None)
+    scale = measure_step_scale(model, scorer or model, calibration, scored, block_size, tables, layer_group)
+    return _tables(model, calibration, block_size, rel_step, key_metric, scale)
+
+
+def _tables(model: Transformer, token_ids: Sequence[int], block_size: int, rel_step: float, key_metric: bool,
+            step_scale: torch.Tensor | None) -> TransformTables:
     k, v = prefill_kv(model, token_ids, block_size)
     metric = query_metric(model, token_ids, block_size) if key_metric else None
     return calibrate(k.float().cpu(), v.float().cpu(), model.fingerprint(block_size), rel_step,
                      step_scale=step_scale, query_metric=metric)
+
+
+@torch.no_grad()
+def measure_step_scale(model: Transformer, scorer: Transformer, prefix_ids: Sequence[int],
+                       scored: Sequence[int], block_size: int, tables: TransformTables, group: int
+                       ) -> torch.Tensor:
+    """Per (layer, K/V) step factors ``[L, 2]`` from the model's measured sensitivity (``calibrate``'s
+    ``step_scale``).
+
+    The prefix (``prefix_ids``' whole blocks that fit the model's context before ``scored``) goes through
+    kvtc with ``tables`` (equal relative steps); then, for each group of ``group`` consecutive layers and K
+    or V apart, only that group's decoded K (or V) replaces the exact one, and ``scorer`` measures the
+    mean KL of the ``scored`` tokens' next-token distributions from the exact prefix's. ``scorer`` should
+    run in float32: in bfloat16 arithmetic any change to the KV at all costs about int8's KL, a floor that
+    drowns the differences measured here. With a group's KL ~ a_g step_g**2 and its rate ~ -log2 step_g
+    per component, the least total KL at a fixed rate has every a_g step_g**2 equal (reverse water-filling
+    across groups): step_g scales by (KL_g / geometric mean)**-1/2, which keeps the mean log step, hence
+    the rate, about where it was. Factors are kept within [1/4, 4]."""
+    from kvnet.blocks.transform_codec import TransformCodec  # transform_tables imports the codec lazily too
+
+    window = (model.args.max_seq_len - len(scored)) // block_size
+    blocks = min(len(prefix_ids) // block_size, window)
+    if blocks < 1:
+        raise CodecError(f"allocating kvtc's steps needs a whole block of {block_size} tokens before the "
+                         f"{len(scored)} scored")
+    ids = list(prefix_ids[:blocks * block_size])
+    k, v = prefill_kv(model, [*ids, ids[-1]], block_size)  # one more token: prefill_kv keeps whole blocks
+    codec = TransformCodec()
+    shape = (block_size, model.args.n_kv_heads, model.args.head_dim)
+    decoded_k, decoded_v = torch.empty_like(k), torch.empty_like(v)
+    for b in range(blocks):
+        rows = slice(b * block_size, (b + 1) * block_size)
+        payloads = codec.encode_block(k[:, rows], v[:, rows], tables, sink_rows=int(b == 0))
+        for layer, (kd, vd) in enumerate(codec.decode_block(payloads, shape, k.dtype, k.device)):
+            decoded_k[layer, rows], decoded_v[layer, rows] = kd, vd
+    reference = _scored_log_probs(scorer, ids, k, v, scored, block_size)
+    num_layers = model.args.n_layers
+    kl = torch.empty(num_layers, 2)
+    for start in range(0, num_layers, group):
+        members = slice(start, min(start + group, num_layers))
+        for kind, (exact, decoded) in enumerate(((k, decoded_k), (v, decoded_v))):
+            mixed = exact.clone()
+            mixed[members] = decoded[members]
+            pair = (mixed, v) if kind == 0 else (k, mixed)
+            log_probs = _scored_log_probs(scorer, ids, *pair, scored, block_size)
+            kl[members, kind] = float((reference.exp() * (reference - log_probs)).sum(-1).mean())
+    kl = kl.clamp(min=1e-12)
+    return (kl / kl.log().mean().exp()).pow(-0.5).clamp(0.25, 4.0)
+
+
+def _scored_log_probs(scorer: Transformer, prefix_ids: list[int], k: torch.Tensor, v: torch.Tensor,
+                      scored: Sequence[int], block_size: int) -> torch.Tensor:
+    """Log-probabilities ``[len(scored) - 1, vocab]`` of the tokens after each scored one, with the prefix's
+    K/V (``[L, N, H_kv, D]``, cast to the scorer's dtype) in the cache instead of computed."""
+    n = len(prefix_ids)
+    cache = PagedKVCache(cache_spec_for(scorer, block_size), (n + len(scored)) // block_size + 2,
+                         scorer.device)
+    cache.add_sequence(0, prefix_ids, [])
+    slots = cache.append_slots(0, n)
+    for layer in range(scorer.args.n_layers):
+        cache.write(layer, slots, k[layer].to(scorer.device, scorer.dtype),
+                    v[layer].to(scorer.device, scorer.dtype))
+    slots = cache.append_slots(0, len(scored))
+    positions = torch.arange(n, n + len(scored), device=scorer.device)
+    tokens = torch.tensor(list(scored), dtype=torch.int64, device=scorer.device)
+    logits = scorer(tokens, positions, cache, cache.block_table(0), slots, n + len(scored))
+    return torch.log_softmax(logits[:-1].float(), dim=-1)
