@@ -766,11 +766,12 @@ class KvAbr:
         located, no plan would fetch any: each block's fetch costs at least its recompute (so a fetched
         prefix never wins) and the best split (``best_split``) saves less than ``SPLIT_MIN_GAIN``. That
         saves the locate's round trip (a WAN RTT or more) on every request of a node whose path loses to
-        its compute. Only a measured throughput is trusted this way, never the prior; and a skip counts
-        as a declining plan (``declined_streak``), so the probes that measure the path again
-        (``_should_probe``) come as often as if the blocks had been located and declined."""
+        its compute. Only a measured throughput is trusted this way (a split tail's too, as in
+        ``_fetch_throughput``), never the prior; and a skip counts as a declining plan
+        (``declined_streak``), so the probes that measure the path again (``_should_probe``) come as often
+        as if the blocks had been located and declined."""
         cfg = self.config
-        if blocks <= 0 or self.throughput.samples == 0:  # nothing to find, or only the prior to judge by
+        if blocks <= 0 or self._fetch_throughput().samples == 0:  # nothing to find, or only the prior
             return None
         if cfg.force_recompute or not cfg.allow_recompute or self._should_probe():
             return None
@@ -812,7 +813,7 @@ class KvAbr:
         cfg = self.config
         if cfg.probe_after and self.declined_streak >= cfg.probe_after:
             return True
-        last = self.throughput.last_sample_at
+        last = self._fetch_throughput().last_sample_at
         return bool(cfg.probe_after_s) and last is not None and self.clock() - last > cfg.probe_after_s
 
     def _fetch_throughput(self, beside_compute: bool = False) -> ThroughputEstimator:

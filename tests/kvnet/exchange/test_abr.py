@@ -454,6 +454,9 @@ def test_a_node_that_measured_only_a_split_tail_costs_a_whole_fetch_at_its_rate_
     plan = abr.plan(located, BLOCK, RAW, total_tokens=8 * BLOCK + 5)
     assert plan.fetch_blocks == 0 and plan.throughput_bps == pytest.approx(4e6)
     assert abr.inputs()["throughput_bps"] == pytest.approx(4e6)
+    # Measured, so trusted to skip the locate of a request no plan could fetch for (not so the prior).
+    skipped = abr.skip_locate(BLOCK, RAW, 8, 8 * BLOCK + 5)
+    assert skipped is not None and skipped["inputs"]["throughput_bps"] == pytest.approx(4e6)
     abr.fetch_measured(1_000_000_000, 1.0)  # a probe measured the path alone at 1 GB/s
     plan = abr.plan(located, BLOCK, RAW, total_tokens=8 * BLOCK + 5)
     assert plan.throughput_bps == pytest.approx(1e9) and plan.fetch_blocks == 8
