@@ -49,7 +49,7 @@ from kvnet.model.checkpoint import load_checkpoint
 from kvnet.model.registry import default_models_dir, is_registered, resolve_model
 from kvnet.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvnet.model.transformer import ModelArgs, Transformer
-from kvnet.node.kvtc_calibration import HELD_OUT_TOKENS, calibrate_model_tables
+from kvnet.node.kvtc_calibration import HELD_OUT_TOKENS, calibrate_model_tables, scored_log_probs
 from kvnet.security.signing import Signer, TrustStore
 
 DOCUMENTS = Path(__file__).resolve().parent / "documents"
@@ -230,10 +230,9 @@ def load_prefix(
     cache = new_cache(model, block_size, total_tokens)
     cache.add_sequence(0, [0] * num_prefix, [])
     slots = cache.append_slots(0, num_prefix)
+    k, v = layer_major(blocks)
     for layer in range(model.args.n_layers):
-        k = torch.cat([blocks[b][layer][0] for b in range(len(blocks))])
-        v = torch.cat([blocks[b][layer][1] for b in range(len(blocks))])
-        cache.write(layer, slots, k, v)
+        cache.write(layer, slots, k[layer], v[layer])
     return cache, num_prefix
 
 
@@ -288,13 +287,11 @@ def int8_layouts(blocks: Blocks) -> None:
             print(f"  {label}  K {k_err:.5f}  V {v_err:.5f}  ratio {raw / sum(map(len, payloads)):.3f}")
 
 
-@torch.no_grad()
-def held_out_logits(model: Transformer, blocks: Blocks, block_size: int, held_out: list[int]) -> torch.Tensor:
-    """Logits ``[len(held_out), vocab]`` (float32) of the held-out tokens after the given prefix K/V (cast
-    to ``model``'s dtype: a float32 scorer reads a bf16 cache exactly)."""
-    blocks = [[(k.to(model.dtype), v.to(model.dtype)) for k, v in layers] for layers in blocks]
-    cache, _ = load_prefix(model, blocks, block_size, len(blocks) * block_size + len(held_out))
-    return run(model, cache, 0, held_out).float()
+def layer_major(blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefix's K and V ``[L, N, H, D]`` (what ``scored_log_probs`` reads) from per-block layers."""
+    layers = range(len(blocks[0]))
+    return (torch.stack([torch.cat([block[layer][0] for block in blocks]) for layer in layers]),
+            torch.stack([torch.cat([block[layer][1] for block in blocks]) for layer in layers]))
 
 
 def real_kv_quality(
@@ -324,8 +321,8 @@ def real_kv_quality(
             speed, payloads = measure_codec(codec, blocks, runs)
             ratio = speed.ratio
             print(f"    {name}: {SPEED_HEADER}\n    {name}: {speed.columns()}", flush=True)
-            log_probs = torch.log_softmax(held_out_logits(
-                scorer or model, decoded_blocks(codec, payloads, blocks), block_size, scored)[:-1], dim=-1)
+            k, v = layer_major(decoded_blocks(codec, payloads, blocks))
+            log_probs = scored_log_probs(scorer or model, k, v, scored, block_size)
             if reference is None:
                 reference = log_probs
             kl = (reference.exp() * (reference - log_probs)).sum(-1)

@@ -262,8 +262,8 @@ def _quantize(coeffs: torch.Tensor, steps: torch.Tensor, sink_rows: int, what: s
         sink_widest = float(units[:sink_rows].abs().amax())
         while sink_shift < SINK_SHIFT and sink_widest * 2.0 ** (sink_shift + 1) <= _RANGE:
             sink_shift += 1
-    return torch.round(units * _row_scale(len(units), sink_rows, sink_shift)[:, None].reciprocal()
-                       ).to(torch.int32), sink_shift
+    units[:sink_rows] *= 2.0 ** sink_shift  # exact: a power of two
+    return torch.round(units).to(torch.int32), sink_shift
 
 
 class TransformCodec(Codec):

@@ -21,7 +21,7 @@ from kvnet.model.generate import cache_spec_for, prefill, prefix_root
 from kvnet.model.transformer import Attention, Transformer, TransformerBlock, apply_rope
 
 __all__ = ["DEFAULT_LAYER_GROUP", "DEFAULT_REL_STEP", "HELD_OUT_TOKENS", "calibrate_model_tables",
-           "measure_step_scale", "prefill_kv", "query_metric"]
+           "measure_step_scale", "prefill_kv", "prefill_kv_and_query_metric", "scored_log_probs"]
 
 DEFAULT_REL_STEP = 0.12
 """The quantizer step relative to each layer's RMS: on SmolLM2 bf16 5.8x smaller than raw at an output
@@ -60,10 +60,11 @@ def prefill_kv(model: Transformer, token_ids: Sequence[int], block_size: int
 
 
 @torch.no_grad()
-def query_metric(model: Transformer, token_ids: Sequence[int], block_size: int) -> torch.Tensor:
-    """Each KV head's query second moment ``[L, H_kv, D, D]`` over the prefill of ``token_ids`` (its query
-    group's ``E[q q^T]``, after RoPE: the queries that meet the cached keys), for ``calibrate``'s key
-    weight."""
+def prefill_kv_and_query_metric(model: Transformer, token_ids: Sequence[int], block_size: int
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``prefill_kv``'s K and V, and each KV head's query second moment ``[L, H_kv, D, D]`` over the same
+    prefill (its query group's ``E[q q^T]``, after RoPE: the queries that meet the cached keys), for
+    ``calibrate``'s key weight: one pass over the text for both."""
     a = model.args
     group = a.n_heads // a.n_kv_heads
     total = torch.zeros(a.n_layers, a.n_kv_heads, a.head_dim, a.head_dim, dtype=torch.float64)
@@ -82,11 +83,11 @@ def query_metric(model: Transformer, token_ids: Sequence[int], block_size: int) 
     blocks = [block for block in model.layers if isinstance(block, TransformerBlock)]
     handles = [block.attention.register_forward_hook(capture(i)) for i, block in enumerate(blocks)]
     try:
-        prefill_kv(model, token_ids, block_size)
+        k, v = prefill_kv(model, token_ids, block_size)
     finally:
         for handle in handles:
             handle.remove()
-    return (total / max(rows[0], 1)).float()
+    return k, v, (total / max(rows[0], 1)).float()
 
 
 def calibrate_model_tables(model: Transformer, token_ids: Sequence[int], block_size: int,
@@ -100,50 +101,52 @@ def calibrate_model_tables(model: Transformer, token_ids: Sequence[int], block_s
     With ``layer_group``, the last tokens (at most ``held_out``, a fifth of the text at most) are scored
     instead of calibrated on, and the steps are allocated by ``measure_step_scale`` with ``scorer`` (the
     same model in float32: ``model`` itself when None)."""
-    if not layer_group:
-        return _tables(model, token_ids, block_size, rel_step, key_metric, None)
-    held = min(held_out, len(token_ids) // 5)
+    held = min(held_out, len(token_ids) // 5) if layer_group else 0
     calibration, scored = list(token_ids[:len(token_ids) - held]), list(token_ids[len(token_ids) - held:])
-    if len(scored) < 2:
+    if layer_group and len(scored) < 2:
         raise CodecError(f"allocating kvtc's steps needs more text: {len(token_ids)} tokens")
-    tables = _tables(model, calibration, block_size, rel_step, key_metric, None)
-    scale = measure_step_scale(model, scorer or model, calibration, scored, block_size, tables, layer_group)
-    return _tables(model, calibration, block_size, rel_step, key_metric, scale)
+    if key_metric:
+        k, v, metric = prefill_kv_and_query_metric(model, calibration, block_size)
+    else:
+        (k, v), metric = prefill_kv(model, calibration, block_size), None
 
+    def tables_with(step_scale: torch.Tensor | None) -> TransformTables:
+        return calibrate(k.float().cpu(), v.float().cpu(), model.fingerprint(block_size), rel_step,
+                         step_scale=step_scale, query_metric=metric)
 
-def _tables(model: Transformer, token_ids: Sequence[int], block_size: int, rel_step: float, key_metric: bool,
-            step_scale: torch.Tensor | None) -> TransformTables:
-    k, v = prefill_kv(model, token_ids, block_size)
-    metric = query_metric(model, token_ids, block_size) if key_metric else None
-    return calibrate(k.float().cpu(), v.float().cpu(), model.fingerprint(block_size), rel_step,
-                     step_scale=step_scale, query_metric=metric)
+    tables = tables_with(None)
+    if not layer_group:
+        return tables
+    scale = measure_step_scale(model, scorer or model, k, v, scored, block_size, tables, layer_group)
+    return tables_with(scale)
 
 
 @torch.no_grad()
-def measure_step_scale(model: Transformer, scorer: Transformer, prefix_ids: Sequence[int],
+def measure_step_scale(model: Transformer, scorer: Transformer, k: torch.Tensor, v: torch.Tensor,
                        scored: Sequence[int], block_size: int, tables: TransformTables, group: int
                        ) -> torch.Tensor:
     """Per (layer, K/V) step factors ``[L, 2]`` from the model's measured sensitivity (``calibrate``'s
     ``step_scale``).
 
-    The prefix (``prefix_ids``' whole blocks that fit the model's context before ``scored``) goes through
-    kvtc with ``tables`` (equal relative steps); then, for each group of ``group`` consecutive layers and K
-    or V apart, only that group's decoded K (or V) replaces the exact one, and ``scorer`` measures the
-    mean KL of the ``scored`` tokens' next-token distributions from the exact prefix's. ``scorer`` should
-    run in float32: in bfloat16 arithmetic any change to the KV at all costs about int8's KL, a floor that
-    drowns the differences measured here. With a group's KL ~ a_g step_g**2 and its rate ~ -log2 step_g
-    per component, the least total KL at a fixed rate has every a_g step_g**2 equal (reverse water-filling
-    across groups): step_g scales by (KL_g / geometric mean)**-1/2, which keeps the mean log step, hence
-    the rate, about where it was. Factors are kept within [1/4, 4]."""
+    The prefix (the blocks of ``k, v``, ``prefill_kv``'s of the text before ``scored``, that fit the
+    model's context before it: its first window) goes through kvtc with ``tables`` (equal relative
+    steps); then, for each group of ``group`` consecutive layers and K or V apart, only that group's
+    decoded K (or V) replaces the exact one, and ``scorer`` measures the mean KL of the ``scored`` tokens'
+    next-token distributions from the exact prefix's. ``scorer`` should run in float32: in bfloat16
+    arithmetic any change to the KV at all costs about int8's KL, a floor that drowns the differences
+    measured here. With a group's KL ~ a_g step_g**2 and its rate ~ -log2 step_g per component, the least
+    total KL at a fixed rate has every a_g step_g**2 equal (reverse water-filling across groups): step_g
+    scales by (KL_g / geometric mean)**-1/2, which keeps the mean log step, hence the rate, about where it
+    was. Factors are kept within [1/4, 4]."""
     from kvnet.blocks.transform_codec import TransformCodec  # transform_tables imports the codec lazily too
 
     window = (model.args.max_seq_len - len(scored)) // block_size
-    blocks = min(len(prefix_ids) // block_size, window)
+    blocks = min(int(k.shape[1]) // block_size, window)
     if blocks < 1:
         raise CodecError(f"allocating kvtc's steps needs a whole block of {block_size} tokens before the "
                          f"{len(scored)} scored")
-    ids = list(prefix_ids[:blocks * block_size])
-    k, v = prefill_kv(model, [*ids, ids[-1]], block_size)  # one more token: prefill_kv keeps whole blocks
+    n = blocks * block_size
+    k, v = k[:, :n], v[:, :n]
     codec = TransformCodec()
     shape = (block_size, model.args.n_kv_heads, model.args.head_dim)
     decoded_k, decoded_v = torch.empty_like(k), torch.empty_like(v)
@@ -152,7 +155,7 @@ def measure_step_scale(model: Transformer, scorer: Transformer, prefix_ids: Sequ
         payloads = codec.encode_block(k[:, rows], v[:, rows], tables, sink_rows=int(b == 0))
         for layer, (kd, vd) in enumerate(codec.decode_block(payloads, shape, k.dtype, k.device)):
             decoded_k[layer, rows], decoded_v[layer, rows] = kd, vd
-    reference = _scored_log_probs(scorer, ids, k, v, scored, block_size)
+    reference = scored_log_probs(scorer, k, v, scored, block_size)
     num_layers = model.args.n_layers
     kl = torch.empty(num_layers, 2)
     for start in range(0, num_layers, group):
@@ -161,20 +164,22 @@ def measure_step_scale(model: Transformer, scorer: Transformer, prefix_ids: Sequ
             mixed = exact.clone()
             mixed[members] = decoded[members]
             pair = (mixed, v) if kind == 0 else (k, mixed)
-            log_probs = _scored_log_probs(scorer, ids, *pair, scored, block_size)
+            log_probs = scored_log_probs(scorer, *pair, scored, block_size)
             kl[members, kind] = float((reference.exp() * (reference - log_probs)).sum(-1).mean())
     kl = kl.clamp(min=1e-12)
     return (kl / kl.log().mean().exp()).pow(-0.5).clamp(0.25, 4.0)
 
 
-def _scored_log_probs(scorer: Transformer, prefix_ids: list[int], k: torch.Tensor, v: torch.Tensor,
-                      scored: Sequence[int], block_size: int) -> torch.Tensor:
-    """Log-probabilities ``[len(scored) - 1, vocab]`` of the tokens after each scored one, with the prefix's
-    K/V (``[L, N, H_kv, D]``, cast to the scorer's dtype) in the cache instead of computed."""
-    n = len(prefix_ids)
+@torch.no_grad()
+def scored_log_probs(scorer: Transformer, k: torch.Tensor, v: torch.Tensor, scored: Sequence[int],
+                     block_size: int) -> torch.Tensor:
+    """Log-probabilities ``[len(scored) - 1, vocab]`` of the tokens after each scored one, with a prefix's
+    K/V (``[L, N, H_kv, D]``, N whole blocks, cast to the scorer's dtype: a float32 scorer reads a bf16
+    cache exactly) in the cache instead of computed."""
+    n = int(k.shape[1])
     cache = PagedKVCache(cache_spec_for(scorer, block_size), (n + len(scored)) // block_size + 2,
                          scorer.device)
-    cache.add_sequence(0, prefix_ids, [])
+    cache.add_sequence(0, [0] * n, [])  # the cache reads only the prefix's length; its K/V are given
     slots = cache.append_slots(0, n)
     for layer in range(scorer.args.n_layers):
         cache.write(layer, slots, k[layer].to(scorer.device, scorer.dtype),

@@ -9,7 +9,7 @@ import torch
 from kvnet.blocks.codecs import CodecError
 from kvnet.model.tokenizer import ByteTokenizer
 from kvnet.model.transformer import Transformer
-from kvnet.node.kvtc_calibration import calibrate_model_tables, measure_step_scale
+from kvnet.node.kvtc_calibration import calibrate_model_tables, measure_step_scale, prefill_kv
 
 BLOCK = 16
 TEXT = ("Relays cache named objects; nodes fetch the longest prefix they share, verify it and load it. "
@@ -29,7 +29,8 @@ def test_steps_are_allocated_per_layer_group_by_measured_sensitivity(model: Tran
     equal = calibrate_model_tables(model, ids, BLOCK, 0.1)
     held = len(ids) // 5
     before = calibrate_model_tables(model, ids[:-held], BLOCK, 0.1)
-    scale = measure_step_scale(model, model, ids[:-held], ids[-held:], BLOCK, before, group=1)
+    k, v = prefill_kv(model, ids[:-held], BLOCK)
+    scale = measure_step_scale(model, model, k, v, ids[-held:], BLOCK, before, group=1)
     assert scale.shape == (2, 2) and bool(((scale >= 0.25) & (scale <= 4.0)).all())
     assert float(scale.log().mean().exp()) == pytest.approx(1.0, rel=0.05)
     assert float(scale.max() / scale.min()) > 1.05  # the model is not equally sensitive everywhere
