@@ -1,11 +1,11 @@
 """The data path, end to end and against the alternatives, in one interleaved run.
 
-What moves: a real prompt's KV (the ``bench`` model's shape, bf16, 64-token blocks, lossless rendition,
-signed), served by a publisher session to a ``kvnet-relay`` process per (stack, link), fetched once
-through the relay to fill its cache, and then fetched from the relay's cache by a ``BlockFetcher``,
-which verifies every block (signature, token ids, chain, per-layer digest), decodes it and imports it
-into a paged cache: the "verified fetch". Next to it, the same number of
-bytes moved by
+What moves: a real prompt's KV (the ``bench`` model's shape, or an 8B Llama-3's with ``--kv-shape
+llama3-8b``; bf16, 64-token blocks, lossless rendition, signed), served by a publisher session to a
+``kvnet-relay`` process per (stack, link), fetched once through the relay to fill its cache, and then
+fetched from the relay's cache by a ``BlockFetcher``, which verifies every block (signature, token ids,
+chain, per-layer digest), decodes it and imports it into a paged cache: the "verified fetch". Next to it,
+the same number of bytes moved by
 
 - raw QUIC server -> client (the direction of a fetch) per stack and link, no MoQT (``bench_fetch``'s
   raw sender in a child process);
@@ -110,14 +110,26 @@ def proc_cpu_seconds(pid: int) -> float:
 Prompt = SignedPrompt
 
 
+KV_SHAPES: dict[str, tuple[int, int, int]] = {
+    "bench": (transformer_configs[MODEL].n_layers, transformer_configs[MODEL].n_kv_heads,
+              transformer_configs[MODEL].head_dim),
+    "llama3-8b": (32, 8, 128),
+}
+"""(layers, KV heads, head size) of the KV moved (``--kv-shape``). A layer object is 64 tokens x heads x
+head size x 2 (K, V) x 2 bytes: 64 KiB in ``bench``'s shape, 256 KiB in an 8B Llama-3's, so the costs a
+receiver pays per object and per block weigh 4x and 8x less per MB in the fleet model's shape."""
+kv_shape = "bench"
+"""The shape this run moves (set from ``--kv-shape`` before any prompt is made)."""
+
+
 def prompt_spec() -> CacheSpec:
-    args = transformer_configs[MODEL]
-    return CacheSpec(num_layers=args.n_layers, num_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
-                     block_size=BLOCK_SIZE, dtype=torch.bfloat16)
+    layers, kv_heads, head_dim = KV_SHAPES[kv_shape]
+    return CacheSpec(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, block_size=BLOCK_SIZE,
+                     dtype=torch.bfloat16)
 
 
 def make_prompt(tokens: int, rendition: str = "lossless") -> Prompt:
-    """Seeded random bf16 K/V for ``tokens`` tokens (whole blocks) in the ``bench`` model's shape."""
+    """Seeded random bf16 K/V for ``tokens`` tokens (whole blocks) in the shape ``kv_shape`` names."""
     return signed_prompt(prompt_spec(), max(1, tokens // BLOCK_SIZE), fingerprint=FINGERPRINT, salt=b"bench",
                          seed=0, rendition=rendition)
 
@@ -510,7 +522,8 @@ class FanoutSubscriber:
     def __init__(self, prompt: Prompt, certdir: Path, stack: str, link: str, tokens: int) -> None:
         key_hex = prompt.signer.public_raw.hex()
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--fanout-child", str(certdir), stack, link, str(tokens), key_hex],
+            [sys.executable, __file__, "--kv-shape", kv_shape, "--fanout-child", str(certdir), stack, link,
+             str(tokens), key_hex],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def command(self, word: str) -> None:
@@ -749,13 +762,13 @@ def run(tokens: int, runs: int, stacks: list[str], links: list[str],
     def verified_fetches(relay: RelayFetch, label: str) -> list[Case]:
         """The verified fetches from one relay: with the default settings, then copying (``compare_slots``)
         and with each of ``verify_workers``."""
-        out = [Case(f"verified fetch {label}", relay.fetch)]
+        out = [Case(label if label == QMUX_CASE else f"verified fetch {label}", relay.fetch)]
         if compare_slots:
             copying = functools.partial(relay.fetch, into_slots=False)
-            out.append(Case(f"verified fetch {label} copying", copying))
+            out.append(Case(f"{out[0].name} copying", copying))
         for n, k in verify_workers:
             per_task = "" if k is None else f", {k} layers per task"
-            name = f"verified fetch {label} verify workers {n}{per_task}"
+            name = f"{out[0].name} verify workers {n}{per_task}"
             out.append(Case(name, functools.partial(relay.fetch, n, layers_per_task=k)))
         return out
 
@@ -769,7 +782,7 @@ def run(tokens: int, runs: int, stacks: list[str], links: list[str],
                 if s == QMUX:
                     relay = RelayFetch(prompt, certdir, s, "loopback", loop)
                     stack.callback(relay.close)
-                    cases.append(Case(QMUX_CASE, relay.fetch))
+                    cases.extend(verified_fetches(relay, QMUX_CASE))
                     continue
                 peers: tuple[str, ...] = (s,)
                 if s == "aiopquic":
@@ -1118,9 +1131,14 @@ def main() -> int:
                     help="instead: verified fetches and raw transfers alternating from the first stack and "
                          "link to this process on qh3, counting qh3's datagrams in and out (its ACKs) and "
                          "its CPU by part per MB")
+    ap.add_argument("--kv-shape", choices=sorted(KV_SHAPES), default="bench",
+                    help="the KV moved: the bench model's (16 layers, 4 KV heads of 64: 64 KiB per layer "
+                         "object) or an 8B Llama-3's (32 layers, 8 KV heads of 128: 256 KiB)")
     ap.add_argument("--serve-tls", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--fanout-child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global kv_shape
+    kv_shape = args.kv_shape
     if args.serve_tls:
         _serve_tls_child(args.serve_tls)
         return 0

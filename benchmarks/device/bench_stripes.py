@@ -23,6 +23,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -35,13 +36,21 @@ import torch
 from kvnet.exchange.config import DEFAULT_VERIFY_WORKERS, MAX_FETCH_CONNECTIONS
 
 STRIPES = (1, 2, 4, 8)
-BIG = {"tokens": 8192, "runs": 5}
-"""A big host's run: 128 blocks of the ``bench`` model (~0.27 GB of bf16 KV per fetch; 2 renditions x 4
-counts x 5 runs); no round starts past ``BUDGET_S``, so the whole stays under five minutes."""
+@dataclass(frozen=True)
+class Size:
+    tokens: int
+    runs: int
+    kv_shape: str
+
+
+BIG = Size(tokens=2048, runs=5, kv_shape="llama3-8b")
+"""A big host's run: 32 blocks of an 8B Llama-3's KV (~0.27 GB of bf16 per fetch, 256 KiB per layer object,
+as a fleet's node moves it; 2 renditions x 4 counts x 5 runs); no round starts past ``BUDGET_S``, so the
+whole stays under five minutes."""
 BUDGET_S = 180.0
 """Seconds of fetch rounds (after the relays are filled, which a big host does in well under a minute
 at the rates measured on 2 cores)."""
-QUICK = {"tokens": 1024, "runs": 5}
+QUICK = Size(tokens=1024, runs=5, kv_shape="bench")
 """Small enough for 2 busy cores in about a minute (the test runs it)."""
 MAX_RELAY_WORKERS = 8
 
@@ -55,12 +64,14 @@ def relay_workers_for(cores: int, stripes: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help=f"small sizes ({QUICK['tokens']} tokens; the default where CUDA is not available)")
+                    help=f"small sizes ({QUICK.tokens} tokens; the default where CUDA is not available)")
     ap.add_argument("--tokens", type=int, help="prompt length in tokens (whole 64-token blocks)")
     ap.add_argument("--runs", type=int, help="runs per (rendition, stripes); the medians are of these")
     ap.add_argument("--stripes", default=",".join(map(str, STRIPES)), metavar="N,N,...",
                     help=f"session counts, each in [1, {MAX_FETCH_CONNECTIONS}]")
     ap.add_argument("--renditions", default="lossless,plain", metavar="R,R,...")
+    ap.add_argument("--kv-shape", choices=sorted(bench_datapath.KV_SHAPES),
+                    help="the KV moved (default: llama3-8b on a big host, bench with --quick)")
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                     help="where the fetching cache lives (auto: cuda when available)")
     ap.add_argument("--relay-workers", type=int, help="the relay's --workers (default: by cores)")
@@ -79,15 +90,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--device cuda: CUDA is not available here")
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and cuda) else "cpu")
     size = QUICK if args.quick or not cuda else BIG
-    tokens, runs = args.tokens or size["tokens"], args.runs or size["runs"]
+    tokens, runs = args.tokens or size.tokens, args.runs or size.runs
+    bench_datapath.kv_shape = args.kv_shape or size.kv_shape
     if tokens < bench_datapath.BLOCK_SIZE or runs < 1:
         ap.error(f"--tokens must be at least {bench_datapath.BLOCK_SIZE} and --runs at least 1")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     relay_workers = args.relay_workers or relay_workers_for(cores, max(stripes))
     where = f"{device.type} ({torch.cuda.get_device_name(device)}; pinned staging)" if device.type == "cuda" \
         else "cpu (the cache's own memory)"
-    print(f"device: {where}; cores {cores}; relay workers {relay_workers}; verify workers per session "
-          f"{args.verify_workers}; load {common.load_average()}", flush=True)
+    print(f"device: {where}; cores {cores}; KV shape {bench_datapath.kv_shape}; relay workers "
+          f"{relay_workers}; verify workers per session {args.verify_workers}; load {common.load_average()}",
+          flush=True)
     started = time.perf_counter()
     figures = bench_datapath.stripes(tokens, runs, stripes, renditions, relay_workers, device,
                                      args.verify_workers, BUDGET_S)
