@@ -18,12 +18,19 @@ large, or as fine as the coder's range allows (a sink's coefficients can be thou
 encoder picks the shift per stream and sends it); they cost a few hundred bytes once per sequence. No
 coefficient is ever clamped: a block with one beyond the coder's range is refused (``CodecError``).
 
+The same holds, less sharply, for every token: an error in a token's K or V reaches the output in
+proportion to the attention it gets, and most tokens get little. The publisher measures that attention
+with its own last queries (``kvnet.model.importance``) and codes each row up to ``TOKEN_SHIFT_SPAN``
+halvings finer or coarser (``token_shifts_from_importance``; on SmolLM2 2.4x less KL at the same size,
+docs/performance.md "kvtc steps per token"); the shifts travel in the stream (~23 bytes a stream).
+
 Payload: the common header of kvnet.blocks.codecs (codec id 5, Flags = sink rows, Param = layer index)
 with three raw sections: the tables' SHA-256 digest (32 bytes), then for K and for V the rANS words (u32
-LE) followed by the CRC-32 of the decoded integers (int32 LE) and class offsets, so a corrupted bitstream
-is refused, not decoded into a wrong tensor. Inside a stream: each component's class offset, then the
-integers class by class, then the escaped values; a stream with sink rows starts with their shift
-(proto/KVOBJECT.md section 5 states the order for other implementations).
+LE) followed by the CRC-32 of the decoded integers (int32 LE), class offsets and row shifts, so a
+corrupted bitstream is refused, not decoded into a wrong tensor. Inside a stream: the sink rows' shift
+(with sink rows), whether the other rows have shifts and if so each one's, each component's class offset,
+then the integers class by class, then the escaped values (proto/KVOBJECT.md section 5 states the
+order for other implementations).
 Decoding rebuilds a block's layers together in torch (one batched matmul), on CPU or CUDA.
 """
 
@@ -63,7 +70,7 @@ from kvnet.blocks.codecs import (
 if TYPE_CHECKING:  # transform_tables imports codecs, which imports this module
     from kvnet.blocks.transform_tables import TransformTables
 
-__all__ = ["TransformCodec"]
+__all__ = ["TOKEN_SHIFT_SPAN", "TransformCodec", "token_shifts_from_importance"]
 
 # The coder carries integers of at most this many steps either side of zero (an escape's uniform model).
 _RANGE = 32767
@@ -71,6 +78,16 @@ _DIGEST_LEN = 32
 # Sink rows are coded with steps at most this many halvings finer than the tables' (the module docstring).
 SINK_SHIFT = 6
 _SHIFT_MODEL = constriction.stream.model.Uniform(SINK_SHIFT + 1)
+# Other rows may be coded up to this many halvings finer or coarser than the tables' steps, by how much
+# attention later queries give their token (``token_shifts_from_importance``); a stream says whether it
+# has such shifts (one flag) and, if so, codes one per row.
+TOKEN_SHIFT_SPAN = 3
+TOKEN_SHIFT_POWER = 0.5
+"""Halvings per doubling of a token's attention: its KL share goes with attention x step**2, so equal
+shares want the step to go with attention**-1/2 (on SmolLM2 0.5 measured better than 0.35 or 0.75, and a
+span of 2 better than 3: docs/performance.md, "kvtc steps per token")."""
+_TOKEN_SHIFT_MODEL = constriction.stream.model.Uniform(2 * TOKEN_SHIFT_SPAN + 1)
+_FLAG_MODEL = constriction.stream.model.Uniform(2)
 
 # The entropy models. Each coefficient is coded under a quantized Laplace whose scale is one of a fixed set
 # of classes, a quarter of an octave apart, and every class has one categorical model: the coder decodes a
@@ -156,49 +173,47 @@ class _StreamPlan:
     escape: np.ndarray
 
 
-def _stream_plan(column_classes: np.ndarray, t: int, sink_rows: int, sink_shift: int) -> _StreamPlan:
-    """The coding order of a stream whose components use ``column_classes``: the rows after the sink rows,
-    then the sink rows (coded ``sink_shift`` halvings finer); in each, the components by ascending class
-    (ties in component order), each component's rows top to bottom."""
-    c = len(column_classes)
+def _stream_plan(column_classes: np.ndarray, shifts: np.ndarray) -> _StreamPlan:
+    """The coding order of a stream whose components use ``column_classes`` and whose rows are coded
+    ``shifts`` halvings finer than the tables' steps (``[t]``; a row's integers, hence its classes, grow
+    by ``_CLASSES_PER_OCTAVE`` per halving): every coefficient by ascending class, so each class is one
+    run for the coder; within a class, components by ascending class of their own (ties in component
+    order), each component's rows top to bottom."""
+    c, t = len(column_classes), len(shifts)
     columns = np.argsort(column_classes, kind="stable")
-    halves = _class_halves()
-    orders: list[np.ndarray] = []
-    half_parts: list[np.ndarray] = []
-    classes: list[tuple[constriction.stream.model.Categorical, int]] = []
-    sink_classes = _CLASSES_PER_OCTAVE * sink_shift
-    for rows, shift in ((np.arange(sink_rows, t), 0), (np.arange(sink_rows), sink_classes)):
-        if not rows.size:
-            continue
-        ordered_classes = np.minimum(column_classes[columns] + shift, _CLASS_MAX)
-        orders.append((columns[:, None] + rows[None, :] * c).reshape(-1))
-        half_parts.append(np.repeat(halves[ordered_classes - _CLASS_MIN], rows.size))
-        values, counts = np.unique(ordered_classes, return_counts=True)
-        classes += [(_class_model(int(v)), int(n) * rows.size) for v, n in zip(values, counts, strict=True)]
-    half = np.concatenate(half_parts)
-    return _StreamPlan(np.concatenate(orders), tuple(classes), half, 2 * half + 1)
+    positions = (columns[:, None] + np.arange(t)[None, :] * c).reshape(-1)
+    classes = np.clip(column_classes[columns][:, None] + _CLASSES_PER_OCTAVE * shifts[None, :], _CLASS_MIN,
+                      _CLASS_MAX).astype(np.int8).reshape(-1)
+    by_class = np.argsort(classes, kind="stable")  # a radix sort: int8
+    ordered = classes[by_class].astype(np.intp) - _CLASS_MIN
+    counts = np.bincount(ordered, minlength=_CLASS_MAX - _CLASS_MIN + 1)
+    runs = tuple((_class_model(int(v) + _CLASS_MIN), int(counts[v])) for v in np.flatnonzero(counts))
+    half = _class_halves()[ordered]
+    return _StreamPlan(positions[by_class], runs, half, 2 * half + 1)
 
 
-def _encode_coefficients(q: np.ndarray, base: np.ndarray, sink_rows: int, sink_shift: int
+def _encode_coefficients(q: np.ndarray, base: np.ndarray, shifts: np.ndarray, sink_rows: int
                          ) -> tuple[np.ndarray, np.ndarray]:
-    """rANS words of the integers ``q`` (``[t, C]`` int32, its sink rows ``sink_shift`` halvings finer)
-    and the class offsets chosen for them: each component's class is the one nearest the mean magnitude
-    of its integers outside the sink rows (the scale that fits them), as an offset from ``base``, the
-    class of the tables' spread."""
+    """rANS words of the integers ``q`` (``[t, C]`` int32, row ``i`` coded ``shifts[i]`` halvings finer;
+    the ``sink_rows`` first rows share one shift) and the class offsets chosen for them: each component's
+    class is the one nearest the mean magnitude of its integers outside the sink rows, each brought back
+    to the tables' step (the scale that fits them), as an offset from ``base``, the class of the tables'
+    spread."""
     t = q.shape[0]
     body = q[sink_rows:]
     if body.shape[0]:
-        wanted = _class_of(np.abs(body).mean(0, dtype=np.float64))
+        unshifted = np.abs(body) * np.exp2(-shifts[sink_rows:].astype(np.float64))[:, None]
+        wanted = _class_of(unshifted.mean(0))
         offsets = np.clip(wanted - base, _OFFSET_MIN, _OFFSET_MIN + _OFFSET_COUNT - 1)
     else:
         offsets = np.zeros_like(base)
-    plan = _stream_plan(np.clip(base + offsets, _CLASS_MIN, _CLASS_MAX), t, sink_rows, sink_shift)
+    plan = _stream_plan(np.clip(base + offsets, _CLASS_MIN, _CLASS_MAX), shifts)
     ordered = q.reshape(-1)[plan.order]
     outside = np.abs(ordered) > plan.half
     indices = np.where(outside, plan.escape, ordered + plan.half).astype(np.int32)
     coder = constriction.stream.stack.AnsCoder()
     # A stack: what is decoded last is encoded first: the escaped values, the classes in reverse, the
-    # offsets, then the sink shift (decoded first).
+    # offsets, the token shifts, then the sink shift (decoded first).
     escaped = ordered[outside].astype(np.int32) + _RANGE
     if escaped.size:
         coder.encode_reverse(escaped, _ESCAPE_MODEL)
@@ -207,18 +222,31 @@ def _encode_coefficients(q: np.ndarray, base: np.ndarray, sink_rows: int, sink_s
         coder.encode_reverse(indices[end - count:end], model)
         end -= count
     coder.encode_reverse((offsets - _OFFSET_MIN).astype(np.int32), _OFFSET_MODEL)
+    token_shifts = shifts[sink_rows:]
+    if token_shifts.any():
+        coder.encode_reverse((token_shifts + TOKEN_SHIFT_SPAN).astype(np.int32), _TOKEN_SHIFT_MODEL)
+    if t > sink_rows:
+        coder.encode_reverse(np.array([int(token_shifts.any())], dtype=np.int32), _FLAG_MODEL)
     if sink_rows:
-        coder.encode_reverse(np.array([sink_shift], dtype=np.int32), _SHIFT_MODEL)
+        coder.encode_reverse(np.array([shifts[0]], dtype=np.int32), _SHIFT_MODEL)
     return coder.get_compressed(), offsets
 
 
 def _decode_coefficients(coder: constriction.stream.stack.AnsCoder, base: np.ndarray, t: int, sink_rows: int
-                         ) -> tuple[np.ndarray, np.ndarray, int]:
-    """The integers (row-major int32), class offsets and sink shift ``_encode_coefficients`` coded;
-    ``CodecError`` for an escape that holds a value its class's alphabet covers (no encoder writes one)."""
-    sink_shift = int(coder.decode(_SHIFT_MODEL, 1)[0]) if sink_rows else 0
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The integers (row-major int32), class offsets and row shifts ``[t]`` ``_encode_coefficients``
+    coded; ``CodecError`` for an escape that holds a value its class's alphabet covers (no encoder writes
+    one)."""
+    shifts = np.zeros(t, dtype=np.int64)
+    if sink_rows:
+        shifts[:sink_rows] = int(coder.decode(_SHIFT_MODEL, 1)[0])
+    if t > sink_rows and int(coder.decode(_FLAG_MODEL, 1)[0]):
+        coded = coder.decode(_TOKEN_SHIFT_MODEL, t - sink_rows).astype(np.int64)
+        shifts[sink_rows:] = coded - TOKEN_SHIFT_SPAN
+        if not shifts[sink_rows:].any():
+            raise CodecError("kvtc: token shifts flagged but all zero (no encoder writes that)")
     offsets = coder.decode(_OFFSET_MODEL, len(base)).astype(np.int64) + _OFFSET_MIN
-    plan = _stream_plan(np.clip(base + offsets, _CLASS_MIN, _CLASS_MAX), t, sink_rows, sink_shift)
+    plan = _stream_plan(np.clip(base + offsets, _CLASS_MIN, _CLASS_MAX), shifts)
     indices = np.concatenate([coder.decode(model, count) for model, count in plan.classes])
     ordered = indices - plan.half
     outside = np.flatnonzero(indices == plan.escape)
@@ -229,41 +257,61 @@ def _decode_coefficients(coder: constriction.stream.stack.AnsCoder, base: np.nda
         ordered[outside] = values
     symbols = np.empty_like(ordered)
     symbols[plan.order] = ordered
-    return symbols, offsets, sink_shift
+    return symbols, offsets, shifts
 
 
-def _stream_crc(symbols: np.ndarray, offsets: np.ndarray, sink_rows: int, sink_shift: int) -> int:
-    """CRC-32 of a stream's integers (int32 LE), its class offsets (int8) and, with sink rows, their
-    shift (one byte), seeded with the sink-row count, so a changed Flags byte is refused too."""
+def _stream_crc(symbols: np.ndarray, offsets: np.ndarray, shifts: np.ndarray, sink_rows: int) -> int:
+    """CRC-32 of a stream's integers (int32 LE), its class offsets and its row shifts (int8 each), seeded
+    with the sink-row count, so a changed Flags byte is refused too."""
     crc = zlib.crc32(symbols.astype("<i4", copy=False).tobytes(), sink_rows)
     crc = zlib.crc32(offsets.astype(np.int8).tobytes(), crc)
-    return zlib.crc32(bytes([sink_shift]), crc) if sink_rows else crc
+    return zlib.crc32(shifts.astype(np.int8).tobytes(), crc)
 
 
-def _row_scale(t: int, sink_rows: int, sink_shift: int) -> torch.Tensor:
-    """``[t]`` factor of each row's steps: ``2**-sink_shift`` for the sink rows."""
-    scale = torch.ones(t)
-    scale[:sink_rows] = 2.0 ** -sink_shift
-    return scale
+def _row_scale(shifts: np.ndarray) -> torch.Tensor:
+    """``[t]`` factor of each row's steps, ``2**-shift``."""
+    return torch.from_numpy(np.exp2(-shifts.astype(np.float64))).to(torch.float32)
 
 
-def _quantize(coeffs: torch.Tensor, steps: torch.Tensor, sink_rows: int, what: str
-              ) -> tuple[torch.Tensor, int]:
-    """The integers of ``coeffs`` (``[t, C]``) at ``steps``, the sink rows as many halvings finer (at most
-    ``SINK_SHIFT``) as keep them within the coder's range, and that shift; ``CodecError`` for a coefficient
-    beyond the range at the tables' own step (never clamped: that would decode a wrong value)."""
+def _quantize(coeffs: torch.Tensor, steps: torch.Tensor, sink_rows: int, token_shifts: np.ndarray | None,
+              what: str) -> tuple[torch.Tensor, np.ndarray]:
+    """The integers of ``coeffs`` (``[t, C]``) and each row's shift: the sink rows as many halvings finer
+    (at most ``SINK_SHIFT``) as keep them within the coder's range; every other row at its requested
+    ``token_shifts`` (``[t]``, none: 0), lowered as far as the range needs for a finer one.
+    ``CodecError`` for a coefficient beyond the range at the tables' own step (never clamped: that would
+    decode a wrong value)."""
     units = coeffs / steps
-    widest = float(units.abs().amax()) if units.numel() else 0.0
-    if widest > _RANGE:
-        raise CodecError(f"kvtc: {what} holds a coefficient of {widest:.3g} steps, beyond the coder's "
-                         f"{_RANGE} (far outside what its tables were calibrated on)")
-    sink_shift = 0
+    widest = units.abs().amax(1)  # [t]
+    if float(widest.max()) > _RANGE:
+        raise CodecError(f"kvtc: {what} holds a coefficient of {float(widest.max()):.3g} steps, beyond the "
+                         f"coder's {_RANGE} (far outside what its tables were calibrated on)")
+    shifts = np.zeros(int(units.shape[0]), dtype=np.int64)
+    if token_shifts is not None:
+        shifts[sink_rows:] = token_shifts[sink_rows:]
+        fits = np.floor(np.log2(_RANGE / np.maximum(widest.double().numpy(), 1e-30))).astype(np.int64)
+        shifts[sink_rows:] = np.minimum(shifts[sink_rows:], np.maximum(fits[sink_rows:], 0))
     if sink_rows:
-        sink_widest = float(units[:sink_rows].abs().amax())
+        sink_widest = float(widest[:sink_rows].max())
+        sink_shift = 0
         while sink_shift < SINK_SHIFT and sink_widest * 2.0 ** (sink_shift + 1) <= _RANGE:
             sink_shift += 1
-    units[:sink_rows] *= 2.0 ** sink_shift  # exact: a power of two
-    return torch.round(units).to(torch.int32), sink_shift
+        shifts[:sink_rows] = sink_shift
+    units *= torch.from_numpy(np.exp2(shifts.astype(np.float64))).to(units.dtype)[:, None]  # exact
+    return torch.round(units).to(torch.int32), shifts
+
+
+def token_shifts_from_importance(importance: torch.Tensor, power: float = TOKEN_SHIFT_POWER,
+                                 span: int = 2) -> np.ndarray:
+    """Per (layer, token) shifts ``[L, N]`` for ``encode_layer``'s ``token_shifts`` from the attention
+    importance of a sequence's tokens (``[L, N]``, e.g. ``kvnet.model.importance.token_importance``): a
+    token that gets ``2**x`` times the layer's geometric-mean attention is coded ``power * x`` halvings
+    finer (rounded, within ``span`` either way), so the steps, hence the rate, stay about where they were
+    on average while the error moves to the tokens later queries weigh least."""
+    if not 0 <= span <= TOKEN_SHIFT_SPAN:
+        raise CodecError(f"kvtc: token shifts span at most {TOKEN_SHIFT_SPAN} halvings, not {span}")
+    logs = torch.log2(importance.double().clamp(min=1e-30))
+    relative = logs - logs.mean(1, keepdim=True)
+    return torch.round(power * relative).clamp(-span, span).to(torch.int64).numpy()
 
 
 class TransformCodec(Codec):
@@ -325,13 +373,19 @@ class TransformCodec(Codec):
         raise CodecError("kvtc encodes with the model's tables and a layer index: use encode_layer")
 
     def encode_layer(self, k: torch.Tensor, v: torch.Tensor, layer: int, tables: TransformTables,
-                     sink_rows: int = 0) -> bytes:
+                     sink_rows: int = 0, token_shifts: np.ndarray | None = None) -> bytes:
         """Encode layer ``layer`` of a block (``k, v: [block_size, H_kv, D]``) with ``tables``; its first
-        ``sink_rows`` rows (the sequence's first tokens, in its first block) are coded finer."""
+        ``sink_rows`` rows (the sequence's first tokens, in its first block) are coded finer, and every
+        other row ``token_shifts[row]`` halvings finer (negative: coarser; ``[block_size]`` integers
+        within ``TOKEN_SHIFT_SPAN``, from ``token_shifts_from_importance``)."""
         shape, dtype = _check_inputs(k, v)
         t, h, d = shape
         if not 0 <= sink_rows <= min(t, 255):
             raise CodecError(f"kvtc: {sink_rows} sink rows in a block of {t}")
+        if token_shifts is not None:
+            token_shifts = np.asarray(token_shifts, dtype=np.int64)
+            if token_shifts.shape != (t,) or int(np.abs(token_shifts).max(initial=0)) > TOKEN_SHIFT_SPAN:
+                raise CodecError(f"kvtc: token shifts must be {t} integers within +-{TOKEN_SHIFT_SPAN}")
         if (h, d) != (tables.num_kv_heads, tables.head_dim) or not 0 <= layer < tables.num_layers:
             raise CodecError(f"kvtc: layer {layer} of shape {shape} does not fit tables for "
                              f"{tables.num_layers} layers of {tables.num_kv_heads}x{tables.head_dim}")
@@ -341,12 +395,12 @@ class TransformCodec(Codec):
             rows = _finite_float32(x.detach().cpu(), "k" if kind == 0 else "v").reshape(t, h * d)
             coeffs = (rows - tables.mean[layer, kind]) @ tables.analysis[layer, kind]
             what = f"layer {layer}'s {'KV'[kind]}"
-            q, sink_shift = _quantize(coeffs, tables.step[layer, kind], sink_rows, what)
+            q, shifts = _quantize(coeffs, tables.step[layer, kind], sink_rows, token_shifts, what)
             base = self._base_classes(tables, layer, kind)
             integers = q.numpy()
-            coded, offsets = _encode_coefficients(integers, base, sink_rows, sink_shift)
+            coded, offsets = _encode_coefficients(integers, base, shifts, sink_rows)
             words = coded.astype("<u4").tobytes()
-            crc = _stream_crc(integers, offsets, sink_rows, sink_shift).to_bytes(4, "little")
+            crc = _stream_crc(integers, offsets, shifts, sink_rows).to_bytes(4, "little")
             body = words + crc
             streams.append((_MODE_RAW, len(body), body))
         header = _HEADER.pack(_MAGIC, FORMAT_VERSION, self.codec_id, _DTYPE_CODES[dtype], sink_rows,
@@ -355,9 +409,11 @@ class TransformCodec(Codec):
         return b"".join([header, table, *(bytes(data) for _, _, data in streams)])
 
     def encode_block(self, k: torch.Tensor, v: torch.Tensor, tables: TransformTables,
-                     sink_rows: int = 0) -> list[bytes]:
-        """All layers of a block, ``k, v: [L, block_size, H_kv, D]``: one payload per layer."""
-        return [self.encode_layer(k[layer], v[layer], layer, tables, sink_rows)
+                     sink_rows: int = 0, token_shifts: np.ndarray | None = None) -> list[bytes]:
+        """All layers of a block, ``k, v: [L, block_size, H_kv, D]``: one payload per layer
+        (``token_shifts``: ``[L, block_size]``, ``encode_layer``'s per layer)."""
+        return [self.encode_layer(k[layer], v[layer], layer, tables, sink_rows,
+                                  None if token_shifts is None else token_shifts[layer])
                 for layer in range(k.shape[0])]
 
     # -- decode ---------------------------------------------------------------------------------------
@@ -379,7 +435,7 @@ class TransformCodec(Codec):
     def _parse(self, data: bytes | bytearray | memoryview, shape: tuple[int, ...], dtype: torch.dtype
                ) -> tuple[PayloadHeader, TransformTables, np.ndarray, torch.Tensor]:
         """Header, tables, the entropy-decoded integers ``[2, T, C]`` of one payload and the factor of each
-        row's steps ``[2, T]`` (K's and V's sink rows may be coded at different shifts)."""
+        row's steps ``[2, T]`` (K's and V's rows may be coded at different shifts)."""
         header = read_header(data)
         if header.codec_id != self.codec_id:
             raise CodecError(f"payload was written by codec id {header.codec_id}, not {self.name}")
@@ -398,9 +454,9 @@ class TransformCodec(Codec):
         for i in range(3):
             mode, raw_len, stored = _SECTION.unpack_from(view, _HEADER.size + i * _SECTION.size)
             # rANS spends at most 24 bits on a class symbol (its models' precision) and 16 more on an
-            # escaped value, 5 bits on a component's class offset, plus its state and the CRC (64 bytes
-            # allow for both); more is not a kvtc stream.
-            limit = _DIGEST_LEN if i == 0 else 5 * n + h * d + 64
+            # escaped value, 5 bits on a component's class offset, 3 on a row's shift, plus its state,
+            # the flags and the CRC (64 bytes allow for them); more is not a kvtc stream.
+            limit = _DIGEST_LEN if i == 0 else 5 * n + h * d + t + 64
             if mode != _MODE_RAW or raw_len != stored or (i == 0 and raw_len != _DIGEST_LEN) or \
                     (i > 0 and (raw_len % 4 or not 8 <= raw_len <= limit)):
                 raise CodecError(f"kvtc section {i}: bad mode {mode} or length {raw_len}/{stored}")
@@ -422,17 +478,17 @@ class TransformCodec(Codec):
             base = self._base_classes(tables, layer, kind)
             try:
                 coder = constriction.stream.stack.AnsCoder(words)
-                symbols, offsets, sink_shift = _decode_coefficients(coder, base, t, header.flags)
+                symbols, offsets, shifts = _decode_coefficients(coder, base, t, header.flags)
                 exhausted = coder.is_empty()
             except CodecError:
                 raise
             except Exception as exc:  # the coder's own error types vary by input
                 raise CodecError(f"kvtc: corrupt {'KV'[kind]} bitstream ({exc})") from None
-            crc = _stream_crc(symbols, offsets, header.flags, sink_shift)
+            crc = _stream_crc(symbols, offsets, shifts, header.flags)
             if not exhausted or crc != int.from_bytes(body[-4:], "little"):
                 raise CodecError(f"kvtc: corrupt {'KV'[kind]} bitstream (checksum mismatch)")
             q[kind] = symbols.reshape(t, h * d)
-            row_scale[kind] = _row_scale(t, header.flags, sink_shift)
+            row_scale[kind] = _row_scale(shifts)
         return header, tables, q, row_scale
 
     def _on_device(self, tables: TransformTables, device: torch.device) -> tuple[torch.Tensor, ...]:

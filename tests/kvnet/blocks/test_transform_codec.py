@@ -18,16 +18,19 @@ from kvnet.blocks.transform_codec import (
     _CLASS_MAX,
     _CLASS_MIN,
     _ESCAPE_MODEL,
+    _FLAG_MODEL,
     _OFFSET_MIN,
     _OFFSET_MODEL,
     _RANGE,
     SINK_SHIFT,
+    TOKEN_SHIFT_SPAN,
     TransformCodec,
     _class_model,
     _class_of,
     _decode_coefficients,
     _encode_coefficients,
     _stream_plan,
+    token_shifts_from_importance,
 )
 from kvnet.blocks.transform_tables import (
     TableStore,
@@ -46,7 +49,7 @@ LAYERS, TOKENS, HEADS, DIM = 3, 16, 2, 8
 SHAPE = (TOKENS, HEADS, DIM)
 FP_A = hashlib.sha256(b"model a").digest()
 FP_B = hashlib.sha256(b"model b").digest()
-GOLDEN_WORDS = "6e68ad19005c308e"
+GOLDEN_WORDS = "e42f199f2ba32f50"
 """The first 16 hex digits of the SHA-256 of ``test_the_bitstream_is_the_same_on_every_host``'s words."""
 
 
@@ -176,7 +179,9 @@ def test_corrupted_bitstream_rejected() -> None:
 _FUZZ_TABLES = _tables()
 _FUZZ_CODEC = TransformCodec()
 _FUZZ_K, _FUZZ_V = _kv(4, TOKENS)
-_FUZZ_PAYLOAD = _FUZZ_CODEC.encode_layer(_FUZZ_K[2], _FUZZ_V[2], 2, _FUZZ_TABLES)
+# Sink row, token shifts and all: every part of a stream is under the fuzzer.
+_FUZZ_PAYLOAD = _FUZZ_CODEC.encode_layer(_FUZZ_K[2], _FUZZ_V[2], 2, _FUZZ_TABLES, sink_rows=1,
+                                         token_shifts=np.arange(TOKENS) % 5 - 2)
 
 
 @settings(max_examples=150, deadline=None)
@@ -239,6 +244,49 @@ def test_a_sink_row_too_large_for_the_finest_shift_is_coded_at_the_finest_that_f
     assert float((k1[0] - k2[0]).norm()) > bound * 2.0 ** -SINK_SHIFT  # not the finest shift
     v_bound = float(tables.step[1, 1].norm()) / 2 * 1.001
     assert float((v[1][0] - v2[0]).norm()) <= v_bound * 2.0 ** -SINK_SHIFT  # V's sink at the finest
+
+
+def test_token_shifts_code_each_row_finer_or_coarser() -> None:
+    """A row asked for ``s`` halvings comes back within the tables' bound times ``2**-s`` (coarser for a
+    negative ``s``); one that would leave the coder's range that fine is coded as finely as fits, never
+    clamped; the sink row keeps its own shift; shifts of the wrong shape or beyond the span are refused;
+    all-zero shifts are no shifts."""
+    tables = _tables(rel_step=0.05)
+    codec = TransformCodec()
+    k, v = _kv(5, TOKENS)
+    k1 = k[1].clone()
+    coeffs = (k1.reshape(TOKENS, -1) - tables.mean[1, 0]) @ tables.analysis[1, 0] / tables.step[1, 0]
+    k1[4] = tables.mean[1, 0].view(HEADS, DIM) + (
+        (coeffs[4] / coeffs[4].abs().max() * 5000.0 * tables.step[1, 0]) @ tables.synthesis[1, 0]
+    ).view(HEADS, DIM)  # 5000 steps: 2**2 finer fits the range, 2**3 does not
+    shifts = np.array([3, 2, -2, 1, 3, -3, 0, 1, 2, 3, -1, -2, 0, 0, 1, -3])
+    payload = codec.encode_layer(k1, v[1], 1, tables, sink_rows=1, token_shifts=shifts)
+    k2, v2 = codec.decode(payload, SHAPE, torch.float32)
+    allowed = shifts.copy()
+    allowed[4] = 2
+    for kind, (x, y) in enumerate(((k1, k2), (v[1], v2))):
+        err = (x - y).reshape(TOKENS, -1).norm(dim=1)
+        bound = float(tables.step[1, kind].norm()) / 2 * 1.001
+        assert float(err[0]) <= bound * 2.0 ** -SINK_SHIFT
+        for row in range(1, TOKENS):
+            row_shift = int(allowed[row]) if kind == 0 else int(shifts[row])
+            assert float(err[row]) <= bound * 2.0 ** -row_shift, (kind, row)
+    for bad in (shifts[:-1], np.full(TOKENS, 4), np.full(TOKENS, -4)):
+        with pytest.raises(CodecError, match="token shifts"):
+            codec.encode_layer(k1, v[1], 1, tables, token_shifts=bad)
+    assert codec.encode_layer(k1, v[1], 1, tables, token_shifts=np.zeros(TOKENS, dtype=np.int64)) == \
+        codec.encode_layer(k1, v[1], 1, tables)
+
+
+def test_token_shifts_follow_the_attention_a_token_gets() -> None:
+    """``2**x`` times the layer's geometric-mean attention codes a token ``x / 2`` halvings finer, rounded
+    and within the span; a span beyond what the stream can carry is refused."""
+    importance = torch.tensor([[1.0, 1.0, 4.0, 0.25], [1.0, 2.0**8, 2.0**-8, 1.0]])
+    assert token_shifts_from_importance(importance).tolist() == [[0, 0, 1, -1], [0, 2, -2, 0]]
+    assert token_shifts_from_importance(importance, span=3).tolist()[1] == [0, 3, -3, 0]
+    assert token_shifts_from_importance(importance, power=1.0).tolist()[0] == [0, 0, 2, -2]
+    with pytest.raises(CodecError, match="span"):
+        token_shifts_from_importance(importance, span=TOKEN_SHIFT_SPAN + 1)
 
 
 def test_step_scale_allocates_per_layer_kind_and_component() -> None:
@@ -377,8 +425,8 @@ def test_values_beyond_a_class_alphabet_travel_as_escapes() -> None:
     base = _class_of(np.array([0.5, 0.5]))
     q = np.zeros((16, 2), dtype=np.int32)
     q[5, 1], q[9, 0] = 30000, -7
-    words, offsets = _encode_coefficients(q, base, 0, 0)
-    plan = _stream_plan(base + offsets, 16, 0, 0)
+    words, offsets = _encode_coefficients(q, base, np.zeros(16, dtype=np.int64), 0)
+    plan = _stream_plan(base + offsets, np.zeros(16, dtype=np.int64))
     assert int(plan.half.max()) < 30000  # so the escape path was taken
     coder = constriction.stream.stack.AnsCoder(words)
     symbols, decoded_offsets, _ = _decode_coefficients(coder, base, 16, 0)
@@ -390,13 +438,14 @@ def test_an_escape_holding_a_value_its_class_codes_is_refused() -> None:
     """Only values outside a class's alphabet are escaped; a stream that escapes another is not one an
     encoder writes, and is refused rather than decoded."""
     base = _class_of(np.array([1.0, 1.0]))
-    plan = _stream_plan(base, 2, 0, 0)  # both components at offset 0: one class
+    plan = _stream_plan(base, np.zeros(2, dtype=np.int64))  # both components at offset 0: one class
     (model, count), = plan.classes
     half = int(plan.half[0])
     forged = constriction.stream.stack.AnsCoder()
     forged.encode_reverse(np.array([_RANGE + 1], dtype=np.int32), _ESCAPE_MODEL)  # the value 1, escaped
     forged.encode_reverse(np.array([2 * half + 1] + [half] * (count - 1), dtype=np.int32), model)
     forged.encode_reverse(np.array([-_OFFSET_MIN] * 2, dtype=np.int32), _OFFSET_MODEL)
+    forged.encode_reverse(np.array([0], dtype=np.int32), _FLAG_MODEL)  # no token shifts
     with pytest.raises(CodecError, match="escaped"):
         _decode_coefficients(constriction.stream.stack.AnsCoder(forged.get_compressed()), base, 2, 0)
 
@@ -410,11 +459,13 @@ def test_the_bitstream_is_the_same_on_every_host() -> None:
                   [0, 1, -1, 2, 9, 300],
                   [0, 0, 0, -1, -70, 900],
                   [0, 0, 2, 5, 3, 32767]], dtype=np.int32)
-    words, offsets = _encode_coefficients(q, base, 1, 2)
+    shifts = np.array([2, 1, -3, 0])  # a sink row 2 halvings finer, then token shifts
+    words, offsets = _encode_coefficients(q, base, shifts, 1)
     assert hashlib.sha256(words.astype("<u4").tobytes()).hexdigest()[:16] == GOLDEN_WORDS
     coder = constriction.stream.stack.AnsCoder(words)
-    symbols, decoded_offsets, sink_shift = _decode_coefficients(coder, base, 4, 1)
-    assert symbols.tolist() == q.reshape(-1).tolist() and coder.is_empty() and sink_shift == 2
+    symbols, decoded_offsets, decoded_shifts = _decode_coefficients(coder, base, 4, 1)
+    assert symbols.tolist() == q.reshape(-1).tolist() and coder.is_empty()
+    assert decoded_shifts.tolist() == shifts.tolist()
     assert decoded_offsets.tolist() == offsets.tolist()
     assert _class_model(0) is _class_model(0)  # built once per process
 
