@@ -22,11 +22,12 @@ import time
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvnet.blocks.codecs import CodecError, get_codec
 from kvnet.blocks.identity import BlockIdentity
-from kvnet.blocks.transform_codec import TransformCodec
+from kvnet.blocks.transform_codec import TransformCodec, token_shifts_from_importance
 from kvnet.blocks.transform_tables import TransformTables
 from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.dtypes import dtype_name
@@ -60,20 +61,26 @@ def encode_blocks(
     renditions: Sequence[str],
     signer: Signer,
     tables: TransformTables | None = None,
+    importance: torch.Tensor | None = None,
 ) -> list[StoredBlock]:
     """Encoded, signed objects of ``sources`` (blocks cached in ``cache``), one entry per rendition.
 
     Object payloads: object 0 is the manifest, object ``l + 1`` the codec payload of layer ``l``.
     Blocks that are no longer cached (evicted meanwhile) are skipped. ``tables``: the model's ``kvtc``
-    tables, which that rendition needs.
+    tables, which that rendition needs; ``importance``: the attention each token of the sources' sequence
+    gets (``[L, N]``, ``kvnet.model.importance.token_importance``), by which kvtc codes a token finer or
+    coarser.
     """
+    shifts = None if importance is None else token_shifts_from_importance(importance)
     out: list[StoredBlock] = []
     for src in sources:
         if not cache.contains_block(src.block_hash):
             continue
         kv = cache.export_block(src.block_hash)
+        rows = slice(src.block_index * kv.k.shape[1], (src.block_index + 1) * kv.k.shape[1])
+        block_shifts = None if shifts is None or shifts.shape[1] < rows.stop else shifts[:, rows]
         out += encode_block(kv.k, kv.v, src, fingerprint=fingerprint, renditions=renditions, signer=signer,
-                            tables=tables)
+                            tables=tables, token_shifts=block_shifts)
     return out
 
 
@@ -86,10 +93,12 @@ def encode_block(
     renditions: Sequence[str],
     signer: Signer,
     tables: TransformTables | None = None,
+    token_shifts: np.ndarray | None = None,
 ) -> list[StoredBlock]:
     """Encoded, signed objects of one block whose K and V over all layers are ``k, v: [L, B, H_kv, D]``,
     one entry per rendition (``encode_blocks`` for blocks held by another engine's cache); none for kvtc
-    when the block holds values its tables cannot code (logged)."""
+    when the block holds values its tables cannot code (logged). ``token_shifts`` (``[L, B]``): kvtc's
+    per-token steps (``TransformCodec.encode_layer``)."""
     shape = (int(k.shape[0]), int(k.shape[1]), int(k.shape[2]), int(k.shape[3]))
     now_ms = int(time.time() * 1000)
     out: list[StoredBlock] = []
@@ -100,7 +109,8 @@ def encode_block(
             # The sequence's first token is an attention sink: coded finer (kvnet.blocks.transform_codec).
             sinks = int(src.block_index == 0)
             try:
-                payloads = TransformCodec(fingerprint).encode_block(k, v, tables, sink_rows=sinks)
+                payloads = TransformCodec(fingerprint).encode_block(k, v, tables, sink_rows=sinks,
+                                                                    token_shifts=token_shifts)
             except CodecError as exc:
                 # Values far outside what the tables were calibrated on: the block's other renditions
                 # still go out, and a subscriber that asks for kvtc finds this block missing, not wrong.

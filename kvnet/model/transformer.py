@@ -402,6 +402,13 @@ class Transformer(nn.Module):
         last_rows = torch.tensor([s.start + s.length - 1 for s in segments], device=token_ids.device)
         return self._blocks(token_ids, positions, context, last_rows)
 
+    def forward_context(self, token_ids: Tensor, positions: Tensor, context: AttentionContext) -> None:
+        """Run the layers over ``token_ids`` at ``positions`` through a caller's attention context, which
+        decides where the K/V come from and go (``kvnet.model.importance.ProbeAttention`` writes nothing),
+        for what the context keeps: no logits are computed."""
+        no_rows = torch.empty(0, dtype=torch.int64, device=token_ids.device)
+        self._blocks(token_ids, positions, context, no_rows)
+
     def forward_full(self, token_ids: Tensor) -> Tensor:
         """Cache-free reference: logits ``[T, vocab]`` of ``token_ids: [T]`` at positions ``0..T-1``."""
         if token_ids.ndim != 1:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from kvnet.blocks.identity import BlockIdentity, prompt_blocks
+from kvnet.blocks.transform_codec import TransformCodec
 from kvnet.blocks.transform_tables import load_tables
 from kvnet.cache.hashing import block_hashes, root_hash
 from kvnet.cache.paged_cache import PagedKVCache
@@ -55,6 +56,7 @@ from kvnet.model.generate import (
     check_context_length,
     generate,
 )
+from kvnet.model.importance import token_importance
 from kvnet.model.registry import default_models_dir, is_registered, resolve_model
 from kvnet.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvnet.model.transformer import Transformer
@@ -291,9 +293,12 @@ class Node:
         if self.cache.has_sequence(seq_id):
             self.cache.free_sequence(seq_id)
 
-    async def _encode_and_store(self, ids: list[int], hashes: list[bytes]) -> tuple[list[Any], float]:
-        """Encode and store the blocks of ``hashes`` that the store does not hold yet (their sequence kept
-        alive by the caller, so they cannot be evicted meanwhile)."""
+    async def _encode_and_store(self, ids: list[int], hashes: list[bytes], seq_id: int
+                                ) -> tuple[list[Any], float]:
+        """Encode and store the blocks of ``hashes`` that the store does not hold yet (their sequence
+        ``seq_id`` kept alive by the caller, so they cannot be evicted meanwhile). For kvtc, the attention
+        the prompt's last queries give each of its tokens sets that token's steps
+        (``kvnet.model.importance``)."""
         started = time.perf_counter()
         first = self.config.publish_renditions[0]
         all_sources = prompt_blocks(ids, self.block_size, hashes, self.root, 0, len(hashes))
@@ -302,6 +307,10 @@ class Node:
             # Still refresh the chain so a hot prefix stays in the store.
             self.store.touch_chain([(h, first) for h in hashes])
             return [], time.perf_counter() - started
+        importance = None
+        if self.kvtc_tables is not None and TransformCodec.name in self.config.publish_renditions:
+            importance = await asyncio.to_thread(token_importance, self.model, self.cache,
+                                                 self.cache.block_table(seq_id), ids)
         blocks = await asyncio.to_thread(
             encode_blocks,
             self.cache,
@@ -310,6 +319,7 @@ class Node:
             renditions=self.config.publish_renditions,
             signer=self.signer,
             tables=self.kvtc_tables,
+            importance=importance,
         )
         self.store.put_chain(blocks)
         self.counters.published_blocks += len(sources)
@@ -328,7 +338,7 @@ class Node:
             prefill_s = time.perf_counter() - started
             hashes = list(result.block_hashes)
             try:
-                blocks, encode_s = await self._encode_and_store(ids, hashes)
+                blocks, encode_s = await self._encode_and_store(ids, hashes, finished.seq_id)
             finally:
                 self._free_sequence(finished.seq_id)
         push_s, pushed = 0.0, 0
@@ -459,7 +469,7 @@ class Node:
             if result.token_ids and result.token_ids[-1] == self.tokenizer.eos_id:
                 report.finish_reason = "stop"
             if publish:
-                blocks, _ = await self._encode_and_store(ids, list(result.block_hashes))
+                blocks, _ = await self._encode_and_store(ids, list(result.block_hashes), finished.seq_id)
                 report.published_blocks = len({x.block_hash for x in blocks})
                 # Blocks this request fetched came from the relay: pushing them back would only double
                 # its ingress.

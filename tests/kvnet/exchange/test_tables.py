@@ -285,3 +285,36 @@ async def test_a_publisher_without_tables_cannot_publish_kvtc(published: Publish
     with pytest.raises(CodecError, match="needs the model's tables"):
         encode_blocks(published.cache, published.identities[:1], fingerprint=FINGERPRINT,
                       renditions=("kvtc",), signer=published.signer)
+
+
+def test_importance_sets_each_tokens_steps_in_the_published_kvtc_blocks(published: Published) -> None:
+    """``encode_blocks`` with the attention each token of the sequence gets codes the tokens that get the
+    most finer and those that get the least coarser, each block its own slice of the sequence."""
+    tables = calibrated()
+    b, layers = SPEC.block_size, SPEC.num_layers
+    importance = torch.ones(layers, len(published.identities) * b)
+    favoured, neglected = 1, 2  # two tokens of the second block
+    importance[:, b + favoured], importance[:, b + neglected] = 2.0**8, 2.0**-8
+    uniform = kvtc_blocks(published, tables)
+    weighted = encode_blocks(published.cache, published.identities, fingerprint=FINGERPRINT,
+                             renditions=("kvtc",), signer=published.signer, tables=tables,
+                             importance=importance)
+    assert weighted[0].objects[1:] == uniform[0].objects[1:]  # no token of the first block moved
+    assert weighted[1].objects[1:] != uniform[1].objects[1:]
+    codec = TransformCodec(FINGERPRINT)
+    codec.install(tables)
+    shape = (b, SPEC.num_kv_heads, SPEC.head_dim)
+    exact = published.cache.export_block(published.identities[1].block_hash)
+    errors = {}
+    for name, stored in (("uniform", uniform[1]), ("weighted", weighted[1])):
+        decoded = codec.decode_block(list(stored.objects[1:]), shape, SPEC.dtype)
+        err = torch.stack([(k.float() - exact.k[layer].float()).reshape(b, -1).norm(dim=1)
+                           for layer, (k, _) in enumerate(decoded)])  # [L, b]
+        bound = tables.step[:, 0].norm(dim=1)[:, None] / 2 * 1.001
+        scale = torch.ones(b)
+        if name == "weighted":  # two halvings finer and coarser: the default span
+            scale[favoured], scale[neglected] = 0.25, 4.0
+        assert bool((err <= bound * scale).all()), name
+        errors[name] = err.sum(0)
+    assert float(errors["weighted"][favoured]) < float(errors["uniform"][favoured])
+    assert float(errors["weighted"][neglected]) > float(errors["uniform"][neglected])
