@@ -34,10 +34,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kvnet.blocks.codecs import CODECS, Codec, CodecError, Int8Codec
-from kvnet.blocks.transform_codec import TransformCodec
+from kvnet.blocks.transform_codec import TransformCodec, token_shifts_from_importance
 from kvnet.blocks.transform_tables import (
     TransformTables,
     parse_tables_body,
@@ -46,6 +47,7 @@ from kvnet.blocks.transform_tables import (
 )
 from kvnet.cache.paged_cache import CacheSpec, PagedKVCache
 from kvnet.model.checkpoint import load_checkpoint
+from kvnet.model.importance import token_importance
 from kvnet.model.registry import default_models_dir, is_registered, resolve_model
 from kvnet.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvnet.model.transformer import ModelArgs, Transformer
@@ -146,6 +148,8 @@ SPEED_HEADER = (f"{'ratio':>6} {'enc MB/s':>9} {'dec MB/s':>9} {'into MB/s':>9} 
 
 
 KVTC_TABLES: TransformTables | None = None
+KVTC_UNIFORM = "kvtc-uniform"
+"""``--renditions`` name of kvtc with every token at the tables' steps (no per-token steps), to compare."""
 """The model's kvtc tables for this run (``kvtc_tables``); kvtc is skipped without them."""
 
 
@@ -178,16 +182,23 @@ def kvtc_tables(model: Transformer, tokenizer: Tokenizer, block_size: int, path:
     return verify_tables(sign_tables(tables, signer), trust, fingerprint, tables.digest)
 
 
-def measure_kvtc(codec: TransformCodec, blocks: Blocks, runs: int) -> tuple[CodecSpeed, list[list[bytes]]]:
-    """``measure_codec`` for kvtc: encoded per layer with the tables; decoded a block's layers at once
-    (``decode_block``), which also stands for ``decode_into``."""
+def measure_kvtc(codec: TransformCodec, blocks: Blocks, runs: int, token_shifts: np.ndarray | None = None
+                 ) -> tuple[CodecSpeed, list[list[bytes]]]:
+    """``measure_codec`` for kvtc: encoded per layer with the tables (and ``token_shifts``, ``[L, N]`` for
+    the prefix's N tokens, as a node codes them); decoded a block's layers at once (``decode_block``),
+    which also stands for ``decode_into``."""
     assert KVTC_TABLES is not None
     tables = KVTC_TABLES
     raw = sum(2 * k.numel() * k.element_size() for layers in blocks for k, _ in layers)
+    b = int(blocks[0][0][0].shape[0])
+
+    def shifts(index: int, layer: int) -> np.ndarray | None:
+        return None if token_shifts is None else token_shifts[layer, index * b:(index + 1) * b]
 
     def encode() -> list[list[bytes]]:
         # The first block's first row is the sequence's first token, the attention sink: coded finer.
-        return [[codec.encode_layer(k, v, layer, tables, sink_rows=int(index == 0))
+        return [[codec.encode_layer(k, v, layer, tables, sink_rows=int(index == 0),
+                                    token_shifts=shifts(index, layer))
                  for layer, (k, v) in enumerate(layers)] for index, layers in enumerate(blocks)]
 
     payloads = encode()
@@ -199,10 +210,11 @@ def measure_kvtc(codec: TransformCodec, blocks: Blocks, runs: int) -> tuple[Code
     return CodecSpeed(ratio, raw / enc / 1e6, raw / dec / 1e6, raw / dec / 1e6), payloads
 
 
-def measure_codec(codec: Codec, blocks: Blocks, runs: int) -> tuple[CodecSpeed, list[list[bytes]]]:
-    """The codec's ratio and speeds (median of ``runs``), and its payloads."""
+def measure_codec(codec: Codec, blocks: Blocks, runs: int, token_shifts: np.ndarray | None = None
+                  ) -> tuple[CodecSpeed, list[list[bytes]]]:
+    """The codec's ratio and speeds (median of ``runs``), and its payloads (kvtc's with ``token_shifts``)."""
     if isinstance(codec, TransformCodec):
-        return measure_kvtc(codec, blocks, runs)
+        return measure_kvtc(codec, blocks, runs, token_shifts)
     pairs = [kv for layers in blocks for kv in layers]
     raw = sum(2 * k.numel() * k.element_size() for k, _ in pairs)
     payloads = [[codec.encode(k, v) for k, v in layers] for layers in blocks]
@@ -302,11 +314,13 @@ def real_kv_quality(
     agreement, positions scored, encode MB/s, decode MB/s), for ``renditions`` (all when None; lossless,
     the reference, always). Log-loss is the mean NLL of each held-out
     token's successor; the speeds are position-weighted means over the documents."""
-    codecs = {name: codec for name, codec in CODECS.items() if name == "lossless" or renditions is None
-              or name in renditions}
-    # kvtc is not a network rendition yet (docs/performance.md): measured here only
+    codecs: dict[str, Codec] = {name: codec for name, codec in CODECS.items()
+                                if name == "lossless" or renditions is None or name in renditions}
+    # kvtc needs the tables (--kvtc-tables); its rows at equal steps only where asked for by name.
     if KVTC_TABLES is not None and (renditions is None or TransformCodec.name in renditions):
         codecs[TransformCodec.name] = TransformCodec()
+    if KVTC_TABLES is not None and renditions is not None and KVTC_UNIFORM in renditions:
+        codecs[KVTC_UNIFORM] = TransformCodec()
     totals: dict[str, list[float]] = {name: [0.0] * 7 for name in codecs}
     positions = 0
     for path in sorted(DOCUMENTS.glob("*.txt")):
@@ -315,10 +329,16 @@ def real_kv_quality(
         prefix, scored = ids[:num_prefix], ids[num_prefix:num_prefix + held_out]
         print(f"  {path.name}: {len(ids)} tokens, prefix {num_prefix}, scoring {len(scored) - 1}", flush=True)
         blocks = prefill_blocks(model, prefix, block_size)
+        token_shifts = None
+        if TransformCodec.name in codecs:  # a node's steps per token: from the prefix's last queries
+            cache, _ = load_prefix(model, blocks, block_size, num_prefix)
+            token_shifts = token_shifts_from_importance(
+                token_importance(model, cache, cache.block_table(0), prefix))
         targets = torch.tensor(scored[1:])
         reference: torch.Tensor | None = None
         for name, codec in codecs.items():  # lossless first: the others are compared with it
-            speed, payloads = measure_codec(codec, blocks, runs)
+            speed, payloads = measure_codec(codec, blocks, runs,
+                                            token_shifts if name == TransformCodec.name else None)
             ratio = speed.ratio
             print(f"    {name}: {SPEED_HEADER}\n    {name}: {speed.columns()}", flush=True)
             k, v = layer_major(decoded_blocks(codec, payloads, blocks))
@@ -406,7 +426,8 @@ def main() -> None:
     parser.add_argument("--kvtc-layer-group", type=int, default=0, help="trained model: allocate kvtc's "
                         "steps by the KL measured per group of this many layers, K and V apart (0: equal)")
     parser.add_argument("--renditions", default="", help="trained model: comma-separated renditions to "
-                        "measure besides lossless (default all; kvtc needs --kvtc-tables)")
+                        "measure besides lossless (default all; kvtc needs --kvtc-tables; kvtc-uniform: "
+                        "kvtc without its per-token steps)")
     parser.add_argument("--no-quality", action="store_true", help="skip the model quality check")
     parser.add_argument("--held-out", type=int, default=256, help="trained model: tokens scored per document")
     parser.add_argument("--score-dtype", default="float32", choices=("float32", "same"),
