@@ -39,22 +39,23 @@ class ProbeAttention:
                  num_layers: int) -> None:
         self.cache = cache
         self.block_table = block_table
-        self.positions = positions
         self.prefix = prefix
         self.importance: list[Tensor | None] = [None] * num_layers
+        # Every cached key is before every new query; among the new tokens, each sees those before it.
+        self._hidden = ~causal_mask(positions, prefix + len(positions))[:, prefix:]  # [T, T]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cached_k, cached_v = self.cache.gather(layer, self.block_table, self.prefix)
         keys = torch.cat([cached_k, k]).float()  # [S, H_kv, D]
         values = torch.cat([cached_v, v]).float()
-        group = q.shape[1] // keys.shape[1]
-        if group > 1:  # query head h reads KV head h // group
-            keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-        logits = torch.einsum("thd,shd->hts", q.float(), keys) / math.sqrt(q.shape[-1])
-        mask = causal_mask(self.positions, keys.shape[0])  # [T, S]
-        probs = logits.masked_fill(~mask, float("-inf")).softmax(-1)  # [H, T, S]
-        self.importance[layer] = probs.mean((0, 1)).cpu()
-        return torch.einsum("hts,shd->thd", probs, values).to(q.dtype)
+        t, heads, dim = q.shape
+        kv_heads = keys.shape[1]
+        grouped = q.float().view(t, kv_heads, heads // kv_heads, dim)  # query head h reads KV head h // group
+        logits = torch.einsum("tkgd,skd->kgts", grouped, keys).mul_(1.0 / math.sqrt(dim))
+        logits[..., self.prefix:].masked_fill_(self._hidden, float("-inf"))
+        probs = logits.softmax(-1)  # [H_kv, group, T, S]
+        self.importance[layer] = probs.mean((0, 1, 2)).cpu()
+        return torch.einsum("kgts,skd->tkgd", probs, values).reshape(t, heads, dim).to(q.dtype)
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ from kvnet.blocks.codecs import CodecError
 from kvnet.blocks.transform_tables import TransformTables, calibrate
 from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.model.generate import cache_spec_for, prefill, prefix_root
+from kvnet.model.importance import token_importance
 from kvnet.model.transformer import Attention, Transformer, TransformerBlock, apply_rope
 
 __all__ = ["DEFAULT_LAYER_GROUP", "DEFAULT_REL_STEP", "HELD_OUT_TOKENS", "calibrate_model_tables",
@@ -117,14 +118,15 @@ def calibrate_model_tables(model: Transformer, token_ids: Sequence[int], block_s
     tables = tables_with(None)
     if not layer_group:
         return tables
-    scale = measure_step_scale(model, scorer or model, k, v, scored, block_size, tables, layer_group)
+    scale = measure_step_scale(model, scorer or model, k, v, scored, block_size, tables, layer_group,
+                               prefix_ids=calibration)
     return tables_with(scale)
 
 
 @torch.no_grad()
 def measure_step_scale(model: Transformer, scorer: Transformer, k: torch.Tensor, v: torch.Tensor,
-                       scored: Sequence[int], block_size: int, tables: TransformTables, group: int
-                       ) -> torch.Tensor:
+                       scored: Sequence[int], block_size: int, tables: TransformTables, group: int,
+                       prefix_ids: Sequence[int] | None = None) -> torch.Tensor:
     """Per (layer, K/V) step factors ``[L, 2]`` from the model's measured sensitivity (``calibrate``'s
     ``step_scale``).
 
@@ -137,8 +139,10 @@ def measure_step_scale(model: Transformer, scorer: Transformer, k: torch.Tensor,
     measured here. With a group's KL ~ a_g step_g**2 and its rate ~ -log2 step_g per component, the least
     total KL at a fixed rate has every a_g step_g**2 equal (reverse water-filling across groups): step_g
     scales by (KL_g / geometric mean)**-1/2, which keeps the mean log step, hence the rate, about where it
-    was. Factors are kept within [1/4, 4]."""
-    from kvnet.blocks.transform_codec import TransformCodec  # transform_tables imports the codec lazily too
+    was. Factors are kept within [1/4, 4]. With ``prefix_ids`` (the prefix's tokens), each token is coded
+    finer or coarser by the attention it gets, as a node codes it (``kvnet.model.importance``)."""
+    # transform_tables imports the codec lazily too
+    from kvnet.blocks.transform_codec import TransformCodec, token_shifts_from_importance
 
     window = (model.args.max_seq_len - len(scored)) // block_size
     blocks = min(int(k.shape[1]) // block_size, window)
@@ -150,9 +154,15 @@ def measure_step_scale(model: Transformer, scorer: Transformer, k: torch.Tensor,
     codec = TransformCodec()
     shape = (block_size, model.args.n_kv_heads, model.args.head_dim)
     decoded_k, decoded_v = torch.empty_like(k), torch.empty_like(v)
+    shifts = None
+    if prefix_ids is not None:
+        cache = _prefix_cache(model, k, v, block_size, 0)
+        shifts = token_shifts_from_importance(
+            token_importance(model, cache, cache.block_table(0), list(prefix_ids[:n])))
     for b in range(blocks):
         rows = slice(b * block_size, (b + 1) * block_size)
-        payloads = codec.encode_block(k[:, rows], v[:, rows], tables, sink_rows=int(b == 0))
+        payloads = codec.encode_block(k[:, rows], v[:, rows], tables, sink_rows=int(b == 0),
+                                      token_shifts=None if shifts is None else shifts[:, rows])
         for layer, (kd, vd) in enumerate(codec.decode_block(payloads, shape, k.dtype, k.device)):
             decoded_k[layer, rows], decoded_v[layer, rows] = kd, vd
     reference = scored_log_probs(scorer, k, v, scored, block_size)
@@ -177,15 +187,23 @@ def scored_log_probs(scorer: Transformer, k: torch.Tensor, v: torch.Tensor, scor
     K/V (``[L, N, H_kv, D]``, N whole blocks, cast to the scorer's dtype: a float32 scorer reads a bf16
     cache exactly) in the cache instead of computed."""
     n = int(k.shape[1])
-    cache = PagedKVCache(cache_spec_for(scorer, block_size), (n + len(scored)) // block_size + 2,
-                         scorer.device)
-    cache.add_sequence(0, [0] * n, [])  # the cache reads only the prefix's length; its K/V are given
-    slots = cache.append_slots(0, n)
-    for layer in range(scorer.args.n_layers):
-        cache.write(layer, slots, k[layer].to(scorer.device, scorer.dtype),
-                    v[layer].to(scorer.device, scorer.dtype))
+    cache = _prefix_cache(scorer, k, v, block_size, len(scored))
     slots = cache.append_slots(0, len(scored))
     positions = torch.arange(n, n + len(scored), device=scorer.device)
     tokens = torch.tensor(list(scored), dtype=torch.int64, device=scorer.device)
     logits = scorer(tokens, positions, cache, cache.block_table(0), slots, n + len(scored))
     return torch.log_softmax(logits[:-1].float(), dim=-1)
+
+
+def _prefix_cache(model: Transformer, k: torch.Tensor, v: torch.Tensor, block_size: int, room: int
+                  ) -> PagedKVCache:
+    """A cache in ``model``'s dtype whose sequence 0 holds the given K/V ``[L, N, H_kv, D]`` (cast), with
+    room for ``room`` tokens more."""
+    n = int(k.shape[1])
+    cache = PagedKVCache(cache_spec_for(model, block_size), (n + room) // block_size + 2, model.device)
+    cache.add_sequence(0, [0] * n, [])  # the cache reads only the prefix's length; its K/V are given
+    slots = cache.append_slots(0, n)
+    for layer in range(model.args.n_layers):
+        cache.write(layer, slots, k[layer].to(model.device, model.dtype),
+                    v[layer].to(model.device, model.dtype))
+    return cache

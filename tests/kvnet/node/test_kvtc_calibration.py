@@ -24,13 +24,14 @@ def model() -> Transformer:
 def test_steps_are_allocated_per_layer_group_by_measured_sensitivity(model: Transformer) -> None:
     """Each (layer group, K/V) gets its own factor on the equal relative step, within [1/4, 4], the
     geometric mean about 1 (the rate stays where it was); the calibration text's last tokens are scored,
-    not calibrated on."""
+    not calibrated on, and its tokens are coded with the steps per token a node would give them."""
     ids = ByteTokenizer().tokenize(TEXT)
     equal = calibrate_model_tables(model, ids, BLOCK, 0.1)
     held = len(ids) // 5
     before = calibrate_model_tables(model, ids[:-held], BLOCK, 0.1)
     k, v = prefill_kv(model, ids[:-held], BLOCK)
-    scale = measure_step_scale(model, model, k, v, ids[-held:], BLOCK, before, group=1)
+    scale = measure_step_scale(model, model, k, v, ids[-held:], BLOCK, before, group=1,
+                               prefix_ids=ids[:-held])
     assert scale.shape == (2, 2) and bool(((scale >= 0.25) & (scale <= 4.0)).all())
     assert float(scale.log().mean().exp()) == pytest.approx(1.0, rel=0.05)
     assert float(scale.max() / scale.min()) > 1.05  # the model is not equally sensitive everywhere
