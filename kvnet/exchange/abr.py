@@ -95,8 +95,8 @@ QUALITY_ORDER: tuple[str, ...] = ("lossless", "plain", "int8", "int4", "kvtc")
 # Encoded size / raw size before anything was measured, by KV dtype. Measured on SmolLM2's KV (docs/
 # performance.md, "Codec quality on real KV"): int8 and int4 are fixed fractions of the element size plus
 # scales, so they save half as much on bf16 as on fp32, while bf16's short mantissas compress better
-# losslessly. kvtc codes the same bytes whatever the dtype: 5.85x of bf16 measured at the calibration
-# command's default step (docs/performance.md, "kvtc's coder scales"), so about 12x of fp32.
+# losslessly. kvtc codes the same bytes whatever the dtype: 5.8x of bf16 measured at the calibration
+# command's default step (docs/performance.md, "kvtc steps per token"), so about 12x of fp32.
 # A dtype not listed uses the fp32 row.
 DEFAULT_SIZE_RATIO: Mapping[str, Mapping[str, float]] = {
     "float32": {"lossless": 0.85, "plain": 1.0, "int8": 0.25, "int4": 0.14, "kvtc": 0.085},
