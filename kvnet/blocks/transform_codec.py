@@ -21,7 +21,7 @@ coefficient is ever clamped: a block with one beyond the coder's range is refuse
 The same holds, less sharply, for every token: an error in a token's K or V reaches the output in
 proportion to the attention it gets, and most tokens get little. The publisher measures that attention
 with its own last queries (``kvnet.model.importance``) and codes each row up to ``TOKEN_SHIFT_SPAN``
-halvings finer or coarser (``token_shifts_from_importance``; on SmolLM2 2.4x less KL at the same size,
+halvings finer or coarser (``token_shifts_from_importance``; on SmolLM2 3.9x less KL at the same size,
 docs/performance.md "kvtc steps per token"); the shifts travel in the stream (~23 bytes a stream).
 
 Payload: the common header of kvnet.blocks.codecs (codec id 5, Flags = sink rows, Param = layer index)
@@ -288,7 +288,9 @@ def _quantize(coeffs: torch.Tensor, steps: torch.Tensor, sink_rows: int, token_s
     shifts = np.zeros(int(units.shape[0]), dtype=np.int64)
     if token_shifts is not None:
         shifts[sink_rows:] = token_shifts[sink_rows:]
-        fits = np.floor(np.log2(_RANGE / np.maximum(widest.double().numpy(), 1e-30))).astype(np.int64)
+        row_widest = widest.double().numpy()
+        fits = np.floor(np.log2(_RANGE / np.maximum(row_widest, 1e-30))).astype(np.int64)
+        fits -= row_widest * np.exp2(fits) > _RANGE  # the logarithm's last bit may round up
         shifts[sink_rows:] = np.minimum(shifts[sink_rows:], np.maximum(fits[sink_rows:], 0))
     if sink_rows:
         sink_widest = float(widest[:sink_rows].max())

@@ -46,16 +46,23 @@ class ProbeAttention:
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cached_k, cached_v = self.cache.gather(layer, self.block_table, self.prefix)
-        keys = torch.cat([cached_k, k]).float()  # [S, H_kv, D]
-        values = torch.cat([cached_v, v]).float()
         t, heads, dim = q.shape
-        kv_heads = keys.shape[1]
+        kv_heads = k.shape[1]
         grouped = q.float().view(t, kv_heads, heads // kv_heads, dim)  # query head h reads KV head h // group
-        logits = torch.einsum("tkgd,skd->kgts", grouped, keys).mul_(1.0 / math.sqrt(dim))
-        logits[..., self.prefix:].masked_fill_(self._hidden, float("-inf"))
-        probs = logits.softmax(-1)  # [H_kv, group, T, S]
-        self.importance[layer] = probs.mean((0, 1, 2)).cpu()
-        return torch.einsum("kgts,skd->tkgd", probs, values).reshape(t, heads, dim).to(q.dtype)
+        out = torch.empty_like(grouped)
+        total = torch.zeros(self.prefix + t, device=q.device)
+        # One KV head at a time: the float32 probabilities are [group, T, S], not [heads, T, S] (a long
+        # prompt's whole set would take gigabytes).
+        for head in range(kv_heads):
+            keys = torch.cat([cached_k[:, head], k[:, head]]).float()  # [S, D]
+            values = torch.cat([cached_v[:, head], v[:, head]]).float()
+            logits = torch.einsum("tgd,sd->gts", grouped[:, head], keys).mul_(1.0 / math.sqrt(dim))
+            logits[..., self.prefix:].masked_fill_(self._hidden, float("-inf"))
+            probs = logits.softmax(-1)  # [group, T, S]
+            total += probs.sum((0, 1))
+            out[:, head] = torch.einsum("gts,sd->tgd", probs, values)
+        self.importance[layer] = (total / (heads * t)).cpu()
+        return out.reshape(t, heads, dim).to(q.dtype)
 
 
 @torch.no_grad()
