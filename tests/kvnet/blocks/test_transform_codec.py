@@ -225,6 +225,17 @@ def test_sink_rows_coded_finer() -> None:
         codec.encode_layer(k[1], v[1], 1, tables, sink_rows=TOKENS + 1)
 
 
+def _with_row_steps_out(k: torch.Tensor, row: int, steps: float, tables: TransformTables) -> torch.Tensor:
+    """Layer 1's ``k`` with ``row`` moved so that its widest coefficient is ``steps`` of the tables' steps
+    (the direction of its own coefficients kept)."""
+    out = k.clone()
+    coeffs = (out.reshape(TOKENS, -1) - tables.mean[1, 0]) @ tables.analysis[1, 0] / tables.step[1, 0]
+    out[row] = tables.mean[1, 0].view(HEADS, DIM) + (
+        (coeffs[row] / coeffs[row].abs().max() * steps * tables.step[1, 0]) @ tables.synthesis[1, 0]
+    ).view(HEADS, DIM)
+    return out
+
+
 def test_a_sink_row_too_large_for_the_finest_shift_is_coded_at_the_finest_that_fits() -> None:
     """A sink row thousands of steps out (K's sink on SmolLM2 in its last layers, at fine steps) would
     leave the coder's range at 2**-SINK_SHIFT steps; the encoder codes it as finely as the range allows,
@@ -232,11 +243,7 @@ def test_a_sink_row_too_large_for_the_finest_shift_is_coded_at_the_finest_that_f
     tables = _tables(rel_step=0.05)
     codec = TransformCodec()
     k, v = _kv(5, TOKENS)
-    k1 = k[1].clone()
-    coeffs = (k1.reshape(TOKENS, -1) - tables.mean[1, 0]) @ tables.analysis[1, 0] / tables.step[1, 0]
-    k1[0] = tables.mean[1, 0].view(HEADS, DIM) + (
-        (coeffs[0] / coeffs[0].abs().max() * 3000.0 * tables.step[1, 0]) @ tables.synthesis[1, 0]
-    ).view(HEADS, DIM)  # its widest coefficient 3000 steps: 2**3 finer fits the range, 2**4 does not
+    k1 = _with_row_steps_out(k[1], 0, 3000.0, tables)  # 2**3 finer fits the range, 2**4 does not
     payload = codec.encode_layer(k1, v[1], 1, tables, sink_rows=1)
     k2, v2 = codec.decode(payload, SHAPE, torch.float32)
     bound = float(tables.step[1, 0].norm()) / 2 * 1.001
@@ -254,11 +261,7 @@ def test_token_shifts_code_each_row_finer_or_coarser() -> None:
     tables = _tables(rel_step=0.05)
     codec = TransformCodec()
     k, v = _kv(5, TOKENS)
-    k1 = k[1].clone()
-    coeffs = (k1.reshape(TOKENS, -1) - tables.mean[1, 0]) @ tables.analysis[1, 0] / tables.step[1, 0]
-    k1[4] = tables.mean[1, 0].view(HEADS, DIM) + (
-        (coeffs[4] / coeffs[4].abs().max() * 5000.0 * tables.step[1, 0]) @ tables.synthesis[1, 0]
-    ).view(HEADS, DIM)  # 5000 steps: 2**2 finer fits the range, 2**3 does not
+    k1 = _with_row_steps_out(k[1], 4, 5000.0, tables)  # 2**2 finer fits the range, 2**3 does not
     shifts = np.array([3, 2, -2, 1, 3, -3, 0, 1, 2, 3, -1, -2, 0, 0, 1, -3])
     payload = codec.encode_layer(k1, v[1], 1, tables, sink_rows=1, token_shifts=shifts)
     k2, v2 = codec.decode(payload, SHAPE, torch.float32)
