@@ -51,7 +51,12 @@ from kvnet.model.importance import token_importance
 from kvnet.model.registry import default_models_dir, is_registered, resolve_model
 from kvnet.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvnet.model.transformer import ModelArgs, Transformer
-from kvnet.node.kvtc_calibration import HELD_OUT_TOKENS, calibrate_model_tables, scored_log_probs
+from kvnet.node.kvtc_calibration import (
+    HELD_OUT_TOKENS,
+    calibrate_model_tables,
+    prefix_cache,
+    scored_log_probs,
+)
 from kvnet.security.signing import Signer, TrustStore
 
 DOCUMENTS = Path(__file__).resolve().parent / "documents"
@@ -148,9 +153,9 @@ SPEED_HEADER = (f"{'ratio':>6} {'enc MB/s':>9} {'dec MB/s':>9} {'into MB/s':>9} 
 
 
 KVTC_TABLES: TransformTables | None = None
+"""The model's kvtc tables for this run (``kvtc_tables``); kvtc is skipped without them."""
 KVTC_UNIFORM = "kvtc-uniform"
 """``--renditions`` name of kvtc with every token at the tables' steps (no per-token steps), to compare."""
-"""The model's kvtc tables for this run (``kvtc_tables``); kvtc is skipped without them."""
 
 
 def kvtc_tables(model: Transformer, tokenizer: Tokenizer, block_size: int, path: Path, tokens: int,
@@ -239,13 +244,7 @@ def load_prefix(
 ) -> tuple[PagedKVCache, int]:
     """A fresh cache whose sequence 0 starts with the given prefix K/V (written through the seam)."""
     num_prefix = len(blocks) * block_size
-    cache = new_cache(model, block_size, total_tokens)
-    cache.add_sequence(0, [0] * num_prefix, [])
-    slots = cache.append_slots(0, num_prefix)
-    k, v = layer_major(blocks)
-    for layer in range(model.args.n_layers):
-        cache.write(layer, slots, k[layer], v[layer])
-    return cache, num_prefix
+    return prefix_cache(model, *layer_major(blocks), block_size, total_tokens - num_prefix), num_prefix
 
 
 @torch.no_grad()

@@ -22,7 +22,8 @@ from kvnet.model.importance import token_importance
 from kvnet.model.transformer import Attention, Transformer, TransformerBlock, apply_rope
 
 __all__ = ["DEFAULT_LAYER_GROUP", "DEFAULT_REL_STEP", "HELD_OUT_TOKENS", "calibrate_model_tables",
-           "measure_step_scale", "prefill_kv", "prefill_kv_and_query_metric", "scored_log_probs"]
+           "measure_step_scale", "prefill_kv", "prefill_kv_and_query_metric", "prefix_cache",
+           "scored_log_probs"]
 
 DEFAULT_REL_STEP = 0.12
 """The quantizer step relative to each layer's RMS: on SmolLM2 bf16 5.8x smaller than raw at an output
@@ -156,7 +157,7 @@ def measure_step_scale(model: Transformer, scorer: Transformer, k: torch.Tensor,
     decoded_k, decoded_v = torch.empty_like(k), torch.empty_like(v)
     shifts = None
     if prefix_ids is not None:
-        cache = _prefix_cache(model, k, v, block_size, 0)
+        cache = prefix_cache(model, k, v, block_size, 0)
         shifts = token_shifts_from_importance(
             token_importance(model, cache, cache.block_table(0), list(prefix_ids[:n])))
     for b in range(blocks):
@@ -187,7 +188,7 @@ def scored_log_probs(scorer: Transformer, k: torch.Tensor, v: torch.Tensor, scor
     K/V (``[L, N, H_kv, D]``, N whole blocks, cast to the scorer's dtype: a float32 scorer reads a bf16
     cache exactly) in the cache instead of computed."""
     n = int(k.shape[1])
-    cache = _prefix_cache(scorer, k, v, block_size, len(scored))
+    cache = prefix_cache(scorer, k, v, block_size, len(scored))
     slots = cache.append_slots(0, len(scored))
     positions = torch.arange(n, n + len(scored), device=scorer.device)
     tokens = torch.tensor(list(scored), dtype=torch.int64, device=scorer.device)
@@ -195,7 +196,7 @@ def scored_log_probs(scorer: Transformer, k: torch.Tensor, v: torch.Tensor, scor
     return torch.log_softmax(logits[:-1].float(), dim=-1)
 
 
-def _prefix_cache(model: Transformer, k: torch.Tensor, v: torch.Tensor, block_size: int, room: int
+def prefix_cache(model: Transformer, k: torch.Tensor, v: torch.Tensor, block_size: int, room: int
                   ) -> PagedKVCache:
     """A cache in ``model``'s dtype whose sequence 0 holds the given K/V ``[L, N, H_kv, D]`` (cast), with
     room for ``room`` tokens more."""
