@@ -155,8 +155,20 @@ class AbrConfig:
     decode_beside_compute: bool = False
     """The node's forwards take every core its decoding of fetched layers needs (a CPU node whose torch
     threads and decode threads outnumber its cores): a split's head then pays for its tail's decoding,
-    while the tail's bytes still cross the network beside it (``best_split``'s ``head_extra``). Decoding
-    is a small part of lossless and plain; kvtc's rANS decode is most of its cost."""
+    while the tail's bytes still cross the network beside it (``best_split``'s ``head_extra``), and
+    computes ``shared_cores_head_slowdown`` times slower than alone. Decoding is a small part of lossless
+    and plain; kvtc's rANS decode is most of its cost."""
+    shared_cores_head_slowdown: float = 2.0
+    """With ``decode_beside_compute``, how much longer a split's head takes than the same prefill alone,
+    until a split was measured (``KvAbr.head_prefill``): the fetch's event loop (receive, verify, decode)
+    takes a core from forwards whose threads wait on each other. Measured 1.75-2.2x for SmolLM2 in bfloat16
+    on 2 AMX cores, tails fetched at 10-30 MB/s (docs/performance.md, "The head's chunk, measured per
+    model")."""
+    max_step_tokens: int | None = None
+    """The engine's prompt tokens per forward (its step budget): a prefill of more takes more forwards, each
+    with its fixed cost (``PrefillEstimator.forward_tokens``), and a split's head runs in chunks of at
+    most this (``KvAbr.head_chunk_tokens``). None: every prefill sample is one forward (vLLM's connector
+    times forwards, not requests)."""
     deadline_margin_s: float = 1.0
     """Seconds a fetch may cost beyond the recompute time of the blocks it delivered before it is abandoned
     (``FetchDeadline``); bounds TTFT by recompute time plus this. Generous enough that a loaded machine's
@@ -179,6 +191,10 @@ class AbrConfig:
             raise ValueError("probe_after_s must be >= 0")
         if self.probe_blocks < 1:
             raise ValueError("probe_blocks must be >= 1")
+        if self.max_step_tokens is not None and self.max_step_tokens < 1:
+            raise ValueError("max_step_tokens must be >= 1")
+        if not 1.0 <= self.shared_cores_head_slowdown <= 100.0:
+            raise ValueError("shared_cores_head_slowdown must be in [1, 100]")
 
 
 class Ewma:
@@ -316,15 +332,27 @@ class FirstByteEstimator:
 
 @dataclass
 class PrefillEstimator:
-    """Local prefill cost ``overhead + n * per_token`` fitted by weighted least squares over the latest
-    ``max_samples`` runs, each run weighing ``recency`` times the next one's (the newest weighs 1), so the
-    fit follows a machine whose load changed."""
+    """Local prefill cost ``forwards(n) * overhead + n * per_token`` fitted by weighted least squares over
+    the latest ``max_samples`` runs, each run weighing ``recency`` times the next one's (the newest weighs
+    1), so the fit follows a machine whose load changed.
+
+    ``forwards(n) = ceil(n / forward_tokens)``: the engine prefills at most ``forward_tokens`` prompt tokens
+    per forward (its step budget), and every forward pays the fixed cost again. That cost is the model's:
+    a few ms on the ``small`` preset, ~70 ms for SmolLM2 in bfloat16 on an AMX CPU (reading every weight
+    once per forward), where 576 tokens took 0.45 s in two forwards and a fit without the count of forwards,
+    made from single-forward runs, predicted 0.24 s. None: every run is one forward."""
 
     per_token_s: float = 1e-3
     overhead_s: float = 0.0
+    """Seconds each forward costs besides its tokens."""
     max_samples: int = 32
     recency: float = 0.8
+    forward_tokens: int | None = None
     _samples: list[tuple[int, float]] = field(default_factory=list)
+
+    def forwards(self, tokens: int) -> int:
+        """Forwards the engine runs to prefill ``tokens`` prompt tokens alone."""
+        return 1 if self.forward_tokens is None else max(-(-tokens // self.forward_tokens), 1)
 
     def add(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
@@ -334,31 +362,38 @@ class PrefillEstimator:
         self._refit()
 
     def _refit(self) -> None:
-        xs = [float(n) for n, _ in self._samples]
+        ns = [float(n) for n, _ in self._samples]
+        fs = [float(self.forwards(n)) for n, _ in self._samples]
         ys = [s for _, s in self._samples]
-        n = len(xs)
-        ws = [self.recency ** (n - 1 - i) for i in range(n)]
-        total = sum(ws)
-        mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / total
-        my = sum(w * y for w, y in zip(ws, ys, strict=True)) / total
-        var = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
-        if n >= 2 and var > 1e-9 * total * mx * mx:
-            cov = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True))
-            slope = cov / var
-            intercept = my - slope * mx
-            if slope > 0 and intercept >= 0:
-                self.per_token_s, self.overhead_s = slope, intercept
+        count = len(ns)
+        ws = [self.recency ** (count - 1 - i) for i in range(count)]
+        # Normal equations of y = a * f + b * n (no intercept: the fixed cost is per forward).
+        sff = sum(w * f * f for w, f in zip(ws, fs, strict=True))
+        sfn = sum(w * f * n for w, f, n in zip(ws, fs, ns, strict=True))
+        snn = sum(w * n * n for w, n in zip(ws, ns, strict=True))
+        sfy = sum(w * f * y for w, f, y in zip(ws, fs, ys, strict=True))
+        sny = sum(w * n * y for w, n, y in zip(ws, ns, ys, strict=True))
+        det = sff * snn - sfn * sfn
+        if count >= 2 and det > 1e-9 * sff * snn:
+            overhead = (sfy * snn - sny * sfn) / det
+            slope = (sff * sny - sfn * sfy) / det
+            if slope > 0 and overhead >= 0:
+                self.per_token_s, self.overhead_s = slope, overhead
                 return
         # One size seen, or a fit with a negative term (runs of close sizes, one of them slowed by load,
         # make the least-squares slope swing several-fold): the fixed cost stays what the last valid fit
         # said (calibration runs are of sizes far apart), and the rest is per token.
-        overhead = min(self.overhead_s, min(ys))
-        if my <= overhead:
+        total = sum(ws)
+        mean_f = sum(w * f for w, f in zip(ws, fs, strict=True)) / total
+        mean_n = sum(w * n for w, n in zip(ws, ns, strict=True)) / total
+        mean_y = sum(w * y for w, y in zip(ws, ys, strict=True)) / total
+        overhead = min(self.overhead_s, min(y / f for y, f in zip(ys, fs, strict=True)))
+        if mean_y <= overhead * mean_f:
             overhead = 0.0
-        self.per_token_s, self.overhead_s = (my - overhead) / mx, overhead
+        self.per_token_s, self.overhead_s = (mean_y - overhead * mean_f) / mean_n, overhead
 
     def estimate(self, tokens: int) -> float:
-        return 0.0 if tokens <= 0 else self.overhead_s + tokens * self.per_token_s
+        return 0.0 if tokens <= 0 else self.forwards(tokens) * self.overhead_s + tokens * self.per_token_s
 
     @property
     def has_samples(self) -> bool:
@@ -660,6 +695,8 @@ class KvAbr:
     _kept: deque[AbrSample] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
+        if self.prefill.forward_tokens is None:
+            self.prefill.forward_tokens = self.config.max_step_tokens
         self.renditions = RenditionStats(kv_dtype=self.config.kv_dtype, clock=self.clock)
         self.throughput = ThroughputEstimator(self.config.prior_throughput_bps, self.clock)
         self.tail_throughput = ThroughputEstimator(self.config.prior_throughput_bps, self.clock)
@@ -930,13 +967,46 @@ class KvAbr:
             compute_blocks=compute_k,
         )
 
-    def head_cost(self, block_size: int, overhead: bool = True) -> Callable[[int], float]:
-        """Estimated seconds to prefill ``n`` blocks of a head beside its fetch (``head_prefill`` once
-        measured; ``overhead``: a new prefill, else more of one already running)."""
-        head = self.head_prefill if self.head_prefill.has_samples else self.prefill
-        per_block = block_size * head.per_token_s
-        base = head.overhead_s if overhead else 0.0
-        return lambda n: 0.0 if n <= 0 else base + n * per_block
+    def head_chunk_tokens(self, block_size: int, head_blocks: int) -> int:
+        """Prompt tokens per forward of a split's head that computes ``head_blocks`` blocks: whole blocks,
+        at least one, at most the engine's step budget (``AbrConfig.max_step_tokens``).
+
+        Each forward costs the prefill's fixed cost (``prefill.overhead_s``, measured) besides its tokens,
+        and a head whose limit comes down mid-chunk computes on average half a chunk past it, so the total
+        ``(H / c) * overhead + (c / 2) * per_token`` is least at ``c = sqrt(2 * overhead * H / per_token)``.
+        The fixed cost is the model's, not a constant: ~4 ms on the ``small`` preset (128-token chunks), but
+        ~70 ms for SmolLM2 in bfloat16 on an AMX CPU, where 128-token chunks took a head 1.8x as long as
+        one 512-token forward (docs/performance.md, "The head's chunk, measured per model")."""
+        per_token = max(self.prefill.per_token_s, 1e-9)
+        head_tokens = max(head_blocks, 1) * block_size
+        best = math.sqrt(2.0 * self.prefill.overhead_s * head_tokens / per_token)
+        blocks = max(round(best / block_size), 1)
+        if self.config.max_step_tokens is not None:
+            blocks = min(blocks, self.config.max_step_tokens // block_size)
+        return max(blocks, 1) * block_size
+
+    def head_cost(self, block_size: int, chunk_tokens: int | None = None) -> Callable[[int], float]:
+        """Estimated seconds to prefill ``n`` blocks of a head beside its fetch.
+
+        Once a split was measured, ``head_prefill``'s fit (its samples include their chunks' fixed costs
+        and the cores the tail took). Before, the plain prefill's: each forward's fixed cost once per chunk
+        of ``head_chunk_tokens``, times ``shared_cores_head_slowdown`` where the fetch takes the forwards'
+        cores (``decode_beside_compute``). ``chunk_tokens``: the head is running already, in chunks of that
+        size (more of it, no new forward to start); None: a new head."""
+        if self.head_prefill.has_samples:
+            head = self.head_prefill
+            per_block = block_size * head.per_token_s
+            base = head.overhead_s if chunk_tokens is None else 0.0
+            return lambda n: 0.0 if n <= 0 else base + n * per_block
+        fixed, per_block = self.prefill.overhead_s, block_size * self.prefill.per_token_s
+        slowdown = self.config.shared_cores_head_slowdown if self.config.decode_beside_compute else 1.0
+
+        def cost(n: int) -> float:
+            if n <= 0:
+                return 0.0
+            chunk = chunk_tokens or self.head_chunk_tokens(block_size, n)
+            return slowdown * (math.ceil(n * block_size / chunk) * fixed + n * per_block)
+        return cost
 
     def decode_beside_head(self, block_raw_bytes: int, rendition: str | None) -> float:
         """Seconds a split's head waits for the decoding of one tail block in ``rendition``: 0 unless

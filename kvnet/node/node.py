@@ -54,7 +54,6 @@ from kvnet.model.generate import (
     TokenCallback,
     cache_spec_for,
     check_context_length,
-    generate,
 )
 from kvnet.model.importance import token_importance
 from kvnet.model.registry import default_models_dir, is_registered, resolve_model
@@ -78,10 +77,14 @@ from kvnet.storage.disk import DiskTier
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_MIN_RUN_S = 0.1
-"""A calibration run at least this long is mostly the prefill's per-token work (``Node.calibrate``)."""
+CALIBRATION_MIN_RUN_S = 0.3
+"""A calibration run at least this long is mostly the prefill's per-token work (``Node.calibrate``): on
+SmolLM2 in bfloat16 on an AMX CPU a forward of 32-64 tokens cost 1.8 ms a token against 0.5 ms in one of
+512 (small matrix products use the matrix units poorly), so a fit from runs of 0.1 s put a 1024-token
+prefill at 2 s where it took 0.74."""
 CALIBRATION_MAX_TOKENS = 512
-"""The longest calibration run: on a fast CPU a few hundred milliseconds of start-up at most."""
+"""The longest calibration run, the engine's default step (``DEFAULT_PREFILL_CHUNK``): on a fast CPU well
+under a second of start-up."""
 
 
 def build_model(config: NodeConfig, models_dir: Path) -> tuple[Transformer, Tokenizer]:
@@ -175,6 +178,7 @@ class Node:
         if self.kvtc_tables is not None:
             self.tables.publish(self.kvtc_tables, self.signer)
         acceptable = tuple(r for r in QUALITY_ORDER if r in config.acceptable_renditions)
+        step_tokens = max(config.max_step_tokens, config.max_running_sequences)
         self.abr = KvAbr(
             AbrConfig(
                 acceptable=acceptable,
@@ -184,6 +188,7 @@ class Node:
                 deadline_margin_s=config.fetch_margin,
                 kv_dtype=dtype_name(spec.dtype),
                 overlap=config.abr_overlap,
+                max_step_tokens=step_tokens,
                 # Decoding runs on the verify threads, or the event loop's thread without them.
                 decode_beside_compute=self.device.type == "cpu"
                 and config.torch_threads + max(1, config.fetch_verify_workers) > usable_cores(),
@@ -193,7 +198,7 @@ class Node:
         self.engine = BatchEngine(
             self.model, self.cache, root=self.root,
             config=SchedulerConfig(max_running_sequences=config.max_running_sequences,
-                                   max_step_tokens=max(config.max_step_tokens, config.max_running_sequences)),
+                                   max_step_tokens=step_tokens),
         )
         """Continuous batching of every request's prefill and decode, with admission against the KV pool."""
         self.peer: RelayPeer | None = None
@@ -256,16 +261,18 @@ class Node:
         (up to ``CALIBRATION_MAX_TOKENS`` and the model's context) until one run takes ``min_run_s``: runs
         of a few milliseconds are mostly fixed cost and timer noise, and a slope fitted from two of them
         was off by 2-4x on a CPU with AMX, which then decided the first plans. A slow CPU stops at
-        ``tokens`` (its first run is long enough), so start-up costs what it did."""
+        ``tokens`` (its first run is long enough), so start-up costs what it did.
+
+        The runs go through the engine, as requests do, and count its forwards' compute (what
+        ``prefill_measured`` gets from requests); nothing is committed to the cache (each run's blocks are
+        freed, never matched)."""
         limit = min(CALIBRATION_MAX_TOKENS, self.model.args.max_seq_len - 1)
         n = max(min(tokens, limit), 2)
 
         def run(count: int) -> float:
-            ids = [(i * 7919) % 256 for i in range(count)]
-            cache = PagedKVCache(self.cache.spec, -(-count // self.block_size) + 1, self.device)
-            started = time.perf_counter()
-            generate(self.model, cache, ids, 0, root=self.root, commit_prompt=False)
-            return time.perf_counter() - started
+            ids = tuple((i * 7919) % 256 for i in range(count))
+            handle = self.engine.submit(SequenceRequest(ids, 0, commit_prompt=False))
+            return handle.future.result().prefill_compute_seconds
 
         run(n)  # the first run pays one-off kernel set-up
         while run(n) < min_run_s and 2 * n <= limit:

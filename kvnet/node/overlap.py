@@ -5,15 +5,18 @@ Owns ``fetch_and_compute``, which runs an ``AbrPlan`` with ``compute_blocks > 0`
 moves with what each side actually achieves rather than staying where the estimates put it:
 
 * the head is one prompt-only sequence in the batching engine (``SequenceRequest.prefill_limit``), so it
-  runs as prefill chunks beside other requests' work, small ones (``HEAD_PREFILL_CHUNK``) so that it
-  stops soon after the limit comes down. It computes forward from the first missing
+  runs as prefill chunks beside other requests' work, sized from the measured cost of a forward
+  (``KvAbr.head_chunk_tokens``) so that it stops soon after the limit comes down without paying a
+  forward's fixed cost too often. It computes forward from the first missing
   block, and its limit is always the lowest block the fetch has delivered so far: if the fetch falls
   behind, the head goes on past its planned share (compute takes more), up to every block;
-* the fetch loads the planned tail backwards, from the last block down to the planned split, each block
+* the fetch loads the planned tail backwards, from the last block down to the planned split (or the end
+  of the head's first forward, if that computes past it), each block
   verified on its own identity exactly as a prefix fetch does (the order of arrival does not matter to the
   checks). Each delivered block lowers the head's limit. If the fetch reaches the split before the head
   does, it re-plans what lies between the two with the current estimates (``best_split``) and fetches
-  further down (fetch takes more);
+  further down (fetch takes more), never into the chunk the head's forward is computing (those blocks
+  are computed whatever arrives; fetching them would only take cores from the forward);
 * a fetch that fails or stalls only stops lowering the limit: the head computes the rest. Once the head
   reaches the fetched run the fetch is cancelled, whatever it still had in flight.
 
@@ -36,7 +39,6 @@ from kvnet.blocks.identity import BlockIdentity
 from kvnet.exchange.abr import AbrPlan, KvAbr, best_split
 from kvnet.exchange.fetching import FetchOutcome
 from kvnet.model.batching import SequenceFinished, SequenceRequest
-from kvnet.model.defaults import HEAD_PREFILL_CHUNK
 from kvnet.model.engine import BatchEngine
 
 logger = logging.getLogger(__name__)
@@ -108,9 +110,10 @@ async def fetch_and_compute(
     out = result.fetch
     frontier = hi
     """Lowest block of the contiguous run the fetch delivered, ending at ``hi``."""
-    head = engine.submit(
+    chunk = abr.head_chunk_tokens(b, plan.compute_blocks)
+    head = engine.submit(  # the limit is re-read per chunk
         SequenceRequest(tuple(ids[: hi * b]), 0, commit_prompt=True, prefill_limit=hi * b,
-                        prefill_chunk=max(HEAD_PREFILL_CHUNK // b, 1) * b)  # the limit is re-read per chunk
+                        prefill_chunk=chunk)
     )
 
     def delivered(block: int) -> None:
@@ -122,8 +125,14 @@ async def fetch_and_compute(
     def on_loaded(order: list[int]) -> Callable[[int], None]:
         return lambda j: delivered(order[j])
 
+    def computing(done: int) -> int:
+        """The block the head's forward in flight (or next) computes up to, ``done`` blocks in: its chunks
+        end at multiples of ``chunk``, and it computes them whatever arrives meanwhile, so fetching below
+        that would only take cores from the forward."""
+        return (done * b // chunk + 1) * chunk // b
+
     async def fetch_side() -> None:
-        lo, top = start + plan.compute_blocks, hi
+        lo, top = min(max(start + plan.compute_blocks, computing(start)), hi), hi
         while lo < top:
             order = list(range(top - 1, lo - 1, -1))  # backwards: towards the head
             renditions = [_rendition(plan, i - start) for i in order]
@@ -132,17 +141,17 @@ async def fetch_and_compute(
                 return  # the head computes what is missing
             # The fetch reached its share before the head: split what lies between them again, with the
             # estimates as they are now (the head's part costs no new prefill: it is running).
-            done = start + cached_prefix(hashes[start:lo])
-            if done >= lo:
+            first = min(computing(start + cached_prefix(hashes[start:lo])), lo)
+            if first >= lo:
                 return
-            renditions = [_rendition(plan, i - start) for i in range(done, lo)]
+            renditions = [_rendition(plan, i - start) for i in range(first, lo)]
             costs = [abr.block_fetch_cost(block_raw_bytes, r, beside_compute=True) for r in renditions]
             extra = [abr.decode_beside_head(block_raw_bytes, r) for r in renditions]
-            k, _ = best_split(costs, abr.fetch_latency_s(), abr.head_cost(b, overhead=False), extra)
-            if done + k >= lo:
+            k, _ = best_split(costs, abr.fetch_latency_s(), abr.head_cost(b, chunk_tokens=chunk), extra)
+            if first + k >= lo:
                 return
             result.fetch_extensions += 1
-            top, lo = lo, done + k
+            top, lo = lo, first + k
 
     started = time.perf_counter()
 

@@ -250,6 +250,54 @@ def test_prefill_estimate_follows_the_latest_runs() -> None:
     assert est.per_token_s < 2.5e-4  # an unweighted fit of the window would say 7e-4
 
 
+def test_prefill_estimator_pays_the_fixed_cost_once_per_forward() -> None:
+    """SmolLM2 in bfloat16 on an AMX CPU: ~0.15 s a forward besides 0.4 ms a token, 512 tokens a forward.
+    576 tokens take two forwards; a fit that counted one put them at half their cost."""
+    est = PrefillEstimator(forward_tokens=512)
+    for n in (256, 512, 1024, 25):
+        est.add(n, est.forwards(n) * 0.15 + n * 4e-4)
+    assert est.overhead_s == pytest.approx(0.15, rel=1e-6)
+    assert est.per_token_s == pytest.approx(4e-4, rel=1e-6)
+    assert est.forwards(576) == 2 and est.estimate(576) == pytest.approx(0.3 + 576 * 4e-4)
+    # Without the step budget every run is one forward, as vLLM's connector times them.
+    assert PrefillEstimator().forwards(10_000) == 1
+    assert KvAbr(AbrConfig(max_step_tokens=256)).prefill.forwards(257) == 2
+
+
+def test_a_heads_chunk_weighs_a_forwards_fixed_cost_against_overshooting() -> None:
+    """``sqrt(2 * overhead * head / per_token)`` in whole blocks, within one block and the step budget."""
+    def chunk(overhead_s: float, per_token_s: float, head_blocks: int, step: int | None = 512) -> int:
+        abr = KvAbr(AbrConfig(max_step_tokens=step))
+        abr.prefill.add(256, abr.prefill.forwards(256) * overhead_s + 256 * per_token_s)
+        abr.prefill.add(512, abr.prefill.forwards(512) * overhead_s + 512 * per_token_s)
+        return abr.head_chunk_tokens(64, head_blocks)
+
+    assert chunk(0.004, 1.7e-4, 8) == 128  # the small preset: sqrt(2 * 4 ms * 512 / 0.17 ms) ~ 155
+    assert chunk(0.15, 4e-4, 4) == 448  # SmolLM2 bf16 on AMX: ~438 tokens, 7 blocks
+    assert chunk(0.15, 4e-4, 12) == 512  # ~760 tokens: the step budget
+    assert chunk(0.15, 4e-4, 12, step=None) == 768
+    assert chunk(1e-6, 1e-3, 1) == 64  # next to no fixed cost: one block
+
+
+def test_a_new_head_pays_a_forward_per_chunk_and_the_cores_a_fetch_takes() -> None:
+    """Before any split was measured: each chunk's fixed cost, and ``shared_cores_head_slowdown`` on a node
+    whose fetch takes its forwards' cores (a head ran 1.75-2.2x slower beside its tail on 2 AMX cores).
+    Once a split was measured, its own fit, slowdown included."""
+    def head_cost(shared: bool, blocks: int, chunk_tokens: int | None = None) -> float:
+        abr = KvAbr(AbrConfig(max_step_tokens=512, decode_beside_compute=shared))
+        abr.prefill.add(256, 0.15 + 256 * 4e-4)
+        abr.prefill.add(512, 0.15 + 512 * 4e-4)
+        return abr.head_cost(64, chunk_tokens)(blocks)
+
+    assert head_cost(False, 4) == pytest.approx(0.15 + 256 * 4e-4)  # one forward: a 448-token chunk
+    assert head_cost(False, 4, chunk_tokens=128) == pytest.approx(2 * 0.15 + 256 * 4e-4)
+    assert head_cost(True, 4) == pytest.approx(2.0 * (0.15 + 256 * 4e-4))
+    assert head_cost(False, 0) == head_cost(True, 0) == 0.0
+    abr = KvAbr(AbrConfig(max_step_tokens=512, decode_beside_compute=True))
+    abr.head_prefill.add(256, 0.5)
+    assert abr.head_cost(64)(4) == pytest.approx(0.5)
+
+
 def test_a_fit_spoiled_by_one_slowed_run_keeps_the_fixed_cost() -> None:
     est = PrefillEstimator()
     est.add(256, 0.075 + 256 * 5e-4)  # calibration: 0.5 ms per token plus 75 ms
@@ -487,8 +535,10 @@ def test_a_tail_decoded_on_the_heads_cores_costs_the_head_its_decoding() -> None
     everything; lossless, whose decode costs next to nothing, still splits as before. (kvtc decoded at 8
     MB/s then; its coder is faster now, so that rate is given as measured.)"""
     def plan(accept: tuple[str, ...], shared: bool) -> AbrPlan:
+        # The head's slowdown beside a fetch has its own test: here the decoding alone.
         abr = KvAbr(AbrConfig(acceptable=accept, prior_throughput_bps=2e6, prior_rtt_s=0.02, safety=1.0,
-                              kv_dtype="bfloat16", decode_beside_compute=shared))
+                              kv_dtype="bfloat16", decode_beside_compute=shared,
+                              shared_cores_head_slowdown=1.0))
         abr.prefill.add(64, 64 * 0.0136)  # a 64-token block: 0.87 s; its KV 1.47 MB
         abr.rendition_measured("kvtc", 1_470_000, 352_800, 1_470_000 / 8e6)
         return abr.plan([list(accept)] * 3, 64, 1_470_000, total_tokens=3 * 64 + 6)
