@@ -293,6 +293,11 @@ FIRST_BYTE_CAP_S = 10.0
 """The most a learned first-byte delay may be, in seconds (the node's default request timeout, after which a
 FETCH that brought nothing has failed anyway): a relay that answers late, or never, cannot teach a node to
 wait longer than that for a block (``FirstByteEstimator``)."""
+PREFILL_SAMPLE_STEP = 1.5
+"""The most a single prefill run can say the fit is off by (``PrefillEstimator.add``). Measured on SmolLM2
+bf16 (2 AMX cores): one recompute took 2.02 s where the same request took 0.82 s in the next run, and taken
+whole it moved the fit from 0.64 to 1.47 ms a token, so the next request split against a recompute it put
+at 1.8 s (0.83 s in fact) and lost 50%."""
 MAX_KEPT_SAMPLES = 4096
 """Samples a ``KvAbr`` keeps for another (``keep_samples``) while nobody takes them; the oldest go first."""
 MAX_RELAYS_TRACKED = 64
@@ -349,14 +354,28 @@ class PrefillEstimator:
     recency: float = 0.8
     forward_tokens: int | None = None
     _samples: list[tuple[int, float]] = field(default_factory=list)
+    _last_outlier: int = 0
+    """+1 / -1: the last run was more than ``PREFILL_SAMPLE_STEP`` slower / faster than the fit; 0: not."""
 
     def forwards(self, tokens: int) -> int:
         """Forwards the engine runs to prefill ``tokens`` prompt tokens alone."""
         return 1 if self.forward_tokens is None else max(-(-tokens // self.forward_tokens), 1)
 
     def add(self, tokens: int, seconds: float) -> None:
+        """A run of ``tokens`` took ``seconds``. Once the fit stands on two runs, a run more than
+        ``PREFILL_SAMPLE_STEP`` times slower or faster than the fit says is taken as that step only, unless
+        the run before it was off in the same direction: one run the host slowed (its other work, a first
+        forward of a new shape) moves the estimate a little, and a machine whose speed really changed is
+        followed from its second run on."""
         if tokens <= 0 or seconds <= 0:
             return
+        if len(self._samples) >= 2:
+            expected = self.estimate(tokens)
+            low, high = expected / PREFILL_SAMPLE_STEP, expected * PREFILL_SAMPLE_STEP
+            direction = (seconds > high) - (seconds < low)
+            if direction and direction != self._last_outlier:
+                seconds = min(max(seconds, low), high)
+            self._last_outlier = direction
         self._samples.append((tokens, seconds))
         del self._samples[: -self.max_samples]
         self._refit()

@@ -8,6 +8,7 @@ import pytest
 
 from kvnet.exchange.abr import (
     MAX_RELAYS_TRACKED,
+    PREFILL_SAMPLE_STEP,
     RECOMPUTE,
     AbrConfig,
     AbrPlan,
@@ -296,6 +297,34 @@ def test_a_new_head_pays_a_forward_per_chunk_and_the_cores_a_fetch_takes() -> No
     abr = KvAbr(AbrConfig(max_step_tokens=512, decode_beside_compute=True))
     abr.head_prefill.add(256, 0.5)
     assert abr.head_cost(64)(4) == pytest.approx(0.5)
+
+
+def test_one_slow_run_moves_the_prefill_fit_a_step_and_two_move_it_whole() -> None:
+    """SmolLM2 bf16 on 2 AMX cores: one recompute took 2.02 s where the same request took 0.82 s in the next
+    run; taken whole, the next plan put a 1028-token recompute at 1.8 s and split against it."""
+    def calibrated() -> PrefillEstimator:
+        est = PrefillEstimator(forward_tokens=512)
+        est.add(256, 0.15 + 256 * 4e-4)
+        est.add(512, 0.15 + 512 * 4e-4)
+        return est
+
+    before = calibrated().estimate(1031)
+    est = calibrated()
+    est.add(1031, 2.02)
+    assert est.estimate(1031) <= PREFILL_SAMPLE_STEP * before * 1.0001
+    est.add(1031, before)  # the next run as usual: the outlier's step still weighs, less each run
+    assert est.estimate(1031) < 1.25 * before
+    # A machine that became 2.5x slower: the first run is a step, the second is taken whole.
+    est = calibrated()
+    est.add(1031, 2.5 * before)
+    est.add(1031, 2.5 * before)
+    est.add(1031, 2.5 * before)
+    assert est.estimate(1031) > 2 * before
+    # Faster alike.
+    est = calibrated()
+    for _ in range(3):
+        est.add(1031, before / 3)
+    assert est.estimate(1031) < before / 2
 
 
 def test_a_fit_spoiled_by_one_slowed_run_keeps_the_fixed_cost() -> None:
