@@ -265,8 +265,12 @@ class Node:
 
         The runs go through the engine, as requests do, and count its forwards' compute (what
         ``prefill_measured`` gets from requests); nothing is committed to the cache (each run's blocks are
-        freed, never matched)."""
-        limit = min(CALIBRATION_MAX_TOKENS, self.model.args.max_seq_len - 1)
+        freed, never matched), and no run is longer than the cache's pool holds (a node started with a
+        few blocks calibrates on what fits and answers what fits)."""
+        pool_tokens = self.cache.num_blocks * self.block_size
+        limit = min(CALIBRATION_MAX_TOKENS, self.model.args.max_seq_len - 1, pool_tokens)
+        if limit < 2:  # no two sizes fit: the first requests' runs are the measurements
+            return self.abr.prefill.per_token_s
         n = max(min(tokens, limit), 2)
 
         def run(count: int) -> float:

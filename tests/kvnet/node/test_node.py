@@ -36,3 +36,15 @@ async def test_calibration_doubles_short_runs_up_to_its_limit(node: Node) -> Non
     while 2 * longest <= limit:
         longest *= 2
     assert [size for size, _ in node.abr.prefill.samples] == [longest // 2, longest]
+
+
+async def test_calibration_runs_only_what_the_cache_pool_holds() -> None:
+    # The runs go through the engine and its cache: a node started with two 16-token blocks measures
+    # runs of 16 and 32 tokens (it would fail at start-up asking for more).
+    small = Node(NodeConfig(model="tiny", block_size=16, cache_blocks=2),
+                 Transformer.from_name("tiny", device=torch.device("cpu")))
+    try:
+        small.calibrate(tokens=64, min_run_s=1e9)
+        assert [size for size, _ in small.abr.prefill.samples] == [16, 32]
+    finally:
+        await small.close()
