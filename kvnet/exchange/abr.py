@@ -166,7 +166,7 @@ class AbrConfig:
     model")."""
     max_step_tokens: int | None = None
     """The engine's prompt tokens per forward (its step budget): a prefill of more takes more forwards, each
-    with its fixed cost (``PrefillEstimator.forward_tokens``), and a split's head runs in chunks of at
+    with its fixed cost (``PrefillEstimator.max_step_tokens``), and a split's head runs in chunks of at
     most this (``KvAbr.head_chunk_tokens``). None: every prefill sample is one forward (vLLM's connector
     times forwards, not requests)."""
     deadline_margin_s: float = 1.0
@@ -341,7 +341,7 @@ class PrefillEstimator:
     the latest ``max_samples`` runs, each run weighing ``recency`` times the next one's (the newest weighs
     1), so the fit follows a machine whose load changed.
 
-    ``forwards(n) = ceil(n / forward_tokens)``: the engine prefills at most ``forward_tokens`` prompt tokens
+    ``forwards(n) = ceil(n / max_step_tokens)``: the engine prefills at most ``max_step_tokens`` prompt tokens
     per forward (its step budget), and every forward pays the fixed cost again. That cost is the model's:
     a few ms on the ``small`` preset, ~70 ms for SmolLM2 in bfloat16 on an AMX CPU (reading every weight
     once per forward), where 576 tokens took 0.45 s in two forwards and a fit without the count of forwards,
@@ -352,14 +352,14 @@ class PrefillEstimator:
     """Seconds each forward costs besides its tokens."""
     max_samples: int = 32
     recency: float = 0.8
-    forward_tokens: int | None = None
+    max_step_tokens: int | None = None
     _samples: list[tuple[int, float]] = field(default_factory=list)
     _last_outlier: int = 0
     """+1 / -1: the last run was more than ``PREFILL_SAMPLE_STEP`` slower / faster than the fit; 0: not."""
 
     def forwards(self, tokens: int) -> int:
         """Forwards the engine runs to prefill ``tokens`` prompt tokens alone."""
-        return 1 if self.forward_tokens is None else max(-(-tokens // self.forward_tokens), 1)
+        return 1 if self.max_step_tokens is None else max(-(-tokens // self.max_step_tokens), 1)
 
     def add(self, tokens: int, seconds: float) -> None:
         """A run of ``tokens`` took ``seconds``. Once the fit stands on two runs, a run more than
@@ -682,7 +682,7 @@ class KvAbr:
     config: AbrConfig = field(default_factory=AbrConfig)
     throughput: ThroughputEstimator = field(init=False)
     rtt: RttEstimator = field(init=False)
-    prefill: PrefillEstimator = field(default_factory=PrefillEstimator)
+    prefill: PrefillEstimator = field(init=False)
     head_prefill: PrefillEstimator = field(default_factory=PrefillEstimator)
     """The prefill of a head computed while its tail is fetched (``kvnet.node.overlap``), apart from
     ``prefill``: on a CPU engine the fetch's event loop (receive, verify, decode) takes cores the forwards
@@ -714,8 +714,7 @@ class KvAbr:
     _kept: deque[AbrSample] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        if self.prefill.forward_tokens is None:
-            self.prefill.forward_tokens = self.config.max_step_tokens
+        self.prefill = PrefillEstimator(max_step_tokens=self.config.max_step_tokens)
         self.renditions = RenditionStats(kv_dtype=self.config.kv_dtype, clock=self.clock)
         self.throughput = ThroughputEstimator(self.config.prior_throughput_bps, self.clock)
         self.tail_throughput = ThroughputEstimator(self.config.prior_throughput_bps, self.clock)

@@ -251,10 +251,17 @@ def test_prefill_estimate_follows_the_latest_runs() -> None:
     assert est.per_token_s < 2.5e-4  # an unweighted fit of the window would say 7e-4
 
 
+def _calibrate_smollm2(est: PrefillEstimator, overhead_s: float = 0.15, per_token_s: float = 4e-4) -> None:
+    """Calibration's two runs (256 and 512 tokens, one forward each) at SmolLM2 bf16's cost on an AMX CPU
+    (by default): ~0.15 s a forward besides 0.4 ms a token."""
+    for n in (256, 512):
+        est.add(n, est.forwards(n) * overhead_s + n * per_token_s)
+
+
 def test_prefill_estimator_pays_the_fixed_cost_once_per_forward() -> None:
     """SmolLM2 in bfloat16 on an AMX CPU: ~0.15 s a forward besides 0.4 ms a token, 512 tokens a forward.
     576 tokens take two forwards; a fit that counted one put them at half their cost."""
-    est = PrefillEstimator(forward_tokens=512)
+    est = PrefillEstimator(max_step_tokens=512)
     for n in (256, 512, 1024, 25):
         est.add(n, est.forwards(n) * 0.15 + n * 4e-4)
     assert est.overhead_s == pytest.approx(0.15, rel=1e-6)
@@ -269,8 +276,7 @@ def test_a_heads_chunk_weighs_a_forwards_fixed_cost_against_overshooting() -> No
     """``sqrt(2 * overhead * head / per_token)`` in whole blocks, within one block and the step budget."""
     def chunk(overhead_s: float, per_token_s: float, head_blocks: int, step: int | None = 512) -> int:
         abr = KvAbr(AbrConfig(max_step_tokens=step))
-        abr.prefill.add(256, abr.prefill.forwards(256) * overhead_s + 256 * per_token_s)
-        abr.prefill.add(512, abr.prefill.forwards(512) * overhead_s + 512 * per_token_s)
+        _calibrate_smollm2(abr.prefill, overhead_s, per_token_s)
         return abr.head_chunk_tokens(64, head_blocks)
 
     assert chunk(0.004, 1.7e-4, 8) == 128  # the small preset: sqrt(2 * 4 ms * 512 / 0.17 ms) ~ 155
@@ -286,8 +292,7 @@ def test_a_new_head_pays_a_forward_per_chunk_and_the_cores_a_fetch_takes() -> No
     Once a split was measured, its own fit, slowdown included."""
     def head_cost(shared: bool, blocks: int, chunk_tokens: int | None = None) -> float:
         abr = KvAbr(AbrConfig(max_step_tokens=512, decode_beside_compute=shared))
-        abr.prefill.add(256, 0.15 + 256 * 4e-4)
-        abr.prefill.add(512, 0.15 + 512 * 4e-4)
+        _calibrate_smollm2(abr.prefill)
         return abr.head_cost(64, chunk_tokens)(blocks)
 
     assert head_cost(False, 4) == pytest.approx(0.15 + 256 * 4e-4)  # one forward: a 448-token chunk
@@ -303,9 +308,8 @@ def test_one_slow_run_moves_the_prefill_fit_a_step_and_two_move_it_whole() -> No
     """SmolLM2 bf16 on 2 AMX cores: one recompute took 2.02 s where the same request took 0.82 s in the next
     run; taken whole, the next plan put a 1028-token recompute at 1.8 s and split against it."""
     def calibrated() -> PrefillEstimator:
-        est = PrefillEstimator(forward_tokens=512)
-        est.add(256, 0.15 + 256 * 4e-4)
-        est.add(512, 0.15 + 512 * 4e-4)
+        est = PrefillEstimator(max_step_tokens=512)
+        _calibrate_smollm2(est)
         return est
 
     before = calibrated().estimate(1031)
