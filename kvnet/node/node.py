@@ -55,6 +55,7 @@ from kvnet.model.generate import (
     cache_spec_for,
     check_context_length,
 )
+from kvnet.model.host_memory import keep_freed_memory
 from kvnet.model.importance import token_importance
 from kvnet.model.registry import default_models_dir, is_registered, resolve_model
 from kvnet.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -113,6 +114,7 @@ async def start_node(config: NodeConfig, *, calibrate: bool = True) -> Node:
     `NodeStartError` when its configuration cannot be used."""
     logger.info("loading model %s ...", config.checkpoint or config.model)
     torch.set_num_threads(config.torch_threads)
+    keep_freed_memory()  # before the model and the cache pool are allocated
     try:
         node = await asyncio.to_thread(Node.from_config, config)
     except (ValueError, OSError, SigningError) as exc:  # e.g. a checkpoint whose files are unusable
