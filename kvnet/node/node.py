@@ -259,11 +259,11 @@ class Node:
     def calibrate(self, tokens: int = 64, min_run_s: float = CALIBRATION_MIN_RUN_S) -> float:
         """Warm the kernels and measure local prefill speed for the ABR; returns seconds per token.
 
-        Runs of ``n / 2`` and ``n`` tokens give the slope and the fixed cost, ``n`` doubled from ``tokens``
-        (up to ``CALIBRATION_MAX_TOKENS`` and the model's context) until one run takes ``min_run_s``: runs
-        of a few milliseconds are mostly fixed cost and timer noise, and a slope fitted from two of them
-        was off by 2-4x on a CPU with AMX, which then decided the first plans. A slow CPU stops at
-        ``tokens`` (its first run is long enough), so start-up costs what it did.
+        Runs of ``n / 2`` and ``n`` tokens (the faster of two of each) give the slope and the fixed cost,
+        ``n`` doubled from ``tokens`` (up to ``CALIBRATION_MAX_TOKENS`` and the model's context) until one
+        run takes ``min_run_s``: runs of a few milliseconds are mostly fixed cost and timer noise, and a
+        slope fitted from two of them was off by 2-4x on a CPU with AMX, which then decided the first
+        plans. A slow CPU stops at ``tokens`` (its first run is long enough).
 
         The runs go through the engine, as requests do, and count its forwards' compute (what
         ``prefill_measured`` gets from requests); nothing is committed to the cache (each run's blocks are
@@ -284,7 +284,10 @@ class Node:
         while run(n) < min_run_s and 2 * n <= limit:
             n *= 2
         for count in (n // 2, n):
-            self.abr.prefill_measured(count, run(count))
+            # The faster of two runs: a node starting beside others (a cluster's services, a test suite)
+            # has one run of a pair slowed now and then, and two sizes make the whole fit (one slowed run
+            # once gave a negative fixed cost, so no fixed cost at all and one-block head chunks).
+            self.abr.prefill_measured(count, min(run(count), run(count)))
         return self.abr.prefill.per_token_s
 
     async def _run_sequence(

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import torch
 
+from kvnet.model.batching import SequenceRequest
 from kvnet.model.transformer import Transformer
 from kvnet.node.node import CALIBRATION_MAX_TOKENS, Node, NodeConfig
 
@@ -26,6 +28,24 @@ async def test_calibration_measures_two_sizes_at_the_first_that_runs_long_enough
     node.calibrate(tokens=16, min_run_s=0.0)
     assert [size for size, _ in node.abr.prefill.samples] == [8, 16]
     assert node.abr.prefill.per_token_s > 0
+
+
+async def test_calibration_keeps_the_faster_of_two_runs_of_each_size(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A warm-up run, the run that is long enough, then two runs of each measured size; one sample a size.
+    handles: list[Any] = []
+    submit = node.engine.submit
+
+    def counted(request: SequenceRequest, *args: Any) -> Any:
+        handles.append((len(request.prompt_ids), submit(request, *args)))
+        return handles[-1][1]
+
+    monkeypatch.setattr(node.engine, "submit", counted)
+    node.calibrate(tokens=16, min_run_s=0.0)
+    assert [size for size, _ in handles] == [16, 16, 8, 8, 16, 16]
+    took = [handle.future.result().prefill_compute_seconds for _, handle in handles]
+    assert node.abr.prefill.samples == ((8, min(took[2:4])), (16, min(took[4:6])))
 
 
 async def test_calibration_doubles_short_runs_up_to_its_limit(node: Node) -> None:
