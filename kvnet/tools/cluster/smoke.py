@@ -175,8 +175,9 @@ def fetched_whole(report: dict[str, Any]) -> bool:
 def run_smoke(cluster: NetnsCluster, tag: str = "smoke") -> WanDemo:
     """Publish the warm-up and demo documents at pub-a (site a) and ask for each plus a question at sub-b
     (site b) in one subscriber with the ABR deciding; then the demo request in new subscribers fetched
-    whole with ``--abr fetch`` (unless the ABR did exactly that) and recomputed. The forced fetch asks for
-    a second copy of the document (its own chain hashes, published beside it), so it crosses the WAN with
+    whole with ``--abr fetch`` (unless the ABR did exactly that) and recomputed (after the warm-up
+    document, recomputed too: its process's second request, as the ABR's is). The forced fetch asks for a
+    second copy of the document (its own chain hashes, published beside it), so it crosses the WAN with
     the edges' caches as cold as the ABR's request found them: after a split or a partial fetch the same
     document would come mostly from edge-b's cache and make fetching look faster than it is. Raise
     ``ClusterError`` unless the whole-prefix fetch loaded the prefix without falling back and its output is
@@ -207,7 +208,9 @@ def run_smoke(cluster: NetnsCluster, tag: str = "smoke") -> WanDemo:
         fetched = chosen
         if not fetched_whole(chosen):
             [fetched] = _subscribe(cluster, [twin + DEMO_QUESTION], *DEMO_MODEL, "--verify", "--abr", "fetch")
-        [recomputed] = _subscribe(cluster, [prompt], *DEMO_MODEL, "--abr", "recompute")
+        # Second in its process, as the ABR's request was: both nodes have answered one request before.
+        _, recomputed = _subscribe(cluster, [warmup + DEMO_QUESTION, prompt], *DEMO_MODEL,
+                                   "--abr", "recompute")
     finally:
         stop_process(publisher)
     demo = WanDemo(chosen, fetched, recomputed, first_contact)
