@@ -125,14 +125,8 @@ async def fetch_and_compute(
     def on_loaded(order: list[int]) -> Callable[[int], None]:
         return lambda j: delivered(order[j])
 
-    def computing(done: int) -> int:
-        """The block the head's forward in flight (or next) computes up to, ``done`` blocks in: its chunks
-        end at multiples of ``chunk``, and it computes them whatever arrives meanwhile, so fetching below
-        that would only take cores from the forward."""
-        return (done * b // chunk + 1) * chunk // b
-
     async def fetch_side() -> None:
-        lo, top = min(max(start + plan.compute_blocks, computing(start)), hi), hi
+        lo, top = min(max(start + plan.compute_blocks, head_chunk_end(start, chunk, b)), hi), hi
         while lo < top:
             order = list(range(top - 1, lo - 1, -1))  # backwards: towards the head
             renditions = [_rendition(plan, i - start) for i in order]
@@ -141,7 +135,7 @@ async def fetch_and_compute(
                 return  # the head computes what is missing
             # The fetch reached its share before the head: split what lies between them again, with the
             # estimates as they are now (the head's part costs no new prefill: it is running).
-            first = min(computing(start + cached_prefix(hashes[start:lo])), lo)
+            first = min(head_chunk_end(start + cached_prefix(hashes[start:lo]), chunk, b), lo)
             if first >= lo:
                 return
             renditions = [_rendition(plan, i - start) for i in range(first, lo)]
@@ -186,6 +180,13 @@ async def fetch_and_compute(
     # Blocks the head reached were computed whoever else delivered them: the fetch's share is the rest.
     result.fetched_blocks = max(hi - max(frontier, result.head_end_tokens // b), 0)
     return result
+
+
+def head_chunk_end(done_blocks: int, chunk_tokens: int, block_size: int) -> int:
+    """The block the head's forward in flight (or next) computes up to, ``done_blocks`` blocks in: its
+    chunks end at multiples of ``chunk_tokens`` (whole blocks), and it computes them whatever arrives
+    meanwhile, so the fetch never starts below this (it would only take cores from the forward)."""
+    return (done_blocks * block_size // chunk_tokens + 1) * chunk_tokens // block_size
 
 
 def _rendition(plan: AbrPlan, index: int) -> str:
