@@ -101,7 +101,9 @@ def main() -> int:
     ap.add_argument("--rtt-ms", type=float, default=20.0)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2, help="torch threads per node (one node runs at a time)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads per node: 1, a node's own default (``--threads``); 2 on a 2-core AMX "
+                         "host made SmolLM2's prefill no faster and took the core the fetch runs on")
     ap.add_argument("--requests", type=int, default=1,
                     help="prompts each subscriber answers after the warm-up, each on a prefix of its own; "
                          "the last is timed (more than 1: the ABR plans from what the earlier ones measured)")
