@@ -361,15 +361,16 @@ class PrefillEstimator:
         """Forwards the engine runs to prefill ``tokens`` prompt tokens alone."""
         return 1 if self.max_step_tokens is None else max(-(-tokens // self.max_step_tokens), 1)
 
-    def add(self, tokens: int, seconds: float) -> None:
+    def add(self, tokens: int, seconds: float, whole: bool = False) -> None:
         """A run of ``tokens`` took ``seconds``. Once the fit stands on two runs, a run more than
         ``PREFILL_SAMPLE_STEP`` times slower or faster than the fit says is taken as that step only, unless
         the run before it was off in the same direction: one run the host slowed (its other work, a first
         forward of a new shape) moves the estimate a little, and a machine whose speed really changed is
-        followed from its second run on."""
+        followed from its second run on. ``whole``: taken as it is (calibration's runs, whose sizes are
+        chosen to pin the fit down)."""
         if tokens <= 0 or seconds <= 0:
             return
-        if len(self._samples) >= 2:
+        if len(self._samples) >= 2 and not whole:
             expected = self.estimate(tokens)
             low, high = expected / PREFILL_SAMPLE_STEP, expected * PREFILL_SAMPLE_STEP
             direction = (seconds > high) - (seconds < low)
@@ -778,10 +779,11 @@ class KvAbr:
         self._keep("rendition", rendition, raw_bytes, encoded_bytes, decode_s)
         self.renditions.add(rendition, raw_bytes, encoded_bytes, decode_s)
 
-    def prefill_measured(self, tokens: int, seconds: float) -> None:
-        """A forward of ``tokens`` prompt tokens took ``seconds`` (``PrefillEstimator``)."""
-        self._keep("prefill", tokens, seconds)
-        self.prefill.add(tokens, seconds)
+    def prefill_measured(self, tokens: int, seconds: float, calibration: bool = False) -> None:
+        """A forward of ``tokens`` prompt tokens took ``seconds`` (``PrefillEstimator``); ``calibration``:
+        a run of the node's start-up calibration, taken whole."""
+        self._keep("prefill", tokens, seconds, calibration)
+        self.prefill.add(tokens, seconds, whole=calibration)
 
     _ABSORB: ClassVar[Mapping[str, Callable[..., None]]] = {
         "throughput": fetch_measured, "rtt": rtt_measured, "first_byte": first_byte_measured,

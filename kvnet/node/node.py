@@ -259,11 +259,15 @@ class Node:
     def calibrate(self, tokens: int = 64, min_run_s: float = CALIBRATION_MIN_RUN_S) -> float:
         """Warm the kernels and measure local prefill speed for the ABR; returns seconds per token.
 
-        Runs of ``n / 2`` and ``n`` tokens (the faster of two of each) give the slope and the fixed cost,
-        ``n`` doubled from ``tokens`` (up to ``CALIBRATION_MAX_TOKENS`` and the model's context) until one
-        run takes ``min_run_s``: runs of a few milliseconds are mostly fixed cost and timer noise, and a
-        slope fitted from two of them was off by 2-4x on a CPU with AMX, which then decided the first
-        plans. A slow CPU stops at ``tokens`` (its first run is long enough).
+        Runs of ``n / 8``, ``n / 2`` and ``n`` tokens (the faster of two of each) give the slope and the
+        fixed cost, ``n`` doubled from ``tokens`` (up to ``CALIBRATION_MAX_TOKENS`` and the model's context)
+        until one run takes ``min_run_s``: runs of a few milliseconds are mostly fixed cost and timer noise,
+        and a slope fitted from two of them was off by 2-4x on a CPU with AMX, which then decided the first
+        plans. The short run is there for the fixed cost: a forward's cost is not linear in its tokens
+        (SmolLM2 bf16 on one AMX core: 16 tokens 55 ms, 64 75 ms, 256 143 ms, 512 264 ms), and a line
+        through 256 and 512 alone puts it at ~20 ms, or at none when one run is slowed, which sizes a
+        split's head chunks (``KvAbr.head_chunk_tokens``) at one block. A slow CPU stops at ``tokens``
+        (its first run is long enough).
 
         The runs go through the engine, as requests do, and count its forwards' compute (what
         ``prefill_measured`` gets from requests); nothing is committed to the cache (each run's blocks are
@@ -283,11 +287,10 @@ class Node:
         run(n)  # the first run pays one-off kernel set-up
         while run(n) < min_run_s and 2 * n <= limit:
             n *= 2
-        for count in (n // 2, n):
-            # The faster of two runs: a node starting beside others (a cluster's services, a test suite)
-            # has one run of a pair slowed now and then, and two sizes make the whole fit (one slowed run
-            # once gave a negative fixed cost, so no fixed cost at all and one-block head chunks).
-            self.abr.prefill_measured(count, min(run(count), run(count)))
+        for count in sorted({max(n // 8, 1), n // 2, n}):
+            # The faster of two runs of each size: three sizes make the whole fit, and a node starting
+            # beside other processes (a cluster's services, a test suite) has a run slowed now and then.
+            self.abr.prefill_measured(count, min(run(count), run(count)), calibration=True)
         return self.abr.prefill.per_token_s
 
     async def _run_sequence(

@@ -252,10 +252,10 @@ def test_prefill_estimate_follows_the_latest_runs() -> None:
 
 
 def _calibrate_smollm2(est: PrefillEstimator, overhead_s: float = 0.15, per_token_s: float = 4e-4) -> None:
-    """Calibration's two runs (256 and 512 tokens, one forward each) at SmolLM2 bf16's cost on an AMX CPU
-    (by default): ~0.15 s a forward besides 0.4 ms a token."""
-    for n in (256, 512):
-        est.add(n, est.forwards(n) * overhead_s + n * per_token_s)
+    """Calibration's three runs (64, 256 and 512 tokens, one forward each) at SmolLM2 bf16's cost on an AMX
+    CPU (by default): ~0.15 s a forward besides 0.4 ms a token."""
+    for n in (64, 256, 512):
+        est.add(n, est.forwards(n) * overhead_s + n * per_token_s, whole=True)
 
 
 def test_prefill_estimator_pays_the_fixed_cost_once_per_forward() -> None:
@@ -329,6 +329,21 @@ def test_one_slow_run_moves_the_prefill_fit_a_step_and_two_move_it_whole() -> No
     for _ in range(3):
         est.add(1031, before / 3)
     assert est.estimate(1031) < before / 2
+
+
+def test_calibration_runs_are_taken_whole() -> None:
+    # Calibration's sizes are chosen to pin the fit down: its third run is not clipped to the first two's
+    # line (a forward's cost is concave in its tokens, so the short run lies far above that line).
+    est = PrefillEstimator(max_step_tokens=512)
+    est.add(256, 0.143, whole=True)
+    est.add(512, 0.264, whole=True)
+    est.add(16, 0.055, whole=True)  # the line through the first two says 0.030 s
+    assert est.samples[-1] == (16, 0.055)
+    clipped = PrefillEstimator(max_step_tokens=512)
+    clipped.add(256, 0.143)
+    clipped.add(512, 0.264)
+    clipped.add(16, 0.055)
+    assert clipped.samples[-1][1] < 0.055
 
 
 def test_a_fit_spoiled_by_one_slowed_run_keeps_the_fixed_cost() -> None:

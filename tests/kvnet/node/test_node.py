@@ -24,9 +24,9 @@ async def node() -> AsyncIterator[Node]:
 
 
 async def test_calibration_measures_two_sizes_at_the_first_that_runs_long_enough(node: Node) -> None:
-    # Every run is long enough: the sizes asked for, half and whole.
+    # Every run is long enough: the sizes asked for, an eighth, half and whole.
     node.calibrate(tokens=16, min_run_s=0.0)
-    assert [size for size, _ in node.abr.prefill.samples] == [8, 16]
+    assert [size for size, _ in node.abr.prefill.samples] == [2, 8, 16]
     assert node.abr.prefill.per_token_s > 0
 
 
@@ -43,9 +43,9 @@ async def test_calibration_keeps_the_faster_of_two_runs_of_each_size(
 
     monkeypatch.setattr(node.engine, "submit", counted)
     node.calibrate(tokens=16, min_run_s=0.0)
-    assert [size for size, _ in handles] == [16, 16, 8, 8, 16, 16]
+    assert [size for size, _ in handles] == [16, 16, 2, 2, 8, 8, 16, 16]
     took = [handle.future.result().prefill_compute_seconds for _, handle in handles]
-    assert node.abr.prefill.samples == ((8, min(took[2:4])), (16, min(took[4:6])))
+    assert node.abr.prefill.samples == ((2, min(took[2:4])), (8, min(took[4:6])), (16, min(took[6:8])))
 
 
 async def test_calibration_doubles_short_runs_up_to_its_limit(node: Node) -> None:
@@ -55,16 +55,16 @@ async def test_calibration_doubles_short_runs_up_to_its_limit(node: Node) -> Non
     longest = 16
     while 2 * longest <= limit:
         longest *= 2
-    assert [size for size, _ in node.abr.prefill.samples] == [longest // 2, longest]
+    assert [size for size, _ in node.abr.prefill.samples] == [longest // 8, longest // 2, longest]
 
 
 async def test_calibration_runs_only_what_the_cache_pool_holds() -> None:
     # The runs go through the engine and its cache: a node started with two 16-token blocks measures
-    # runs of 16 and 32 tokens (it would fail at start-up asking for more).
+    # runs of 4, 16 and 32 tokens (it would fail at start-up asking for more).
     small = Node(NodeConfig(model="tiny", block_size=16, cache_blocks=2),
                  Transformer.from_name("tiny", device=torch.device("cpu")))
     try:
         small.calibrate(tokens=64, min_run_s=1e9)
-        assert [size for size, _ in small.abr.prefill.samples] == [16, 32]
+        assert [size for size, _ in small.abr.prefill.samples] == [4, 16, 32]
     finally:
         await small.close()
