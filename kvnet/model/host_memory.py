@@ -6,9 +6,9 @@ freed) with fresh ``mmap`` pages and gives free memory at the top of a heap back
 ``M_TRIM_THRESHOLD``), so a forward can fault in and zero the same memory again and again. On the virtual
 machines measured here, memory the guest has not used lately is far dearer to fault in than the kernel's
 zeroing alone (a node's start-up, which zeroes its cache pool, took 8-13 s instead of 2.7 s while another
-process held 2 GB): SmolLM2's 1024-token prefill took 0.63-1.8 s in one process on an AMX VM, with 70% of
-the process's CPU samples in the kernel's ``clear_page``, and 0.62-0.91 s with the settings below
-(docs/performance.md, "Prefill that faults in its memory").
+process held 2 GB): SmolLM2's 1024-token prefill took 0.63-1.8 s in one process on an AMX VM, with 12-54% of
+the process's CPU samples in the kernel's ``clear_page`` while it answered, and 0.62-0.91 s with the
+settings below (docs/performance.md, "Prefill that faults in its memory").
 """
 
 from __future__ import annotations

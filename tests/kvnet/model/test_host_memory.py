@@ -13,7 +13,7 @@ import pytest
 # 8 MiB is above glibc's first mmap threshold (128 KiB), so by default the first round maps fresh pages and
 # the second takes fresh heap pages: both fault. Kept, the second round reuses the first's pages.
 ROUNDS = """
-import json, resource, sys
+import json, resource
 from kvnet.model.host_memory import keep_freed_memory
 taken = keep_freed_memory()
 faults = []
@@ -34,4 +34,3 @@ def test_freed_memory_is_reused_without_faults() -> None:
     first, second = result["faults"]
     assert first >= (8 << 20) // 4096 // 2, result  # the first round did touch fresh pages
     assert second < first // 8, result
-
