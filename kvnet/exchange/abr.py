@@ -337,23 +337,38 @@ class FirstByteEstimator:
 
 @dataclass
 class PrefillEstimator:
-    """Local prefill cost ``forwards(n) * overhead + n * per_token`` fitted by weighted least squares over
-    the latest ``max_samples`` runs, each run weighing ``recency`` times the next one's (the newest weighs
-    1), so the fit follows a machine whose load changed.
+    """Local prefill cost ``forwards(n) * overhead + n * per_token + pairs(n, context) * pair_s`` fitted by
+    weighted least squares over the latest ``max_samples`` runs, each run weighing ``recency`` times the
+    next one's (the newest weighs 1), so the fit follows a machine whose load changed.
 
     ``forwards(n) = ceil(n / max_step_tokens)``: the engine prefills at most ``max_step_tokens`` prompt tokens
     per forward (its step budget), and every forward pays the fixed cost again. That cost is the model's:
     a few ms on the ``small`` preset, ~70 ms for SmolLM2 in bfloat16 on an AMX CPU (reading every weight
     once per forward), where 576 tokens took 0.45 s in two forwards and a fit without the count of forwards,
-    made from single-forward runs, predicted 0.24 s. None: every run is one forward."""
+    made from single-forward runs, predicted 0.24 s. None: every run is one forward.
+
+    ``pairs(n, context)``: the (query, key) pairs between each forward's tokens and the keys cached before
+    that forward (the ``context`` before the run, and the run's earlier forwards). That is the part of a
+    prefill that grows with the context: on the ``bench`` preset (one AMX core, float32) 512 tokens took
+    1.31 s from the prompt's start and 1.74 s after 1,536 cached tokens, and a fit without it put 1,024
+    tokens from the start at 2.1 s (2.7 in fact) and the suffix after a fetched prefix at what the same
+    tokens cost alone. Attention within a forward is left in its per-token cost: a run of one forward from
+    the start has no pairs, so calibration's single-forward runs fit the line, and its run of two forwards
+    pins ``pair_s``. Only calibration's runs (``add(..., whole=True)``) set it (0 until then): a pair costs
+    the same whatever the host's load does to the rest, and one slowed run after a long context, fitted
+    freely, made it 10x what it was."""
 
     per_token_s: float = 1e-3
     overhead_s: float = 0.0
     """Seconds each forward costs besides its tokens."""
+    pair_s: float = 0.0
+    """Seconds per (query, key) pair of attention (``pairs``)."""
     max_samples: int = 32
     recency: float = 0.8
     max_step_tokens: int | None = None
-    _samples: list[tuple[int, float]] = field(default_factory=list)
+    _samples: list[tuple[int, int, float]] = field(default_factory=list)
+    _calibration: list[tuple[int, int, float]] = field(default_factory=list)
+    """Calibration's runs (the latest ``max_samples``), which alone fit ``pair_s``."""
     _last_outlier: int = 0
     """+1 / -1: the last run was more than ``PREFILL_SAMPLE_STEP`` slower / faster than the fit; 0: not."""
 
@@ -361,68 +376,120 @@ class PrefillEstimator:
         """Forwards the engine runs to prefill ``tokens`` prompt tokens alone."""
         return 1 if self.max_step_tokens is None else max(-(-tokens // self.max_step_tokens), 1)
 
-    def add(self, tokens: int, seconds: float, whole: bool = False) -> None:
-        """A run of ``tokens`` took ``seconds``. Once the fit stands on two runs, a run more than
-        ``PREFILL_SAMPLE_STEP`` times slower or faster than the fit says is taken as that step only, unless
-        the run before it was off in the same direction: one run the host slowed (its other work, a first
-        forward of a new shape) moves the estimate a little, and a machine whose speed really changed is
-        followed from its second run on. ``whole``: taken as it is (calibration's runs, whose sizes are
-        chosen to pin the fit down)."""
-        if tokens <= 0 or seconds <= 0:
+    def pairs(self, tokens: int, context: int = 0) -> float:
+        """(query, key) pairs between each forward's tokens and the keys cached before it, for ``tokens``
+        prompt tokens after ``context`` cached ones in forwards of ``max_step_tokens``."""
+        step = self.max_step_tokens or max(tokens, 1)
+        total, done = 0, 0
+        while done < tokens:
+            chunk = min(step, tokens - done)
+            total += chunk * (context + done)
+            done += chunk
+        return float(total)
+
+    def add(self, tokens: int, seconds: float, whole: bool = False, context: int = 0) -> None:
+        """A run of ``tokens`` after ``context`` cached ones took ``seconds``. Once the fit stands on two
+        runs, a run more than ``PREFILL_SAMPLE_STEP`` times slower or faster than the fit says is taken as
+        that step only, unless the run before it was off in the same direction: one run the host slowed
+        (its other work, a first forward of a new shape) moves the estimate a little, and a machine whose
+        speed really changed is followed from its second run on. ``whole``: taken as it is (calibration's
+        runs, whose sizes are chosen to pin the fit down)."""
+        if tokens <= 0 or seconds <= 0 or context < 0:
             return
         if len(self._samples) >= 2 and not whole:
-            expected = self.estimate(tokens)
+            expected = self.estimate(tokens, context)
             low, high = expected / PREFILL_SAMPLE_STEP, expected * PREFILL_SAMPLE_STEP
             direction = (seconds > high) - (seconds < low)
             if direction and direction != self._last_outlier:
                 seconds = min(max(seconds, low), high)
             self._last_outlier = direction
-        self._samples.append((tokens, seconds))
+        self._samples.append((tokens, context, seconds))
         del self._samples[: -self.max_samples]
+        if whole:
+            self._calibration.append((tokens, context, seconds))
+            del self._calibration[: -self.max_samples]
+            self._fit_attention()
         self._refit()
 
+    def _fit_attention(self) -> None:
+        """``pair_s`` from calibration's runs, fitted with a forward's and a token's cost, when they include
+        runs with pairs and the fit is all positive (else it stays)."""
+        runs = self._calibration
+        if len(runs) < 3 or not any(self.pairs(n, c) for n, c, _ in runs):
+            return
+        rows = [(float(self.forwards(n)), float(n), self.pairs(n, c)) for n, c, _ in runs]
+        fit = _weighted_least_squares(rows, [s for _, _, s in runs], [1.0] * len(runs))
+        if fit is not None and fit[0] >= 0 and fit[1] > 0 and fit[2] >= 0:
+            self.pair_s = fit[2]
+
     def _refit(self) -> None:
-        ns = [float(n) for n, _ in self._samples]
-        fs = [float(self.forwards(n)) for n, _ in self._samples]
-        ys = [s for _, s in self._samples]
-        count = len(ns)
+        count = len(self._samples)
         ws = [self.recency ** (count - 1 - i) for i in range(count)]
-        # Normal equations of y = a * f + b * n (no intercept: the fixed cost is per forward).
-        sff = sum(w * f * f for w, f in zip(ws, fs, strict=True))
-        sfn = sum(w * f * n for w, f, n in zip(ws, fs, ns, strict=True))
-        snn = sum(w * n * n for w, n in zip(ws, ns, strict=True))
-        sfy = sum(w * f * y for w, f, y in zip(ws, fs, ys, strict=True))
-        sny = sum(w * n * y for w, n, y in zip(ws, ns, ys, strict=True))
-        det = sff * snn - sfn * sfn
-        if count >= 2 and det > 1e-9 * sff * snn:
-            overhead = (sfy * snn - sny * sfn) / det
-            slope = (sff * sny - sfn * sfy) / det
-            if slope > 0 and overhead >= 0:
-                self.per_token_s, self.overhead_s = slope, overhead
-                return
+        rows = [(float(self.forwards(n)), float(n)) for n, _, _ in self._samples]
+        # Attention to cached keys at calibration's rate; the rest is fitted as forwards and tokens.
+        ys = [s - self.pair_s * self.pairs(n, c) for n, c, s in self._samples]
+        fit = _weighted_least_squares(rows, ys, ws) if count >= 2 else None
+        if fit is not None and fit[1] > 0 and fit[0] >= 0:
+            self.overhead_s, self.per_token_s = fit
+            return
         # One size seen, or a fit with a negative term (runs of close sizes, one of them slowed by load,
         # make the least-squares slope swing several-fold): the fixed cost stays what the last valid fit
         # said (calibration runs are of sizes far apart), and the rest is per token.
+        fs, ns = [row[0] for row in rows], [row[1] for row in rows]
         total = sum(ws)
         mean_f = sum(w * f for w, f in zip(ws, fs, strict=True)) / total
         mean_n = sum(w * n for w, n in zip(ws, ns, strict=True)) / total
         mean_y = sum(w * y for w, y in zip(ws, ys, strict=True)) / total
-        overhead = min(self.overhead_s, min(y / f for y, f in zip(ys, fs, strict=True)))
+        overhead = max(min(self.overhead_s, min(y / f for y, f in zip(ys, fs, strict=True))), 0.0)
         if mean_y <= overhead * mean_f:
             overhead = 0.0
-        self.per_token_s, self.overhead_s = (mean_y - overhead * mean_f) / mean_n, overhead
+        self.per_token_s, self.overhead_s = max(mean_y - overhead * mean_f, 0.0) / mean_n, overhead
 
-    def estimate(self, tokens: int) -> float:
-        return 0.0 if tokens <= 0 else self.forwards(tokens) * self.overhead_s + tokens * self.per_token_s
+    def estimate(self, tokens: int, context: int = 0) -> float:
+        """Seconds to prefill ``tokens`` prompt tokens after ``context`` cached ones."""
+        if tokens <= 0:
+            return 0.0
+        return (self.forwards(tokens) * self.overhead_s + tokens * self.per_token_s
+                + self.pairs(tokens, context) * self.pair_s)
 
     @property
     def has_samples(self) -> bool:
         return bool(self._samples)
 
     @property
-    def samples(self) -> tuple[tuple[int, float], ...]:
-        """The runs the fit is over, oldest first: ``(tokens, seconds)``."""
+    def samples(self) -> tuple[tuple[int, int, float], ...]:
+        """The runs the fit is over, oldest first: ``(tokens, context, seconds)``."""
         return tuple(self._samples)
+
+
+def _weighted_least_squares(
+    rows: Sequence[Sequence[float]], ys: Sequence[float], ws: Sequence[float]
+) -> tuple[float, ...] | None:
+    """The coefficients minimising ``sum(w * (y - row . x) ** 2)`` (no intercept), or None when the rows do
+    not determine them: a pivot of the normal equations, scaled to a unit diagonal, under 1e-9 (features
+    collinear over these runs, e.g. every run of one size)."""
+    k = len(rows[0])
+    a = [[sum(w * r[i] * r[j] for w, r in zip(ws, rows, strict=True)) for j in range(k)] for i in range(k)]
+    b = [sum(w * r[i] * y for w, r, y in zip(ws, rows, ys, strict=True)) for i in range(k)]
+    if min(a[i][i] for i in range(k)) <= 0:
+        return None
+    # Scaled to a unit diagonal (forwards, tokens and pairs differ by orders of magnitude), the matrix is
+    # symmetric positive semi-definite: elimination needs no pivoting, and its pivots measure independence.
+    d = [math.sqrt(a[i][i]) for i in range(k)]
+    a = [[a[i][j] / (d[i] * d[j]) for j in range(k)] for i in range(k)]
+    b = [b[i] / d[i] for i in range(k)]
+    for col in range(k):
+        if a[col][col] <= 1e-9:
+            return None
+        for r in range(col + 1, k):
+            factor = a[r][col] / a[col][col]
+            for j in range(col, k):
+                a[r][j] -= factor * a[col][j]
+            b[r] -= factor * b[col]
+    x = [0.0] * k
+    for i in reversed(range(k)):
+        x[i] = (b[i] - sum(a[i][j] * x[j] for j in range(i + 1, k))) / a[i][i]
+    return tuple(x[i] / d[i] for i in range(k))
 
 
 @dataclass
@@ -779,11 +846,13 @@ class KvAbr:
         self._keep("rendition", rendition, raw_bytes, encoded_bytes, decode_s)
         self.renditions.add(rendition, raw_bytes, encoded_bytes, decode_s)
 
-    def prefill_measured(self, tokens: int, seconds: float, calibration: bool = False) -> None:
-        """A forward of ``tokens`` prompt tokens took ``seconds`` (``PrefillEstimator``); ``calibration``:
-        a run of the node's start-up calibration, taken whole."""
-        self._keep("prefill", tokens, seconds, calibration)
-        self.prefill.add(tokens, seconds, whole=calibration)
+    def prefill_measured(
+        self, tokens: int, seconds: float, calibration: bool = False, context: int = 0
+    ) -> None:
+        """A prefill of ``tokens`` prompt tokens after ``context`` cached ones took ``seconds``
+        (``PrefillEstimator``); ``calibration``: a run of the node's start-up calibration, taken whole."""
+        self._keep("prefill", tokens, seconds, calibration, context)
+        self.prefill.add(tokens, seconds, whole=calibration, context=context)
 
     _ABSORB: ClassVar[Mapping[str, Callable[..., None]]] = {
         "throughput": fetch_measured, "rtt": rtt_measured, "first_byte": first_byte_measured,
@@ -815,34 +884,38 @@ class KvAbr:
         return self.rtt.estimate() + self.first_byte_s(relay)
 
     def skip_locate(
-        self, block_size: int, block_raw_bytes: int, blocks: int, total_tokens: int
+        self, block_size: int, block_raw_bytes: int, blocks: int, total_tokens: int, context_tokens: int = 0
     ) -> dict[str, Any] | None:
         """Why a request should not look for remote blocks at all (its report's ``abr`` entry), or None to
         look. ``blocks`` is how many the relay could have (the prompt's missing ones), ``total_tokens``
-        what prefill would process without them. Skipped while, even were every one of those blocks
-        located, no plan would fetch any: each block's fetch costs at least its recompute (so a fetched
-        prefix never wins) and the best split (``best_split``) saves less than ``SPLIT_MIN_GAIN``. That
-        saves the locate's round trip (a WAN RTT or more) on every request of a node whose path loses to
-        its compute. Only a measured throughput is trusted this way (a split tail's too, as in
-        ``_fetch_throughput``), never the prior; and a skip counts as a declining plan
-        (``declined_streak``), so the probes that measure the path again (``_should_probe``) come as often
-        as if the blocks had been located and declined."""
+        what prefill would process without them, after ``context_tokens`` the cache holds (local hits).
+        Skipped while, even were every one of those blocks located, no plan would fetch any: each block's
+        fetch costs at least its recompute (so a fetched prefix never wins) and the best split
+        (``best_split``) saves less than ``SPLIT_MIN_GAIN``. That saves the locate's round trip (a WAN RTT
+        or more) on every request of a node whose path loses to its compute. Only a measured throughput is
+        trusted this way (a split tail's too, as in ``_fetch_throughput``), never the prior; and a skip
+        counts as a declining plan (``declined_streak``), so the probes that measure the path again
+        (``_should_probe``) come as often as if the blocks had been located and declined."""
         cfg = self.config
         if blocks <= 0 or self._fetch_throughput().samples == 0:  # nothing to find, or only the prior
             return None
         if cfg.force_recompute or not cfg.allow_recompute or self._should_probe():
             return None
         _, fetch = self.fetch_cost(block_raw_bytes, cfg.acceptable)
-        compute = block_size * self.prefill.per_token_s
+        # The least a fetched block saves: its tokens and their attention to the context (no forward's).
+        prefill = self.prefill
+        attention = prefill.pairs(block_size, context_tokens) * prefill.pair_s
+        compute = block_size * prefill.per_token_s + attention
         if fetch < compute:
             return None
-        recompute_all = self.prefill.estimate(total_tokens)
+        recompute_all = self.prefill.estimate(total_tokens, context_tokens)
         if cfg.overlap:
             best, tail = self.fetch_cost(block_raw_bytes, cfg.acceptable, beside_compute=True)
             extra = [self.decode_beside_head(block_raw_bytes, best)] * blocks
-            _, parallel = best_split([tail] * blocks, self.fetch_latency_s(), self.head_cost(block_size),
-                                     extra)
-            rest = self.prefill.estimate(total_tokens - blocks * block_size)
+            head = self.head_cost(block_size, context_tokens=context_tokens)
+            _, parallel = best_split([tail] * blocks, self.fetch_latency_s(), head, extra)
+            fetched = blocks * block_size
+            rest = self.prefill.estimate(total_tokens - fetched, context_tokens + fetched)
             if parallel + rest < (1 - SPLIT_MIN_GAIN) * recompute_all:
                 return None
         self.skipped_locates += 1
@@ -905,10 +978,12 @@ class KvAbr:
         block_raw_bytes: int,
         total_tokens: int,
         relay: str | None = None,
+        context_tokens: int = 0,
     ) -> AbrPlan:
         """Plan the located prefix: ``located[i]`` lists the renditions available for block i.
 
-        ``total_tokens`` is what prefill would process with nothing fetched (tokens after local hits);
+        ``total_tokens`` is what prefill would process with nothing fetched (tokens after local hits, of
+        which there are ``context_tokens``: what is computed attends to them too);
         ``relay`` is the relay fetched from (None: see ``first_byte_s``). A fetch's fixed cost is the RTT
         plus the relay's first-byte delay (``fetch_latency_s``).
         """
@@ -922,7 +997,13 @@ class KvAbr:
         rtt = self.rtt.estimate()
         first_byte = self.first_byte_s(relay)
         latency = rtt + first_byte
-        best_k, best_t = 0, self.prefill.estimate(total_tokens)
+        ctx = context_tokens
+
+        def rest_after(k: int) -> float:
+            """The prefill left once the first ``k`` located blocks are in the cache."""
+            return self.prefill.estimate(total_tokens - k * block_size, ctx + k * block_size)
+
+        best_k, best_t = 0, rest_after(0)
         recompute_all = best_t
         if not self.config.force_recompute:
             acc = latency
@@ -930,7 +1011,7 @@ class KvAbr:
                 acc += fetch_costs[k - 1]
                 if math.isinf(acc):
                     break
-                t = acc + self.prefill.estimate(total_tokens - k * block_size)
+                t = acc + rest_after(k)
                 # Ties favour fetching more (saves compute for everyone on the node).
                 if t <= best_t or not self.config.allow_recompute:
                     best_k, best_t = k, t
@@ -939,14 +1020,15 @@ class KvAbr:
         fetchable = next((i for i, c in enumerate(fetch_costs) if math.isinf(c)), len(located))
         compute_k = 0
         if self.config.overlap and self.config.allow_recompute and not self.config.force_recompute:
-            rest = self.prefill.estimate(total_tokens - fetchable * block_size)
+            rest = rest_after(fetchable)
             # As the tail of a split: at ``tail_throughput`` once one was measured (the same costs before).
             tail_costs = fetch_costs[:fetchable] if not self.tail_throughput.samples else [
                 self.fetch_cost(block_raw_bytes, avail, beside_compute=True)[1]
                 for avail in located[:fetchable]
             ]
             extra = [self.decode_beside_head(block_raw_bytes, c.best) for c in choices[:fetchable]]
-            k, parallel = best_split(tail_costs, latency, self.head_cost(block_size), extra)
+            head = self.head_cost(block_size, context_tokens=ctx)
+            k, parallel = best_split(tail_costs, latency, head, extra)
             if 0 < k < fetchable and parallel + rest < (1 - SPLIT_MIN_GAIN) * best_t:
                 compute_k, best_k, best_t = k, fetchable, parallel + rest
         declined = max(fetchable - best_k, 0) if self.config.allow_recompute else 0
@@ -960,7 +1042,7 @@ class KvAbr:
                 self.declined_streak = 0
                 best_k = max(best_k, min(self.config.probe_blocks, fetchable))
                 acc = latency + sum(fetch_costs[:best_k])
-                best_t = acc + self.prefill.estimate(total_tokens - best_k * block_size)
+                best_t = acc + rest_after(best_k)
             else:
                 self.declined_streak += 1
         elif fetchable:
@@ -1005,27 +1087,34 @@ class KvAbr:
             blocks = min(blocks, self.config.max_step_tokens // block_size)
         return max(blocks, 1) * block_size
 
-    def head_cost(self, block_size: int, chunk_tokens: int | None = None) -> Callable[[int], float]:
+    def head_cost(
+        self, block_size: int, chunk_tokens: int | None = None, context_tokens: int = 0
+    ) -> Callable[[int], float]:
         """Estimated seconds to prefill ``n`` blocks of a head beside its fetch.
 
         Once a split was measured, ``head_prefill``'s fit (its samples include their chunks' fixed costs
         and the cores the tail took). Before, the plain prefill's: each forward's fixed cost once per chunk
         of ``head_chunk_tokens``, times ``shared_cores_head_slowdown`` where the fetch takes the forwards'
         cores (``decode_beside_compute``). ``chunk_tokens``: the head is running already, in chunks of that
-        size (more of it, no new forward to start); None: a new head."""
+        size (more of it, no new forward to start); None: a new head. ``context_tokens``: the cached
+        tokens before the head's first block, which its attention reads too."""
         if self.head_prefill.has_samples:
             head = self.head_prefill
             per_block = block_size * head.per_token_s
             base = head.overhead_s if chunk_tokens is None else 0.0
-            return lambda n: 0.0 if n <= 0 else base + n * per_block
-        fixed, per_block = self.prefill.overhead_s, block_size * self.prefill.per_token_s
+            return lambda n: 0.0 if n <= 0 else (
+                base + n * per_block + head.pairs(n * block_size, context_tokens) * head.pair_s
+            )
+        prefill = self.prefill
+        fixed, per_block = prefill.overhead_s, block_size * prefill.per_token_s
         slowdown = self.config.shared_cores_head_slowdown if self.config.decode_beside_compute else 1.0
 
         def cost(n: int) -> float:
             if n <= 0:
                 return 0.0
             chunk = chunk_tokens or self.head_chunk_tokens(block_size, n)
-            return slowdown * (math.ceil(n * block_size / chunk) * fixed + n * per_block)
+            attention = prefill.pairs(n * block_size, context_tokens) * prefill.pair_s
+            return slowdown * (math.ceil(n * block_size / chunk) * fixed + n * per_block + attention)
         return cost
 
     def decode_beside_head(self, block_raw_bytes: int, rendition: str | None) -> float:

@@ -236,23 +236,24 @@ class RelayLink:
         self.counters.tokens_located += len(found.available) * self.block_shape[1]
         return found
 
-    def skip_locate(self, req_id: str, blocks: int, total_tokens: int) -> bool:
-        """Whether a request missing ``blocks`` full blocks (``total_tokens`` to prefill without them) need
-        not look for them: measured, no fetch could beat computing them (``KvAbr.skip_locate``; counted,
-        logged with its inputs)."""
+    def skip_locate(self, req_id: str, blocks: int, total_tokens: int, context_tokens: int = 0) -> bool:
+        """Whether a request missing ``blocks`` full blocks (``total_tokens`` to prefill without them, after
+        ``context_tokens`` cached) need not look for them: measured, no fetch could beat computing them
+        (``KvAbr.skip_locate``; counted, logged with its inputs)."""
         block_size = self.block_shape[1]
-        skipped = self.abr.skip_locate(block_size, self.block_raw_bytes, blocks, total_tokens)
+        skipped = self.abr.skip_locate(block_size, self.block_raw_bytes, blocks, total_tokens, context_tokens)
         if skipped is None:
             return False
         self.counters.locates_skipped += 1
         logger.info("kvnet: %s: %s", req_id, skipped["locate_skipped"])
         return True
 
-    def plan(self, req_id: str, located: Located, total_tokens: int) -> list[str]:
+    def plan(self, req_id: str, located: Located, total_tokens: int, context_tokens: int = 0) -> list[str]:
         """The renditions to load for the leading located blocks that beat computing them (``KvAbr.plan``;
-        ``total_tokens``: what prefill processes with nothing loaded). A plan that declines blocks is
-        counted and logged once with its inputs."""
-        plan = self.abr.plan(located.available, self.block_shape[1], self.block_raw_bytes, total_tokens)
+        ``total_tokens``: what prefill processes with nothing loaded, after ``context_tokens`` cached). A
+        plan that declines blocks is counted and logged once with its inputs."""
+        plan = self.abr.plan(located.available, self.block_shape[1], self.block_raw_bytes, total_tokens,
+                             context_tokens=context_tokens)
         if plan.declined_blocks:
             self.counters.hits_declined += 1
             self.counters.blocks_declined += plan.declined_blocks

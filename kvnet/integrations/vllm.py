@@ -301,7 +301,7 @@ class _SchedulerSide:
         hashes = self._hashes(req_id, prompt)
         locate = self.locates.get(req_id)
         if locate is None:
-            if self.link.skip_locate(req_id, usable - first, len(prompt) - first * b):
+            if self.link.skip_locate(req_id, usable - first, len(prompt) - first * b, first * b):
                 self.locates[req_id] = _Locate(first, 0.0, None, decided=[])
                 self.report.write()
                 return 0, False
@@ -322,7 +322,8 @@ class _SchedulerSide:
                 locate.decided = []
             else:
                 located = locate.future.result()
-                locate.decided = self.link.plan(req_id, located, len(prompt) - locate.first_block * b)
+                first_token = locate.first_block * b
+                locate.decided = self.link.plan(req_id, located, len(prompt) - first_token, first_token)
             self.report.write()
         # The local cache may have grown meanwhile; the located run counts from the locate's first block.
         skip = first - locate.first_block

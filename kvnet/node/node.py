@@ -78,11 +78,12 @@ from kvnet.storage.disk import DiskTier
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_MIN_RUN_S = 0.3
+CALIBRATION_MIN_RUN_S = 1.0
 """A calibration run at least this long is mostly the prefill's per-token work (``Node.calibrate``): on
 SmolLM2 in bfloat16 on an AMX CPU a forward of 32-64 tokens cost 1.8 ms a token against 0.5 ms in one of
 512 (small matrix products use the matrix units poorly), so a fit from runs of 0.1 s put a 1024-token
-prefill at 2 s where it took 0.74."""
+prefill at 2 s where it took 0.74; on the ``bench`` preset (float32) runs up to 128 tokens (0.35 s) put
+its slope at 1.9 ms a token, 2.5 in runs of 256-512. A slow CPU still stops after a second."""
 CALIBRATION_MAX_TOKENS = 512
 """The longest calibration run, the engine's default step (``DEFAULT_PREFILL_CHUNK``): on a fast CPU well
 under a second of start-up."""
@@ -267,7 +268,10 @@ class Node:
         (SmolLM2 bf16 on one AMX core: 16 tokens 55 ms, 64 75 ms, 256 143 ms, 512 264 ms), and a line
         through 256 and 512 alone puts it at ~20 ms, or at none when one run is slowed, which sizes a
         split's head chunks (``KvAbr.head_chunk_tokens``) at one block. A slow CPU stops at ``tokens``
-        (its first run is long enough).
+        (its first run is long enough). Where ``n`` is the engine's step (a fast CPU), a run of ``2 n``
+        tokens (two forwards, the second attending to the first's keys; the faster of two) gives the cost
+        of attention to cached tokens (``PrefillEstimator.pairs``), which the suffix after a fetched
+        prefix and every long prompt pay.
 
         The runs go through the engine, as requests do, and count its forwards' compute (what
         ``prefill_measured`` gets from requests); nothing is committed to the cache (each run's blocks are
@@ -287,8 +291,12 @@ class Node:
         run(n)  # the first run pays one-off kernel set-up
         while run(n) < min_run_s and 2 * n <= limit:
             n *= 2
-        for count in sorted({max(n // 8, 1), n // 2, n}):
-            # The faster of two runs of each size: three sizes make the whole fit, and a node starting
+        sizes = sorted({max(n // 8, 1), n // 2, n})
+        room = min(self.model.args.max_seq_len - 1, pool_tokens)
+        if 2 * n <= room and self.abr.prefill.forwards(2 * n) > self.abr.prefill.forwards(n):
+            sizes.append(2 * n)
+        for count in sizes:
+            # The faster of two runs of each size: the sizes make the whole fit, and a node starting
             # beside other processes (a cluster's services, a test suite) has a run slowed now and then.
             self.abr.prefill_measured(count, min(run(count), run(count)), calibration=True)
         return self.abr.prefill.per_token_s
@@ -446,7 +454,7 @@ class Node:
         head: OverlapResult | None = None
         if remote and self.peer is not None and local_blocks < usable:
             skipped = self.abr.skip_locate(b, self.cache.spec.bytes_per_block, usable - local_blocks,
-                                           len(ids) - local_blocks * b)
+                                           len(ids) - local_blocks * b, context_tokens=local_blocks * b)
             if skipped is None:
                 head = await self._remote_prefix(ids, hashes, local_blocks, usable, report)
             else:
@@ -467,7 +475,8 @@ class Node:
                 prefix = snapshot_prefix(self.cache, result.block_hashes[: result.cached_tokens // b])
             if result.computed_tokens > 0:
                 # The model's cost of this prefill, not the wall time it shared with other sequences.
-                self.abr.prefill_measured(result.computed_tokens, finished.prefill_compute_seconds)
+                self.abr.prefill_measured(result.computed_tokens, finished.prefill_compute_seconds,
+                                          context=result.cached_tokens)
             # What the cache actually reused is the truth (a block evicted meanwhile is recomputed).
             hit_tokens = result.cached_tokens
             # A head computed while the tail was fetched is in the cache too, but it is this request's work.
@@ -550,7 +559,8 @@ class Node:
         if not located:
             return None
         plan: AbrPlan = self.abr.plan(
-            located, self.block_size, self.cache.spec.bytes_per_block, len(ids) - start * self.block_size
+            located, self.block_size, self.cache.spec.bytes_per_block, len(ids) - start * self.block_size,
+            context_tokens=start * self.block_size,
         )
         report.abr = plan.to_json()
         if plan.declined_blocks:
@@ -625,7 +635,8 @@ class Node:
             block_raw_bytes=self.cache.spec.bytes_per_block,
         )
         if done.head_computed_tokens > 0 and done.head_compute_s > 0:
-            self.abr.head_prefill.add(done.head_computed_tokens, done.head_compute_s)
+            self.abr.head_prefill.add(done.head_computed_tokens, done.head_compute_s,
+                                      context=done.head_start_tokens)
         outcome = done.fetch
         report.timings.fetch_s = time.perf_counter() - t
         report.timings.load_s = outcome.load_s

@@ -58,6 +58,8 @@ class OverlapResult:
     fetched_blocks: int = 0
     """Blocks taken from the fetch: the run it delivered ending at the last planned block, less any the
     head reached too (computed, so counted there)."""
+    head_start_tokens: int = 0
+    """Prompt position the head started computing at (the tokens the cache held before it)."""
     head_end_tokens: int = 0
     """Prompt position the head computed up to (absolute, floored to a block)."""
     head_computed_tokens: int = 0
@@ -141,7 +143,8 @@ async def fetch_and_compute(
             renditions = [_rendition(plan, i - start) for i in range(first, lo)]
             costs = [abr.block_fetch_cost(block_raw_bytes, r, beside_compute=True) for r in renditions]
             extra = [abr.decode_beside_head(block_raw_bytes, r) for r in renditions]
-            k, _ = best_split(costs, abr.fetch_latency_s(), abr.head_cost(b, chunk_tokens=chunk), extra)
+            head_cost = abr.head_cost(b, chunk_tokens=chunk, context_tokens=first * b)
+            k, _ = best_split(costs, abr.fetch_latency_s(), head_cost, extra)
             if first + k >= lo:
                 return
             result.fetch_extensions += 1
@@ -174,6 +177,7 @@ async def fetch_and_compute(
     if finished is not None:
         r = finished.result
         result.head_computed_tokens = r.computed_tokens
+        result.head_start_tokens = r.cached_tokens
         result.head_compute_s = finished.prefill_compute_seconds
         result.head_end_tokens = min((r.cached_tokens + r.computed_tokens) // b * b, hi * b)
         result.head_blocks = max(result.head_end_tokens // b - start, 0)

@@ -338,12 +338,66 @@ def test_calibration_runs_are_taken_whole() -> None:
     est.add(256, 0.143, whole=True)
     est.add(512, 0.264, whole=True)
     est.add(16, 0.055, whole=True)  # the line through the first two says 0.030 s
-    assert est.samples[-1] == (16, 0.055)
+    assert est.samples[-1] == (16, 0, 0.055)
     clipped = PrefillEstimator(max_step_tokens=512)
     clipped.add(256, 0.143)
     clipped.add(512, 0.264)
     clipped.add(16, 0.055)
-    assert clipped.samples[-1][1] < 0.055
+    assert clipped.samples[-1][2] < 0.055
+
+
+def test_attention_pairs_count_each_forwards_tokens_against_the_keys_cached_before_it() -> None:
+    est = PrefillEstimator(max_step_tokens=512)
+    assert est.pairs(512) == 0  # one forward from the start: its attention is in its per-token cost
+    assert est.pairs(1024) == 512 * 512
+    assert est.pairs(1100) == 512 * 512 + 76 * 1024
+    assert est.pairs(64, context=1984) == 64 * 1984
+    assert PrefillEstimator().pairs(2048, context=10) == 2048 * 10  # no step budget: one forward
+
+
+def _bench_preset_run(est: PrefillEstimator, tokens: int, context: int = 0) -> float:
+    """The ``bench`` preset on one AMX core (float32), roughly: 50 ms a forward, 2.4 ms a token and 0.35 us
+    a cached-key pair (512 tokens here 1.28 s from the start and 1.55 s after 1,536 cached tokens;
+    measured 1.31 and 1.74)."""
+    return est.forwards(tokens) * 0.05 + tokens * 2.4e-3 + est.pairs(tokens, context) * 3.5e-7
+
+
+def test_calibrations_run_of_two_forwards_prices_attention_to_cached_keys() -> None:
+    est = PrefillEstimator(max_step_tokens=512)
+    for n in (64, 256, 512):
+        est.add(n, _bench_preset_run(est, n), whole=True)
+    assert est.pair_s == 0.0  # single forwards from the start say nothing of it
+    est.add(1024, _bench_preset_run(est, 1024), whole=True)
+    assert est.pair_s == pytest.approx(3.5e-7, rel=1e-6)
+    assert est.overhead_s == pytest.approx(0.05, rel=1e-6)
+    assert est.per_token_s == pytest.approx(2.4e-3, rel=1e-6)
+    # The same 512 tokens after 1,536 cached ones cost a fifth more, and the fit says so.
+    assert est.estimate(512, context=1536) == pytest.approx(_bench_preset_run(est, 512, 1536))
+    assert est.estimate(512, context=1536) > 1.2 * est.estimate(512)
+
+
+def test_requests_runs_do_not_move_the_price_of_attention() -> None:
+    # One request slowed after a long context, fitted freely, would have made a pair ten times dearer.
+    est = PrefillEstimator(max_step_tokens=512)
+    for n in (64, 256, 512, 1024):
+        est.add(n, _bench_preset_run(est, n), whole=True)
+    est.add(575, 2 * _bench_preset_run(est, 575, context=1024), context=1024)
+    assert est.pair_s == pytest.approx(3.5e-7, rel=1e-6)
+    assert est.estimate(1024) < 1.5 * _bench_preset_run(est, 1024)
+
+
+def test_a_plan_prices_the_suffix_at_its_context() -> None:
+    # The prefill after fetched blocks attends to them: fetching saves their tokens, not the suffix's
+    # attention. With the local hits before them as context too.
+    abr = KvAbr(AbrConfig(max_step_tokens=512, prior_throughput_bps=1e9, prior_rtt_s=0.001, overlap=False))
+    for n in (64, 256, 512, 1024):
+        abr.prefill.add(n, _bench_preset_run(abr.prefill, n), whole=True)
+    plan = abr.plan([["lossless"]] * 16, 64, RAW, total_tokens=16 * 64 + 40, context_tokens=256)
+    assert plan.fetch_blocks == 16
+    prefill = abr.prefill
+    assert plan.est_recompute_all_s == pytest.approx(prefill.estimate(16 * 64 + 40, context=256))
+    fetched = plan.est_total_s - prefill.estimate(40, context=256 + 16 * 64)
+    assert fetched == pytest.approx(abr.fetch_latency_s() + sum(c.fetch_s for c in plan.choices))
 
 
 def test_a_fit_spoiled_by_one_slowed_run_keeps_the_fixed_cost() -> None:

@@ -26,7 +26,7 @@ async def node() -> AsyncIterator[Node]:
 async def test_calibration_measures_two_sizes_at_the_first_that_runs_long_enough(node: Node) -> None:
     # Every run is long enough: the sizes asked for, an eighth, half and whole.
     node.calibrate(tokens=16, min_run_s=0.0)
-    assert [size for size, _ in node.abr.prefill.samples] == [2, 8, 16]
+    assert [(size, context) for size, context, _ in node.abr.prefill.samples] == [(2, 0), (8, 0), (16, 0)]
     assert node.abr.prefill.per_token_s > 0
 
 
@@ -45,17 +45,23 @@ async def test_calibration_keeps_the_faster_of_two_runs_of_each_size(
     node.calibrate(tokens=16, min_run_s=0.0)
     assert [size for size, _ in handles] == [16, 16, 2, 2, 8, 8, 16, 16]
     took = [handle.future.result().prefill_compute_seconds for _, handle in handles]
-    assert node.abr.prefill.samples == ((2, min(took[2:4])), (8, min(took[4:6])), (16, min(took[6:8])))
+    assert node.abr.prefill.samples == (
+        (2, 0, min(took[2:4])), (8, 0, min(took[4:6])), (16, 0, min(took[6:8]))
+    )
 
 
 async def test_calibration_doubles_short_runs_up_to_its_limit(node: Node) -> None:
-    # No run is long enough: doubled up to the longest run allowed (the cap, or the model's context).
+    # No run is long enough: doubled up to the longest run allowed (the cap, or the model's context), which
+    # is the engine's step here, so a run of two forwards follows (attention to cached keys).
     node.calibrate(tokens=16, min_run_s=1e9)
     limit = min(CALIBRATION_MAX_TOKENS, node.model.args.max_seq_len - 1)
     longest = 16
     while 2 * longest <= limit:
         longest *= 2
-    assert [size for size, _ in node.abr.prefill.samples] == [longest // 8, longest // 2, longest]
+    prefill = node.abr.prefill
+    assert prefill.max_step_tokens == longest
+    assert [size for size, _, _ in prefill.samples] == [longest // 8, longest // 2, longest, 2 * longest]
+    assert prefill.forwards(2 * longest) == 2 and prefill.pairs(2 * longest) == longest * longest
 
 
 async def test_calibration_runs_only_what_the_cache_pool_holds() -> None:
@@ -65,6 +71,6 @@ async def test_calibration_runs_only_what_the_cache_pool_holds() -> None:
                  Transformer.from_name("tiny", device=torch.device("cpu")))
     try:
         small.calibrate(tokens=64, min_run_s=1e9)
-        assert [size for size, _ in small.abr.prefill.samples] == [4, 16, 32]
+        assert [size for size, _, _ in small.abr.prefill.samples] == [4, 16, 32]
     finally:
         await small.close()
