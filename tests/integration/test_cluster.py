@@ -28,7 +28,7 @@ from kvnet.node.config import DEFAULT_BLOCK_SIZE
 from kvnet.tools.cluster.compose import load_compose
 from kvnet.tools.cluster.plan import DEFAULT_LOSS, upstream_links
 from kvnet.tools.cluster.runner import NetnsCluster, netns_available, stop_process
-from kvnet.tools.cluster.smoke import run_smoke, subscriber_argv
+from kvnet.tools.cluster.smoke import TIMED_REQUESTS, run_smoke, subscriber_argv
 from relay.metrics import parse_prometheus
 from tests.helpers.waiting import wait_until
 
@@ -293,6 +293,9 @@ def test_the_wan_demo_fetches_verified_and_reports_the_abr_choice(ready: NetnsCl
     # asserted: it is a measurement.
     demo = run_smoke(ready, tag="test-wan")
     print(demo.summary())
-    assert demo.fetched["remote_hit_tokens"] >= demo.fetched["prompt_tokens"] // 2, demo.fetched
-    assert demo.choice in ("fetch", "recompute", "fetch and compute")
-    assert demo.recomputed["remote_hit_tokens"] == 0, demo.recomputed
+    assert len(demo.chosen) == len(demo.fetched) == len(demo.recomputed) == TIMED_REQUESTS
+    for fetched in demo.fetched:
+        assert fetched["remote_hit_tokens"] >= fetched["prompt_tokens"] // 2, fetched
+    assert set(demo.choices) <= {"fetch", "recompute", "fetch and compute"}, demo.choices
+    for recomputed in demo.recomputed:
+        assert recomputed["remote_hit_tokens"] == 0, recomputed

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,16 +57,34 @@ PUBLISHER_READY_S = 600.0
 
 WITHIN = 1.10
 """The ABR's time to first token should be at most this factor of the faster rung's."""
+TIMED_REQUESTS = 3
+"""Requests timed on each rung, each on its own copy of the document; the comparison is of their medians.
+One request says little: on 2 cores the same 700-token prefill took 0.46-0.64 s from one request to the
+next, more than the 10% the comparison is about."""
+
+
+def median_ttft(reports: Sequence[dict[str, Any]]) -> float:
+    """The median time to first token of ``reports`` (the middle one of an odd count)."""
+    return statistics.median(float(r["timings"]["ttft_s"]) for r in reports)
+
+
+def choice_of(report: dict[str, Any]) -> str:
+    """"fetch", "recompute" or "fetch and compute" (the head computed while the tail is fetched)."""
+    abr = report["abr"]
+    if abr.get("compute_blocks", 0) > 0:
+        return "fetch and compute"
+    return "fetch" if abr.get("fetch_blocks", 0) > 0 else "recompute"
 
 
 @dataclass(frozen=True)
 class WanDemo:
-    """What the smoke measured: the request with the ABR deciding, the same request with its prefix fetched
-    whole over the WAN (the ABR's own request when that is what it did) and recomputed."""
+    """What the smoke measured: ``TIMED_REQUESTS`` copies of the shared request with the ABR deciding, and
+    the same with the prefix fetched whole over the WAN (the ABR's own requests when that is what it did
+    every time) and recomputed."""
 
-    chosen: dict[str, Any]
-    fetched: dict[str, Any]
-    recomputed: dict[str, Any]
+    chosen: list[dict[str, Any]]
+    fetched: list[dict[str, Any]]
+    recomputed: list[dict[str, Any]]
     first_contact: dict[str, Any]
     """The same subscriber's earlier request (``WARMUP_DOCUMENT``), planned before anything was measured."""
 
@@ -74,25 +94,23 @@ class WanDemo:
 
     @property
     def speedup(self) -> float:
-        """Recomputed over fetched time to first token."""
-        return self.ttft(self.recomputed) / self.ttft(self.fetched)
+        """Recomputed over fetched time to first token (medians)."""
+        return median_ttft(self.recomputed) / median_ttft(self.fetched)
 
     @property
-    def choice(self) -> str:
-        """"fetch", "recompute" or "fetch and compute" (the head computed while the tail is fetched)."""
-        abr = self.chosen["abr"]
-        if abr.get("compute_blocks", 0) > 0:
-            return "fetch and compute"
-        return "fetch" if abr.get("fetch_blocks", 0) > 0 else "recompute"
+    def choices(self) -> list[str]:
+        """What the ABR chose for each timed request, in order."""
+        return [choice_of(report) for report in self.chosen]
 
     @property
     def against_best(self) -> float:
-        """The ABR's time to first token over the faster of fetching whole and recomputing."""
-        return self.ttft(self.chosen) / min(self.ttft(self.fetched), self.ttft(self.recomputed))
+        """The ABR's median time to first token over the faster rung's (fetched whole or recomputed)."""
+        return median_ttft(self.chosen) / min(median_ttft(self.fetched), median_ttft(self.recomputed))
 
-    def reason(self) -> str:
-        """The ABR's estimates behind its choice, in one phrase."""
-        abr = self.chosen["abr"]
+    @staticmethod
+    def reason(report: dict[str, Any]) -> str:
+        """The ABR's estimates behind its choice for ``report``, in one phrase."""
+        abr = report["abr"]
         inputs = abr.get("inputs", {})
         if "locate_skipped" in abr:
             measured = inputs.get("throughput_bps", 0.0) / 1e6
@@ -108,9 +126,11 @@ class WanDemo:
         """What the first request over the path (nothing measured yet) planned and how it ended."""
         w = self.first_contact
         inputs = w["abr"].get("inputs", {})
+        head_blocks = (w.get("overlap") or {}).get("head_blocks", 0)
         ended = (f"re-planned mid-fetch ({w['abandoned']})" if w.get("abandoned")
                  else f"fetched {w['remote_hit_tokens']} tokens" if w["remote_hit_tokens"] > 0
-                 else "recomputed")
+                 else f"split, and its head computed all {head_blocks} blocks before the tail came"
+                 if head_blocks else "recomputed")
         return (
             f"first contact ({w['prompt_tokens']} tokens, nothing measured yet): planned at "
             f"{inputs.get('throughput_bps', 0.0) / 1e6:.1f} MB/s, {ended}; time to first token "
@@ -120,14 +140,22 @@ class WanDemo:
     def summary(self) -> str:
         c, f, r = self.chosen, self.fetched, self.recomputed
         verdict = "within" if self.against_best <= WITHIN else "NOT within"
-        same = "equal to" if f.get("equals_recompute") else "differs from"
+        same = "equal to" if all(report.get("equals_recompute") for report in f) else "differs from"
+        choices = self.choices
+        chose = (f"{choices[0]} all {len(choices)} times" if len(set(choices)) == 1
+                 else ", ".join(choices))
+
+        def times(reports: list[dict[str, Any]]) -> str:
+            each = "/".join(f"{self.ttft(report):.2f}" for report in reports)
+            return f"median {median_ttft(reports):.2f} s ({each})"
+
         return (
-            f"{self.first_contact_summary()}. Then the ABR chose to {self.choice} ({self.reason()}): "
-            f"time to first token {self.ttft(c):.1f} s; "
-            f"fetched whole {self.ttft(f):.1f} s ({f['remote_hit_tokens']} of {f['prompt_tokens']} tokens, "
-            f"{f['bytes_fetched'] / 1e6:.1f} MB over the WAN), recomputed {self.ttft(r):.1f} s; the choice "
+            f"{self.first_contact_summary()}. Then, over {len(c)} copies of the shared request, the ABR "
+            f"chose to {chose} (first: {self.reason(c[0])}): time to first token {times(c)}; fetched whole "
+            f"{times(f)} ({f[0]['remote_hit_tokens']} of {f[0]['prompt_tokens']} tokens, "
+            f"{f[0]['bytes_fetched'] / 1e6:.1f} MB over the WAN each), recomputed {times(r)}; the choice "
             f"took {self.against_best:.2f}x the faster rung ({verdict} {round(100 * (WITHIN - 1))}%); "
-            f"fetched output verified, {same} a cold recompute"
+            f"fetched outputs verified, {same} a cold recompute"
         )
 
 
@@ -173,25 +201,28 @@ def fetched_whole(report: dict[str, Any]) -> bool:
 
 
 def run_smoke(cluster: NetnsCluster, tag: str = "smoke") -> WanDemo:
-    """Publish the warm-up and demo documents at pub-a (site a) and ask for each plus a question at sub-b
-    (site b) in one subscriber with the ABR deciding; then the demo request in new subscribers fetched
-    whole with ``--abr fetch`` (unless the ABR did exactly that) and recomputed (after the warm-up
-    document, recomputed too: its process's second request, as the ABR's is). The forced fetch asks for a
-    second copy of the document (its own chain hashes, published beside it), so it crosses the WAN with
-    the edges' caches as cold as the ABR's request found them: after a split or a partial fetch the same
-    document would come mostly from edge-b's cache and make fetching look faster than it is. Raise
-    ``ClusterError`` unless the whole-prefix fetch loaded the prefix without falling back and its output is
-    verified. ``tag`` keeps runs' documents apart."""
+    """Publish the warm-up document and copies of the demo document at pub-a (site a); at sub-b (site b),
+    one subscriber with the ABR deciding asks for the warm-up and then ``TIMED_REQUESTS`` copies, each
+    plus a question; then the same copies in new subscribers fetched whole with ``--abr fetch`` (unless
+    the ABR did exactly that every time) and recomputed (after the warm-up document, recomputed too, so
+    each rung's timed requests follow one earlier request in their process, as the ABR's do). Every timed
+    request asks for a copy of its own (its own chain hashes), so each crosses the WAN with the edges'
+    caches cold: after a split or a partial fetch the same document would come mostly from edge-b's cache
+    and make fetching look faster than it is; the forced fetches have copies of their own for the same
+    reason. Raise ``ClusterError`` unless every whole-prefix fetch loaded the prefix without falling back
+    and its output is verified. ``tag`` keeps runs' documents apart."""
     stamp = f"[{tag} {time.time_ns()}]"
-    document, warmup = f"{stamp} {DEMO_DOCUMENT}", f"{stamp} {WARMUP_DOCUMENT}"
-    twin = f"{stamp} (second copy) {DEMO_DOCUMENT}"
+    warmup = f"{stamp} {WARMUP_DOCUMENT}"
+    copies = [f"{stamp} (copy {i}) {DEMO_DOCUMENT}" for i in range(TIMED_REQUESTS)]
+    twins = [f"{stamp} (fetched copy {i}) {DEMO_DOCUMENT}" for i in range(TIMED_REQUESTS)]
     log_name = f"{tag}-publisher"
     log = cluster.run_dir / "logs" / f"{log_name}.log"
     # The log is appended to by every run in this run directory: only this publisher's READY counts (an
     # earlier run's sent the subscriber off before the document was published, and it located nothing).
     earlier = log.stat().st_size if log.exists() else 0
-    argv = publisher_argv("edge-a", "/keys/pub-a", warmup, "--prompt", document, "--prompt", twin,
-                          *DEMO_MODEL)
+    argv = publisher_argv("edge-a", "/keys/pub-a", warmup, *DEMO_MODEL)
+    for document in copies + twins:
+        argv += ["--prompt", document]
     publisher = cluster.spawn("pub-a", argv, log_name)
     try:
         deadline = time.monotonic() + PUBLISHER_READY_S
@@ -200,28 +231,30 @@ def run_smoke(cluster: NetnsCluster, tag: str = "smoke") -> WanDemo:
                 raise ClusterError(f"demo publisher not serving:\n{cluster.diagnostics([log_name])}")
             time.sleep(0.5)
         logger.info("pub-a published the documents; asking for them at sub-b")
-        prompt = document + DEMO_QUESTION
-        first_contact, chosen = _subscribe(cluster, [warmup + DEMO_QUESTION, prompt], *DEMO_MODEL, "--verify")
-        for name, report in (("first contact", first_contact), ("ABR", chosen)):
+        prompts = [warmup + DEMO_QUESTION] + [copy + DEMO_QUESTION for copy in copies]
+        first_contact, *chosen = _subscribe(cluster, prompts, *DEMO_MODEL, "--verify")
+        named = [("first contact", first_contact)] + [(f"ABR, copy {i}", r) for i, r in enumerate(chosen)]
+        for name, report in named:
             shown = {k: report[k] for k in ("remote_hit_tokens", "abr", "abandoned", "timings")}
             logger.info("%s: %s", name, json.dumps(shown))
         fetched = chosen
-        if not fetched_whole(chosen):
-            [fetched] = _subscribe(cluster, [twin + DEMO_QUESTION], *DEMO_MODEL, "--verify", "--abr", "fetch")
-        # Second in its process, as the ABR's request was: both nodes have answered one request before.
-        _, recomputed = _subscribe(cluster, [warmup + DEMO_QUESTION, prompt], *DEMO_MODEL,
-                                   "--abr", "recompute")
+        if not all(fetched_whole(report) for report in chosen):
+            fetched = _subscribe(cluster, [twin + DEMO_QUESTION for twin in twins], *DEMO_MODEL, "--verify",
+                                 "--abr", "fetch")
+        _, *recomputed = _subscribe(cluster, prompts, *DEMO_MODEL, "--abr", "recompute")
     finally:
         stop_process(publisher)
     demo = WanDemo(chosen, fetched, recomputed, first_contact)
     context = (f"\nchosen: {json.dumps(chosen)}\nfetched: {json.dumps(fetched)}"
                f"\nrecomputed: {json.dumps(recomputed)}")
-    if fetched["remote_hit_tokens"] <= 0:
-        raise ClusterError("the shared prefix was not fetched" + context)
-    if fetched["abandoned"] is not None or fetched["fallback"]:
-        raise ClusterError("the fetch fell back to recomputing" + context)
-    if fetched.get("verified") is not True:
-        raise ClusterError("the fetched request's output is not verified" + context)
-    if chosen["remote_hit_tokens"] > 0 and chosen.get("verified") is not True:
-        raise ClusterError("the ABR's request loaded a prefix but its output is not verified" + context)
+    for report in fetched:
+        if report["remote_hit_tokens"] <= 0:
+            raise ClusterError("the shared prefix was not fetched" + context)
+        if report["abandoned"] is not None or report["fallback"]:
+            raise ClusterError("the fetch fell back to recomputing" + context)
+        if report.get("verified") is not True:
+            raise ClusterError("a fetched request's output is not verified" + context)
+    for report in chosen:
+        if report["remote_hit_tokens"] > 0 and report.get("verified") is not True:
+            raise ClusterError("the ABR's request loaded a prefix but its output is not verified" + context)
     return demo
