@@ -568,6 +568,8 @@ class AbrPlan:
     fetched (0: no split). The node moves this meeting point as the two sides progress."""
     first_byte_s: float = 0.0
     """The relay's first-byte delay beyond the RTT the plan charged each fetch (``FirstByteEstimator``)."""
+    prefill_pair_s: float = 0.0
+    """The prefill's price of attention to a cached key (``PrefillEstimator.pair_s``)."""
 
     def rendition_of(self, index: int) -> str:
         return self.choices[index].action
@@ -586,6 +588,7 @@ class AbrPlan:
                 "first_byte_s": round(self.first_byte_s, 6),
                 "prefill_per_token_s": self.prefill_per_token_s,
                 "prefill_overhead_s": round(self.prefill_overhead_s, 6),
+                "prefill_pair_s": self.prefill_pair_s,
             },
             "est_total_s": round(self.est_total_s, 6),
             "est_recompute_all_s": round(self.est_recompute_all_s, 6),
@@ -937,6 +940,7 @@ class KvAbr:
             "rtt_s": self.rtt.estimate(),
             "prefill_per_token_s": self.prefill.per_token_s,
             "prefill_overhead_s": self.prefill.overhead_s,
+            "prefill_pair_s": self.prefill.pair_s,
         }
 
     def _should_probe(self) -> bool:
@@ -1062,6 +1066,7 @@ class KvAbr:
             first_byte_s=first_byte,
             prefill_per_token_s=per_tok,
             prefill_overhead_s=self.prefill.overhead_s,
+            prefill_pair_s=self.prefill.pair_s,
             est_total_s=best_t,
             est_recompute_all_s=recompute_all,
             declined_blocks=declined,

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from kvnet.exchange.abr import AbrConfig, KvAbr
+from kvnet.model.defaults import DEFAULT_PREFILL_CHUNK
 from kvnet.model.transformer import ModelArgs
 from kvnet.node.config import DEFAULT_BLOCK_SIZE
 from kvnet.tools.cluster.compose import load_compose
@@ -178,12 +179,13 @@ def test_publisher_restart_loses_nothing_already_cached(ready: NetnsCluster) -> 
 
 def _rule(report: dict[str, Any], lossless_ratio: float, raw_block_bytes: int, throughput: float) -> KvAbr:
     """kvnet.exchange.abr's rule with the inputs the subscriber reported, at ``throughput`` (measured)."""
-    abr = KvAbr(AbrConfig())
+    abr = KvAbr(AbrConfig(max_step_tokens=DEFAULT_PREFILL_CHUNK))  # the services' default --max-step-tokens
     abr.throughput.add(int(throughput), 1.0)
     inputs = report["abr"]["inputs"]
     abr.rtt.add(inputs["rtt_s"])
     abr.prefill.per_token_s = inputs["prefill_per_token_s"]
     abr.prefill.overhead_s = inputs["prefill_overhead_s"]
+    abr.prefill.pair_s = inputs["prefill_pair_s"]
     abr.renditions.add("lossless", raw_block_bytes, int(raw_block_bytes * lossless_ratio), 0.0)
     return abr
 
@@ -195,10 +197,11 @@ def _predict(report: dict[str, Any], lossless_ratio: float, raw_block_bytes: int
     abr = _rule(report, lossless_ratio, raw_block_bytes, throughput)
     total = report["prompt_tokens"] - report["local_hit_tokens"]
     missing = (report["prompt_tokens"] - 1) // BLOCK - report["local_hit_tokens"] // BLOCK
-    if abr.skip_locate(BLOCK, raw_block_bytes, missing, total) is not None:
+    hits = report["local_hit_tokens"]
+    if abr.skip_locate(BLOCK, raw_block_bytes, missing, total, context_tokens=hits) is not None:
         return 0
     located = [["lossless"]] * (report["located_blocks"] or missing)
-    return abr.plan(located, BLOCK, raw_block_bytes, total).fetch_blocks
+    return abr.plan(located, BLOCK, raw_block_bytes, total, context_tokens=hits).fetch_blocks
 
 
 def test_bandwidth_limited_subscriber_recomputes_as_the_abr_rule_predicts(ready: NetnsCluster) -> None:

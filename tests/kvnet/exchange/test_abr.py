@@ -111,7 +111,8 @@ def test_plan_reports_inputs() -> None:
     assert report["fetch_blocks"] == 2
     assert report["actions"] == {"lossless": 2}
     assert set(report["inputs"]) == {
-        "throughput_bps", "rtt_s", "first_byte_s", "prefill_per_token_s", "prefill_overhead_s"
+        "throughput_bps", "rtt_s", "first_byte_s", "prefill_per_token_s", "prefill_overhead_s",
+        "prefill_pair_s",
     }
 
 
