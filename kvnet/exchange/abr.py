@@ -356,7 +356,7 @@ class PrefillEstimator:
     the start has no pairs, so calibration's single-forward runs fit the line, and its run of two forwards
     pins ``pair_s``. Only calibration's runs (``add(..., whole=True)``) set it (0 until then): a pair costs
     the same whatever the host's load does to the rest, and one slowed run after a long context, fitted
-    freely, made it 10x what it was."""
+    freely, made it 5x what it was."""
 
     per_token_s: float = 1e-3
     overhead_s: float = 0.0

@@ -378,7 +378,7 @@ def test_calibrations_run_of_two_forwards_prices_attention_to_cached_keys() -> N
 
 
 def test_requests_runs_do_not_move_the_price_of_attention() -> None:
-    # One request slowed after a long context, fitted freely, would have made a pair ten times dearer.
+    # One request slowed after a long context, fitted freely, would have made a pair five times dearer.
     est = PrefillEstimator(max_step_tokens=512)
     for n in (64, 256, 512, 1024):
         est.add(n, _bench_preset_run(est, n), whole=True)
