@@ -653,6 +653,11 @@ class Node:
         if outcome.error is not None:
             self._fetch_failed(outcome, report)
             report.fallback.append(f"fetch of the tail stopped: {outcome.error}; the head computed the rest")
+        elif done.fetch_given_up:
+            report.fallback.append(
+                f"the tail did not reach the stopped head within {done.wait_s:.3f}s (what recomputing the "
+                "blocks between takes); the request computed them"
+            )
         return done
 
     async def connect(self) -> None:
