@@ -255,7 +255,8 @@ async def _wait_for_fetch(
     bound = abr.prefill.estimate((hi - stopped_at) * block_size, stopped_at * block_size)
     waited = time.perf_counter()
     try:
-        await asyncio.wait_for(met.wait(), bound)
+        async with asyncio.timeout(bound):
+            await met.wait()
     except TimeoutError:
         result.fetch_given_up = True
         logger.info("the tail did not reach the head within %.3f s (what recomputing its last %d blocks "
