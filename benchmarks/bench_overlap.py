@@ -19,8 +19,9 @@ Their output is lossy, so it is compared with cold's (``same`` counts runs whose
 asserted equal. Each subscriber first answers the warm-up prompt (its blocks also on the relay), so its
 kernels are warm, kvtc's tables are fetched and, in ``auto``, the ABR has measured the link before the
 timed request, as a running node would have.
-Medians over ``--runs``; the load average of the machine is printed with each run (other work on the same
-cores moves these figures a lot):
+Medians over ``--runs``: ``f+c/min`` is fetch+compute's median over the faster of cold's and fetch-only's,
+``paired`` the median over runs of that ratio taken within each run. The load average of the machine is
+printed with each run (other work on the same cores moves these figures a lot):
 
     python benchmarks/bench_overlap.py --model small --prefix-tokens 2048 --rates 10,30,100,300 --runs 3
     python benchmarks/bench_overlap.py --model smollm2 --prefix-tokens 1024 --rates 2,5 --runs 3 --kvtc
@@ -194,16 +195,20 @@ def main() -> int:
           f"requests={args.requests} "
           f"(medians; load average after each run: {', '.join(loads)})")
     kvtc_head = f"{'kvtc s':>9}{'a+kvtc s':>9}{'same':>6}" if args.kvtc else ""
-    print(f"{'MB/s':>6}{'cold s':>9}{'fetch s':>9}{'f+c s':>9}{'f+c/min':>9}{kvtc_head}  head computed / "
-          f"tail fetched{'; auto+kvtc took' if args.kvtc else ''}")
+    print(f"{'MB/s':>6}{'cold s':>9}{'fetch s':>9}{'f+c s':>9}{'f+c/min':>9}{'paired':>8}{kvtc_head}  "
+          f"head computed / tail fetched{'; auto+kvtc took' if args.kvtc else ''}")
     for rate in rates:
         med = {m: statistics.median(times[(m, rate)]) for m in modes}
         ratio = med["fetch+compute"] / min(med["cold"], med["fetch-only"])
+        # The same ratio within each run (its subscribers ran back to back), then the median over runs:
+        # the machine's drift between runs moves a run's three figures alike.
+        runs = zip(*(times[(m, rate)] for m in MODES), strict=True)
+        paired = statistics.median(both / min(cold, fetch) for cold, fetch, both in runs)
         kvtc_cols = (f"{med['kvtc']:>9.3f}{med['auto+kvtc']:>9.3f}{same[('kvtc', rate)]:>4}/{args.runs}"
                      if args.kvtc else "")
         took = f"; {' '.join(chosen[rate])}" if args.kvtc else ""
         print(f"{rate:>6g}{med['cold']:>9.3f}{med['fetch-only']:>9.3f}{med['fetch+compute']:>9.3f}"
-              f"{ratio:>9.2f}{kvtc_cols}  {' '.join(splits[rate])}{took}")
+              f"{ratio:>9.2f}{paired:>8.2f}{kvtc_cols}  {' '.join(splits[rate])}{took}")
     return 0
 
 
