@@ -45,7 +45,14 @@ tails costs a whole fetch at their rate too, not at the prior: a rate measured b
 the path's, but it is a measurement and the prior a guess (a node's first request split, its tail came at
 4 MB/s over a WAN, and its second planned a whole fetch at the 100 MB/s prior and took 2.1x recomputing);
 if the head's forwards were what slowed the tail, the plans it declines lead to a probe, which measures
-the path alone. Before the first split was measured, a node whose
+the path alone. A plan that splits declines nothing, so such a node whose split beats that whole fetch
+by less than ``WHOLE_PROBE_GAIN`` fetches everything once instead (a probe, ``AbrPlan.probe``): the gain
+may be no more than the tail's rate standing for the path's (SmolLM2 on 2 AMX cores, 300 MB/s link:
+tails came at 57-73 MB/s, whole fetches at 84-97, and the splits planned against the tails' rate took
+1.03x fetching everything). A tail measured faster than the whole fetches were also raises their
+estimate to its rate: a node whose only whole fetch was its first, on a fresh connection (the ``bench``
+preset, 300 MB/s link: 62-67 MB/s), and whose splits' tails came faster kept costing a whole fetch at the
+first rate and kept splitting, 1.11x fetching everything. Before the first split was measured, a node whose
 forwards leave no core for decoding (``decode_beside_compute``) charges the head what the tail's decoding
 takes (``decode_i``, raw bytes over the rendition's decode rate) while the tail's bytes still cross the
 network beside it: ``max(prefill(k * block_size) + sum(decode_i for k <= i < f), ...)``. That is next to
@@ -82,6 +89,11 @@ from typing import Any, ClassVar, Literal
 logger = logging.getLogger(__name__)
 
 RECOMPUTE = "recompute"
+WHOLE_PROBE_GAIN = 0.2
+"""A node that measured fetches only as split tails fetches everything once (a probe of the path alone)
+rather than split where the split is estimated less than this much faster (a fraction) than that whole
+fetch costed at the tails' rate: a fetch beside the head's forwards ran 1.3-1.5x slower than alone on 2
+cores, so a gain below that may be the tails' rate standing in for the path's (module docstring)."""
 SPLIT_MIN_GAIN = 0.1
 """A split plan must be estimated this much faster (a fraction) than the best plan without one: it costs a
 second prefill's overhead and CPU that the fetch shares, and a near-tie gains nothing measurable."""
@@ -952,11 +964,13 @@ class KvAbr:
 
     def _fetch_throughput(self, beside_compute: bool = False) -> ThroughputEstimator:
         """What a fetch is costed at: as a split's tail, ``tail_throughput`` once one was measured; whole,
-        ``throughput``, or ``tail_throughput`` while only the former's prior stands (module docstring)."""
+        ``throughput``, or ``tail_throughput`` where it was measured faster, or while only the former's
+        prior stands: a tail's rate is at most the path's (module docstring)."""
+        tail = self.tail_throughput
         if beside_compute:
-            return self.tail_throughput if self.tail_throughput.samples else self.throughput
-        if not self.throughput.samples and self.tail_throughput.samples:
-            return self.tail_throughput
+            return tail if tail.samples else self.throughput
+        if tail.samples and (not self.throughput.samples or tail.estimate() > self.throughput.estimate()):
+            return tail
         return self.throughput
 
     def fetch_cost(
@@ -1009,13 +1023,15 @@ class KvAbr:
 
         best_k, best_t = 0, rest_after(0)
         recompute_all = best_t
+        whole_t = math.inf
+        """Fetching every located block with an acceptable rendition, then the rest."""
         if not self.config.force_recompute:
             acc = latency
             for k in range(1, len(located) + 1):
                 acc += fetch_costs[k - 1]
                 if math.isinf(acc):
                     break
-                t = acc + rest_after(k)
+                t = whole_t = acc + rest_after(k)
                 # Ties favour fetching more (saves compute for everyone on the node).
                 if t <= best_t or not self.config.allow_recompute:
                     best_k, best_t = k, t
@@ -1023,6 +1039,7 @@ class KvAbr:
         # rendition (a block nobody offers acceptably is not a decision the estimates made).
         fetchable = next((i for i, c in enumerate(fetch_costs) if math.isinf(c)), len(located))
         compute_k = 0
+        whole_probe = False
         if self.config.overlap and self.config.allow_recompute and not self.config.force_recompute:
             rest = rest_after(fetchable)
             # As the tail of a split: at ``tail_throughput`` once one was measured (the same costs before).
@@ -1035,8 +1052,15 @@ class KvAbr:
             k, parallel = best_split(tail_costs, latency, head, extra)
             if 0 < k < fetchable and parallel + rest < (1 - SPLIT_MIN_GAIN) * best_t:
                 compute_k, best_k, best_t = k, fetchable, parallel + rest
+                if (self.tail_throughput.samples and not self.throughput.samples
+                        and best_t >= (1 - WHOLE_PROBE_GAIN) * whole_t):
+                    whole_probe = True
+                    compute_k, best_t = 0, whole_t
         declined = max(fetchable - best_k, 0) if self.config.allow_recompute else 0
-        probe = False
+        probe = whole_probe
+        if whole_probe:  # measures the path alone: the next sample is the whole fetch's (module docstring)
+            self._probe_pending = True
+            self.probes += 1
         if declined and not self.config.force_recompute:
             self.declined_plans += 1
             self.declined_blocks += declined

@@ -104,8 +104,9 @@ class _NodeCollector(Collector):
                           len(node.store))
         yield self._counter("kvnet_store_evicted", "Block renditions evicted from the block store.",
                             node.store.stats.evicted)
-        yield self._gauge("kvnet_abr_throughput_bytes_per_second", "ABR estimate of the fetch throughput.",
-                          node.abr.throughput.estimate())
+        yield self._gauge("kvnet_abr_throughput_bytes_per_second",
+                          "ABR estimate of the fetch throughput, as a plan costs a whole fetch.",
+                          node.abr.inputs()["throughput_bps"])
         yield self._gauge("kvnet_abr_rtt_seconds", "ABR estimate of the relay round-trip time.",
                           node.abr.rtt.estimate())
         yield self._gauge("kvnet_abr_first_byte_seconds",
@@ -117,7 +118,8 @@ class _NodeCollector(Collector):
                             node.abr.declined_plans)
         yield self._counter("kvnet_abr_declined_blocks", "Located blocks the ABR chose to recompute.",
                             node.abr.declined_blocks)
-        yield self._counter("kvnet_abr_probes", "Plans that fetched declined blocks to measure again.",
+        yield self._counter("kvnet_abr_probes",
+                            "Plans that fetched to measure the path (declined blocks, or all not split).",
                             node.abr.probes)
         yield self._counter("kvnet_abr_skipped_locates",
                             "Requests that looked for no remote blocks: the measured path loses to compute.",

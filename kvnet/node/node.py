@@ -567,6 +567,10 @@ class Node:
             # Once per request, with the inputs: a node that keeps declining hits must be visible.
             probing = f"; probing: fetching {plan.fetch_blocks} to measure again" if plan.probe else ""
             logger.info("ABR %s%s", plan.describe_decline(), probing)
+        elif plan.probe:
+            logger.info("ABR: fetching all %d located blocks once, to measure the path alone (only split "
+                        "tails measured so far, whose rate beside the head's forwards may be below it)",
+                        plan.fetch_blocks)
         if plan.fetch_blocks == 0:
             return None
         expected = prompt_blocks(ids, self.block_size, hashes, self.root, start, start + plan.fetch_blocks)

@@ -613,6 +613,51 @@ def test_a_node_that_measured_only_a_split_tail_costs_a_whole_fetch_at_its_rate_
     assert plan.throughput_bps == pytest.approx(1e9) and plan.fetch_blocks == 8
 
 
+def test_a_node_that_measured_only_split_tails_fetches_whole_once_where_the_split_gains_little() -> None:
+    """SmolLM2 on 2 AMX cores over a 300 MB/s link: every request split, its tails came at 57-73 MB/s beside
+    the head's forwards while a whole fetch ran at 84-97, and the splits, planned against a whole fetch
+    costed at the tails' rate, took 1.03x fetching everything. A split whose estimated gain over that whole
+    fetch is under ``WHOLE_PROBE_GAIN`` fetches everything once instead, which measures the path alone;
+    a split that gains more does not wait for that measurement."""
+    located = [["lossless"]] * 8
+
+    def node(tail_bps: float) -> KvAbr:
+        abr = KvAbr(AbrConfig(prior_throughput_bps=1e8, prior_rtt_s=0.001, safety=1.0))
+        abr.prefill.add(100, 100 * 8e-4)
+        abr.fetch_measured(int(tail_bps), 1.0, beside_compute=True)
+        return abr
+
+    far = node(1e8).plan(located, BLOCK, RAW, total_tokens=8 * BLOCK + 5)
+    assert far.compute_blocks > 0 and not far.probe  # the split gains over 20%: no probe needed
+    abr = node(3e8)
+    probe = abr.plan(located, BLOCK, RAW, total_tokens=8 * BLOCK + 5)
+    assert (probe.compute_blocks, probe.fetch_blocks, probe.probe, abr.probes) == (0, 8, True, 1)
+    assert probe.to_json()["probe"] is True
+    # Measured alone 1.4x as fast as beside the head: fetching everything is the plan from now on.
+    faster = node(3e8)
+    faster.plan(located, BLOCK, RAW, total_tokens=8 * BLOCK + 5)
+    faster.fetch_measured(420_000_000, 1.0)
+    after = faster.plan(located, BLOCK, RAW, total_tokens=8 * BLOCK + 5)
+    assert (after.compute_blocks, after.fetch_blocks, after.probe) == (0, 8, False)
+    # Measured alone no faster: the split's gain was real, and it splits again, probing no more.
+    abr.fetch_measured(300_000_000, 1.0)
+    again = abr.plan(located, BLOCK, RAW, total_tokens=8 * BLOCK + 5)
+    assert again.compute_blocks > 0 and not again.probe and abr.probes == 1
+
+
+def test_a_tail_measured_faster_than_the_whole_fetches_raises_their_estimate() -> None:
+    """The ``bench`` preset over a 300 MB/s link: the node's only whole fetch was its first, on a fresh
+    connection (62-67 MB/s); its splits' tails came faster, yet every plan costed a whole fetch at the
+    first rate and split again (1.11x fetching everything). A tail's rate is at most the path's."""
+    abr = KvAbr(AbrConfig(prior_throughput_bps=1e8, prior_rtt_s=0.001, safety=1.0))
+    abr.fetch_measured(60_000_000, 1.0)
+    abr.fetch_measured(90_000_000, 1.0, beside_compute=True)
+    assert abr.inputs()["throughput_bps"] == pytest.approx(9e7)
+    assert abr.fetch_cost(RAW, ["lossless"]) == pytest.approx(abr.fetch_cost(RAW, ["lossless"], True))
+    abr.fetch_measured(300_000_000, 1.0)  # measured alone, faster again: the path's own estimate rules
+    assert abr.inputs()["throughput_bps"] > 9e7
+
+
 def test_no_split_when_overlap_is_off_or_the_mode_forbids_it() -> None:
     assert _split_plan(per_token_s=6e-4, bps=1e8, overlap=False).compute_blocks == 0
     fetch_all = _split_plan(per_token_s=6e-4, bps=1e8, allow_recompute=False)
