@@ -1039,7 +1039,7 @@ class KvAbr:
         # rendition (a block nobody offers acceptably is not a decision the estimates made).
         fetchable = next((i for i, c in enumerate(fetch_costs) if math.isinf(c)), len(located))
         compute_k = 0
-        whole_probe = False
+        probe = False
         if self.config.overlap and self.config.allow_recompute and not self.config.force_recompute:
             rest = rest_after(fetchable)
             # As the tail of a split: at ``tail_throughput`` once one was measured (the same costs before).
@@ -1054,19 +1054,13 @@ class KvAbr:
                 compute_k, best_k, best_t = k, fetchable, parallel + rest
                 if (self.tail_throughput.samples and not self.throughput.samples
                         and best_t >= (1 - WHOLE_PROBE_GAIN) * whole_t):
-                    whole_probe = True
-                    compute_k, best_t = 0, whole_t
+                    probe, best_t = True, whole_t  # fetch everything to measure the path alone
         declined = max(fetchable - best_k, 0) if self.config.allow_recompute else 0
-        probe = whole_probe
-        if whole_probe:  # measures the path alone: the next sample is the whole fetch's (module docstring)
-            self._probe_pending = True
-            self.probes += 1
         if declined and not self.config.force_recompute:
             self.declined_plans += 1
             self.declined_blocks += declined
             if self._should_probe():
-                probe, self._probe_pending = True, True
-                self.probes += 1
+                probe = True
                 self.declined_streak = 0
                 best_k = max(best_k, min(self.config.probe_blocks, fetchable))
                 acc = latency + sum(fetch_costs[:best_k])
@@ -1075,8 +1069,9 @@ class KvAbr:
                 self.declined_streak += 1
         elif fetchable:
             self.declined_streak = 0
-        if probe:
-            compute_k = 0  # a probe measures the path alone
+        if probe:  # measures the path alone: its sample replaces the estimate (``fetch_measured``)
+            compute_k, self._probe_pending = 0, True
+            self.probes += 1
         final = tuple(
             c if compute_k <= c.index < best_k
             else BlockChoice(c.index, RECOMPUTE, c.fetch_s, c.recompute_s, c.best)

@@ -156,13 +156,18 @@ async def fetch_and_compute(
         estimate = abr.block_fetch_cost(block_raw_bytes, rendition, beside_compute=True)
         return max(estimate, now - started - abr.fetch_latency_s())
 
-    def replan(now: float) -> None:
-        """Move the head's limit to where it should stop: the end of the forward it is computing, plus the
-        blocks it computes before the fetch, at the rate measured so far, could deliver them."""
+    def computed() -> int:
+        """The block the head has computed up to (the cache's run from ``start``)."""
+        return start + cached_prefix(hashes[start:frontier])
+
+    def replan(now: float, done: int) -> None:
+        """Move the head's limit to where it should stop, ``done`` blocks computed: the end of the forward
+        it is computing, plus the blocks it computes before the fetch, at the rate measured so far, could
+        deliver them."""
         nonlocal limit
         if stopped_at is not None:
             return
-        end = head_chunk_end(start + cached_prefix(hashes[start:frontier]), chunk, b)
+        end = head_chunk_end(done, chunk, b)
         extra = [abr.decode_beside_head(block_raw_bytes, renditions[i - start]) for i in range(end, frontier)]
         stop = head_stop(end, frontier, block_fetch_s(now), abr.head_cost(b, context_tokens=end * b), extra)
         if stop != limit:
@@ -179,10 +184,12 @@ async def fetch_and_compute(
         if stopped_at is not None:
             if frontier <= stopped_at:
                 met.set()
-        elif frontier <= start + cached_prefix(hashes[start:frontier]):
+            return
+        done = computed()
+        if frontier <= done:
             fetch_task.cancel()  # the head has computed the rest: nothing below is of use
         else:
-            replan(now)
+            replan(now, done)
 
     async def fetch_side() -> None:
         if lo >= hi:
@@ -207,7 +214,7 @@ async def fetch_and_compute(
         head_block_s = abr.head_cost(b)(1)
         while stopped_at is None:
             await asyncio.sleep(max(min(block_fetch_s(time.perf_counter()), head_block_s), MIN_REPLAN_S))
-            replan(time.perf_counter())
+            replan(time.perf_counter(), computed())
 
     fetch_task = asyncio.ensure_future(timed_fetch_side())
     watch_task = asyncio.ensure_future(watch_stall())
