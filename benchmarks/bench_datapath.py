@@ -842,7 +842,7 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
 # Parts of the fetching process's CPU, by cProfile entries' own time: the first part one of whose words is
 # in an entry's "file:function" takes it (builtins are named by their module, e.g. "_hashlib").
 PROFILE_PARTS = (
-    ("digest (SHA-256 per layer)", ("_hashlib", "payload_digest", "verify_payload", "compare_digest")),
+    ("digest (per layer)", ("_hashlib", "blake3", "payload_digest", "verify_payload", "compare_digest")),
     ("decode (zstd, byte planes)", ("kvnet/blocks/codecs.py", "zstandard", "numpy")),
     ("import into the paged cache", ("kvnet/cache/", "torch")),
     ("manifest checks (Ed25519, chain)", ("ed25519", "kvnet/security/signing.py", "proto/kvobject.py",

@@ -22,9 +22,12 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import msgpack
+from blake3 import blake3
 
 __all__ = [
     "BLOCK_GROUP_ID",
+    "DEFAULT_DIGEST_ALGORITHM",
+    "DIGEST_ALGORITHMS",
     "DTYPES",
     "FORMAT_VERSION",
     "HASH_LEN",
@@ -61,14 +64,20 @@ __all__ = [
     "tables_track",
 ]
 
-FORMAT_VERSION: Final = 1
-"""Manifest format version (field ``v``)."""
+FORMAT_VERSION: Final = 2
+"""Manifest format version (field ``v``) written; version 1 (SHA-256 payload digests, no ``da`` key) is
+still read, so blocks published before version 2 stay usable."""
+DIGEST_ALGORITHMS: Final = ("blake3", "sha256")
+"""Payload digest algorithms a manifest may name (field ``da``), both 32-byte digests."""
+DEFAULT_DIGEST_ALGORITHM: Final = "blake3"
+"""What publishers digest payloads with: BLAKE3 hashes a layer ~4x faster per core than SHA-256 with the
+CPU's SHA extensions (7.4 against 1.8 GB/s here), and the subscriber hashes every byte it fetches."""
 NAMESPACE_ROOT: Final = b"kvnet"
 """First Track Namespace Field of every kvnet track."""
 NAMESPACE_VERSION: Final = b"v2"
 """Second Track Namespace Field: version of this naming scheme (v2: every name is UTF-8 text)."""
 HASH_LEN: Final = 32
-"""Bytes in a block hash, parent hash, fingerprint and payload digest (SHA-256)."""
+"""Bytes in a block hash, parent hash, fingerprint (SHA-256) and payload digest (either algorithm)."""
 TRACK_NAME_SEPARATOR: Final = b"."
 """Byte between the hex block hash and the rendition name in a Track Name."""
 BLOCK_GROUP_ID: Final = 0
@@ -112,6 +121,7 @@ _HASH_HEX_RE = re.compile(rb"[0-9a-f]{%d}" % (2 * HASH_LEN))
 _K_BLOCK_INDEX = "bi"
 _K_CODEC = "c"
 _K_DIGESTS = "d"
+_K_DIGEST_ALGORITHM = "da"
 _K_DTYPE = "dt"
 _K_FINGERPRINT = "fp"
 _K_BLOCK_HASH = "h"
@@ -123,19 +133,27 @@ _K_SIGNATURE = "sig"
 _K_TOKENS = "t"
 _K_CREATED_AT = "ts"
 _K_VERSION = "v"
-_KEYS: Final = frozenset({
+_KEYS_V1: Final = frozenset({
     _K_BLOCK_INDEX, _K_CODEC, _K_DIGESTS, _K_DTYPE, _K_FINGERPRINT, _K_BLOCK_HASH, _K_KEY_ID, _K_TOTAL,
     _K_PARENT, _K_SHAPE, _K_SIGNATURE, _K_TOKENS, _K_CREATED_AT, _K_VERSION,
 })
+_KEYS: Final = {1: _KEYS_V1, 2: _KEYS_V1 | {_K_DIGEST_ALGORITHM}}
+"""The keys of a manifest of each format version, all required."""
 
 
 class KVObjectError(ValueError):
     """A block track name, object id or manifest is malformed or violates a limit."""
 
 
-def payload_digest(payload: bytes | bytearray | memoryview) -> bytes:
-    """SHA-256 of one layer object's payload, as listed in the manifest."""
-    return hashlib.sha256(payload).digest()
+def payload_digest(payload: bytes | bytearray | memoryview,
+                   algorithm: str = DEFAULT_DIGEST_ALGORITHM) -> bytes:
+    """The digest of one layer object's payload, as listed in the manifest, by one of
+    ``DIGEST_ALGORITHMS`` (both release the GIL while they hash, so verify threads run in parallel)."""
+    if algorithm == "blake3":
+        return blake3(payload).digest()
+    if algorithm == "sha256":
+        return hashlib.sha256(payload).digest()
+    raise KVObjectError(f"payload digest algorithm {algorithm!r} not one of {list(DIGEST_ALGORITHMS)}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -411,7 +429,7 @@ class BlockManifest:
     head_dim: int
     """Channels per head."""
     payload_digests: tuple[bytes, ...]
-    """SHA-256 of each layer object's payload, in layer order."""
+    """The digest of each layer object's payload (by ``digest_algorithm``), in layer order."""
     total_payload_bytes: int
     """Sum of the layer payload lengths."""
     key_id: bytes = b""
@@ -420,6 +438,10 @@ class BlockManifest:
     """Signature over ``signing_bytes()`` (opaque here; empty until signed)."""
     created_at_ms: int = 0
     """Creation time, milliseconds since the Unix epoch."""
+    digest_algorithm: str = DEFAULT_DIGEST_ALGORITHM
+    """What ``payload_digests`` were computed with, one of ``DIGEST_ALGORITHMS``."""
+    format_version: int = FORMAT_VERSION
+    """1 (read only: SHA-256 digests, no ``da`` key) or 2."""
 
     def __post_init__(self) -> None:
         _check_hash("fingerprint", self.fingerprint)
@@ -445,6 +467,12 @@ class BlockManifest:
             _check_hash("payload digest", digest)
         _check_bytes("key_id", self.key_id, MAX_KEY_ID_LEN)
         _check_bytes("signature", self.signature, MAX_SIGNATURE_LEN)
+        _check_int("format version", self.format_version, 1, FORMAT_VERSION)
+        if not isinstance(self.digest_algorithm, str) or self.digest_algorithm not in DIGEST_ALGORITHMS:
+            named = repr(self.digest_algorithm)[:40]
+            raise KVObjectError(f"payload digest algorithm {named} not one of {list(DIGEST_ALGORITHMS)}")
+        if self.format_version == 1 and self.digest_algorithm != "sha256":
+            raise KVObjectError("a version 1 manifest's payload digests are SHA-256")
 
     # -- construction helpers -----------------------------------------------------------------------
 
@@ -463,15 +491,18 @@ class BlockManifest:
         payloads: Sequence[bytes | bytearray | memoryview],
         key_id: bytes = b"",
         created_at_ms: int = 0,
+        digest_algorithm: str = DEFAULT_DIGEST_ALGORITHM,
     ) -> BlockManifest:
-        """Build an unsigned manifest whose digests and total match ``payloads`` (one per layer)."""
+        """Build an unsigned manifest whose digests (by ``digest_algorithm``) and total match ``payloads``
+        (one per layer)."""
         num_layers, block_size, num_kv_heads, head_dim = shape
         return cls(
             fingerprint=fingerprint, block_hash=block_hash, parent_hash=parent_hash,
             token_ids=tuple(token_ids), block_index=block_index, codec=codec, dtype=dtype,
             num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            payload_digests=tuple(payload_digest(p) for p in payloads),
+            payload_digests=tuple(payload_digest(p, digest_algorithm) for p in payloads),
             total_payload_bytes=sum(len(p) for p in payloads), key_id=key_id, created_at_ms=created_at_ms,
+            digest_algorithm=digest_algorithm,
         )
 
     def with_signature(self, signature: bytes, key_id: bytes | None = None) -> BlockManifest:
@@ -493,7 +524,7 @@ class BlockManifest:
     # -- canonical encoding -------------------------------------------------------------------------
 
     def _fields(self) -> dict[str, Any]:
-        return {
+        fields: dict[str, Any] = {
             _K_BLOCK_INDEX: self.block_index,
             _K_CODEC: self.codec,
             _K_DIGESTS: list(self.payload_digests),
@@ -507,8 +538,11 @@ class BlockManifest:
             _K_SIGNATURE: self.signature,
             _K_TOKENS: list(self.token_ids),
             _K_CREATED_AT: self.created_at_ms,
-            _K_VERSION: FORMAT_VERSION,
+            _K_VERSION: self.format_version,
         }
+        if self.format_version >= 2:
+            fields[_K_DIGEST_ALGORITHM] = self.digest_algorithm
+        return fields
 
     @staticmethod
     def _pack(fields: dict[str, Any]) -> bytes:
@@ -536,7 +570,7 @@ class BlockManifest:
             obj = msgpack.unpackb(
                 bytes(data), raw=False, use_list=True, strict_map_key=True, timestamp=0,
                 max_bin_len=MAX_SIGNATURE_LEN, max_str_len=MAX_RENDITION_LEN,
-                max_array_len=MAX_BLOCK_TOKENS, max_map_len=len(_KEYS), max_ext_len=0,
+                max_array_len=MAX_BLOCK_TOKENS, max_map_len=len(_KEYS[FORMAT_VERSION]), max_ext_len=0,
             )
         except Exception as exc:
             # msgpack reports malformed input through several exception types (ValueError subclasses,
@@ -544,11 +578,12 @@ class BlockManifest:
             raise KVObjectError(f"manifest is not valid msgpack: {exc}"[:200]) from None
         if not isinstance(obj, dict):
             raise KVObjectError(f"manifest must be a map, got {type(obj).__name__}")
-        if set(obj) != _KEYS:
-            missing = sorted(_KEYS - set(obj))
-            extra = sorted(map(repr, set(obj) - _KEYS))
+        version = _check_int("format version", obj.get(_K_VERSION), 1, FORMAT_VERSION)
+        keys = _KEYS[version]
+        if set(obj) != keys:
+            missing = sorted(keys - set(obj))
+            extra = sorted(map(repr, set(obj) - keys))
             raise KVObjectError(f"manifest keys wrong: missing {missing}, unknown {extra}"[:200])
-        _check_int("format version", obj[_K_VERSION], FORMAT_VERSION, FORMAT_VERSION)
         shape = obj[_K_SHAPE]
         if not isinstance(shape, list) or len(shape) != 4:
             raise KVObjectError("shape must be a list of 4 ints")
@@ -561,6 +596,7 @@ class BlockManifest:
             dtype=obj[_K_DTYPE], num_layers=shape[0], block_size=shape[1], num_kv_heads=shape[2],
             head_dim=shape[3], payload_digests=tuple(digests), total_payload_bytes=obj[_K_TOTAL],
             key_id=obj[_K_KEY_ID], signature=obj[_K_SIGNATURE], created_at_ms=obj[_K_CREATED_AT],
+            digest_algorithm=obj.get(_K_DIGEST_ALGORITHM, "sha256"), format_version=version,
         )
         # Exactly one byte string per manifest: anything else could carry a second meaning past a
         # signature check, or make two relays disagree about "the same" object.
@@ -577,4 +613,5 @@ class BlockManifest:
     def verify_payload(self, object_index: int, payload: bytes | bytearray | memoryview) -> bool:
         """True if ``payload`` is the layer object ``object_index`` (1..num_layers) this manifest lists."""
         layer = object_layer(object_index, self.num_layers)
-        return hmac.compare_digest(payload_digest(payload), self.payload_digests[layer])
+        digest = payload_digest(payload, self.digest_algorithm)
+        return hmac.compare_digest(digest, self.payload_digests[layer])

@@ -190,7 +190,7 @@ def _verified_manifest(block_hash: bytes, objects: Sequence[bytes]) -> BlockMani
     if len(payloads) != manifest.num_layers:
         raise KVObjectError(f"{len(payloads)} layer objects, the manifest lists {manifest.num_layers}")
     for layer, (payload, digest) in enumerate(zip(payloads, manifest.payload_digests, strict=True)):
-        if payload_digest(payload) != digest:
+        if payload_digest(payload, manifest.digest_algorithm) != digest:
             raise KVObjectError(f"layer {layer} payload does not match its digest")
     return manifest
 

@@ -17,10 +17,11 @@ One request over several sessions (``--fetch-connections``) is ``kvnet.exchange.
 ``BlockFetcher`` fetches its share exactly as below, and the fetchers of one cache share their coalescing.
 
 Where the time goes (profiled on the bench preset, 2 cores): the transport's per-packet work dominates,
-and the per-layer work (SHA-256 of the payload and the decode: ~2.5 ms per raw MB for ``lossless``'s zstd
-and plane join, ~1.5 for ``plain``'s copy, on one core here) runs either on the event loop as each layer
-arrives (``verify_workers=0``) or on a bounded pool of ``verify_workers`` threads (hashlib, zstd and numpy
-release the GIL inside their calls), a block's layers per task, while the loop keeps reading the network.
+and the per-layer work (the payload's digest and the decode: ~2.5 ms per raw MB for ``lossless``'s zstd
+and plane join, ~1.5 for ``plain``'s copy with SHA-256 digests, ~0.4 less with BLAKE3's, on one core here)
+runs either on the event loop as each layer arrives (``verify_workers=0``) or on a bounded pool of
+``verify_workers`` threads (blake3, hashlib, zstd and numpy release the GIL inside their calls), a block's
+layers per task, while the loop keeps reading the network.
 The default pool is sized to the host's cores (``auto_verify_workers``: none on 2 cores, where it
 measured no faster and cost 5-12% more CPU per MB; docs/performance.md, "Verify and decode off the event
 loop"). A cache that lends its slots on the CPU (``PagedKVCache``) has each layer decoded straight into

@@ -7,11 +7,14 @@ import hashlib
 
 import msgpack
 import pytest
+from blake3 import blake3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proto.kvobject import (
+    DEFAULT_DIGEST_ALGORITHM,
     DTYPES,
+    FORMAT_VERSION,
     MAX_MANIFEST_BYTES,
     SIGNING_CONTEXT,
     TABLES_CHUNK_BYTES,
@@ -37,18 +40,27 @@ from proto.kvobject import (
 FP = hashlib.sha256(b"model").digest()
 H0 = hashlib.sha256(b"block0").digest()
 H1 = hashlib.sha256(b"block1").digest()
-# SHA-256 of _manifest().signing_bytes(), pinned when the format was defined.
-PINNED = "869ad0f6633af1104f84d3f3a809e7fed440e0063ae2091dd5a71aa61ec063d3"
+# SHA-256 of _manifest().signing_bytes() in format version 1 (SHA-256 payload digests), pinned when that
+# format was defined, and in version 2 (BLAKE3 payload digests), pinned when version 2 was.
+PINNED_V1 = "869ad0f6633af1104f84d3f3a809e7fed440e0063ae2091dd5a71aa61ec063d3"
+PINNED_V2 = "337c7b6f14ca7ff1422aa0013a52921821e844f1456dd5c95df1754bfc245c97"
 
 
 def _manifest(**overrides: object) -> BlockManifest:
+    """A two-layer manifest; ``digest_algorithm`` picks how it is built, other keys replace fields after."""
+    digest_algorithm = str(overrides.pop("digest_algorithm", DEFAULT_DIGEST_ALGORITHM))
     payloads = [b"layer0-payload", b"layer1-payload"]
     m = BlockManifest.for_payloads(
         fingerprint=FP, block_hash=H1, parent_hash=H0, token_ids=[1, 2, 3, 70000], block_index=1,
         codec="lossless", dtype="bfloat16", shape=(2, 4, 2, 8), payloads=payloads, key_id=b"key-1",
-        created_at_ms=1_700_000_000_000,
+        created_at_ms=1_700_000_000_000, digest_algorithm=digest_algorithm,
     )
     return dataclasses.replace(m, **overrides)  # type: ignore[arg-type]
+
+
+def _manifest_v1() -> BlockManifest:
+    """What a version 1 publisher wrote: SHA-256 digests, no ``da`` key."""
+    return _manifest(digest_algorithm="sha256", format_version=1)
 
 
 # -- track naming -----------------------------------------------------------------------------------
@@ -225,10 +237,41 @@ def test_signing_bytes_stable_known_answer() -> None:
     # The canonical encoding is a wire format: an independent construction must agree, and the pinned
     # digest changes only with a deliberate format change.
     m = _manifest()
+    assert m.format_version == FORMAT_VERSION == 2 and m.digest_algorithm == "blake3"
+    assert m.payload_digests[0] == blake3(b"layer0-payload").digest()
     assert m.signing_bytes() == SIGNING_CONTEXT + _expected_unsigned_encoding(m)
-    assert m.encode()[:1] == b"\x8e"  # fixmap with 14 entries
+    assert m.encode()[:1] == b"\x8f"  # fixmap with 15 entries
     assert m.encode()[1:4] == b"\xa2bi"  # first key in bytewise order
-    assert hashlib.sha256(m.signing_bytes()).hexdigest() == PINNED
+    assert hashlib.sha256(m.signing_bytes()).hexdigest() == PINNED_V2
+
+
+def test_version_1_manifest_still_reads_and_verifies() -> None:
+    # A block published before version 2 (disk tiers, relays' caches, a node not yet upgraded).
+    m = _manifest_v1()
+    assert m.signing_bytes() == SIGNING_CONTEXT + _expected_unsigned_encoding(m)
+    assert m.encode()[:1] == b"\x8e"  # fixmap with 14 entries: no "da"
+    assert hashlib.sha256(m.signing_bytes()).hexdigest() == PINNED_V1
+    decoded = BlockManifest.decode(m.encode())
+    assert decoded == m and decoded.digest_algorithm == "sha256" and decoded.format_version == 1
+    assert decoded.payload_digests[0] == hashlib.sha256(b"layer0-payload").digest()
+    assert decoded.verify_payload(1, b"layer0-payload")
+    assert not decoded.verify_payload(1, b"layer1-payload")
+
+
+def test_digest_algorithm_is_signed_and_checked() -> None:
+    blake, sha = _manifest(), _manifest(digest_algorithm="sha256")
+    assert sha.format_version == 2 and BlockManifest.decode(sha.encode()) == sha
+    assert sha.verify_payload(2, b"layer1-payload") and blake.verify_payload(2, b"layer1-payload")
+    # The same digests under the other algorithm's name: signed differently, and no payload matches.
+    renamed = dataclasses.replace(blake, digest_algorithm="sha256")
+    assert renamed.signing_bytes() != blake.signing_bytes()
+    assert not renamed.verify_payload(1, b"layer0-payload")
+    for overrides in ({"digest_algorithm": "md5"}, {"digest_algorithm": 3}, {"format_version": 3},
+                      {"format_version": 1}):  # version 1 cannot name BLAKE3
+        with pytest.raises(KVObjectError):
+            dataclasses.replace(blake, **overrides)
+    with pytest.raises(KVObjectError, match="md5"):
+        payload_digest(b"x", "md5")
 
 
 def _expected_unsigned_encoding(m: BlockManifest) -> bytes:
@@ -237,8 +280,10 @@ def _expected_unsigned_encoding(m: BlockManifest) -> bytes:
         "bi": m.block_index, "c": m.codec, "d": list(m.payload_digests), "dt": m.dtype,
         "fp": m.fingerprint, "h": m.block_hash, "k": m.key_id, "n": m.total_payload_bytes,
         "p": m.parent_hash, "s": [m.num_layers, m.block_size, m.num_kv_heads, m.head_dim],
-        "t": list(m.token_ids), "ts": m.created_at_ms, "v": 1,
+        "t": list(m.token_ids), "ts": m.created_at_ms, "v": m.format_version,
     }
+    if m.format_version == 2:
+        fields["da"] = m.digest_algorithm
     return msgpack.packb(dict(sorted(fields.items())), use_bin_type=True)
 
 
@@ -298,8 +343,11 @@ def _raw_fields() -> dict[str, object]:
 @pytest.mark.parametrize(
     ("key", "value"),
     [
-        ("v", 2),
+        ("v", 3),
+        ("v", 1),  # version 1 has no "da"
         ("v", True),
+        ("da", "sha512"),
+        ("da", b"blake3"),
         ("s", [2, 4, 2]),
         ("s", "2,4,2,8"),
         ("t", b"\x00\x01"),
@@ -327,6 +375,7 @@ def test_decode_rejects_missing_extra_and_non_canonical() -> None:
     fields = _raw_fields()
     for variant in (
         {k: v for k, v in fields.items() if k != "sig"},
+        {k: v for k, v in fields.items() if k != "da"},
         {**fields, "zz": 1},
     ):
         with pytest.raises(KVObjectError):
