@@ -57,6 +57,36 @@ from .qmux_streams import QMuxConfiguration, Stream
 __all__ = ["QMuxConfiguration", "QMuxConnection"]
 
 _MAX_OUTSTANDING_PINGS: Final = 64
+_TLS_RECORD: Final = 16384
+"""TLS's largest record plaintext: ``records_to_send`` cuts its pieces at multiples of it."""
+
+
+def _tls_aligned(out: list[bytes | memoryview]) -> list[bytes | memoryview]:
+    """``out`` re-cut so that every piece but the last is a whole number of TLS records: the small pieces
+    and the ends of large ones joined (at most two records' worth copied per large piece), the rest of
+    each large piece left as a view. A TLS layer encrypting each piece on its own then writes the same
+    full records one joined buffer would have (a short record per piece cost the receiver a read each)."""
+    pieces: list[bytes | memoryview] = []
+    run: list[bytes | memoryview] = []
+    run_len = 0
+    for piece in out:
+        n = len(piece)
+        head = -run_len % _TLS_RECORD
+        if n - head < _TLS_RECORD:
+            run.append(piece)
+            run_len += n
+            continue
+        view = memoryview(piece)
+        middle_end = head + (n - head) // _TLS_RECORD * _TLS_RECORD
+        if run_len:
+            run.append(view[:head])
+            pieces.append(b"".join(run))
+        pieces.append(view[head:middle_end])
+        run = [view[middle_end:]] if middle_end < n else []
+        run_len = n - middle_end
+    if run_len:
+        pieces.append(b"".join(run))
+    return pieces
 
 
 class QMuxConnection:
@@ -743,13 +773,24 @@ class QMuxConnection:
         return min(peer, self.configuration.max_send_record_size)
 
     def data_to_send(self, now: float, max_bytes: int | None = None) -> bytes:
-        """Records to write to the transport, as one buffer (b"" when there is nothing).
+        """Records to write to the transport, as one buffer (b"" when there is nothing): ``records_to_send``
+        joined."""
+        return b"".join(self.records_to_send(now, max_bytes))
+
+    def records_to_send(self, now: float, max_bytes: int | None = None) -> list[bytes | memoryview]:
+        """Records to write to the transport, in order, as pieces ([] when there is nothing): the small
+        pieces (record lengths, frame headers, control frames) and the ends of stream data joined, the
+        rest of the stream data left as views of what the application queued, cut so that every piece
+        but the last is a whole number of TLS records (``_tls_aligned``). A transport that takes the
+        pieces one by one (asyncio's SSL transport encrypts each piece of ``writelines`` at once) then
+        hardly copies stream data on the way: a relay's join of every MB it served was 7% of its send
+        path.
 
         ``max_bytes`` stops adding stream data once about that much is framed (the transport's free
         buffer), so that what waits here can still be prioritised or reset.
         """
         if self._finished:
-            return b""
+            return []
         out: list[bytes | memoryview] = []
         if not self._tp_sent:
             self._tp_sent = True
@@ -762,6 +803,7 @@ class QMuxConnection:
             # Nothing but our parameters may go before the peer's arrive (section "QX_TRANSPORT_PARAMETERS
             # Frames"): every other frame depends on them.
             RecordBuilder(self, out, max_bytes).build()
-        if out:
-            self._last_activity = now  # a record completely sent
-        return b"".join(out)
+        if not out:
+            return out
+        self._last_activity = now  # a record completely sent
+        return _tls_aligned(out)

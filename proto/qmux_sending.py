@@ -2,9 +2,10 @@
 
 Control frames first (QX_PING answers, credit updates, datagrams), then stream data round robin, each
 stream up to one record's worth per turn. Records are as large as the peer's ``max_record_size`` (and
-our ``max_send_record_size``) allow; stream payload stays a view of the caller's buffer until the one
-join of ``data_to_send``. Flow control (RFC 9000 section 4) decides how much each stream may send, and
-a blocked sender says so once per limit (DATA_BLOCKED, STREAM_DATA_BLOCKED, STREAMS_BLOCKED).
+our ``max_send_record_size``) allow; stream payload stays a view of the caller's buffer, and
+``records_to_send`` hands large views on unjoined. Flow control (RFC 9000 section 4) decides how much
+each stream may send, and a blocked sender says so once per limit (DATA_BLOCKED, STREAM_DATA_BLOCKED,
+STREAMS_BLOCKED).
 """
 
 from __future__ import annotations

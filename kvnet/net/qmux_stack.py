@@ -24,7 +24,9 @@ asyncio's SSL transport brings the handshake and its timeout, close_notify, writ
 copies what it keeps, so the buffer is reused for every read.
 
 Sending: every ``transmit`` frames what the connection may send into records as large as the peer's
-``max_record_size`` allows (ours: 1 MiB), joined into one write per ``_WRITE_PIECE``. Back-pressure is the
+``max_record_size`` allows (ours: 1 MiB), up to ``_WRITE_PIECE`` per ``writelines``: the small pieces
+joined, stream data handed over as the application's own buffers, which asyncio's SSL transport encrypts
+at once (a relay no longer copies every MB it serves before encrypting it). Back-pressure is the
 transport's: while asyncio's SSL transport holds more than ``_WRITE_HIGH_WATER`` bytes it pauses us, stream
 data stays queued in the QMux connection (``unsent_bytes``, what ``MoqtConnection``'s drain logic waits on,
 as with the QUIC stacks' send buffers), and ``resume_writing`` transmits again.
@@ -261,8 +263,8 @@ class QMuxProtocol(asyncio.BufferedProtocol):
         transport = self._transport
         if transport is not None and not transport.is_closing():
             now = self._loop.time()
-            while data := quic.data_to_send(now, max_bytes=0 if self._writing_paused else _WRITE_PIECE):
-                transport.write(data)
+            while pieces := quic.records_to_send(now, max_bytes=0 if self._writing_paused else _WRITE_PIECE):
+                transport.writelines(pieces)  # encrypted piece by piece at once: stream data is not copied
             if quic.finished:
                 if not quic.closed_by_us:
                     transport.close()  # the peer closed, or the transport failed: nothing more to read

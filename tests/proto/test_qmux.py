@@ -7,7 +7,7 @@ import random
 import pytest
 
 from proto import qmux_frames as qf
-from proto.qmux_connection import QMuxConfiguration, QMuxConnection
+from proto.qmux_connection import QMuxConfiguration, QMuxConnection, _tls_aligned
 from proto.qmux_events import (
     ConnectionTerminated,
     DatagramFrameReceived,
@@ -412,6 +412,26 @@ def test_records_are_as_large_as_the_peer_allows() -> None:
         assert s.close_event is None
 
 
+def test_records_to_send_leaves_large_stream_data_as_the_applications_views() -> None:
+    c, s = pair(server_config=dict(max_record_size=100_000, max_data=1 << 22,
+                                   max_stream_data_bidi_remote=1 << 22))
+    exchange(c, s)
+    header, payload = b"object header", bytes(range(256)) * 1000  # 256,000 bytes, queued as two pieces
+    c.send_stream_data(0, header)
+    c.send_stream_data(0, payload, True)
+    pieces = c.records_to_send(NOW)
+    # Record lengths, frame headers and the ends of the payload's parts joined, every piece but the last
+    # whole TLS records (16 KiB), and most of the payload left in views of the caller's own bytes object.
+    assert all(len(p) % 16384 == 0 for p in pieces[:-1])
+    views = [p for p in pieces if isinstance(p, memoryview)]
+    assert len(views) == 3 and all(v.obj is payload for v in views)
+    assert sum(map(len, views)) >= len(payload) - 3 * 2 * 16384
+    s.receive_data(b"".join(pieces), NOW)
+    received = b"".join(e.data for e in events(s) if isinstance(e, StreamDataReceived))
+    assert received == header + payload and s.close_event is None
+    assert c.records_to_send(NOW) == [] and c.data_to_send(NOW) == b""
+
+
 def test_blocked_sender_says_so_once_and_resumes_on_credit() -> None:
     c, s = pair(server_config=dict(max_data=1 << 20, max_stream_data_bidi_remote=20_000))
     exchange(c, s)
@@ -537,3 +557,15 @@ def test_eof_inside_a_record() -> None:
     conn = server()
     conn.receive_eof()
     assert closed_with(conn) == (QMuxErrorCode.NO_ERROR, None) and conn.finished
+
+
+def test_tls_aligned_pieces_keep_every_byte_in_order() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        out: list[bytes | memoryview] = [
+            rng.randbytes(rng.choice((0, 1, 9, 100, 16383, 16384, 16385, 40_000, 70_000)))
+            for _ in range(rng.randrange(1, 8))
+        ]
+        pieces = _tls_aligned(out)
+        assert b"".join(pieces) == b"".join(out)
+        assert all(len(p) % 16384 == 0 and len(p) for p in pieces[:-1]) and all(len(p) for p in pieces)
