@@ -496,7 +496,9 @@ class QMuxConnection:
         assert stream is not None
         fin = last and self._rx_fin
         if not stream.recv_stopped and (piece or fin):
-            self._events.append(StreamDataReceived(bytes(piece), fin, stream.stream_id))
+            # A view, not a copy: the application copies what it keeps anyway (MoQT's stream readers do),
+            # and a copy here was a third copy of every byte received (see StreamDataReceived.data).
+            self._events.append(StreamDataReceived(piece, fin, stream.stream_id))
         if last:
             self._rx_stream = None
             self._after_receive(stream, fin)

@@ -42,8 +42,11 @@ class HandshakeCompleted(QMuxEvent):
 class StreamDataReceived(QMuxEvent):
     """Bytes of one stream, in order; ``end_stream`` marks the FIN."""
 
-    data: bytes
-    """The bytes that followed the previous event's bytes on this stream."""
+    data: bytes | memoryview
+    """The bytes that followed the previous event's bytes on this stream: a view of what was handed to
+    ``receive_data`` (or of the connection's own copy of a unit split across reads), valid until the next
+    ``receive_data`` call. Copy what must outlive that: a transport that reuses its read buffer handles
+    every event of a read before it reads again."""
     end_stream: bool
     """The peer finished its sending side: no more bytes follow."""
     stream_id: int

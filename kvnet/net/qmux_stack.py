@@ -240,6 +240,8 @@ class QMuxProtocol(asyncio.BufferedProtocol):
         return self._receive_buffer
 
     def buffer_updated(self, nbytes: int) -> None:
+        # The stream data events are views of this buffer: every event of a read is handled before the
+        # next read fills it again (``_process_events`` pauses reading while any wait).
         self._quic.receive_data(self._receive_buffer[:nbytes], self._loop.time())
         self._process_events()
         self.transmit()
