@@ -243,8 +243,9 @@ class QMuxConnection:
     def _idle_timeout(self) -> float | None:
         ours = self.configuration.max_idle_timeout
         theirs = self._peer_tp.max_idle_timeout_ms / 1000 if self._peer_tp is not None else 0.0
-        timeouts = [t for t in (ours, theirs) if t > 0]
-        return min(timeouts) if timeouts else None
+        if ours > 0 and theirs > 0:
+            return min(ours, theirs)
+        return ours if ours > 0 else theirs if theirs > 0 else None
 
     def get_timer(self) -> float | None:
         """When ``handle_timer`` must be called next (the idle deadline), or None."""
