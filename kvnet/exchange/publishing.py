@@ -40,6 +40,7 @@ from proto.data import ObjectStatus
 from proto.errors import PublishDoneCode, RequestErrorCode, UsageError
 from proto.kvobject import (
     BLOCK_GROUP_ID,
+    DEFAULT_DIGEST_ALGORITHM,
     BlockManifest,
     KVObjectError,
     block_namespace,
@@ -62,6 +63,7 @@ def encode_blocks(
     signer: Signer,
     tables: TransformTables | None = None,
     importance: torch.Tensor | None = None,
+    digest_algorithm: str = DEFAULT_DIGEST_ALGORITHM,
 ) -> list[StoredBlock]:
     """Encoded, signed objects of ``sources`` (blocks cached in ``cache``), one entry per rendition.
 
@@ -69,7 +71,8 @@ def encode_blocks(
     Blocks that are no longer cached (evicted meanwhile) are skipped. ``tables``: the model's ``kvtc``
     tables, which that rendition needs; ``importance``: the attention each token of the sources' sequence
     gets (``[L, N]``, ``kvnet.model.importance.token_importance``), by which kvtc codes a token finer or
-    coarser.
+    coarser. ``digest_algorithm``: what the manifests' payload digests are computed with
+    (``proto.kvobject.DIGEST_ALGORITHMS``).
     """
     shifts = None if importance is None else token_shifts_from_importance(importance)
     out: list[StoredBlock] = []
@@ -80,7 +83,7 @@ def encode_blocks(
         rows = slice(src.block_index * kv.k.shape[1], (src.block_index + 1) * kv.k.shape[1])
         block_shifts = None if shifts is None or shifts.shape[1] < rows.stop else shifts[:, rows]
         out += encode_block(kv.k, kv.v, src, fingerprint=fingerprint, renditions=renditions, signer=signer,
-                            tables=tables, token_shifts=block_shifts)
+                            tables=tables, token_shifts=block_shifts, digest_algorithm=digest_algorithm)
     return out
 
 
@@ -94,6 +97,7 @@ def encode_block(
     signer: Signer,
     tables: TransformTables | None = None,
     token_shifts: np.ndarray | None = None,
+    digest_algorithm: str = DEFAULT_DIGEST_ALGORITHM,
 ) -> list[StoredBlock]:
     """Encoded, signed objects of one block whose K and V over all layers are ``k, v: [L, B, H_kv, D]``,
     one entry per rendition (``encode_blocks`` for blocks held by another engine's cache); none for kvtc
@@ -132,6 +136,7 @@ def encode_block(
             payloads=payloads,
             key_id=signer.key_id,
             created_at_ms=now_ms,
+            digest_algorithm=digest_algorithm,
         )
         manifest = manifest.with_signature(signer.sign_manifest(manifest))
         out.append(

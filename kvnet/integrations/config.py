@@ -23,6 +23,8 @@ node_secret         node secret file from which the tenant's salt and namespace 
 tenant              tenant this engine computes for [--tenant]
 renditions          renditions published, list or comma-separated [--renditions]
 accept              renditions accepted when loading [--accept]
+payload_digest      ``blake3`` (default) or ``sha256``: the hash of each layer payload in the manifests
+                    this engine signs [--payload-digest]
 push                PUBLISH computed blocks into the relay's cache (default true) [--no-push]
 store_bytes         publisher-side block store budget, bytes or ``512M`` [--store-bytes]
 fetch_window        raw bytes requested ahead while fetching [--fetch-window]
@@ -208,6 +210,7 @@ _NODE_FIELDS: dict[str, tuple[str, Any]] = {
     "tenant": ("tenant", _text),
     "renditions": ("publish_renditions", _renditions),
     "accept": ("acceptable_renditions", _renditions),
+    "payload_digest": ("payload_digest", _text),
     "push": ("push", _flag),
     "store_bytes": ("store_bytes", _size),
     "fetch_window": ("fetch_window_bytes", _size),

@@ -781,7 +781,7 @@ class _WorkerSide:
                 for k, v, source in copies
                 for stored in encode_block(
                     k, v, source, fingerprint=self.identity.fingerprint, renditions=node.publish_renditions,
-                    signer=self.signer,
+                    signer=self.signer, digest_algorithm=node.payload_digest,
                 )
             ]
 

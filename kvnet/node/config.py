@@ -41,7 +41,7 @@ from kvnet.security.certs import check_tls_files
 from kvnet.security.signing import Signer, SigningError, TrustStore, generate_keypair, load_signer
 from kvnet.security.tenancy import NodeSecret, TenancyError
 from kvnet.security.tokens import read_token_file
-from proto.kvobject import DTYPES
+from proto.kvobject import DEFAULT_DIGEST_ALGORITHM, DIGEST_ALGORITHMS, DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,10 @@ class NodeConfig:
     """Renditions a publisher encodes and serves for every block."""
     acceptable_renditions: tuple[str, ...] = ("lossless",)
     """Renditions a subscriber accepts (quality floor); lossless only by default."""
+    payload_digest: str = DEFAULT_DIGEST_ALGORITHM
+    """What a publisher digests each layer payload with in its signed manifests: ``blake3`` (~4x
+    SHA-256's rate per core; subscribers hash every byte they fetch) or ``sha256`` (a FIPS-approved hash).
+    Subscribers verify either, whatever their own setting."""
     kvtc_tables: Path | None = None
     """The model's ``kvtc`` tables (a file ``kvnet kvtc calibrate`` writes), which publishing ``kvtc`` needs:
     the node signs them with its key and serves them beside its blocks. Subscribers need none (they fetch
@@ -194,6 +198,9 @@ class NodeConfig:
             unknown = [r for r in values if r not in KNOWN_RENDITIONS]
             if unknown:
                 raise ValueError(f"{name}: unknown rendition(s) {unknown}; known: {list(KNOWN_RENDITIONS)}")
+        if self.payload_digest not in DIGEST_ALGORITHMS:
+            raise ValueError(f"payload_digest must be one of {list(DIGEST_ALGORITHMS)}, got "
+                             f"{self.payload_digest!r}")
         if "kvtc" in self.publish_renditions and self.kvtc_tables is None:
             raise ValueError("publish_renditions: kvtc needs the model's tables (--kvtc-tables FILE, from "
                              "'kvnet kvtc calibrate')")
@@ -375,6 +382,11 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
         "--accept", type=parse_renditions, default=("lossless",),
         help="subscriber: acceptable renditions, comma-separated (default lossless only; plain is exact too)",
     )
+    k.add_argument(
+        "--payload-digest", choices=DIGEST_ALGORITHMS, default=DEFAULT_DIGEST_ALGORITHM,
+        help="publisher: hash of each layer payload in the signed manifests (sha256 where a FIPS-approved "
+             "hash is required); subscribers verify either",
+    )
     k.add_argument("--store-bytes", type=size_arg, default="512M", help="publisher block store budget")
     k.add_argument("--cache-dir", type=Path, help="also keep published blocks on disk here (default: memory)")
     k.add_argument("--cache-dir-bytes", type=size_arg, default="1G", help="most bytes kept in --cache-dir")
@@ -445,6 +457,7 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         node_secret=args.node_secret,
         publish_renditions=tuple(args.renditions),
         acceptable_renditions=tuple(args.accept),
+        payload_digest=args.payload_digest,
         kvtc_tables=args.kvtc_tables,
         store_bytes=args.store_bytes,
         cache_dir=args.cache_dir,

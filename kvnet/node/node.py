@@ -347,6 +347,7 @@ class Node:
             signer=self.signer,
             tables=self.kvtc_tables,
             importance=importance,
+            digest_algorithm=self.config.payload_digest,
         )
         self.store.put_chain(blocks)
         self.counters.published_blocks += len(sources)

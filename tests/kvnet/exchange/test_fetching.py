@@ -18,7 +18,7 @@ from kvnet.exchange import fetching
 from kvnet.exchange.abr import AbrConfig, KvAbr
 from kvnet.exchange.blockstore import StoredBlock
 from kvnet.exchange.fetching import BlockFetcher, FetchOutcome
-from kvnet.exchange.publishing import BlockServer
+from kvnet.exchange.publishing import BlockServer, encode_blocks
 from kvnet.exchange.relay_peer import node_session_config
 from kvnet.net.handles import IncomingFetch, IncomingTrackStatus
 from kvnet.net.url import parse_moqt_url
@@ -635,3 +635,27 @@ async def test_a_block_is_located_only_where_every_locate_fingerprint_has_it(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_blocks_a_publisher_digested_with_sha256_verify_and_load(
+    pair: ConnectionPair, serve: Serve, published: Published
+) -> None:
+    """A publisher that must use a FIPS hash (``--payload-digest sha256``) signs SHA-256 digests; a
+    subscriber verifies them as it does BLAKE3's, and a flipped byte is still caught."""
+    blocks = encode_blocks(published.cache, published.identities, fingerprint=FINGERPRINT,
+                           renditions=("lossless",), signer=published.signer, digest_algorithm="sha256")
+    manifest = BlockManifest.decode(blocks[0].objects[0])
+    assert (manifest.format_version, manifest.digest_algorithm) == (2, "sha256")
+    good = blocks[2]
+    layer_0 = bytearray(good.objects[1])
+    layer_0[-1] ^= 0xFF
+    bad = dataclasses.replace(good, objects=(good.objects[0], bytes(layer_0), *good.objects[2:]))
+    serve([*blocks[:2], bad, *blocks[3:]])
+    cache = empty_cache()
+    f = fetcher(pair, cache, trusting(published.signer))
+    outcome = await f.fetch(published.identities[:2], LOSSLESS[:2])
+    assert (outcome.loaded, outcome.error) == (2, None)
+    assert_same_kv(cache, published.cache, HASHES[:2])
+    outcome = await f.fetch(published.identities, LOSSLESS)
+    assert (outcome.loaded, outcome.rejected_kind) == (2, "content")
+    assert outcome.error == "block 2 rejected: payload digest of layer 0 differs"

@@ -42,7 +42,7 @@ def test_values_map_to_the_node_config(tmp_path: Path, base: dict[str, object]) 
          "store_bytes": "64M", "timeout": 3, "trust": [str(tmp_path)], "key_dir": str(tmp_path / "k"),
          "locate_deadline": 0.5, "drain_timeout": 4, "metrics_dir": str(tmp_path / "m"),
          "fetch_connections": 3, "publish_backlog_bytes": "32M", "abr": "fetch", "assume_throughput": 2e9,
-         "fetch_margin": 5},
+         "fetch_margin": 5, "payload_digest": "sha256"},
         None,
     )
     node = settings.node
@@ -55,6 +55,7 @@ def test_values_map_to_the_node_config(tmp_path: Path, base: dict[str, object]) 
     assert node.fetch_connections == 3
     assert settings.publish_backlog_bytes == 32 << 20
     assert node.abr_mode == "fetch" and node.prior_throughput_bps == 2e9 and node.fetch_margin == 5.0
+    assert node.payload_digest == "sha256"
 
 
 @pytest.mark.parametrize(
@@ -74,6 +75,7 @@ def test_values_map_to_the_node_config(tmp_path: Path, base: dict[str, object]) 
         ({"abr": "sometimes"}, "abr_mode must be auto, fetch or recompute"),
         ({"assume_throughput": 0}, "assumed throughput must be a positive number"),
         ({"assume_throughput": "fast"}, "'assume_throughput'"),
+        ({"payload_digest": "md5"}, "payload_digest must be one of"),
     ],
 )
 def test_bad_settings_name_the_key(

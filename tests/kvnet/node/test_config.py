@@ -21,6 +21,7 @@ from kvnet.node.config import NodeConfig, add_node_arguments, explain_relay_prob
         ("block_size", 0, "block_size must be positive"),
         ("publish_renditions", ("lossless", "fp4"), "unknown rendition"),
         ("publish_renditions", ("lossless", "kvtc"), "kvtc needs the model's tables"),
+        ("payload_digest", "md5", "payload_digest must be one of"),
         ("abr_mode", "sometimes", "abr_mode must be"),
         ("fetch_verify_workers", -1, "fetch_verify_workers must be in"),
         ("fetch_connections", 0, r"fetch_connections must be in \[1, 16\]"),
@@ -39,7 +40,7 @@ def test_flags_map_onto_the_config() -> None:
     args = parser.parse_args([
         "--relay", "moqt://127.0.0.1:4443", "--ca", "ca.pem", "--dtype", "bfloat16", "--block-size", "16",
         "--renditions", "lossless,int8", "--store-bytes", "64M", "--token", "node.tok", "--ethernet",
-        "--fetch-verify-workers", "0",
+        "--fetch-verify-workers", "0", "--payload-digest", "sha256",
     ])
     config = node_config_from_args(args)
     assert (config.relay_url, config.ca_file, config.token_file) == (
@@ -49,6 +50,8 @@ def test_flags_map_onto_the_config() -> None:
     assert config.fetch_verify_workers == 0
     assert config.publish_renditions == ("lossless", "int8")
     assert config.max_datagram_size == DATAGRAM_SIZE_ETHERNET
+    assert config.payload_digest == "sha256"
+    assert node_config_from_args(parser.parse_args([])).payload_digest == "blake3"
 
 
 @pytest.mark.parametrize(
