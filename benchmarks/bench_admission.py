@@ -1,7 +1,7 @@
 """Cost of a relay's block admission check (``relay.admission``): what verifying before caching adds.
 
 For blocks of a given shape (random payloads, a real Ed25519 signature by a trusted key), times
-``BlockAdmission.refusal`` per block: one signature check of the manifest plus a SHA-256 per layer
+``BlockAdmission.refusal`` per block: one signature check of the manifest plus a digest (BLAKE3) per layer
 object. Prints the median of ``--runs`` runs over ``--blocks`` blocks, per block and per MB, and the
 load average, so the figure can be weighed against the time the block takes to cross the relay.
 Run: ``python benchmarks/bench_admission.py [--layers 32 --block-size 16 --kv-heads 8 --head-dim 128]``.
