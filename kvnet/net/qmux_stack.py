@@ -60,7 +60,10 @@ ALPN_MOQT_QMUX = "moqt-18-qmux-01"
 # receiving stays small.
 _MAX_RECORD_SIZE = 1 << 20
 # One read: asyncio's SSL layer decrypts up to this much into our buffer per call, and reads up to this much
-# from the socket at once (its own default is 256 KiB: see ``_read_socket_in_large_pieces``).
+# from the socket at once (its own default is 256 KiB). A connection starts at the small size and takes the
+# large one at its first large read (``QMuxProtocol._grow_reads``): a session carrying KV reads 1 MiB per
+# pass, an idle or control session keeps 512 KiB of buffers, not 2 MiB.
+_RECEIVE_BUFFER_SMALL = 256 << 10
 _RECEIVE_BUFFER = 1 << 20
 # Stream data framed per write while the transport takes more.
 _WRITE_PIECE = 1 << 20
@@ -128,9 +131,8 @@ def _read_socket_in_large_pieces(transport: asyncio.Transport) -> None:
     decrypted, and asyncio reads 256 KiB at most (``SSLProtocol.max_size``, a class attribute of
     asyncio's SSL protocol since Python 3.11, set here on this connection's instance). Reading up to 1 MiB
     when that much is queued cut a subscriber's CPU per MB of a verified fetch by 16%
-    (``bench_datapath.py --kv-shape llama3-8b``: 1.55-1.60 -> 1.30-1.33 ms/MB, 630 -> 750 MB/s), for 768
-    KiB more of buffer per connection once it has read something. Another asyncio keeps its own size
-    (tests/kvnet/net/test_qmux_stack.py says when this stops taking effect)."""
+    (``bench_datapath.py --kv-shape llama3-8b``: 1.55-1.60 -> 1.30-1.33 ms/MB, 630 -> 750 MB/s). Another
+    asyncio keeps its own size (tests/kvnet/net/test_qmux_stack.py says when this stops taking effect)."""
     ssl_protocol: Any = getattr(transport, "_ssl_protocol", None)
     size = getattr(ssl_protocol, "max_size", None)
     if isinstance(size, int):
@@ -161,7 +163,7 @@ class QMuxProtocol(asyncio.BufferedProtocol):
         self._opening: asyncio.Task[None] | None = None
         self._more_events_scheduled = False
         self._reading_paused = False
-        self._receive_buffer = memoryview(bytearray(_RECEIVE_BUFFER))
+        self._receive_buffer = memoryview(bytearray(_RECEIVE_BUFFER_SMALL))
 
     # ---- the client's side of opening
 
@@ -224,7 +226,6 @@ class QMuxProtocol(asyncio.BufferedProtocol):
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER, low=_WRITE_LOW_WATER)
-        _read_socket_in_large_pieces(transport)
         quic = self._quic
         apply_socket_buffers(transport.get_extra_info("socket"), quic.tls_configuration.settings)
         peer = transport.get_extra_info("peername")
@@ -243,8 +244,18 @@ class QMuxProtocol(asyncio.BufferedProtocol):
         # The stream data events are views of this buffer: every event of a read is handled before the
         # next read fills it again (``_process_events`` pauses reading while any wait).
         self._quic.receive_data(self._receive_buffer[:nbytes], self._loop.time())
+        if nbytes > len(self._receive_buffer) // 2 and len(self._receive_buffer) < _RECEIVE_BUFFER:
+            self._grow_reads()
         self._process_events()
         self.transmit()
+
+    def _grow_reads(self) -> None:
+        """Read up to ``_RECEIVE_BUFFER`` per pass from now on: this connection carries bulk data. The
+        events of this read keep the old buffer alive through their views; the next read fills the new
+        one."""
+        self._receive_buffer = memoryview(bytearray(_RECEIVE_BUFFER))
+        if self._transport is not None:
+            _read_socket_in_large_pieces(self._transport)
 
     def eof_received(self) -> bool | None:
         self._quic.receive_eof()
