@@ -1023,8 +1023,7 @@ class KvAbr:
 
         best_k, best_t = 0, rest_after(0)
         recompute_all = best_t
-        whole_t = math.inf
-        """Fetching every located block with an acceptable rendition, then the rest."""
+        whole_t = math.inf  # fetching every located block with an acceptable rendition, then the rest
         if not self.config.force_recompute:
             acc = latency
             for k in range(1, len(located) + 1):

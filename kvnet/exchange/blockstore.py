@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvnet.storage.disk import DiskTier, StoredObject, StoredTrack
-from proto.kvobject import BlockManifest, KVObjectError, payload_digest
+from proto.kvobject import BlockManifest, KVObjectError, layer_object_id
 
 DISK_NAMESPACE = (b"kvnet-block-store",)
 """Namespace of the store's files in its ``DiskTier`` (the track name is ``<block hash hex>.<rendition>``)."""
@@ -189,8 +189,8 @@ def _verified_manifest(block_hash: bytes, objects: Sequence[bytes]) -> BlockMani
     payloads = objects[1:]
     if len(payloads) != manifest.num_layers:
         raise KVObjectError(f"{len(payloads)} layer objects, the manifest lists {manifest.num_layers}")
-    for layer, (payload, digest) in enumerate(zip(payloads, manifest.payload_digests, strict=True)):
-        if payload_digest(payload, manifest.digest_algorithm) != digest:
+    for layer, payload in enumerate(payloads):
+        if not manifest.verify_payload(layer_object_id(layer, manifest.num_layers), payload):
             raise KVObjectError(f"layer {layer} payload does not match its digest")
     return manifest
 

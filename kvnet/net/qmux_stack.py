@@ -18,10 +18,12 @@ I/O model, chosen by measurement (``benchmarks/bench_tls_io.py``: one loopback T
 blocking sender; receiver CPU per MB, one run at load ~8-9 on 2 cores): asyncio streams 1.73 ms/MB,
 a reader thread with ``recv_into`` handing bytes to the loop 2.49, a ``BufferedProtocol`` on asyncio's
 SSL transport 1.08-1.13, a non-blocking ``SSLSocket`` under ``add_reader`` 0.98-0.99. The protocol is a
-``BufferedProtocol`` reading into one preallocated buffer: within ~0.1 ms/MB of the cheapest, and
+``BufferedProtocol`` reading into a buffer of its own (256 KiB, 1 MiB from its first large read):
+within ~0.1 ms/MB of the cheapest, and
 asyncio's SSL transport brings the handshake and its timeout, close_notify, write buffering and
-``pause_writing``/``resume_writing``, which a hand-made transport would have to redo. ``receive_data``
-copies what it keeps, so the buffer is reused for every read.
+``pause_writing``/``resume_writing``, which a hand-made transport would have to redo. The buffer is
+reused for every read: ``receive_data`` copies what it keeps, and the stream data events that view it are
+handled before the next read.
 
 Sending: every ``transmit`` frames what the connection may send into records as large as the peer's
 ``max_record_size`` allows (ours: 1 MiB), up to ``_WRITE_PIECE`` per ``writelines``: the small pieces

@@ -6,9 +6,10 @@ classes and events; building its client and server configuration from ``Transpor
 ``TlsConfig``; the per-connection adaptations it needs; counting unsent bytes; opening a client
 endpoint and a listening one), ``UdpStack``, what the stacks that leave the UDP socket to kvnet
 (aioquic, qh3) share, their base configuration among it, and ``arm_timer``, aioquic's timer re-arming
-for the protocols that arm it outside aioquic's transmit (kvnet's aioquic protocol, QMux's). One module
-per stack implements it (``kvnet.net.aioquic_stack``, ``kvnet.net.qh3_stack``,
-``kvnet.net.aiopquic_stack``); ``kvnet.net.registry`` names them.
+for the protocols that arm it outside aioquic's transmit (kvnet's aioquic protocol; QMux's protocol arms
+its one timer, the idle deadline, itself). One module per stack implements it
+(``kvnet.net.aioquic_stack``, ``kvnet.net.qh3_stack``, ``kvnet.net.aiopquic_stack``);
+``kvnet.net.registry`` names them.
 
 What a stack's connection object must offer (``MoqtConnection`` and ``proto.session.MoqtSession`` call
 only these, aioquic's ``QuicConnection`` API): ``send_stream_data``, ``reset_stream``, ``stop_stream``,

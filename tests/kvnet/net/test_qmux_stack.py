@@ -7,24 +7,15 @@ import asyncio
 from pathlib import Path
 from typing import Any, cast
 
-import pytest
-
 from kvnet.net.config import TlsConfig, TransportConfig
 from kvnet.net.connection import MoqtConnection
 from kvnet.net.endpoint import connect, serve
 from kvnet.net.qmux_stack import _RECEIVE_BUFFER, _RECEIVE_BUFFER_SMALL
-from kvnet.security import certs
 from proto.buffer import vi64_encode
 from proto.data import STREAM_TYPE_PADDING
 from tests.helpers.connections import client_config, client_limits
+from tests.helpers.processes import make_certificates
 from tests.helpers.waiting import async_wait_until, scaled
-
-
-@pytest.fixture
-def pki(tmp_path: Path) -> Path:
-    certs.create_ca(tmp_path)
-    certs.issue_cert(tmp_path, "server", ["localhost", "127.0.0.1"])
-    return tmp_path
 
 
 def _buffer_size(conn: MoqtConnection) -> int:
@@ -39,12 +30,13 @@ def _socket_read_size(conn: MoqtConnection) -> int:
     return size
 
 
-async def test_a_connection_that_receives_bulk_data_reads_the_socket_in_large_pieces(pki: Path) -> None:
+async def test_a_connection_that_receives_bulk_data_reads_the_socket_in_large_pieces(tmp_path: Path) -> None:
     """asyncio's SSL protocol reads 256 KiB from the socket at a time unless told otherwise. A connection
     starts there with a 256 KiB buffer of its own (an idle or control session holds little memory) and,
     at its first large read, reads up to 1 MiB per pass into a 1 MiB buffer (a subscriber's CPU per MB
     fell 16%). Fails here, rather than slowing fetches silently, if a Python's asyncio stops honouring
     it."""
+    pki = make_certificates(tmp_path, "server").dir
     served: asyncio.Future[MoqtConnection] = asyncio.get_running_loop().create_future()
 
     async def handler(conn: MoqtConnection) -> None:
