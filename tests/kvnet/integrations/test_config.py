@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from kvnet.integrations.config import DEFAULT_PUBLISH_BACKLOG_BYTES, ConfigError, ConnectorConfig
+from kvnet.exchange.config import auto_verify_workers
+from kvnet.integrations.config import (
+    DEFAULT_PUBLISH_BACKLOG_BYTES,
+    ConfigError,
+    ConnectorConfig,
+    connector_verify_workers,
+)
 from kvnet.security import certs
 
 RELAY = "moqt://127.0.0.1:4443"
@@ -42,7 +48,7 @@ def test_values_map_to_the_node_config(tmp_path: Path, base: dict[str, object]) 
          "store_bytes": "64M", "timeout": 3, "trust": [str(tmp_path)], "key_dir": str(tmp_path / "k"),
          "locate_deadline": 0.5, "drain_timeout": 4, "metrics_dir": str(tmp_path / "m"),
          "fetch_connections": 3, "publish_backlog_bytes": "32M", "abr": "fetch", "assume_throughput": 2e9,
-         "fetch_margin": 5, "payload_digest": "sha256"},
+         "fetch_margin": 5, "payload_digest": "sha256", "fetch_verify_workers": 3},
         None,
     )
     node = settings.node
@@ -56,6 +62,7 @@ def test_values_map_to_the_node_config(tmp_path: Path, base: dict[str, object]) 
     assert settings.publish_backlog_bytes == 32 << 20
     assert node.abr_mode == "fetch" and node.prior_throughput_bps == 2e9 and node.fetch_margin == 5.0
     assert node.payload_digest == "sha256"
+    assert node.fetch_verify_workers == 3
 
 
 @pytest.mark.parametrize(
@@ -76,6 +83,8 @@ def test_values_map_to_the_node_config(tmp_path: Path, base: dict[str, object]) 
         ({"assume_throughput": 0}, "assumed throughput must be a positive number"),
         ({"assume_throughput": "fast"}, "'assume_throughput'"),
         ({"payload_digest": "md5"}, "payload_digest must be one of"),
+        ({"fetch_verify_workers": "many"}, "'fetch_verify_workers'"),
+        ({"fetch_verify_workers": -1}, "fetch_verify_workers must be in \\[0, 64\\]"),
     ],
 )
 def test_bad_settings_name_the_key(
@@ -88,6 +97,26 @@ def test_bad_settings_name_the_key(
 def test_the_publish_backlog_has_a_bound_by_default(tmp_path: Path, base: dict[str, object]) -> None:
     settings = ConnectorConfig.from_extra_config(base, str(tmp_path), resolve_key_files=False)
     assert settings.publish_backlog_bytes == DEFAULT_PUBLISH_BACKLOG_BYTES > 0
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 4, 16])
+def test_a_connector_verifies_on_at_least_one_thread_of_its_own(cores: int) -> None:
+    # Inside vLLM the engine's processes poll while a load is pending: the connector's loop shares its core.
+    assert connector_verify_workers(cores) == max(1, auto_verify_workers(cores)) >= 1
+
+
+def test_verify_workers_default_to_the_connector_choice_and_take_auto(
+    tmp_path: Path, base: dict[str, object]
+) -> None:
+    plain = ConnectorConfig.from_extra_config(base, str(tmp_path), resolve_key_files=False)
+    auto = ConnectorConfig.from_extra_config(
+        {**base, "fetch_verify_workers": "auto"}, str(tmp_path), resolve_key_files=False
+    )
+    none = ConnectorConfig.from_extra_config(
+        {**base, "fetch_verify_workers": 0}, str(tmp_path), resolve_key_files=False
+    )
+    assert plain.node.fetch_verify_workers == auto.node.fetch_verify_workers == connector_verify_workers()
+    assert none.node.fetch_verify_workers == 0
 
 
 def test_relay_and_a_usable_ca_are_required(tmp_path: Path, base: dict[str, object]) -> None:
