@@ -78,7 +78,7 @@ def connector_verify_workers(cores: int | None = None) -> int:
     """Verify threads of a connector's fetches by default: ``auto_verify_workers`` (every core but two),
     and at least 1. A node on 2 cores verifies on its event loop, but vLLM pins its CPU worker, the
     connector's threads included, to the model's core, and its engine processes poll for each other while
-    a load is pending: a verify thread (digests, copies and layout writes release the GIL) gets the
+    a load is pending: a verify thread (its digests and decode copies release the GIL) gets the
     connector a larger share of that core, ~1.2x the goodput inside vLLM on 2 cores (docs/vllm.md, "A
     verify thread inside vLLM")."""
     return max(1, auto_verify_workers(cores))
