@@ -99,10 +99,16 @@ def test_the_publish_backlog_has_a_bound_by_default(tmp_path: Path, base: dict[s
     assert settings.publish_backlog_bytes == DEFAULT_PUBLISH_BACKLOG_BYTES > 0
 
 
-@pytest.mark.parametrize("cores", [1, 2, 3, 4, 16])
-def test_a_connector_verifies_on_at_least_one_thread_of_its_own(cores: int) -> None:
+@pytest.mark.parametrize(
+    ("cores", "node", "connector"), [(1, 0, 1), (2, 0, 1), (3, 1, 1), (4, 2, 2), (16, 8, 8)]
+)
+def test_a_connector_verifies_on_at_least_one_thread_of_its_own(
+    cores: int, node: int, connector: int
+) -> None:
     # Inside vLLM the engine's processes poll while a load is pending: the connector's loop shares its core.
-    assert connector_verify_workers(cores) == max(1, auto_verify_workers(cores)) >= 1
+    # A node verifies on its event loop below 3 cores; a connector never does.
+    assert auto_verify_workers(cores) == node
+    assert connector_verify_workers(cores) == connector
 
 
 def test_verify_workers_default_to_the_connector_choice_and_take_auto(
