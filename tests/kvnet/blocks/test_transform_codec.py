@@ -25,6 +25,7 @@ from kvnet.blocks.transform_codec import (
     SINK_SHIFT,
     TOKEN_SHIFT_SPAN,
     TransformCodec,
+    _choose_offsets,
     _class_model,
     _class_of,
     _decode_coefficients,
@@ -49,7 +50,7 @@ LAYERS, TOKENS, HEADS, DIM = 3, 16, 2, 8
 SHAPE = (TOKENS, HEADS, DIM)
 FP_A = hashlib.sha256(b"model a").digest()
 FP_B = hashlib.sha256(b"model b").digest()
-GOLDEN_WORDS = "e42f199f2ba32f50"
+GOLDEN_WORDS = "fc4e027bcf1fbea4"
 """The first 16 hex digits of the SHA-256 of ``test_the_bitstream_is_the_same_on_every_host``'s words."""
 
 
@@ -464,6 +465,7 @@ def test_the_bitstream_is_the_same_on_every_host() -> None:
                   [0, 0, 2, 5, 3, 32767]], dtype=np.int32)
     shifts = np.array([2, 1, -3, 0])  # a sink row 2 halvings finer, then token shifts
     words, offsets = _encode_coefficients(q, base, shifts, 1)
+    assert offsets.tolist() == [4, 0, -1, 4, 14, 15]  # the encoder's choice (``_choose_offsets``), sent
     assert hashlib.sha256(words.astype("<u4").tobytes()).hexdigest()[:16] == GOLDEN_WORDS
     coder = constriction.stream.stack.AnsCoder(words)
     symbols, decoded_offsets, decoded_shifts = _decode_coefficients(coder, base, 4, 1)
@@ -471,6 +473,39 @@ def test_the_bitstream_is_the_same_on_every_host() -> None:
     assert decoded_shifts.tolist() == shifts.tolist()
     assert decoded_offsets.tolist() == offsets.tolist()
     assert _class_model(0) is _class_model(0)  # built once per process
+
+
+def _coded_bits(q: np.ndarray, column_classes: np.ndarray, shifts: np.ndarray) -> int:
+    """What the coder spends on ``q``'s integers under ``column_classes`` (no offsets, shifts or CRC)."""
+    plan = _stream_plan(column_classes, shifts)
+    ordered = q.reshape(-1)[plan.order]
+    indices = np.where(np.abs(ordered) > plan.half, plan.escape, ordered + plan.half).astype(np.int32)
+    coder = constriction.stream.stack.AnsCoder()
+    end = len(indices)
+    for model, count in reversed(plan.classes):
+        coder.encode_reverse(indices[end - count:end], model)
+        end -= count
+    return int(coder.num_bits())
+
+
+@pytest.mark.parametrize(("scale", "mostly_zero"), [(0.05, False), (0.25, True), (0.4, True), (1.0, False),
+                                                   (6.0, False)])
+def test_a_component_is_coded_under_the_class_of_its_laplace_scale_not_its_mean(scale: float,
+                                                                                mostly_zero: bool) -> None:
+    """The encoder's class for a component costs within a percent (or one coder word) of the best of all
+    32 offsets, and for a mostly-zero component well below what the class of its mean magnitude costs
+    (that mean is far below its Laplace scale)."""
+    rng = np.random.default_rng(7)
+    shifts = rng.integers(-2, 3, 400)
+    q = np.round(rng.laplace(0.0, scale, (400, 1)) * np.exp2(shifts)[:, None]).astype(np.int32)
+    base = _class_of(np.array([1.0]))
+    chosen = int(_choose_offsets(q, base, shifts, 0)[0])
+    costs = {o: _coded_bits(q, base + o, shifts) for o in range(-16, 16)}
+    assert costs[chosen] <= max(min(costs.values()) * 1.01, min(costs.values()) + 32)
+    unshifted = np.abs(q[:, 0]) * np.exp2(-shifts.astype(np.float64))
+    by_mean = min(15, max(-16, int(_class_of(np.array([unshifted.mean()]))[0] - base[0])))
+    if mostly_zero:  # (at 0.05 every class codes 400 zeros in a word or two)
+        assert costs[chosen] < costs[by_mean] * 0.95
 
 
 def test_prepare_computes_what_the_first_decode_would() -> None:
