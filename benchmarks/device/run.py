@@ -5,12 +5,15 @@ Runs, one after the other, with the host's own defaults (full sizes with CUDA, `
 1. ``bench_layouts.py`` — save and load of 64 blocks per KV layout between a paged cache on the device and
    pinned host memory through kvnet's device path, GB/s per direction, bit-exact against the CPU path;
 2. ``bench_stripes.py`` — a verified fetch from a relay's cache over QMux striped over 1, 2, 4 and 8
-   sessions into a cache on the device, aggregate GB/s and CPU per MB.
+   sessions into a cache on the device, aggregate GB/s and CPU per MB;
+3. ``bench_kvtc.py`` — ``kvtc`` blocks decoded on the device (entropy decode on the CPU, inverse transform
+   on the GPU) beside the same decode on the CPU, MB/s of KV, and the device's decode checked against the
+   CPU's.
 
 It prints the host (GPU, cores, torch and CUDA versions) once, then each script's table as it prints
-it, and exits non-zero if either failed (a row not bit-exact, a fetch not verified). Each script has a
-deadline (``--budget`` seconds in all, split between them); one that runs past it is stopped and
-reported as such.
+it, and exits non-zero if any failed (a row not bit-exact, a fetch not verified, a decode unlike the
+CPU's). Each script has a deadline (``--budget`` seconds in all, split between them); one that runs past
+it is stopped and reported as such.
 
     python benchmarks/device/run.py            # on the GPU host
     python benchmarks/device/run.py --quick    # anywhere, small sizes (what the test runs)
@@ -26,7 +29,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = (("bench_layouts.py", 0.35), ("bench_stripes.py", 0.65))
+SCRIPTS = (("bench_layouts.py", 0.3), ("bench_stripes.py", 0.55), ("bench_kvtc.py", 0.15))
 """Each script and its share of the budget (the striped fetch starts relays and moves more bytes)."""
 
 
@@ -47,7 +50,7 @@ def describe_host() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes on any host (each script's --quick)")
-    ap.add_argument("--budget", type=float, default=540.0, help="seconds for both scripts together")
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds for all the scripts together")
     args = ap.parse_args(argv)
     if args.budget <= 0:
         ap.error(f"--budget must be positive, got {args.budget}")

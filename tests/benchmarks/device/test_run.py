@@ -1,5 +1,5 @@
 """``benchmarks/device/run.py``: the one script a GPU host runs, sequencing the device benchmarks (each tested
-on its own: ``test_bench_layouts.py``, ``test_bench_stripes.py``)."""
+on its own: ``test_bench_layouts.py``, ``test_bench_stripes.py``, ``test_bench_kvtc.py``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ RUN = REPO / "benchmarks" / "device" / "run.py"
 
 def test_it_runs_every_device_benchmark_that_exists() -> None:
     run = load_source("benchmarks/device/run.py", "device_run")
-    assert [name for name, _ in run.SCRIPTS] == ["bench_layouts.py", "bench_stripes.py"]
+    assert [name for name, _ in run.SCRIPTS] == ["bench_layouts.py", "bench_stripes.py", "bench_kvtc.py"]
     assert all((RUN.parent / name).is_file() for name, _ in run.SCRIPTS)
     assert abs(sum(share for _, share in run.SCRIPTS) - 1.0) < 1e-9
 

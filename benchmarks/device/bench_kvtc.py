@@ -1,0 +1,212 @@
+"""kvtc decoded where the KV lands: a block's layers entropy-decoded, then inverse-transformed on the device.
+
+A ``kvtc`` payload is decoded in two stages (``TransformCodec.decode_block``): the rANS integers of every
+layer of a block on the CPU (the coder, ``constriction``, holds Python's GIL, so one core per process),
+then one batched torch matmul per block that rotates the coefficients back out of the PCA basis on the
+device the KV lands on. This script measures both on a GPU host, side by side with the same decode on
+the CPU, and checks that the device decodes what the CPU decodes.
+
+The KV is synthetic (a decaying spectrum over the channels, as K/V have, plus noise; no model is needed):
+tables are calibrated on one stretch of it and ``--blocks`` blocks of another are encoded, off the timed
+part; each device then decodes every block ``--reps`` times (median; one warm-up pass first, which also
+moves the tables to the device). The table gives, per device: raw KV MB, coded MB and the ratio, the
+encode MB/s (CPU, once), decode MB/s of raw KV, the decoded KV's RMS error relative to the original's,
+and whether every value equals the CPU's decode to within one bf16 ulp (a GPU's float32 matmul may round
+its last bit differently). The script exits 1 if a device's decode does not.
+
+    python benchmarks/device/bench_kvtc.py            # Llama-3-8B's geometry (the default with CUDA)
+    python benchmarks/device/bench_kvtc.py --quick    # small, seconds on a CPU (the default without)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+for path in (REPO, REPO / "benchmarks", REPO / "benchmarks" / "device"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from bench_layouts import device_name  # noqa: E402
+from common import load_average  # noqa: E402
+
+from kvnet.blocks.transform_codec import TransformCodec  # noqa: E402
+from kvnet.blocks.transform_tables import TransformTables, calibrate  # noqa: E402
+
+REL_STEP = 0.12
+"""``kvnet kvtc calibrate``'s default step."""
+FINGERPRINT = hashlib.sha256(b"kvnet bench_kvtc synthetic model").digest()
+
+
+@dataclass(frozen=True)
+class Geometry:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    block_tokens: int
+    blocks: int
+    calibration_tokens: int
+
+
+FULL = Geometry(layers=32, kv_heads=8, head_dim=128, block_tokens=64, blocks=4, calibration_tokens=2048)
+"""Llama-3-8B's KV: 8.4 MB of bf16 per 64-token block. On 2 busy cores this geometry took 104 s with 8
+blocks (68 s of them calibrating: 64 eigendecompositions of 1024 x 1024); 4 blocks, so that a GPU host's
+run fits its share of ``run.py``'s budget. Calibrating a 1024-channel PCA on fewer tokens than twice its
+channels leaves it poor (3.0x at 512 tokens against 5.0x at 2048)."""
+QUICK = Geometry(layers=4, kv_heads=2, head_dim=64, block_tokens=64, blocks=4, calibration_tokens=512)
+
+
+@dataclass
+class Row:
+    device: str
+    blocks: int
+    raw_mb: float
+    coded_mb: float
+    ratio: float
+    encode_mb_s: float
+    decode_mb_s: float
+    rel_rms_error: float
+    same_as_cpu: bool
+    decode_s: list[float]
+
+
+def synthetic_kv(geometry: Geometry, tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[L, tokens, H, D]`` (float32): every channel a mix of latent factors whose strengths fall as
+    1/sqrt(rank) (the mixing fixed per layer, as a model's projections are), plus noise; proportioned so
+    that at ``REL_STEP`` it codes about as small as SmolLM2's real blocks (5.7x of bf16 at the quick
+    geometry, 5.85x for SmolLM2 in ``benchmarks/bench_codecs.py``), since the entropy decode's speed
+    goes with the bits."""
+    c = geometry.kv_heads * geometry.head_dim
+    factors = c // 2
+    mix = torch.randn(geometry.layers, 2, factors, c, generator=torch.Generator().manual_seed(1))
+    strength = torch.arange(1, factors + 1, dtype=torch.float32).rsqrt()
+    g = torch.Generator().manual_seed(seed)
+    latent = torch.randn(geometry.layers, 2, tokens, factors, generator=g) * strength
+    x = latent @ mix / factors ** 0.5 + 0.1 * torch.randn(geometry.layers, 2, tokens, c, generator=g)
+    x = x.view(geometry.layers, 2, tokens, geometry.kv_heads, geometry.head_dim)
+    return x[:, 0], x[:, 1]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode_all(codec: TransformCodec, payloads: Sequence[list[bytes]], shape: tuple[int, int, int],
+               device: torch.device) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    out = [codec.decode_block(block, shape, torch.bfloat16, device) for block in payloads]
+    synchronize(device)
+    return out
+
+
+def within_one_ulp(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Every value of two bf16 tensors equal or adjacent (one unit in the last place apart)."""
+    bits_a, bits_b = a.contiguous().view(torch.int16).int(), b.contiguous().view(torch.int16).int()
+    # bf16 bit patterns as integers are monotonic within a sign; across zero they are far apart, so a
+    # sign change counts as equal only where both values are zero.
+    same_sign = (a >= 0) == (b >= 0)
+    return bool(((same_sign & ((bits_a - bits_b).abs() <= 1)) | ((a == 0) & (b == 0))).all())
+
+
+def measure(codec: TransformCodec, tables: TransformTables, k: torch.Tensor, v: torch.Tensor,
+            geometry: Geometry, devices: Sequence[torch.device], reps: int) -> list[Row]:
+    t = geometry.block_tokens
+    shape = (t, geometry.kv_heads, geometry.head_dim)
+    kb, vb = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    started = time.perf_counter()
+    payloads = [codec.encode_block(kb[:, i * t:(i + 1) * t], vb[:, i * t:(i + 1) * t], tables,
+                                   sink_rows=1 if i == 0 else 0)
+                for i in range(geometry.blocks)]
+    encode_s = time.perf_counter() - started
+    raw = 2 * kb.numel() * kb.element_size()
+    coded = sum(len(p) for block in payloads for p in block)
+    original = torch.stack((kb, vb)).float()
+    rows: list[Row] = []
+    reference: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    for device in devices:
+        decoded = decode_all(codec, payloads, shape, device)  # warm-up: tables onto the device
+        times = []
+        for _ in range(reps):
+            started = time.perf_counter()
+            decoded = decode_all(codec, payloads, shape, device)
+            times.append(time.perf_counter() - started)
+        on_cpu = [[(kd.cpu(), vd.cpu()) for kd, vd in block] for block in decoded]
+        if not reference:
+            reference = on_cpu
+        same = all(within_one_ulp(x, y) for block, ref in zip(on_cpu, reference, strict=True)
+                   for (kd, vd), (kr, vr) in zip(block, ref, strict=True) for x, y in ((kd, kr), (vd, vr)))
+        result = torch.stack([torch.stack([torch.cat([block[layer][kind] for block in on_cpu])
+                                           for layer in range(geometry.layers)])
+                              for kind in range(2)]).float()
+        error = float((result - original).pow(2).mean().sqrt() / original.pow(2).mean().sqrt())
+        seconds = statistics.median(times)
+        rows.append(Row(device.type, geometry.blocks, raw / 1e6, coded / 1e6, raw / coded,
+                        raw / encode_s / 1e6, raw / seconds / 1e6, error, same, times))
+    return rows
+
+
+def table(rows: Sequence[Row]) -> str:
+    header = f"{'decoded on':<10} {'blocks':>6} {'raw MB':>8} {'coded MB':>8} {'ratio':>6} " \
+             f"{'encode MB/s':>11} {'decode MB/s':>11} {'rel RMS err':>11}  same as CPU"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        same = "(reference)" if r.device == "cpu" else "yes" if r.same_as_cpu else "NO"
+        lines.append(f"{r.device:<10} {r.blocks:>6} {r.raw_mb:>8.1f} {r.coded_mb:>8.2f} {r.ratio:>6.2f} "
+                     f"{r.encode_mb_s:>11.1f} {r.decode_mb_s:>11.1f} {r.rel_rms_error:>11.4f}  {same}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true",
+                        help="a small geometry (4 layers, 2 KV heads of 64, 4 blocks); the default "
+                             "without CUDA")
+    parser.add_argument("--reps", type=int, default=3,
+                        help="timed decodes of every block per device (median)")
+    parser.add_argument("--cpu", action="store_true", help="decode on the CPU only, even with CUDA")
+    parser.add_argument("--json", type=Path, help="also write the rows (every run's seconds) to this file")
+    args = parser.parse_args(argv)
+    if args.reps < 3:
+        parser.error(f"--reps must be at least 3, got {args.reps}")
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available() and not args.cpu:
+        devices.append(torch.device("cuda"))
+    quick = args.quick or len(devices) == 1
+    geometry = QUICK if quick else FULL
+    load_before = load_average()
+    started = time.perf_counter()
+    print(f"device: {device_name(devices[-1])}; torch {torch.__version__}; "
+          f"CUDA {torch.version.cuda if devices[-1].type == 'cuda' else 'not used'}")
+    print(f"geometry: {geometry.layers} layers, {geometry.kv_heads} KV heads of {geometry.head_dim}, "
+          f"{geometry.blocks} blocks of {geometry.block_tokens} tokens, bf16 "
+          f"{'[--quick]' if quick else '[Llama-3-8B]'}; tables calibrated on {geometry.calibration_tokens} "
+          f"other tokens at rel step {REL_STEP}; "
+          f"median of {args.reps} runs; load average {load_before}", flush=True)
+    tables = calibrate(*synthetic_kv(geometry, geometry.calibration_tokens, seed=2), FINGERPRINT, REL_STEP)
+    codec = TransformCodec(FINGERPRINT)
+    TransformCodec.prepare(tables)
+    k, v = synthetic_kv(geometry, geometry.blocks * geometry.block_tokens, seed=3)
+    rows = measure(codec, tables, k, v, geometry, devices, args.reps)
+    print(table(rows))
+    print(f"load average {load_before} before, {load_average()} after; {time.perf_counter() - started:.1f} s")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "device": device_name(devices[-1]), "torch": torch.__version__, "geometry": asdict(geometry),
+            "quick": quick, "reps": args.reps, "rel_step": REL_STEP, "load_before": load_before,
+            "load_after": load_average(), "rows": [asdict(r) for r in rows],
+        }, indent=2))
+    return 0 if all(r.same_as_cpu for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
