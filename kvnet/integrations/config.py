@@ -197,6 +197,16 @@ def _renditions(value: Any) -> tuple[str, ...]:
     raise ValueError(f"expected a list of rendition names, got {value!r}")
 
 
+def _published_renditions(value: Any) -> tuple[str, ...]:
+    renditions = _renditions(value)
+    if "kvtc" in renditions:
+        # kvtc's tables come from kvnet's own engine (``kvnet kvtc calibrate``) and are bound to its model
+        # fingerprint, which a vLLM engine's blocks never share (docs/vllm.md, "kvtc and vLLM").
+        raise ValueError("kvtc is not published from inside vLLM: its tables are calibrated with kvnet's own "
+                         "engine and bound to that engine's fingerprint, not vLLM's")
+    return renditions
+
+
 def _positive_seconds(key: str, value: Any) -> float:
     try:
         seconds = _number(value)
@@ -228,7 +238,7 @@ _NODE_FIELDS: dict[str, tuple[str, Any]] = {
     "trust_any": ("trust_any", _flag),
     "node_secret": ("node_secret", _path),
     "tenant": ("tenant", _text),
-    "renditions": ("publish_renditions", _renditions),
+    "renditions": ("publish_renditions", _published_renditions),
     "accept": ("acceptable_renditions", _renditions),
     "payload_digest": ("payload_digest", _text),
     "push": ("push", _flag),

@@ -75,6 +75,7 @@ def test_values_map_to_the_node_config(tmp_path: Path, base: dict[str, object]) 
         ({"publish_backlog_bytes": 0}, "'publish_backlog_bytes'"),
         ({"publish_backlog_bytes": "lots"}, "'publish_backlog_bytes'"),
         ({"renditions": "lossless,fancy"}, "unknown rendition"),
+        ({"renditions": ["lossless", "kvtc"]}, "'renditions': kvtc is not published from inside vLLM"),
         ({"trust": 3}, "'trust'"),
         ({"tenant": "other"}, "node-secret"),
         ({"fetch_connections": "2"}, "'fetch_connections'"),
