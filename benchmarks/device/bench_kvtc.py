@@ -7,12 +7,13 @@ device the KV lands on. This script measures both on a GPU host, side by side wi
 the CPU, and checks that the device decodes what the CPU decodes.
 
 The KV is synthetic (a decaying spectrum over the channels, as K/V have, plus noise; no model is needed):
-tables are calibrated on one stretch of it and ``--blocks`` blocks of another are encoded, off the timed
-part; each device then decodes every block ``--reps`` times (median; one warm-up pass first, which also
-moves the tables to the device). The table gives, per device: raw KV MB, coded MB and the ratio, the
-encode MB/s (CPU, once), decode MB/s of raw KV, the decoded KV's RMS error relative to the original's,
-and whether every value equals the CPU's decode to within one bf16 ulp (a GPU's float32 matmul may round
-its last bit differently). The script exits 1 if a device's decode does not.
+tables are calibrated on one stretch of it and the blocks of another (4 at full size) are encoded, off the
+timed part; each device then decodes every block ``--reps`` times (median; one warm-up pass first, which
+also moves the tables to the device). The table gives, per device: raw KV MB, coded MB and the ratio, the
+encode MB/s (CPU, once), decode MB/s of raw KV, the decoded KV's RMS error relative to the original's, and
+whether every value equals the CPU's decode to within one bf16 ulp (a GPU's float32 matmul may round its
+last bit differently; near zero, within 2**-16 of the largest value: ``agrees``). The script exits 1 if a
+device's decode does not.
 
     python benchmarks/device/bench_kvtc.py            # Llama-3-8B's geometry (the default with CUDA)
     python benchmarks/device/bench_kvtc.py --quick    # small, seconds on a CPU (the default without)
@@ -109,13 +110,16 @@ def decode_all(codec: TransformCodec, payloads: Sequence[list[bytes]], shape: tu
     return out
 
 
-def within_one_ulp(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Every value of two bf16 tensors equal or adjacent (one unit in the last place apart)."""
-    bits_a, bits_b = a.contiguous().view(torch.int16).int(), b.contiguous().view(torch.int16).int()
-    # bf16 bit patterns as integers are monotonic within a sign; across zero they are far apart, so a
-    # sign change counts as equal only where both values are zero.
-    same_sign = (a >= 0) == (b >= 0)
-    return bool(((same_sign & ((bits_a - bits_b).abs() <= 1)) | ((a == 0) & (b == 0))).all())
+def agrees(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Every value of two bf16 tensors within one unit in the last place of the larger of the two, or
+    within 2**-16 of the tensor's largest magnitude: a value near zero is a sum of larger terms, whose
+    float32 rounding a GPU may order differently, so its own last place is no measure there (2**-16 is far
+    below the codec's own error, a tenth of the values' RMS)."""
+    x, y = a.float(), b.float()
+    larger = torch.maximum(x.abs(), y.abs())
+    ulp = torch.exp2(torch.floor(torch.log2(larger.clamp(min=2.0 ** -126))) - 7)
+    floor = float(larger.max()) * 2.0 ** -16
+    return bool(((x - y).abs() <= torch.clamp(ulp, min=floor)).all())
 
 
 def measure(codec: TransformCodec, tables: TransformTables, k: torch.Tensor, v: torch.Tensor,
@@ -143,7 +147,7 @@ def measure(codec: TransformCodec, tables: TransformTables, k: torch.Tensor, v: 
         on_cpu = [[(kd.cpu(), vd.cpu()) for kd, vd in block] for block in decoded]
         if not reference:
             reference = on_cpu
-        same = all(within_one_ulp(x, y) for block, ref in zip(on_cpu, reference, strict=True)
+        same = all(agrees(x, y) for block, ref in zip(on_cpu, reference, strict=True)
                    for (kd, vd), (kr, vr) in zip(block, ref, strict=True) for x, y in ((kd, kr), (vd, vr)))
         result = torch.stack([torch.stack([torch.cat([block[layer][kind] for block in on_cpu])
                                            for layer in range(geometry.layers)])
