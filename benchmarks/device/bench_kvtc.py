@@ -38,7 +38,7 @@ for path in (REPO, REPO / "benchmarks", REPO / "benchmarks" / "device"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from bench_layouts import device_name  # noqa: E402
+from bench_layouts import device_name, synchronize  # noqa: E402
 from common import load_average  # noqa: E402
 
 from kvnet.blocks.transform_codec import TransformCodec  # noqa: E402
@@ -85,7 +85,7 @@ def synthetic_kv(geometry: Geometry, tokens: int, seed: int) -> tuple[torch.Tens
     """K and V ``[L, tokens, H, D]`` (float32): every channel a mix of latent factors whose strengths fall as
     1/sqrt(rank) (the mixing fixed per layer, as a model's projections are), plus noise; proportioned so
     that at ``REL_STEP`` it codes about as small as SmolLM2's real blocks (5.7x of bf16 at the quick
-    geometry, 5.85x for SmolLM2 in ``benchmarks/bench_codecs.py``), since the entropy decode's speed
+    geometry, 5.84x for SmolLM2 in ``benchmarks/bench_codecs.py``), since the entropy decode's speed
     goes with the bits."""
     c = geometry.kv_heads * geometry.head_dim
     factors = c // 2
@@ -96,11 +96,6 @@ def synthetic_kv(geometry: Geometry, tokens: int, seed: int) -> tuple[torch.Tens
     x = latent @ mix / factors ** 0.5 + 0.1 * torch.randn(geometry.layers, 2, tokens, c, generator=g)
     x = x.view(geometry.layers, 2, tokens, geometry.kv_heads, geometry.head_dim)
     return x[:, 0], x[:, 1]
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def decode_all(codec: TransformCodec, payloads: Sequence[list[bytes]], shape: tuple[int, int, int],
@@ -145,10 +140,11 @@ def measure(codec: TransformCodec, tables: TransformTables, k: torch.Tensor, v: 
             decoded = decode_all(codec, payloads, shape, device)
             times.append(time.perf_counter() - started)
         on_cpu = [[(kd.cpu(), vd.cpu()) for kd, vd in block] for block in decoded]
-        if not reference:
+        if not reference:  # the CPU's decode, the first device's: the others are checked against it
             reference = on_cpu
-        same = all(agrees(x, y) for block, ref in zip(on_cpu, reference, strict=True)
-                   for (kd, vd), (kr, vr) in zip(block, ref, strict=True) for x, y in ((kd, kr), (vd, vr)))
+        same = on_cpu is reference or all(
+            agrees(x, y) for block, ref in zip(on_cpu, reference, strict=True)
+            for (kd, vd), (kr, vr) in zip(block, ref, strict=True) for x, y in ((kd, kr), (vd, vr)))
         result = torch.stack([torch.stack([torch.cat([block[layer][kind] for block in on_cpu])
                                            for layer in range(geometry.layers)])
                               for kind in range(2)]).float()

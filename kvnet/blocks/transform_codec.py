@@ -198,7 +198,7 @@ def _choose_offsets(q: np.ndarray, base: np.ndarray, shifts: np.ndarray, sink_ro
     finer, each brought back to the tables' step). Under a class's model a component is non-zero with
     probability ``p = exp(-1 / (2 scale))`` and its mean magnitude is ``p / (1 - p**2)``, so the scale is
     found from the mean by inverting that, not taken to be the mean: for a component that is mostly zero
-    the mean is well below the scale, and coding it under the mean's class made SmolLM2's blocks 1.3%
+    the mean is well below the scale, and coding it under the mean's class made SmolLM2's blocks 1.2%
     larger (docs/performance.md, "kvtc's classes by their bits")."""
     body = q[sink_rows:]
     if not body.shape[0]:
