@@ -29,7 +29,7 @@ from kvnet.node.config import DEFAULT_BLOCK_SIZE
 from kvnet.tools.cluster.compose import load_compose
 from kvnet.tools.cluster.plan import DEFAULT_LOSS, upstream_links
 from kvnet.tools.cluster.runner import NetnsCluster, netns_available, stop_process
-from kvnet.tools.cluster.smoke import TIMED_REQUESTS, run_smoke, subscriber_argv
+from kvnet.tools.cluster.smoke import run_smoke, subscriber_argv
 from relay.metrics import parse_prometheus
 from tests.helpers.waiting import wait_until
 
@@ -293,10 +293,12 @@ def test_the_wan_demo_fetches_verified_and_reports_the_abr_choice(ready: NetnsCl
     # emulated WAN, loaded without falling back and its output is verified (equality with the same
     # request recomputed depends on the CPU's bfloat16 kernels, so it is reported). What the ABR chose and
     # how its time compares with the faster rung is reported (and recorded in docs/cluster.md), not
-    # asserted: it is a measurement.
-    demo = run_smoke(ready, tag="test-wan")
+    # asserted: it is a measurement. One timed copy checks the same path as the demo's three: each copy
+    # costs at least three prefills of the document, minutes of the suite on a CPU without bfloat16
+    # matrix units, for medians the test does not assert.
+    demo = run_smoke(ready, tag="test-wan", timed_requests=1)
     print(demo.summary())
-    assert len(demo.chosen) == len(demo.fetched) == len(demo.recomputed) == TIMED_REQUESTS
+    assert len(demo.chosen) == len(demo.fetched) == len(demo.recomputed) == 1
     for fetched in demo.fetched:
         assert fetched["remote_hit_tokens"] >= fetched["prompt_tokens"] // 2, fetched
     assert set(demo.choices) <= {"fetch", "recompute", "fetch and compute"}, demo.choices

@@ -43,3 +43,12 @@ def test_each_request_keeps_its_own_choice() -> None:
     demo = WanDemo(chosen, [report(4.0, fetch_blocks=10, hit=640)] * 3, [report(0.5)] * 3, report(1.0))
     assert "chose to recompute, fetch, recompute" in demo.summary()
     assert "(within 10%)" in demo.summary()
+
+
+def test_one_timed_copy_reads_as_one() -> None:
+    # The suite's run of the demo times one copy (tests/integration/test_cluster.py).
+    fetched = [report(7.4, fetch_blocks=10, hit=640)]
+    demo = WanDemo(fetched, fetched, [report(23.9)], first_contact=report(4.7, fetch_blocks=8, hit=512))
+    summary = demo.summary()
+    assert "over one copy of the shared request, the ABR chose to fetch (first:" in summary
+    assert "median 7.40 s (7.40)" in summary and "1.00x the faster rung (within 10%)" in summary
