@@ -213,8 +213,10 @@ def run_smoke(cluster: NetnsCluster, tag: str = "smoke", timed_requests: int = T
     and make fetching look faster than it is; the forced fetches have copies of their own for the same
     reason. Raise ``ClusterError`` unless every whole-prefix fetch loaded the prefix without falling back
     and its output is verified. ``tag`` keeps runs' documents apart. Fewer ``timed_requests`` check the
-    same path in less time (each copy costs three prefills of the document on the CPU: the publisher's,
-    the verification's cold recompute and the recompute rung's); their medians then say little."""
+    same path in less time (each copy costs at least three prefills of the document: the publisher's, the
+    verification's cold recompute and the recompute rung's); their medians then say little."""
+    if timed_requests < 1:
+        raise ValueError(f"the demo times at least one request, not {timed_requests}")
     stamp = f"[{tag} {time.time_ns()}]"
     warmup = f"{stamp} {WARMUP_DOCUMENT}"
     copies = [f"{stamp} (copy {i}) {DEMO_DOCUMENT}" for i in range(timed_requests)]
