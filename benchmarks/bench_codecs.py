@@ -189,22 +189,23 @@ def kvtc_tables(model: Transformer, tokenizer: Tokenizer, block_size: int, path:
 
 def measure_kvtc(codec: TransformCodec, blocks: Blocks, runs: int, token_shifts: np.ndarray | None = None
                  ) -> tuple[CodecSpeed, list[list[bytes]]]:
-    """``measure_codec`` for kvtc: encoded per layer with the tables (and ``token_shifts``, ``[L, N]`` for
-    the prefix's N tokens, as a node codes them); decoded a block's layers at once (``decode_block``),
+    """``measure_codec`` for kvtc: encoded block by block with the tables (and ``token_shifts``, ``[L, N]``
+    for the prefix's N tokens, as a node codes them); decoded a block's layers at once (``decode_block``),
     which also stands for ``decode_into``."""
     assert KVTC_TABLES is not None
     tables = KVTC_TABLES
     raw = sum(2 * k.numel() * k.element_size() for layers in blocks for k, _ in layers)
     b = int(blocks[0][0][0].shape[0])
 
-    def shifts(index: int, layer: int) -> np.ndarray | None:
-        return None if token_shifts is None else token_shifts[layer, index * b:(index + 1) * b]
+    stacked = [(torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers]))
+               for layers in blocks]
 
     def encode() -> list[list[bytes]]:
         # The first block's first row is the sequence's first token, the attention sink: coded finer.
-        return [[codec.encode_layer(k, v, layer, tables, sink_rows=int(index == 0),
-                                    token_shifts=shifts(index, layer))
-                 for layer, (k, v) in enumerate(layers)] for index, layers in enumerate(blocks)]
+        return [codec.encode_block(k, v, tables, sink_rows=int(index == 0), first_position=index * b,
+                                   token_shifts=None if token_shifts is None
+                                   else token_shifts[:, index * b:(index + 1) * b])
+                for index, (k, v) in enumerate(stacked)]
 
     payloads = encode()
     shape = tuple(blocks[0][0][0].shape)

@@ -275,7 +275,12 @@ def _cmd_kvtc_calibrate(args: argparse.Namespace) -> int:
 
     from kvnet.model.registry import default_models_dir
     from kvnet.node.config import NodeConfig
-    from kvnet.node.kvtc_calibration import DEFAULT_LAYER_GROUP, DEFAULT_REL_STEP, calibrate_model_tables
+    from kvnet.node.kvtc_calibration import (
+        DEFAULT_LAYER_GROUP,
+        DEFAULT_REL_STEP,
+        calibrate_model_tables,
+        tokens_to_predict,
+    )
     from kvnet.node.node import build_model
 
     if args.out.exists() and not args.force:
@@ -284,7 +289,7 @@ def _cmd_kvtc_calibrate(args: argparse.Namespace) -> int:
     config = NodeConfig(model=args.model, checkpoint=args.checkpoint, seed=args.seed, dtype=args.dtype,
                         block_size=args.block_size)
 
-    def work() -> tuple[int, bytes, bytes]:
+    def work() -> tuple[int, bytes, bytes, int, int, int]:
         models_dir = default_models_dir(os.environ)
         model, tokenizer = build_model(config, models_dir)
         # The allocation scores in float32: bfloat16 arithmetic has a KL floor that would drown it.
@@ -295,14 +300,19 @@ def _cmd_kvtc_calibrate(args: argparse.Namespace) -> int:
         rel_step = DEFAULT_REL_STEP if args.rel_step is None else args.rel_step
         tables = calibrate_model_tables(model, ids, args.block_size, rel_step, layer_group=group,
                                         scorer=scorer)
-        return len(ids), tables.body(), tables.fingerprint
+        return (len(ids), tables.body(), tables.fingerprint, sum(tables.predicted_layers), tables.num_layers,
+                tokens_to_predict(tables))
 
-    tokens, body, fingerprint = _with_progress("calibrating kvtc tables", work)
+    tokens, body, fingerprint, predicted, layers, needed = _with_progress("calibrating kvtc tables", work)
     tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_bytes(body)
     os.replace(tmp, args.out)
-    print(f"kvtc tables: {args.out} ({len(body):,} bytes, {tokens} tokens, model fingerprint "
-          f"{fingerprint.hex()[:16]}); publish with: kvnet-node --renditions kvtc --kvtc-tables {args.out}")
+    print(f"kvtc tables: {args.out} ({len(body):,} bytes, {tokens} tokens, {predicted} of {layers} layers "
+          f"predicted from the layer before, model fingerprint {fingerprint.hex()[:16]}); publish with: "
+          f"kvnet-node --renditions kvtc --kvtc-tables {args.out}")
+    if not predicted:
+        print(f"kvtc tables: no layer is predicted from the one before (give at least {needed:,} tokens of "
+              "text: the blocks would be smaller)")
     return 0
 
 
@@ -314,7 +324,8 @@ def _add_kvtc(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cal = ksub.add_parser(
         "calibrate", help="calibrate a model's kvtc tables on text, for kvnet-node --kvtc-tables",
         description="Runs the model's prefill over the text and writes its kvtc tables (PCA basis, "
-        "quantizer steps, coder scales, the key weight), bound to the model's fingerprint: use the model, "
+        "quantizer steps, coder scales, the key weight, each layer's predictor from the layer before), "
+        "bound to the model's fingerprint: use the model, "
         "dtype and block size the nodes run. Nodes sign the tables with their key and serve them.",
     )
     cal.add_argument("--text", type=Path, action="append", required=True,

@@ -324,10 +324,11 @@ class SignedTables:
 def tables_array_sizes(layers: int, heads: int, head_dim: int) -> tuple[int, ...]:
     """How many float32 values each array of a kvtc tables body holds, in order (C = heads x head_dim):
     mean ``[L, 2, C]``, basis ``[L, 2, C, C]``, step ``[L, 2, C]``, spread ``[L, 2, C]``, key weight
-    ``[L, H, D, D]`` (kvnet.blocks.transform_tables)."""
+    ``[L, H, D, D]``, predictor ``[L, 2C + 1, 2C]``, rotary inverse frequencies ``[D / 2]``
+    (kvnet.blocks.transform_tables)."""
     c = heads * head_dim
     return (layers * 2 * c, layers * 2 * c * c, layers * 2 * c, layers * 2 * c,
-            layers * heads * head_dim * head_dim)
+            layers * heads * head_dim * head_dim, layers * (2 * c + 1) * 2 * c, head_dim // 2)
 
 
 def tables_body_length(data: bytes) -> int:

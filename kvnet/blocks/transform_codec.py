@@ -1,14 +1,16 @@
 """The ``kvtc`` rendition: K and V transform-coded like video (PCA basis, uniform quantizer, ANS coder).
 
 Per layer of a block, K and V apart: each token's row (its heads concatenated, C = H_kv * head_dim values)
-is centred, K weighted by its queries' metric (``TransformTables.key_weight``), and rotated into the
-layer's PCA basis; the coefficients are rounded to one uniform step, and the integers are entropy-coded
-with rANS (``constriction``) under a per-component Laplace model whose scale the encoder picks from the
-block's own coefficients (sent as an offset from the calibrated one; each class of scales, a quarter
-octave wide, is one precomputed categorical model: below). Basis, key weight, means, steps and
-Laplace scales are the model's ``TransformTables`` (kvnet.blocks.transform_tables): calibrated once per
-model, content-addressed, signed and bound to the model fingerprint. Every payload names the exact tables
-it was coded with.
+less what the block's layer before predicts for it (as the decoder decoded that layer; the first layer,
+and any the tables do not predict, less its mean: ``TransformTables.predictor``), K weighted by its
+queries' metric (``TransformTables.key_weight``), is rotated into the layer's PCA basis; the coefficients
+are rounded to one uniform step, and the integers are entropy-coded with rANS (``constriction``) under a
+per-component Laplace model whose scale the encoder picks from the block's own coefficients (sent as an
+offset from the calibrated one; each class of scales, a quarter octave wide, is one precomputed
+categorical model: below). Basis, key weight, predictors, means, steps and Laplace scales are the
+model's ``TransformTables`` (kvnet.blocks.transform_tables): calibrated once per model,
+content-addressed, signed and bound to the model fingerprint. Every payload names the exact tables it
+was coded with.
 
 The first token of a sequence is an attention sink: later queries put much of their weight on it, so its
 error costs the model's output far more than any other row's (on SmolLM2, coding it exactly at the same
@@ -25,13 +27,19 @@ halvings finer or coarser (``token_shifts_from_importance``; on SmolLM2 3.9x les
 docs/performance.md "kvtc steps per token"); the shifts travel in the stream (~23 bytes a stream).
 
 Payload: the common header of kvnet.blocks.codecs (codec id 5, Flags = sink rows, Param = layer index)
-with three raw sections: the tables' SHA-256 digest (32 bytes), then for K and for V the rANS words (u32
-LE) followed by the CRC-32 of the decoded integers (int32 LE), class offsets and row shifts, so a
-corrupted bitstream is refused, not decoded into a wrong tensor. Inside a stream: the sink rows' shift
-(with sink rows), whether the other rows have shifts and if so each one's, each component's class offset,
-then the integers class by class, then the escaped values (proto/KVOBJECT.md section 5 states the
-order for other implementations).
-Decoding rebuilds a block's layers together in torch (one batched matmul), on CPU or CUDA.
+with four raw sections: the tables' SHA-256 digest (32 bytes), the position of the block's first token in
+its sequence (u32 LE: the prediction undoes and redoes K's rotary embedding), then for K and for V the
+rANS words (u32 LE) followed by the CRC-32 of the decoded integers (int32 LE), class offsets and row
+shifts, so a corrupted bitstream is refused, not decoded into a wrong tensor. Inside a stream: the sink
+rows' shift (with sink rows), whether the other rows have shifts and if so each one's, each component's
+class offset, then the integers class by class, then the escaped values (proto/KVOBJECT.md section 5
+states the order for other implementations).
+Decoding is two stages: ``parse`` entropy-decodes one payload (the costly part, on the CPU, independent of
+every other layer, so a receiver runs layers in parallel), and ``reconstruct`` rebuilds its K and V in
+torch, on CPU or CUDA, from the layer before's as decoded: in layer order. The encoder reconstructs each
+layer with the same function to predict the next, so on one device both hold the same values; another
+device may round a value's last bit differently, and that difference is carried into the layers after
+(not corrected, as the quantization error is: benchmarks/device/bench_kvtc.py measures it).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import struct
 import threading
 import zlib
 from collections.abc import Sequence
@@ -70,11 +79,17 @@ from kvnet.blocks.codecs import (
 if TYPE_CHECKING:  # transform_tables imports codecs, which imports this module
     from kvnet.blocks.transform_tables import TransformTables
 
-__all__ = ["TOKEN_SHIFT_SPAN", "TransformCodec", "token_shifts_from_importance"]
+__all__ = ["TOKEN_SHIFT_SPAN", "CodedLayer", "TransformCodec", "token_shifts_from_importance"]
 
 # The coder carries integers of at most this many steps either side of zero (an escape's uniform model).
 _RANGE = 32767
 _DIGEST_LEN = 32
+# A payload's block starts at this position of its sequence (u32 LE): the angles of K's rotary embedding,
+# which the prediction from the layer before undoes and redoes.
+_POSITION = struct.Struct("<I")
+_MAX_POSITION = 2**32 - 1
+_SECTIONS = 4  # digest, first position, K, V
+_ROTATIONS_KEPT = 64  # blocks' rotary angles a codec keeps (``TransformCodec._rotation``)
 # Sink rows are coded with steps at most this many halvings finer than the tables' (the module docstring).
 SINK_SHIFT = 6
 _SHIFT_MODEL = constriction.stream.model.Uniform(SINK_SHIFT + 1)
@@ -314,7 +329,7 @@ def _quantize(coeffs: torch.Tensor, steps: torch.Tensor, sink_rows: int, token_s
 
 def token_shifts_from_importance(importance: torch.Tensor, power: float = TOKEN_SHIFT_POWER,
                                  span: int = 2) -> np.ndarray:
-    """Per (layer, token) shifts ``[L, N]`` for ``encode_layer``'s ``token_shifts`` from the attention
+    """Per (layer, token) shifts ``[L, N]`` for ``encode_block``'s ``token_shifts`` from the attention
     importance of a sequence's tokens (``[L, N]``, e.g. ``kvnet.model.importance.token_importance``): a
     token that gets ``2**x`` times the layer's geometric-mean attention is coded ``power * x`` halvings
     finer (rounded, within ``span`` either way), so the steps, hence the rate, stay about where they were
@@ -324,6 +339,24 @@ def token_shifts_from_importance(importance: torch.Tensor, power: float = TOKEN_
     logs = torch.log2(importance.double().clamp(min=1e-30))
     relative = logs - logs.mean(1, keepdim=True)
     return torch.round(power * relative).clamp(-span, span).to(torch.int64).numpy()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CodedLayer:
+    """One layer's payload entropy-decoded (``TransformCodec.parse``): its tables, layer index, its block's
+    first position, dtype, integers ``[2, T, C]`` (K, V) and each row's step factor ``[2, T]``."""
+
+    tables: TransformTables
+    layer: int
+    first_position: int
+    dtype: torch.dtype
+    integers: torch.Tensor
+    row_scale: torch.Tensor
+
+    @property
+    def needs_previous(self) -> bool:
+        """Predicted from its block's layer before: decoded after it, from it."""
+        return self.tables.predicted_layers[self.layer]
 
 
 class TransformCodec(Codec):
@@ -341,6 +374,7 @@ class TransformCodec(Codec):
         self._tables: dict[bytes, TransformTables] = {} if shared is None else shared
         self._device_tables: dict[tuple[bytes, str], tuple[torch.Tensor, ...]] = {}
         self._bases: dict[tuple[bytes, int, int], np.ndarray] = {}
+        self._rotations: dict[tuple[bytes, int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()
 
     def for_model(self, fingerprint: bytes) -> TransformCodec:
@@ -382,51 +416,127 @@ class TransformCodec(Codec):
     # -- encode ---------------------------------------------------------------------------------------
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> bytes:
-        raise CodecError("kvtc encodes with the model's tables and a layer index: use encode_layer")
+        raise CodecError("kvtc encodes a whole block with the model's tables: use encode_block")
+
+    def encode_block(self, k: torch.Tensor, v: torch.Tensor, tables: TransformTables,
+                     sink_rows: int = 0, token_shifts: np.ndarray | None = None, first_position: int = 0
+                     ) -> list[bytes]:
+        """All layers of a block, ``k, v: [L, block_size, H_kv, D]``, whose first token is at position
+        ``first_position`` of its sequence: one payload per layer, each predicted from the layer before as
+        the decoder will have decoded it (``TransformTables.predictor``). Its first ``sink_rows`` rows
+        (the sequence's first tokens, in its first block) are coded finer, and every other row
+        ``token_shifts[layer, row]`` halvings finer (negative: coarser; ``[L, block_size]`` integers
+        within ``TOKEN_SHIFT_SPAN``, from ``token_shifts_from_importance``)."""
+        if k.dim() != 4 or k.shape != v.shape:
+            raise CodecError("kvtc: a block's K and V must both be [layers, block_size, heads, head_dim]")
+        layers, t = int(k.shape[0]), int(k.shape[1])
+        if layers != tables.num_layers:
+            raise CodecError(f"kvtc: a block of {layers} layers does not fit tables for {tables.num_layers}")
+        if not 0 <= first_position <= _MAX_POSITION - t:
+            raise CodecError(f"kvtc: first position {first_position} out of range")
+        if token_shifts is not None:
+            token_shifts = np.asarray(token_shifts, dtype=np.int64)
+            widest = int(np.abs(token_shifts).max(initial=0))
+            if token_shifts.shape != (layers, t) or widest > TOKEN_SHIFT_SPAN:
+                raise CodecError(f"kvtc: token shifts must be [{layers}, {t}] integers within "
+                                 f"+-{TOKEN_SHIFT_SPAN}")
+        self.install(tables)
+        rotation = self._rotation(tables, first_position, t, torch.device("cpu"))
+        previous: tuple[torch.Tensor, torch.Tensor] | None = None
+        payloads = []
+        for layer in range(layers):
+            payload, previous = self._encode_layer(
+                k[layer], v[layer], layer, tables, sink_rows,
+                None if token_shifts is None else token_shifts[layer], first_position, rotation, previous)
+            payloads.append(payload)
+        return payloads
 
     def encode_layer(self, k: torch.Tensor, v: torch.Tensor, layer: int, tables: TransformTables,
-                     sink_rows: int = 0, token_shifts: np.ndarray | None = None) -> bytes:
-        """Encode layer ``layer`` of a block (``k, v: [block_size, H_kv, D]``) with ``tables``; its first
-        ``sink_rows`` rows (the sequence's first tokens, in its first block) are coded finer, and every
-        other row ``token_shifts[row]`` halvings finer (negative: coarser; ``[block_size]`` integers
-        within ``TOKEN_SHIFT_SPAN``, from ``token_shifts_from_importance``)."""
+                     sink_rows: int = 0, token_shifts: np.ndarray | None = None, first_position: int = 0,
+                     previous: tuple[torch.Tensor, torch.Tensor] | None = None) -> bytes:
+        """One layer of a block (``k, v: [block_size, H_kv, D]``; ``encode_block`` says the rest): a
+        predicted layer needs its block's layer before as the decoder decodes it (``previous``)."""
+        if not 0 <= layer < tables.num_layers or not 0 <= first_position <= _MAX_POSITION - k.shape[0]:
+            raise CodecError(f"kvtc: layer {layer} at position {first_position} does not fit tables for "
+                             f"{tables.num_layers} layers")
+        if token_shifts is not None:
+            token_shifts = np.asarray(token_shifts, dtype=np.int64)
+            if token_shifts.shape != (k.shape[0],) or \
+                    int(np.abs(token_shifts).max(initial=0)) > TOKEN_SHIFT_SPAN:
+                raise CodecError(f"kvtc: token shifts must be {k.shape[0]} integers within "
+                                 f"+-{TOKEN_SHIFT_SPAN}")
+        self.install(tables)
+        rotation = self._rotation(tables, first_position, int(k.shape[0]), torch.device("cpu"))
+        return self._encode_layer(k, v, layer, tables, sink_rows, token_shifts, first_position, rotation,
+                                  previous)[0]
+
+    def _encode_layer(self, k: torch.Tensor, v: torch.Tensor, layer: int, tables: TransformTables,
+                      sink_rows: int, token_shifts: np.ndarray | None, first_position: int,
+                      rotation: tuple[torch.Tensor, torch.Tensor],
+                      previous: tuple[torch.Tensor, torch.Tensor] | None,
+                      ) -> tuple[bytes, tuple[torch.Tensor, torch.Tensor]]:
+        """Layer ``layer``'s payload and what a decoder will make of it (``previous`` for the next layer)."""
         shape, dtype = _check_inputs(k, v)
         t, h, d = shape
         if not 0 <= sink_rows <= min(t, 255):
             raise CodecError(f"kvtc: {sink_rows} sink rows in a block of {t}")
-        if token_shifts is not None:
-            token_shifts = np.asarray(token_shifts, dtype=np.int64)
-            if token_shifts.shape != (t,) or int(np.abs(token_shifts).max(initial=0)) > TOKEN_SHIFT_SPAN:
-                raise CodecError(f"kvtc: token shifts must be {t} integers within +-{TOKEN_SHIFT_SPAN}")
-        if (h, d) != (tables.num_kv_heads, tables.head_dim) or not 0 <= layer < tables.num_layers:
+        if (h, d) != (tables.num_kv_heads, tables.head_dim):
             raise CodecError(f"kvtc: layer {layer} of shape {shape} does not fit tables for "
                              f"{tables.num_layers} layers of {tables.num_kv_heads}x{tables.head_dim}")
-        self.install(tables)
-        streams: list[_Section] = [(_MODE_RAW, _DIGEST_LEN, tables.digest)]
+        base = self._base(tables, layer, rotation, previous, torch.device("cpu"))
+        streams: list[_Section] = [(_MODE_RAW, _DIGEST_LEN, tables.digest),
+                                   (_MODE_RAW, _POSITION.size, _POSITION.pack(first_position))]
+        integers: list[torch.Tensor] = []
+        scales: list[torch.Tensor] = []
         for kind, x in enumerate((k, v)):
             rows = _finite_float32(x.detach().cpu(), "k" if kind == 0 else "v").reshape(t, h * d)
-            coeffs = (rows - tables.mean[layer, kind]) @ tables.analysis[layer, kind]
+            coeffs = (rows - base[kind]) @ tables.analysis[layer, kind]
             what = f"layer {layer}'s {'KV'[kind]}"
             q, shifts = _quantize(coeffs, tables.step[layer, kind], sink_rows, token_shifts, what)
-            base = self._base_classes(tables, layer, kind)
-            integers = q.numpy()
-            coded, offsets = _encode_coefficients(integers, base, shifts, sink_rows)
-            words = coded.astype("<u4").tobytes()
-            crc = _stream_crc(integers, offsets, shifts, sink_rows).to_bytes(4, "little")
-            body = words + crc
+            coded, offsets = _encode_coefficients(q.numpy(), self._base_classes(tables, layer, kind), shifts,
+                                                  sink_rows)
+            crc = _stream_crc(q.numpy(), offsets, shifts, sink_rows).to_bytes(4, "little")
+            body = coded.astype("<u4").tobytes() + crc
             streams.append((_MODE_RAW, len(body), body))
+            integers.append(q)
+            scales.append(_row_scale(shifts))
+        decoded = self._reconstruct(tables, layer, torch.stack(integers), torch.stack(scales), base, dtype)
         header = _HEADER.pack(_MAGIC, FORMAT_VERSION, self.codec_id, _DTYPE_CODES[dtype], sink_rows,
                               len(streams), 0, t, h, d, layer, 0)
         table = b"".join(_SECTION.pack(mode, n, len(data)) for mode, n, data in streams)
-        return b"".join([header, table, *(bytes(data) for _, _, data in streams)])
+        payload = b"".join([header, table, *(bytes(data) for _, _, data in streams)])
+        return payload, decoded
 
-    def encode_block(self, k: torch.Tensor, v: torch.Tensor, tables: TransformTables,
-                     sink_rows: int = 0, token_shifts: np.ndarray | None = None) -> list[bytes]:
-        """All layers of a block, ``k, v: [L, block_size, H_kv, D]``: one payload per layer
-        (``token_shifts``: ``[L, block_size]``, ``encode_layer``'s per layer)."""
-        return [self.encode_layer(k[layer], v[layer], layer, tables, sink_rows,
-                                  None if token_shifts is None else token_shifts[layer])
-                for layer in range(k.shape[0])]
+    def _base(self, tables: TransformTables, layer: int, rotation: tuple[torch.Tensor, torch.Tensor],
+              previous: tuple[torch.Tensor, torch.Tensor] | None, device: torch.device) -> torch.Tensor:
+        """``[2, T or 1, C]`` float32 what layer ``layer``'s K and V rows are coded relative to: the
+        prediction from the decoded layer before (``previous``, ``[T, C]`` each), else the mean."""
+        mean, _, _, predictor = self._on_device(tables, device)
+        if not tables.predicted_layers[layer]:
+            return mean[layer][:, None, :]
+        if previous is None:
+            raise CodecError(f"kvtc: layer {layer} is predicted from layer {layer - 1}, which was not given")
+        t, c = int(rotation[0].shape[0]), tables.channels
+        if any(tuple(x.shape[:1]) != (t,) or x.numel() != t * c for x in previous):
+            raise CodecError(f"kvtc: layer {layer - 1} given to predict layer {layer} has the wrong shape")
+        cos, sin = rotation[0].to(device), rotation[1].to(device)
+        previous_k = previous[0].reshape(previous[0].shape[0], -1).to(device, torch.float32)
+        previous_v = previous[1].reshape(previous[1].shape[0], -1).to(device, torch.float32)
+        features = torch.cat((tables.rotate(previous_k, cos, sin, inverse=True), previous_v), 1)
+        w = predictor[layer]
+        predicted = torch.addmm(w[-1], features, w[:-1])
+        return torch.stack((tables.rotate(predicted[:, :c].contiguous(), cos, sin), predicted[:, c:]))
+
+    def _reconstruct(self, tables: TransformTables, layer: int, q: torch.Tensor, row_scale: torch.Tensor,
+                     base: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[T, H, D]`` in ``dtype`` from a layer's integers ``[2, T, C]`` and row factors
+        ``[2, T]`` (on ``base``'s device): the one computation the encoder and the decoder share, so that
+        on one device both hold the same values to predict the next layer from."""
+        _, synthesis, step, _ = self._on_device(tables, base.device)
+        coeffs = q.to(torch.float32) * step[layer][:, None, :] * row_scale[:, :, None]
+        rows = (torch.matmul(coeffs, synthesis[layer]) + base).to(dtype)
+        shape = (rows.shape[1], tables.num_kv_heads, tables.head_dim)
+        return rows[0].view(shape), rows[1].view(shape)
 
     # -- decode ---------------------------------------------------------------------------------------
 
@@ -436,7 +546,8 @@ class TransformCodec(Codec):
         receiver fetches before it can decode (``CodecError`` if the payload is not a kvtc payload)."""
         header = read_header(data)
         start = _HEADER.size + header.num_sections * _SECTION.size
-        if header.codec_id != TransformCodec.codec_id or header.num_sections != 3 or len(data) < start:
+        if header.codec_id != TransformCodec.codec_id or header.num_sections != _SECTIONS or \
+                len(data) < start:
             raise CodecError("not a kvtc payload")
         mode, raw_len, stored = _SECTION.unpack_from(data, _HEADER.size)
         if (mode, raw_len, stored) != (_MODE_RAW, _DIGEST_LEN, _DIGEST_LEN) or \
@@ -444,10 +555,10 @@ class TransformCodec(Codec):
             raise CodecError("kvtc payload does not start with its tables' digest")
         return bytes(memoryview(data)[start:start + _DIGEST_LEN])
 
-    def _parse(self, data: bytes | bytearray | memoryview, shape: tuple[int, ...], dtype: torch.dtype
-               ) -> tuple[PayloadHeader, TransformTables, np.ndarray, torch.Tensor]:
-        """Header, tables, the entropy-decoded integers ``[2, T, C]`` of one payload and the factor of each
-        row's steps ``[2, T]`` (K's and V's rows may be coded at different shifts)."""
+    def parse(self, data: bytes | bytearray | memoryview, shape: tuple[int, ...], dtype: torch.dtype
+              ) -> CodedLayer:
+        """One payload entropy-decoded and checked (the costly half of decoding, independent of every
+        other layer: any thread may run it); ``reconstruct`` makes K and V of it."""
         header = read_header(data)
         if header.codec_id != self.codec_id:
             raise CodecError(f"payload was written by codec id {header.codec_id}, not {self.name}")
@@ -455,22 +566,23 @@ class TransformCodec(Codec):
             raise CodecError(f"kvtc payload {header.shape} {header.dtype} does not match expected "
                              f"{tuple(shape)} {dtype}")
         t, h, d = header.shape
-        if header.flags > t or header.num_sections != 3:
+        if header.flags > t or header.num_sections != _SECTIONS:
             raise CodecError(f"kvtc payload has {header.flags} sink rows and {header.num_sections} sections")
         n = t * h * d
         view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
-        offset = _HEADER.size + 3 * _SECTION.size
+        offset = _HEADER.size + _SECTIONS * _SECTION.size
         if len(view) < offset:
             raise CodecError("kvtc payload truncated inside the section table")
         bodies: list[memoryview] = []
-        for i in range(3):
+        for i in range(_SECTIONS):
             mode, raw_len, stored = _SECTION.unpack_from(view, _HEADER.size + i * _SECTION.size)
             # rANS spends at most 24 bits on a class symbol (its models' precision) and 16 more on an
             # escaped value, 5 bits on a component's class offset, 3 on a row's shift, plus its state,
             # the flags and the CRC (64 bytes allow for them); more is not a kvtc stream.
-            limit = _DIGEST_LEN if i == 0 else 5 * n + h * d + t + 64
-            if mode != _MODE_RAW or raw_len != stored or (i == 0 and raw_len != _DIGEST_LEN) or \
-                    (i > 0 and (raw_len % 4 or not 8 <= raw_len <= limit)):
+            fixed = (_DIGEST_LEN, _POSITION.size)
+            limit = fixed[i] if i < len(fixed) else 5 * n + h * d + t + 64
+            if mode != _MODE_RAW or raw_len != stored or (i < len(fixed) and raw_len != fixed[i]) or \
+                    (i >= len(fixed) and (raw_len % 4 or not 8 <= raw_len <= limit)):
                 raise CodecError(f"kvtc section {i}: bad mode {mode} or length {raw_len}/{stored}")
             if offset + stored > len(view):
                 raise CodecError(f"kvtc payload truncated in section {i}")
@@ -479,13 +591,16 @@ class TransformCodec(Codec):
         if offset != len(view):
             raise CodecError(f"{len(view) - offset} trailing bytes after the last kvtc section")
         tables = self.tables(bytes(bodies[0]))
+        (first_position,) = _POSITION.unpack(bodies[1])
         layer = header.param
         if (h, d) != (tables.num_kv_heads, tables.head_dim) or layer >= tables.num_layers:
             raise CodecError(f"kvtc payload layer {layer} of {h}x{d} does not fit its tables")
+        if first_position > _MAX_POSITION - t:
+            raise CodecError(f"kvtc payload's first position {first_position} is out of range")
         q = np.empty((2, t, h * d), dtype=np.int32)
         row_scale = torch.empty(2, t)
         for kind in range(2):
-            body = bodies[1 + kind]
+            body = bodies[2 + kind]
             words = np.frombuffer(body[:-4], dtype="<u4").astype(np.uint32)
             base = self._base_classes(tables, layer, kind)
             try:
@@ -501,16 +616,46 @@ class TransformCodec(Codec):
                 raise CodecError(f"kvtc: corrupt {'KV'[kind]} bitstream (checksum mismatch)")
             q[kind] = symbols.reshape(t, h * d)
             row_scale[kind] = _row_scale(shifts)
-        return header, tables, q, row_scale
+        return CodedLayer(tables, layer, first_position, dtype, torch.from_numpy(q), row_scale)
 
     def _on_device(self, tables: TransformTables, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """mean, synthesis, step and predictor of ``tables`` on ``device``, copied there once."""
         key = (tables.digest, str(device))
         found = self._device_tables.get(key)
         if found is None:
-            found = (tables.mean.to(device), tables.synthesis.to(device),
-                     tables.step.to(device))
+            found = (tables.mean.to(device), tables.synthesis.to(device), tables.step.to(device),
+                     tables.predictor.to(device))
             self._device_tables[key] = found
         return found
+
+    def _rotation(self, tables: TransformTables, first_position: int, rows: int, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tables.rotation``, computed once per block and device (its layers share it; a few recent
+        blocks are kept, as decoders of several blocks at once ask)."""
+        key = (tables.digest, first_position, rows, str(device))
+        found = self._rotations.get(key)
+        if found is None:
+            found = tables.rotation(first_position, rows, device)
+            with self._lock:
+                if len(self._rotations) >= _ROTATIONS_KEPT:
+                    self._rotations.clear()
+                self._rotations[key] = found
+        return found
+
+    def reconstruct(self, coded: CodedLayer, device: torch.device | str = "cpu",
+                    previous: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[T, H, D]`` of a parsed layer, on ``device``. A predicted layer needs the K and V its
+        block's layer before decoded to (``previous``; ``CodedLayer.needs_previous``), as this codec
+        returned them."""
+        dev = torch.device(device)
+        t = int(coded.integers.shape[1])
+        tables, layer = coded.tables, coded.layer
+        rotation = self._rotation(tables, coded.first_position, t, dev) if coded.needs_previous else \
+            (torch.empty(0), torch.empty(0))
+        base = self._base(tables, layer, rotation, previous, dev)
+        return self._reconstruct(tables, layer, coded.integers.to(dev), coded.row_scale.to(dev), base,
+                                 coded.dtype)
 
     def decode_block(
         self,
@@ -518,29 +663,23 @@ class TransformCodec(Codec):
         shape: tuple[int, int, int],
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        previous: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Decode several layers' payloads (of one block, or any) into ``(k, v)`` per payload, on ``device``.
-
-        The entropy decode is the coder's (CPU); the inverse transform runs in torch for all the payloads
-        at once: one batched matmul on ``device``.
-        """
-        dev = torch.device(device)
-        parsed = [self._parse(p, shape, dtype) for p in payloads]
-        if not parsed:
-            return []
-        t, h, d = shape
-        digests = {tables.digest for _, tables, _, _ in parsed}
-        if len(digests) != 1:
-            raise CodecError("kvtc: payloads decoded together must share their tables")
-        tables = parsed[0][1]
-        mean, synthesis, step = self._on_device(tables, dev)
-        layers = torch.tensor([header.param for header, _, _, _ in parsed], device=dev)
-        q = torch.from_numpy(np.stack([p[2] for p in parsed])).to(dev)  # [n, 2, T, C]
-        rows_scale = torch.stack([p[3] for p in parsed]).to(dev)  # [n, 2, T]
-        coeffs = q.to(torch.float32) * step[layers][:, :, None, :] * rows_scale[:, :, :, None]
-        rows = torch.matmul(coeffs, synthesis[layers]) + mean[layers][:, :, None, :]
-        out = rows.to(dtype).view(len(parsed), 2, t, h, d)
-        return [(out[i, 0], out[i, 1]) for i in range(len(parsed))]
+        """Decode consecutive layers' payloads of one block, in layer order, into ``(k, v)`` per payload
+        on ``device``: each predicted layer from the one decoded before it (the first from ``previous``,
+        the layer before it, when it is not layer 0)."""
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        first: CodedLayer | None = None
+        for data in payloads:
+            coded = self.parse(data, shape, dtype)
+            if first is None:
+                first = coded
+            elif (coded.layer, coded.first_position, coded.tables) != \
+                    (first.layer + len(out), first.first_position, first.tables):
+                raise CodecError(f"kvtc: layer {coded.layer} at position {coded.first_position} does not "
+                                 f"follow layer {first.layer + len(out) - 1} of the block decoded with it")
+            out.append(self.reconstruct(coded, device, out[-1] if out else previous))
+        return out
 
     def decode(
         self,
@@ -552,21 +691,25 @@ class TransformCodec(Codec):
         return self.decode_block([data], tuple(shape), dtype, device)[0]  # type: ignore[arg-type]
 
     def decode_into(
-        self, data: bytes | bytearray | memoryview, k_out: torch.Tensor, v_out: torch.Tensor
+        self, data: bytes | bytearray | memoryview, k_out: torch.Tensor, v_out: torch.Tensor,
+        previous: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """``decode`` into ``k_out, v_out``; a predicted layer needs its block's layer before
+        (``previous``, as decoded)."""
         _check_outputs(k_out, v_out)
-        k, v = self.decode(data, tuple(k_out.shape), k_out.dtype, k_out.device)  # type: ignore[arg-type]
+        coded = self.parse(data, tuple(k_out.shape), k_out.dtype)
+        k, v = self.reconstruct(coded, k_out.device, previous)
         k_out.copy_(k)
         v_out.copy_(v)
 
     # The section hooks of the fixed-size codecs do not apply: kvtc's streams vary in length.
     def _encode_sections(self, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, list[_Section]]:
-        raise CodecError("kvtc encodes with encode_layer")
+        raise CodecError("kvtc encodes with encode_block")
 
     def _section_sizes(self, header: PayloadHeader) -> list[int]:
-        raise CodecError("kvtc payloads are parsed by TransformCodec._parse")
+        raise CodecError("kvtc payloads are parsed by TransformCodec.parse")
 
     def _decode_sections(self, header: PayloadHeader, raw: list[np.ndarray]
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        raise CodecError("kvtc payloads are parsed by TransformCodec._parse")
+        raise CodecError("kvtc payloads are parsed by TransformCodec.parse")
 

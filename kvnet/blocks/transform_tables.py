@@ -8,7 +8,8 @@ A table object is, all integers little-endian::
 
     body       magic "KVTT", version u8, model fingerprint (32), num_layers u16, num_kv_heads u16,
                head_dim u16, then float32 arrays: mean [L, 2, C], basis [L, 2, C, C] (columns are the
-               components, strongest first), step [L, 2, C], spread [L, 2, C], key_weight [L, H, D, D]
+               components, strongest first), step [L, 2, C], spread [L, 2, C], key_weight [L, H, D, D],
+               predictor [L, 2C + 1, 2C], rope_inv_freq [D / 2]
                (C = num_kv_heads * head_dim = H * D; index 0 of the "2" axis is K, 1 is V)
     key id     u8 length, then that many bytes
     signature  64 bytes, Ed25519 over "kvnet-kvtc-tables-v1" || 0x00 || SHA-256(body)
@@ -25,6 +26,17 @@ logits' squared error. On SmolLM2 bf16 this lowered the output KL at the same si
 (docs/performance.md). The same for V (weighted by the output projection) measured worse than no weight,
 so V is not weighted. The decoder's inverse of the weight is computed from it, not carried: a weight
 that is not symmetric positive definite, or too ill-conditioned to invert, is refused when parsed.
+
+A layer's K and V are predicted from the layer before it, as a video codec predicts a frame from the one
+it decoded last, and only the residual is transform-coded. The previous layer's decoded K, its rotary
+position embedding undone (``rope_inv_freq``, the model's inverse frequencies in the rotate-half layout;
+zeros: no rotation), its decoded V and a constant 1 are the features; ``predictor[l]`` maps them to layer
+``l``'s K before rotation and V (a ridge regression fitted on the calibration text in the decoder's own
+closed loop: on what the previous layer decodes to, in the cache's dtype, not on its exact values). The
+prediction's K is rotated to the block's positions, so one predictor serves every position. On SmolLM2
+bf16 this made blocks 1.25x smaller at a slightly lower output KL (docs/performance.md). A fit needs text:
+with fewer than ``PREDICT_TOKENS_PER_FEATURE`` tokens per feature it overfits (worse than none), and the
+layer's predictor stays zero (predicted by its mean alone, as layer 0 always is).
 """
 
 from __future__ import annotations
@@ -59,7 +71,7 @@ __all__ = [
     "sign_tables", "verify_tables",
 ]
 
-TABLES_VERSION = 4
+TABLES_VERSION = 5
 # Laplace scales below this (in quantizer steps) are raised to it: a component that was always zero in
 # calibration can still be coded, at a few bits, if a block ever has it non-zero.
 _MIN_SPREAD = 0.02
@@ -69,6 +81,11 @@ _METRIC_RIDGE = 0.01
 # A received key weight whose eigenvalues spread wider than this is refused: the ridge above bounds an
 # honest one's spread by sqrt(head_dim / _METRIC_RIDGE), about 80 for 64 dimensions.
 _MAX_WEIGHT_CONDITION = 1e4
+PREDICT_TOKENS_PER_FEATURE = 8
+"""Calibration tokens per predictor feature (2C + 1) below which layers are not predicted: on SmolLM2
+(385 features) 960 tokens overfit (3.3x the output KL of no prediction), 4,096 fit."""
+_PREDICT_RIDGE = 0.01
+"""Ridge of the predictor's fit, relative to each feature's energy."""
 
 
 _T = TypeVar("_T")
@@ -92,10 +109,43 @@ class TransformTables:
     """[L, 2, C] Laplace scale of each component's quantized coefficient, in steps (the entropy model)."""
     key_weight: torch.Tensor
     """[L, H, D, D] per KV head, the square root of its queries' second moment (identity: unweighted)."""
+    predictor: torch.Tensor
+    """[L, 2C + 1, 2C] layer ``l``'s K (rotation undone) and V from layer ``l - 1``'s decoded K (rotation
+    undone), V and 1 (the module docstring); all zero for layer 0 and any layer not predicted."""
+    rope_inv_freq: torch.Tensor
+    """[D / 2] the model's rotary inverse frequencies (rotate-half layout); zeros: K is not rotated."""
 
     @property
     def channels(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotates(self) -> bool:
+        """Whether K carries a rotary position embedding (non-zero ``rope_inv_freq``)."""
+        return self._cached("_rotates", lambda: bool(self.rope_inv_freq.any()))
+
+    @property
+    def predicted_layers(self) -> tuple[bool, ...]:
+        """Whether each layer is predicted from the one before (a non-zero predictor)."""
+        return self._cached("_predicted", lambda: tuple(bool(x) for x in self.predictor.flatten(1).any(1)))
+
+    def rotation(self, first_position: int, rows: int, device: torch.device | str = "cpu"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[rows, 1, D / 2]`` (float32) of positions ``first_position ..`` (angles in float64,
+        so encoder and decoder agree however their float32 arithmetic differs)."""
+        positions = torch.arange(first_position, first_position + rows, dtype=torch.float64)
+        angles = positions[:, None] * self.rope_inv_freq.to(torch.float64)[None, :]
+        return angles.cos().float()[:, None].to(device), angles.sin().float()[:, None].to(device)
+
+    def rotate(self, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+               ) -> torch.Tensor:
+        """K rows ``[T, C]`` rotated by ``rotation``'s angles (``inverse``: rotated back)."""
+        if not self.rotates:
+            return rows
+        x = rows.view(rows.shape[0], self.num_kv_heads, self.head_dim)
+        x1, x2 = x.chunk(2, dim=-1)
+        s = -sin if inverse else sin
+        return torch.cat((x1 * cos - x2 * s, x2 * cos + x1 * s), dim=-1).view(rows.shape)
 
     def _cached(self, name: str, make: Callable[[], _T]) -> _T:
         found: _T | None = self.__dict__.get(name)
@@ -126,7 +176,8 @@ class TransformTables:
     def body(self) -> bytes:
         header = TABLES_HEADER.pack(TABLES_MAGIC, TABLES_VERSION, self.fingerprint, self.num_layers,
                                    self.num_kv_heads, self.head_dim)
-        arrays = (self.mean, self.basis, self.step, self.spread, self.key_weight)
+        arrays = (self.mean, self.basis, self.step, self.spread, self.key_weight, self.predictor,
+                  self.rope_inv_freq)
         return header + b"".join(a.to(torch.float32).contiguous().numpy().astype("<f4").tobytes()
                                  for a in arrays)
 
@@ -149,8 +200,11 @@ def parse_tables_body(body: bytes) -> TransformTables:
     if len(body) < TABLES_HEADER.size:
         raise CodecError("kvtc tables: body shorter than its header")
     magic, version, fingerprint, layers, heads, head_dim = TABLES_HEADER.unpack_from(body, 0)
-    if magic != TABLES_MAGIC or version != TABLES_VERSION:
-        raise CodecError(f"kvtc tables: bad magic {magic!r} or version {version}")
+    if magic != TABLES_MAGIC:
+        raise CodecError(f"kvtc tables: bad magic {magic!r}")
+    if version != TABLES_VERSION:
+        raise CodecError(f"kvtc tables: format version {version}, not {TABLES_VERSION} (calibrate them again "
+                         "with 'kvnet kvtc calibrate')")
     if not (layers and heads and head_dim):
         raise CodecError("kvtc tables: empty model shape")
     c = heads * head_dim
@@ -167,9 +221,14 @@ def parse_tables_body(body: bytes) -> TransformTables:
     step, spread = parts[2].view(layers, 2, c), parts[3].view(layers, 2, c)
     if bool((step <= 0).any()) or bool((spread <= 0).any()):
         raise CodecError("kvtc tables: non-positive quantizer step or spread")
+    predictor = parts[5].view(layers, 2 * c + 1, 2 * c)
+    if bool(predictor[0].any()):
+        raise CodecError("kvtc tables: layer 0 has no layer before it to be predicted from")
+    if head_dim % 2 and bool(parts[6].any()):
+        raise CodecError(f"kvtc tables: a rotary embedding needs an even head dim, not {head_dim}")
     tables = TransformTables(fingerprint, layers, heads, head_dim, parts[0].view(layers, 2, c),
                              parts[1].view(layers, 2, c, c), step, spread,
-                             parts[4].view(layers, heads, head_dim, head_dim))
+                             parts[4].view(layers, heads, head_dim, head_dim), predictor, parts[6])
     _ = tables.key_weight_inverse  # refuses a weight the decoder could not invert, here rather than at decode
     return tables
 
@@ -252,15 +311,27 @@ def _symmetric_inverse(weight: torch.Tensor) -> torch.Tensor:
 
 def calibrate(k: torch.Tensor, v: torch.Tensor, fingerprint: bytes, rel_step: float = 0.04,
               key_rel_step: float | None = None, step_scale: torch.Tensor | None = None,
-              query_metric: torch.Tensor | None = None) -> TransformTables:
+              query_metric: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+              rope_inv_freq: torch.Tensor | None = None, cache_dtype: torch.dtype = torch.float32,
+              predict: bool = True) -> TransformTables:
     """Tables from calibration K/V ``[L, N, H, D]`` (N tokens of ordinary text, not the evaluation text).
 
-    Per layer and for K and V apart: the rows' mean, the eigenvectors of their covariance (PCA), and one
-    uniform step for all components, ``rel_step * sqrt(12) * rms`` of the centred rows. One step for
-    every component is the MSE-optimal allocation of an entropy-coded uniform quantizer (reverse water-
-    filling): weak components round to zero and cost almost nothing, strong ones get the bits. Tying the
-    step to each layer's RMS gives every layer the same relative error. ``spread`` is each component's
-    mean absolute quantized value, the Laplace scale the entropy coder models it with.
+    Layer by layer, in order, and for K and V apart: what the layer before predicts (the module docstring;
+    layer 0, or too little text: the rows' mean), the eigenvectors of the residuals' covariance (PCA), and
+    one uniform step for all components, ``rel_step * sqrt(12) * rms`` of the centred rows (so a predicted
+    layer keeps the error it would have unpredicted, in fewer bits). One step for every
+    component is the MSE-optimal allocation of an entropy-coded uniform quantizer (reverse water-filling):
+    weak components round to zero and cost almost nothing, strong ones get the bits. Tying the step to
+    each layer's RMS gives every layer the same relative error. ``spread`` is each component's mean
+    absolute quantized value, the Laplace scale the entropy coder models it with. Each layer is then
+    decoded as a receiver decodes it (rounded to ``cache_dtype``, the cache's), and the next layer's
+    predictor is fitted on that: the decoder predicts from what it decoded, never from the exact values.
+
+    ``positions`` (``[N]``, each token's position in its sequence; default ``0 .. N - 1``) and
+    ``rope_inv_freq`` (the model's rotary inverse frequencies ``[D / 2]``; none: K is not rotated) let
+    the predictor undo K's rotation, so what it learns holds at every position. Without ``predict``, or
+    with too little text to fit it (``PREDICT_TOKENS_PER_FEATURE``), every layer is coded relative to
+    its mean.
 
     ``query_metric`` (``[L, H, D, D]``, each KV head's ``E[q q^T]`` over the queries that read it, taken
     on the same text) makes that MSE the error of the attention logits rather than of K itself: K rows
@@ -286,31 +357,66 @@ def calibrate(k: torch.Tensor, v: torch.Tensor, fingerprint: bytes, rel_step: fl
                          f"[{layers}, {heads}, {head_dim}, {head_dim}]")
     else:
         weight = key_weights(query_metric)
+    if rope_inv_freq is None:
+        rope_inv_freq = torch.zeros(head_dim // 2)
+    elif tuple(rope_inv_freq.shape) != (head_dim // 2,) or head_dim % 2 or \
+            not bool(torch.isfinite(rope_inv_freq).all()):
+        raise CodecError(f"kvtc rotary inverse frequencies of shape {tuple(rope_inv_freq.shape)} do not fit "
+                         f"a head dim of {head_dim}")
+    positions = torch.arange(n) if positions is None else positions.reshape(-1)
+    if positions.numel() != n:
+        raise CodecError(f"kvtc calibration has {n} tokens but {positions.numel()} positions")
     key_weight = _block_diagonal(weight.to(torch.float64))
-    mean = torch.empty(layers, 2, c)
-    basis = torch.empty(layers, 2, c, c)
-    step = torch.empty(layers, 2, c)
-    spread = torch.empty(layers, 2, c)
+    key_weight_inverse = _block_diagonal(_symmetric_inverse(weight).to(torch.float64))
+    tables = TransformTables(bytes(fingerprint), layers, heads, head_dim, torch.zeros(layers, 2, c),
+                             torch.zeros(layers, 2, c, c), torch.ones(layers, 2, c), torch.ones(layers, 2, c),
+                             weight, torch.zeros(layers, 2 * c + 1, 2 * c), rope_inv_freq.float())
+    # Every position's angles at once: ``rotation`` takes a run of positions, these may restart.
+    angles = positions.to(torch.float64)[:, None] * tables.rope_inv_freq.to(torch.float64)[None, :]
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+    predict = predict and n >= PREDICT_TOKENS_PER_FEATURE * (2 * c + 1)
+    decoded: tuple[torch.Tensor, torch.Tensor] | None = None  # the previous layer, as a receiver holds it
     for layer in range(layers):
-        for kind, x in enumerate((k[layer], v[layer])):
-            rows = x.reshape(n, c).to(torch.float64)
-            mu = rows.mean(0)
-            centred = rows - mu
+        exact = (k[layer].reshape(n, c).to(torch.float64), v[layer].reshape(n, c).to(torch.float64))
+        if predict and decoded is not None:
+            features = torch.cat((tables.rotate(decoded[0], cos, sin, inverse=True), decoded[1],
+                                  exact[0].new_ones(n, 1)), 1)
+            target = torch.cat((tables.rotate(exact[0], cos, sin, inverse=True), exact[1]), 1)
+            gram = features.T @ features
+            w = torch.linalg.solve(gram + _PREDICT_RIDGE * torch.diag(gram.diagonal()), features.T @ target)
+            tables.predictor[layer] = w.float()
+            # The encoder predicts in float32 from float32 weights: so does the fit's closed loop.
+            predicted = features.float() @ w.float()
+            base = (tables.rotate(predicted[:, :c], cos.float(), sin.float()).double(),
+                    predicted[:, c:].double())
+        else:
+            base = exact[0].mean(0).expand(n, c), exact[1].mean(0).expand(n, c)
+            tables.mean[layer, 0], tables.mean[layer, 1] = base[0][0].float(), base[1][0].float()
+        rebuilt = []
+        for kind in range(2):
+            residual = exact[kind] - base[kind]
+            centred = exact[kind] - exact[kind].mean(0)
             if kind == 0:
-                centred = centred @ key_weight[layer]
-            _, vectors = torch.linalg.eigh(centred.T @ centred / n)
+                residual, centred = residual @ key_weight[layer], centred @ key_weight[layer]
+            _, vectors = torch.linalg.eigh(residual.T @ residual / n)
             vectors = vectors.flip(1)  # strongest component first
             rel = key_rel_step if (kind == 0 and key_rel_step is not None) else rel_step
+            # Relative to the layer's own spread, not the residual's: a predicted layer keeps the error
+            # of one that is not, in fewer bits.
             s = torch.full((c,), rel * math.sqrt(12.0) * float(centred.pow(2).mean().sqrt()) or 1.0,
                            dtype=torch.float64)
             if step_scale is not None:
                 s = s * step_scale[layer, kind].to(torch.float64)
-            q = torch.round(centred @ vectors / s)
-            mean[layer, kind] = mu.float()
-            basis[layer, kind] = vectors.float()
-            step[layer, kind] = s.float()
-            spread[layer, kind] = q.abs().mean(0).clamp(min=_MIN_SPREAD).float()
-    return TransformTables(bytes(fingerprint), layers, heads, head_dim, mean, basis, step, spread, weight)
+            q = torch.round(residual @ vectors / s)
+            tables.basis[layer, kind] = vectors.float()
+            tables.step[layer, kind] = s.float()
+            tables.spread[layer, kind] = q.abs().mean(0).clamp(min=_MIN_SPREAD).float()
+            restored = (q * s) @ vectors.T
+            if kind == 0:
+                restored = restored @ key_weight_inverse[layer]
+            rebuilt.append((restored + base[kind]).to(cache_dtype).to(torch.float64))
+        decoded = (rebuilt[0], rebuilt[1])
+    return tables
 
 
 class TableStore:

@@ -21,7 +21,9 @@ and the per-layer work (the payload's digest and the decode: ~2.5 ms per raw MB 
 and plane join, ~1.5 for ``plain``'s copy with SHA-256 digests, ~0.4 less with BLAKE3's, on one core here)
 runs either on the event loop as each layer arrives (``verify_workers=0``) or on a bounded pool of
 ``verify_workers`` threads (blake3, hashlib, zstd and numpy release the GIL inside their calls), a block's
-layers per task, while the loop keeps reading the network.
+layers per task, while the loop keeps reading the network. A ``kvtc`` layer is predicted from the block's
+layer before as decoded (kvnet.blocks.transform_tables): a task entropy-decodes its layers first, then
+waits for the task before it in the block to hand over its last layer, and rebuilds its own in order.
 The default pool is sized to the host's cores (``auto_verify_workers``: none on 2 cores, where it
 measured no faster and cost 5-12% more CPU per MB; docs/performance.md, "Verify and decode off the event
 loop"). A cache that lends its slots on the CPU (``PagedKVCache``) has each layer decoded straight into
@@ -48,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import time
 from collections import deque
@@ -60,7 +63,7 @@ import torch
 
 from kvnet.blocks.codecs import Codec, CodecError, get_codec
 from kvnet.blocks.identity import BlockIdentity
-from kvnet.blocks.transform_codec import TransformCodec
+from kvnet.blocks.transform_codec import CodedLayer, TransformCodec
 from kvnet.cache.hashing import hash_block
 from kvnet.dtypes import dtype_from_name
 from kvnet.errors import KVCacheError
@@ -659,7 +662,7 @@ class BlockFetcher:
             if block.importing:
                 block.importing = False
                 self.cache.abort_import(block.exp.block_hash)
-            block.manifest, block.nbytes, block.decode_s = None, 0, 0.0
+            block.manifest, block.nbytes, block.decode_s, block.previous = None, 0, 0.0, None
             await asyncio.sleep(delay)
             delay = min(2 * delay, RETRY_MAX_DELAY_S)
             handle = await self._send_fetch(block.exp, block.rendition)
@@ -722,11 +725,14 @@ class BlockFetcher:
                     layer = _LayerPayload(block.manifest, self._codec(rendition), obj.object_id, payload,
                                           self.device, digest_checked=checked)
                     if pool is None:
-                        block.decode_s += self._load_layer(exp.block_hash, layer, out)
+                        block.decode_s += self._load_layer(exp.block_hash, layer, block, out)
                     else:
                         batch.append(layer)
                         if len(batch) >= LAYERS_PER_TASK or obj.object_id == num_layers:
-                            decoding.append(pool.submit(exp.block_hash, batch))
+                            # A task after the block's first decodes from the layer the task before
+                            # ends with (kvtc predicts a layer from the one before: _decode_layers).
+                            decoding.append(pool.submit(exp.block_hash, batch, first=obj.object_id ==
+                                                        len(batch)))
                             batch = []
                         if len(decoding) >= pool.queued_max:
                             block.decode_s += self._import(exp.block_hash, await decoding.popleft(), out)
@@ -759,16 +765,18 @@ class BlockFetcher:
             clock.disturbed = True
             await self.tables.resolve(self.conn, digest)
 
-    def _load_layer(self, block_hash: bytes, layer: _LayerPayload, out: FetchOutcome) -> float:
+    def _load_layer(self, block_hash: bytes, layer: _LayerPayload, block: _LoadingBlock, out: FetchOutcome
+                    ) -> float:
         """Check one layer's digest, then decode it into the block reserved for it: in place where the cache
         offers its slots (no intermediate tensor, no copy; a payload that fails to decode leaves bytes
         only in the reserved block, which the failed fetch gives back unseen), else through ``_import``.
         Returns the seconds the digest and decode took."""
+        (decoded,) = _decode_layers(self._slot_cache, block_hash, [layer], lambda: block.previous)
+        block.previous = decoded.kept
         if self._slot_cache is None:
-            return self._import(block_hash, [_decode_layer(layer)], out)
-        seconds = _decode_layer_into(self._slot_cache, block_hash, layer).seconds
-        out.load_s += seconds
-        return seconds
+            return self._import(block_hash, [decoded], out)
+        out.load_s += decoded.seconds
+        return decoded.seconds
 
     def _import(self, block_hash: bytes, layers: list[_DecodedLayer], out: FetchOutcome) -> float:
         """Write decoded layers into the cache in order (those decoded in place are in already); returns
@@ -919,6 +927,8 @@ class _LoadingBlock:
     ABR's measure of the rendition's verify + decode speed."""
     by_other: _Loaded | None = None
     """Set when another fetch of this session loaded the block and this one waited for it."""
+    previous: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The last layer decoded on the event loop, as decoded: what a kvtc layer after it is predicted from."""
 
 
 @dataclass
@@ -931,6 +941,8 @@ class _DecodedLayer:
     v: torch.Tensor | None
     seconds: float
     """Time the digest check and decode took (on whichever thread ran them)."""
+    kept: tuple[torch.Tensor, torch.Tensor] | None = None
+    """A kvtc layer's K and V as decoded, which the block's next layer is predicted from."""
 
 
 @dataclass
@@ -946,26 +958,72 @@ class _LayerPayload:
     """Its digest was checked already (a kvtc block's first layer, before its tables were resolved)."""
 
 
-def _decode_layer(layer: _LayerPayload) -> _DecodedLayer:
-    """Check one layer's digest and decode it; touches no shared state, so any thread may run it."""
+def _decode_layers(
+    cache: SlotCacheWriter | None, block_hash: bytes, layers: list[_LayerPayload],
+    previous: Callable[[], tuple[torch.Tensor, torch.Tensor] | None],
+) -> list[_DecodedLayer]:
+    """Check consecutive layers of one block and decode them, in place into the slots ``cache`` reserved
+    (any thread may run it for a CPU cache: each layer has slots of its own), else into new tensors.
+    A kvtc layer is predicted from the one before it (kvnet.blocks.transform_tables): every layer's digest
+    and entropy decode first, since they need no other layer, then the layers in order, the first from
+    ``previous()`` (which may wait for another task to decode it)."""
     t = time.perf_counter()
-    _check_digest(layer)
-    manifest = layer.manifest
-    k, v = layer.codec.decode(
-        layer.payload, manifest.layer_shape, dtype_from_name(manifest.dtype), layer.device
-    )
-    return _DecodedLayer(layer.object_id - 1, k, v, time.perf_counter() - t)
+    codec = layers[0].codec
+    manifest = layers[0].manifest
+    shape, dtype = manifest.layer_shape, dtype_from_name(manifest.dtype)
+    coded = []
+    for layer in layers:
+        _check_digest(layer)
+        if isinstance(codec, TransformCodec):
+            coded.append(codec.parse(layer.payload, shape, dtype))
+            if coded[-1].layer != layer.object_id - 1 or coded[-1].first_position != coded[0].first_position:
+                raise CodecError(f"kvtc payload of object {layer.object_id} is layer {coded[-1].layer} at "
+                                 f"position {coded[-1].first_position}, not its block's layer")
+    out: list[_DecodedLayer] = []
+    if not coded:
+        for layer in layers:
+            payload = layer.payload
+            if cache is None:
+                k, v = codec.decode(payload, shape, dtype, layer.device)
+                out.append(_DecodedLayer(layer.object_id - 1, k, v, 0.0))
+            else:
+                cache.import_layer_with(block_hash, layer.object_id - 1,
+                                        functools.partial(codec.decode_into, payload))
+                out.append(_DecodedLayer(layer.object_id - 1, None, None, 0.0))
+        out[-1].seconds = time.perf_counter() - t
+        return out
+    assert isinstance(codec, TransformCodec)
+    busy = time.perf_counter() - t
+    before = previous() if coded[0].needs_previous else None
+    t = time.perf_counter()
+    for layer, entropy_decoded in zip(layers, coded, strict=True):
+        if cache is None:
+            k, v = codec.reconstruct(entropy_decoded, layer.device, before)
+            out.append(_DecodedLayer(layer.object_id - 1, k, v, 0.0, (k, v)))
+        else:
+            write = _ReconstructInto(codec, entropy_decoded, before)
+            cache.import_layer_with(block_hash, layer.object_id - 1, write)
+            out.append(_DecodedLayer(layer.object_id - 1, None, None, 0.0, write.made))
+        before = out[-1].kept
+    out[-1].seconds = busy + time.perf_counter() - t
+    return out
 
 
-def _decode_layer_into(cache: SlotCacheWriter, block_hash: bytes, layer: _LayerPayload) -> _DecodedLayer:
-    """Check one layer's digest and decode it straight into the slots ``cache`` reserved for it (any thread
-    may run it for a CPU cache: each layer has slots of its own)."""
-    t = time.perf_counter()
-    _check_digest(layer)
-    codec = layer.codec
-    payload = layer.payload
-    cache.import_layer_with(block_hash, layer.object_id - 1, lambda k, v: codec.decode_into(payload, k, v))
-    return _DecodedLayer(layer.object_id - 1, None, None, time.perf_counter() - t)
+@dataclass
+class _ReconstructInto:
+    """Writes a parsed kvtc layer into the slots it is called with, and keeps what it wrote apart from them
+    (``made``): on an accelerator the slots are staging that the next layer reuses."""
+
+    codec: TransformCodec
+    coded: CodedLayer
+    previous: tuple[torch.Tensor, torch.Tensor] | None
+    made: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        k, v = self.codec.reconstruct(self.coded, k_out.device, self.previous)
+        k_out.copy_(k)
+        v_out.copy_(v)
+        self.made = (k, v)
 
 
 def _check_digest(layer: _LayerPayload) -> None:
@@ -977,24 +1035,26 @@ class _LayerPool:
     """The threads of one fetch that check and decode layers, a task of up to ``LAYERS_PER_TASK`` layers of
     one block at a time: into the cache's slots where ``slots`` is given, else into new tensors that the
     event loop writes into the cache in order. The caller bounds what it queues by ``queued_max`` tasks
-    (one is imported before more are handed over)."""
+    (one is imported before more are handed over). A block's task after its first waits, once its own
+    entropy decoding is done, for the task before it to hand over its last layer (kvtc's prediction)."""
 
     def __init__(self, workers: int, slots: SlotCacheWriter | None = None) -> None:
         self.queued_max = workers * TASKS_QUEUED_PER_WORKER
         self._slots = slots
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="kvnet-verify")
         self._tasks: set[concurrent.futures.Future[list[_DecodedLayer]]] = set()
+        self._last: concurrent.futures.Future[list[_DecodedLayer]] | None = None
 
-    def submit(self, block_hash: bytes, layers: list[_LayerPayload]) -> asyncio.Future[list[_DecodedLayer]]:
-        task = self._executor.submit(self._run, block_hash, layers)
+    def submit(self, block_hash: bytes, layers: list[_LayerPayload], first: bool
+               ) -> asyncio.Future[list[_DecodedLayer]]:
+        """Decode ``layers`` (the block's ``first`` task, or the one after the last submitted)."""
+        after = None if first else self._last
+        task = self._executor.submit(_decode_layers, self._slots, block_hash, layers,
+                                     lambda: _last_layer_of(after))
+        self._last = task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return asyncio.wrap_future(task)
-
-    def _run(self, block_hash: bytes, layers: list[_LayerPayload]) -> list[_DecodedLayer]:
-        if self._slots is None:
-            return [_decode_layer(layer) for layer in layers]
-        return [_decode_layer_into(self._slots, block_hash, layer) for layer in layers]
 
     def wait_idle(self) -> None:
         """Drop the tasks that have not started and wait (blocking: at most one task per worker, a few
@@ -1006,6 +1066,20 @@ class _LayerPool:
     def close(self) -> None:
         # Nothing of a finished block is still running (its tasks were awaited, or ``wait_idle`` ran).
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _last_layer_of(task: concurrent.futures.Future[list[_DecodedLayer]] | None
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The last layer ``task`` decoded, once it has (the task was submitted, hence started, before the one
+    that waits: the pool's queue is first in, first out)."""
+    if task is None:
+        return None
+    try:
+        return task.result()[-1].kept
+    except concurrent.futures.CancelledError:
+        # The block was given up; this task's error is dropped with it (never a CancelledError, which
+        # would read as the fetch itself being cancelled).
+        raise CodecError("kvtc: the block's layers before were not decoded") from None
 
 
 _FETCH_ERRORS = (

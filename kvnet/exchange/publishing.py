@@ -102,7 +102,7 @@ def encode_block(
     """Encoded, signed objects of one block whose K and V over all layers are ``k, v: [L, B, H_kv, D]``,
     one entry per rendition (``encode_blocks`` for blocks held by another engine's cache); none for kvtc
     when the block holds values its tables cannot code (logged). ``token_shifts`` (``[L, B]``): kvtc's
-    per-token steps (``TransformCodec.encode_layer``)."""
+    per-token steps (``TransformCodec.encode_block``)."""
     shape = (int(k.shape[0]), int(k.shape[1]), int(k.shape[2]), int(k.shape[3]))
     now_ms = int(time.time() * 1000)
     out: list[StoredBlock] = []
@@ -113,8 +113,9 @@ def encode_block(
             # The sequence's first token is an attention sink: coded finer (kvnet.blocks.transform_codec).
             sinks = int(src.block_index == 0)
             try:
-                payloads = TransformCodec(fingerprint).encode_block(k, v, tables, sink_rows=sinks,
-                                                                    token_shifts=token_shifts)
+                payloads = TransformCodec(fingerprint).encode_block(
+                    k, v, tables, sink_rows=sinks, token_shifts=token_shifts,
+                    first_position=src.block_index * shape[1])
             except CodecError as exc:
                 # Values far outside what the tables were calibrated on: the block's other renditions
                 # still go out, and a subscriber that asks for kvtc finds this block missing, not wrong.

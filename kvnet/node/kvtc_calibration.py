@@ -15,15 +15,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvnet.blocks.codecs import CodecError
-from kvnet.blocks.transform_tables import TransformTables, calibrate
+from kvnet.blocks.transform_tables import PREDICT_TOKENS_PER_FEATURE, TransformTables, calibrate
 from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.model.generate import cache_spec_for, prefill, prefix_root
 from kvnet.model.importance import token_importance
-from kvnet.model.transformer import Attention, Transformer, TransformerBlock, apply_rope
+from kvnet.model.transformer import Attention, Transformer, TransformerBlock, apply_rope, rope_inv_freq
 
 __all__ = ["DEFAULT_LAYER_GROUP", "DEFAULT_REL_STEP", "HELD_OUT_TOKENS", "calibrate_model_tables",
-           "measure_step_scale", "prefill_kv", "prefill_kv_and_query_metric", "prefix_cache",
-           "scored_log_probs"]
+           "measure_step_scale", "prefill_kv", "prefill_kv_and_query_metric", "prefill_positions",
+           "prefix_cache", "scored_log_probs", "tokens_to_predict"]
 
 DEFAULT_REL_STEP = 0.12
 """The quantizer step relative to each layer's RMS: on SmolLM2 bf16 5.8x smaller than raw at an output
@@ -35,21 +35,30 @@ HELD_OUT_TOKENS = 256
 """The most tokens at the end of the calibration text that the allocation scores instead of coding."""
 
 
+def _windows(model: Transformer, tokens: int, block_size: int) -> list[tuple[int, int]]:
+    """Where ``prefill_kv`` cuts ``tokens`` of text: (first token, whole blocks) of each window."""
+    window = (model.args.max_seq_len - 1) // block_size * block_size
+    starts = range(0, tokens - block_size, window)
+    if window < block_size or not starts:
+        raise CodecError(f"calibration needs more than {block_size} tokens, got {tokens}")
+    return [(start, min(window, tokens - 1 - start) // block_size) for start in starts]
+
+
+def prefill_positions(model: Transformer, tokens: int, block_size: int) -> torch.Tensor:
+    """Each row of ``prefill_kv``'s K/V: its position in its window's sequence ``[N]``."""
+    return torch.cat([torch.arange(blocks * block_size) for _, blocks in _windows(model, tokens, block_size)])
+
+
 @torch.no_grad()
 def prefill_kv(model: Transformer, token_ids: Sequence[int], block_size: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The K and V ``[L, N, H_kv, D]`` (model dtype, on the model's device) of ``token_ids`` computed by
     the model's prefill: in windows as long as the model's context allows (each a sequence of its own,
     from position 0), each cut to whole blocks."""
-    window = (model.args.max_seq_len - 1) // block_size * block_size
-    starts = range(0, len(token_ids) - block_size, window)
-    if window < block_size or not starts:
-        raise CodecError(f"calibration needs more than {block_size} tokens, got {len(token_ids)}")
     a = model.args
     ks: list[torch.Tensor] = []
     vs: list[torch.Tensor] = []
-    for start in starts:
-        blocks = min(window, len(token_ids) - 1 - start) // block_size
+    for start, blocks in _windows(model, len(token_ids), block_size):
         ids = list(token_ids[start:start + blocks * block_size + 1])
         cache = PagedKVCache(cache_spec_for(model, block_size), blocks + 2, model.device)
         prefill(model, cache, 0, ids, root=prefix_root(model, block_size))
@@ -92,6 +101,12 @@ def prefill_kv_and_query_metric(model: Transformer, token_ids: Sequence[int], bl
     return k, v, (total / max(rows[0], 1)).float()
 
 
+def tokens_to_predict(tables: TransformTables) -> int:
+    """Tokens of text ``calibrate_model_tables`` needs (the scored ones included) for its tables to predict
+    each layer from the one before (``transform_tables.PREDICT_TOKENS_PER_FEATURE``)."""
+    return PREDICT_TOKENS_PER_FEATURE * (2 * tables.channels + 1) + HELD_OUT_TOKENS
+
+
 def calibrate_model_tables(model: Transformer, token_ids: Sequence[int], block_size: int,
                            rel_step: float = DEFAULT_REL_STEP, key_metric: bool = True,
                            layer_group: int = 0, scorer: Transformer | None = None,
@@ -114,8 +129,10 @@ def calibrate_model_tables(model: Transformer, token_ids: Sequence[int], block_s
 
     def tables_with(step_scale: torch.Tensor | None) -> TransformTables:
         return calibrate(k.float().cpu(), v.float().cpu(), model.fingerprint(block_size), rel_step,
-                         step_scale=step_scale, query_metric=metric)
+                         step_scale=step_scale, query_metric=metric, positions=positions,
+                         rope_inv_freq=rope_inv_freq(model.args, torch.device("cpu")), cache_dtype=k.dtype)
 
+    positions = prefill_positions(model, len(calibration), block_size)
     tables = tables_with(None)
     if not layer_group:
         return tables
@@ -163,7 +180,8 @@ def measure_step_scale(model: Transformer, scorer: Transformer, k: torch.Tensor,
     for b in range(blocks):
         rows = slice(b * block_size, (b + 1) * block_size)
         payloads = codec.encode_block(k[:, rows], v[:, rows], tables, sink_rows=int(b == 0),
-                                      token_shifts=None if shifts is None else shifts[:, rows])
+                                      token_shifts=None if shifts is None else shifts[:, rows],
+                                      first_position=b * block_size)
         for layer, (kd, vd) in enumerate(codec.decode_block(payloads, shape, k.dtype, k.device)):
             decoded_k[layer, rows], decoded_v[layer, rows] = kd, vd
     reference = scored_log_probs(scorer, k, v, scored, block_size)

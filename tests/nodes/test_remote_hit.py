@@ -90,8 +90,9 @@ def test_a_kvtc_hit_loads_with_the_tables_the_publisher_serves(kv_cluster: Clust
     """kvtc: the operator calibrates the model's tables (``kvnet kvtc calibrate``); the publisher signs them
     and pushes them with its blocks into a relay that admits only what the publisher's key signed
     (``--trust``), then exits; a subscriber that accepts kvtc fetches the tables from the relay's cache,
-    verifies them, and loads every shared block. The KV is the publisher's signed bytes but lossy, so the
-    report says it is not exact and ``--verify`` fails (exit 3)."""
+    verifies them, and loads every shared block (its layer 1 predicted from layer 0). The KV is the
+    publisher's signed bytes but lossy, so the report says it is not exact and ``--verify`` fails (exit
+    3)."""
     text = tmp_path / "calibration.txt"
     text.write_text("Relays cache named objects; nodes fetch the longest prefix they share. " * 60)
     tables = tmp_path / "tiny.kvtc"
@@ -99,6 +100,8 @@ def test_a_kvtc_hit_loads_with_the_tables_the_publisher_serves(kv_cluster: Clust
         [sys.executable, "-m", "kvnet.cli", "kvtc", "calibrate", "--model", "tiny", "--block-size", str(B),
          "--text", str(text), "--out", str(tables)], capture_output=True, text=True, timeout=300)
     assert calibrated.returncode == 0 and "kvtc tables:" in calibrated.stdout, calibrated.stderr[-2000:]
+    # Enough text that layer 1 is predicted from layer 0: the subscriber decodes the chain in order.
+    assert "1 of 2 layers predicted from the layer before" in calibrated.stdout, calibrated.stdout
     keys = generate_keypair(tmp_path / "keys")
     kv_cluster.start_relay("--trust", str(keys.public))
     kv_cluster.publish_and_exit([SHARED_PREFIX], "--renditions", "kvtc", "--kvtc-tables", str(tables),

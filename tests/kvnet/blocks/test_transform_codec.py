@@ -64,9 +64,11 @@ def _kv(seed: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[:, 0], x[:, 1]
 
 
-def _tables(fp: bytes = FP_A, rel_step: float = 0.02) -> TransformTables:
+def _tables(fp: bytes = FP_A, rel_step: float = 0.02, predict: bool = True) -> TransformTables:
+    """Tables calibrated on 512 tokens, enough to predict layers 1 and 2 from the layer before (unless not
+    ``predict``: each layer relative to its mean, coded alone)."""
     k, v = _kv(0, 512)
-    return calibrate(k, v, fp, rel_step)
+    return calibrate(k, v, fp, rel_step, predict=predict)
 
 
 def test_a_lossy_network_rendition_outside_the_per_layer_registry() -> None:
@@ -90,9 +92,10 @@ def test_round_trip_within_bound() -> None:
             # Orthonormal basis: the error is the coefficients' rounding, at most step / 2 each.
             bound = float(tables.step[layer, kind].norm()) / 2 * 1.001
             assert float((x - y).reshape(TOKENS, -1).norm(dim=1).max()) <= bound
-        # decode of one payload equals the batched decode of the block
-        single = codec.decode(payloads[layer], SHAPE, torch.float32)
-        torch.testing.assert_close(single[0], k2)
+        # one payload decoded from its layer before (as decoded) equals the block's decode, bit for bit
+        single = codec.decode_block([payloads[layer]], SHAPE, torch.float32,
+                                    previous=decoded[layer - 1] if layer else None)[0]
+        assert torch.equal(single[0], k2) and torch.equal(single[1], v2)
     bf = codec.decode(codec.encode_layer(k[0].bfloat16(), v[0].bfloat16(), 0, tables), SHAPE, torch.bfloat16)
     assert bf[0].dtype == torch.bfloat16
 
@@ -157,10 +160,10 @@ def test_block_with_another_models_tables_refused() -> None:
 
 def test_corrupted_bitstream_rejected() -> None:
     codec = TransformCodec()
-    tables = _tables()
+    tables = _tables(predict=False)
     k, v = _kv(3, TOKENS)
     payload = codec.encode_layer(k[1], v[1], 1, tables)
-    body_start = 20 + 3 * 9 + 32
+    body_start = 20 + 4 * 9 + 32 + 4
     for position in range(body_start, len(payload)):
         bad = bytearray(payload)
         bad[position] ^= 0x5A
@@ -181,8 +184,15 @@ _FUZZ_TABLES = _tables()
 _FUZZ_CODEC = TransformCodec()
 _FUZZ_K, _FUZZ_V = _kv(4, TOKENS)
 # Sink row, token shifts and all: every part of a stream is under the fuzzer.
-_FUZZ_PAYLOAD = _FUZZ_CODEC.encode_layer(_FUZZ_K[2], _FUZZ_V[2], 2, _FUZZ_TABLES, sink_rows=1,
-                                         token_shifts=np.arange(TOKENS) % 5 - 2)
+_FUZZ_SHIFTS = np.tile(np.arange(TOKENS) % 5 - 2, (LAYERS, 1))
+# Layer 2, predicted from layer 1 as decoded: the position section is under the fuzzer too.
+_FUZZ_LAYER_1, _FUZZ_PAYLOAD = _FUZZ_CODEC.encode_block(_FUZZ_K, _FUZZ_V, _FUZZ_TABLES, sink_rows=1,
+                                                        token_shifts=_FUZZ_SHIFTS, first_position=TOKENS)[1:]
+_FUZZ_PREVIOUS = _FUZZ_CODEC.decode_block([_FUZZ_LAYER_1], SHAPE, torch.float32,
+                                          previous=_FUZZ_CODEC.decode_block(
+                                              [_FUZZ_CODEC.encode_block(_FUZZ_K, _FUZZ_V, _FUZZ_TABLES,
+                                                                        first_position=TOKENS)[0]],
+                                              SHAPE, torch.float32)[0])[0]
 
 
 @settings(max_examples=150, deadline=None)
@@ -194,7 +204,7 @@ def test_fuzz_decoder(flips: list[tuple[int, int]], trim: int) -> None:
         data[position] ^= mask
     data = data[: len(data) - trim]
     try:
-        k, v = _FUZZ_CODEC.decode(bytes(data), SHAPE, torch.float32)
+        k, v = _FUZZ_CODEC.decode_block([bytes(data)], SHAPE, torch.float32, previous=_FUZZ_PREVIOUS)[0]
     except CodecError:
         return
     # Only a change the checks cannot see survives (none expected); it must still be the right shape.
@@ -204,7 +214,7 @@ def test_fuzz_decoder(flips: list[tuple[int, int]], trim: int) -> None:
 def test_sink_rows_coded_finer() -> None:
     """The sequence's first rows (attention sinks) come back within steps 2**-SINK_SHIFT as large; the
     other rows keep the tables' bound; a payload's sink-row count is checked against the block."""
-    tables = _tables(rel_step=0.05)
+    tables = _tables(rel_step=0.05, predict=False)
     codec = TransformCodec()
     k, v = _kv(5, TOKENS)
     payload = codec.encode_layer(k[1], v[1], 1, tables, sink_rows=2)
@@ -241,7 +251,7 @@ def test_a_sink_row_too_large_for_the_finest_shift_is_coded_at_the_finest_that_f
     """A sink row thousands of steps out (K's sink on SmolLM2 in its last layers, at fine steps) would
     leave the coder's range at 2**-SINK_SHIFT steps; the encoder codes it as finely as the range allows,
     and it comes back within that step, not clamped. Each of K and V picks its own shift."""
-    tables = _tables(rel_step=0.05)
+    tables = _tables(rel_step=0.05, predict=False)
     codec = TransformCodec()
     k, v = _kv(5, TOKENS)
     k1 = _with_row_steps_out(k[1], 0, 3000.0, tables)  # 2**3 finer fits the range, 2**4 does not
@@ -259,7 +269,7 @@ def test_token_shifts_code_each_row_finer_or_coarser() -> None:
     negative ``s``); one that would leave the coder's range that fine is coded as finely as fits, never
     clamped; the sink row keeps its own shift; shifts of the wrong shape or beyond the span are refused;
     all-zero shifts are no shifts."""
-    tables = _tables(rel_step=0.05)
+    tables = _tables(rel_step=0.05, predict=False)
     codec = TransformCodec()
     k, v = _kv(5, TOKENS)
     k1 = _with_row_steps_out(k[1], 4, 5000.0, tables)  # 2**2 finer fits the range, 2**3 does not
@@ -297,11 +307,11 @@ def test_step_scale_allocates_per_layer_kind_and_component() -> None:
     """``step_scale`` multiplies the calibrated steps; the round trip keeps each component within half its
     own step; a body of another version or with a non-positive step is refused with one line."""
     k, v = _kv(0, 512)
-    base = calibrate(k, v, FP_A, 0.02)
+    base = calibrate(k, v, FP_A, 0.02, predict=False)  # (predicted, a layer's step follows the one before)
     scale = torch.ones(LAYERS, 2, HEADS * DIM)
     scale[0, 0] = 0.5  # layer 0's K finer
     scale[2, 1, HEADS * DIM // 2:] = 8.0  # layer 2's weak V components coarser
-    tables = calibrate(k, v, FP_A, 0.02, step_scale=scale)
+    tables = calibrate(k, v, FP_A, 0.02, step_scale=scale, predict=False)
     torch.testing.assert_close(tables.step, base.step * scale)
     assert tables.digest != base.digest
     codec = TransformCodec()
@@ -389,8 +399,9 @@ def test_received_key_weight_that_cannot_be_inverted_refused(damage: str, refusa
     else:
         weight[0, 1] = -weight[0, 1]
     body = tables.body()
-    weight_offset = len(body) - weight.numel() * 4
-    damaged = body[:weight_offset] + weight.numpy().astype("<f4").tobytes()
+    weight_offset = len(body) - 4 * (weight.numel() + tables.predictor.numel() + tables.rope_inv_freq.numel())
+    damaged = body[:weight_offset] + weight.numpy().astype("<f4").tobytes() + body[weight_offset + 4 *
+                                                                                   weight.numel():]
     assert parse_tables_body(body).key_weight_inverse.shape == weight.shape
     with pytest.raises(CodecError, match=refusal):
         parse_tables_body(damaged)
@@ -402,7 +413,7 @@ def test_an_outlier_token_comes_back_within_the_bound() -> None:
     whose every coefficient is an escape at the edge of the coder's range, the worst case for the
     stream's size limit (what an encoder writes, a decoder accepts). A coefficient beyond that range is
     refused at encode, never clamped into a wrong value."""
-    tables = _tables(rel_step=0.02)
+    tables = _tables(rel_step=0.02, predict=False)
     codec = TransformCodec()
     k, v = _kv(7, TOKENS)
     k[1, 3] *= 300.0  # one token's K of layer 1, hundreds of steps out in its strongest components
@@ -515,3 +526,86 @@ def test_prepare_computes_what_the_first_decode_would() -> None:
     TransformCodec.prepare(tables)
     assert "_synthesis" in tables.__dict__
     assert _class_model.cache_info().currsize == _CLASS_MAX - _CLASS_MIN + 1
+
+
+def _layered_kv(seed: int, tokens: int, first_position: int = 0, inv_freq: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V ``[L, tokens, H, D]`` whose every layer is mostly a fixed linear map of the layer before (as a
+    transformer's residual stream makes them), K rotated by its positions when ``inv_freq`` is given."""
+    g = torch.Generator().manual_seed(seed)
+    maps = torch.eye(2 * HEADS * DIM) + 0.3 * torch.randn(LAYERS, 2 * HEADS * DIM, 2 * HEADS * DIM,
+                                                          generator=torch.Generator().manual_seed(98))
+    x = torch.randn(tokens, 2 * HEADS * DIM, generator=g)
+    layers = []
+    for layer in range(LAYERS):
+        x = x @ maps[layer] / 1.5 + 0.05 * torch.randn(tokens, 2 * HEADS * DIM, generator=g)
+        layers.append(x)
+    kv = torch.stack(layers).view(LAYERS, tokens, 2, HEADS, DIM)
+    k, v = kv[:, :, 0].contiguous(), kv[:, :, 1].contiguous()
+    if inv_freq is not None:
+        angles = torch.arange(first_position, first_position + tokens, dtype=torch.float64)[:, None] * \
+            inv_freq.double()[None, :]
+        cos, sin = angles.cos().float()[:, None], angles.sin().float()[:, None]
+        k1, k2 = k.chunk(2, dim=-1)
+        k = torch.cat((k1 * cos - k2 * sin, k2 * cos + k1 * sin), dim=-1)
+    return k, v
+
+
+def test_layers_predicted_from_the_layer_before_cost_fewer_bytes_at_the_same_bound() -> None:
+    """With enough calibration text each layer after the first is predicted from the one before it as
+    decoded (K's rotary embedding undone and redone at the block's positions), and only the residual is
+    coded: blocks of a far later position come back within the tables' bound, in fewer bytes than the
+    same tables' layers coded each relative to their mean. Too little text predicts nothing."""
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, DIM, 2).float() / DIM)
+    k, v = _layered_kv(0, 512, inv_freq=inv_freq)
+    predicted = calibrate(k, v, FP_A, 0.05, rope_inv_freq=inv_freq)
+    alone = calibrate(k, v, FP_A, 0.05, rope_inv_freq=inv_freq, predict=False)
+    assert predicted.predicted_layers == (False, True, True) and not any(alone.predicted_layers)
+    assert not any(calibrate(k[:, :200], v[:, :200], FP_A, 0.05).predicted_layers)  # 200 < 8 x 33
+    codec = TransformCodec()
+    position = 123_456
+    k1, v1 = _layered_kv(1, TOKENS, position, inv_freq)
+    sizes = {}
+    for name, tables in (("predicted", predicted), ("alone", alone)):
+        payloads = codec.encode_block(k1, v1, tables, first_position=position)
+        sizes[name] = sum(map(len, payloads[1:]))
+        for layer, (k2, v2) in enumerate(codec.decode_block(payloads, SHAPE, torch.float32)):
+            for kind, (x, y) in enumerate(((k1[layer], k2), (v1[layer], v2))):
+                bound = float(tables.step[layer, kind].norm()) / 2 * 1.001
+                assert float((x - y).reshape(TOKENS, -1).norm(dim=1).max()) <= bound + 1e-5, (name, layer)
+    assert sizes["predicted"] < 0.8 * sizes["alone"], sizes
+    # The prediction rotates K by the payload's position: at another position it is another block.
+    moved = codec.encode_block(k1, v1, predicted, first_position=position + 1)
+    assert moved[1] != codec.encode_block(k1, v1, predicted, first_position=position)[1]
+
+
+def test_a_predicted_layer_decodes_only_from_the_layer_before_it() -> None:
+    """A predicted layer without its layer before, with one of the wrong shape, or a block's layers out of
+    order or of two positions, are refused in one line; so are tables whose layer 0 claims a predictor
+    (it has no layer before) or whose rotation does not fit an odd head dim."""
+    tables = _tables()
+    codec = TransformCodec()
+    k, v = _kv(8, TOKENS)
+    payloads = codec.encode_block(k, v, tables, first_position=32)
+    layer_0 = codec.decode_block(payloads[:1], SHAPE, torch.float32)[0]
+    cases = [
+        (lambda: codec.decode(payloads[1], SHAPE, torch.float32), "not given"),
+        (lambda: codec.decode_block(payloads[1:2], SHAPE, torch.float32,
+                                    previous=(layer_0[0][:8], layer_0[1][:8])), "wrong shape"),
+        (lambda: codec.decode_block([payloads[0], payloads[2]], SHAPE, torch.float32), "does not follow"),
+        (lambda: codec.decode_block([payloads[0], codec.encode_block(k, v, tables)[1]], SHAPE,
+                                    torch.float32), "does not follow"),
+        (lambda: codec.encode_layer(k[1], v[1], 1, tables), "not given"),
+    ]
+    for call, message in cases:
+        with pytest.raises(CodecError, match=message) as info:
+            call()
+        assert "\n" not in str(info.value)
+    assert codec.decode_block(payloads[1:], SHAPE, torch.float32, previous=layer_0)  # from layer 0, fine
+    body = bytearray(tables.body())
+    predictor_at = len(body) - 4 * (tables.predictor.numel() + tables.rope_inv_freq.numel())
+    body[predictor_at:predictor_at + 4] = struct.pack("<f", 1.0)  # layer 0's first weight
+    with pytest.raises(CodecError, match="layer 0 has no layer before"):
+        parse_tables_body(bytes(body))
+    with pytest.raises(CodecError, match="rotary"):
+        calibrate(k, v, FP_A, 0.05, rope_inv_freq=torch.ones(3))

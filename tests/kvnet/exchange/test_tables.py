@@ -15,6 +15,7 @@ from kvnet.blocks.codecs import CodecError
 from kvnet.blocks.transform_codec import TransformCodec
 from kvnet.blocks.transform_tables import TransformTables, calibrate, sign_tables
 from kvnet.cache.paged_cache import PagedKVCache
+from kvnet.exchange import fetching
 from kvnet.exchange.blockstore import StoredBlock
 from kvnet.exchange.fetching import BlockFetcher
 from kvnet.exchange.publishing import BlockServer, encode_block, encode_blocks
@@ -39,9 +40,10 @@ OTHER_MODEL = bytes(range(1, 33))
 
 
 def calibrated(fingerprint: bytes = FINGERPRINT) -> TransformTables:
-    """Tables for the test cache's shape from K/V like the blocks' (random), on other draws."""
+    """Tables for the test cache's shape from K/V like the blocks' (random), on other draws: enough
+    tokens that layers 1 and 2 are predicted from the layer before."""
     g = torch.Generator().manual_seed(7)
-    shape = (SPEC.num_layers, 256, SPEC.num_kv_heads, SPEC.head_dim)
+    shape = (SPEC.num_layers, 512, SPEC.num_kv_heads, SPEC.head_dim)
     return calibrate(torch.randn(shape, generator=g), torch.randn(shape, generator=g), fingerprint, 0.02)
 
 
@@ -75,25 +77,33 @@ async def served(pair: ConnectionPair) -> AsyncIterator[Served]:
 
 
 def fetcher(pair: ConnectionPair, published: Published, cache: PagedKVCache,
-            tables: TablesSource | None = None) -> BlockFetcher:
+            tables: TablesSource | None = None, verify_workers: int = 0) -> BlockFetcher:
     return BlockFetcher(pair.client, cache, trusting(published.signer), fingerprint=FINGERPRINT,
-                        namespace_id=NAMESPACE_ID, shape=SPEC.block_shape, dtype="float32", tables=tables)
+                        namespace_id=NAMESPACE_ID, shape=SPEC.block_shape, dtype="float32", tables=tables,
+                        verify_workers=verify_workers)
 
 
 def empty_cache() -> PagedKVCache:
     return PagedKVCache(SPEC, num_blocks=16, device=torch.device("cpu"))
 
 
+@pytest.mark.parametrize(("verify_workers", "layers_per_task"), [(0, 16), (1, 1), (3, 1), (2, 2)])
 async def test_kvtc_blocks_fetch_their_tables_once_and_load_what_the_publisher_coded(
-    pair: ConnectionPair, served: Served, published: Published
+    pair: ConnectionPair, served: Served, published: Published, verify_workers: int, layers_per_task: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Layers predicted from the layer before decode in order wherever they are decoded: on the event
+    loop, or on worker threads where a block's layers are split across tasks (each waits for the last
+    layer of the task before it, and entropy-decodes its own meanwhile)."""
+    monkeypatch.setattr(fetching, "LAYERS_PER_TASK", layers_per_task)
     tables = calibrated()
+    assert tables.predicted_layers == (False, True, True)
     signed = sign_tables(tables, published.signer)
     blocks = kvtc_blocks(published, tables)
     server = served.start(blocks, {tables.digest: tables_chunks(signed)})
     source = TablesSource(trusting(published.signer), FINGERPRINT, NAMESPACE_ID)
     cache = empty_cache()
-    f = fetcher(pair, published, cache, source)
+    f = fetcher(pair, published, cache, source, verify_workers)
     outcome = await f.fetch(published.identities, ["kvtc"] * len(HASHES))
     assert (outcome.loaded, outcome.error, outcome.renditions) == (len(HASHES), None, {"kvtc": len(HASHES)})
     assert (source.stats.fetched, source.stats.fetched_bytes, source.stats.refused) == (1, len(signed), 0)
@@ -104,8 +114,8 @@ async def test_kvtc_blocks_fetch_their_tables_once_and_load_what_the_publisher_c
     for block in blocks:
         got = cache.export_block(block.block_hash)
         want = published.cache.export_block(block.block_hash)
-        for layer in range(SPEC.num_layers):
-            k, v = reference.decode(block.objects[layer + 1], SPEC.block_shape[1:], torch.float32)
+        decoded = reference.decode_block(block.objects[1:], SPEC.block_shape[1:], torch.float32)
+        for layer, (k, v) in enumerate(decoded):
             assert torch.equal(got.k[layer], k) and torch.equal(got.v[layer], v)
         assert float((got.k - want.k).abs().max()) < 0.5 * float(want.k.abs().max())
     # A second request needs no second tables fetch.

@@ -8,8 +8,14 @@ import torch
 
 from kvnet.blocks.codecs import CodecError
 from kvnet.model.tokenizer import ByteTokenizer
-from kvnet.model.transformer import Transformer
-from kvnet.node.kvtc_calibration import calibrate_model_tables, measure_step_scale, prefill_kv
+from kvnet.model.transformer import Transformer, rope_inv_freq
+from kvnet.node.kvtc_calibration import (
+    calibrate_model_tables,
+    measure_step_scale,
+    prefill_kv,
+    prefill_positions,
+    tokens_to_predict,
+)
 
 BLOCK = 16
 TEXT = ("Relays cache named objects; nodes fetch the longest prefix they share, verify it and load it. "
@@ -45,3 +51,20 @@ def test_too_little_text_to_allocate_is_one_line(model: Transformer) -> None:
     with pytest.raises(CodecError, match="needs") as caught:
         calibrate_model_tables(model, ids, BLOCK, 0.1, layer_group=1)
     assert "\n" not in str(caught.value)
+
+
+def test_enough_text_predicts_each_layer_from_the_one_before(model: Transformer) -> None:
+    """With a few thousand tokens layer 1 is predicted from layer 0, through the model's own rotary
+    frequencies and each row's position in its prefill window (windows restart at position 0); with
+    fewer than ``tokens_to_predict`` it is not, and the tables say so."""
+    ids = ByteTokenizer().tokenize(TEXT * 8)
+    k, _ = prefill_kv(model, ids, BLOCK)
+    positions = prefill_positions(model, len(ids), BLOCK)
+    window = (model.args.max_seq_len - 1) // BLOCK * BLOCK
+    assert positions.shape == (k.shape[1],) and int(positions.max()) == min(window, k.shape[1]) - 1
+    assert positions[:window].tolist() == list(range(window))
+    tables = calibrate_model_tables(model, ids, BLOCK, 0.1)
+    assert tables.predicted_layers == (False, True) and len(ids) >= tokens_to_predict(tables)
+    torch.testing.assert_close(tables.rope_inv_freq, rope_inv_freq(model.args, torch.device("cpu")))
+    short = calibrate_model_tables(model, ids[:tokens_to_predict(tables) - 300], BLOCK, 0.1)
+    assert short.predicted_layers == (False, False)
