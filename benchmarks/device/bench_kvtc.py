@@ -8,8 +8,9 @@ by side with the same decode on the CPU, and checks that the device decodes what
 
 The KV is synthetic (a decaying spectrum over the channels, as K/V have, each layer's factors carried on
 from the layer before's as a residual stream carries them, K rotated by its positions as RoPE rotates it,
-plus noise; no model is needed): tables are calibrated on one stretch of it (enough tokens that every
-layer after the first is predicted) and the blocks of another (4 at full size) are encoded, off the timed
+plus noise; no model is needed), in two geometries with CUDA: Llama-3-8B's for the speed (its layers
+not predicted: ``FULL`` says why) and SmolLM2's, every layer after the first predicted, for the chain.
+Tables are calibrated on one stretch of it and the blocks of another (4) are encoded, off the timed
 part; each device then decodes every block ``--reps`` times (median; one warm-up pass first, which also
 moves the tables to the device). The table gives, per device: raw KV MB, coded MB and the ratio, the
 encode MB/s (CPU, once), decode MB/s of raw KV, the decoded KV's RMS error relative to the original's,
@@ -19,7 +20,7 @@ quantization error, not another device's rounding), so the check is per layer: t
 difference from the CPU's decode within ``DRIFT_LIMIT`` of the codec's own error there (``drift``: the
 worst layer's ratio). The script exits 1 if a device's decode is not.
 
-    python benchmarks/device/bench_kvtc.py            # Llama-3-8B's geometry (the default with CUDA)
+    python benchmarks/device/bench_kvtc.py            # Llama-3-8B's and SmolLM2's geometries (with CUDA)
     python benchmarks/device/bench_kvtc.py --quick    # small, seconds on a CPU (the default without)
 """
 
@@ -62,6 +63,7 @@ FINGERPRINT = hashlib.sha256(b"kvnet bench_kvtc synthetic model").digest()
 
 @dataclass(frozen=True)
 class Geometry:
+    name: str
     layers: int
     kv_heads: int
     head_dim: int
@@ -70,15 +72,24 @@ class Geometry:
     calibration_tokens: int
 
 
-FULL = Geometry(layers=32, kv_heads=8, head_dim=128, block_tokens=64, blocks=4, calibration_tokens=16448)
+FULL = Geometry("Llama-3-8B", layers=32, kv_heads=8, head_dim=128, block_tokens=64, blocks=4,
+                calibration_tokens=2048)
 """Llama-3-8B's KV: 8.4 MB of bf16 per 64-token block; 4 blocks, so that a GPU host's run fits its share
-of ``run.py``'s budget. The predictors need 8 tokens per feature (2 x 1024 + 1): 16,448 tokens, whose
-calibration (64 eigendecompositions of 1024 x 1024, 31 ridge fits of 2049 features) is most of the run."""
-QUICK = Geometry(layers=4, kv_heads=2, head_dim=64, block_tokens=64, blocks=4, calibration_tokens=2112)
+of ``run.py``'s budget. Its layers are not predicted: predictors for 2 x 1024 channels need 16,448
+calibration tokens (here 700 CPU seconds and 13 GB, far past that share) and would be 537 MB, beyond a
+tables object's bound; ``CHAIN`` checks the prediction chain on the device instead."""
+CHAIN = Geometry("SmolLM2", layers=30, kv_heads=3, head_dim=64, block_tokens=64, blocks=4,
+                 calibration_tokens=3136)
+"""SmolLM2's KV, every layer after the first predicted from the one before (8 calibration tokens per
+feature): the chain a device decodes in layer order, and how far its rounding carries."""
+QUICK = Geometry("quick", layers=4, kv_heads=2, head_dim=64, block_tokens=64, blocks=4,
+                 calibration_tokens=2112)
+"""Seconds on a CPU; predicted like ``CHAIN``."""
 
 
 @dataclass
 class Row:
+    geometry: str
     device: str
     blocks: int
     raw_mb: float
@@ -87,6 +98,8 @@ class Row:
     encode_mb_s: float
     decode_mb_s: float
     rel_rms_error: float
+    predicted: bool
+    """The tables predict every layer after the first from the one before."""
     drift: float
     """Worst layer's RMS difference from the CPU's decode over the codec's own RMS error there."""
     same_as_cpu: bool
@@ -169,21 +182,22 @@ def measure(codec: TransformCodec, tables: TransformTables, k: torch.Tensor, v: 
         apart = drift(result, reference, original)
         error = float((result - original).pow(2).mean().sqrt() / original.pow(2).mean().sqrt())
         seconds = statistics.median(times)
-        rows.append(Row(device.type, geometry.blocks, raw / 1e6, coded / 1e6, raw / coded,
-                        raw / encode_s / 1e6, raw / seconds / 1e6, error, apart, apart <= DRIFT_LIMIT,
-                        times))
+        rows.append(Row(geometry.name, device.type, geometry.blocks, raw / 1e6, coded / 1e6, raw / coded,
+                        raw / encode_s / 1e6, raw / seconds / 1e6, error, all(tables.predicted_layers[1:]),
+                        apart, apart <= DRIFT_LIMIT, times))
     return rows
 
 
 def table(rows: Sequence[Row]) -> str:
-    header = f"{'decoded on':<10} {'blocks':>6} {'raw MB':>8} {'coded MB':>8} {'ratio':>6} " \
-             f"{'encode MB/s':>11} {'decode MB/s':>11} {'rel RMS err':>11} {'drift':>7}  same as CPU"
+    header = f"{'geometry':<10} {'predicted':>9} {'decoded on':<10} {'blocks':>6} {'raw MB':>8} " \
+             f"{'coded MB':>8} {'ratio':>6} {'encode MB/s':>11} {'decode MB/s':>11} {'rel RMS err':>11} " \
+             f"{'drift':>7}  same as CPU"
     lines = [header, "-" * len(header)]
     for r in rows:
         same = "(reference)" if r.device == "cpu" else "yes" if r.same_as_cpu else "NO"
-        lines.append(f"{r.device:<10} {r.blocks:>6} {r.raw_mb:>8.1f} {r.coded_mb:>8.2f} {r.ratio:>6.2f} "
-                     f"{r.encode_mb_s:>11.1f} {r.decode_mb_s:>11.1f} {r.rel_rms_error:>11.4f} "
-                     f"{r.drift:>7.4f}  {same}")
+        lines.append(f"{r.geometry:<10} {'yes' if r.predicted else 'no':>9} {r.device:<10} {r.blocks:>6} "
+                     f"{r.raw_mb:>8.1f} {r.coded_mb:>8.2f} {r.ratio:>6.2f} {r.encode_mb_s:>11.1f} "
+                     f"{r.decode_mb_s:>11.1f} {r.rel_rms_error:>11.4f} {r.drift:>7.4f}  {same}")
     return "\n".join(lines)
 
 
@@ -203,31 +217,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     if torch.cuda.is_available() and not args.cpu:
         devices.append(torch.device("cuda"))
     quick = args.quick or len(devices) == 1
-    geometry = QUICK if quick else FULL
+    geometries = (QUICK,) if quick else (FULL, CHAIN)
     load_before = load_average()
     started = time.perf_counter()
     print(f"device: {device_name(devices[-1])}; torch {torch.__version__}; "
           f"CUDA {torch.version.cuda if devices[-1].type == 'cuda' else 'not used'}")
-    print(f"geometry: {geometry.layers} layers, {geometry.kv_heads} KV heads of {geometry.head_dim}, "
-          f"{geometry.blocks} blocks of {geometry.block_tokens} tokens, bf16 "
-          f"{'[--quick]' if quick else '[Llama-3-8B]'}; tables calibrated on {geometry.calibration_tokens} "
-          f"other tokens at rel step {REL_STEP}; "
-          f"median of {args.reps} runs; load average {load_before}", flush=True)
-    tables = calibrate(*synthetic_kv(geometry, geometry.calibration_tokens, seed=2), FINGERPRINT, REL_STEP,
-                       rope_inv_freq=rope_inv_freq(geometry), cache_dtype=torch.bfloat16)
-    if not all(tables.predicted_layers[1:]):
-        raise SystemExit("bench_kvtc: the tables predict no layer (too few calibration tokens)")
-    codec = TransformCodec(FINGERPRINT)
-    TransformCodec.prepare(tables)
-    k, v = synthetic_kv(geometry, geometry.blocks * geometry.block_tokens, seed=3)
-    rows = measure(codec, tables, k, v, geometry, devices, args.reps)
+    rows: list[Row] = []
+    for geometry in geometries:
+        print(f"geometry {geometry.name}: {geometry.layers} layers, {geometry.kv_heads} KV heads of "
+              f"{geometry.head_dim}, {geometry.blocks} blocks of {geometry.block_tokens} tokens, bf16; "
+              f"tables calibrated on {geometry.calibration_tokens} other tokens at rel step {REL_STEP}; "
+              f"median of {args.reps} runs; load average {load_average()}", flush=True)
+        tables = calibrate(*synthetic_kv(geometry, geometry.calibration_tokens, seed=2), FINGERPRINT,
+                           REL_STEP, rope_inv_freq=rope_inv_freq(geometry), cache_dtype=torch.bfloat16)
+        if geometry is not FULL and not all(tables.predicted_layers[1:]):
+            raise SystemExit(f"bench_kvtc: the {geometry.name} tables predict no layer (too few tokens)")
+        codec = TransformCodec(FINGERPRINT)
+        TransformCodec.prepare(tables)
+        k, v = synthetic_kv(geometry, geometry.blocks * geometry.block_tokens, seed=3)
+        rows += measure(codec, tables, k, v, geometry, devices, args.reps)
     print(table(rows))
     print(f"load average {load_before} before, {load_average()} after; {time.perf_counter() - started:.1f} s")
     if args.json:
         args.json.write_text(json.dumps({
-            "device": device_name(devices[-1]), "torch": torch.__version__, "geometry": asdict(geometry),
-            "quick": quick, "reps": args.reps, "rel_step": REL_STEP, "load_before": load_before,
-            "load_after": load_average(), "rows": [asdict(r) for r in rows],
+            "device": device_name(devices[-1]), "torch": torch.__version__,
+            "geometries": [asdict(g) for g in geometries], "quick": quick, "reps": args.reps,
+            "rel_step": REL_STEP, "load_before": load_before, "load_after": load_average(),
+            "rows": [asdict(r) for r in rows],
         }, indent=2))
     return 0 if all(r.same_as_cpu for r in rows) else 1
 

@@ -34,7 +34,8 @@ zeros: no rotation), its decoded V and a constant 1 are the features; ``predicto
 ``l``'s K before rotation and V (a ridge regression fitted on the calibration text in the decoder's own
 closed loop: on what the previous layer decodes to, in the cache's dtype, not on its exact values). The
 prediction's K is rotated to the block's positions, so one predictor serves every position. On SmolLM2
-bf16 this made blocks 1.25x smaller at a slightly lower output KL (docs/performance.md). A fit needs text:
+bf16 this made blocks about 1.4x smaller at about the same output KL (docs/performance.md, "kvtc
+predicted from the layer before"). A fit needs text:
 with fewer than ``PREDICT_TOKENS_PER_FEATURE`` tokens per feature it overfits (worse than none), and the
 layer's predictor stays zero (predicted by its mean alone, as layer 0 always is).
 """

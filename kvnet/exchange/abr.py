@@ -107,23 +107,25 @@ QUALITY_ORDER: tuple[str, ...] = ("lossless", "plain", "int8", "int4", "kvtc")
 # Encoded size / raw size before anything was measured, by KV dtype. Measured on SmolLM2's KV (docs/
 # performance.md, "Codec quality on real KV"): int8 and int4 are fixed fractions of the element size plus
 # scales, so they save half as much on bf16 as on fp32, while bf16's short mantissas compress better
-# losslessly. kvtc codes the same bytes whatever the dtype: 5.8x of bf16 measured at the calibration
-# command's default step (docs/performance.md, "kvtc steps per token"), so about 12x of fp32.
+# losslessly. kvtc codes the same bytes whatever the dtype: 8.3x of bf16 measured at the calibration
+# command's default step (docs/performance.md, "kvtc predicted from the layer before"), so about 16x of
+# fp32.
 # A dtype not listed uses the fp32 row.
 DEFAULT_SIZE_RATIO: Mapping[str, Mapping[str, float]] = {
-    "float32": {"lossless": 0.85, "plain": 1.0, "int8": 0.25, "int4": 0.14, "kvtc": 0.085},
-    "bfloat16": {"lossless": 0.69, "plain": 1.0, "int8": 0.50, "int4": 0.28, "kvtc": 0.17},
-    "float16": {"lossless": 0.90, "plain": 1.0, "int8": 0.50, "int4": 0.28, "kvtc": 0.17},
+    "float32": {"lossless": 0.85, "plain": 1.0, "int8": 0.25, "int4": 0.14, "kvtc": 0.06},
+    "bfloat16": {"lossless": 0.69, "plain": 1.0, "int8": 0.50, "int4": 0.28, "kvtc": 0.12},
+    "float16": {"lossless": 0.90, "plain": 1.0, "int8": 0.50, "int4": 0.28, "kvtc": 0.12},
 }
 # Verify + decode speed (a layer's digest and its decode into the cache) in raw bytes per second before
 # anything was measured; the node's own fetches replace these (``RenditionStats``). ``plain`` is a digest
 # and a copy; with lossless at 1e9 the bf16 crossover is ~620 MB/s of link (docs/nodes.md, "Renditions").
 DEFAULT_DECODE_BPS: Mapping[str, float] = {
     "lossless": 1.0e9, "plain": 2.0e9, "int8": 6.0e8, "int4": 4.0e8,
-    # kvtc's rANS decode runs symbol by symbol on one CPU thread: ~31 MB/s of raw KV on SmolLM2 at load 0.1,
-    # a layer at a time as the fetcher decodes (docs/performance.md, "kvtc's coder scales"); 25 allows for
-    # a busier node. With lossless's size and speed, kvtc then wins on bf16 links below ~13 MB/s.
-    "kvtc": 2.5e7,
+    # kvtc's rANS decode runs symbol by symbol on one CPU thread, then each layer is rebuilt from the one
+    # before: ~22 MB/s of raw KV on SmolLM2 at load 1 (docs/performance.md, "kvtc predicted from the layer
+    # before"); 18 allows for a busier node. With lossless's size and speed, kvtc then wins on bf16 links
+    # below ~11 MB/s.
+    "kvtc": 1.8e7,
 }
 
 

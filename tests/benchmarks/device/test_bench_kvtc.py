@@ -36,8 +36,9 @@ def test_quick_run_decodes_every_block_as_the_cpu_does(tmp_path: Path) -> None:
         assert r["ratio"] > 2.0 and 0.01 < r["rel_rms_error"] < 0.3
         assert r["drift"] <= 0.1 if r["device"] != "cpu" else r["drift"] == 0.0
         assert r["raw_mb"] > r["coded_mb"] > 0
-    line = next(x for x in done.stdout.splitlines() if x.startswith("cpu "))
-    assert line.split()[-1] == "(reference)"
+    line = next(x for x in done.stdout.splitlines() if x.startswith("quick "))
+    assert line.split()[1:3] == ["yes", "cpu"] and line.split()[-1] == "(reference)"  # predicted, on CPU
+    assert all(r["predicted"] for r in rows)
 
 
 def test_a_device_decode_is_checked_layer_by_layer_against_the_codecs_own_error() -> None:
