@@ -62,11 +62,12 @@ def _plan_shape(report: dict) -> str:
 
 def _kvtc_tables(model: str, directory: Path) -> Path:
     """The model's kvtc tables, calibrated by ``kvnet kvtc calibrate`` on benchmarks/kvtc-calibration.txt
-    (never the timed text)."""
+    (never the timed text): 4,096 tokens and 256 scored, as bench_codecs.py calibrates, enough to predict
+    SmolLM2's layers from the layer before."""
     tables = directory / f"{model}.kvtc"
     text = REPO / "benchmarks" / "kvtc-calibration.txt"
     subprocess.run([sys.executable, "-m", "kvnet.cli", "kvtc", "calibrate", "--model", model, "--text",
-                    str(text), "--tokens", "2048", "--out", str(tables)], cwd=REPO, check=True)
+                    str(text), "--tokens", "4352", "--out", str(tables)], cwd=REPO, check=True)
     return tables
 
 
