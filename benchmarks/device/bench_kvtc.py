@@ -48,6 +48,7 @@ from common import load_average  # noqa: E402
 
 from kvnet.blocks.transform_codec import TransformCodec  # noqa: E402
 from kvnet.blocks.transform_tables import TransformTables, calibrate  # noqa: E402
+from kvnet.model.transformer import apply_rope  # noqa: E402
 
 REL_STEP = 0.12
 """``kvnet kvtc calibrate``'s default step."""
@@ -130,10 +131,10 @@ def synthetic_kv(geometry: Geometry, tokens: int, seed: int) -> tuple[torch.Tens
         layers.append((latent * strength) @ mix[layer] / factors ** 0.5 +
                       0.1 * torch.randn(2, tokens, c, generator=g))
     x = torch.stack(layers).view(geometry.layers, 2, tokens, geometry.kv_heads, geometry.head_dim)
-    angles = torch.arange(tokens, dtype=torch.float64)[:, None] * rope_inv_freq(geometry).double()[None, :]
-    cos, sin = angles.cos().float()[:, None], angles.sin().float()[:, None]
-    k1, k2 = x[:, 0].chunk(2, dim=-1)
-    return torch.cat((k1 * cos - k2 * sin, k2 * cos + k1 * sin), dim=-1), x[:, 1].contiguous()
+    angles = torch.arange(tokens, dtype=torch.float32)[:, None] * rope_inv_freq(geometry)[None, :]
+    angles = torch.cat((angles, angles), dim=-1)  # the model's rotate-half layout
+    k = torch.stack([apply_rope(x[layer, 0], angles.cos(), angles.sin()) for layer in range(geometry.layers)])
+    return k, x[:, 1].contiguous()
 
 
 def decode_all(codec: TransformCodec, payloads: Sequence[list[bytes]], shape: tuple[int, int, int],

@@ -327,6 +327,17 @@ def _quantize(coeffs: torch.Tensor, steps: torch.Tensor, sink_rows: int, token_s
     return torch.round(units).to(torch.int32), shifts
 
 
+def _checked_shifts(token_shifts: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray | None:
+    """``token_shifts`` as int64 of ``shape`` (``[block_size]`` a layer, ``[L, block_size]`` a block),
+    each within ``TOKEN_SHIFT_SPAN``; ``CodecError`` otherwise."""
+    if token_shifts is None:
+        return None
+    shifts = np.asarray(token_shifts, dtype=np.int64)
+    if shifts.shape != shape or int(np.abs(shifts).max(initial=0)) > TOKEN_SHIFT_SPAN:
+        raise CodecError(f"kvtc: token shifts must be {list(shape)} integers within +-{TOKEN_SHIFT_SPAN}")
+    return shifts
+
+
 def token_shifts_from_importance(importance: torch.Tensor, power: float = TOKEN_SHIFT_POWER,
                                  span: int = 2) -> np.ndarray:
     """Per (layer, token) shifts ``[L, N]`` for ``encode_block``'s ``token_shifts`` from the attention
@@ -429,25 +440,17 @@ class TransformCodec(Codec):
         within ``TOKEN_SHIFT_SPAN``, from ``token_shifts_from_importance``)."""
         if k.dim() != 4 or k.shape != v.shape:
             raise CodecError("kvtc: a block's K and V must both be [layers, block_size, heads, head_dim]")
-        layers, t = int(k.shape[0]), int(k.shape[1])
+        layers = int(k.shape[0])
         if layers != tables.num_layers:
             raise CodecError(f"kvtc: a block of {layers} layers does not fit tables for {tables.num_layers}")
-        if not 0 <= first_position <= _MAX_POSITION - t:
-            raise CodecError(f"kvtc: first position {first_position} out of range")
-        if token_shifts is not None:
-            token_shifts = np.asarray(token_shifts, dtype=np.int64)
-            widest = int(np.abs(token_shifts).max(initial=0))
-            if token_shifts.shape != (layers, t) or widest > TOKEN_SHIFT_SPAN:
-                raise CodecError(f"kvtc: token shifts must be [{layers}, {t}] integers within "
-                                 f"+-{TOKEN_SHIFT_SPAN}")
+        shifts = _checked_shifts(token_shifts, (layers, int(k.shape[1])))
         self.install(tables)
-        rotation = self._rotation(tables, first_position, t, torch.device("cpu"))
         previous: tuple[torch.Tensor, torch.Tensor] | None = None
         payloads = []
         for layer in range(layers):
-            payload, previous = self._encode_layer(
-                k[layer], v[layer], layer, tables, sink_rows,
-                None if token_shifts is None else token_shifts[layer], first_position, rotation, previous)
+            payload, previous = self._encode_layer(k[layer], v[layer], layer, tables, sink_rows,
+                                                   None if shifts is None else shifts[layer], first_position,
+                                                   previous)
             payloads.append(payload)
         return payloads
 
@@ -456,23 +459,14 @@ class TransformCodec(Codec):
                      previous: tuple[torch.Tensor, torch.Tensor] | None = None) -> bytes:
         """One layer of a block (``k, v: [block_size, H_kv, D]``; ``encode_block`` says the rest): a
         predicted layer needs its block's layer before as the decoder decodes it (``previous``)."""
-        if not 0 <= layer < tables.num_layers or not 0 <= first_position <= _MAX_POSITION - k.shape[0]:
-            raise CodecError(f"kvtc: layer {layer} at position {first_position} does not fit tables for "
-                             f"{tables.num_layers} layers")
-        if token_shifts is not None:
-            token_shifts = np.asarray(token_shifts, dtype=np.int64)
-            if token_shifts.shape != (k.shape[0],) or \
-                    int(np.abs(token_shifts).max(initial=0)) > TOKEN_SHIFT_SPAN:
-                raise CodecError(f"kvtc: token shifts must be {k.shape[0]} integers within "
-                                 f"+-{TOKEN_SHIFT_SPAN}")
+        if not 0 <= layer < tables.num_layers:
+            raise CodecError(f"kvtc: layer {layer} does not fit tables for {tables.num_layers} layers")
+        shifts = _checked_shifts(token_shifts, (int(k.shape[0]),))
         self.install(tables)
-        rotation = self._rotation(tables, first_position, int(k.shape[0]), torch.device("cpu"))
-        return self._encode_layer(k, v, layer, tables, sink_rows, token_shifts, first_position, rotation,
-                                  previous)[0]
+        return self._encode_layer(k, v, layer, tables, sink_rows, shifts, first_position, previous)[0]
 
     def _encode_layer(self, k: torch.Tensor, v: torch.Tensor, layer: int, tables: TransformTables,
                       sink_rows: int, token_shifts: np.ndarray | None, first_position: int,
-                      rotation: tuple[torch.Tensor, torch.Tensor],
                       previous: tuple[torch.Tensor, torch.Tensor] | None,
                       ) -> tuple[bytes, tuple[torch.Tensor, torch.Tensor]]:
         """Layer ``layer``'s payload and what a decoder will make of it (``previous`` for the next layer)."""
@@ -483,7 +477,9 @@ class TransformCodec(Codec):
         if (h, d) != (tables.num_kv_heads, tables.head_dim):
             raise CodecError(f"kvtc: layer {layer} of shape {shape} does not fit tables for "
                              f"{tables.num_layers} layers of {tables.num_kv_heads}x{tables.head_dim}")
-        base = self._base(tables, layer, rotation, previous, torch.device("cpu"))
+        if not 0 <= first_position <= _MAX_POSITION - t:
+            raise CodecError(f"kvtc: first position {first_position} out of range")
+        base = self._base(tables, layer, first_position, t, previous, torch.device("cpu"))
         streams: list[_Section] = [(_MODE_RAW, _DIGEST_LEN, tables.digest),
                                    (_MODE_RAW, _POSITION.size, _POSITION.pack(first_position))]
         integers: list[torch.Tensor] = []
@@ -507,19 +503,20 @@ class TransformCodec(Codec):
         payload = b"".join([header, table, *(bytes(data) for _, _, data in streams)])
         return payload, decoded
 
-    def _base(self, tables: TransformTables, layer: int, rotation: tuple[torch.Tensor, torch.Tensor],
+    def _base(self, tables: TransformTables, layer: int, first_position: int, rows: int,
               previous: tuple[torch.Tensor, torch.Tensor] | None, device: torch.device) -> torch.Tensor:
-        """``[2, T or 1, C]`` float32 what layer ``layer``'s K and V rows are coded relative to: the
-        prediction from the decoded layer before (``previous``, ``[T, C]`` each), else the mean."""
+        """``[2, rows or 1, C]`` float32 what layer ``layer``'s K and V rows (of a block of ``rows`` tokens
+        at ``first_position``) are coded relative to: the prediction from the decoded layer before
+        (``previous``, ``[rows, H, D]`` each), else the mean."""
         mean, _, _, predictor = self._on_device(tables, device)
         if not tables.predicted_layers[layer]:
             return mean[layer][:, None, :]
         if previous is None:
             raise CodecError(f"kvtc: layer {layer} is predicted from layer {layer - 1}, which was not given")
-        t, c = int(rotation[0].shape[0]), tables.channels
-        if any(tuple(x.shape[:1]) != (t,) or x.numel() != t * c for x in previous):
+        c = tables.channels
+        if any(tuple(x.shape[:1]) != (rows,) or x.numel() != rows * c for x in previous):
             raise CodecError(f"kvtc: layer {layer - 1} given to predict layer {layer} has the wrong shape")
-        cos, sin = rotation[0].to(device), rotation[1].to(device)
+        cos, sin = self._rotation(tables, first_position, rows, device)
         previous_k = previous[0].reshape(previous[0].shape[0], -1).to(device, torch.float32)
         previous_v = previous[1].reshape(previous[1].shape[0], -1).to(device, torch.float32)
         features = torch.cat((tables.rotate(previous_k, cos, sin, inverse=True), previous_v), 1)
@@ -650,12 +647,9 @@ class TransformCodec(Codec):
         returned them."""
         dev = torch.device(device)
         t = int(coded.integers.shape[1])
-        tables, layer = coded.tables, coded.layer
-        rotation = self._rotation(tables, coded.first_position, t, dev) if coded.needs_previous else \
-            (torch.empty(0), torch.empty(0))
-        base = self._base(tables, layer, rotation, previous, dev)
-        return self._reconstruct(tables, layer, coded.integers.to(dev), coded.row_scale.to(dev), base,
-                                 coded.dtype)
+        base = self._base(coded.tables, coded.layer, coded.first_position, t, previous, dev)
+        return self._reconstruct(coded.tables, coded.layer, coded.integers.to(dev), coded.row_scale.to(dev),
+                                 base, coded.dtype)
 
     def decode_block(
         self,

@@ -69,7 +69,7 @@ from proto.kvobject import (
 
 __all__ = [
     "TableStore", "TransformTables", "calibrate", "key_weights", "load_tables", "parse_tables_body",
-    "sign_tables", "verify_tables",
+    "predictor_tokens", "sign_tables", "verify_tables",
 ]
 
 TABLES_VERSION = 5
@@ -310,6 +310,11 @@ def _symmetric_inverse(weight: torch.Tensor) -> torch.Tensor:
     return ((vectors * values.reciprocal()[..., None, :]) @ vectors.transpose(-1, -2)).float()
 
 
+def predictor_tokens(channels: int) -> int:
+    """Calibration tokens ``calibrate`` needs to predict layers of ``channels`` (H x D) K/V values."""
+    return PREDICT_TOKENS_PER_FEATURE * (2 * channels + 1)
+
+
 def calibrate(k: torch.Tensor, v: torch.Tensor, fingerprint: bytes, rel_step: float = 0.04,
               key_rel_step: float | None = None, step_scale: torch.Tensor | None = None,
               query_metric: torch.Tensor | None = None, positions: torch.Tensor | None = None,
@@ -375,7 +380,7 @@ def calibrate(k: torch.Tensor, v: torch.Tensor, fingerprint: bytes, rel_step: fl
     # Every position's angles at once: ``rotation`` takes a run of positions, these may restart.
     angles = positions.to(torch.float64)[:, None] * tables.rope_inv_freq.to(torch.float64)[None, :]
     cos, sin = angles.cos()[:, None], angles.sin()[:, None]
-    predict = predict and n >= PREDICT_TOKENS_PER_FEATURE * (2 * c + 1)
+    predict = predict and n >= predictor_tokens(c)
     decoded: tuple[torch.Tensor, torch.Tensor] | None = None  # the previous layer, as a receiver holds it
     for layer in range(layers):
         exact = (k[layer].reshape(n, c).to(torch.float64), v[layer].reshape(n, c).to(torch.float64))

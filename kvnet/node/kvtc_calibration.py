@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvnet.blocks.codecs import CodecError
-from kvnet.blocks.transform_tables import PREDICT_TOKENS_PER_FEATURE, TransformTables, calibrate
+from kvnet.blocks.transform_tables import TransformTables, calibrate, predictor_tokens
 from kvnet.cache.paged_cache import PagedKVCache
 from kvnet.model.generate import cache_spec_for, prefill, prefix_root
 from kvnet.model.importance import token_importance
@@ -104,8 +104,8 @@ def prefill_kv_and_query_metric(model: Transformer, token_ids: Sequence[int], bl
 
 def tokens_to_predict(tables: TransformTables) -> int:
     """Tokens of text ``calibrate_model_tables`` needs (the scored ones included) for its tables to predict
-    each layer from the one before (``transform_tables.PREDICT_TOKENS_PER_FEATURE``)."""
-    return PREDICT_TOKENS_PER_FEATURE * (2 * tables.channels + 1) + HELD_OUT_TOKENS
+    each layer from the one before (``transform_tables.predictor_tokens``)."""
+    return predictor_tokens(tables.channels) + HELD_OUT_TOKENS
 
 
 def calibrate_model_tables(model: Transformer, token_ids: Sequence[int], block_size: int,

@@ -43,6 +43,7 @@ from kvnet.blocks.transform_tables import (
     verify_tables,
 )
 from kvnet.exchange.abr import QUALITY_ORDER
+from kvnet.model.transformer import apply_rope
 from kvnet.node.verification import EXACT_RENDITIONS
 from kvnet.security.signing import Signer, TrustStore
 
@@ -545,9 +546,8 @@ def _layered_kv(seed: int, tokens: int, first_position: int = 0, inv_freq: torch
     if inv_freq is not None:
         angles = torch.arange(first_position, first_position + tokens, dtype=torch.float64)[:, None] * \
             inv_freq.double()[None, :]
-        cos, sin = angles.cos().float()[:, None], angles.sin().float()[:, None]
-        k1, k2 = k.chunk(2, dim=-1)
-        k = torch.cat((k1 * cos - k2 * sin, k2 * cos + k1 * sin), dim=-1)
+        angles = torch.cat((angles, angles), dim=-1).float()  # the model's rotate-half layout
+        k = torch.stack([apply_rope(k[layer], angles.cos(), angles.sin()) for layer in range(LAYERS)])
     return k, v
 
 
