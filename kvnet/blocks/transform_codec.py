@@ -193,7 +193,8 @@ def _stream_plan(column_classes: np.ndarray, shifts: np.ndarray) -> _StreamPlan:
     ``shifts`` halvings finer than the tables' steps (``[t]``; a row's integers, hence its classes, grow
     by ``_CLASSES_PER_OCTAVE`` per halving): every coefficient by ascending class, so each class is one
     run for the coder; within a class, components by ascending class of their own (ties in component
-    order), each component's rows top to bottom."""
+    order), each component's rows top to bottom. ``column_classes`` are within ``[_CLASS_MIN,
+    _CLASS_MAX]`` (the callers clip them) and shifts within ``[-TOKEN_SHIFT_SPAN, SINK_SHIFT]``."""
     c, t = len(column_classes), len(shifts)
     columns = np.argsort(column_classes, kind="stable")
     positions = (columns[:, None] + np.arange(t)[None, :] * c).reshape(-1)
