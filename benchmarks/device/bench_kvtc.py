@@ -48,7 +48,7 @@ from common import load_average  # noqa: E402
 
 from kvnet.blocks.transform_codec import TransformCodec  # noqa: E402
 from kvnet.blocks.transform_tables import TransformTables, calibrate  # noqa: E402
-from kvnet.model.transformer import apply_rope  # noqa: E402
+from kvnet.model.transformer import ModelArgs, apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
 
 REL_STEP = 0.12
 """``kvnet kvtc calibrate``'s default step."""
@@ -71,6 +71,13 @@ class Geometry:
     block_tokens: int
     blocks: int
     calibration_tokens: int
+
+    @property
+    def model_args(self) -> ModelArgs:
+        """The synthetic model's shape as the project's models describe theirs (one query head per KV head;
+        Llama-3's rotary base), for the project's own RoPE."""
+        return ModelArgs(dim=self.kv_heads * self.head_dim, n_layers=self.layers, n_heads=self.kv_heads,
+                         n_kv_heads=self.kv_heads, intermediate_size=1, rope_theta=ROPE_THETA)
 
 
 FULL = Geometry("Llama-3-8B", layers=32, kv_heads=8, head_dim=128, block_tokens=64, blocks=4,
@@ -107,12 +114,6 @@ class Row:
     decode_s: list[float]
 
 
-def rope_inv_freq(geometry: Geometry) -> torch.Tensor:
-    """The synthetic model's rotary inverse frequencies ``[D / 2]`` (Llama's, at ``ROPE_THETA``)."""
-    exponents = torch.arange(0, geometry.head_dim, 2, dtype=torch.float32) / geometry.head_dim
-    return 1.0 / ROPE_THETA**exponents
-
-
 def synthetic_kv(geometry: Geometry, tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[L, tokens, H, D]`` (float32) of positions ``0 .. tokens - 1``: every channel a mix of
     latent factors whose strengths fall as 1/sqrt(rank) (the mixing fixed per layer, as a model's
@@ -131,9 +132,8 @@ def synthetic_kv(geometry: Geometry, tokens: int, seed: int) -> tuple[torch.Tens
         layers.append((latent * strength) @ mix[layer] / factors ** 0.5 +
                       0.1 * torch.randn(2, tokens, c, generator=g))
     x = torch.stack(layers).view(geometry.layers, 2, tokens, geometry.kv_heads, geometry.head_dim)
-    angles = torch.arange(tokens, dtype=torch.float32)[:, None] * rope_inv_freq(geometry)[None, :]
-    angles = torch.cat((angles, angles), dim=-1)  # the model's rotate-half layout
-    k = torch.stack([apply_rope(x[layer, 0], angles.cos(), angles.sin()) for layer in range(geometry.layers)])
+    cos, sin = rope_cos_sin(geometry.model_args, torch.arange(tokens))
+    k = torch.stack([apply_rope(x[layer, 0], cos, sin) for layer in range(geometry.layers)])
     return k, x[:, 1].contiguous()
 
 
@@ -230,7 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"tables calibrated on {geometry.calibration_tokens} other tokens at rel step {REL_STEP}; "
               f"median of {args.reps} runs; load average {load_average()}", flush=True)
         tables = calibrate(*synthetic_kv(geometry, geometry.calibration_tokens, seed=2), FINGERPRINT,
-                           REL_STEP, rope_inv_freq=rope_inv_freq(geometry), cache_dtype=torch.bfloat16)
+                           REL_STEP, rope_inv_freq=rope_inv_freq(geometry.model_args, torch.device("cpu")),
+                           cache_dtype=torch.bfloat16)
         if geometry is not FULL and not all(tables.predicted_layers[1:]):
             raise SystemExit(f"bench_kvtc: the {geometry.name} tables predict no layer (too few tokens)")
         codec = TransformCodec(FINGERPRINT)
