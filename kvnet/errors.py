@@ -16,6 +16,11 @@ class KVCacheError(Exception):
     """Base class of every error raised by kvnet core."""
 
 
+class CodecError(KVCacheError, ValueError):
+    """A payload cannot be encoded or decoded: bad shapes, dtypes, unknown codec, or corrupt bytes (raised
+    by kvnet.blocks, here so that kvtc's torch-free entropy processes raise the same type)."""
+
+
 class PoolExhaustedError(KVCacheError):
     """The block pool has fewer free (or evictable) blocks than requested.
 

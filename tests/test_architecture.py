@@ -82,6 +82,9 @@ RULES = (
          under("kvnet.node", "kvnet.integrations")),
     Rule("kvnet/storage never imports torch, kvnet.model or kvnet.blocks (the relay stores its tracks "
          "through it)", under("kvnet.storage"), under("torch", "kvnet.model", "kvnet.blocks")),
+    Rule("kvnet.blocks.kvtc_entropy never imports torch or another kvnet.blocks module (its worker processes "
+         "start with numpy and constriction only)", under("kvnet.blocks.kvtc_entropy"),
+         lambda name: under("torch", "kvnet.blocks")(name) and not under("kvnet.blocks.kvtc_entropy")(name)),
     Rule("kvnet never imports a role package (relay, publisher, subscriber)", under("kvnet"),
          under(*ROLE_PACKAGES)),
     *(
@@ -190,6 +193,7 @@ _BROKEN_TREE = {
     "kvnet/model/gen.py": "def f():\n    from kvnet.net.config import x\n",
     "kvnet/blocks/__init__.py": "",
     "kvnet/blocks/codecs.py": "",
+    "kvnet/blocks/kvtc_entropy.py": "def f():\n    from . import codecs\n",
     "kvnet/tools/__init__.py": "",
     "kvnet/tools/emu.py": "from .. import errors\n",
     "kvnet/exchange/__init__.py": "",
@@ -231,6 +235,7 @@ def broken_tree(tmp_path: Path) -> Path:
         "kvnet/exchange/peer.py:2: kvnet.exchange.peer imports kvnet.integrations",
         "kvnet/exchange/fetch.py:1: kvnet.exchange.fetch imports kvnet.node",
         "kvnet/storage/disk.py:2: kvnet.storage.disk imports kvnet.blocks.codecs",
+        "kvnet/blocks/kvtc_entropy.py:2: kvnet.blocks.kvtc_entropy imports kvnet.blocks.codecs",
         "kvnet/storage/files.py:1: kvnet.storage.files imports torch",
         "kvnet/node.py:2: kvnet.node imports relay.server",
         "relay/server.py:1: relay.server imports kvnet.blocks.codecs",
@@ -260,6 +265,7 @@ def test_relative_imports_resolve_against_the_importing_module() -> None:
         ("relay.__main__", ("torch", "kvnet.model", "kvnet.blocks", "publisher", "subscriber")),
         ("proto.session", ("asyncio", "kvnet", "msgpack")),
         ("kvnet.storage.disk", ("torch", "kvnet.model", "kvnet.blocks")),
+        ("kvnet.blocks.kvtc_entropy", ("torch", "kvnet.blocks.codecs")),
         ("kvnet.tools.cluster.__main__", ("kvnet.net", "kvnet.model", "torch")),
     ],
 )

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import zstandard
 
-from kvnet.errors import KVCacheError
+from kvnet.errors import CodecError
 
 __all__ = [
     "CODECS",
@@ -100,10 +100,6 @@ _FP16_MIN_NORMAL = 6.104e-05
 # measured on SmolLM2's bf16 KV (1410 layers of 64 tokens): ratio 2.66 against 2.56, the node's
 # decompress 18 against 31 us per layer, the publisher's compress ~2.8x faster (docs/performance.md).
 _LOSSLESS_ZSTD = zstandard.ZstdCompressionParameters.from_level(1, min_match=7, hash_log=6, search_log=1)
-
-
-class CodecError(KVCacheError, ValueError):
-    """A payload cannot be encoded or decoded: bad shapes, dtypes, unknown codec, or corrupt bytes."""
 
 
 class PayloadHeader(NamedTuple):

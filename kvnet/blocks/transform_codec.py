@@ -7,10 +7,10 @@ queries' metric (``TransformTables.key_weight``), is rotated into the layer's PC
 are rounded to one uniform step, and the integers are entropy-coded with rANS (``constriction``) under a
 per-component Laplace model whose scale the encoder picks from the block's own coefficients (sent as an
 offset from the calibrated one; each class of scales, a quarter octave wide, is one precomputed
-categorical model: below). Basis, key weight, predictors, means, steps and Laplace scales are the
-model's ``TransformTables`` (kvnet.blocks.transform_tables): calibrated once per model,
-content-addressed, signed and bound to the model fingerprint. Every payload names the exact tables it
-was coded with.
+categorical model: kvnet.blocks.kvtc_entropy, the stage between words and integers). Basis, key weight,
+predictors, means, steps and Laplace scales are the model's ``TransformTables``
+(kvnet.blocks.transform_tables): calibrated once per model, content-addressed, signed and bound to the
+model fingerprint. Every payload names the exact tables it was coded with.
 
 The first token of a sequence is an attention sink: later queries put much of their weight on it, so its
 error costs the model's output far more than any other row's (on SmolLM2, coding it exactly at the same
@@ -35,7 +35,8 @@ rows' shift (with sink rows), whether the other rows have shifts and if so each 
 class offset, then the integers class by class, then the escaped values (proto/KVOBJECT.md section 5
 states the order for other implementations).
 Decoding is two stages: ``parse`` entropy-decodes one payload (the costly part, on the CPU, independent of
-every other layer, so a receiver runs layers in parallel), and ``reconstruct`` rebuilds its K and V in
+every other layer, so a receiver runs layers in parallel: in processes, ``EntropyProcesses``, as the coder
+holds the GIL), and ``reconstruct`` rebuilds its K and V in
 torch, on CPU or CUDA, from the layer before's as decoded: in layer order. The encoder reconstructs each
 layer with the same function to predict the next, so on one device both hold the same values; another
 device may round a value's last bit differently, and that difference is carried into the layers after
@@ -44,18 +45,12 @@ device may round a value's last bit differently, and that difference is carried 
 
 from __future__ import annotations
 
-import functools
-import itertools
-import operator
 import struct
 import threading
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from decimal import ROUND_CEILING, Decimal, localcontext
 from typing import TYPE_CHECKING
 
-import constriction
 import numpy as np
 import torch
 
@@ -75,14 +70,23 @@ from kvnet.blocks.codecs import (
     _Section,
     read_header,
 )
+from kvnet.blocks.kvtc_entropy import (
+    RANGE,
+    SINK_SHIFT,
+    TOKEN_SHIFT_SPAN,
+    EntropyProcesses,
+    StreamJob,
+    build_models,
+    class_of,
+    decode_layer_streams,
+    encode_stream,
+)
 
 if TYPE_CHECKING:  # transform_tables imports codecs, which imports this module
     from kvnet.blocks.transform_tables import TransformTables
 
 __all__ = ["TOKEN_SHIFT_SPAN", "CodedLayer", "TransformCodec", "token_shifts_from_importance"]
 
-# The coder carries integers of at most this many steps either side of zero (an escape's uniform model).
-_RANGE = 32767
 _DIGEST_LEN = 32
 # A payload's block starts at this position of its sequence (u32 LE): the angles of K's rotary embedding,
 # which the prediction from the layer before undoes and redoes.
@@ -90,216 +94,14 @@ _POSITION = struct.Struct("<I")
 _MAX_POSITION = 2**32 - 1
 _SECTIONS = 4  # digest, first position, K, V
 _ROTATIONS_KEPT = 64  # blocks' rotary angles a codec keeps (``TransformCodec._rotation``)
-# Sink rows are coded with steps at most this many halvings finer than the tables' (the module docstring).
-SINK_SHIFT = 6
-_SHIFT_MODEL = constriction.stream.model.Uniform(SINK_SHIFT + 1)
-# Other rows may be coded up to this many halvings finer or coarser than the tables' steps, by how much
-# attention later queries give their token (``token_shifts_from_importance``); a stream says whether it
-# has such shifts (one flag) and, if so, codes one per row.
-TOKEN_SHIFT_SPAN = 3
 TOKEN_SHIFT_POWER = 0.5
 """Halvings per doubling of a token's attention: its KL share goes with attention x step**2, so equal
 shares want the step to go with attention**-1/2 (on SmolLM2 0.5 measured better than 0.35 or 0.75, and a
 span of 2 better than 3: docs/performance.md, "kvtc steps per token")."""
-_TOKEN_SHIFT_MODEL = constriction.stream.model.Uniform(2 * TOKEN_SHIFT_SPAN + 1)
-_FLAG_MODEL = constriction.stream.model.Uniform(2)
-
-# The entropy models. Each coefficient is coded under a quantized Laplace whose scale is one of a fixed set
-# of classes, a quarter of an octave apart, and every class has one categorical model: the coder decodes a
-# class's symbols with a table search instead of evaluating a parametric CDF per symbol (4-8x faster). A
-# class's alphabet spans ``_TAIL`` scales either side of zero (at most ``_MAX_HALF``); a rarer value is an
-# escape symbol followed, after every class, by the value itself under a uniform model. Class bounds and
-# the models' transcendental values are computed in decimal arithmetic, whose results are exactly
-# specified, and the rest in float64 products, exact to the bit on every host, so an encoder and a decoder
-# on different CPUs or libraries build bit-identical models (a float ``exp`` may differ in its last bit
-# between builds).
-#
-# Which class a component uses is the encoder's choice, sent with the stream: its offset (in classes) from
-# the class of the tables' spread. The calibration text's spreads are not the served text's: on SmolLM2 the
-# coefficients of other documents were twice as wide as calibrated (median), and coding them under the
-# calibrated scales cost 1.5x the bits of their own (docs/performance.md, "kvtc's coder scales"). A sink
-# row's class is its component's plus ``4 * shift`` (its integers are 2**shift times larger).
-_CLASSES_PER_OCTAVE = 4
-_CLASS_MIN, _CLASS_MAX = -32, 64  # scales 2**-8 .. 2**16
-_TAIL = 64
-_MAX_HALF = 8192
-_ESCAPE_MODEL = constriction.stream.model.Uniform(2 * _RANGE + 1)
-_OFFSET_MIN, _OFFSET_COUNT = -16, 32  # a component's class offset: -4 .. +3.75 octaves
-_OFFSET_MODEL = constriction.stream.model.Uniform(_OFFSET_COUNT)
-
-
-def _class_scale(c: int) -> Decimal:
-    return Decimal(2) ** (Decimal(c) / _CLASSES_PER_OCTAVE)
-
-
-@functools.cache
-def _class_bounds() -> np.ndarray:
-    """Upper bound of each class's scales but the last (the geometric midpoints), as float64."""
-    with localcontext() as ctx:
-        ctx.prec = 40
-        mids = [Decimal(2) ** ((Decimal(c) + Decimal("0.5")) / _CLASSES_PER_OCTAVE)
-                for c in range(_CLASS_MIN, _CLASS_MAX)]
-        return np.array([float(m) for m in mids], dtype=np.float64)
-
-
-def _class_of(scale: np.ndarray) -> np.ndarray:
-    """The class of each scale (exact comparisons with the decimal bounds: the same on every host)."""
-    return np.searchsorted(_class_bounds(), scale, side="left") + _CLASS_MIN
-
-
-def _half_of(c: int) -> int:
-    with localcontext() as ctx:
-        ctx.prec = 40
-        wide = (_class_scale(c) * _TAIL).to_integral_value(rounding=ROUND_CEILING)
-        return min(_MAX_HALF, max(1, int(wide)))
-
-
-@functools.cache
-def _class_halves() -> np.ndarray:
-    """Every class's alphabet half-width, indexed by ``class - _CLASS_MIN``."""
-    return np.array([_half_of(c) for c in range(_CLASS_MIN, _CLASS_MAX + 1)], dtype=np.int32)
-
-
-@functools.cache
-def _class_model(c: int) -> constriction.stream.model.Categorical:
-    """Class ``c``'s model: a quantized Laplace over ``[-half, half]`` (indices ``0 .. 2 half``) and the
-    escape (index ``2 half + 1``) carrying the mass beyond."""
-    half = int(_class_halves()[c - _CLASS_MIN])
-    with localcontext() as ctx:
-        ctx.prec = 40
-        q = (Decimal(-1) / (2 * _class_scale(c))).exp()  # P(|x| > n) = q**(2n + 1) for an integer n >= 0
-        p0, p1, r, escape = (float(x) for x in (1 - q, q * (1 - q * q) / 2, q * q, q ** (2 * half + 1)))
-    # P(n) = P(n - 1) r for n >= 2: one float64 product each, in order (IEEE multiplication is exact to the
-    # same bit everywhere; only the transcendental values above needed decimal arithmetic).
-    side = [p0, *itertools.accumulate(itertools.repeat(r, half - 1), operator.mul, initial=p1)]
-    probs = np.array(side[:0:-1] + side + [escape], dtype=np.float64)
-    return constriction.stream.model.Categorical(probs, perfect=False)
-
-
-@dataclass(frozen=True, slots=True)
-class _StreamPlan:
-    """How one ``[t, C]`` coefficient stream is ordered for the coder: ``order`` lists its (row-major)
-    positions in coding order, ``classes`` each class's model and symbol count in that order; ``half`` and
-    ``escape`` give, per position in that order, its class's alphabet half-width and escape index."""
-
-    order: np.ndarray
-    classes: tuple[tuple[constriction.stream.model.Categorical, int], ...]
-    half: np.ndarray
-    escape: np.ndarray
-
-
-def _stream_plan(column_classes: np.ndarray, shifts: np.ndarray) -> _StreamPlan:
-    """The coding order of a stream whose components use ``column_classes`` and whose rows are coded
-    ``shifts`` halvings finer than the tables' steps (``[t]``; a row's integers, hence its classes, grow
-    by ``_CLASSES_PER_OCTAVE`` per halving): every coefficient by ascending class, so each class is one
-    run for the coder; within a class, components by ascending class of their own (ties in component
-    order), each component's rows top to bottom. ``column_classes`` are within ``[_CLASS_MIN,
-    _CLASS_MAX]`` (the callers clip them) and shifts within ``[-TOKEN_SHIFT_SPAN, SINK_SHIFT]``."""
-    c, t = len(column_classes), len(shifts)
-    columns = np.argsort(column_classes, kind="stable")
-    positions = (columns[:, None] + np.arange(t)[None, :] * c).reshape(-1)
-    # int8 throughout (a class is -32 .. 64, a shift adds at most 4 x 6 either way): numpy's stable sort of
-    # int8 is a radix sort, twice as fast as int16's; the decoder runs this for every stream, holding the GIL.
-    classes = np.add.outer(column_classes[columns].astype(np.int8),
-                           (_CLASSES_PER_OCTAVE * shifts).astype(np.int8)).reshape(-1)
-    np.clip(classes, _CLASS_MIN, _CLASS_MAX, out=classes)
-    by_class = np.argsort(classes, kind="stable")
-    counts = np.bincount(classes - np.int8(_CLASS_MIN), minlength=_CLASS_MAX - _CLASS_MIN + 1)
-    present = np.flatnonzero(counts)
-    runs = tuple(zip([_class_model(v + _CLASS_MIN) for v in present.tolist()], counts[present].tolist(),
-                     strict=True))
-    half = np.repeat(_class_halves()[present], counts[present])  # in coding order: class by class
-    return _StreamPlan(positions[by_class], runs, half, 2 * half + 1)
-
-
-def _choose_offsets(q: np.ndarray, base: np.ndarray, shifts: np.ndarray, sink_rows: int) -> np.ndarray:
-    """Each component's class offset from ``base``: the class of the Laplace scale that fits the mean
-    magnitude of its integers outside the sink rows (``q``, ``[t, C]``, row ``i`` ``shifts[i]`` halvings
-    finer, each brought back to the tables' step). Under a class's model a component is non-zero with
-    probability ``p = exp(-1 / (2 scale))`` and its mean magnitude is ``p / (1 - p**2)``, so the scale is
-    found from the mean by inverting that, not taken to be the mean: for a component that is mostly zero
-    the mean is well below the scale, and coding it under the mean's class made SmolLM2's blocks 1.2%
-    larger (docs/performance.md, "kvtc's classes by their bits")."""
-    body = q[sink_rows:]
-    if not body.shape[0]:
-        return np.zeros_like(base)
-    unshifted = np.abs(body) * np.exp2(-shifts[sink_rows:].astype(np.float64))[:, None]
-    mean = np.maximum(unshifted.mean(0), 1e-6)
-    nonzero = 2 * mean / (np.sqrt(1 + 4 * mean * mean) + 1)  # p / (1 - p**2) = mean, solved for p
-    wanted = _class_of(-0.5 / np.log(nonzero))
-    return np.clip(wanted - base, _OFFSET_MIN, _OFFSET_MIN + _OFFSET_COUNT - 1)
-
-
-def _encode_coefficients(q: np.ndarray, base: np.ndarray, shifts: np.ndarray, sink_rows: int
-                         ) -> tuple[np.ndarray, np.ndarray]:
-    """rANS words of the integers ``q`` (``[t, C]`` int32, row ``i`` coded ``shifts[i]`` halvings finer;
-    the ``sink_rows`` first rows share one shift) and the class offsets chosen for them
-    (``_choose_offsets``: per component, from ``base``, the class of the tables' spread)."""
-    t = q.shape[0]
-    offsets = _choose_offsets(q, base, shifts, sink_rows)
-    plan = _stream_plan(np.clip(base + offsets, _CLASS_MIN, _CLASS_MAX), shifts)
-    ordered = q.reshape(-1)[plan.order]
-    outside = np.abs(ordered) > plan.half
-    indices = np.where(outside, plan.escape, ordered + plan.half).astype(np.int32)
-    coder = constriction.stream.stack.AnsCoder()
-    # A stack: what is decoded last is encoded first: the escaped values, the classes in reverse, the
-    # offsets, the token shifts, then the sink shift (decoded first).
-    escaped = ordered[outside].astype(np.int32) + _RANGE
-    if escaped.size:
-        coder.encode_reverse(escaped, _ESCAPE_MODEL)
-    end = len(indices)
-    for model, count in reversed(plan.classes):
-        coder.encode_reverse(indices[end - count:end], model)
-        end -= count
-    coder.encode_reverse((offsets - _OFFSET_MIN).astype(np.int32), _OFFSET_MODEL)
-    token_shifts = shifts[sink_rows:]
-    if token_shifts.any():
-        coder.encode_reverse((token_shifts + TOKEN_SHIFT_SPAN).astype(np.int32), _TOKEN_SHIFT_MODEL)
-    if t > sink_rows:
-        coder.encode_reverse(np.array([int(token_shifts.any())], dtype=np.int32), _FLAG_MODEL)
-    if sink_rows:
-        coder.encode_reverse(np.array([shifts[0]], dtype=np.int32), _SHIFT_MODEL)
-    return coder.get_compressed(), offsets
-
-
-def _decode_coefficients(coder: constriction.stream.stack.AnsCoder, base: np.ndarray, t: int, sink_rows: int
-                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The integers (row-major int32), class offsets and row shifts ``[t]`` ``_encode_coefficients``
-    coded; ``CodecError`` for an escape that holds a value its class's alphabet covers (no encoder writes
-    one)."""
-    shifts = np.zeros(t, dtype=np.int64)
-    if sink_rows:
-        shifts[:sink_rows] = int(coder.decode(_SHIFT_MODEL, 1)[0])
-    if t > sink_rows and int(coder.decode(_FLAG_MODEL, 1)[0]):
-        coded = coder.decode(_TOKEN_SHIFT_MODEL, t - sink_rows).astype(np.int64)
-        shifts[sink_rows:] = coded - TOKEN_SHIFT_SPAN
-        if not shifts[sink_rows:].any():
-            raise CodecError("kvtc: token shifts flagged but all zero (no encoder writes that)")
-    offsets = coder.decode(_OFFSET_MODEL, len(base)).astype(np.int64) + _OFFSET_MIN
-    plan = _stream_plan(np.clip(base + offsets, _CLASS_MIN, _CLASS_MAX), shifts)
-    indices = np.concatenate([coder.decode(model, count) for model, count in plan.classes])
-    ordered = indices - plan.half
-    outside = np.flatnonzero(indices == plan.escape)
-    if outside.size:
-        values = coder.decode(_ESCAPE_MODEL, outside.size).astype(np.int32) - _RANGE
-        if bool((np.abs(values) <= plan.half[outside]).any()):
-            raise CodecError("kvtc: an escaped coefficient its class codes directly")
-        ordered[outside] = values
-    symbols = np.empty_like(ordered)
-    symbols[plan.order] = ordered
-    return symbols, offsets, shifts
-
-
-def _stream_crc(symbols: np.ndarray, offsets: np.ndarray, shifts: np.ndarray, sink_rows: int) -> int:
-    """CRC-32 of a stream's integers (int32 LE), its class offsets and its row shifts (int8 each), seeded
-    with the sink-row count, so a changed Flags byte is refused too."""
-    crc = zlib.crc32(symbols.astype("<i4", copy=False).tobytes(), sink_rows)
-    crc = zlib.crc32(offsets.astype(np.int8).tobytes(), crc)
-    return zlib.crc32(shifts.astype(np.int8).tobytes(), crc)
 
 
 def _row_scale(shifts: np.ndarray) -> torch.Tensor:
-    """``[t]`` factor of each row's steps, ``2**-shift``."""
+    """The factor of each row's steps, ``2**-shift`` (any shape of shifts)."""
     return torch.from_numpy(np.exp2(-shifts.astype(np.float64))).to(torch.float32)
 
 
@@ -312,20 +114,20 @@ def _quantize(coeffs: torch.Tensor, steps: torch.Tensor, sink_rows: int, token_s
     decode a wrong value)."""
     units = coeffs / steps
     widest = units.abs().amax(1)  # [t]
-    if float(widest.max()) > _RANGE:
+    if float(widest.max()) > RANGE:
         raise CodecError(f"kvtc: {what} holds a coefficient of {float(widest.max()):.3g} steps, beyond the "
-                         f"coder's {_RANGE} (far outside what its tables were calibrated on)")
+                         f"coder's {RANGE} (far outside what its tables were calibrated on)")
     shifts = np.zeros(int(units.shape[0]), dtype=np.int64)
     if token_shifts is not None:
         shifts[sink_rows:] = token_shifts[sink_rows:]
         row_widest = widest.double().numpy()
-        fits = np.floor(np.log2(_RANGE / np.maximum(row_widest, 1e-30))).astype(np.int64)
-        fits -= row_widest * np.exp2(fits) > _RANGE  # the logarithm's last bit may round up
+        fits = np.floor(np.log2(RANGE / np.maximum(row_widest, 1e-30))).astype(np.int64)
+        fits -= row_widest * np.exp2(fits) > RANGE  # the logarithm's last bit may round up
         shifts[sink_rows:] = np.minimum(shifts[sink_rows:], np.maximum(fits[sink_rows:], 0))
     if sink_rows:
         sink_widest = float(widest[:sink_rows].max())
         sink_shift = 0
-        while sink_shift < SINK_SHIFT and sink_widest * 2.0 ** (sink_shift + 1) <= _RANGE:
+        while sink_shift < SINK_SHIFT and sink_widest * 2.0 ** (sink_shift + 1) <= RANGE:
             sink_shift += 1
         shifts[:sink_rows] = sink_shift
     units *= torch.from_numpy(np.exp2(shifts.astype(np.float64))).to(units.dtype)[:, None]  # exact
@@ -360,7 +162,7 @@ def token_shifts_from_importance(importance: torch.Tensor, power: float = TOKEN_
 @dataclass(frozen=True, slots=True, eq=False)
 class CodedLayer:
     """One layer's payload entropy-decoded (``TransformCodec.parse``): its tables, layer index, its block's
-    first position, dtype, integers ``[2, T, C]`` (K, V) and each row's step factor ``[2, T]``."""
+    first position, dtype, integers ``[2, T, C]`` (K, V; int16) and each row's step factor ``[2, T]``."""
 
     tables: TransformTables
     layer: int
@@ -384,9 +186,12 @@ class TransformCodec(Codec):
     lossless = False
 
     def __init__(self, fingerprint: bytes | None = None,
-                 shared: dict[bytes, TransformTables] | None = None) -> None:
+                 shared: dict[bytes, TransformTables] | None = None,
+                 entropy: EntropyProcesses | None = None) -> None:
         super().__init__()
         self.fingerprint = fingerprint
+        self.entropy = entropy
+        """Worker processes that ``parse_layers`` entropy-decodes on (None: the calling thread)."""
         self._tables: dict[bytes, TransformTables] = {} if shared is None else shared
         self._device_tables: dict[tuple[bytes, str], tuple[torch.Tensor, ...]] = {}
         self._bases: dict[tuple[bytes, int, int], np.ndarray] = {}
@@ -395,7 +200,7 @@ class TransformCodec(Codec):
 
     def for_model(self, fingerprint: bytes) -> TransformCodec:
         """A view of this codec (same installed tables) that decodes only blocks of ``fingerprint``."""
-        return TransformCodec(fingerprint, self._tables)
+        return TransformCodec(fingerprint, self._tables, self.entropy)
 
     def install(self, tables: TransformTables) -> None:
         """Make verified tables available to encode and decode (keyed by their digest)."""
@@ -407,8 +212,7 @@ class TransformCodec(Codec):
         """Compute what decoding with ``tables`` needs before the first block does: the synthesis matrices
         and every coder model (~70 ms for SmolLM2's), e.g. on the thread that verified them."""
         _ = tables.synthesis
-        for c in range(_CLASS_MIN, _CLASS_MAX + 1):
-            _class_model(c)
+        build_models()
 
     def tables(self, digest: bytes) -> TransformTables:
         found = self._tables.get(bytes(digest))
@@ -426,7 +230,7 @@ class TransformCodec(Codec):
         key = (tables.digest, layer, kind)
         base = self._bases.get(key)
         if base is None:
-            base = self._bases[key] = _class_of(tables.spread[layer, kind].numpy().astype(np.float64))
+            base = self._bases[key] = class_of(tables.spread[layer, kind].numpy().astype(np.float64))
         return base
 
     # -- encode ---------------------------------------------------------------------------------------
@@ -494,10 +298,7 @@ class TransformCodec(Codec):
             coeffs = (rows - base[kind]) @ tables.analysis[layer, kind]
             what = f"layer {layer}'s {'KV'[kind]}"
             q, shifts = _quantize(coeffs, tables.step[layer, kind], sink_rows, token_shifts, what)
-            coded, offsets = _encode_coefficients(q.numpy(), self._base_classes(tables, layer, kind), shifts,
-                                                  sink_rows)
-            crc = _stream_crc(q.numpy(), offsets, shifts, sink_rows).to_bytes(4, "little")
-            body = coded.astype("<u4").tobytes() + crc
+            body = encode_stream(q.numpy(), self._base_classes(tables, layer, kind), shifts, sink_rows)
             streams.append((_MODE_RAW, len(body), body))
             integers.append(q)
             scales.append(_row_scale(shifts))
@@ -561,6 +362,23 @@ class TransformCodec(Codec):
               ) -> CodedLayer:
         """One payload entropy-decoded and checked (the costly half of decoding, independent of every
         other layer: any thread may run it); ``reconstruct`` makes K and V of it."""
+        return self.parse_layers([data], shape, dtype)[0]
+
+    def parse_layers(self, payloads: Sequence[bytes | bytearray | memoryview], shape: tuple[int, ...],
+                     dtype: torch.dtype) -> list[CodedLayer]:
+        """``parse`` of each payload: on this codec's entropy processes where it has them (``entropy``; the
+        calling thread waits for them without the GIL), else on the calling thread."""
+        framed = [self._frame(data, shape, dtype) for data in payloads]
+        jobs = [job for _, job in framed]
+        entropy = self.entropy
+        decoded = entropy.decode(jobs) if entropy is not None else [decode_layer_streams(job) for job in jobs]
+        return [CodedLayer(tables, layer, first_position, dtype, torch.from_numpy(q), _row_scale(shifts))
+                for ((tables, layer, first_position), _), (q, shifts) in zip(framed, decoded, strict=True)]
+
+    def _frame(self, data: bytes | bytearray | memoryview, shape: tuple[int, ...], dtype: torch.dtype
+               ) -> tuple[tuple[TransformTables, int, int], StreamJob]:
+        """A payload's header and sections checked: its tables, layer and first position, and what its
+        entropy decoding needs (``CodecError`` with one line for anything a kvtc encoder does not write)."""
         header = read_header(data)
         if header.codec_id != self.codec_id:
             raise CodecError(f"payload was written by codec id {header.codec_id}, not {self.name}")
@@ -599,26 +417,10 @@ class TransformCodec(Codec):
             raise CodecError(f"kvtc payload layer {layer} of {h}x{d} does not fit its tables")
         if first_position > _MAX_POSITION - t:
             raise CodecError(f"kvtc payload's first position {first_position} is out of range")
-        q = np.empty((2, t, h * d), dtype=np.int32)
-        row_scale = torch.empty(2, t)
-        for kind in range(2):
-            body = bodies[2 + kind]
-            words = np.frombuffer(body[:-4], dtype="<u4").astype(np.uint32)
-            base = self._base_classes(tables, layer, kind)
-            try:
-                coder = constriction.stream.stack.AnsCoder(words)
-                symbols, offsets, shifts = _decode_coefficients(coder, base, t, header.flags)
-                exhausted = coder.is_empty()
-            except CodecError:
-                raise
-            except Exception as exc:  # the coder's own error types vary by input
-                raise CodecError(f"kvtc: corrupt {'KV'[kind]} bitstream ({exc})") from None
-            crc = _stream_crc(symbols, offsets, shifts, header.flags)
-            if not exhausted or crc != int.from_bytes(body[-4:], "little"):
-                raise CodecError(f"kvtc: corrupt {'KV'[kind]} bitstream (checksum mismatch)")
-            q[kind] = symbols.reshape(t, h * d)
-            row_scale[kind] = _row_scale(shifts)
-        return CodedLayer(tables, layer, first_position, dtype, torch.from_numpy(q), row_scale)
+        job = StreamJob((bytes(bodies[2]), bytes(bodies[3])),
+                        (self._base_classes(tables, layer, 0), self._base_classes(tables, layer, 1)), t,
+                        header.flags)
+        return (tables, layer, first_position), job
 
     def _on_device(self, tables: TransformTables, device: torch.device) -> tuple[torch.Tensor, ...]:
         """mean, synthesis, step and predictor of ``tables`` on ``device``, copied there once."""

@@ -47,6 +47,23 @@ DEFAULT_VERIFY_WORKERS = auto_verify_workers()
 this host's cores; 0 does it on the event loop."""
 
 
+MAX_AUTO_KVTC_DECODE_PROCESSES = 8
+
+
+def auto_kvtc_decode_processes(cores: int | None = None) -> int:
+    """Processes that entropy-decode ``kvtc`` layers (kvnet.blocks.kvtc_entropy) on a host with ``cores``
+    usable cores (None: this process's): one per core, at most ``MAX_AUTO_KVTC_DECODE_PROCESSES`` (each
+    decodes ~38 MB/s of SmolLM2's raw KV here). They work while the fetch waits for the network, so even
+    on 2 cores, beside the event loop, two measured faster than one (docs/performance.md, "kvtc's
+    entropy stage in processes")."""
+    if cores is None:
+        cores = usable_cores()
+    return max(1, min(cores, MAX_AUTO_KVTC_DECODE_PROCESSES))
+
+
+DEFAULT_KVTC_DECODE_PROCESSES = auto_kvtc_decode_processes()
+
+
 MAX_FETCH_CONNECTIONS = 16
 """Most relay sessions one fetch is striped over (``--fetch-connections``): each is a connection at the
 relay and, with ``fetch_verify_workers``, a pool of threads here."""
@@ -109,3 +126,4 @@ def check_fetch_settings(window_bytes: int, verify_workers: int, connections: in
         raise ValueError(f"fetch_verify_workers must be in [0, {MAX_VERIFY_WORKERS}], got {verify_workers}")
     if not 1 <= connections <= MAX_FETCH_CONNECTIONS:
         raise ValueError(f"fetch_connections must be in [1, {MAX_FETCH_CONNECTIONS}], got {connections}")
+

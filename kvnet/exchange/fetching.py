@@ -22,8 +22,10 @@ and plane join, ~1.5 for ``plain``'s copy with SHA-256 digests, ~0.4 less with B
 runs either on the event loop as each layer arrives (``verify_workers=0``) or on a bounded pool of
 ``verify_workers`` threads (blake3, hashlib, zstd and numpy release the GIL inside their calls), a block's
 layers per task, while the loop keeps reading the network. A ``kvtc`` layer is predicted from the block's
-layer before as decoded (kvnet.blocks.transform_tables): a task entropy-decodes its layers first, then
-waits for the task before it in the block to hand over its last layer, and rebuilds its own in order.
+layer before as decoded (kvnet.blocks.transform_tables): a task entropy-decodes its layers first (on the
+codec's entropy processes where it has them, kvnet.blocks.kvtc_entropy: the coder holds the GIL, so a
+fetch that may get kvtc has a thread per process even where it decodes other renditions on the loop),
+then waits for the task before it in the block to hand over its last layer, and rebuilds its own in order.
 The default pool is sized to the host's cores (``auto_verify_workers``: none on 2 cores, where it
 measured no faster and cost 5-12% more CPU per MB; docs/performance.md, "Verify and decode off the event
 loop"). A cache that lends its slots on the CPU (``PagedKVCache``) has each layer decoded straight into
@@ -503,7 +505,8 @@ class BlockFetcher:
         (None)."""
         window = self.window_blocks
         next_issue = 0
-        pool = _LayerPool(self.verify_workers, self._pool_slots) if self.verify_workers else None
+        workers = max(self.verify_workers, self._entropy_threads(renditions))
+        pool = _LayerPool(workers, self._pool_slots) if workers else None
         clock = _SampleClock(decode_inline=pool is None)
         first_byte_wait = _FirstByteWait()
         waiting: asyncio.Timeout | None = None
@@ -631,6 +634,14 @@ class BlockFetcher:
             if out.sample_bytes and measure:
                 self.abr.fetch_measured(out.sample_bytes, out.sample_s)
         return out
+
+    def _entropy_threads(self, renditions: Sequence[str]) -> int:
+        """Threads a fetch that may get ``kvtc`` needs to keep its entropy processes busy: one per process,
+        each waiting without the GIL while its process decodes a task's layers, so the loop goes on
+        reading the network (on 2 cores, where ``verify_workers`` is 0, the fetch has threads only for
+        kvtc's sake); 0 without processes."""
+        entropy = self.tables.codec.entropy
+        return entropy.processes if entropy is not None and TransformCodec.name in renditions else 0
 
     async def _send_fetch(self, exp: BlockIdentity, rendition: str) -> FetchHandle:
         ns, name = block_track(self.fingerprint, self.namespace_id, exp.block_hash, rendition)
@@ -971,14 +982,15 @@ def _decode_layers(
     codec = layers[0].codec
     manifest = layers[0].manifest
     shape, dtype = manifest.layer_shape, dtype_from_name(manifest.dtype)
-    coded = []
     for layer in layers:
         _check_digest(layer)
-        if isinstance(codec, TransformCodec):
-            coded.append(codec.parse(layer.payload, shape, dtype))
-            if coded[-1].layer != layer.object_id - 1 or coded[-1].first_position != coded[0].first_position:
-                raise CodecError(f"kvtc payload of object {layer.object_id} is layer {coded[-1].layer} at "
-                                 f"position {coded[-1].first_position}, not its block's layer")
+    coded = codec.parse_layers([layer.payload for layer in layers], shape, dtype) \
+        if isinstance(codec, TransformCodec) else []
+    for layer, entropy_decoded in zip(layers, coded, strict=False):  # coded: none but for kvtc
+        if entropy_decoded.layer != layer.object_id - 1 or \
+                entropy_decoded.first_position != coded[0].first_position:
+            raise CodecError(f"kvtc payload of object {layer.object_id} is layer {entropy_decoded.layer} at "
+                             f"position {entropy_decoded.first_position}, not its block's layer")
     out: list[_DecodedLayer] = []
     if not coded:
         for layer in layers:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvnet.blocks.codecs import CodecError
+from kvnet.blocks.kvtc_entropy import EntropyProcesses
 from kvnet.blocks.transform_codec import TransformCodec
 from kvnet.blocks.transform_tables import (
     TableStore,
@@ -64,13 +65,15 @@ class TablesSource:
     """Verified decoder tables of one model, by digest: memory, then ``directory``, then the relay."""
 
     def __init__(self, trust: TrustStore, fingerprint: bytes, namespace_id: str, *,
-                 directory: Path | None = None, timeout: float = 30.0) -> None:
+                 directory: Path | None = None, timeout: float = 30.0,
+                 entropy: EntropyProcesses | None = None) -> None:
         self.trust = trust
         self.fingerprint = fingerprint
         self.namespace_id = namespace_id
         self.timeout = timeout
-        self.codec = TransformCodec(fingerprint)
-        """The ``kvtc`` codec this node decodes with: it holds only tables verified for ``fingerprint``."""
+        self.codec = TransformCodec(fingerprint, entropy=entropy)
+        """The ``kvtc`` codec this node decodes with: it holds only tables verified for ``fingerprint``, and
+        entropy-decodes on ``entropy``'s processes where given."""
         self._store = TableStore(directory, trust, fingerprint) if directory is not None else None
         self.served: dict[bytes, tuple[bytes, ...]] = {}
         """The objects of the tables tracks this node serves (its own tables), by digest."""

@@ -14,21 +14,26 @@ import argparse
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvnet.blocks.kvtc_entropy import MAX_DECODE_PROCESSES
 from kvnet.config import size_arg
 from kvnet.exchange.abr import QUALITY_ORDER
 from kvnet.exchange.config import (
     CORES_PER_FETCH_CONNECTION,
     DEFAULT_FETCH_CONNECTIONS,
+    DEFAULT_KVTC_DECODE_PROCESSES,
     DEFAULT_VERIFY_WORKERS,
     DEFAULT_WINDOW_BYTES,
     MAX_AUTO_FETCH_CONNECTIONS,
+    MAX_AUTO_KVTC_DECODE_PROCESSES,
     MAX_AUTO_VERIFY_WORKERS,
     MAX_FETCH_CONNECTIONS,
     RelayPeerConfig,
     auto_fetch_connections,
+    auto_kvtc_decode_processes,
     auto_verify_workers,
     check_fetch_settings,
 )
@@ -117,6 +122,10 @@ class NodeConfig:
     """The model's ``kvtc`` tables (a file ``kvnet kvtc calibrate`` writes), which publishing ``kvtc`` needs:
     the node signs them with its key and serves them beside its blocks. Subscribers need none (they fetch
     the tables a block names)."""
+    kvtc_decode_processes: int = DEFAULT_KVTC_DECODE_PROCESSES
+    """Processes that entropy-decode fetched ``kvtc`` layers (kvnet.blocks.kvtc_entropy: its coder holds the
+    GIL, so threads cannot spread it over cores), started with the node when it accepts ``kvtc``; 0: on the
+    fetch's threads or event loop. By default one per core, at most 8 (``auto_kvtc_decode_processes``)."""
     store_bytes: int = 512 << 20
     """Byte budget of the publisher-side block store."""
     cache_dir: Path | None = None
@@ -204,6 +213,9 @@ class NodeConfig:
         if "kvtc" in self.publish_renditions and self.kvtc_tables is None:
             raise ValueError("publish_renditions: kvtc needs the model's tables (--kvtc-tables FILE, from "
                              "'kvnet kvtc calibrate')")
+        if not 0 <= self.kvtc_decode_processes <= MAX_DECODE_PROCESSES:
+            raise ValueError(f"kvtc_decode_processes must be in [0, {MAX_DECODE_PROCESSES}], got "
+                             f"{self.kvtc_decode_processes}")
         if self.store_bytes <= 0:
             raise ValueError(f"store_bytes must be positive, got {self.store_bytes}")
         if self.republish_bytes < 0:
@@ -277,28 +289,36 @@ def parse_renditions(text: str) -> tuple[str, ...]:
     return tuple(r.strip() for r in text.split(",") if r.strip())
 
 
-def verify_workers_arg(text: str) -> int:
-    """``--fetch-verify-workers``: a thread count, or ``auto`` (``auto_verify_workers``)."""
+def _count_or_auto(text: str, what: str, auto: Callable[[], int], low: int, high: int | None = None) -> int:
+    """A flag's count of ``what`` within ``[low, high]`` (no upper bound: None), or ``auto()`` for ``auto``;
+    ``argparse.ArgumentTypeError`` naming the problem otherwise."""
     if text.strip() == "auto":
-        return auto_verify_workers()
+        return auto()
     try:
-        return int(text)
+        count = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a thread count or 'auto', got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a {what} count or 'auto', got {text!r}") from None
+    if high is not None and not low <= count <= high:
+        raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {count}")
+    return count
+
+
+def verify_workers_arg(text: str) -> int:
+    """``--fetch-verify-workers``: a thread count, or ``auto`` (``auto_verify_workers``; the range is the
+    config's check)."""
+    return _count_or_auto(text, "thread", auto_verify_workers, 0)
+
+
+def kvtc_decode_processes_arg(text: str) -> int:
+    """``--kvtc-decode-processes``: a process count in [0, ``MAX_DECODE_PROCESSES``], or ``auto``
+    (``auto_kvtc_decode_processes``)."""
+    return _count_or_auto(text, "process", auto_kvtc_decode_processes, 0, MAX_DECODE_PROCESSES)
 
 
 def fetch_connections_arg(text: str) -> int:
     """``--fetch-connections``: a session count in [1, ``MAX_FETCH_CONNECTIONS``], or ``auto``
     (``auto_fetch_connections``)."""
-    if text.strip() == "auto":
-        return auto_fetch_connections()
-    try:
-        count = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a session count or 'auto', got {text!r}") from None
-    if not 1 <= count <= MAX_FETCH_CONNECTIONS:
-        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_FETCH_CONNECTIONS}], got {count}")
-    return count
+    return _count_or_auto(text, "session", auto_fetch_connections, 1, MAX_FETCH_CONNECTIONS)
 
 
 def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool) -> None:
@@ -377,6 +397,13 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, relay_required: bool)
     k.add_argument(
         "--kvtc-tables", type=Path,
         help="publisher: the model's kvtc tables ('kvnet kvtc calibrate'), which --renditions kvtc needs",
+    )
+    k.add_argument(
+        "--kvtc-decode-processes", type=kvtc_decode_processes_arg, default=DEFAULT_KVTC_DECODE_PROCESSES,
+        metavar="N",
+        help=f"subscriber accepting kvtc: processes that entropy-decode its layers (0: on the fetch's "
+             f"threads; auto: one per core, at most {MAX_AUTO_KVTC_DECODE_PROCESSES}; default auto, "
+             f"{DEFAULT_KVTC_DECODE_PROCESSES} on this host)",
     )
     k.add_argument(
         "--accept", type=parse_renditions, default=("lossless",),
@@ -459,6 +486,7 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         acceptable_renditions=tuple(args.accept),
         payload_digest=args.payload_digest,
         kvtc_tables=args.kvtc_tables,
+        kvtc_decode_processes=args.kvtc_decode_processes,
         store_bytes=args.store_bytes,
         cache_dir=args.cache_dir,
         cache_dir_bytes=args.cache_dir_bytes,

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from kvnet.blocks.identity import BlockIdentity, prompt_blocks
+from kvnet.blocks.kvtc_entropy import EntropyProcesses
 from kvnet.blocks.transform_codec import TransformCodec
 from kvnet.blocks.transform_tables import load_tables
 from kvnet.cache.hashing import block_hashes, root_hash
@@ -173,9 +174,11 @@ class Node:
             self.trust.add(self.signer.public_key)
         self.kvtc_tables = (None if config.kvtc_tables is None
                             else load_tables(config.kvtc_tables, self.fingerprint))
+        decoding_kvtc = "kvtc" in config.acceptable_renditions and config.kvtc_decode_processes > 0
         self.tables = TablesSource(
             self.trust, self.fingerprint, self.namespace_id, timeout=config.request_timeout,
             directory=config.cache_dir / "kvtc-tables" if config.cache_dir is not None else None,
+            entropy=EntropyProcesses(config.kvtc_decode_processes) if decoding_kvtc else None,
         )
         """kvtc tables: this node's own (served beside its blocks) and those fetched for blocks it loads."""
         if self.kvtc_tables is not None:
@@ -754,6 +757,8 @@ class Node:
         if self.peer is not None:
             await self.peer.close()
             self.peer = None
+        if self.tables.codec.entropy is not None:
+            await asyncio.to_thread(self.tables.codec.entropy.close)
 
     # -- introspection ----------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvnet.blocks.codecs import CodecError
+from kvnet.blocks.kvtc_entropy import EntropyProcesses
 from kvnet.blocks.transform_codec import TransformCodec
 from kvnet.blocks.transform_tables import TransformTables, calibrate, sign_tables
 from kvnet.cache.paged_cache import PagedKVCache
@@ -87,21 +88,35 @@ def empty_cache() -> PagedKVCache:
     return PagedKVCache(SPEC, num_blocks=16, device=torch.device("cpu"))
 
 
-@pytest.mark.parametrize(("verify_workers", "layers_per_task"), [(0, 16), (1, 1), (3, 1), (2, 2)])
+@pytest.mark.parametrize(("verify_workers", "layers_per_task", "processes"),
+                         [(0, 16, 0), (1, 1, 0), (3, 1, 0), (2, 2, 0), (0, 16, 2), (0, 1, 2), (1, 2, 1)])
 async def test_kvtc_blocks_fetch_their_tables_once_and_load_what_the_publisher_coded(
     pair: ConnectionPair, served: Served, published: Published, verify_workers: int, layers_per_task: int,
-    monkeypatch: pytest.MonkeyPatch,
+    processes: int, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Layers predicted from the layer before decode in order wherever they are decoded: on the event
     loop, or on worker threads where a block's layers are split across tasks (each waits for the last
-    layer of the task before it, and entropy-decodes its own meanwhile)."""
+    layer of the task before it, and entropy-decodes its own meanwhile), their entropy decoding in the
+    calling thread or on entropy processes (a fetcher that decodes on its event loop otherwise then
+    hands kvtc layers to a thread per process)."""
     monkeypatch.setattr(fetching, "LAYERS_PER_TASK", layers_per_task)
+    entropy = EntropyProcesses(processes) if processes else None
+    try:
+        await _fetch_kvtc_twice(pair, served, published, entropy, verify_workers)
+        assert entropy is None or entropy.tasks_decoded >= len(HASHES)  # every block's task, in the workers
+    finally:
+        if entropy is not None:
+            entropy.close()
+
+
+async def _fetch_kvtc_twice(pair: ConnectionPair, served: Served, published: Published,
+                            entropy: EntropyProcesses | None, verify_workers: int) -> None:
     tables = calibrated()
     assert tables.predicted_layers == (False, True, True)
     signed = sign_tables(tables, published.signer)
     blocks = kvtc_blocks(published, tables)
     server = served.start(blocks, {tables.digest: tables_chunks(signed)})
-    source = TablesSource(trusting(published.signer), FINGERPRINT, NAMESPACE_ID)
+    source = TablesSource(trusting(published.signer), FINGERPRINT, NAMESPACE_ID, entropy=entropy)
     cache = empty_cache()
     f = fetcher(pair, published, cache, source, verify_workers)
     outcome = await f.fetch(published.identities, ["kvtc"] * len(HASHES))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvnet.config import config_parser, parse_config
-from kvnet.exchange.config import auto_fetch_connections, auto_verify_workers
+from kvnet.exchange.config import auto_fetch_connections, auto_kvtc_decode_processes, auto_verify_workers
 from kvnet.net.config import DATAGRAM_SIZE_ETHERNET
 from kvnet.node.config import NodeConfig, add_node_arguments, explain_relay_problem, node_config_from_args
 
@@ -26,6 +26,7 @@ from kvnet.node.config import NodeConfig, add_node_arguments, explain_relay_prob
         ("fetch_verify_workers", -1, "fetch_verify_workers must be in"),
         ("fetch_connections", 0, r"fetch_connections must be in \[1, 16\]"),
         ("fetch_connections", 17, r"fetch_connections must be in \[1, 16\]"),
+        ("kvtc_decode_processes", 17, r"kvtc_decode_processes must be in \[0, 16\]"),
         ("tenant", "acme", "tenant: a tenant other than the default needs --node-secret"),
     ],
 )
@@ -167,6 +168,25 @@ def test_fetch_connections_default_to_the_host_cores_and_refuse_bad_counts(
             parser.parse_args(["--fetch-connections", bad])
         err = capsys.readouterr().err
         assert f"argument --fetch-connections: {message}" in err and "Traceback" not in err
+
+
+def test_kvtc_decode_processes_default_to_one_per_core_and_refuse_bad_counts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert [auto_kvtc_decode_processes(cores) for cores in (1, 2, 4, 9, 64)] == [1, 2, 4, 8, 8]
+    parser = argparse.ArgumentParser()
+    add_node_arguments(parser, relay_required=False)
+    default = node_config_from_args(parser.parse_args([])).kvtc_decode_processes
+    assert default == auto_kvtc_decode_processes()
+    for flag, count in (("0", 0), ("3", 3), ("auto", default)):
+        args = parser.parse_args(["--kvtc-decode-processes", flag])
+        assert node_config_from_args(args).kvtc_decode_processes == count
+    for bad, message in (("17", "must be in [0, 16], got 17"), ("-1", "must be in [0, 16], got -1"),
+                         ("many", "expected a process count or 'auto', got 'many'")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--kvtc-decode-processes", bad])
+        err = capsys.readouterr().err
+        assert f"argument --kvtc-decode-processes: {message}" in err and "Traceback" not in err
 
 
 def test_fetch_connections_come_from_the_config_file_and_the_environment(
