@@ -370,7 +370,8 @@ class EntropyProcesses:
             try:
                 results = executor.submit(_decode_many, list(jobs)).result()
                 self.tasks_decoded += 1
-            except (BrokenProcessPool, RuntimeError) as exc:  # RuntimeError: shut down meanwhile
+            except (BrokenProcessPool, RuntimeError, concurrent.futures.CancelledError) as exc:
+                # RuntimeError: closed before the submit; CancelledError: closed while it was queued.
                 self._broken(executor, exc)
                 results = _decode_many(jobs)
         for result in results:
@@ -381,9 +382,10 @@ class EntropyProcesses:
     def _broken(self, executor: ProcessPoolExecutor, exc: BaseException) -> None:
         with self._lock:
             if self._executor is not executor:
-                return
+                return  # closed, or another thread saw the break first
             self._executor = None
-        logger.warning("kvtc entropy processes stopped (%s); decoding kvtc on the fetch's threads", exc)
+        reason = str(exc) or type(exc).__name__
+        logger.warning("kvtc entropy processes stopped (%s); decoding kvtc on the fetch's threads", reason)
         executor.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:

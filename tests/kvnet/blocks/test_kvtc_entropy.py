@@ -222,3 +222,16 @@ def _exited(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_decoding_goes_on_in_the_caller_once_the_processes_are_closed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A node closes its processes at shutdown; a fetch still finishing then decodes in its own thread,
+    without a warning (nothing broke)."""
+    stage = EntropyProcesses(1)
+    stage.close()
+    jobs, expected = _jobs(2)
+    decoded = stage.decode(jobs)
+    assert all(np.array_equal(q, want) for (q, _), want in zip(decoded, expected, strict=True))
+    assert stage.tasks_decoded == 0 and not caplog.records
