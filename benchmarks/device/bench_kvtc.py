@@ -20,6 +20,11 @@ quantization error, not another device's rounding), so the check is per layer: t
 difference from the CPU's decode within ``DRIFT_LIMIT`` of the codec's own error there (``drift``: the
 worst layer's ratio). The script exits 1 if a device's decode is not.
 
+The entropy stage runs on the host's cores, not the GPU, and its coder holds the GIL; a node runs it in
+worker processes (``--kvtc-decode-processes``, kvnet.blocks.kvtc_entropy). A second table gives it alone
+over the first geometry's blocks: in the calling thread, and on 1 and ``--processes`` processes (default:
+a node's, one per core up to 8), each fed by a thread of its own, as a node's fetch feeds them.
+
     python benchmarks/device/bench_kvtc.py            # Llama-3-8B's and SmolLM2's geometries (with CUDA)
     python benchmarks/device/bench_kvtc.py --quick    # small, seconds on a CPU (the default without)
 """
@@ -33,6 +38,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -46,8 +52,10 @@ for path in (REPO, REPO / "benchmarks", REPO / "benchmarks" / "device"):
 from bench_layouts import device_name, synchronize  # noqa: E402
 from common import load_average  # noqa: E402
 
+from kvnet.blocks.kvtc_entropy import MAX_DECODE_PROCESSES, EntropyProcesses  # noqa: E402
 from kvnet.blocks.transform_codec import TransformCodec  # noqa: E402
 from kvnet.blocks.transform_tables import TransformTables, calibrate  # noqa: E402
+from kvnet.exchange.config import auto_kvtc_decode_processes  # noqa: E402
 from kvnet.model.transformer import ModelArgs, apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
 
 REL_STEP = 0.12
@@ -114,6 +122,16 @@ class Row:
     decode_s: list[float]
 
 
+@dataclass
+class EntropyRow:
+    geometry: str
+    processes: int
+    """0: in the calling thread; else that many processes, each fed by a thread."""
+    mb_s: float
+    """Raw KV of the blocks entropy-decoded per second (median)."""
+    decode_s: list[float]
+
+
 def synthetic_kv(geometry: Geometry, tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[L, tokens, H, D]`` (float32) of positions ``0 .. tokens - 1``: every channel a mix of
     latent factors whose strengths fall as 1/sqrt(rank) (the mixing fixed per layer, as a model's
@@ -154,7 +172,8 @@ def drift(decoded: torch.Tensor, reference: torch.Tensor, original: torch.Tensor
 
 
 def measure(codec: TransformCodec, tables: TransformTables, k: torch.Tensor, v: torch.Tensor,
-            geometry: Geometry, devices: Sequence[torch.device], reps: int) -> list[Row]:
+            geometry: Geometry, devices: Sequence[torch.device], reps: int
+            ) -> tuple[list[Row], list[list[bytes]]]:
     t = geometry.block_tokens
     shape = (t, geometry.kv_heads, geometry.head_dim)
     kb, vb = k.to(torch.bfloat16), v.to(torch.bfloat16)
@@ -186,7 +205,49 @@ def measure(codec: TransformCodec, tables: TransformTables, k: torch.Tensor, v: 
         rows.append(Row(geometry.name, device.type, geometry.blocks, raw / 1e6, coded / 1e6, raw / coded,
                         raw / encode_s / 1e6, raw / seconds / 1e6, error, all(tables.predicted_layers[1:]),
                         apart, apart <= DRIFT_LIMIT, times))
+    return rows, payloads
+
+
+def entropy_rates(tables: TransformTables, payloads: Sequence[list[bytes]], geometry: Geometry,
+                  counts: Sequence[int], reps: int) -> list[EntropyRow]:
+    """The entropy stage alone (``parse_layers`` of every block, all of them at once) per process count."""
+    shape = (geometry.block_tokens, geometry.kv_heads, geometry.head_dim)
+    raw = geometry.blocks * 2 * geometry.layers * geometry.block_tokens * geometry.kv_heads * \
+        geometry.head_dim * 2
+    rows = []
+    for count in counts:
+        entropy = EntropyProcesses(count) if count else None
+        try:
+            if entropy is not None:
+                entropy.wait_started(timeout=120)
+            codec = TransformCodec(FINGERPRINT, entropy=entropy)
+            codec.install(tables)
+            with ThreadPoolExecutor(max(count, 1)) as threads:
+                _parse_all(threads, codec, payloads, shape)  # warm-up
+                times = []
+                for _ in range(reps):
+                    started = time.perf_counter()
+                    _parse_all(threads, codec, payloads, shape)
+                    times.append(time.perf_counter() - started)
+        finally:
+            if entropy is not None:
+                entropy.close()
+        rows.append(EntropyRow(geometry.name, count, raw / statistics.median(times) / 1e6, times))
     return rows
+
+
+def _parse_all(threads: ThreadPoolExecutor, codec: TransformCodec, payloads: Sequence[list[bytes]],
+               shape: tuple[int, int, int]) -> None:
+    list(threads.map(lambda block: codec.parse_layers(block, shape, torch.bfloat16), payloads))
+
+
+def entropy_table(rows: Sequence[EntropyRow]) -> str:
+    header = f"{'geometry':<10} {'entropy stage on':<28} {'MB/s of raw KV':>14} {'x thread':>8}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        where = "the calling thread" if r.processes == 0 else f"{r.processes} process(es), a thread each"
+        lines.append(f"{r.geometry:<10} {where:<28} {r.mb_s:>14.1f} {r.mb_s / rows[0].mb_s:>8.2f}")
+    return "\n".join(lines)
 
 
 def table(rows: Sequence[Row]) -> str:
@@ -211,9 +272,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="timed decodes of every block per device (median)")
     parser.add_argument("--cpu", action="store_true", help="decode on the CPU only, even with CUDA")
     parser.add_argument("--json", type=Path, help="also write the rows (every run's seconds) to this file")
+    parser.add_argument("--processes", type=int, default=auto_kvtc_decode_processes(),
+                        help="entropy processes of the second table's last row (default: a node's, one per "
+                             "core up to 8)")
     args = parser.parse_args(argv)
     if args.reps < 3:
         parser.error(f"--reps must be at least 3, got {args.reps}")
+    if not 1 <= args.processes <= MAX_DECODE_PROCESSES:
+        parser.error(f"--processes must be in [1, {MAX_DECODE_PROCESSES}], got {args.processes}")
     devices = [torch.device("cpu")]
     if torch.cuda.is_available() and not args.cpu:
         devices.append(torch.device("cuda"))
@@ -224,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"device: {device_name(devices[-1])}; torch {torch.__version__}; "
           f"CUDA {torch.version.cuda if devices[-1].type == 'cuda' else 'not used'}")
     rows: list[Row] = []
+    entropy: list[EntropyRow] = []
     for geometry in geometries:
         print(f"geometry {geometry.name}: {geometry.layers} layers, {geometry.kv_heads} KV heads of "
               f"{geometry.head_dim}, {geometry.blocks} blocks of {geometry.block_tokens} tokens, bf16; "
@@ -237,15 +304,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         codec = TransformCodec(FINGERPRINT)
         TransformCodec.prepare(tables)
         k, v = synthetic_kv(geometry, geometry.blocks * geometry.block_tokens, seed=3)
-        rows += measure(codec, tables, k, v, geometry, devices, args.reps)
+        measured, payloads = measure(codec, tables, k, v, geometry, devices, args.reps)
+        rows += measured
+        if not entropy:  # the first geometry's blocks: Llama-3-8B's with CUDA
+            entropy = entropy_rates(tables, payloads, geometry, sorted({0, 1, args.processes}), args.reps)
     print(table(rows))
+    print(entropy_table(entropy))
     print(f"load average {load_before} before, {load_average()} after; {time.perf_counter() - started:.1f} s")
     if args.json:
         args.json.write_text(json.dumps({
             "device": device_name(devices[-1]), "torch": torch.__version__,
             "geometries": [asdict(g) for g in geometries], "quick": quick, "reps": args.reps,
             "rel_step": REL_STEP, "load_before": load_before, "load_after": load_average(),
-            "rows": [asdict(r) for r in rows],
+            "rows": [asdict(r) for r in rows], "entropy": [asdict(r) for r in entropy],
         }, indent=2))
     return 0 if all(r.same_as_cpu for r in rows) else 1
 

@@ -8,7 +8,8 @@ Runs, one after the other, with the host's own defaults (full sizes with CUDA, `
    sessions into a cache on the device, aggregate GB/s and CPU per MB;
 3. ``bench_kvtc.py`` — ``kvtc`` blocks decoded on the device (entropy decode on the CPU, inverse transform
    on the GPU) beside the same decode on the CPU, MB/s of KV, and the device's decode checked against the
-   CPU's.
+   CPU's; then the entropy stage alone on the host's cores (in one thread, on 1 and on a node's number of
+   worker processes).
 
 It prints the host (GPU, cores, torch and CUDA versions) once, then each script's table as it prints
 it, and exits non-zero if any failed (a row not bit-exact, a fetch not verified, a decode unlike the

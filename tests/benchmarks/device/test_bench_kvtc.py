@@ -22,7 +22,7 @@ SCRIPT = REPO / "benchmarks" / "device" / "bench_kvtc.py"
 
 def test_quick_run_decodes_every_block_as_the_cpu_does(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out)],
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out), "--processes", "2"],
                           cwd=REPO, capture_output=True, text=True, timeout=scaled(120))
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("device: ") and "load average" in done.stdout
@@ -39,6 +39,11 @@ def test_quick_run_decodes_every_block_as_the_cpu_does(tmp_path: Path) -> None:
     line = next(x for x in done.stdout.splitlines() if x.startswith("quick "))
     assert line.split()[1:3] == ["yes", "cpu"] and line.split()[-1] == "(reference)"  # predicted, on CPU
     assert all(r["predicted"] for r in rows)
+    # The entropy stage alone, in the calling thread and on processes (a thread each), as a node runs it.
+    entropy = report["entropy"]
+    assert [r["processes"] for r in entropy] == [0, 1, 2]  # --processes 2
+    assert all(r["mb_s"] > 0 and len(r["decode_s"]) == 3 for r in entropy)
+    assert "2 process(es), a thread each" in done.stdout
 
 
 def test_a_device_decode_is_checked_layer_by_layer_against_the_codecs_own_error() -> None:
@@ -58,7 +63,9 @@ def test_a_device_decode_is_checked_layer_by_layer_against_the_codecs_own_error(
 
 
 def test_bad_flags_get_one_line_and_no_run() -> None:
-    done = subprocess.run([sys.executable, str(SCRIPT), "--reps", "1"], cwd=REPO, capture_output=True,
-                          text=True, timeout=scaled(60))
-    assert done.returncode == 2 and not done.stdout
-    assert done.stderr.strip().splitlines()[-1].endswith("--reps must be at least 3, got 1")
+    for flags, message in ((["--reps", "1"], "--reps must be at least 3, got 1"),
+                           (["--processes", "0"], "--processes must be in [1, 16], got 0")):
+        done = subprocess.run([sys.executable, str(SCRIPT), *flags], cwd=REPO, capture_output=True,
+                              text=True, timeout=scaled(60))
+        assert done.returncode == 2 and not done.stdout
+        assert done.stderr.strip().splitlines()[-1].endswith(message)
