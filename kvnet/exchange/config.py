@@ -126,4 +126,3 @@ def check_fetch_settings(window_bytes: int, verify_workers: int, connections: in
         raise ValueError(f"fetch_verify_workers must be in [0, {MAX_VERIFY_WORKERS}], got {verify_workers}")
     if not 1 <= connections <= MAX_FETCH_CONNECTIONS:
         raise ValueError(f"fetch_connections must be in [1, {MAX_FETCH_CONNECTIONS}], got {connections}")
-
