@@ -289,10 +289,11 @@ def _decode_stream(body: bytes | memoryview, base: np.ndarray, t: int, sink_rows
 
 @dataclass(frozen=True, slots=True)
 class StreamJob:
-    """What decoding one layer's K and V streams needs: their bodies (words and CRC), each component's
-    base class (the class of the tables' spread, ``[C]`` per stream), the rows and the sink rows."""
+    """What decoding one layer's K and V streams needs: their bodies (words and CRC; views into the payload
+    where decoded in the caller, bytes where sent to a process), each component's base class (the class of
+    the tables' spread, ``[C]`` per stream), the rows and the sink rows."""
 
-    bodies: tuple[bytes, bytes]
+    bodies: tuple[bytes | memoryview, bytes | memoryview]
     bases: tuple[np.ndarray, np.ndarray]
     rows: int
     sink_rows: int
@@ -368,7 +369,9 @@ class EntropyProcesses:
             results = _decode_many(jobs)
         else:
             try:
-                results = executor.submit(_decode_many, list(jobs)).result()
+                sent = [StreamJob((bytes(job.bodies[0]), bytes(job.bodies[1])), job.bases, job.rows,
+                                  job.sink_rows) for job in jobs]  # a view does not pickle
+                results = executor.submit(_decode_many, sent).result()
                 self.tasks_decoded += 1
             except (BrokenProcessPool, RuntimeError, concurrent.futures.CancelledError) as exc:
                 # RuntimeError: closed before the submit; CancelledError: closed while it was queued.

@@ -417,7 +417,7 @@ class TransformCodec(Codec):
             raise CodecError(f"kvtc payload layer {layer} of {h}x{d} does not fit its tables")
         if first_position > _MAX_POSITION - t:
             raise CodecError(f"kvtc payload's first position {first_position} is out of range")
-        job = StreamJob((bytes(bodies[2]), bytes(bodies[3])),
+        job = StreamJob((bodies[2], bodies[3]),
                         (self._base_classes(tables, layer, 0), self._base_classes(tables, layer, 1)), t,
                         header.flags)
         return (tables, layer, first_position), job
